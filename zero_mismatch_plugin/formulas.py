@@ -1,0 +1,241 @@
+"""The two algorithms' formulas, as small framework-free torch functions.
+
+Nothing here imports verl, vLLM, Megatron or Hydra: each function takes plain tensors and
+returns plain tensors, so it can be read against the paper and tested in isolation.
+The verl adapter (``zero_mismatch_plugin.verl_adapter``) only wires these into verl.
+
+References
+----------
+[RZ]  "Zero Mismatch, Simple Async RL: REINFORCE Zero, DeepSeek-V4.1 and Kimi K3.1"
+      (REINFORCE Zero, Hu et al.), section 4 "The recipe".
+[FR]  "FlashREINFORCE: Critic-Free Single-Rollout Asynchronous RL for Agentic Language
+      Models" (Hu et al., 2026), "Method", equations 1-3.
+
+Shapes: ``(B, T)`` token tensors are right-padded responses with a 0/1 ``response_mask``;
+``(B,)`` tensors are per response. ``T_i`` is the number of unmasked tokens in row ``i``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+# exp() of an fp32 log-ratio overflows to inf above ~88.7, and an inf ratio turns the
+# (masked) gradient into NaN. A log-ratio of 50 is a ratio of 5e21: no real policy lag
+# produces it, so capping there never changes a real update. Every cap is counted in
+# the `zero_mismatch/is_log_ratio_capped_fraction` metric.
+MAX_LOG_IMPORTANCE_RATIO = 50.0
+
+# An fp32 log-probability that rounds to 0 means p = 1 to within 2^-24; probabilities are
+# capped at 1 - 2^-24 so a confidently predicted token gives a finite Bernoulli KL, not inf.
+MIN_BERNOULLI_COMPLEMENT = 2.0**-24
+
+
+def valid_rows(response_mask: torch.Tensor) -> torch.Tensor:
+    """Rows with at least one response token. verl pads batches with all-zero-mask rows,
+    which must never enter a baseline. Returns bool ``(B,)``."""
+    return response_mask.sum(dim=-1) > 0
+
+
+def outcome_reward(token_level_rewards: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """Outcome reward per response: R_i = sum_t r_{i,t} * m_{i,t}.
+
+    verl places a scalar outcome reward on the last response token; summing over the
+    mask recovers it (and is the natural reading of a per-token reward). [RZ] sec. 4,
+    [FR] eq. 1 use this scalar R_i.
+    """
+    return (token_level_rewards * response_mask).sum(dim=-1)
+
+
+def group_centered_advantage(
+    rewards: torch.Tensor, group_ids: torch.Tensor, valid: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE Zero advantage ([RZ] sec. 4, step 3): reward minus its group's mean.
+
+        A_i = R_i - mean{ R_j : g_j = g_i, j valid }        (no std normalisation)
+
+    * Invalid rows (verl's padding) get A = 0 and never enter a mean.
+    * A group with one valid row gets A = 0: its only baseline is its own reward, so
+      centering leaves no signal. (GRPO returns A = R there, an un-baselined reward on a
+      different scale from every other row.) Such rows are returned in ``singleton`` so
+      the caller can count them: they usually mean rollout.n=1 (use FlashREINFORCE's
+      batch baseline instead) or a group split across batches.
+
+    Args:
+        rewards: ``(B,)`` outcome rewards.
+        group_ids: ``(B,)`` int64 group index (e.g. the prompt uid mapped to 0..G-1).
+        valid: ``(B,)`` bool, rows that carry a response.
+    Returns:
+        ``(advantages (B,), singleton (B,) bool)``.
+    """
+    rewards_valid = torch.where(valid, rewards, torch.zeros_like(rewards))
+    num_groups = int(group_ids.max().item()) + 1 if group_ids.numel() else 0
+    group_sum = torch.zeros(num_groups, dtype=rewards.dtype, device=rewards.device)
+    group_count = torch.zeros(num_groups, dtype=rewards.dtype, device=rewards.device)
+    group_sum.index_add_(0, group_ids, rewards_valid)
+    group_count.index_add_(0, group_ids, valid.to(rewards.dtype))
+    group_mean = group_sum / group_count.clamp(min=1)
+    count_of_row = group_count[group_ids]
+    singleton = valid & (count_of_row == 1)
+    advantages = torch.where(valid & ~singleton, rewards - group_mean[group_ids], torch.zeros_like(rewards))
+    return advantages, singleton
+
+
+def batch_centered_advantage(rewards: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """FlashREINFORCE one-batch REINFORCE advantage ([FR] eq. 1):
+
+        R_bar = (1/B) sum_j R_j,   A_i = R_i - R_bar
+
+    where the mean runs over the B valid rows of the batch (independent prompts, one
+    rollout each). Invalid rows (padding) get A = 0 and do not enter the mean.
+    """
+    num_valid = valid.sum().clamp(min=1).to(rewards.dtype)
+    batch_mean = torch.where(valid, rewards, torch.zeros_like(rewards)).sum() / num_valid
+    return torch.where(valid, rewards - batch_mean, torch.zeros_like(rewards))
+
+
+def token_log_importance_ratio(log_prob: torch.Tensor, behaviour_log_prob: torch.Tensor) -> torch.Tensor:
+    """log rho_{i,t} = log pi_theta(a_{i,t}|h_{i,t}) - log mu_i(a_{i,t}|h_{i,t})   ([FR] eq. 2)."""
+    return log_prob - behaviour_log_prob
+
+
+def unclipped_importance_ratio(log_ratio: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """rho = exp(log pi - log mu), unclipped ([RZ] sec. 4, step 2: "no truncation").
+
+    The only change is a float-safety cap of the *log*-ratio at
+    ``MAX_LOG_IMPORTANCE_RATIO`` (ratio 5e21), far outside any real ratio; it exists so
+    that a masked-out token can never turn a gradient into NaN. Returns
+    ``(rho, capped)`` where ``capped`` marks the tokens the cap touched.
+    """
+    capped = log_ratio > MAX_LOG_IMPORTANCE_RATIO
+    return torch.exp(log_ratio.clamp(max=MAX_LOG_IMPORTANCE_RATIO)), capped
+
+
+def sequence_mean_token_mean(
+    values: torch.Tensor, mask: torch.Tensor, num_sequences: float | int | None = None
+) -> torch.Tensor:
+    """Sample-mean aggregation ([FR] eq. 3, [RZ] sec. 4):
+
+        (1/B) sum_i (1/T_i) sum_t v_{i,t} m_{i,t}
+
+    Each response gets equal weight whatever its length. ``B`` defaults to the number of
+    rows; pass the global count under data parallelism. Rows with T_i = 0 add 0 but still
+    count in B (FlashREINFORCE's rejected rows must not rescale the admitted ones).
+    """
+    mask = mask.to(values.dtype)
+    tokens_per_row = mask.sum(dim=-1)
+    row_means = (values * mask).sum(dim=-1) / tokens_per_row.clamp(min=1)
+    denominator = values.shape[0] if num_sequences is None else num_sequences
+    return row_means.sum() / denominator
+
+
+def reinforce_zero_token_loss(log_prob: torch.Tensor, behaviour_log_prob: torch.Tensor,
+                              advantages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token REINFORCE Zero loss ([RZ] sec. 4):
+
+        L(theta) = -(1/B) sum_i (1/T_i) sum_t A_i * pi_theta(a_it|h_it) / mu_i(a_it|h_it)
+
+    This returns the per-token term ``-A_i * rho_it``; aggregate it with
+    :func:`sequence_mean_token_mean`. Its gradient is ``-A_i * rho_it * grad log pi``: the
+    unclipped token-IS REINFORCE gradient. ``advantages`` is ``(B,)`` or ``(B, T)``.
+    Returns ``(loss_per_token, capped)``.
+    """
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(-1)
+    ratio, capped = unclipped_importance_ratio(token_log_importance_ratio(log_prob, behaviour_log_prob))
+    return -advantages * ratio, capped
+
+
+def _log_one_minus_exp(log_x: torch.Tensor) -> torch.Tensor:
+    """log(1 - exp(log_x)) for log_x <= 0, accurate at both ends (Maechler 2012)."""
+    return torch.where(
+        log_x > -math.log(2.0),
+        torch.log(-torch.expm1(log_x)),
+        torch.log1p(-torch.exp(log_x)),
+    )
+
+
+def bernoulli_kl(log_q: torch.Tensor, log_p: torch.Tensor) -> torch.Tensor:
+    """KL(Bern(q) || Bern(p)) = q log(q/p) + (1-q) log((1-q)/(1-p)), from log-probabilities.
+
+    Computed in float64 from log q, log p, with 0 * log 0 taken as 0. Both probabilities
+    are capped at 1 - ``MIN_BERNOULLI_COMPLEMENT`` (the resolution of an fp32
+    log-probability near 0), so a token that one side predicts with probability 1.0
+    gives a large but finite value; capping both sides keeps the result a true KL (>= 0).
+    Result has the dtype of ``log_q``.
+    """
+    out_dtype = log_q.dtype
+    max_log_prob = math.log1p(-MIN_BERNOULLI_COMPLEMENT)
+    log_q = log_q.double().clamp(max=max_log_prob)
+    log_p = log_p.double().clamp(max=max_log_prob)
+    q = torch.exp(log_q)
+    log_one_minus_q = _log_one_minus_exp(log_q)
+    log_one_minus_p = _log_one_minus_exp(log_p)
+    taken = torch.where(q > 0, q * (log_q - log_p), torch.zeros_like(q))
+    not_taken = torch.exp(log_one_minus_q) * (log_one_minus_q - log_one_minus_p)
+    return (taken + not_taken).to(out_dtype)
+
+
+def sampled_action_bernoulli_kl(log_prob: torch.Tensor, behaviour_log_prob: torch.Tensor,
+                                direction: str = "behaviour_to_learner") -> torch.Tensor:
+    """FlashREINFORCE's per-token drift proxy D_{i,t} ([FR] sec. 2): the KL between the
+    Bernoulli "sample a_{i,t} or not" under the behaviour policy (q = mu(a|h)) and the
+    learner (p = pi(a|h)).
+
+    * ``"behaviour_to_learner"`` (default): KL(Bern(q) || Bern(p));
+    * ``"learner_to_behaviour"``: KL(Bern(p) || Bern(q)).
+    """
+    if direction == "behaviour_to_learner":
+        return bernoulli_kl(behaviour_log_prob, log_prob)
+    if direction == "learner_to_behaviour":
+        return bernoulli_kl(log_prob, behaviour_log_prob)
+    raise ValueError(
+        f"unknown KL direction {direction!r}: use 'behaviour_to_learner' or 'learner_to_behaviour'"
+    )
+
+
+def sequence_trust_region(token_kl: torch.Tensor, mask: torch.Tensor, delta: float
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """FlashREINFORCE sequence trust region ([FR] sec. 2):
+
+        D_bar_i = (1/T_i) sum_t D_{i,t},     m_i = 1[D_bar_i <= delta]
+
+    Admission is a hard decision: no gradient flows through it. Rows with T_i = 0 have
+    D_bar_i = 0. Returns ``(admitted (B,) bool, mean_kl (B,))``.
+    """
+    with torch.no_grad():
+        mask = mask.to(token_kl.dtype)
+        mean_kl = (token_kl.detach() * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+        return mean_kl <= delta, mean_kl
+
+
+def flash_reinforce_token_loss(log_prob: torch.Tensor, behaviour_log_prob: torch.Tensor,
+                               advantages: torch.Tensor, admitted: torch.Tensor
+                               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token FlashREINFORCE loss ([FR] eq. 3):
+
+        J_FR(theta) = (1/B) sum_i (m_i A_i / T_i) sum_t rho_{i,t},     loss = -J_FR
+
+    Returns the per-token term ``-m_i A_i rho_it`` (exactly 0, with a zero gradient, on
+    rejected rows); aggregate with :func:`sequence_mean_token_mean` using the full B so
+    rejection never rescales admitted rows. Returns ``(loss_per_token, capped)``.
+    """
+    loss, capped = reinforce_zero_token_loss(log_prob, behaviour_log_prob, advantages)
+    # where(), not multiplication: the rejected branch may hold a huge ratio.
+    return torch.where(admitted.unsqueeze(-1), loss, torch.zeros_like(loss)), capped
+
+
+def k3_divergence(log_ratio: torch.Tensor) -> torch.Tensor:
+    """Per-token D3 ([RZ] sec. 3, Fig. 1): w - 1 - log w with w = pi/mu; 0 iff w = 1.
+    The same quantity is called the k3 estimator (verl's ``rollout_corr/k3_kl``)."""
+    return torch.expm1(log_ratio) - log_ratio
+
+
+def effective_sample_size_fraction(ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Normalised effective sample size of the token IS weights:
+    ESS/N = (sum w)^2 / (N sum w^2), in (0, 1]; 1 when every w is equal."""
+    mask = mask.to(ratio.dtype)
+    w = ratio * mask
+    n = mask.sum().clamp(min=1)
+    return w.sum() ** 2 / (n * (w * w).sum()).clamp(min=torch.finfo(ratio.dtype).tiny)
