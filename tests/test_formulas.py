@@ -1,0 +1,129 @@
+"""The framework-free formulas against hand-computed values (no verl here)."""
+
+import math
+
+import pytest
+import torch
+
+from zero_mismatch_plugin import formulas
+
+
+def test_outcome_reward_sums_over_the_mask():
+    rewards = torch.tensor([[0.0, 0.0, 1.0, 5.0], [0.0, 2.0, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]], dtype=torch.float32)
+    assert formulas.outcome_reward(rewards, mask).tolist() == [1.0, 2.0]
+
+
+def test_group_centered_advantage_excludes_padding_and_zeroes_singletons():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 3.0, 7.0, 100.0])
+    group_ids = torch.tensor([0, 0, 0, 1, 2, 0])  # row 5 is padding sharing group 0
+    valid = torch.tensor([True, True, True, True, True, False])
+    advantages, singleton = formulas.group_centered_advantage(rewards, group_ids, valid)
+    third = 1.0 / 3.0
+    assert torch.allclose(advantages, torch.tensor([1 - third, -third, -third, 0.0, 0.0, 0.0]))
+    assert singleton.tolist() == [False, False, False, True, True, False]
+
+
+def test_group_centered_advantage_has_no_std_normalisation():
+    advantages, _ = formulas.group_centered_advantage(
+        torch.tensor([10.0, 0.0]), torch.tensor([0, 0]), torch.tensor([True, True]))
+    assert advantages.tolist() == [5.0, -5.0]
+
+
+def test_batch_centered_advantage_ignores_padding():
+    rewards = torch.tensor([1.0, 0.0, 1.0, 1.0, 50.0])
+    valid = torch.tensor([True, True, True, True, False])
+    advantages = formulas.batch_centered_advantage(rewards, valid)
+    assert torch.allclose(advantages, torch.tensor([0.25, -0.75, 0.25, 0.25, 0.0]))
+
+
+def test_sequence_mean_token_mean_weights_rows_equally():
+    values = torch.tensor([[1.0, 1.0, 1.0, 1.0], [4.0, 0.0, 0.0, 0.0], [9.0, 9.0, 9.0, 9.0]])
+    mask = torch.tensor([[1, 1, 1, 1], [1, 0, 0, 0], [0, 0, 0, 0]])
+    # (1 + 4 + 0) / 3: the empty row still counts in B.
+    assert formulas.sequence_mean_token_mean(values, mask).item() == pytest.approx(5.0 / 3.0)
+    assert formulas.sequence_mean_token_mean(values, mask, num_sequences=10).item() == pytest.approx(0.5)
+
+
+def test_reinforce_zero_gradient_is_unclipped_is_reinforce():
+    log_mu = torch.tensor([[-1.0, -2.0, -0.5]], dtype=torch.float64)
+    log_pi = (log_mu + torch.tensor([[3.0, -3.0, 0.7]], dtype=torch.float64)).requires_grad_(True)
+    advantages = torch.tensor([2.0], dtype=torch.float64)
+    mask = torch.ones(1, 3, dtype=torch.float64)
+    token_loss, capped = formulas.reinforce_zero_token_loss(log_pi, log_mu, advantages)
+    formulas.sequence_mean_token_mean(token_loss, mask).backward()
+    ratio = torch.exp(log_pi.detach() - log_mu)
+    # d/dlogpi of -(1/T) sum A rho = -A rho / T: ratios as large as e^3 are not truncated.
+    assert torch.allclose(log_pi.grad, -2.0 * ratio / 3.0)
+    assert not capped.any()
+
+
+def test_log_ratio_cap_is_counted_and_keeps_gradients_finite():
+    log_pi = torch.tensor([[80.0, 0.0]], requires_grad=True)
+    ratio, capped = formulas.unclipped_importance_ratio(log_pi - torch.zeros(1, 2))
+    assert capped.tolist() == [[True, False]]
+    assert torch.isfinite(ratio).all()
+    ratio.sum().backward()
+    assert torch.isfinite(log_pi.grad).all()
+
+
+def _bernoulli_kl_reference(q: float, p: float) -> float:
+    return q * math.log(q / p) + (1 - q) * math.log((1 - q) / (1 - p))
+
+
+@pytest.mark.parametrize("q,p", [(0.3, 0.6), (0.9, 0.2), (0.999, 0.99), (1e-6, 1e-3), (0.5, 0.5)])
+def test_bernoulli_kl_matches_the_definition(q, p):
+    got = formulas.bernoulli_kl(torch.tensor(math.log(q), dtype=torch.float64),
+                                torch.tensor(math.log(p), dtype=torch.float64)).item()
+    assert got == pytest.approx(_bernoulli_kl_reference(q, p), rel=1e-9, abs=1e-15)
+
+
+def test_bernoulli_kl_directions_differ_and_are_selectable():
+    log_pi, log_mu = torch.tensor([math.log(0.2)]), torch.tensor([math.log(0.7)])
+    forward = formulas.sampled_action_bernoulli_kl(log_pi, log_mu, "behaviour_to_learner").item()
+    reverse = formulas.sampled_action_bernoulli_kl(log_pi, log_mu, "learner_to_behaviour").item()
+    assert forward == pytest.approx(_bernoulli_kl_reference(0.7, 0.2), rel=1e-6)
+    assert reverse == pytest.approx(_bernoulli_kl_reference(0.2, 0.7), rel=1e-6)
+    with pytest.raises(ValueError, match="behaviour_to_learner"):
+        formulas.sampled_action_bernoulli_kl(log_pi, log_mu, "forward")
+
+
+def test_bernoulli_kl_is_finite_when_one_side_rounds_to_probability_one():
+    # fp32 log_softmax returns exactly 0.0 for a near-certain token.
+    kl = formulas.bernoulli_kl(torch.tensor([-1e-7, 0.0, -30.0]), torch.tensor([0.0, -1e-7, -1e-30]))
+    assert torch.isfinite(kl).all() and (kl >= 0).all()
+
+
+def test_sequence_trust_region_boundary_is_inclusive():
+    token_kl = torch.tensor([[0.01, 0.03], [0.0, 0.0]])
+    mask = torch.tensor([[1, 1], [0, 0]])
+    admitted, mean_kl = formulas.sequence_trust_region(token_kl, mask, delta=mean_of(0.01, 0.03))
+    assert admitted.tolist() == [True, True]
+    below = torch.nextafter(mean_kl[0], torch.tensor(-1.0)).item()
+    admitted, _ = formulas.sequence_trust_region(token_kl, mask, delta=below)
+    assert admitted.tolist() == [False, True]
+
+
+def mean_of(*values: float) -> float:
+    return (torch.tensor(values).sum() / len(values)).item()
+
+
+def test_flash_reinforce_rejected_rows_have_zero_loss_and_gradient_and_still_count():
+    log_mu = torch.tensor([[-1.0, -1.0], [-1.0, -1.0]], dtype=torch.float64)
+    log_pi = (log_mu + torch.tensor([[0.1, 0.2], [60.0, 60.0]], dtype=torch.float64)).requires_grad_(True)
+    advantages = torch.tensor([1.0, 1.0], dtype=torch.float64)
+    admitted = torch.tensor([True, False])
+    token_loss, _ = formulas.flash_reinforce_token_loss(log_pi, log_mu, advantages, admitted)
+    loss = formulas.sequence_mean_token_mean(token_loss, torch.ones(2, 2))
+    loss.backward()
+    ratio = torch.exp(torch.tensor([0.1, 0.2], dtype=torch.float64))
+    assert loss.item() == pytest.approx(-(ratio.mean() / 2).item())  # B = 2, not 1
+    assert log_pi.grad[1].tolist() == [0.0, 0.0]
+
+
+def test_k3_and_effective_sample_size():
+    log_ratio = torch.tensor([0.0, math.log(2.0)])
+    assert formulas.k3_divergence(log_ratio).tolist() == pytest.approx([0.0, 1.0 - math.log(2.0)])
+    mask = torch.ones(2)
+    assert formulas.effective_sample_size_fraction(torch.ones(2), mask).item() == pytest.approx(1.0)
+    assert formulas.effective_sample_size_fraction(torch.tensor([1.0, 3.0]), mask).item() == pytest.approx(16 / 20)

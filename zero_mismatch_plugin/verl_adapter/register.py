@@ -1,0 +1,46 @@
+"""``verl.plugins`` entry point: registers the plugin's estimators and losses into verl.
+
+``import verl`` imports this module in every process (driver, TaskRunner, Ray workers).
+verl logs an entry point's exceptions at DEBUG only, so a failure here is reported at
+WARNING (and re-raised) instead of surfacing later as "Unsupported loss mode".
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+logger = logging.getLogger("zero_mismatch_plugin")
+
+
+def register() -> None:
+    """Register estimators and losses; calling it again is a no-op."""
+    from verl.trainer.ppo import core_algos
+
+    from zero_mismatch_plugin.verl_adapter import estimators, losses
+
+    for name, fn in (("reinforce_zero", estimators.reinforce_zero_advantage),
+                     ("flash_reinforce", estimators.flash_reinforce_advantage)):
+        registered = core_algos.ADV_ESTIMATOR_REGISTRY.get(name)
+        if registered is None:
+            core_algos.register_adv_est(name)(fn)
+        elif registered is not fn:
+            raise RuntimeError(f"verl already has an advantage estimator named {name!r} ({registered!r})")
+    for name, fn in (("reinforce_zero", losses.reinforce_zero_policy_loss),
+                     ("flash_reinforce", losses.flash_reinforce_policy_loss)):
+        registered = core_algos.POLICY_LOSS_REGISTRY.get(name)
+        if registered is None:
+            core_algos.register_policy_loss(name)(fn)
+        elif registered is not fn:
+            # verl's register_policy_loss would silently overwrite: refuse instead.
+            raise RuntimeError(f"verl already has a policy loss named {name!r} ({registered!r})")
+
+
+try:
+    register()
+except Exception as error:  # noqa: BLE001 - re-raised after being made visible
+    logger.warning(
+        "zero_mismatch_plugin FAILED to register its verl estimators/losses in process %d: %r. "
+        "algorithm.adv_estimator / policy_loss.loss_mode 'reinforce_zero' and 'flash_reinforce' "
+        "will be unavailable.", os.getpid(), error, exc_info=True)
+    raise
