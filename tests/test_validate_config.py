@@ -107,3 +107,10 @@ def test_configs_without_the_plugin_are_left_alone():
                                                           "actor_rollout_ref.actor.policy_loss.loss_mode=vanilla",
                                                           "algorithm.rollout_correction.bypass_mode=false"])
     assert validate_config(cfg) == []
+
+
+def test_separate_async_chunking_that_splits_the_centered_batch_is_named():
+    problems = _problems("flash_reinforce", "trainer.v1.trainer_mode=separate_async",
+                         "trainer.v1.separate_async.parameter_sync_step=4")
+    key = "actor_rollout_ref.actor.ppo_mini_batch_size"
+    assert key in problems and "64 prompts in trainer mode separate_async" in problems[key]
