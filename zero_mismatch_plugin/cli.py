@@ -25,6 +25,43 @@ def _selfcheck(args: argparse.Namespace) -> int:
     return run_selfcheck()
 
 
+def _report(args: argparse.Namespace) -> int:
+    import json
+
+    from zero_mismatch_plugin.report import MetricLogError, build_report, load_runs
+    from zero_mismatch_plugin.report.render import format_report
+
+    if args.window < 1:
+        print(f"ERROR: --window must be at least 1, got {args.window}", file=sys.stderr)
+        return 2
+    try:
+        runs = load_runs(args.runs)
+    except MetricLogError as error:
+        print(f"ERROR: {error}", file=sys.stderr)
+        return 2
+    report = build_report(runs, args.window)
+    try:
+        if args.json == "-":
+            print(json.dumps(report, indent=2))
+        else:
+            print(format_report(report))
+            if args.json:
+                with open(args.json, "w", encoding="utf-8") as handle:
+                    json.dump(report, handle, indent=2)
+                print(f"\nJSON report: {args.json}")
+        if args.plots:
+            from zero_mismatch_plugin.report.plots import write_plots
+
+            # With JSON on stdout, the list of plots goes to stderr so stdout stays parseable.
+            stream = sys.stderr if args.json == "-" else sys.stdout
+            for name, path in write_plots(runs, args.plots).items():
+                print(f"plot {name}: {path if path else 'not drawn, no run logged this quantity'}", file=stream)
+    except OSError as error:
+        print(f"ERROR: cannot write the report: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="zmrl", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -37,6 +74,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     selfcheck = sub.add_parser("selfcheck", help="check, on CPU, that verl sees the plugin and its losses work")
     selfcheck.set_defaults(func=_selfcheck)
+
+    report = sub.add_parser(
+        "report", help="run diagnostics (D3 peak/median, KL drift, rejection, lag) from verl metric logs"
+    )
+    report.add_argument(
+        "runs", nargs="+", metavar="RUN", help="metric log (verl file logger or plain JSONL), or LABEL=PATH"
+    )
+    report.add_argument(
+        "--window", type=int, default=1000, metavar="N", help="updates in the first/last windows (default 1000)"
+    )
+    report.add_argument(
+        "--json", metavar="OUT", help="also write the report as JSON to OUT ('-': JSON on stdout instead of the table)"
+    )
+    report.add_argument("--plots", metavar="DIR", help="write PNG plots to DIR")
+    report.set_defaults(func=_report)
     return parser
 
 
