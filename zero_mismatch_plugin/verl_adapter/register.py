@@ -13,6 +13,15 @@ import os
 logger = logging.getLogger("zero_mismatch_plugin")
 
 
+def _register_once(registry: dict, decorator_factory, kind: str, name: str, fn) -> None:
+    registered = registry.get(name)
+    if registered is None:
+        decorator_factory(name)(fn)
+    elif registered is not fn:
+        # verl's register_policy_loss would silently overwrite another plugin's function: refuse.
+        raise RuntimeError(f"verl already has {kind} named {name!r} ({registered!r})")
+
+
 def register() -> None:
     """Register estimators and losses; calling it again is a no-op."""
     from verl.trainer.ppo import core_algos
@@ -21,19 +30,12 @@ def register() -> None:
 
     for name, fn in (("reinforce_zero", estimators.reinforce_zero_advantage),
                      ("flash_reinforce", estimators.flash_reinforce_advantage)):
-        registered = core_algos.ADV_ESTIMATOR_REGISTRY.get(name)
-        if registered is None:
-            core_algos.register_adv_est(name)(fn)
-        elif registered is not fn:
-            raise RuntimeError(f"verl already has an advantage estimator named {name!r} ({registered!r})")
+        _register_once(core_algos.ADV_ESTIMATOR_REGISTRY, core_algos.register_adv_est,
+                       "an advantage estimator", name, fn)
     for name, fn in (("reinforce_zero", losses.reinforce_zero_policy_loss),
                      ("flash_reinforce", losses.flash_reinforce_policy_loss)):
-        registered = core_algos.POLICY_LOSS_REGISTRY.get(name)
-        if registered is None:
-            core_algos.register_policy_loss(name)(fn)
-        elif registered is not fn:
-            # verl's register_policy_loss would silently overwrite: refuse instead.
-            raise RuntimeError(f"verl already has a policy loss named {name!r} ({registered!r})")
+        _register_once(core_algos.POLICY_LOSS_REGISTRY, core_algos.register_policy_loss,
+                       "a policy loss", name, fn)
 
 
 try:
