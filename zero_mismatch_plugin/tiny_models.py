@@ -1,0 +1,149 @@
+"""Tiny randomly initialised Llama-, Qwen2- and Qwen3-shaped checkpoints with a local tokenizer.
+
+Everything is built on the local machine (no hub access): a byte-level BPE tokenizer is trained
+on a small generated corpus, a model is randomly initialised from a transformers config, and both
+are saved with ``save_pretrained`` so that vLLM, transformers and the aligned trainer all load the
+same directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from pathlib import Path
+
+FAMILIES = ("llama", "qwen2", "qwen3")
+
+# Shapes chosen so vLLM's CPU attention accepts them (head_dim in 32/64/80/96/112/128/...)
+# and some GEMMs have K >= 256, where torch's and oneDNN's CPU GEMMs round differently.
+DEFAULT_SHAPE = dict(
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    vocab_size=512,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+)
+
+_SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<unk>"]
+
+_WORDS = (
+    "the a one two three four five six seven eight nine ten plus minus times equals answer "
+    "question reason step first then next finally because so therefore number sum product "
+    "apple river stone cloud green blue red small large fast slow open close start stop "
+    "think check solve value result true false left right up down more less half double"
+).split()
+
+
+def tiny_corpus(num_lines: int = 400, seed: int = 0) -> list[str]:
+    """Deterministic pseudo-text for training the tokenizer."""
+    rng = random.Random(seed)
+    lines = []
+    for _ in range(num_lines):
+        n = rng.randint(4, 14)
+        words = [rng.choice(_WORDS) for _ in range(n)]
+        if rng.random() < 0.5:
+            words.insert(rng.randrange(len(words)), str(rng.randint(0, 999)))
+        lines.append(" ".join(words) + rng.choice([".", "?", "!", ""]))
+    return lines
+
+
+def build_tokenizer(out_dir: str | os.PathLike, vocab_size: int = 512, seed: int = 0):
+    """Train a byte-level BPE tokenizer locally and save it as a PreTrainedTokenizerFast."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=_SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(tiny_corpus(seed=seed), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<bos>",
+        eos_token="<eos>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+    )
+    fast.save_pretrained(str(out_dir))
+    return fast
+
+
+def _config(family: str, shape: dict, tokenizer):
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    common = dict(
+        vocab_size=shape["vocab_size"],
+        hidden_size=shape["hidden_size"],
+        intermediate_size=shape["intermediate_size"],
+        num_hidden_layers=shape["num_hidden_layers"],
+        num_attention_heads=shape["num_attention_heads"],
+        num_key_value_heads=shape["num_key_value_heads"],
+        head_dim=shape["head_dim"],
+        max_position_embeddings=shape["max_position_embeddings"],
+        rms_norm_eps=shape["rms_norm_eps"],
+        hidden_act="silu",
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=shape.get("tie_word_embeddings", family != "llama"),
+        torch_dtype="float32",
+    )
+    rope = {"rope_type": "default", "rope_theta": shape["rope_theta"]}
+    if family == "llama":
+        cfg = LlamaConfig(
+            **common, attention_bias=shape.get("attention_bias", False), mlp_bias=False
+        )
+    elif family == "qwen2":
+        cfg = Qwen2Config(**common)  # Qwen2 always has q/k/v bias and no o_proj bias
+    elif family == "qwen3":
+        cfg = Qwen3Config(**common, attention_bias=shape.get("attention_bias", False))
+    else:
+        raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
+    cfg.rope_parameters = rope
+    return cfg
+
+
+def build_tiny_model(
+    out_dir: str | os.PathLike,
+    family: str = "llama",
+    seed: int = 0,
+    init_std: float = 0.05,
+    **shape,
+) -> Path:
+    """Build a random tiny causal LM of ``family`` with a local tokenizer; return its directory.
+
+    ``shape`` overrides entries of :data:`DEFAULT_SHAPE` (plus ``tie_word_embeddings`` and
+    ``attention_bias``). The result is saved as float32 safetensors.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    full_shape = {**DEFAULT_SHAPE, **shape}
+    tokenizer = build_tokenizer(out, vocab_size=full_shape["vocab_size"], seed=seed)
+    cfg = _config(family, full_shape, tokenizer)
+    cfg.initializer_range = init_std
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                # Non-trivial norm weights so the norm's multiply is exercised.
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif name.endswith(".bias"):
+                p.copy_(0.02 * torch.randn_like(p))
+    model.save_pretrained(str(out), safe_serialization=True)
+    (out / "zmrl_tiny.json").write_text(json.dumps({"family": family, "seed": seed, **full_shape}))
+    return out
