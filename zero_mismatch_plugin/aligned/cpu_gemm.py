@@ -1,0 +1,83 @@
+"""Batch (in)variance of vLLM's CPU GEMM, and the invariant decode path.
+
+vLLM's CPU linears run on a pre-packed oneDNN handle. Measured on x86 (AVX2, fp32): a single-row
+GEMM (M=1, what a lone decoding sequence produces) rounds differently from M>=2 once K reaches
+~2048, while all M>=2 give the same bits for a row. The engine therefore cannot be compared with
+a packed trainer forward when it decodes one sequence alone at such K. In consistent mode the vLLM
+plugin wraps every CPU linear so that an M=1 call runs as M=2 (the row plus a zero row) and keeps
+the first row; :func:`probe_linear` checks, for a concrete layer, that the rows it produces do not
+depend on M, and :func:`require_invariant` refuses a layer where they still do.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+# Row counts compared against the reference (largest) batch.
+PROBE_ROWS = (1, 2, 3, 5, 8, 17, 64)
+PROBE_REFERENCE_ROWS = 129
+
+_WRAPPED_FLAG = "_zmrl_single_row_padded"
+
+
+class BatchVariantShapeError(RuntimeError):
+    """A GEMM shape whose per-row bits depend on the number of rows in the call."""
+
+
+@dataclass
+class GemmProbe:
+    n: int
+    k: int
+    variant_rows: list[int] = field(default_factory=list)
+
+    @property
+    def invariant(self) -> bool:
+        return not self.variant_rows
+
+
+def pad_single_row(cpu_linear):
+    """Wrap a vLLM ``layer.cpu_linear`` so a one-row input is computed as two rows."""
+    if getattr(cpu_linear, _WRAPPED_FLAG, False):
+        return cpu_linear
+
+    def linear(x, weight, bias):
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.shape[0] != 1:
+            return cpu_linear(x, weight, bias)
+        padded = torch.cat([rows, torch.zeros_like(rows)], dim=0)
+        out = cpu_linear(padded, weight, bias)[:1]
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+    setattr(linear, _WRAPPED_FLAG, True)
+    return linear
+
+
+def is_single_row_padded(cpu_linear) -> bool:
+    return bool(getattr(cpu_linear, _WRAPPED_FLAG, False))
+
+
+def probe_linear(
+    apply, n: int, k: int, dtype=torch.float32, seed: int = 0, rows=PROBE_ROWS
+) -> GemmProbe:
+    """Compare rows of ``apply(x)`` (x: [M, k]) computed with M in ``rows`` against one large M."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(PROBE_REFERENCE_ROWS, k, generator=gen).to(dtype)
+    with torch.no_grad():
+        reference = apply(x)
+        probe = GemmProbe(n=n, k=k)
+        for m in rows:
+            if not torch.equal(apply(x[:m].contiguous()), reference[:m]):
+                probe.variant_rows.append(m)
+    return probe
+
+
+def require_invariant(probe: GemmProbe, what: str) -> None:
+    if not probe.invariant:
+        raise BatchVariantShapeError(
+            f"{what}: vLLM's CPU GEMM (N={probe.n}, K={probe.k}) gives different bits for "
+            f"M in {probe.variant_rows} than for M={PROBE_REFERENCE_ROWS}; the engine's decode "
+            "and the trainer's packed forward cannot agree for this shape. Refusing in "
+            "consistent mode."
+        )

@@ -1,0 +1,304 @@
+"""The aligned trainer model: dense Llama / Qwen2 / Qwen3 shapes built from the aligned ops.
+
+Parameters carry the Hugging Face checkpoint names and live in fp32 on the trainer; the forward
+runs vLLM's kernels in vLLM's order (embedding, per layer: [fused residual-add] RMSNorm, merged
+qkv linear, [q/k RMSNorm], rotary, paged attention, o_proj, fused residual-add RMSNorm, merged
+gate_up linear, SiluAndMul, down_proj; final fused residual-add RMSNorm, LogitsProcessor) so the
+sampled-token logprobs it returns are the engine's bits.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from . import numerics
+from .cpu_gemm import probe_linear, require_invariant
+from .ops import (
+    AlignedAttention,
+    AlignedLinear,
+    AlignedLogits,
+    AlignedRMSNorm,
+    AlignedRotary,
+    AlignedSiluAndMul,
+)
+from .packing import PackedBatch
+from .runtime import VllmRuntime
+from .sampling import SamplingTransform
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+
+class _Weights(nn.Module):
+    """A parameter holder named like the checkpoint's module (``weight`` [+ ``bias``])."""
+
+    def __init__(self, shape, bias_size: int | None = None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(*shape))
+        self.bias = nn.Parameter(torch.empty(bias_size)) if bias_size else None
+
+
+def _architecture_flags(arch: str, config) -> dict:
+    if arch == "LlamaForCausalLM":
+        bias = bool(getattr(config, "attention_bias", False) or getattr(config, "bias", False))
+        qkv_bias = bool(getattr(config, "qkv_bias", bias))
+        if getattr(config, "mlp_bias", False):
+            raise NotImplementedError("Llama with mlp_bias is not supported by the aligned model")
+        return dict(qkv_bias=qkv_bias, o_bias=bias, qk_norm=False)
+    if arch == "Qwen2ForCausalLM":
+        return dict(qkv_bias=True, o_bias=False, qk_norm=False)
+    if arch == "Qwen3ForCausalLM":
+        return dict(qkv_bias=bool(getattr(config, "attention_bias", False)), o_bias=False, qk_norm=True)
+    raise NotImplementedError(
+        f"architecture {arch} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+    )
+
+
+def _reject_unsupported(config) -> None:
+    layer_types = getattr(config, "layer_types", None) or []
+    if any(t != "full_attention" for t in layer_types):
+        raise NotImplementedError("sliding-window layers are not supported by the aligned model")
+    if getattr(config, "hidden_act", "silu") != "silu":
+        raise NotImplementedError("only SwiGLU (silu) MLPs are supported")
+    if not getattr(config, "is_causal", True):
+        raise NotImplementedError("only causal decoders are supported")
+
+
+class _Layer(nn.Module):
+    def __init__(self, config, flags, head_dim):
+        super().__init__()
+        h = config.hidden_size
+        nh, nkv = config.num_attention_heads, config.num_key_value_heads
+        inter = config.intermediate_size
+        qb = nh * head_dim if flags["qkv_bias"] else None
+        kvb = nkv * head_dim if flags["qkv_bias"] else None
+        attn = nn.Module()
+        attn.q_proj = _Weights((nh * head_dim, h), qb)
+        attn.k_proj = _Weights((nkv * head_dim, h), kvb)
+        attn.v_proj = _Weights((nkv * head_dim, h), kvb)
+        attn.o_proj = _Weights((h, nh * head_dim), h if flags["o_bias"] else None)
+        if flags["qk_norm"]:
+            attn.q_norm = _Weights((head_dim,))
+            attn.k_norm = _Weights((head_dim,))
+        self.self_attn = attn
+        mlp = nn.Module()
+        mlp.gate_proj = _Weights((inter, h))
+        mlp.up_proj = _Weights((inter, h))
+        mlp.down_proj = _Weights((h, inter))
+        self.mlp = mlp
+        self.input_layernorm = _Weights((h,))
+        self.post_attention_layernorm = _Weights((h,))
+
+
+class AlignedCausalLM(nn.Module):
+    """A trainable decoder whose per-token logprobs equal vLLM's, bit for bit."""
+
+    def __init__(self, runtime: VllmRuntime):
+        super().__init__()
+        config = runtime.hf_config
+        arch = (getattr(config, "architectures", None) or [""])[0]
+        self.flags = _architecture_flags(arch, config)
+        _reject_unsupported(config)
+        self.runtime = runtime
+        self.config = config
+        self.architecture = arch
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.vocab_size = config.vocab_size
+        self.tied = bool(getattr(config, "tie_word_embeddings", False))
+
+        self.model = nn.Module()
+        self.model.embed_tokens = _Weights((config.vocab_size, config.hidden_size))
+        self.model.layers = nn.ModuleList(
+            _Layer(config, self.flags, self.head_dim) for _ in range(config.num_hidden_layers)
+        )
+        self.model.norm = _Weights((config.hidden_size,))
+        if not self.tied:
+            self.lm_head = _Weights((config.vocab_size, config.hidden_size))
+        self._ops_built = False
+
+    # ----- construction ---------------------------------------------------------------------
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | os.PathLike, dtype: str = "float32", **engine_kwargs):
+        """Load the checkpoint vLLM loads; ``engine_kwargs`` must match the engine's."""
+        runtime = VllmRuntime(model_dir, dtype=dtype, **engine_kwargs)
+        model = cls(runtime)
+        model.load_checkpoint(model_dir)
+        return model
+
+    def load_checkpoint(self, model_dir: str | os.PathLike) -> None:
+        from safetensors.torch import load_file
+
+        model_dir = Path(model_dir)
+        files = sorted(model_dir.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no safetensors files in {model_dir}")
+        state = {}
+        for f in files:
+            state.update(load_file(str(f)))
+        if self.tied:
+            state.pop("lm_head.weight", None)
+        own = dict(self.named_parameters())
+        missing = sorted(set(own) - set(state))
+        unexpected = sorted(k for k in set(state) - set(own) if "rotary_emb" not in k)
+        if missing or unexpected:
+            raise ValueError(f"checkpoint mismatch: missing {missing}, unexpected {unexpected}")
+        with torch.no_grad():
+            for name, p in own.items():
+                p.copy_(state[name].to(torch.float32))
+        self.to(self.runtime.device)
+        self._build_ops()
+
+    def _build_ops(self) -> None:
+        rt = self.runtime
+        cfg = self.config
+        eps = cfg.rms_norm_eps
+        max_pos = getattr(cfg, "max_position_embeddings", 8192)
+        self.rotary = AlignedRotary(rt, self.head_dim, max_pos, getattr(cfg, "rope_parameters", None))
+        self.act = AlignedSiluAndMul(rt)
+        self.attention = AlignedAttention(
+            rt, self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5
+        )
+        self.layer_ops = []
+        for layer in self.model.layers:
+            a, m = layer.self_attn, layer.mlp
+            qkv_bias = [a.q_proj.bias, a.k_proj.bias, a.v_proj.bias] if self.flags["qkv_bias"] else None
+            ops = dict(
+                input_norm=AlignedRMSNorm(rt, layer.input_layernorm.weight, eps),
+                post_norm=AlignedRMSNorm(rt, layer.post_attention_layernorm.weight, eps),
+                qkv=AlignedLinear(rt, [a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], qkv_bias),
+                o=AlignedLinear(rt, [a.o_proj.weight], [a.o_proj.bias] if self.flags["o_bias"] else None),
+                gate_up=AlignedLinear(rt, [m.gate_proj.weight, m.up_proj.weight]),
+                down=AlignedLinear(rt, [m.down_proj.weight]),
+            )
+            if self.flags["qk_norm"]:
+                ops["q_norm"] = AlignedRMSNorm(rt, a.q_norm.weight, eps)
+                ops["k_norm"] = AlignedRMSNorm(rt, a.k_norm.weight, eps)
+            self.layer_ops.append(ops)
+        self.final_norm = AlignedRMSNorm(rt, self.model.norm.weight, eps)
+        head_weight = self.model.embed_tokens.weight if self.tied else self.lm_head.weight
+        self.logits_head = AlignedLogits(rt, head_weight, self.vocab_size)
+        self._ops_built = True
+        if rt.platform == "cpu" and numerics.is_consistent():
+            self.check_cpu_gemm_invariance()
+
+    def all_linears(self) -> dict[str, AlignedLinear]:
+        out = {}
+        for i, ops in enumerate(self.layer_ops):
+            for key in ("qkv", "o", "gate_up", "down"):
+                out[f"layers.{i}.{key}"] = ops[key]
+        return out
+
+    def check_cpu_gemm_invariance(self) -> dict:
+        """Probe every distinct CPU GEMM shape; refuse one whose rows depend on M.
+
+        Single-row calls are part of the probe: the trainer never makes them, but a lone decoding
+        sequence in the engine does, and the engine only matches when the plugin's single-row
+        padding is in place (consistent mode) or the kernel is row-invariant anyway.
+        """
+        results = {}
+        seen = {}
+        for name, linear in self.all_linears().items():
+            layer, weight = linear.derived.get()
+            shape = tuple(weight.shape)
+            if shape in seen:
+                results[name] = seen[shape]
+                continue
+            probe = probe_linear(
+                lambda x, lin=linear: lin.kernel(x), n=shape[0], k=shape[1], dtype=self.runtime.dtype
+            )
+            require_invariant(probe, name)
+            seen[shape] = results[name] = probe
+        head = self.logits_head
+        probe = probe_linear(
+            head.kernel, n=head.padded_vocab, k=self.config.hidden_size, dtype=self.runtime.dtype
+        )
+        require_invariant(probe, "lm_head")
+        results["lm_head"] = probe
+        return results
+
+    def refresh_derived_weights(self) -> None:
+        """Re-derive every engine-layout copy now (needed after writes through ``param.data``)."""
+        for ops in self.layer_ops:
+            for op in ops.values():
+                derived = getattr(op, "derived", None) or getattr(op, "engine_weight", None)
+                derived.refresh()
+        self.final_norm.engine_weight.refresh()
+        self.logits_head.derived.refresh()
+
+    # ----- forward --------------------------------------------------------------------------
+
+    def hidden_states(self, batch: PackedBatch) -> torch.Tensor:
+        """Final hidden states [T, hidden] of the packed batch (vLLM's layer order)."""
+        ids = batch.input_ids.to(self.runtime.device)
+        positions = batch.positions.to(self.runtime.device)
+        plan = self.attention.plan(batch.seq_lens)
+        embed = self.model.embed_tokens.weight
+        hidden = nn.functional.embedding(ids, embed.to(self.runtime.dtype) if embed.dtype != self.runtime.dtype else embed)
+        residual = None
+        q_size = self.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        for ops in self.layer_ops:
+            if residual is None:
+                residual = hidden
+                hidden = ops["input_norm"](hidden)
+            else:
+                hidden, residual = ops["input_norm"](hidden, residual)
+            qkv = ops["qkv"](hidden)
+            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+            if self.flags["qk_norm"]:
+                t = q.shape[0]
+                q = ops["q_norm"](q.reshape(t, self.num_heads, self.head_dim)).reshape(t, q_size)
+                k = ops["k_norm"](k.reshape(t, self.num_kv_heads, self.head_dim)).reshape(t, kv_size)
+            q, k = self.rotary(positions, q, k)
+            attn = self.attention(q, k, v.contiguous(), plan, batch.seq_lens)
+            hidden = ops["o"](attn)
+            hidden, residual = ops["post_norm"](hidden, residual)
+            gate_up = ops["gate_up"](hidden)
+            hidden = ops["down"](self.act(gate_up))
+        hidden, _ = self.final_norm(hidden, residual)
+        return hidden
+
+    def logits(self, batch: PackedBatch) -> torch.Tensor:
+        """Logits [R, vocab] at the rows that predict the response tokens."""
+        hidden = self.hidden_states(batch)
+        rows = batch.target_rows.to(hidden.device)
+        return self.logits_head(hidden.index_select(0, rows))
+
+    def token_logprobs(
+        self, batch: PackedBatch, transform: SamplingTransform | None = None, strict: bool = True
+    ) -> torch.Tensor:
+        """Logprob [R] of every response token under the engine's recorded distribution."""
+        transform = transform or SamplingTransform()
+        transform.check(strict=strict)
+        logits = self.logits(batch)
+        logprobs = transform.logprobs(logits, self.runtime.compute_logprobs)
+        ids = batch.target_ids.to(logprobs.device)
+        return logprobs.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """Parameters under checkpoint names, in the engine dtype (for weight sync)."""
+        out = {}
+        for name, p in self.named_parameters():
+            out[name] = p.detach().to(self.runtime.dtype)
+        if self.tied:
+            out.setdefault("lm_head.weight", out["model.embed_tokens.weight"])
+        return out
+
+    def describe(self) -> str:
+        return json.dumps(
+            dict(
+                architecture=self.architecture,
+                flags=self.flags,
+                dtype=str(self.runtime.dtype),
+                head_dtype=str(self.runtime.head_dtype),
+                platform=self.runtime.platform,
+                mode=self.runtime.mode,
+            )
+        )

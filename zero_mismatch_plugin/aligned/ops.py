@@ -1,0 +1,360 @@
+"""Autograd ops whose forward is vLLM's kernel and whose backward is the analytic gradient.
+
+Each forward calls a vLLM layer instance (see :mod:`.runtime`) on the same inputs, in the same
+order and layout, as vLLM's model code does, so its output bits are the engine's. vLLM's kernels
+are forward-only; the backward of each op is written here in plain torch, in fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.autograd import Function
+
+from .derived import DerivedWeight, cast_like_engine
+from .runtime import KernelLayer, VllmRuntime
+
+
+def _f32(t):
+    return None if t is None else t.float()
+
+
+def _norm_backward(x32, w32, g32, eps):
+    """d/dx and d/dw of y = x * rsqrt(mean(x^2) + eps) * w over the last dim (fp32)."""
+    r = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    xhat = x32 * r
+    gw = g32 * w32 if w32 is not None else g32
+    gx = r * (gw - xhat * (gw * xhat).mean(-1, keepdim=True))
+    gweight = None
+    if w32 is not None:
+        gweight = (g32 * xhat).reshape(-1, x32.shape[-1]).sum(0)
+    return gx, gweight
+
+
+# ----- RMSNorm -----------------------------------------------------------------------------
+
+
+class AlignedRMSNorm:
+    """vLLM ``RMSNorm`` (plain and fused residual-add) with the trainer's weight swapped in."""
+
+    def __init__(self, runtime: VllmRuntime, weight: torch.nn.Parameter, eps: float):
+        self.weight = weight
+        self.eps = eps
+        self.module = runtime.rms_norm(weight.shape[0], eps)
+        self.engine_weight = DerivedWeight([weight], lambda s: cast_like_engine(s[0], runtime.dtype))
+
+    def kernel(self, x, residual=None):
+        self.module.weight.data = self.engine_weight.get()
+        if residual is None:
+            return self.module(x)
+        # vLLM may update x and residual in place (fused kernels); keep autograd's copies intact.
+        return self.module(x.clone(), residual.clone())
+
+    def __call__(self, x, residual=None):
+        if residual is None:
+            return _RMSNormFn.apply(x, self.weight, self)
+        return _FusedAddRMSNormFn.apply(x, residual, self.weight, self)
+
+
+class _RMSNormFn(Function):
+    @staticmethod
+    def forward(ctx, x, weight, norm: AlignedRMSNorm):
+        ctx.save_for_backward(x, weight)
+        ctx.eps = norm.eps
+        return norm.kernel(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, weight = ctx.saved_tensors
+        gx, gw = _norm_backward(x.float(), weight.float(), g.float(), ctx.eps)
+        return gx.to(x.dtype), gw.to(weight.dtype), None
+
+
+class _FusedAddRMSNormFn(Function):
+    """(x, residual) -> (norm(x + residual), x + residual), as vLLM's fused_add_rms_norm."""
+
+    @staticmethod
+    def forward(ctx, x, residual, weight, norm: AlignedRMSNorm):
+        out, new_residual = norm.kernel(x, residual)
+        ctx.save_for_backward(x, residual, weight)
+        ctx.eps = norm.eps
+        return out, new_residual
+
+    @staticmethod
+    def backward(ctx, g_out, g_residual):
+        x, residual, weight = ctx.saved_tensors
+        s = x.float() + residual.float()
+        gs, gw = _norm_backward(s, weight.float(), g_out.float(), ctx.eps)
+        if g_residual is not None:
+            gs = gs + g_residual.float()
+        return gs.to(x.dtype), gs.to(residual.dtype), gw.to(weight.dtype), None
+
+
+# ----- Rotary embedding --------------------------------------------------------------------
+
+
+class AlignedRotary:
+    """vLLM's rotary embedding (in-place kernel) applied to copies of q and k."""
+
+    def __init__(self, runtime: VllmRuntime, head_dim: int, max_position: int, rope_parameters):
+        self.module = runtime.rotary(head_dim, max_position, rope_parameters)
+        self.head_dim = head_dim
+        self.rotary_dim = self.module.rotary_dim
+        self.is_neox_style = self.module.is_neox_style
+
+    def __call__(self, positions, q, k):
+        return _RotaryFn.apply(positions, q, k, self)
+
+    def rotate_back(self, positions, g, inverse: bool):
+        """Apply the rotation (or its inverse) to g: [T, heads*D], in fp32."""
+        cos_sin = self.module.cos_sin_cache.index_select(0, positions).float()
+        cos, sin = cos_sin.chunk(2, dim=-1)
+        if inverse:
+            sin = -sin
+        t = g.shape[0]
+        g = g.float().view(t, -1, self.head_dim)
+        rot, rest = g[..., : self.rotary_dim], g[..., self.rotary_dim :]
+        cos = cos.unsqueeze(1)
+        sin = sin.unsqueeze(1)
+        if self.is_neox_style:
+            x1, x2 = rot.chunk(2, dim=-1)
+            out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+        else:
+            x1, x2 = rot[..., 0::2], rot[..., 1::2]
+            out = torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).flatten(-2)
+        return torch.cat([out, rest], dim=-1).reshape(t, -1)
+
+
+class _RotaryFn(Function):
+    @staticmethod
+    def forward(ctx, positions, q, k, rotary: AlignedRotary):
+        q_out = q.clone()
+        k_out = k.clone()
+        rotary.module(positions, q_out, k_out)
+        ctx.save_for_backward(positions)
+        ctx.rotary = rotary
+        return q_out, k_out
+
+    @staticmethod
+    def backward(ctx, gq, gk):
+        (positions,) = ctx.saved_tensors
+        rotary = ctx.rotary
+        # The rotation is orthogonal: its transpose is the rotation by -angle.
+        gq_in = rotary.rotate_back(positions, gq, inverse=True).to(gq.dtype)
+        gk_in = rotary.rotate_back(positions, gk, inverse=True).to(gk.dtype)
+        return None, gq_in, gk_in, None
+
+
+# ----- SwiGLU activation -------------------------------------------------------------------
+
+
+class AlignedSiluAndMul:
+    def __init__(self, runtime: VllmRuntime):
+        self.module = runtime.silu_and_mul()
+
+    def __call__(self, x):
+        return _SiluAndMulFn.apply(x, self)
+
+
+class _SiluAndMulFn(Function):
+    @staticmethod
+    def forward(ctx, x, act: AlignedSiluAndMul):
+        ctx.save_for_backward(x)
+        return act.module(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        d = x.shape[-1] // 2
+        a, b = x[..., :d].float(), x[..., d:].float()
+        s = torch.sigmoid(a)
+        silu = a * s
+        g32 = g.float()
+        ga = g32 * b * s * (1 + a * (1 - s))
+        gb = g32 * silu
+        return torch.cat([ga, gb], dim=-1).to(x.dtype), None
+
+
+# ----- Linear layers (merged layouts, pre-packed on CPU) -----------------------------------
+
+
+class AlignedLinear:
+    """A vLLM unquantized linear over the concatenation of trainer weight matrices.
+
+    ``weights`` are stacked along the output dim the way vLLM merges q/k/v or gate/up. The merged,
+    engine-dtype copy and vLLM's post-load processing of it (oneDNN packing on CPU) are derived
+    from the trainer parameters and redone after they change.
+    """
+
+    def __init__(self, runtime: VllmRuntime, weights, biases=None):
+        self.runtime = runtime
+        self.weights = list(weights)
+        self.biases = list(biases) if biases is not None else [None] * len(self.weights)
+        self.has_bias = any(b is not None for b in self.biases)
+        if self.has_bias and any(b is None for b in self.biases):
+            raise ValueError("either all or none of the merged parts carry a bias")
+        self.out_sizes = [w.shape[0] for w in self.weights]
+        self.method = runtime.linear_method()
+        self.params = self.weights + ([b for b in self.biases] if self.has_bias else [])
+        self.derived = DerivedWeight(self.params, self._build)
+
+    def _build(self, sources):
+        n = len(self.weights)
+        dtype = self.runtime.dtype
+        weight = cast_like_engine(torch.cat(sources[:n], dim=0), dtype).contiguous()
+        bias = cast_like_engine(torch.cat(sources[n:], dim=0), dtype) if self.has_bias else None
+        layer = KernelLayer(weight.clone(), None if bias is None else bias.clone(), self.method)
+        with self.runtime.context():
+            self.method.process_weights_after_loading(layer)
+        return layer, weight
+
+    def kernel(self, x):
+        layer, _ = self.derived.get()
+        return self.method.apply(layer, x, layer.bias)
+
+    def __call__(self, x):
+        return _LinearFn.apply(x, self, *self.params)
+
+
+class _LinearFn(Function):
+    @staticmethod
+    def forward(ctx, x, linear: AlignedLinear, *params):
+        out = linear.kernel(x)
+        _, weight = linear.derived.get()
+        ctx.save_for_backward(x, weight)
+        ctx.linear = linear
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        x, weight = ctx.saved_tensors
+        linear = ctx.linear
+        g2 = g.reshape(-1, g.shape[-1]).float()
+        x2 = x.reshape(-1, x.shape[-1]).float()
+        gx = (g2 @ weight.float()).reshape(x.shape).to(x.dtype)
+        gw = (g2.t() @ x2).split(linear.out_sizes, dim=0)
+        grads = [gwi.to(w.dtype) for gwi, w in zip(gw, linear.weights)]
+        if linear.has_bias:
+            gb = g2.sum(0).split(linear.out_sizes)
+            grads += [gbi.to(b.dtype) for gbi, b in zip(gb, linear.biases)]
+        return (gx, None, *grads)
+
+
+# ----- lm_head + LogitsProcessor -----------------------------------------------------------
+
+
+class AlignedLogits:
+    """vLLM's ``LogitsProcessor`` over a padded lm_head (head dtype honoured, vocab sliced)."""
+
+    def __init__(self, runtime: VllmRuntime, weight: torch.nn.Parameter, vocab_size: int):
+        self.runtime = runtime
+        self.weight = weight
+        self.vocab_size = vocab_size
+        self.padded_vocab = runtime.padded_vocab_size(vocab_size)
+        self.method = runtime.embedding_method()
+        self.processor = runtime.logits_processor(vocab_size)
+        self.derived = DerivedWeight([weight], self._build)
+
+    def _build(self, sources):
+        w = cast_like_engine(sources[0], self.runtime.dtype)
+        padded = torch.zeros(self.padded_vocab, w.shape[1], dtype=w.dtype, device=w.device)
+        padded[: w.shape[0]] = w
+        layer = KernelLayer(padded, None, self.method)
+        with self.runtime.context():
+            self.method.process_weights_after_loading(layer)
+        return layer
+
+    def kernel(self, hidden):
+        return self.processor(self.derived.get(), hidden)
+
+    def __call__(self, hidden):
+        return _LogitsFn.apply(hidden, self.weight, self)
+
+
+class _LogitsFn(Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, head: AlignedLogits):
+        ctx.save_for_backward(hidden, weight)
+        ctx.head = head
+        return head.kernel(hidden)
+
+    @staticmethod
+    def backward(ctx, g):
+        hidden, weight = ctx.saved_tensors
+        if ctx.head.processor.soft_cap is not None or ctx.head.processor.scale != 1.0:
+            raise NotImplementedError("logit soft-capping / scaling has no aligned backward yet")
+        g32 = g.float()
+        w32 = cast_like_engine(weight.detach(), ctx.head.runtime.dtype).float()
+        gh = (g32 @ w32).to(hidden.dtype)
+        gw = (g32.t() @ hidden.float()).to(weight.dtype)
+        return gh, gw, None
+
+
+# ----- Attention ---------------------------------------------------------------------------
+
+
+class AlignedAttention:
+    """vLLM's attention backend over packed causal sequences; analytic backward in torch."""
+
+    def __init__(self, runtime: VllmRuntime, num_heads, num_kv_heads, head_dim, scale):
+        self.kernel = runtime.attention(num_heads, num_kv_heads, head_dim, scale)
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+
+    def plan(self, seq_lens: list[int]):
+        return self.kernel.metadata(seq_lens)
+
+    def __call__(self, q, k, v, plan, seq_lens):
+        return _AttentionFn.apply(q, k, v, self, plan, seq_lens)
+
+
+def attention_backward(q, k, v, g, seq_lens, num_heads, num_kv_heads, head_dim, scale):
+    """Gradients of causal softmax attention per packed sequence (fp32, recomputed)."""
+    group = num_heads // num_kv_heads
+    gq = torch.empty_like(q, dtype=torch.float32)
+    gk = torch.empty_like(k, dtype=torch.float32)
+    gv = torch.empty_like(v, dtype=torch.float32)
+    start = 0
+    for n in seq_lens:
+        sl = slice(start, start + n)
+        qs = q[sl].float().view(n, num_heads, head_dim).transpose(0, 1)  # H, n, D
+        ks = k[sl].float().view(n, num_kv_heads, head_dim).transpose(0, 1)
+        vs = v[sl].float().view(n, num_kv_heads, head_dim).transpose(0, 1)
+        gs = g[sl].float().view(n, num_heads, head_dim).transpose(0, 1)
+        ke = ks.repeat_interleave(group, dim=0)
+        ve = vs.repeat_interleave(group, dim=0)
+        scores = (qs @ ke.transpose(1, 2)) * scale
+        causal = torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1)
+        scores.masked_fill_(causal, float("-inf"))
+        p = torch.softmax(scores, dim=-1)
+        gve = p.transpose(1, 2) @ gs
+        gp = gs @ ve.transpose(1, 2)
+        gscores = p * (gp - (gp * p).sum(-1, keepdim=True))
+        gqs = (gscores @ ke) * scale
+        gke = (gscores.transpose(1, 2) @ qs) * scale
+        gks = gke.view(num_kv_heads, group, n, head_dim).sum(1)
+        gvs = gve.view(num_kv_heads, group, n, head_dim).sum(1)
+        gq[sl] = gqs.transpose(0, 1).reshape(n, -1)
+        gk[sl] = gks.transpose(0, 1).reshape(n, -1)
+        gv[sl] = gvs.transpose(0, 1).reshape(n, -1)
+        start += n
+    return gq, gk, gv
+
+
+class _AttentionFn(Function):
+    @staticmethod
+    def forward(ctx, q, k, v, attn: AlignedAttention, plan, seq_lens):
+        ctx.save_for_backward(q, k, v)
+        ctx.attn = attn
+        ctx.seq_lens = seq_lens
+        return attn.kernel(q, k, v, plan)
+
+    @staticmethod
+    def backward(ctx, g):
+        q, k, v = ctx.saved_tensors
+        a = ctx.attn
+        gq, gk, gv = attention_backward(
+            q, k, v, g, ctx.seq_lens, a.num_heads, a.num_kv_heads, a.head_dim, a.scale
+        )
+        return gq.to(q.dtype), gk.to(k.dtype), gv.to(v.dtype), None, None, None

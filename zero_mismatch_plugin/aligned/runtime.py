@@ -1,0 +1,164 @@
+"""vLLM's configuration and layer instances, used as the forward kernels of the aligned ops.
+
+The aligned trainer does not re-implement vLLM's numerics: it builds the same ``VllmConfig`` the
+engine builds for the same checkpoint and engine arguments, instantiates vLLM's own layers
+(``RMSNorm``, ``SiluAndMul``, the rotary embedding, the linear and lm_head methods, the attention
+backend implementation, ``LogitsProcessor``) under that config, and calls them. Their dispatch
+(``forward_cpu``, ``forward_cuda`` with batch invariance, IR op priorities, oneDNN packing) is
+therefore vLLM's, on every platform.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+from . import numerics
+from .vllm_compat import batch_invariant_module, platform_kind, require_vllm
+
+logger = logging.getLogger(__name__)
+
+# Engine arguments that change the numbers the engine computes. The engine and the trainer must
+# be built from the same values; ``engine_args_for`` returns them for both.
+NUMERIC_ENGINE_DEFAULTS = dict(enforce_eager=True)
+
+
+def engine_args_for(model_dir: str | os.PathLike, dtype: str = "float32", **overrides) -> dict:
+    """Keyword arguments for ``vllm.LLM`` / ``EngineArgs`` that the aligned trainer mirrors.
+
+    Includes the weight-sync worker extension (harmless in the trainer's config).
+    """
+    from .weight_sync import WORKER_EXTENSION
+
+    args = dict(
+        model=str(model_dir),
+        dtype=dtype,
+        worker_extension_cls=WORKER_EXTENSION,
+        **NUMERIC_ENGINE_DEFAULTS,
+    )
+    args.update(overrides)
+    return args
+
+
+class VllmRuntime:
+    """The engine's ``VllmConfig`` for one checkpoint, plus vLLM layer instances built under it."""
+
+    def __init__(self, model_dir: str | os.PathLike, dtype: str = "float32", **engine_kwargs):
+        require_vllm()
+        from vllm.engine.arg_utils import EngineArgs
+
+        self.model_dir = Path(model_dir)
+        kwargs = engine_args_for(model_dir, dtype=dtype, **engine_kwargs)
+        # Only config-level arguments matter here; the trainer never allocates an engine.
+        self.engine_args = EngineArgs(**kwargs)
+        self.vllm_config = self.engine_args.create_engine_config()
+        self.model_config = self.vllm_config.model_config
+        self.hf_config = self.model_config.hf_config
+        self.dtype: torch.dtype = self.model_config.dtype
+        self.head_dtype: torch.dtype = self.model_config.head_dtype
+        self.platform = platform_kind()
+        self.device = torch.device("cpu" if self.platform == "cpu" else self.platform_device())
+        self.mode = numerics.current_mode()
+        with self.context():
+            # What each vLLM worker does at start: fix the IR op implementations (rms_norm, ...).
+            self.vllm_config.kernel_config.ir_op_priority.set_default()
+        if self.mode == numerics.CONSISTENT and self.platform != "cpu":
+            self._enable_gpu_batch_invariance()
+
+    @staticmethod
+    def platform_device() -> str:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    @contextlib.contextmanager
+    def context(self):
+        from vllm.config import set_current_vllm_config
+
+        with set_current_vllm_config(self.vllm_config):
+            yield
+
+    def _enable_gpu_batch_invariance(self):
+        # The same switch the engine's workers flip: aten mm/log_softmax/mean overrides and
+        # vLLM layers taking their batch-invariant branches.
+        os.environ[numerics.BATCH_INVARIANT_ENV] = "1"
+        module = batch_invariant_module()
+        module.init_batch_invariance()
+
+    # ----- vLLM layer instances -------------------------------------------------------------
+
+    def rms_norm(self, hidden_size: int, eps: float):
+        from vllm.model_executor.layers.layernorm import RMSNorm
+
+        with self.context():
+            return RMSNorm(hidden_size, eps=eps, dtype=self.dtype).to(self.device)
+
+    def silu_and_mul(self):
+        from vllm.model_executor.layers.activation import SiluAndMul
+
+        with self.context():
+            return SiluAndMul()
+
+    def rotary(self, head_dim: int, max_position: int, rope_parameters: dict | None):
+        from vllm.model_executor.layers.rotary_embedding import get_rope
+
+        with self.context():
+            rope = get_rope(
+                head_dim,
+                max_position=max_position,
+                rope_parameters=rope_parameters,
+                is_neox_style=True,
+                dtype=self.dtype,
+            )
+        return rope.to(self.device)
+
+    def linear_method(self):
+        from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+
+        with self.context():
+            return UnquantizedLinearMethod()
+
+    def embedding_method(self):
+        from vllm.model_executor.layers.vocab_parallel_embedding import (
+            UnquantizedEmbeddingMethod,
+        )
+
+        with self.context():
+            return UnquantizedEmbeddingMethod()
+
+    def logits_processor(self, vocab_size: int):
+        from vllm.model_executor.layers.logits_processor import LogitsProcessor
+
+        with self.context():
+            return LogitsProcessor(vocab_size)
+
+    def padded_vocab_size(self, vocab_size: int) -> int:
+        from vllm.model_executor.layers.vocab_parallel_embedding import (
+            DEFAULT_VOCAB_PADDING_SIZE,
+            pad_vocab_size,
+        )
+
+        return pad_vocab_size(vocab_size, DEFAULT_VOCAB_PADDING_SIZE)
+
+    def attention(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+        from .attention_backend import BackendPagedAttention
+
+        return BackendPagedAttention(self, num_heads, num_kv_heads, head_dim, scale)
+
+    def compute_logprobs(self, logits: torch.Tensor) -> torch.Tensor:
+        from vllm.v1.sample.sampler import Sampler
+
+        return Sampler.compute_logprobs(logits)
+
+
+class KernelLayer(torch.nn.Module):
+    """The minimal layer object vLLM's linear/embedding methods read (weight, bias, tp_size)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, quant_method):
+        super().__init__()
+        self.weight = torch.nn.Parameter(weight, requires_grad=False)
+        self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
+        self.quant_method = quant_method
+        self.tp_size = 1

@@ -1,0 +1,90 @@
+"""Trainer -> engine weight sync through vLLM's own weight-loading path.
+
+The trainer's parameters (checkpoint names, cast to the engine dtype) are sent to every worker,
+where :class:`WeightSyncExtension` hands them to the worker's ``reload_weights``: the model's
+``load_weights`` (q/k/v and gate/up stacking, vocab padding) followed by vLLM's post-load
+processing (oneDNN re-packing on CPU) — the same code that loaded the checkpoint. The prefix cache
+is reset afterwards: cached KV blocks were computed with the old weights.
+
+Tensors travel as raw bytes with dtype and shape, which every vLLM RPC transport carries as is.
+The engine must be created with ``worker_extension_cls=WORKER_EXTENSION`` (``engine_args_for``
+and the plugin's consistent mode set it).
+"""
+
+from __future__ import annotations
+
+import torch
+
+WORKER_EXTENSION = "zero_mismatch_plugin.aligned.weight_sync.WeightSyncExtension"
+
+_BYTE_VIEWS = {torch.bfloat16: torch.int16, torch.float16: torch.int16}
+
+
+def encode(name: str, t: torch.Tensor) -> tuple[str, str, list[int], bytes]:
+    t = t.detach().cpu().contiguous()
+    raw = t.view(_BYTE_VIEWS.get(t.dtype, t.dtype)).numpy().tobytes()
+    return name, str(t.dtype).removeprefix("torch."), list(t.shape), raw
+
+
+def decode(item) -> tuple[str, torch.Tensor]:
+    name, dtype_name, shape, raw = item
+    dtype = getattr(torch, dtype_name)
+    carrier = _BYTE_VIEWS.get(dtype, dtype)
+    t = torch.frombuffer(bytearray(raw), dtype=carrier).view(dtype).reshape(shape)
+    return name, t
+
+
+def engine_weights(model) -> list[tuple[str, torch.Tensor]]:
+    """(checkpoint name, engine-dtype tensor) pairs for an AlignedCausalLM."""
+    return [(name, p.detach().to(model.runtime.dtype)) for name, p in model.named_parameters()]
+
+
+class WeightSyncExtension:
+    """Mixed into vLLM's worker class; methods are reachable with ``llm.collective_rpc``."""
+
+    def zmrl_load_weights(self, encoded: list) -> int:
+        weights = [decode(item) for item in encoded]
+        device = self.device if hasattr(self, "device") else torch.device("cpu")
+        weights = [(n, t.to(device)) for n, t in weights]
+        self.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
+        repack_shared_cpu_weights(self.model_runner.get_model())
+        return len(weights)
+
+
+def repack_shared_cpu_weights(model) -> int:
+    """Re-derive CPU GEMM handles of layers whose weight another layer owns.
+
+    On CPU an embedding-method layer keeps its weight and a oneDNN handle packed from it. A tied
+    lm_head shares the embedding's weight but loads nothing itself, so vLLM's reload updates the
+    shared weight and leaves the lm_head's handle packed from the old values. Packing again from
+    the current weight (vLLM's own dispatch, weight kept) fixes that; for untied layers it
+    reproduces the handle the reload already built.
+    """
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return 0
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+    repacked = 0
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if (
+            isinstance(getattr(module, "quant_method", None), UnquantizedEmbeddingMethod)
+            and hasattr(module, "cpu_linear")
+            and isinstance(weight, torch.Tensor)
+            and weight.numel() > 0
+        ):
+            dispatch_cpu_unquantized_gemm(module, remove_weight=False)
+            repacked += 1
+    return repacked
+
+
+def sync_weights(llm, model) -> None:
+    """Copy ``model``'s current parameters into the engine behind ``llm`` (a ``vllm.LLM``)."""
+    encoded = [encode(n, t) for n, t in engine_weights(model)]
+    loaded = llm.collective_rpc("zmrl_load_weights", args=(encoded,))
+    if any(n != len(encoded) for n in loaded):
+        raise RuntimeError(f"weight sync: workers loaded {loaded} of {len(encoded)} tensors")
+    llm.reset_prefix_cache()

@@ -1,0 +1,130 @@
+"""vLLM general plugin: the engine side of zero mismatch, applied in every vLLM process.
+
+vLLM calls :func:`register` in the main process (when ``EngineArgs`` is created), in the
+EngineCore and in every worker. It does nothing unless ``ZMRL_NUMERICS`` is set (see
+:mod:`zero_mismatch_plugin.aligned.numerics`). With ``ZMRL_NUMERICS=consistent`` it:
+
+* fixes the engine settings that decide which numbers are computed and recorded, when the
+  engine config is built: lm_head in fp32 (``hf_overrides.head_dtype``), ``processed_logprobs``
+  (the distribution actually sampled from), eager execution (compiled graphs round differently
+  from the trainer's eager ops), a seed, no prefix caching (cache hits are computed with other
+  shapes, and survive weight updates), and the weight-sync worker extension;
+* on CUDA/ROCm/XPU sets ``VLLM_BATCH_INVARIANT=1`` for every process;
+* on CPU, where vLLM's batch-invariant mode cannot run, disables split-KV decode attention and
+  pads single-row GEMMs to two rows (see :mod:`zero_mismatch_plugin.aligned.cpu_gemm`).
+
+``ZMRL_NUMERICS=fast`` only adds the weight-sync worker extension. Safe to call repeatedly.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+logger = logging.getLogger(__name__)
+
+_APPLIED: set[str] = set()
+
+PREFIX_CACHING_ENV = "ZMRL_ALLOW_PREFIX_CACHING"
+
+
+def register() -> None:
+    from .aligned import numerics
+
+    mode = numerics.current_mode()
+    if mode is None:
+        return
+    _patch_engine_args()
+    if mode != numerics.CONSISTENT:
+        return
+    try:
+        from .aligned.vllm_compat import platform_kind
+
+        platform = platform_kind()
+    except Exception as exc:  # a plugin must not take the engine down
+        logger.error("zero-mismatch plugin: cannot determine the vLLM platform: %s", exc)
+        return
+    for key, value in numerics.engine_env(mode, platform).items():
+        os.environ[key] = value
+    if platform == "cpu":
+        _patch_cpu_gemm()
+
+
+def _patch_cpu_gemm() -> None:
+    if "cpu_gemm" in _APPLIED:
+        return
+    import vllm.model_executor.layers.utils as layer_utils
+
+    from .aligned.cpu_gemm import pad_single_row
+
+    original = layer_utils.dispatch_cpu_unquantized_gemm
+
+    def dispatch_cpu_unquantized_gemm(layer, remove_weight):
+        original(layer, remove_weight)
+        if hasattr(layer, "cpu_linear"):
+            layer.cpu_linear = pad_single_row(layer.cpu_linear)
+
+    dispatch_cpu_unquantized_gemm.__wrapped__ = original
+    layer_utils.dispatch_cpu_unquantized_gemm = dispatch_cpu_unquantized_gemm
+    _APPLIED.add("cpu_gemm")
+
+
+def consistent_engine_settings(args) -> list[str]:
+    """Apply the consistent-mode settings to an ``EngineArgs``; return what was changed."""
+    changed = []
+
+    def setattr_if(name, value):
+        if getattr(args, name, None) != value:
+            setattr(args, name, value)
+            changed.append(f"{name}={value!r}")
+
+    overrides = args.hf_overrides
+    if overrides is None:
+        args.hf_overrides = {"head_dtype": "float32"}
+        changed.append("hf_overrides.head_dtype='float32'")
+    elif isinstance(overrides, dict) and "head_dtype" not in overrides:
+        args.hf_overrides = {**overrides, "head_dtype": "float32"}
+        changed.append("hf_overrides.head_dtype='float32'")
+    elif callable(overrides):
+
+        def with_fp32_head(config, _inner=overrides):
+            config = _inner(config)
+            if getattr(config, "head_dtype", None) is None:
+                config.head_dtype = "float32"
+            return config
+
+        args.hf_overrides = with_fp32_head
+        changed.append("hf_overrides.head_dtype='float32'")
+    if args.logprobs_mode == "raw_logprobs":
+        setattr_if("logprobs_mode", "processed_logprobs")
+    setattr_if("enforce_eager", True)
+    if args.seed is None:
+        setattr_if("seed", 0)
+    if os.environ.get(PREFIX_CACHING_ENV) != "1":
+        setattr_if("enable_prefix_caching", False)
+    return changed
+
+
+def _patch_engine_args() -> None:
+    if "engine_args" in _APPLIED:
+        return
+    from vllm.engine.arg_utils import EngineArgs
+
+    from .aligned import numerics
+    from .aligned.weight_sync import WORKER_EXTENSION
+
+    original = EngineArgs.create_engine_config
+
+    def create_engine_config(self, *args, **kwargs):
+        mode = numerics.current_mode()
+        if mode is not None and not self.worker_extension_cls:
+            self.worker_extension_cls = WORKER_EXTENSION
+        if mode == numerics.CONSISTENT:
+            changed = consistent_engine_settings(self)
+            if changed:
+                logger.info("zero-mismatch (consistent): engine settings %s", ", ".join(changed))
+        return original(self, *args, **kwargs)
+
+    create_engine_config.__wrapped__ = original
+    EngineArgs.create_engine_config = create_engine_config
+    _APPLIED.add("engine_args")
