@@ -1,0 +1,77 @@
+"""The vLLM plugin applies the engine side of the consistent mode, and nothing when unset."""
+
+import os
+
+import pytest
+
+from zero_mismatch_plugin.aligned import numerics
+from zero_mismatch_plugin.aligned.weight_sync import WORKER_EXTENSION
+
+
+def _config(checkpoint, **kwargs):
+    from vllm.engine.arg_utils import EngineArgs
+
+    return EngineArgs(model=str(checkpoint), dtype="float32", max_model_len=256, **kwargs).create_engine_config()
+
+
+def test_consistent_mode_engine_settings(checkpoints):
+    from zero_mismatch_plugin import vllm_plugin
+
+    vllm_plugin.register()
+    cfg = _config(checkpoints["llama"], enable_prefix_caching=True, enforce_eager=False)
+    assert cfg.model_config.logprobs_mode == "processed_logprobs"
+    assert cfg.model_config.enforce_eager
+    assert not cfg.cache_config.enable_prefix_caching
+    assert cfg.model_config.hf_config.head_dtype == "float32"
+    assert cfg.parallel_config.worker_extension_cls == WORKER_EXTENSION
+    assert os.environ[numerics.CPU_SPLIT_KV_ENV] == "0"
+
+
+def test_unset_mode_leaves_vllm_alone(checkpoints, monkeypatch):
+    monkeypatch.delenv(numerics.MODE_ENV)
+    cfg = _config(checkpoints["llama"], enable_prefix_caching=True)
+    assert cfg.model_config.logprobs_mode == "raw_logprobs"
+    assert cfg.cache_config.enable_prefix_caching
+    assert cfg.parallel_config.worker_extension_cls == ""
+
+
+def test_switch_sets_both_sides_for_each_platform(monkeypatch):
+    for key in (numerics.MODE_ENV, numerics.CPU_SPLIT_KV_ENV, numerics.BATCH_INVARIANT_ENV):
+        monkeypatch.delenv(key, raising=False)
+    assert numerics.set_mode("consistent", platform="cuda") == {
+        numerics.MODE_ENV: "consistent",
+        numerics.BATCH_INVARIANT_ENV: "1",
+    }
+    assert os.environ[numerics.BATCH_INVARIANT_ENV] == "1"
+    numerics.set_mode("fast", platform="cuda")
+    assert numerics.BATCH_INVARIANT_ENV not in os.environ
+    assert numerics.set_mode("consistent", platform="cpu")[numerics.CPU_SPLIT_KV_ENV] == "0"
+    with pytest.raises(ValueError):
+        numerics.set_mode("fastest", platform="cpu")
+
+
+def test_live_engine_runs_with_consistent_settings(engines):
+    llm = engines.get("llama")
+    cfg = llm.llm_engine.vllm_config
+    assert cfg.model_config.logprobs_mode == "processed_logprobs"
+    assert cfg.model_config.enforce_eager
+    assert not cfg.cache_config.enable_prefix_caching
+
+
+def test_unsupported_vllm_version_fails_clearly(monkeypatch):
+    import vllm
+
+    from zero_mismatch_plugin.aligned.vllm_compat import UnsupportedVllmError, require_vllm
+
+    monkeypatch.setattr(vllm, "__version__", "0.20.1")
+    monkeypatch.delenv("ZMRL_ALLOW_UNSUPPORTED_VLLM", raising=False)
+    with pytest.raises(UnsupportedVllmError, match="0.20.1 is not supported"):
+        require_vllm()
+
+
+def test_batch_invariant_module_found_under_a_known_path():
+    from zero_mismatch_plugin.aligned.vllm_compat import BATCH_INVARIANT_MODULES, batch_invariant_module
+
+    module = batch_invariant_module()
+    assert module.__name__ in BATCH_INVARIANT_MODULES
+    assert hasattr(module, "init_batch_invariance")

@@ -1,0 +1,56 @@
+"""Zero-mismatch mode refuses sampling settings under which μ cannot be reproduced."""
+
+import pytest
+import torch
+
+from zero_mismatch_plugin.aligned import SamplingTransform, ZeroMismatchViolation
+
+
+def test_raw_logprobs_with_temperature_is_refused():
+    with pytest.raises(ZeroMismatchViolation, match="raw_logprobs"):
+        SamplingTransform(temperature=0.7, logprobs_mode="raw_logprobs").check()
+
+
+def test_raw_logprobs_with_truncation_is_refused():
+    with pytest.raises(ZeroMismatchViolation):
+        SamplingTransform(top_p=0.9, logprobs_mode="raw_logprobs").check()
+    with pytest.raises(ZeroMismatchViolation):
+        SamplingTransform(top_k=5, logprobs_mode="raw_logprobs").check()
+
+
+def test_truncation_without_mask_replay_is_refused():
+    with pytest.raises(ZeroMismatchViolation, match="mask"):
+        SamplingTransform(top_k=5, replay_mask=False).check()
+
+
+def test_greedy_is_refused():
+    with pytest.raises(ZeroMismatchViolation, match="greedy"):
+        SamplingTransform(temperature=0.0).check()
+
+
+def test_non_strict_mode_warns_loudly():
+    with pytest.warns(UserWarning, match="zero mismatch is not possible"):
+        SamplingTransform(temperature=0.5, logprobs_mode="raw_logprobs").check(strict=False)
+
+
+def test_allowed_settings_pass():
+    SamplingTransform().check()
+    SamplingTransform(logprobs_mode="raw_logprobs").check()
+    SamplingTransform(temperature=0.7, top_k=5, top_p=0.8).check()
+
+
+def test_unreplayed_logits_processors_are_refused():
+    from vllm import SamplingParams
+
+    with pytest.raises(ZeroMismatchViolation, match="repetition_penalty"):
+        SamplingTransform.from_sampling_params(SamplingParams(repetition_penalty=1.2))
+    with pytest.raises(ZeroMismatchViolation, match="min_tokens"):
+        SamplingTransform.from_sampling_params(SamplingParams(min_tokens=4, max_tokens=8))
+    t = SamplingTransform.from_sampling_params(SamplingParams(temperature=0.8, top_k=7, top_p=0.95))
+    assert (t.temperature, t.top_k, t.top_p) == (0.8, 7, 0.95)
+
+
+def test_mask_is_vllms_top_k():
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0, -1.0]])
+    mask = SamplingTransform(top_k=2).engine_mask(logits)
+    assert mask.tolist() == [[True, False, True, False, True]]
