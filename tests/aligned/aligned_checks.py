@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from conftest import prompts_for, rollout
+from vllm_session import prompts_for, rollout
 
 from zero_mismatch_plugin.aligned import pack
 

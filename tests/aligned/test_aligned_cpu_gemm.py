@@ -6,7 +6,7 @@ Runs last among the engine tests (file order): it needs its own checkpoint (K=28
 import pytest
 import torch
 
-from conftest import prompts_for, rollout
+from vllm_session import prompts_for, rollout
 
 from zero_mismatch_plugin.aligned import pack
 from zero_mismatch_plugin.aligned.cpu_gemm import (

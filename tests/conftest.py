@@ -1,0 +1,63 @@
+"""Session-wide fixtures: tiny local checkpoints, one live vLLM engine, aligned trainers."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+# vLLM reads these when its processes start; set before anything imports vLLM.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+from vllm_session import MAX_MODEL_LEN, Engines, prompts_for, rollout  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory):
+    """Tiny random checkpoints, built once: family -> directory."""
+    from zero_mismatch_plugin.tiny_models import build_tiny_model
+
+    root = tmp_path_factory.mktemp("tiny_models")
+    return {
+        "llama": build_tiny_model(root / "llama", family="llama", seed=1),
+        "qwen3": build_tiny_model(root / "qwen3", family="qwen3", seed=2),
+        # down_proj K = 2816: vLLM's CPU GEMM rounds one-row calls differently at this K.
+        "llama_wide": build_tiny_model(
+            root / "llama_wide", family="llama", seed=3, intermediate_size=2816, num_hidden_layers=1
+        ),
+    }
+
+
+@pytest.fixture(scope="session")
+def engines(checkpoints):
+    holder = Engines(checkpoints)
+    yield holder
+    holder.close()
+
+
+@pytest.fixture(scope="session")
+def trainers(checkpoints):
+    """Aligned trainer models (one per checkpoint), created on first use."""
+    from zero_mismatch_plugin.aligned import AlignedCausalLM
+
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            cache[name] = AlignedCausalLM.from_pretrained(
+                checkpoints[name], max_model_len=MAX_MODEL_LEN, seed=0
+            )
+        return cache[name]
+
+    return get
+
+
+@pytest.fixture
+def make_rollout():
+    return rollout
+
+
+@pytest.fixture
+def make_prompts():
+    return prompts_for

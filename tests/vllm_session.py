@@ -1,0 +1,94 @@
+"""A live vLLM engine shared by every test in the session, and helpers to roll out with it.
+
+Starting an engine costs ~30 s on CPU, so each checkpoint's engine is started once per test
+session and reused; at most one engine is alive at a time (starting another shuts the previous
+one down) to keep memory bounded.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import torch
+
+MAX_MODEL_LEN = 256
+NUM_PROMPTS = 8
+SAMPLES_PER_PROMPT = 2
+RESPONSE_TOKENS = 24
+
+
+class Engines:
+    """Lazily started vLLM engines, one alive at a time."""
+
+    def __init__(self, checkpoints):
+        self.checkpoints = checkpoints
+        self.name = None
+        self.llm = None
+
+    def get(self, name: str):
+        if self.name == name:
+            return self.llm
+        self.close()
+        from vllm import LLM
+
+        from zero_mismatch_plugin.aligned.runtime import engine_args_for
+
+        self.llm = LLM(**engine_args_for(self.checkpoints[name], max_model_len=MAX_MODEL_LEN, seed=0))
+        self.name = name
+        return self.llm
+
+    def close(self):
+        if self.llm is not None:
+            try:
+                self.llm.llm_engine.engine_core.shutdown()
+            except Exception:
+                pass
+            self.llm = None
+            self.name = None
+            gc.collect()
+
+
+def prompts_for(checkpoint, num_prompts=NUM_PROMPTS):
+    """Prompts of different lengths (4..15 tokens) from the checkpoint's tokenizer."""
+    from transformers import AutoTokenizer
+
+    from zero_mismatch_plugin.tiny_models import tiny_corpus
+
+    tok = AutoTokenizer.from_pretrained(str(checkpoint))
+    prompts = []
+    for i, line in enumerate(tiny_corpus(num_prompts * 4, seed=7)):
+        ids = tok(line).input_ids
+        want = 4 + (i * 5) % 12
+        if len(ids) >= want:
+            prompts.append(ids[:want])
+        if len(prompts) == num_prompts:
+            return prompts
+    raise AssertionError("corpus too short for the requested prompts")
+
+
+def rollout(llm, prompts, seed=0, n=SAMPLES_PER_PROMPT, max_tokens=RESPONSE_TOKENS, **sampling):
+    """Sample n responses per prompt in one batch; return (prompts, responses, μ)."""
+    from vllm import SamplingParams
+
+    params = [
+        SamplingParams(
+            n=n,
+            temperature=sampling.get("temperature", 1.0),
+            top_k=sampling.get("top_k", 0),
+            top_p=sampling.get("top_p", 1.0),
+            max_tokens=max_tokens,
+            ignore_eos=True,
+            logprobs=0,
+            seed=seed + i,
+        )
+        for i in range(len(prompts))
+    ]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    seq_prompts, responses, mu = [], [], []
+    for prompt, out in zip(prompts, outs):
+        for completion in out.outputs:
+            ids = list(completion.token_ids)
+            seq_prompts.append(prompt)
+            responses.append(ids)
+            mu.extend(step[t].logprob for t, step in zip(ids, completion.logprobs))
+    return seq_prompts, responses, torch.tensor(mu, dtype=torch.float32)
