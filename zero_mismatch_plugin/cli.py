@@ -62,6 +62,32 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _recipes_list(args: argparse.Namespace) -> int:
+    from zero_mismatch_plugin.recipes import RECIPES_DIR, list_recipes
+
+    print(f"recipes in {RECIPES_DIR} (also --config-path=pkg://zero_mismatch_plugin.recipes):")
+    for info in list_recipes():
+        print(f"  {info.name}\n      {info.summary}")
+    return 0
+
+
+def _recipes_show(args: argparse.Namespace) -> int:
+    from zero_mismatch_plugin.recipes import RecipeError, show_recipe
+
+    try:
+        print(show_recipe(args.name, args.overrides), end="")
+    except RecipeError as error:
+        print(f"ERROR: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _recipes_run(args: argparse.Namespace) -> int:
+    from zero_mismatch_plugin.recipes import run_recipe
+
+    return run_recipe(args.name, args.overrides, dry_run=args.dry_run)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="zmrl", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -89,6 +115,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     report.add_argument("--plots", metavar="DIR", help="write PNG plots to DIR")
     report.set_defaults(func=_report)
+
+    recipes = sub.add_parser("recipes", help="the shipped Hydra recipes: list, show the composed config, run")
+    recipes_sub = recipes.add_subparsers(dest="recipes_command", required=True)
+    recipes_list = recipes_sub.add_parser("list", help="every recipe with one line on what it runs")
+    recipes_list.set_defaults(func=_recipes_list)
+    recipes_show = recipes_sub.add_parser("show", help="print the fully composed config of a recipe")
+    recipes_show.add_argument("name", help="recipe name (see `zmrl recipes list`)")
+    recipes_show.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. trainer.nnodes=2")
+    recipes_show.set_defaults(func=_recipes_show)
+    recipes_run = recipes_sub.add_parser(
+        "run", help="validate a recipe, then launch python -m verl.trainer.main_ppo with it"
+    )
+    recipes_run.add_argument("name", help="recipe name (see `zmrl recipes list`)")
+    recipes_run.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. actor_rollout_ref.model.path=...")
+    recipes_run.add_argument("--dry-run", action="store_true", help="validate and print the exact command, do not run it")
+    recipes_run.set_defaults(func=_recipes_run)
+
     return parser
 
 
