@@ -1,0 +1,168 @@
+"""The verl 0.9.1 Megatron-engine patch: applies, computes vLLM's logprobs, is undone exactly."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from zero_mismatch_plugin.megatron import verl_patch
+
+ENGINE = "verl.workers.engine.megatron.transformer_impl"
+PATCHED = [
+    ("MegatronEngine", "_build_tf_config"),
+    ("MegatronEngine", "optimizer_step"),
+    ("MegatronEngine", "load_checkpoint"),
+    ("MegatronEngineWithLMHead", "_lm_head_logits_processor"),
+]
+
+
+@pytest.fixture(scope="module")
+def engine_module():
+    import importlib
+
+    from zero_mismatch_plugin.megatron.standalone import init_single_process
+
+    init_single_process()
+    return importlib.import_module(ENGINE)
+
+
+@pytest.fixture
+def clean_patch():
+    verl_patch.remove()
+    yield
+    verl_patch.remove()
+
+
+def _originals(ti):
+    return {(c, n): getattr(ti, c).__dict__[n] for c, n in PATCHED}
+
+
+def _call_processor(ti, logits, label, temperature):
+    fake_engine = SimpleNamespace(engine_config=SimpleNamespace(entropy_from_logits_with_chunking=False))
+    return ti.MegatronEngineWithLMHead._lm_head_logits_processor(
+        fake_engine, logits, label, temperature,
+        calculate_sum_pi_squared=False, calculate_entropy=True, distillation_use_topk=False,
+        distillation_only=False, logits_processor_func=None, batch=None, data_format="thd",
+    )
+
+
+def _vllm_sampler_logprobs(logits, label, temperature):
+    """What vLLM's sampler records for each row: apply_temperature, then compute_logprobs."""
+    from vllm.v1.sample.sampler import Sampler
+
+    rows = logits.reshape(-1, logits.shape[-1]).to(torch.float32).clone()
+    temp = temperature.reshape(-1).to(torch.float32)
+    scaled = Sampler.apply_temperature(rows, temp, all_random=True)
+    full = Sampler.compute_logprobs(scaled)
+    return full.gather(-1, label.reshape(-1, 1)).reshape(label.shape)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_patched_logits_processor_gives_vllm_logprobs(engine_module, clean_patch, temperature):
+    ti = engine_module
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(1, 96, 512, generator=g) * 4
+    label = torch.randint(0, 512, (1, 96), generator=g)
+    temp = torch.full((1, 96), temperature)
+    expected = _vllm_sampler_logprobs(logits, label, temp)
+
+    stock = _call_processor(ti, logits.clone(), label, temp.clone())["log_probs"]
+    assert verl_patch.apply()
+    aligned = _call_processor(ti, logits.clone(), label, temp.clone())
+    assert torch.equal(aligned["log_probs"], expected)
+    assert aligned["entropy"].shape == label.shape
+    # Negative control: verl's own arithmetic (-cross_entropy) is close but not vLLM's bits.
+    assert (stock - expected).abs().max().item() < 1e-4
+    assert not torch.equal(stock, expected)
+
+
+def test_patched_logprobs_are_differentiable(engine_module, clean_patch):
+    ti = engine_module
+    verl_patch.apply()
+    logits = torch.randn(1, 8, 64, requires_grad=True)
+    label = torch.randint(0, 64, (1, 8))
+    out = _call_processor(ti, logits, label, torch.full((1, 8), 0.5))["log_probs"]
+    out.sum().backward()
+    assert logits.grad is not None and logits.grad.abs().sum() > 0
+
+
+def test_apply_then_remove_restores_original_callables(engine_module, clean_patch, caplog):
+    ti = engine_module
+    before = _originals(ti)
+    with caplog.at_level("WARNING", logger="zero_mismatch_plugin"):
+        assert verl_patch.apply()
+    assert sum("patched" in r.getMessage() for r in caplog.records) == 1
+    assert verl_patch.is_applied()
+    for (c, n), original in before.items():
+        assert getattr(ti, c).__dict__[n] is not original, (c, n)
+        assert getattr(ti, c).__dict__[n].__wrapped__ is original
+    assert not verl_patch.apply()  # idempotent
+    assert verl_patch.remove()
+    assert not verl_patch.is_applied()
+    for (c, n), original in before.items():
+        assert getattr(ti, c).__dict__[n] is original, (c, n)
+
+
+def test_other_verl_versions_are_refused(engine_module, clean_patch, monkeypatch):
+    import verl
+
+    ti = engine_module
+    before = _originals(ti)
+    monkeypatch.setattr(verl, "__version__", "0.10.0")
+    with pytest.raises(verl_patch.UnsupportedVerlVersion):
+        verl_patch.apply()
+    assert not verl_patch.is_applied()
+    assert _originals(ti) == before
+
+
+def test_env_switch(engine_module, clean_patch, monkeypatch):
+    monkeypatch.delenv(verl_patch.ENABLE_ENV, raising=False)
+    assert not verl_patch.maybe_apply() and not verl_patch.is_applied()
+    monkeypatch.setenv(verl_patch.ENABLE_ENV, "1")
+    assert verl_patch.maybe_apply() and verl_patch.is_applied()
+
+
+def test_unsupported_configurations_fail_clearly():
+    from zero_mismatch_plugin.megatron.spec import UnsupportedMegatronFeature, require_supported
+
+    base = dict(normalization="RMSNorm", gated_linear_unit=True, hidden_dropout=0.0, attention_dropout=0.0)
+    require_supported(SimpleNamespace(**base))
+    for extra, word in [
+        (dict(num_moe_experts=8), "MoE"),
+        (dict(multi_latent_attention=True), "MLA"),
+        (dict(tensor_model_parallel_size=2), "tensor parallelism"),
+        (dict(use_transformer_engine_full_layer_spec=True), "Transformer Engine"),
+        (dict(hidden_dropout=0.1), "dropout"),
+    ]:
+        with pytest.raises(UnsupportedMegatronFeature, match=word):
+            require_supported(SimpleNamespace(**{**base, **extra}))
+    engine = SimpleNamespace(
+        provider=SimpleNamespace(**base), is_value_model=False, peft_cls=None, _qat_enabled=False,
+        engine_config=SimpleNamespace(use_fused_kernels=True, use_remove_padding=True),
+    )
+    with pytest.raises(UnsupportedMegatronFeature, match="use_fused_kernels"):
+        verl_patch.inject_aligned_spec(engine, runtime=object())
+    engine.engine_config.use_fused_kernels = False
+    engine.engine_config.use_remove_padding = False
+    with pytest.raises(UnsupportedMegatronFeature, match="use_remove_padding"):
+        verl_patch.inject_aligned_spec(engine, runtime=object())
+
+
+def test_import_verl_applies_the_patch_through_the_entry_point_when_enabled():
+    import os
+    import subprocess
+    import sys
+
+    probe = ("import verl\n"
+             "from verl.workers.engine.megatron import transformer_impl as engine\n"
+             "print(hasattr(engine.MegatronEngineWithLMHead._lm_head_logits_processor, '__wrapped__'))\n")
+    env = {key: value for key, value in os.environ.items() if key != "ZMRL_MEGATRON_ALIGNED"}
+    results = {}
+    for enabled in ("1", None):
+        run_env = dict(env, ZMRL_MEGATRON_ALIGNED=enabled) if enabled else env
+        result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, env=run_env)
+        assert result.returncode == 0, result.stderr[-3000:]
+        results[enabled] = result.stdout.split()[-1]
+    assert results == {"1": "True", None: "False"}

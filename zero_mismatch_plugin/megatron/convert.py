@@ -1,0 +1,242 @@
+"""Dense Llama / Qwen2 / Qwen3 checkpoints <-> megatron-core GPTModel (TP=1).
+
+Layouts that differ between the Hugging Face / vLLM checkpoint and megatron-core:
+
+* ``linear_qkv``: megatron interleaves per query group ``[q heads of the group; k; v]``; the
+  checkpoint has separate ``q_proj``, ``k_proj``, ``v_proj`` (vLLM stacks them ``[q; k; v]``).
+* ``linear_fc1``: ``[gate; up]`` in megatron, the same order as vLLM's ``gate_up_proj``.
+* separate norms (local spec): ``input_layernorm`` / ``pre_mlp_layernorm`` / ``final_layernorm``.
+
+Used to load the checkpoint the engine serves into a megatron model (standalone use and tests;
+verl loads through Megatron-Bridge) and to send a megatron model's weights back to the engine.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+
+def _arch(hf_config) -> str:
+    arch = (getattr(hf_config, "architectures", None) or [""])[0]
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise NotImplementedError(
+            f"architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    return arch
+
+
+def head_dim(hf_config) -> int:
+    return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+
+
+def rope_theta(hf_config) -> float:
+    rope = getattr(hf_config, "rope_parameters", None) or {}
+    if rope.get("rope_type", "default") not in ("default", None):
+        raise NotImplementedError(f"rope scaling {rope.get('rope_type')!r} is not supported")
+    theta = rope.get("rope_theta", getattr(hf_config, "rope_theta", None))
+    if theta is None:
+        raise ValueError("checkpoint config has no rope_theta")
+    return float(theta)
+
+
+def qkv_bias(hf_config) -> bool:
+    arch = _arch(hf_config)
+    if arch == "Qwen2ForCausalLM":
+        return True
+    return bool(getattr(hf_config, "attention_bias", False))
+
+
+def transformer_config_from_hf(hf_config, params_dtype=torch.float32, **overrides):
+    """A megatron-core ``TransformerConfig`` for a dense Llama/Qwen checkpoint (CPU-friendly)."""
+    import torch.nn.functional as F
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    arch = _arch(hf_config)
+    if getattr(hf_config, "mlp_bias", False):
+        raise NotImplementedError("mlp_bias is not supported")
+    if getattr(hf_config, "hidden_act", "silu") != "silu":
+        raise NotImplementedError("only SwiGLU (silu) MLPs are supported")
+    if any(t != "full_attention" for t in (getattr(hf_config, "layer_types", None) or [])):
+        raise NotImplementedError("sliding-window layers are not supported")
+    kwargs = dict(
+        num_layers=hf_config.num_hidden_layers,
+        hidden_size=hf_config.hidden_size,
+        ffn_hidden_size=hf_config.intermediate_size,
+        num_attention_heads=hf_config.num_attention_heads,
+        num_query_groups=hf_config.num_key_value_heads,
+        kv_channels=head_dim(hf_config),
+        normalization="RMSNorm",
+        layernorm_epsilon=hf_config.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=qkv_bias(hf_config),
+        qk_layernorm=arch == "Qwen3ForCausalLM",
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        params_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16,
+        use_cpu_initialization=True,
+        gradient_accumulation_fusion=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+    )
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)
+
+
+def gpt_model_kwargs(hf_config) -> dict:
+    return dict(
+        vocab_size=hf_config.vocab_size,
+        max_sequence_length=getattr(hf_config, "max_position_embeddings", 4096),
+        share_embeddings_and_output_weights=bool(getattr(hf_config, "tie_word_embeddings", False)),
+        position_embedding_type="rope",
+        rotary_base=rope_theta(hf_config),
+    )
+
+
+# ----- weight layouts ----------------------------------------------------------------------
+
+
+def _groups(hf_config):
+    nh, ng, d = hf_config.num_attention_heads, hf_config.num_key_value_heads, head_dim(hf_config)
+    return nh, ng, d
+
+
+def fuse_qkv(q, k, v, hf_config):
+    """[q; k; v] checkpoint tensors (weight or bias) -> megatron's per-group interleaved qkv."""
+    nh, ng, d = _groups(hf_config)
+    per = nh // ng
+    rest = q.shape[1:]
+    q = q.reshape(ng, per * d, *rest)
+    k = k.reshape(ng, d, *rest)
+    v = v.reshape(ng, d, *rest)
+    return torch.cat([q, k, v], dim=1).reshape(ng * (per + 2) * d, *rest)
+
+
+def split_qkv(qkv, hf_config):
+    """megatron's interleaved qkv -> (q, k, v) in the checkpoint's layout."""
+    nh, ng, d = _groups(hf_config)
+    per = nh // ng
+    rest = qkv.shape[1:]
+    grouped = qkv.reshape(ng, (per + 2) * d, *rest)
+    q, k, v = grouped.split([per * d, d, d], dim=1)
+    return q.reshape(nh * d, *rest), k.reshape(ng * d, *rest), v.reshape(ng * d, *rest)
+
+
+def hf_to_megatron(state: dict, hf_config) -> dict:
+    """Checkpoint state dict (HF names) -> GPTModel state dict (megatron names)."""
+    out = {"embedding.word_embeddings.weight": state["model.embed_tokens.weight"]}
+    has_bias = qkv_bias(hf_config)
+    qk_norm = _arch(hf_config) == "Qwen3ForCausalLM"
+    for i in range(hf_config.num_hidden_layers):
+        src = f"model.layers.{i}."
+        dst = f"decoder.layers.{i}."
+        a = src + "self_attn."
+        out[dst + "input_layernorm.weight"] = state[src + "input_layernorm.weight"]
+        out[dst + "self_attention.linear_qkv.weight"] = fuse_qkv(
+            state[a + "q_proj.weight"], state[a + "k_proj.weight"], state[a + "v_proj.weight"], hf_config
+        )
+        if has_bias:
+            out[dst + "self_attention.linear_qkv.bias"] = fuse_qkv(
+                state[a + "q_proj.bias"], state[a + "k_proj.bias"], state[a + "v_proj.bias"], hf_config
+            )
+        if qk_norm:
+            out[dst + "self_attention.q_layernorm.weight"] = state[a + "q_norm.weight"]
+            out[dst + "self_attention.k_layernorm.weight"] = state[a + "k_norm.weight"]
+        out[dst + "self_attention.linear_proj.weight"] = state[a + "o_proj.weight"]
+        out[dst + "pre_mlp_layernorm.weight"] = state[src + "post_attention_layernorm.weight"]
+        m = src + "mlp."
+        out[dst + "mlp.linear_fc1.weight"] = torch.cat(
+            [state[m + "gate_proj.weight"], state[m + "up_proj.weight"]], dim=0
+        )
+        out[dst + "mlp.linear_fc2.weight"] = state[m + "down_proj.weight"]
+    out["decoder.final_layernorm.weight"] = state["model.norm.weight"]
+    if not getattr(hf_config, "tie_word_embeddings", False):
+        out["output_layer.weight"] = state["lm_head.weight"]
+    return out
+
+
+def megatron_to_hf(state: dict, hf_config) -> dict:
+    """GPTModel state dict (or gradients under the same names) -> checkpoint names/layouts."""
+    out = {"model.embed_tokens.weight": state["embedding.word_embeddings.weight"]}
+    has_bias = qkv_bias(hf_config)
+    qk_norm = _arch(hf_config) == "Qwen3ForCausalLM"
+    inter = hf_config.intermediate_size
+    for i in range(hf_config.num_hidden_layers):
+        src = f"decoder.layers.{i}."
+        dst = f"model.layers.{i}."
+        a = dst + "self_attn."
+        out[dst + "input_layernorm.weight"] = state[src + "input_layernorm.weight"]
+        q, k, v = split_qkv(state[src + "self_attention.linear_qkv.weight"], hf_config)
+        out[a + "q_proj.weight"], out[a + "k_proj.weight"], out[a + "v_proj.weight"] = q, k, v
+        if has_bias:
+            q, k, v = split_qkv(state[src + "self_attention.linear_qkv.bias"], hf_config)
+            out[a + "q_proj.bias"], out[a + "k_proj.bias"], out[a + "v_proj.bias"] = q, k, v
+        if qk_norm:
+            out[a + "q_norm.weight"] = state[src + "self_attention.q_layernorm.weight"]
+            out[a + "k_norm.weight"] = state[src + "self_attention.k_layernorm.weight"]
+        out[a + "o_proj.weight"] = state[src + "self_attention.linear_proj.weight"]
+        out[dst + "post_attention_layernorm.weight"] = state[src + "pre_mlp_layernorm.weight"]
+        gate, up = state[src + "mlp.linear_fc1.weight"].split([inter, inter], dim=0)
+        out[dst + "mlp.gate_proj.weight"] = gate
+        out[dst + "mlp.up_proj.weight"] = up
+        out[dst + "mlp.down_proj.weight"] = state[src + "mlp.linear_fc2.weight"]
+    out["model.norm.weight"] = state["decoder.final_layernorm.weight"]
+    if "output_layer.weight" in state:
+        out["lm_head.weight"] = state["output_layer.weight"]
+    return out
+
+
+def read_checkpoint(model_dir: str | os.PathLike) -> dict:
+    from safetensors.torch import load_file
+
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no safetensors files in {model_dir}")
+    state = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    return state
+
+
+def load_hf_checkpoint(model, model_dir: str | os.PathLike, hf_config) -> None:
+    """Copy the checkpoint in ``model_dir`` into a GPTModel (in place, exact names checked)."""
+    mapped = hf_to_megatron(read_checkpoint(model_dir), hf_config)
+    own = {k: p for k, p in model.named_parameters()}
+    missing = sorted(set(own) - set(mapped))
+    unexpected = sorted(set(mapped) - set(own))
+    if missing or unexpected:
+        raise ValueError(f"checkpoint mismatch: missing {missing}, unexpected {unexpected}")
+    with torch.no_grad():
+        for name, p in own.items():
+            src = mapped[name]
+            if src.shape != p.shape:
+                raise ValueError(f"{name}: checkpoint {tuple(src.shape)} vs model {tuple(p.shape)}")
+            p.copy_(src.to(p.dtype))
+
+
+def engine_weights(model, hf_config, dtype) -> list[tuple[str, torch.Tensor]]:
+    """(checkpoint name, tensor in the engine dtype) for every weight of a GPTModel."""
+    state = {k: p.detach() for k, p in model.named_parameters()}
+    return [(k, v.to(dtype)) for k, v in megatron_to_hf(state, hf_config).items()]
+
+
+def sync_weights_to_engine(llm, model, hf_config, dtype) -> None:
+    """Send a GPTModel's weights into a ``vllm.LLM`` through vLLM's own loading path."""
+    from ..aligned.weight_sync import encode
+
+    encoded = [encode(n, t) for n, t in engine_weights(model, hf_config, dtype)]
+    loaded = llm.collective_rpc("zmrl_load_weights", args=(encoded,))
+    if any(n != len(encoded) for n in loaded):
+        raise RuntimeError(f"weight sync: workers loaded {loaded} of {len(encoded)} tensors")
+    llm.reset_prefix_cache()

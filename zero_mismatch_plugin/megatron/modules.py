@@ -1,0 +1,448 @@
+"""megatron-core modules whose forward is vLLM's kernel (through the aligned ops).
+
+Each class here has the constructor signature and the parameter names of the megatron-core module
+it replaces in a layer spec (``WrappedTorchNorm``, ``ColumnParallelLinear``/``RowParallelLinear``,
+``DotProductAttention``, ``MLP``, the GPT output layer), so checkpoints, optimizers and
+``sharded_state_dict`` see the usual megatron-core parameters. The computation is vLLM's: the
+forward of every op calls the vLLM layer instance built by :class:`~..aligned.runtime.VllmRuntime`
+on the tensors vLLM's model code would pass it (token-major ``[T, features]``), and the backward is
+the analytic gradient in fp32 (vLLM's kernels are forward-only).
+
+Tensor parallelism is not implemented: every module holds the full weight (TP=1).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch import nn
+from torch.autograd import Function
+
+from ..aligned.derived import DerivedWeight, cast_like_engine
+from ..aligned.ops import (
+    AlignedAttention,
+    AlignedLogits,
+    AlignedRMSNorm,
+    AlignedRotary,
+    AlignedSiluAndMul,
+)
+from ..aligned.runtime import KernelLayer, VllmRuntime
+
+# vLLM layer instances that hold no trainable state (rotary cos/sin cache, attention backend)
+# are shared by all layers built from one runtime, as vLLM shares one rotary embedding.
+_SHARED: "weakref.WeakKeyDictionary[VllmRuntime, dict]" = weakref.WeakKeyDictionary()
+
+
+def _shared(runtime: VllmRuntime, key, build):
+    cache = _SHARED.setdefault(runtime, {})
+    if key not in cache:
+        cache[key] = build()
+    return cache[key]
+
+
+def _flat(x: torch.Tensor) -> torch.Tensor:
+    """[..., features] -> [tokens, features], the layout vLLM's kernels are called with."""
+    return x.reshape(-1, x.shape[-1])
+
+
+# ----- Norms -------------------------------------------------------------------------------
+
+
+class AlignedRMSNormModule(nn.Module):
+    """Replaces ``WrappedTorchNorm`` (RMSNorm) for the input / pre-MLP / q / k / final norms."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, *, runtime: VllmRuntime, **_):
+        super().__init__()
+        if getattr(config, "normalization", "RMSNorm") != "RMSNorm":
+            raise NotImplementedError(
+                f"aligned megatron spec: normalization={config.normalization!r}; only RMSNorm"
+            )
+        if getattr(config, "layernorm_zero_centered_gamma", False):
+            raise NotImplementedError("aligned megatron spec: zero-centered RMSNorm gamma")
+        self.config = config
+        self.runtime = runtime
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
+        setattr(self.weight, "sequence_parallel", False)
+        self._op = None
+
+    def _kernel(self) -> AlignedRMSNorm:
+        # Rebuilt if the Parameter object was replaced (e.g. by a model conversion).
+        if self._op is None or self._op.weight is not self.weight:
+            self._op = AlignedRMSNorm(self.runtime, self.weight, self.eps)
+        return self._op
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        return self._kernel()(_flat(x)).reshape(shape)
+
+
+# ----- Linears -----------------------------------------------------------------------------
+
+
+class _EngineLinear:
+    """The engine-layout copy of a megatron linear: rows reordered to vLLM's layout, engine
+    dtype, vLLM's post-load processing (oneDNN packing on CPU); rebuilt when the weight changes."""
+
+    def __init__(self, runtime: VllmRuntime, module: "AlignedLinearModule"):
+        self.runtime = runtime
+        self.module = module
+        self.method = runtime.linear_method()
+        self.derived = DerivedWeight(module.sources(), self._build)
+
+    def _build(self, sources):
+        weight, bias = sources[0], (sources[1] if len(sources) > 1 else None)
+        order = self.module.engine_rows
+        if order is not None:
+            weight = weight.index_select(0, order.to(weight.device))
+            bias = None if bias is None else bias.index_select(0, order.to(bias.device))
+        dtype = self.runtime.dtype
+        weight = cast_like_engine(weight, dtype).contiguous()
+        bias = None if bias is None else cast_like_engine(bias, dtype).contiguous()
+        layer = KernelLayer(weight.clone(), None if bias is None else bias.clone(), self.method)
+        with self.runtime.context():
+            self.method.process_weights_after_loading(layer)
+        return layer, weight
+
+    def apply(self, x2d: torch.Tensor) -> torch.Tensor:
+        layer, _ = self.derived.get()
+        return self.method.apply(layer, x2d, layer.bias)
+
+
+class _MegatronLinearFn(Function):
+    @staticmethod
+    def forward(ctx, x, module: "AlignedLinearModule", weight, bias):
+        x2d = _flat(x)
+        out = module._engine().apply(x2d)
+        if module.megatron_cols is not None:
+            # vLLM's row order -> megatron's (an exact permutation of output columns).
+            out = out.index_select(-1, module.megatron_cols.to(out.device))
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        ctx.engine_dtype = module.runtime.dtype
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def backward(ctx, g):
+        x, weight = ctx.saved_tensors
+        g2 = _flat(g).float()
+        x2 = _flat(x).float()
+        # In megatron's row order throughout: the permutation cancels in every product.
+        w32 = cast_like_engine(weight, ctx.engine_dtype).float()
+        gx = (g2 @ w32).reshape(x.shape).to(x.dtype)
+        gw = (g2.t() @ x2).to(weight.dtype)
+        gb = g2.sum(0).to(weight.dtype) if ctx.has_bias else None
+        return gx, None, gw, gb
+
+
+class AlignedLinearModule(nn.Module):
+    """Replaces ``ColumnParallelLinear`` / ``RowParallelLinear`` (TP=1) with vLLM's linear.
+
+    The bias, when present, is applied inside vLLM's linear (one fused ``F.linear``-style call,
+    as vLLM does) and never returned for a later add, whatever ``skip_bias_add`` says: a separate
+    bias add rounds differently.
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        config,
+        init_method=None,
+        bias: bool = True,
+        runtime: VllmRuntime,
+        tp_group=None,
+        **_,
+    ):
+        super().__init__()
+        if getattr(config, "tensor_model_parallel_size", 1) != 1:
+            raise NotImplementedError("aligned megatron spec: tensor parallelism (TP > 1)")
+        self.config = config
+        self.runtime = runtime
+        self.input_size = input_size
+        self.output_size = output_size
+        self.weight = nn.Parameter(
+            torch.empty(output_size, input_size, dtype=config.params_dtype)
+        )
+        if init_method is not None and getattr(config, "perform_initialization", True):
+            with torch.no_grad():
+                init_method(self.weight)
+        self.bias = (
+            nn.Parameter(torch.zeros(output_size, dtype=config.params_dtype)) if bias else None
+        )
+        for p in (self.weight, self.bias):
+            if p is not None:
+                setattr(p, "allreduce", True)
+                setattr(p, "sequence_parallel", False)
+        # engine_rows[i]: megatron row computing vLLM's output i; megatron_cols[j]: the vLLM
+        # output that is megatron's output j. None: same layout.
+        self.register_buffer("engine_rows", None, persistent=False)
+        self.register_buffer("megatron_cols", None, persistent=False)
+        self._engine_linear = None
+
+    def sources(self):
+        return [self.weight] + ([self.bias] if self.bias is not None else [])
+
+    def _engine(self) -> _EngineLinear:
+        if self._engine_linear is None or any(
+            a is not b for a, b in zip(self._engine_linear.derived.sources, self.sources())
+        ):
+            self._engine_linear = _EngineLinear(self.runtime, self)
+        return self._engine_linear
+
+    def forward(self, x: torch.Tensor, *args, **kwargs):
+        out = _MegatronLinearFn.apply(x, self, self.weight, self.bias)
+        return out, None
+
+    def refresh(self) -> None:
+        self._engine().derived.refresh()
+
+
+def qkv_row_order(num_heads: int, num_query_groups: int, head_dim: int):
+    """(engine_rows, megatron_cols) between megatron's fused qkv and vLLM's ``[q; k; v]``.
+
+    megatron stores, per query group g: the group's ``num_heads / num_query_groups`` query heads,
+    then its key head, then its value head. vLLM's ``QKVParallelLinear`` stacks all query heads,
+    then all key heads, then all value heads.
+    """
+    per_group = num_heads // num_query_groups
+    group_rows = (per_group + 2) * head_dim
+    q_rows, k_rows, v_rows = [], [], []
+    for g in range(num_query_groups):
+        base = g * group_rows
+        q_rows.append(torch.arange(base, base + per_group * head_dim))
+        k_rows.append(torch.arange(base + per_group * head_dim, base + (per_group + 1) * head_dim))
+        v_rows.append(torch.arange(base + (per_group + 1) * head_dim, base + group_rows))
+    engine_rows = torch.cat(q_rows + k_rows + v_rows)
+    megatron_cols = torch.empty_like(engine_rows)
+    megatron_cols[engine_rows] = torch.arange(engine_rows.numel())
+    return engine_rows, megatron_cols
+
+
+class AlignedQKVLinearModule(AlignedLinearModule):
+    """``linear_qkv``: megatron's grouped layout, computed as vLLM's ``[q; k; v]`` GEMM."""
+
+    def __init__(self, input_size: int, output_size: int, *, config, runtime: VllmRuntime, **kw):
+        super().__init__(input_size, output_size, config=config, runtime=runtime, **kw)
+        head_dim = config.kv_channels
+        groups = config.num_query_groups or config.num_attention_heads
+        expected = (config.num_attention_heads + 2 * groups) * head_dim
+        if output_size != expected:
+            raise NotImplementedError(
+                f"aligned megatron spec: linear_qkv of {output_size} rows, expected {expected} "
+                "(dense GQA attention; gated or latent attention is not supported)"
+            )
+        rows, cols = qkv_row_order(config.num_attention_heads, groups, head_dim)
+        self.engine_rows = rows
+        self.megatron_cols = cols
+
+
+# ----- Activation / MLP --------------------------------------------------------------------
+
+
+def _mlp_class():
+    from megatron.core.transformer.mlp import MLP
+
+    class AlignedMLP(MLP):
+        """megatron's dense MLP with vLLM's ``SiluAndMul`` between fc1 ([gate; up]) and fc2."""
+
+        def __init__(self, config, submodules, *args, runtime: VllmRuntime, **kwargs):
+            if not (config.gated_linear_unit and config.activation_func is torch.nn.functional.silu):
+                raise NotImplementedError("aligned megatron spec: only SwiGLU MLPs (silu, gated)")
+            if getattr(config, "use_te_activation_func", False):
+                raise NotImplementedError("aligned megatron spec: use_te_activation_func")
+            super().__init__(config, submodules, *args, **kwargs)
+            self.runtime = runtime
+            self.act = AlignedSiluAndMul(runtime)
+
+        def forward(self, hidden_states, per_token_scale=None, **kwargs):
+            if per_token_scale is not None:
+                raise NotImplementedError("aligned megatron spec: per-token-scaled MLP (MoE)")
+            gate_up, _ = self.linear_fc1(hidden_states)
+            shape = gate_up.shape
+            intermediate = self.act(_flat(gate_up)).reshape(*shape[:-1], shape[-1] // 2)
+            return self.linear_fc2(intermediate)
+
+    return AlignedMLP
+
+
+AlignedMLP = None  # resolved lazily (megatron-core import) by :func:`aligned_mlp_class`
+
+
+def aligned_mlp_class():
+    global AlignedMLP
+    if AlignedMLP is None:
+        AlignedMLP = _mlp_class()
+    return AlignedMLP
+
+
+# ----- Core attention (with the rotary embedding) ------------------------------------------
+
+
+class AlignedCoreAttention(nn.Module):
+    """Replaces ``DotProductAttention``: vLLM's rotary embedding, then vLLM's attention backend.
+
+    megatron applies the rotary embedding in ``Attention.forward`` just before core attention,
+    with its own cos/sin. That application is switched off after construction
+    (:func:`..spec.apply_post_construction_swaps`), and the rotation vLLM applies (its kernel and
+    cos/sin cache) is done here, on the same q and k, at the same point in the data flow.
+
+    Accepts megatron's ``sbhd`` layout (each batch column one causal sequence, no padding mask)
+    and packed ``thd`` input (``packed_seq_params.cu_seqlens_q``), which verl uses.
+    """
+
+    def __init__(
+        self,
+        config,
+        layer_number: int,
+        attn_mask_type=None,
+        attention_type: str = "self",
+        attention_dropout=None,
+        softmax_scale=None,
+        cp_comm_type=None,
+        pg_collection=None,
+        *,
+        runtime: VllmRuntime,
+        **_,
+    ):
+        super().__init__()
+        if attention_type != "self":
+            raise NotImplementedError("aligned megatron spec: cross attention")
+        if getattr(config, "context_parallel_size", 1) != 1:
+            raise NotImplementedError("aligned megatron spec: context parallelism (CP > 1)")
+        dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        if dropout:
+            raise NotImplementedError("aligned megatron spec: attention dropout (vLLM has none)")
+        if getattr(config, "window_size", None) is not None:
+            raise NotImplementedError("aligned megatron spec: sliding-window attention")
+        self.config = config
+        self.runtime = runtime
+        self.layer_number = layer_number
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_query_groups or config.num_attention_heads
+        self.head_dim = config.kv_channels
+        # vLLM's Llama/Qwen attention uses head_dim ** -0.5.
+        self.scale = softmax_scale if softmax_scale is not None else self.head_dim**-0.5
+        hf = runtime.hf_config
+        max_pos = getattr(hf, "max_position_embeddings", 8192)
+        rope = getattr(hf, "rope_parameters", None)
+        self.rotary = _shared(
+            runtime, ("rotary", self.head_dim, max_pos),
+            lambda: AlignedRotary(runtime, self.head_dim, max_pos, rope),
+        )
+        self.attention = _shared(
+            runtime, ("attention", self.num_heads, self.num_kv_heads, self.head_dim, self.scale),
+            lambda: AlignedAttention(
+                runtime, self.num_heads, self.num_kv_heads, self.head_dim, self.scale
+            ),
+        )
+        # Set by apply_post_construction_swaps once megatron's own rotary is switched off.
+        self.applies_rotary = False
+
+    def forward(
+        self,
+        query,
+        key,
+        value,
+        attention_mask=None,
+        attn_mask_type=None,
+        attention_bias=None,
+        packed_seq_params=None,
+    ):
+        if not self.applies_rotary:
+            raise RuntimeError(
+                "AlignedCoreAttention used without apply_post_construction_swaps(model): "
+                "megatron would rotate q/k itself and the rotation would be applied twice"
+            )
+        if attention_bias is not None:
+            raise NotImplementedError("aligned megatron spec: attention bias")
+        device = query.device
+        if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
+            cu = packed_seq_params.cu_seqlens_q_padded
+            if cu is None:
+                cu = packed_seq_params.cu_seqlens_q
+            # Padding, if any, trails each sequence: causal rows before it are unaffected.
+            seq_lens = [int(n) for n in torch.diff(cu.cpu()).tolist() if int(n) > 0]
+            tokens = query.shape[0]
+            if sum(seq_lens) != tokens:
+                raise ValueError(f"cu_seqlens cover {sum(seq_lens)} tokens, query has {tokens}")
+            q = query.reshape(tokens, -1)
+            k = key.reshape(tokens, -1)
+            v = value.reshape(tokens, -1)
+            layout = None
+        else:
+            if packed_seq_params is not None:
+                raise NotImplementedError(
+                    f"aligned megatron spec: packed qkv_format={packed_seq_params.qkv_format!r}"
+                )
+            if attention_mask is not None:
+                raise NotImplementedError(
+                    "aligned megatron spec: explicit attention masks (padded bshd batches); "
+                    "use packed THD input (verl: use_remove_padding=True) or unpadded sequences"
+                )
+            s, b = query.shape[0], query.shape[1]
+            # Sequence after sequence, as vLLM packs its batch.
+            q = query.transpose(0, 1).reshape(b * s, -1)
+            k = key.transpose(0, 1).reshape(b * s, -1)
+            v = value.transpose(0, 1).reshape(b * s, -1)
+            seq_lens = [s] * b
+            layout = (s, b)
+        positions = torch.cat([torch.arange(n, device=device) for n in seq_lens])
+        q, k = self.rotary(positions, q, k)
+        plan = self.attention.plan(seq_lens)
+        out = self.attention(q, k, v.contiguous(), plan, seq_lens)
+        if layout is None:
+            return out
+        s, b = layout
+        return out.view(b, s, -1).transpose(0, 1)
+
+
+# ----- Output layer ------------------------------------------------------------------------
+
+
+class _MegatronLogits(AlignedLogits):
+    def _build(self, sources):
+        # A megatron output weight may carry padded vocabulary rows; vLLM's head has exactly
+        # vocab_size rows before its own padding.
+        return super()._build([sources[0][: self.vocab_size]])
+
+
+class AlignedOutputLayer(nn.Module):
+    """Replaces GPTModel's ``output_layer``: vLLM's lm_head + ``LogitsProcessor`` (head dtype
+    honoured, fp32 in consistent mode), returning logits of vLLM's width (the model vocabulary).
+    """
+
+    def __init__(self, runtime: VllmRuntime, weight: nn.Parameter | None, vocab_size: int):
+        super().__init__()
+        self.runtime = runtime
+        self.vocab_size = vocab_size
+        self.weight = weight  # None when tied: GPTModel passes the embedding weight
+        self.sequence_parallel = False
+        self._head = None
+
+    def _kernel(self, weight: torch.Tensor) -> AlignedLogits:
+        if weight.shape[0] != self.vocab_size:
+            raise NotImplementedError(
+                f"aligned output layer: weight has {weight.shape[0]} rows, the model vocabulary "
+                f"{self.vocab_size}; padded megatron vocabularies are not supported "
+                "(make_vocab_size_divisible_by / should_pad_vocab off)"
+            )
+        if self._head is None or self._head.weight is not weight:
+            self._head = _MegatronLogits(self.runtime, weight, self.vocab_size)
+        return self._head
+
+    def forward(self, hidden_states, weight=None, runtime_gather_output=None):
+        weight = self.weight if weight is None else weight
+        if weight is None:
+            raise ValueError("aligned output layer: no weight (tied model without weight=)")
+        s, b, h = hidden_states.shape
+        # vLLM computes logits for tokens in sequence order; megatron's rows are [s, b].
+        tokens = hidden_states.transpose(0, 1).reshape(b * s, h)
+        logits = self._kernel(weight)(tokens)
+        return logits.view(b, s, -1).transpose(0, 1), None
+
+    def refresh(self) -> None:
+        if self._head is not None:
+            self._head.derived.refresh()

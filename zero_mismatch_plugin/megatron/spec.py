@@ -1,0 +1,190 @@
+"""The aligned megatron-core layer spec and the swaps a spec cannot express.
+
+:func:`aligned_layer_spec` starts from megatron-core's ``get_gpt_layer_local_spec()`` and replaces
+the input / pre-MLP / q / k norms, ``linear_qkv``, ``linear_proj``, ``linear_fc1``, ``linear_fc2``,
+the core attention and the MLP (for its activation) with the modules of :mod:`.modules`.
+GPTModel builds three more things outside the layer spec: the rotary embedding application, the
+final norm (``TransformerBlock`` uses a default norm class for a layer spec) and the output layer;
+:func:`apply_post_construction_swaps` replaces those on the constructed model.
+"""
+
+from __future__ import annotations
+
+import copy
+
+from ..aligned.runtime import VllmRuntime
+from .modules import (
+    AlignedCoreAttention,
+    AlignedLinearModule,
+    AlignedOutputLayer,
+    AlignedQKVLinearModule,
+    AlignedRMSNormModule,
+    aligned_mlp_class,
+)
+
+# GPTModel.position_embedding_type after the swap: megatron skips its own rotary for any value
+# other than rope/yarn/mrope; the rotation is done by AlignedCoreAttention.
+ALIGNED_ROPE = "vllm_rope"
+
+
+class UnsupportedMegatronFeature(NotImplementedError):
+    """A megatron-core feature the aligned spec does not reproduce vLLM's numerics for."""
+
+
+def unsupported_features(config) -> list[str]:
+    """What in ``config`` (a TransformerConfig or Megatron-Bridge provider) is not supported."""
+
+    def get(name, default=None):
+        return getattr(config, name, default)
+
+    problems = []
+    if get("num_moe_experts"):
+        problems.append("MoE (num_moe_experts)")
+    if get("multi_latent_attention"):
+        problems.append("multi-latent attention (MLA)")
+    if get("tensor_model_parallel_size", 1) != 1:
+        problems.append("tensor parallelism > 1")
+    if get("pipeline_model_parallel_size", 1) != 1:
+        problems.append("pipeline parallelism > 1")
+    if get("context_parallel_size", 1) != 1:
+        problems.append("context parallelism > 1")
+    if get("sequence_parallel"):
+        problems.append("sequence parallelism")
+    if get("mtp_num_layers"):
+        problems.append("multi-token prediction layers")
+    if get("normalization", "RMSNorm") != "RMSNorm":
+        problems.append(f"normalization={get('normalization')!r} (only RMSNorm)")
+    if not get("gated_linear_unit", True):
+        problems.append("non-gated MLP (only SwiGLU)")
+    if get("add_bias_linear"):
+        problems.append("biases on linear_proj / linear_fc1 / linear_fc2")
+    if get("hidden_dropout") or get("attention_dropout"):
+        problems.append("dropout (hidden_dropout / attention_dropout must be 0)")
+    if get("fp8"):
+        problems.append("fp8")
+    if get("use_transformer_engine_full_layer_spec"):
+        problems.append("the Transformer Engine full-layer spec")
+    if get("qk_l2_norm"):
+        problems.append("qk L2 norm")
+    if get("window_size") is not None:
+        problems.append("sliding-window attention")
+    position = get("position_embedding_type", "rope")
+    if position not in ("rope", ALIGNED_ROPE):
+        problems.append(f"position_embedding_type={position!r} (only rope)")
+    return problems
+
+
+def require_supported(config) -> None:
+    problems = unsupported_features(config)
+    if problems:
+        raise UnsupportedMegatronFeature(
+            "the aligned megatron spec does not support: " + "; ".join(problems)
+        )
+
+
+def aligned_layer_spec(config, runtime: VllmRuntime):
+    """The aligned GPT layer ``ModuleSpec`` for ``config``, its ops built under ``runtime``."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    require_supported(config)
+    spec = copy.deepcopy(
+        get_gpt_layer_local_spec(
+            qk_layernorm=bool(getattr(config, "qk_layernorm", False)), normalization="RMSNorm"
+        )
+    )
+    params = {"runtime": runtime}
+
+    def norm():
+        return ModuleSpec(module=AlignedRMSNormModule, params=params)
+
+    layer = spec.submodules
+    layer.input_layernorm = norm()
+    layer.pre_mlp_layernorm = norm()
+    attention = layer.self_attention.submodules
+    attention.linear_qkv = ModuleSpec(module=AlignedQKVLinearModule, params=params)
+    attention.linear_proj = ModuleSpec(module=AlignedLinearModule, params=params)
+    attention.core_attention = ModuleSpec(module=AlignedCoreAttention, params=params)
+    if attention.q_layernorm is not IdentityOp:
+        attention.q_layernorm = norm()
+        attention.k_layernorm = norm()
+    mlp = layer.mlp
+    mlp.module = aligned_mlp_class()
+    mlp.params = {**(mlp.params or {}), **params}
+    mlp.submodules.linear_fc1 = ModuleSpec(module=AlignedLinearModule, params=params)
+    mlp.submodules.linear_fc2 = ModuleSpec(module=AlignedLinearModule, params=params)
+    # The local spec fills these in from the TE-style fused names for checkpoint conversion;
+    # with separate norms the plain names are already right.
+    layer.sharded_state_dict_keys_map = {}
+    return spec
+
+
+def _unwrap(model):
+    while hasattr(model, "module") and not hasattr(model, "decoder"):
+        model = model.module
+    return model
+
+
+def apply_post_construction_swaps(model, runtime: VllmRuntime):
+    """Swap what the layer spec does not reach on a constructed GPTModel; returns ``model``.
+
+    * rotary: megatron's application is switched off, :class:`AlignedCoreAttention` rotates;
+    * final norm: vLLM's RMSNorm (keeps the existing parameter);
+    * output layer: vLLM's lm_head + ``LogitsProcessor`` (keeps the existing parameter).
+    """
+    gpt = _unwrap(model)
+    require_supported(gpt.config)
+    attentions = [m for m in gpt.modules() if isinstance(m, AlignedCoreAttention)]
+    if not attentions:
+        raise ValueError("model was not built from the aligned layer spec (no AlignedCoreAttention)")
+    if getattr(gpt, "position_embedding_type", "rope") not in ("rope", ALIGNED_ROPE):
+        raise UnsupportedMegatronFeature(
+            f"position_embedding_type={gpt.position_embedding_type!r}"
+        )
+    gpt.position_embedding_type = ALIGNED_ROPE
+    for attention in attentions:
+        attention.applies_rotary = True
+
+    decoder = gpt.decoder
+    final = getattr(decoder, "final_layernorm", None)
+    if final is not None and not isinstance(final, AlignedRMSNormModule):
+        eps = getattr(final, "eps", gpt.config.layernorm_epsilon)
+        swapped = AlignedRMSNormModule(
+            gpt.config, final.weight.shape[0], eps=eps, runtime=runtime
+        )
+        swapped.weight = final.weight
+        decoder.final_layernorm = swapped
+
+    if getattr(gpt, "post_process", False) and not isinstance(gpt.output_layer, AlignedOutputLayer):
+        old = gpt.output_layer
+        vocab = runtime.hf_config.vocab_size
+        weight = getattr(old, "weight", None)
+        if gpt.share_embeddings_and_output_weights:
+            weight = None  # GPTModel passes the embedding weight at each call
+        head = AlignedOutputLayer(runtime, weight, vocab)
+        gpt.output_layer = head
+    return model
+
+
+def aligned_modules(model):
+    """All aligned modules of ``model`` (for refreshing their engine-layout weights)."""
+    gpt = _unwrap(model)
+    return [
+        m
+        for m in gpt.modules()
+        if isinstance(m, (AlignedLinearModule, AlignedOutputLayer, AlignedRMSNormModule))
+    ]
+
+
+def refresh_aligned_weights(model) -> None:
+    """Re-derive every engine-layout weight copy now.
+
+    Needed after writes that bypass the tensors' version counters (``param.data.copy_``, as
+    some optimizers and checkpoint loaders do); in-place updates are picked up automatically.
+    """
+    for m in aligned_modules(model):
+        if isinstance(m, AlignedRMSNormModule):
+            m._kernel().engine_weight.refresh()
+        else:
+            m.refresh()
