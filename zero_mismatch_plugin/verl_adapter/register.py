@@ -46,3 +46,25 @@ except Exception as error:  # noqa: BLE001 - re-raised after being made visible
         "algorithm.adv_estimator / policy_loss.loss_mode 'reinforce_zero' and 'flash_reinforce' "
         "will be unavailable.", os.getpid(), error, exc_info=True)
     raise
+
+
+def _apply_megatron_patch_if_enabled() -> None:
+    """ZMRL_MEGATRON_ALIGNED=1: make verl's Megatron engine compute vLLM's logprobs.
+
+    Off by default, and then nothing Megatron-related is imported.
+    """
+    from zero_mismatch_plugin.megatron import verl_patch
+
+    if not verl_patch.enabled_by_env():
+        return
+    try:
+        verl_patch.apply()
+    except Exception:
+        # verl would swallow the exception; training on without alignment must not go unnoticed.
+        logger.error("zero_mismatch_plugin: %s=1 but the aligned Megatron patch could NOT be applied "
+                     "in process %d; the trainer will NOT match vLLM's logprobs.",
+                     verl_patch.ENABLE_ENV, os.getpid(), exc_info=True)
+        raise
+
+
+_apply_megatron_patch_if_enabled()
