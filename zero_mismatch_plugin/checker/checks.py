@@ -1,0 +1,341 @@
+"""The checks of ``zmrl check``: a live vLLM engine against a trainer backend, same weights.
+
+Each check returns a :class:`CheckResult` (pass/fail plus figures). Bitwise means fp32
+``==`` on every compared value; the figures say how far off the rest is.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from . import engine as eng
+
+SAMPLED_TOKEN = "sampled_token"
+FULL_DISTRIBUTION = "full_distribution"
+BATCH_COMPOSITION = "batch_composition"
+PREFIX_CACHE = "prefix_cache"
+PREFILL_VS_DECODE = "prefill_vs_decode"
+CHECK_NAMES = (SAMPLED_TOKEN, FULL_DISTRIBUTION, BATCH_COMPOSITION, PREFIX_CACHE, PREFILL_VS_DECODE)
+
+# Seeds: prompt i samples with BASE_SEED + i everywhere, so the same request is repeated
+# exactly across checks; companions that only fill batches use their own range.
+BASE_SEED = 1000
+COMPANION_SEED = 50_000
+# Prompt tokens past the last full KV block in the prefix-cache check: the hit covers whole
+# blocks, these are recomputed on top of the cached ones.
+PREFIX_TAIL_TOKENS = 8
+# Timed trainer forwards in the sampled-token check (after one untimed warm-up).
+TIMED_REPEATS = 2
+
+
+class CheckSkipped(Exception):
+    """A check that cannot run with this engine or these options (the reason is the message)."""
+
+
+@dataclass
+class CheckOptions:
+    num_prompts: int = 8
+    max_tokens: int = 24
+    batch_sizes: tuple[int, ...] = (1, 2, 8)
+    full_vocab: bool = False
+    max_model_len: int = 256
+
+
+@dataclass
+class CheckResult:
+    name: str
+    passed: bool
+    figures: dict = field(default_factory=dict)
+    summary: str = ""
+
+    def as_dict(self) -> dict:
+        return {"pass": self.passed, **self.figures}
+
+
+def _diff_figures(trainer: torch.Tensor, engine: torch.Tensor) -> dict:
+    equal = trainer == engine
+    diff = (trainer.double() - engine.double()).abs()
+    return dict(
+        bitwise_equal_fraction=float(equal.float().mean().item()) if equal.numel() else 1.0,
+        max_abs_diff=float(diff.max().item()) if diff.numel() else 0.0,
+        mean_abs_diff=float(diff.mean().item()) if diff.numel() else 0.0,
+    )
+
+
+def mean_k3(trainer: torch.Tensor, engine: torch.Tensor) -> float:
+    """Mean of w - 1 - log w over tokens, w = π/μ (trainer over engine): 0 iff w = 1."""
+    log_w = trainer.double() - engine.double()
+    return float((log_w.exp() - 1 - log_w).mean().item()) if log_w.numel() else 0.0
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.1f}%"
+
+
+# ----- trainer vs engine --------------------------------------------------------------------
+
+
+def sampled_token_check(backend, completions) -> CheckResult:
+    from zero_mismatch_plugin.aligned import pack
+
+    batch = pack([c.prompt for c in completions], [c.tokens for c in completions])
+    engine = torch.tensor([lp for c in completions for lp in c.logprobs], dtype=torch.float32)
+    # The first call also derives the trainer's engine-layout weights (one-time work). The
+    # next ones are timed (best of TIMED_REPEATS: vLLM's idle workers keep polling for about a
+    # second after a step, sharing the CPU) and must repeat the first bit for bit.
+    first = backend.token_logprobs(batch)
+    seconds = math.inf
+    repeatable = True
+    for _ in range(TIMED_REPEATS):
+        start = time.perf_counter()
+        trainer = backend.token_logprobs(batch)
+        seconds = min(seconds, time.perf_counter() - start)
+        repeatable &= bool(torch.equal(first, trainer))
+    figures = dict(
+        tokens=int(engine.numel()),
+        sequences=len(completions),
+        **_diff_figures(trainer, engine),
+        mean_k3=mean_k3(trainer, engine),
+        trainer_repeatable=repeatable,
+        trainer_seconds=seconds,
+        verified_tokens_per_second=engine.numel() / seconds if seconds > 0 else math.inf,
+    )
+    passed = figures["bitwise_equal_fraction"] == 1.0 and engine.numel() > 0 and repeatable
+    summary = (
+        ("" if repeatable else "trainer NOT repeatable run to run; ")
+        + f"{_pct(figures['bitwise_equal_fraction'])} of {figures['tokens']} sampled-token logprobs "
+        f"bitwise equal; max |Δ| {figures['max_abs_diff']:.3g}; mean k3 {figures['mean_k3']:.3g}; "
+        f"trainer {figures['verified_tokens_per_second']:.0f} tokens/s"
+    )
+    return CheckResult(SAMPLED_TOKEN, passed, figures, summary)
+
+
+def full_distribution_check(backend, completions, full_vocab: bool, vocab_size: int) -> CheckResult:
+    """Every logprob the engine returned at each sampled position (its top-k plus the sampled
+    token, or the whole vocabulary) against the trainer's at the same token ids."""
+    from zero_mismatch_plugin.aligned import pack
+
+    batch = pack([c.prompt for c in completions], [c.tokens for c in completions])
+    full = backend.full_logprobs(batch)
+    rows, ids, engine_values = [], [], []
+    for r, dist in enumerate(d for c in completions for d in c.distributions):
+        for token, logprob in dist.items():
+            rows.append(r)
+            ids.append(token)
+            engine_values.append(logprob)
+    engine = torch.tensor(engine_values, dtype=torch.float32)
+    trainer = full[torch.tensor(rows, dtype=torch.long), torch.tensor(ids, dtype=torch.long)]
+    equal = (trainer == engine).tolist()
+    positions_equal = {}
+    for r, same in zip(rows, equal):
+        positions_equal[r] = positions_equal.get(r, True) and same
+    figures = dict(
+        compared="full vocabulary" if full_vocab else f"top-{eng.DEFAULT_TOP_K} + sampled",
+        vocab_size=vocab_size,
+        positions=len(positions_equal),
+        entries=int(engine.numel()),
+        **_diff_figures(trainer, engine),
+        positions_all_equal_fraction=sum(positions_equal.values()) / max(len(positions_equal), 1),
+    )
+    passed = figures["bitwise_equal_fraction"] == 1.0 and engine.numel() > 0
+    summary = (
+        f"{_pct(figures['bitwise_equal_fraction'])} of {figures['entries']} logprobs "
+        f"({figures['compared']}, {figures['positions']} positions) bitwise equal; "
+        f"max |Δ| {figures['max_abs_diff']:.3g}"
+    )
+    return CheckResult(FULL_DISTRIBUTION, passed, figures, summary)
+
+
+# ----- engine against itself ----------------------------------------------------------------
+
+
+def _compare_completions(reference, other) -> dict:
+    """Tokens identical? Logprobs bitwise equal up to the first differing token."""
+    same_tokens = reference.tokens == other.tokens
+    n = 0
+    while n < min(len(reference.tokens), len(other.tokens)) and reference.tokens[n] == other.tokens[n]:
+        n += 1
+    # Compare the logprobs of the common prefix (after a differing token the contexts differ).
+    ref = torch.tensor(reference.logprobs[: max(n, 1)], dtype=torch.float32)
+    oth = torch.tensor(other.logprobs[: max(n, 1)], dtype=torch.float32)
+    equal = ref == oth
+    return dict(
+        identical=bool(same_tokens and bool(equal.all())),
+        tokens_identical=same_tokens,
+        compared=int(ref.numel()),
+        equal=int(equal.sum()),
+        max_abs_diff=float((ref.double() - oth.double()).abs().max().item()) if ref.numel() else 0.0,
+    )
+
+
+def batch_composition_check(llm, prompts, options: CheckOptions, progress=None) -> CheckResult:
+    """Each prompt decoded alone vs inside a batch of each size (same request seed)."""
+    sizes = sorted({b for b in options.batch_sizes if b > 1})
+    if not sizes:
+        raise CheckSkipped("no batch size above 1 was given")
+    seeds = [BASE_SEED + i for i in range(len(prompts))]
+    alone = []
+    for prompt, seed in zip(prompts, seeds):
+        alone.append(eng.generate(llm, [prompt], [seed], options.max_tokens)[0])
+        _tick(progress)
+    per_size = {}
+    all_identical = True
+    worst = 0.0
+    for size in sizes:
+        results = [None] * len(prompts)
+        for start in range(0, len(prompts), size):
+            members = list(range(start, min(start + size, len(prompts))))
+            batch_prompts = [prompts[i] for i in members]
+            batch_seeds = [seeds[i] for i in members]
+            # Fill the last batch to full size with companions (other prompts, other seeds).
+            k = 0
+            while len(batch_prompts) < size:
+                batch_prompts.append(prompts[(start + size + k) % len(prompts)])
+                batch_seeds.append(COMPANION_SEED + k)
+                k += 1
+            outs = eng.generate(llm, batch_prompts, batch_seeds, options.max_tokens)
+            for i, out in zip(members, outs):
+                results[i] = out
+            _tick(progress)
+        rows = [_compare_completions(a, b) for a, b in zip(alone, results)]
+        identical = sum(r["identical"] for r in rows)
+        compared = sum(r["compared"] for r in rows)
+        equal = sum(r["equal"] for r in rows)
+        max_diff = max(r["max_abs_diff"] for r in rows)
+        per_size[str(size)] = dict(
+            sequences_identical=identical,
+            sequences=len(rows),
+            tokens_identical_sequences=sum(r["tokens_identical"] for r in rows),
+            logprobs_compared=compared,
+            bitwise_equal_fraction=equal / compared if compared else 1.0,
+            max_abs_diff=max_diff,
+        )
+        all_identical &= identical == len(rows)
+        worst = max(worst, max_diff)
+    figures = dict(
+        reference="each prompt alone (batch of 1)",
+        batch_sizes=sizes,
+        per_batch_size=per_size,
+        bitwise_equal_fraction=min(v["bitwise_equal_fraction"] for v in per_size.values()),
+        max_abs_diff=worst,
+    )
+    parts = [
+        f"b={s}: {v['sequences_identical']}/{v['sequences']} identical, "
+        f"{_pct(v['bitwise_equal_fraction'])} logprobs equal"
+        for s, v in per_size.items()
+    ]
+    summary = "alone vs in batch — " + "; ".join(parts) + f"; max |Δ| {worst:.3g}"
+    return CheckResult(BATCH_COMPOSITION, all_identical, figures, summary)
+
+
+def prefix_cache_check(llm, prompts, options: CheckOptions, progress=None) -> CheckResult:
+    """The same long prompt (same seed) first with an empty cache, then with its blocks cached."""
+    if not eng.engine_prefix_caching(llm):
+        raise CheckSkipped("the engine runs without prefix caching")
+    block = eng.engine_block_size(llm)
+    length = block + PREFIX_TAIL_TOKENS
+    if length + options.max_tokens > options.max_model_len:
+        raise CheckSkipped(
+            f"a cache hit needs a prompt longer than one KV block ({block} tokens): "
+            f"--max-model-len must be at least {length + options.max_tokens}"
+        )
+    long_prompt = []
+    i = 0
+    while len(long_prompt) < length:
+        long_prompt += prompts[i % len(prompts)]
+        i += 1
+    long_prompt = long_prompt[:length]
+    seed = BASE_SEED
+    miss = eng.generate(llm, [long_prompt], [seed], options.max_tokens, reset_cache=True)[0]
+    _tick(progress)
+    hit = eng.generate(llm, [long_prompt], [seed], options.max_tokens, reset_cache=False)[0]
+    _tick(progress)
+    cmp = _compare_completions(miss, hit)
+    figures = dict(
+        prompt_tokens=length,
+        block_size=block,
+        cached_tokens_on_miss=miss.num_cached_tokens,
+        cached_tokens_on_hit=hit.num_cached_tokens,
+        tokens_identical=cmp["tokens_identical"],
+        logprobs_compared=cmp["compared"],
+        bitwise_equal_fraction=cmp["equal"] / cmp["compared"] if cmp["compared"] else 1.0,
+        max_abs_diff=cmp["max_abs_diff"],
+    )
+    hit_happened = hit.num_cached_tokens > 0 and miss.num_cached_tokens == 0
+    passed = cmp["identical"] and hit_happened
+    summary = (
+        f"{hit.num_cached_tokens}/{length} prompt tokens from cache: tokens "
+        f"{'identical' if cmp['tokens_identical'] else 'differ'}, "
+        f"{_pct(figures['bitwise_equal_fraction'])} logprobs equal, max |Δ| {cmp['max_abs_diff']:.3g}"
+    )
+    if not hit_happened:
+        summary += " (no cache hit happened: nothing was compared against a hit)"
+    return CheckResult(PREFIX_CACHE, passed, figures, summary)
+
+
+def prefill_vs_decode_check(llm, completions) -> CheckResult:
+    """The engine rescoring prompt + completion in one prefill vs its own decode-time logprobs."""
+    scored = eng.rescore(llm, completions)
+    prefill = torch.tensor([lp for row in scored for lp in row], dtype=torch.float32)
+    decode = torch.tensor([lp for c in completions for lp in c.logprobs], dtype=torch.float32)
+    figures = dict(tokens=int(decode.numel()), **_diff_figures(prefill, decode))
+    passed = figures["bitwise_equal_fraction"] == 1.0 and decode.numel() > 0
+    summary = (
+        f"{_pct(figures['bitwise_equal_fraction'])} of {figures['tokens']} tokens: prefill "
+        f"(prompt_logprobs) == decode bitwise; max |Δ| {figures['max_abs_diff']:.3g}"
+    )
+    return CheckResult(PREFILL_VS_DECODE, passed, figures, summary)
+
+
+# ----- all of them --------------------------------------------------------------------------
+
+
+def _tick(progress, description: str | None = None):
+    if progress is not None:
+        if description:
+            progress.set_description(description)
+        progress.update(1)
+
+
+def count_steps(options: CheckOptions, num_prompts: int) -> int:
+    sizes = [b for b in set(options.batch_sizes) if b > 1]
+    batch_calls = num_prompts + sum(math.ceil(num_prompts / b) for b in sizes) if sizes else 0
+    return 3 + batch_calls + 2 + 1  # rollout, trainer, distribution; batches; prefix; prefill
+
+
+def run_checks(
+    llm, backend, prompts, options: CheckOptions, progress=None
+) -> tuple[dict[str, CheckResult], dict[str, str]]:
+    """Every check, in order. Returns (name -> result, name -> why it was skipped)."""
+    results: dict[str, CheckResult] = {}
+    skipped: dict[str, str] = {}
+    if progress is not None:
+        progress.set_description("rollout")
+    seeds = [BASE_SEED + i for i in range(len(prompts))]
+    top = -1 if options.full_vocab else eng.DEFAULT_TOP_K
+    completions = eng.generate(llm, prompts, seeds, options.max_tokens, logprobs=top)
+    _tick(progress, "trainer: sampled tokens")
+    results[SAMPLED_TOKEN] = sampled_token_check(backend, completions)
+    _tick(progress, "trainer: full distribution")
+    vocab = int(llm.llm_engine.vllm_config.model_config.get_vocab_size())
+    results[FULL_DISTRIBUTION] = full_distribution_check(backend, completions, options.full_vocab, vocab)
+    _tick(progress, "batch composition")
+    for name, check in (
+        (BATCH_COMPOSITION, batch_composition_check),
+        (PREFIX_CACHE, prefix_cache_check),
+    ):
+        if progress is not None:
+            progress.set_description(name.replace("_", " "))
+        try:
+            results[name] = check(llm, prompts, options, progress)
+        except CheckSkipped as why:
+            skipped[name] = str(why)
+    if progress is not None:
+        progress.set_description("prefill vs decode")
+    results[PREFILL_VS_DECODE] = prefill_vs_decode_check(llm, completions)
+    _tick(progress, "done")
+    return results, skipped

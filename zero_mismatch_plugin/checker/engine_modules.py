@@ -1,0 +1,242 @@
+"""vLLM's own model, built outside the engine and run teacher-forced with every op recorded.
+
+This is the engine side of a bisection. The model class, its layers, its weight loading and
+post-load processing (oneDNN packing on CPU) are vLLM's, created under the ``VllmConfig`` the
+engine builds for the same checkpoint and engine arguments. What the engine's model runner
+normally provides is supplied here: a one-process distributed group (vLLM's layers ask for their
+tensor-parallel rank), a scratch paged KV cache per attention layer, attention metadata from the
+backend's own builder, and the forward context carrying them. Forward hooks on vLLM's modules
+record each op's output under the canonical names of :mod:`.oplist`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from . import oplist
+
+# vLLM module attribute -> canonical op name (per decoder layer). Linear layers return
+# (output, bias); norms with a residual return (normalised, residual sum).
+_LAYER_MODULES = (
+    ("input_layernorm", "input_norm"),
+    ("self_attn.qkv_proj", "qkv_proj"),
+    ("self_attn.q_norm", "q_norm"),
+    ("self_attn.k_norm", "k_norm"),
+    ("self_attn.rotary_emb", "rotary"),
+    ("self_attn.attn", "attn"),
+    ("self_attn.o_proj", "o_proj"),
+    ("post_attention_layernorm", "post_attention_norm"),
+    ("mlp.gate_up_proj", "gate_up_proj"),
+    ("mlp.act_fn", "act"),
+    ("mlp.down_proj", "down_proj"),
+)
+
+_LINEARS = {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
+_NORMS = {"input_norm", "post_attention_norm"}
+
+
+def _clone(value):
+    if isinstance(value, (tuple, list)):
+        return tuple(_clone(v) for v in value)
+    return value.detach().clone() if isinstance(value, torch.Tensor) else value
+
+
+def _submodule(module, dotted: str):
+    for part in dotted.split("."):
+        module = getattr(module, part, None)
+        if module is None:
+            return None
+    return module
+
+
+@contextlib.contextmanager
+def _stdout_with_fileno():
+    """vLLM silences stdout around group creation through its file descriptor; where
+    ``sys.stdout`` has none (notebooks, captured output), use the process's real stdout."""
+    import sys
+
+    try:
+        sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):
+        saved = sys.stdout
+        sys.stdout = sys.__stdout__
+        try:
+            yield
+        finally:
+            sys.stdout = saved
+        return
+    yield
+
+
+@contextlib.contextmanager
+def single_process_group(runtime):
+    """A world of one (gloo) and tensor/pipeline parallel groups of one, torn down afterwards.
+
+    Torn down so that an engine started later in this process does not inherit them.
+    """
+    from vllm.distributed import parallel_state as ps
+    from vllm.utils.network_utils import get_distributed_init_method, get_open_port
+
+    created = False
+    if not ps.model_parallel_is_initialized():
+        with runtime.context(), _stdout_with_fileno():
+            init = get_distributed_init_method("127.0.0.1", get_open_port())
+            ps.init_distributed_environment(1, 0, init, 0, "gloo")
+            ps.ensure_model_parallel_initialized(1, 1)
+        created = True
+    try:
+        yield
+    finally:
+        if created:
+            ps.destroy_model_parallel()
+            ps.destroy_distributed_environment()
+
+
+class EngineModules:
+    """vLLM's model for one checkpoint, outside the engine. Use as a context manager."""
+
+    def __init__(self, model_dir, max_model_len: int = 256, seed: int = 0, **engine_kwargs):
+        from zero_mismatch_plugin.aligned.runtime import VllmRuntime
+
+        self.runtime = VllmRuntime(model_dir, max_model_len=max_model_len, seed=seed, **engine_kwargs)
+        self.model = None
+        self._stack = contextlib.ExitStack()
+
+    def __enter__(self) -> "EngineModules":
+        try:
+            self._stack.enter_context(single_process_group(self.runtime))
+            self._load()
+        except BaseException:
+            self._stack.close()
+            raise
+        return self
+
+    def __exit__(self, *exc):
+        self.model = None
+        self._stack.close()
+
+    def _load(self):
+        from vllm.model_executor.layers.attention import Attention
+        from vllm.model_executor.model_loader import get_model
+
+        from zero_mismatch_plugin.aligned.attention_backend import BackendPagedAttention
+
+        rt = self.runtime
+        with rt.context():
+            self.model = get_model(vllm_config=rt.vllm_config)
+        self.attention_layers = {
+            m.layer_name: m for m in self.model.modules() if isinstance(m, Attention)
+        }
+        if not self.attention_layers:
+            raise NotImplementedError("no vLLM Attention layer found in the model")
+        first = next(iter(self.attention_layers.values()))
+        # A paged-attention helper of the same shape supplies the backend's metadata builder and
+        # slot mapping; the metadata depend on the sequence layout only, not on the layer.
+        self.paged = BackendPagedAttention(
+            rt, first.num_heads, first.num_kv_heads, first.head_size, first.impl.scale
+        )
+        # The backend's builder also configures the layers it is built for (the CPU backend
+        # stores its ISA choice on each layer): build one for the model's own layers.
+        with rt.context():
+            self.paged.builder = self.paged.backend.get_builder_cls()(
+                self.paged.spec, list(self.attention_layers), rt.vllm_config, rt.device
+            )
+        config = rt.hf_config
+        self.num_layers = config.num_hidden_layers
+        self.qk_norm = _submodule(self.model.model.layers[0], "self_attn.q_norm") is not None
+
+    def op_names(self) -> list[str]:
+        return oplist.op_names(self.num_layers, self.qk_norm)
+
+    def _hooks(self, record: dict):
+        """Forward hooks recording every op into ``record``; returns their handles.
+
+        vLLM shares some module instances between layers (``get_rope`` caches one rotary
+        embedding per shape), so a module is hooked once and names its output after the decoder
+        layer currently running, which a pre-hook on each layer keeps track of.
+        """
+        handles = []
+        current = {"layer": None}
+
+        def enter_layer(index):
+            def pre_hook(module, args):
+                current["layer"] = index
+
+            return pre_hook
+
+        def hook_for(kind):
+            def hook(module, args, output):
+                name = kind if kind == oplist.FINAL_NORM else f"layers.{current['layer']}.{kind}"
+                if kind in _LINEARS:
+                    record[name] = _clone(output[0])
+                elif isinstance(output, tuple) and (kind in _NORMS or kind == oplist.FINAL_NORM):
+                    record[name] = _clone(output[0])
+                    record[name + ".input"] = _clone(output[1])
+                else:
+                    record[name] = _clone(output)
+
+            return hook
+
+        model = self.model.model
+        handles.append(
+            model.embed_tokens.register_forward_hook(
+                lambda m, a, out: record.__setitem__(oplist.EMBED, _clone(out))
+            )
+        )
+        hooked = set()
+        for i, layer in enumerate(model.layers):
+            handles.append(layer.register_forward_pre_hook(enter_layer(i)))
+            for attr, kind in _LAYER_MODULES:
+                module = _submodule(layer, attr)
+                if module is not None and id(module) not in hooked:
+                    hooked.add(id(module))
+                    handles.append(module.register_forward_hook(hook_for(kind)))
+        handles.append(model.norm.register_forward_hook(hook_for(oplist.FINAL_NORM)))
+        return handles
+
+    @torch.no_grad()
+    def forward(self, batch, record: dict | None = None) -> torch.Tensor:
+        """Full-vocabulary logprobs [R, V] at the batch's target rows; ops into ``record``."""
+        from vllm.forward_context import set_forward_context
+        from vllm.v1.sample.sampler import Sampler
+
+        from zero_mismatch_plugin.aligned.attention_backend import _scratch_cache
+
+        rt = self.runtime
+        device = rt.device
+        plan = self.paged.metadata(batch.seq_lens)
+        for layer in self.attention_layers.values():
+            layer.kv_cache = _scratch_cache(
+                self.paged.backend,
+                plan.num_blocks,
+                layer.num_kv_heads,
+                self.paged.block_size,
+                layer.head_size,
+                rt.dtype,
+                device,
+            )
+        names = list(self.attention_layers)
+        handles = self._hooks(record) if record is not None else []
+        try:
+            with rt.context(), set_forward_context(
+                {n: plan.meta for n in names},
+                rt.vllm_config,
+                num_tokens=batch.num_tokens,
+                slot_mapping={n: plan.slot_mapping for n in names},
+            ):
+                hidden = self.model(batch.input_ids.to(device), batch.positions.to(device))
+                logits = self.model.compute_logits(hidden.index_select(0, batch.target_rows.to(device)))
+        finally:
+            for h in handles:
+                h.remove()
+            for layer in self.attention_layers.values():
+                layer.kv_cache = torch.tensor([])
+        logits = logits[:, : rt.hf_config.vocab_size]
+        logprobs = Sampler.compute_logprobs(logits)
+        if record is not None:
+            record[oplist.LOGITS] = logits.detach().clone()
+            record[oplist.LOGPROBS] = logprobs.detach().clone()
+        return logprobs
+

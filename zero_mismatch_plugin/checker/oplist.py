@@ -1,0 +1,129 @@
+"""Canonical names of the ops of a dense decoder, in execution order, and bitwise comparison.
+
+Both sides of a bisection (vLLM's own modules, and a trainer backend) report their intermediate
+outputs under these names, so the comparison does not depend on how either side groups its code.
+Each value is a tensor whose first dimension is the token (or target row) and whose remaining
+dimensions are flattened before comparing; an op with two outputs (rotary: q and k) reports a
+tuple. A fused residual-add + RMSNorm reports two entries: ``<norm>.input`` (the residual sum,
+what the norm reads) and ``<norm>`` (the normalised output), so an error in the addition is not
+blamed on the norm.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+EMBED = "embed"
+FINAL_NORM = "final_norm"
+LOGITS = "logits"
+LOGPROBS = "logprobs"
+
+
+def layer_op_names(index: int, qk_norm: bool) -> list[str]:
+    """Names of one decoder layer's ops, in the order vLLM's model code runs them."""
+    p = f"layers.{index}."
+    names = [] if index == 0 else [p + "input_norm.input"]
+    names += [p + "input_norm", p + "qkv_proj"]
+    if qk_norm:
+        names += [p + "q_norm", p + "k_norm"]
+    names += [
+        p + "rotary",
+        p + "attn",
+        p + "o_proj",
+        p + "post_attention_norm.input",
+        p + "post_attention_norm",
+        p + "gate_up_proj",
+        p + "act",
+        p + "down_proj",
+    ]
+    return names
+
+
+def op_names(num_layers: int, qk_norm: bool) -> list[str]:
+    """Every op of the model, embedding to logprobs, in execution order."""
+    names = [EMBED]
+    for i in range(num_layers):
+        names += layer_op_names(i, qk_norm)
+    names += [FINAL_NORM + ".input", FINAL_NORM, LOGITS, LOGPROBS]
+    return names
+
+
+def as_rows(value, rows: int | None = None) -> torch.Tensor:
+    """One op output as a 2-D float32 tensor [rows, features] (tuples joined per row)."""
+    if isinstance(value, (tuple, list)):
+        parts = [as_rows(v, rows) for v in value]
+        return torch.cat(parts, dim=-1)
+    t = value.detach()
+    if rows is None:
+        rows = t.shape[0]
+    return t.reshape(rows, -1).to(torch.float32)
+
+
+@dataclass
+class OpComparison:
+    name: str
+    equal: bool
+    max_abs_diff: float
+    equal_fraction: float
+    numel: int
+    num_differing: int = 0
+    shape_mismatch: str | None = None
+
+    def as_dict(self) -> dict:
+        out = dict(
+            op=self.name,
+            bitwise_equal=self.equal,
+            max_abs_diff=self.max_abs_diff,
+            equal_fraction=self.equal_fraction,
+            numel=self.numel,
+            num_differing=self.num_differing,
+        )
+        if self.shape_mismatch:
+            out["shape_mismatch"] = self.shape_mismatch
+        return out
+
+
+def compare_op(name: str, reference, candidate) -> OpComparison:
+    """Bitwise comparison of one op's outputs (reference = engine side)."""
+    ref = as_rows(reference)
+    cand = as_rows(candidate, ref.shape[0]) if _numel(candidate) == ref.numel() else None
+    if cand is None or cand.shape != ref.shape:
+        return OpComparison(
+            name,
+            equal=False,
+            max_abs_diff=math.inf,
+            equal_fraction=0.0,
+            numel=ref.numel(),
+            num_differing=ref.numel(),
+            shape_mismatch=f"engine {tuple(ref.shape)} vs trainer {_shape(candidate)}",
+        )
+    same = ref == cand
+    # NaNs never compare equal; two NaNs in the same place are the same result.
+    same |= torch.isnan(ref) & torch.isnan(cand)
+    # Equal infinities would give inf - inf = nan; only differing values count.
+    diff = torch.where(same, torch.zeros_like(ref), (ref - cand).abs())
+    max_diff = float(diff.max().item()) if diff.numel() else 0.0
+    num_equal = int(same.sum().item())
+    return OpComparison(
+        name,
+        equal=num_equal == same.numel(),
+        max_abs_diff=max_diff,
+        equal_fraction=num_equal / same.numel() if same.numel() else 1.0,
+        numel=ref.numel(),
+        num_differing=same.numel() - num_equal,
+    )
+
+
+def _numel(value) -> int:
+    if isinstance(value, (tuple, list)):
+        return sum(_numel(v) for v in value)
+    return value.numel()
+
+
+def _shape(value):
+    if isinstance(value, (tuple, list)):
+        return tuple(_shape(v) for v in value)
+    return tuple(value.shape)
