@@ -1,0 +1,153 @@
+"""``zmrl demo``: asynchronous RL against a live vLLM engine, checked on CPU.
+
+One engine serves every configuration in this file (the demo loads each run's initial weights
+into it as version 0), so the file pays for a single engine start.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+from zero_mismatch_plugin.demo import DemoConfig, run_demo  # noqa: E402
+
+MAX_MODEL_LEN = 128
+
+
+@pytest.fixture(scope="module")
+def demo_engine(tmp_path_factory):
+    """(engine, model directory) in consistent numerics; the variables are restored afterwards."""
+    from zero_mismatch_plugin.demo.rollout import start_engine, stop_engine
+    from zero_mismatch_plugin.tiny_models import build_tiny_model
+
+    model_dir = build_tiny_model(tmp_path_factory.mktemp("demo_model"), family="llama", seed=0)
+    with pytest.MonkeyPatch.context() as mp:
+        # start_engine sets these (consistent mode); registering them here restores them after.
+        mp.setenv("ZMRL_NUMERICS", "consistent")
+        mp.setenv("VLLM_CPU_ATTN_SPLIT_KV", "0")
+        llm = start_engine(model_dir, MAX_MODEL_LEN)
+        try:
+            yield llm, model_dir
+        finally:
+            stop_engine(llm)
+
+
+def _run(demo_engine, model_dir=None, **overrides):
+    llm, engine_model_dir = demo_engine
+    config = DemoConfig(max_model_len=MAX_MODEL_LEN, **overrides)
+    return run_demo(config, llm, model_dir or engine_model_dir)
+
+
+def _per_sample(result):
+    """(learner version, sample version, every IS ratio == 1, own-version bitwise) for every sample."""
+    return [
+        (r.learner_version, version, ratios_one, own_bitwise)
+        for r in result.records
+        for version, ratios_one, own_bitwise in zip(r.sample_versions, r.ratios_all_one, r.own_version_bitwise)
+    ]
+
+
+def _assert_only_gap_is_lag(result, lag):
+    samples = _per_sample(result)
+    for learner_version, version, ratios_one, own_bitwise in samples:
+        assert 0 <= learner_version - version <= lag, (learner_version, version)
+        # Scored with the weights that sampled it, every token is the engine's bits ...
+        assert own_bitwise is True, (learner_version, version)
+        # ... so a ratio != 1 can only come from weight lag.
+        if version == learner_version:
+            assert ratios_one, f"sample of the learner's own version {version} has an IS ratio != 1"
+    fresh = [s for s in samples if s[0] == s[1]]
+    older = [s for s in samples if s[0] != s[1]]
+    # Both kinds must occur, or the check above says nothing.
+    assert fresh and older, (len(fresh), len(older))
+    assert any(not ratios_one for _, _, ratios_one, _ in older), "older weights must change some ratio"
+    for record in result.records:
+        assert record.metrics["demo/own_version/bitwise_equal_fraction"] == 1.0
+        assert record.metrics["demo/own_version/k3_kl"] == 0.0
+
+
+def test_smoke_mechanics_and_outputs(demo_engine, tmp_path):
+    """A few asynchronous updates: versions, lag bound, verl-format log, report, plots, summary."""
+    from zero_mismatch_plugin.demo.outputs import write_outputs
+    from zero_mismatch_plugin.report import load_runs
+
+    result = _run(demo_engine, lag=1, updates=6)
+    assert [r.step for r in result.records] == list(range(1, 7))
+    assert [r.learner_version for r in result.records] == list(range(6))
+    assert result.records[0].sample_versions == [0] * 32  # nothing newer exists at the first update
+    for r in result.records:
+        assert len(r.sample_versions) == 32
+        assert all(0 <= r.learner_version - v <= 1 for v in r.sample_versions)
+
+    summary = write_outputs(result, tmp_path)
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == 6
+    first = json.loads(lines[0])
+    assert set(first) == {"step", "data"} and first["step"] == 1
+    for key in ("actor/rollout_corr/k3_kl", "actor/rollout_corr/kl", "actor/zero_mismatch/bitwise_equal_fraction",
+                "actor/grad_norm", "critic/score/mean", "training/off_policy/trajectory_staleness/mean",
+                "training/off_policy/trajectory_staleness/max", "actor/rollout_corr/rollout_is_mean"):
+        assert key in first["data"], key
+    run = load_runs([str(tmp_path / "metrics.jsonl")])[0]
+    assert run.formats == {"verl-file"}
+    for name in ("d3.png", "kl.png", "reward.png", "grad_norm.png"):
+        assert (tmp_path / "plots" / name).stat().st_size > 0
+    on_disk = json.loads((tmp_path / "summary.json").read_text())
+    for key in ("bitwise_equal_fraction_min", "lag_max", "reward_first", "reward_last", "d3_peak_to_median",
+                "updates", "updates_per_second"):
+        assert key in on_disk, key
+    assert on_disk == json.loads(json.dumps(summary))
+    assert on_disk["updates"] == 6 and on_disk["lag_max"] <= 1 and on_disk["bitwise_equal_fraction_min"] == 1.0
+
+
+def test_aligned_lag0_every_token_bitwise_every_ratio_one(demo_engine):
+    result = _run(demo_engine, lag=0, updates=8)
+    for r in result.records:
+        assert r.sample_versions == [r.learner_version] * len(r.sample_versions)
+        assert all(r.ratios_all_one), f"update {r.step}: an IS ratio != 1"
+        assert all(r.own_version_bitwise), f"update {r.step}: a token is not bitwise equal"
+        m = r.metrics
+        assert m["actor/zero_mismatch/bitwise_equal_fraction"] == 1.0
+        assert m["actor/rollout_corr/rollout_is_min"] == m["actor/rollout_corr/rollout_is_max"] == 1.0
+        assert m["actor/rollout_corr/k3_kl"] == 0.0
+        assert m["training/off_policy/trajectory_staleness/max"] == 0.0
+    # The weights did move: a frozen learner would pass the checks above trivially.
+    assert any(r.metrics["actor/grad_norm"] > 0 for r in result.records)
+
+
+def test_aligned_lag2_only_gap_is_weight_lag(demo_engine):
+    result = _run(demo_engine, lag=2, updates=24)
+    _assert_only_gap_is_lag(result, lag=2)
+
+
+def test_standard_kernels_mismatch_at_lag0(demo_engine):
+    """A plain transformers forward on the same weights: close, not equal, so D3 > 0 with no lag."""
+    result = _run(demo_engine, kernels="standard", lag=0, updates=5)
+    for r in result.records:
+        m = r.metrics
+        assert m["training/off_policy/trajectory_staleness/max"] == 0.0
+        assert m["actor/zero_mismatch/bitwise_equal_fraction"] < 1.0
+        assert m["demo/own_version/bitwise_equal_fraction"] < 1.0
+        assert m["actor/rollout_corr/k3_kl"] > 0.0
+        assert m["actor/zero_mismatch/log_prob_abs_diff_max"] < 1e-3  # same model, fp32 round-off
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_reward_improves_at_lag2(demo_engine, tmp_path, seed):
+    """The demo learns asynchronously: last fifth of updates beats the first, on three seeds."""
+    from zero_mismatch_plugin.demo.outputs import write_outputs
+    from zero_mismatch_plugin.tiny_models import build_tiny_model
+
+    # Each seed is its own model and prompts; the shared engine receives its weights as version 0.
+    model_dir = build_tiny_model(tmp_path / "model", family="llama", seed=seed)
+    result = _run(demo_engine, model_dir=model_dir, lag=2, updates=100, seed=seed)
+    summary = write_outputs(result, tmp_path / "out")
+    assert summary["reward_window"] == 20
+    assert summary["reward_last"] > summary["reward_first"], summary
+    _assert_only_gap_is_lag(result, lag=2)

@@ -1,0 +1,17 @@
+"""``zmrl demo``: asynchronous RL with zero mismatch, end to end on a CPU.
+
+A tiny Llama and tokenizer are built locally; a vLLM engine samples responses to a verifiable
+task (answer with digits) with the newest weights it has, while the learner updates with
+REINFORCE Zero or FlashREINFORCE called through verl's registry, using either the aligned
+forward (vLLM's kernels: bitwise-equal logprobs) or plain transformers. Every sample carries the
+weight version that produced it; the learner trains on samples at most K versions old and
+publishes new weights after every update.
+
+- ``task``: prompts and reward; ``learners``: the two forwards; ``rollout``: engine and rollout
+  thread; ``runner``: the learner loop and per-update metrics; ``outputs``: metric log,
+  summary.json, report and plots; ``command``: the CLI entry.
+"""
+
+from .runner import DemoConfig, DemoResult, DemoRun, UpdateRecord, run_demo
+
+__all__ = ["DemoConfig", "DemoResult", "DemoRun", "UpdateRecord", "run_demo"]

@@ -1,0 +1,81 @@
+"""``zmrl demo``: build a tiny model, start vLLM, run asynchronous RL against it, write the results."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+DEFAULT_OUT = "zmrl-demo-out"
+
+
+def fresh_out_dir(requested: str | None) -> Path:
+    """``requested`` if given (it must be empty or absent), else ./zmrl-demo-out, -2, -3, ... not yet used."""
+    if requested:
+        path = Path(requested)
+        if path.exists() and any(path.iterdir()):
+            raise FileExistsError(f"--out {path} exists and is not empty; choose a fresh directory")
+        return path
+    path, n = Path(DEFAULT_OUT), 1
+    while path.exists():
+        n += 1
+        path = Path(f"{DEFAULT_OUT}-{n}")
+    return path
+
+
+def _quiet_defaults() -> None:
+    # Offline, a bounded KV cache (vLLM's CPU default reserves ~21 GiB), and vLLM's INFO and WARNING lines
+    # kept out of the progress bar's way. Each can be overridden from the environment.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+
+def run_demo_command(algo: str, kernels: str, lag: int, updates: int, seed: int, out: str | None) -> int:
+    _quiet_defaults()
+    from tqdm import tqdm
+
+    from zero_mismatch_plugin.tiny_models import build_tiny_model
+
+    from .outputs import format_summary, write_outputs
+    from .rollout import start_engine, stop_engine
+    from .runner import DemoConfig, DemoRun
+
+    try:
+        config = DemoConfig(algo=algo, kernels=kernels, lag=lag, updates=updates, seed=seed)
+        out_dir = fresh_out_dir(out)
+    except (ValueError, FileExistsError) as error:
+        print(f"ERROR: {error}", file=sys.stderr)
+        return 2
+    started = time.perf_counter()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    print(f"zmrl demo -> {out_dir}/")
+    print(f"building a tiny Llama (2 layers, hidden 256, vocab 512) and its tokenizer, seed {seed}")
+    model_dir = build_tiny_model(out_dir / "model", family="llama", seed=seed)
+    print("starting the vLLM engine (CPU, fp32, consistent numerics; about 30 s)")
+    llm = start_engine(model_dir, config.max_model_len)
+    try:
+        run = DemoRun(config, llm, model_dir)
+        print(f"task: answer with digits (reward = digit tokens / {config.response_tokens} response tokens; "
+              f"chance {run.task.chance_reward:.3f})")
+        with tqdm(total=config.updates, desc="updates", unit="upd", dynamic_ncols=True) as bar:
+
+            def progress(record):
+                m = record.metrics
+                bar.set_postfix(
+                    reward=f"{m['critic/score/mean']:.3f}",
+                    lag=int(m["training/off_policy/trajectory_staleness/max"]),
+                    bitwise=f"{m.get('demo/own_version/bitwise_equal_fraction', float('nan')):.3f}",
+                    refresh=False,
+                )
+                bar.update(1)
+
+            result = run.run(progress)
+        summary = write_outputs(result, out_dir)
+    finally:
+        stop_engine(llm)
+    print(format_summary(summary, out_dir))
+    print(f"wall time {time.perf_counter() - started:.0f} s")
+    return 0
