@@ -1,0 +1,398 @@
+"""The upstream patches: manifest, generation, check / apply, and the behaviour each patch adds.
+
+Behaviour is exercised on a copy of the installed upstream package with every patch applied,
+imported in a subprocess ahead of the installed one (the installed files are never written).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from zero_mismatch_plugin import patching
+from zero_mismatch_plugin.cli import main as zmrl
+from zero_mismatch_plugin.patching import PatchError, edits, shared
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def manifest():
+    return patching.load_manifest()
+
+
+@pytest.fixture(scope="module")
+def patched_verl(tmp_path_factory, manifest):
+    """A full copy of the installed verl with every verl patch applied."""
+    return patching.copy_patched_package(manifest, "verl", tmp_path_factory.mktemp("patched-verl"))
+
+
+def run_python(script: str, *path_first: Path, env: dict | None = None) -> subprocess.CompletedProcess:
+    environment = {**os.environ, **(env or {})}
+    environment["PYTHONPATH"] = os.pathsep.join([*map(str, path_first), str(REPO / "tests"),
+                                                 environment.get("PYTHONPATH", "")])
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True,
+                          env=environment, timeout=300)
+
+
+def _installed_digests(manifest) -> dict[Path, str]:
+    digests = {}
+    for patch in manifest.patches:
+        root = patching.installed_root(manifest.upstreams[patch.upstream])
+        for relative in patch.files:
+            digests[root / relative] = hashlib.sha256((root / relative).read_bytes()).hexdigest()
+    return digests
+
+
+# ----- the manifest and the diffs -------------------------------------------------------------
+
+
+def test_manifest_entries_are_complete_and_name_real_tests(manifest):
+    assert manifest.patches
+    this_file = Path(__file__).read_text(encoding="utf-8")
+    for patch in manifest.patches:
+        assert patch.diff_path.is_file(), patch.diff
+        assert patch.diff.startswith(f"{patch.upstream}/")
+        assert patch.versions and all(re.fullmatch(r"\d+\.\d+\.\d+\S*", v) for v in patch.versions)
+        assert sorted(set(patching.diff_targets(patch.diff_path.read_text()))) == sorted(patch.files)
+        assert all(f.startswith(manifest.upstreams[patch.upstream].package + "/") for f in patch.files)
+        assert patch.purpose.strip() and patch.name in edits.EDITS
+        test_path, _, test_name = patch.test.partition("::")
+        assert test_path == "tests/test_patches.py" and f"\ndef {test_name}(" in this_file, patch.test
+    assert set(edits.EDITS) == {p.name for p in manifest.patches}
+
+
+def test_shipped_diffs_are_exactly_what_their_edits_render(manifest):
+    rendered = edits.render_all(manifest)
+    for patch in manifest.patches:
+        assert patch.diff_path.read_text(encoding="utf-8") == rendered[patch.name], (
+            f"{patch.diff} is stale: run python -m zero_mismatch_plugin.patching.edits --write")
+
+
+def test_code_shared_with_the_plugin_is_in_the_diffs_verbatim(manifest):
+    """The runtime functions of .shared appear in the patched upstream source line for line."""
+    diffs = {p.name: p.diff_path.read_text(encoding="utf-8") for p in manifest.patches}
+    for patch_name, fn in (("verl-reject-unknown-names", shared.require_registered_name),
+                           ("verl-policy-loss-rollout-logprobs", shared.accepts_keyword)):
+        added = "".join(line[1:] + "\n" for line in diffs[patch_name].splitlines()
+                        if line.startswith("+") and not line.startswith("+++"))
+        assert textwrap.dedent(__import__("inspect").getsource(fn)) in added
+
+
+def test_an_edit_whose_anchor_is_not_unique_is_refused():
+    with pytest.raises(edits.EditError, match="2 times"):
+        edits.apply_edits("x = 1\nx = 1\n", [edits.Edit("f.py", "x = 1\n", "x = 2\n")], "f.py")
+    with pytest.raises(edits.EditError, match="0 times"):
+        edits.apply_edits("x = 1\n", [edits.Edit("f.py", "y = 1\n", "y = 2\n")], "f.py")
+
+
+# ----- check ----------------------------------------------------------------------------------
+
+
+def test_check_applies_every_patch_and_leaves_the_installed_files_alone(manifest, capsys):
+    before = _installed_digests(manifest)
+    assert zmrl(["patches", "check"]) == 0
+    out = capsys.readouterr().out
+    assert f"{len(manifest.patches)} of {len(manifest.patches)} patches apply" in out
+    assert _installed_digests(manifest) == before
+
+
+def test_check_fails_for_a_diff_that_does_not_apply_and_for_another_version(manifest, tmp_path):
+    good = manifest.by_name("verl-plugin-load-warning")
+    broken_diff = tmp_path / "broken.patch"
+    # The same diff with one context line that the installed file does not have.
+    broken_diff.write_text(good.diff_path.read_text().replace("             _ep.load()", "             _ep.load(strict=True)", 1))
+    broken = patching.Patch(**{**good.__dict__, "name": "broken", "diff": str(broken_diff)})
+    other_version = patching.Patch(**{**good.__dict__, "name": "other-version", "versions": ("0.0.1",)})
+    results = {r.patch.name: r for r in patching.check_installed(
+        patching.Manifest(manifest.upstreams, (broken, other_version)))}
+    assert not results["broken"].ok and "does not apply" in results["broken"].detail
+    assert not results["other-version"].ok and "made for verl 0.0.1; installed is 0.9.1" in results["other-version"].detail
+
+
+# ----- apply --to ----------------------------------------------------------------------------
+
+
+def _fake_verl_checkout(manifest, root: Path, version: str) -> Path:
+    installed = patching.installed_root(manifest.upstreams["verl"])
+    for patch in manifest.for_upstream("verl"):
+        for relative in patch.files:
+            (root / relative).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(installed / relative, root / relative)
+    (root / "verl/version").mkdir(parents=True, exist_ok=True)
+    (root / "verl/version/version").write_text(version + "\n")
+    return root
+
+
+def _tree_digest(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_apply_patches_a_checkout_of_the_pinned_version(manifest, tmp_path, capsys):
+    checkout = _fake_verl_checkout(manifest, tmp_path / "verl-fork", "0.9.1")
+    assert zmrl(["patches", "apply", "--to", str(checkout)]) == 0
+    expected = {}
+    installed = patching.installed_root(manifest.upstreams["verl"])
+    for patch in manifest.for_upstream("verl"):  # the rendered texts, chained as applied
+        _, texts = edits.render_diff(edits.EDITS[patch.name],
+                                     lambda p: expected.get(p) or (installed / p).read_text())
+        expected.update(texts)
+    for relative, text in expected.items():
+        assert (checkout / relative).read_text() == text
+    assert "applied verl-megatron-engine-hooks" in capsys.readouterr().out
+
+
+def test_apply_refuses_another_version_and_changes_nothing(manifest, tmp_path, capsys):
+    checkout = _fake_verl_checkout(manifest, tmp_path / "verl-fork", "0.9.0")
+    before = _tree_digest(checkout)
+    assert zmrl(["patches", "apply", "--to", str(checkout)]) == 1
+    assert "is verl 0.9.0; the patches were made for 0.9.1" in capsys.readouterr().err
+    assert _tree_digest(checkout) == before
+    # A version the user asserts is gated the same way.
+    with pytest.raises(PatchError, match="made for 0.9.1"):
+        patching.apply_to(checkout, assume_version="1.0.0")
+
+
+def test_apply_is_all_or_nothing(manifest, tmp_path):
+    checkout = _fake_verl_checkout(manifest, tmp_path / "verl-fork", "0.9.1")
+    # The last patch's file differs from upstream, so that patch cannot apply.
+    engine = checkout / edits.ENGINE
+    engine.write_text(engine.read_text().replace("    def optimizer_step(self):\n", "    def optimizer_step(self, x=0):\n"))
+    before = _tree_digest(checkout)
+    with pytest.raises(PatchError, match="verl-megatron-engine-hooks does not apply"):
+        patching.apply_to(checkout)
+    assert _tree_digest(checkout) == before
+
+
+def test_apply_needs_a_recognisable_checkout(tmp_path):
+    with pytest.raises(PatchError, match="cannot tell which upstream"):
+        patching.apply_to(tmp_path)
+
+
+def test_checkout_versions_are_read_from_the_upstream_sources(manifest, tmp_path):
+    megatron = tmp_path / "megatron-lm"
+    (megatron / "megatron/core").mkdir(parents=True)
+    shutil.copyfile(patching.installed_root(manifest.upstreams["megatron-lm"]) / "megatron/core/package_info.py",
+                    megatron / "megatron/core/package_info.py")
+    assert patching.checkout_version("megatron-lm", megatron) == "0.16.1"
+    vllm = tmp_path / "vllm"
+    (vllm / "vllm").mkdir(parents=True)
+    shutil.copyfile(patching.installed_root(manifest.upstreams["vllm"]) / "vllm/_version.py", vllm / "vllm/_version.py")
+    assert patching.checkout_version("vllm", vllm) == "0.31.0"
+    (vllm / "vllm/_version.py").unlink()
+    assert patching.checkout_version("vllm", vllm) is None
+
+
+# ----- behaviour of the verl patches ---------------------------------------------------------
+
+
+def test_verl_plugin_load_failure_is_a_warning(patched_verl, tmp_path):
+    # A distribution with a verl.plugins entry point whose module raises on import.
+    plugin_dir = tmp_path / "plugin"
+    (plugin_dir / "zmrl_broken_plugin-1.0.dist-info").mkdir(parents=True)
+    (plugin_dir / "zmrl_broken_plugin-1.0.dist-info/METADATA").write_text(
+        "Metadata-Version: 2.1\nName: zmrl-broken-plugin\nVersion: 1.0\n")
+    (plugin_dir / "zmrl_broken_plugin-1.0.dist-info/entry_points.txt").write_text(
+        "[verl.plugins]\nzmrl_broken = zmrl_broken_plugin\n")
+    (plugin_dir / "zmrl_broken_plugin.py").write_text("raise RuntimeError('broken on purpose')\n")
+    script = """
+        import logging, sys
+        logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
+        import verl
+        print("VERL_FROM", verl.__file__)
+    """
+    env = {"VERL_USE_EXTERNAL_PLUGINS": "zmrl_broken"}
+    patched = run_python(script, patched_verl, plugin_dir, env=env)
+    assert patched.returncode == 0, patched.stderr
+    assert f"VERL_FROM {patched_verl}" in patched.stdout
+    assert "WARNING Failed to load verl plugin 'zmrl_broken'" in patched.stderr
+    assert "broken on purpose" in patched.stderr
+    # The unpatched verl says nothing at WARNING: the patch is what makes it visible.
+    stock = run_python(script, plugin_dir, env=env)
+    assert stock.returncode == 0, stock.stderr
+    assert "broken on purpose" not in stock.stderr
+
+
+VALIDATE_SCRIPT = """
+    import sys
+    from zero_mismatch_plugin.validate_config import compose_verl_config
+    import verl
+    from verl.utils.config import validate_config
+    from verl.trainer.main_ppo import need_critic, need_reference_policy
+    assert verl.__file__.startswith(sys.argv[1]), verl.__file__
+    config_dir = sys.argv[1] + "/verl/trainer/config"
+    cases = {
+        "typo estimator": ["algorithm.adv_estimator=reinforce_zeroo"],
+        "typo loss": ["actor_rollout_ref.actor.policy_loss.loss_mode=vanila"],
+        "builtin": ["algorithm.adv_estimator=grpo"],
+        "plugin": ["algorithm.adv_estimator=reinforce_zero",
+                   "actor_rollout_ref.actor.policy_loss.loss_mode=reinforce_zero"],
+    }
+    for case, overrides in cases.items():
+        cfg = compose_verl_config(config_dir, "ppo_trainer", overrides)
+        try:
+            validate_config(cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg))
+            print(f"{case}: accepted")
+        except Exception as error:
+            print(f"{case}: {type(error).__name__}: {error}")
+"""
+
+
+def test_verl_unknown_names_are_rejected_when_the_config_is_validated(patched_verl):
+    result = run_python(VALIDATE_SCRIPT.replace("sys.argv[1]", repr(str(patched_verl))), patched_verl)
+    assert result.returncode == 0, result.stderr
+    lines = dict(line.split(": ", 1) for line in result.stdout.splitlines() if ": " in line)
+    assert lines["typo estimator"].startswith(
+        "ValueError: algorithm.adv_estimator='reinforce_zeroo' is not a registered advantage estimator")
+    assert "'reinforce_zero'" in lines["typo estimator"]  # the plugin's names are listed as registered
+    assert lines["typo loss"].startswith(
+        "ValueError: actor_rollout_ref.actor.policy_loss.loss_mode='vanila' is not a registered policy loss")
+    # Registered names (built in, and the plugin's) pass this check; whatever verl checks after
+    # it about the rest of the default config is not this patch's concern.
+    for case in ("builtin", "plugin"):
+        assert "is not a registered" not in lines[case], lines[case]
+
+
+def test_shared_name_check_is_what_the_plugin_can_call_too():
+    registry = {"grpo": None}
+    assert shared.require_registered_name("k", "grpo", registry, "estimator") == "grpo"
+    with pytest.raises(ValueError, match=r"k='grp' is not a registered estimator; registered: \['grpo'\]"):
+        shared.require_registered_name("k", "grp", registry, "estimator")
+
+
+MU_SCRIPT = """
+    import torch
+    from verl.trainer.ppo.core_algos import register_policy_loss, compute_policy_loss_vanilla
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.utils import losses
+    from verl_batches import actor_config
+    assert losses.__file__.startswith(PATCHED), losses.__file__
+
+    seen = {}
+
+    @register_policy_loss("zmrl_test_records_mu")
+    def records_mu(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean",
+                   config=None, rollout_is_weights=None, rollout_log_probs=None):
+        seen["old"], seen["mu"] = old_log_prob.clone(), rollout_log_probs
+        return (log_prob * advantages).sum(), {}
+
+    @register_policy_loss("zmrl_test_without_mu")
+    def without_mu(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean",
+                   config=None, rollout_is_weights=None):
+        seen["called_without_mu"] = True
+        return (log_prob * advantages).sum(), {}
+
+    def nested(rows):
+        return torch.nested.as_nested_tensor(rows, layout=torch.jagged)
+
+    prompt_lens, response_lens = [3, 2], [4, 2]
+    mu = [torch.tensor([-1.0, -2.0, -3.0, -4.0]), torch.tensor([-0.5, -0.25])]
+    # Decoupled mode: old_log_prob is the trainer's recompute, not mu.
+    old = [r - 0.125 for r in mu]
+
+    def run(loss_mode, with_mu=True):
+        fields = {
+            "prompts": nested([torch.zeros(p, dtype=torch.long) for p in prompt_lens]),
+            "responses": nested([torch.zeros(r, dtype=torch.long) for r in response_lens]),
+            "response_mask": nested([torch.ones(r) for r in response_lens]),
+            "old_log_probs": nested(old),
+            "advantages": nested([torch.ones(r) for r in response_lens]),
+        }
+        if with_mu:
+            fields["rollout_log_probs"] = nested(mu)
+        data = tu.get_tensordict(fields, non_tensor_dict={"dp_size": 1, "batch_num_tokens": sum(response_lens),
+                                                          "global_batch_size": 2})
+        packed = [torch.cat([torch.zeros(p - 1), torch.zeros(r), torch.zeros(1)])
+                  for p, r in zip(prompt_lens, response_lens)]
+        return losses.ppo_loss(actor_config(loss_mode), {"log_probs": nested(packed)}, data)
+
+    run("zmrl_test_records_mu")
+    print("MU NOT RECEIVED" if seen["mu"] is None else "MU RECEIVED", flush=True)
+    expected_mu = torch.tensor([[-1.0, -2.0, -3.0, -4.0], [-0.5, -0.25, 0.0, 0.0]])
+    assert seen["mu"] is not None and torch.equal(seen["mu"], expected_mu), seen["mu"]
+    assert torch.equal(seen["old"][0], old[0]) and not torch.equal(seen["old"], seen["mu"])
+    run("zmrl_test_records_mu", with_mu=False)
+    assert seen["mu"] is None
+    run("zmrl_test_without_mu")
+    assert seen["called_without_mu"]
+    print("MU OK")
+"""
+
+
+def test_verl_policy_loss_receives_rollout_logprobs_in_every_mode(patched_verl):
+    result = run_python(MU_SCRIPT.replace("PATCHED", repr(str(patched_verl))), patched_verl)
+    assert result.returncode == 0 and "MU OK" in result.stdout, result.stdout + result.stderr
+    # The stock ppo_loss never hands mu to the loss: the same script fails there.
+    stock = run_python(MU_SCRIPT.replace("PATCHED", "''"))
+    assert "MU NOT RECEIVED" in stock.stdout, stock.stdout + stock.stderr[-4000:]
+
+
+def test_shared_keyword_detection():
+    def takes(a, rollout_log_probs=None): ...
+    def takes_any(a, **kwargs): ...
+    def positional_only(rollout_log_probs, /): ...
+    def lacks(a): ...
+    assert shared.accepts_keyword(takes, "rollout_log_probs")
+    assert shared.accepts_keyword(takes_any, "rollout_log_probs")
+    assert not shared.accepts_keyword(positional_only, "rollout_log_probs")
+    assert not shared.accepts_keyword(lacks, "rollout_log_probs")
+
+
+ENGINE_SCRIPT = """
+    import inspect
+    from types import SimpleNamespace
+    import torch
+    from zero_mismatch_plugin.megatron.standalone import init_single_process
+    init_single_process()
+    from verl.workers.engine.megatron import transformer_impl as ti
+    from zero_mismatch_plugin.megatron import verl_patch
+    from vllm.v1.sample.sampler import Sampler
+    assert ti.__file__.startswith(PATCHED), ti.__file__
+
+    # Every hooked method runs its hooks, in order, after its own body.
+    for cls, name in ((ti.MegatronEngine, "_build_tf_config"), (ti.MegatronEngine, "optimizer_step"),
+                      (ti.MegatronEngine, "load_checkpoint")):
+        assert inspect.getclosurevars(cls.__dict__[name]).nonlocals["hooks"] is ti.ENGINE_HOOKS[name], name
+    calls = []
+    def _build_tf_config(self):
+        calls.append("body")
+    ti.ENGINE_HOOKS["_build_tf_config"][:] = [lambda engine: calls.append(("hook1", engine)),
+                                              lambda engine: calls.append(("hook2", engine))]
+    ti._run_engine_hooks(_build_tf_config)("engine")
+    assert calls == ["body", ("hook1", "engine"), ("hook2", "engine")], calls
+    ti.ENGINE_HOOKS["_build_tf_config"].clear()
+
+    # The plugin's aligned logprob arithmetic, installed through the hook, not by replacing methods.
+    torch.manual_seed(0)
+    logits = torch.randn(1, 5, 64, dtype=torch.bfloat16)
+    label = torch.randint(0, 64, (1, 5))
+    temperature = torch.full((1, 5), 0.7)
+    fake = SimpleNamespace(engine_config=SimpleNamespace(entropy_from_logits_with_chunking=False))
+    kwargs = dict(calculate_sum_pi_squared=False, calculate_entropy=False, distillation_use_topk=False,
+                  distillation_only=False, logits_processor_func=None, batch=None, data_format="thd")
+    original = ti.MegatronEngineWithLMHead.__dict__["_lm_head_logits_processor"]
+    ti.LM_HEAD_LOGITS_PROCESSOR.append(verl_patch.aligned_lm_head_logits_processor)
+    out = ti.MegatronEngineWithLMHead._lm_head_logits_processor(fake, logits.clone(), label, temperature.clone(), **kwargs)
+    assert ti.MegatronEngineWithLMHead.__dict__["_lm_head_logits_processor"] is original
+    rows = logits.reshape(-1, 64).float()
+    expected = Sampler.compute_logprobs(Sampler.apply_temperature(rows, temperature.reshape(-1), all_random=True))
+    expected = expected.gather(-1, label.reshape(-1, 1)).reshape(1, 5)
+    assert torch.equal(out["log_probs"], expected), (out["log_probs"] - expected).abs().max()
+    ti.LM_HEAD_LOGITS_PROCESSOR.clear()
+    stock = ti.MegatronEngineWithLMHead._lm_head_logits_processor(fake, logits.clone(), label, temperature.clone(), **kwargs)
+    assert not torch.equal(stock["log_probs"].float(), expected)  # verl's own bf16 arithmetic again
+    print("ENGINE OK")
+"""
+
+
+def test_verl_megatron_engine_hooks_run_the_aligned_forward(patched_verl):
+    result = run_python(ENGINE_SCRIPT.replace("PATCHED", repr(str(patched_verl))), patched_verl)
+    assert result.returncode == 0 and "ENGINE OK" in result.stdout, result.stdout + result.stderr[-4000:]

@@ -1,0 +1,294 @@
+"""The source edits every shipped ``.patch`` file is generated from.
+
+A patch is a list of :class:`Edit` (replace one exact, unique piece of upstream text). The
+``.patch`` files under ``diffs/`` are rendered from these edits against the pinned upstream
+files (``python -m zero_mismatch_plugin.patching.edits --write``); a test renders them again
+and requires byte equality, so a shipped diff cannot drift from its definition. Code that the
+plugin also runs itself is not written here twice: it is the source of a function in
+:mod:`.shared`, inserted with :func:`inspect.getsource`.
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import shared
+
+
+@dataclass(frozen=True)
+class Edit:
+    path: str  # relative to the repository root of the upstream, e.g. "verl/__init__.py"
+    old: str  # must occur exactly once in the file
+    new: str
+
+
+class EditError(RuntimeError):
+    pass
+
+
+def _source_of(fn) -> str:
+    return textwrap.dedent(inspect.getsource(fn))
+
+
+# ----- verl ---------------------------------------------------------------------------------
+
+VERL_PLUGIN_LOAD_WARNING = [
+    Edit(
+        "verl/__init__.py",
+        old="""\
+            logging.getLogger(__name__).debug("Failed to load plugin '%s': %s", _ep.name, _e)
+""",
+        new="""\
+            # WARNING, not DEBUG: a plugin that fails to load leaves its estimators, losses and
+            # hooks unregistered, and the run then fails much later with an unrelated error.
+            logging.getLogger(__name__).warning(
+                "Failed to load verl plugin '%s' (%s): %r", _ep.name, _ep.value, _e, exc_info=True
+            )
+""",
+    ),
+]
+
+VERL_REJECT_UNKNOWN_NAMES = [
+    Edit(
+        "verl/utils/config.py",
+        old="""\
+    # number of GPUs total
+    n_gpus = config.trainer.n_gpus_per_node * config.trainer.nnodes
+""",
+        new="""\
+    # Unknown estimator / loss names fail here, in the driver, before workers start; otherwise
+    # they fail at first use, after the first rollout has been generated.
+    from verl.trainer.ppo.core_algos import ADV_ESTIMATOR_REGISTRY, POLICY_LOSS_REGISTRY
+
+    for key, registry, kind in (
+        ("algorithm.adv_estimator", ADV_ESTIMATOR_REGISTRY, "advantage estimator"),
+        ("actor_rollout_ref.actor.policy_loss.loss_mode", POLICY_LOSS_REGISTRY, "policy loss"),
+    ):
+        name = OmegaConf.select(config, key)
+        if name is not None:
+            require_registered_name(key, name, registry, kind)
+
+    # number of GPUs total
+    n_gpus = config.trainer.n_gpus_per_node * config.trainer.nnodes
+""",
+    ),
+    Edit(
+        "verl/utils/config.py",
+        old="""\
+def validate_config(
+    config: DictConfig,
+""",
+        new=_source_of(shared.require_registered_name) + """\
+
+
+def validate_config(
+    config: DictConfig,
+""",
+    ),
+]
+
+VERL_POLICY_LOSS_ROLLOUT_LOGPROBS = [
+    Edit(
+        "verl/workers/utils/losses.py",
+        old="""\
+    if "ref_log_prob" in data:
+        fields.append("ref_log_prob")
+""",
+        new="""\
+    if "ref_log_prob" in data:
+        fields.append("ref_log_prob")
+    if "rollout_log_probs" in data:
+        fields.append("rollout_log_probs")
+""",
+    ),
+    Edit(
+        "verl/workers/utils/losses.py",
+        old="""\
+    policy_loss_fn = get_policy_loss_fn(loss_mode)
+    pg_loss, pg_metrics = policy_loss_fn(
+        old_log_prob=old_log_prob,
+        log_prob=log_prob,
+        advantages=advantages,
+        response_mask=response_mask,
+        loss_agg_mode=loss_agg_mode,
+        config=config,
+        rollout_is_weights=rollout_is_weights,
+    )
+""",
+        new="""\
+    policy_loss_fn = get_policy_loss_fn(loss_mode)
+    # The rollout engine's own logprobs (mu) as their own input, in every mode: old_log_prob is mu
+    # only in bypass mode, and a loss that separates the weight-lag part (pi_old vs pi_theta) from
+    # the kernel-mismatch part (mu vs pi_old) needs both. Only losses that take the keyword get it.
+    rollout_log_probs_kwarg = {}
+    if accepts_keyword(policy_loss_fn, "rollout_log_probs"):
+        rollout_log_probs_kwarg["rollout_log_probs"] = data.get("rollout_log_probs", None)
+    pg_loss, pg_metrics = policy_loss_fn(
+        old_log_prob=old_log_prob,
+        log_prob=log_prob,
+        advantages=advantages,
+        response_mask=response_mask,
+        loss_agg_mode=loss_agg_mode,
+        config=config,
+        rollout_is_weights=rollout_is_weights,
+        **rollout_log_probs_kwarg,
+    )
+""",
+    ),
+    Edit(
+        "verl/workers/utils/losses.py",
+        old="""\
+
+
+def ppo_loss(config: ActorConfig, model_output, data: TensorDict, dp_group=None):
+""",
+        new="""\
+
+
+""" + _source_of(shared.accepts_keyword) + """\
+
+
+def ppo_loss(config: ActorConfig, model_output, data: TensorDict, dp_group=None):
+""",
+    ),
+]
+
+ENGINE = "verl/workers/engine/megatron/transformer_impl.py"
+
+VERL_MEGATRON_ENGINE_HOOKS = [
+    Edit(ENGINE, old="from functools import partial\n", new="from functools import partial, wraps\n"),
+    Edit(
+        ENGINE,
+        old="""\
+logger.setLevel(os.getenv("VERL_LOGGING_LEVEL", "WARN"))
+""",
+        new="""\
+logger.setLevel(os.getenv("VERL_LOGGING_LEVEL", "WARN"))
+
+# Extension points for plugins (``verl.plugins`` entry points), so a plugin can change how the
+# model is built and how logits become logprobs (e.g. a forward that reproduces the rollout
+# engine's numerics) without replacing engine methods.
+# ENGINE_HOOKS[method name]: callables ``hook(engine)``, run in order after that method returns.
+ENGINE_HOOKS: dict[str, list[Callable]] = {"_build_tf_config": [], "optimizer_step": [], "load_checkpoint": []}
+# When set, replaces MegatronEngineWithLMHead._lm_head_logits_processor (same signature, same keys).
+LM_HEAD_LOGITS_PROCESSOR: list[Callable] = []
+
+
+def _run_engine_hooks(method):
+    hooks = ENGINE_HOOKS[method.__name__]
+
+    @wraps(method)
+    def with_hooks(self, *args, **kwargs):
+        result = method(self, *args, **kwargs)
+        for hook in hooks:
+            hook(self)
+        return result
+
+    return with_hooks
+
+
+def _replaceable_logits_processor(method):
+    @wraps(method)
+    def logits_processor(self, *args, **kwargs):
+        if LM_HEAD_LOGITS_PROCESSOR:
+            return LM_HEAD_LOGITS_PROCESSOR[-1](self, *args, **kwargs)
+        return method(self, *args, **kwargs)
+
+    return logits_processor
+""",
+    ),
+    Edit(ENGINE, old="    def _build_tf_config(self):\n",
+         new="    @_run_engine_hooks\n    def _build_tf_config(self):\n"),
+    Edit(ENGINE, old="    def optimizer_step(self):\n", new="    @_run_engine_hooks\n    def optimizer_step(self):\n"),
+    Edit(ENGINE, old="    def load_checkpoint(\n", new="    @_run_engine_hooks\n    def load_checkpoint(\n"),
+    Edit(ENGINE, old="    def _lm_head_logits_processor(\n",
+         new="    @_replaceable_logits_processor\n    def _lm_head_logits_processor(\n"),
+]
+
+# Patch name (as in manifest.yaml) -> its edits.
+EDITS: dict[str, list[Edit]] = {
+    "verl-plugin-load-warning": VERL_PLUGIN_LOAD_WARNING,
+    "verl-reject-unknown-names": VERL_REJECT_UNKNOWN_NAMES,
+    "verl-policy-loss-rollout-logprobs": VERL_POLICY_LOSS_ROLLOUT_LOGPROBS,
+    "verl-megatron-engine-hooks": VERL_MEGATRON_ENGINE_HOOKS,
+}
+
+
+# ----- rendering ----------------------------------------------------------------------------
+
+
+def apply_edits(text: str, edits: list[Edit], path: str) -> str:
+    for edit in edits:
+        count = text.count(edit.old)
+        if count != 1:
+            raise EditError(f"{path}: the text to replace occurs {count} times, not once:\n{edit.old}")
+        text = text.replace(edit.old, edit.new)
+    return text
+
+
+def render_diff(edits: list[Edit], read) -> tuple[str, dict[str, str]]:
+    """Unified diff of ``edits`` against the files ``read(path)`` returns; also the new texts."""
+    paths = list(dict.fromkeys(edit.path for edit in edits))
+    chunks, new_texts = [], {}
+    for path in paths:
+        before = read(path)
+        after = apply_edits(before, [e for e in edits if e.path == path], path)
+        new_texts[path] = after
+        chunks.extend(difflib.unified_diff(
+            before.splitlines(keepends=True), after.splitlines(keepends=True),
+            fromfile=f"a/{path}", tofile=f"b/{path}", n=3,
+        ))
+    return "".join(chunks), new_texts
+
+
+def render_all(manifest) -> dict[str, str]:
+    """Patch name -> diff text, each against the pinned upstream with the patches before it applied."""
+    from . import installed_root
+
+    rendered, state = {}, {}
+    for patch in manifest.patches:
+        root = installed_root(manifest.upstreams[patch.upstream])
+
+        def read(path, upstream=patch.upstream, root=root):
+            key = (upstream, path)
+            if key not in state:
+                state[key] = (root / path).read_text(encoding="utf-8")
+            return state[key]
+
+        diff, new_texts = render_diff(EDITS[patch.name], read)
+        for path, text in new_texts.items():
+            state[(patch.upstream, path)] = text
+        rendered[patch.name] = diff
+    return rendered
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    from . import load_manifest
+
+    parser = argparse.ArgumentParser(description="render the .patch files from their source edits")
+    parser.add_argument("--write", action="store_true", help="write them (default: report which differ)")
+    args = parser.parse_args(argv)
+    manifest = load_manifest()
+    stale = 0
+    for name, diff in render_all(manifest).items():
+        target = manifest.by_name(name).diff_path
+        if target.exists() and target.read_text(encoding="utf-8") == diff:
+            continue
+        stale += 1
+        if args.write:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_text(diff, encoding="utf-8")
+            print(f"wrote {target}")
+        else:
+            print(f"differs from its edits: {target}")
+    return 1 if stale and not args.write else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
