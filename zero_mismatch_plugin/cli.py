@@ -88,6 +88,34 @@ def _recipes_run(args: argparse.Namespace) -> int:
     return run_recipe(args.name, args.overrides, dry_run=args.dry_run)
 
 
+def _check(args: argparse.Namespace) -> int:
+    from zero_mismatch_plugin.checker.commands import check_command
+
+    return check_command(args)
+
+
+def _bisect(args: argparse.Namespace) -> int:
+    from zero_mismatch_plugin.checker.commands import bisect_command
+
+    return bisect_command(args)
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from zero_mismatch_plugin.demo.command import run_demo_command
+
+    return run_demo_command(args.algo, args.kernels, args.lag, args.updates, args.seed, args.out)
+
+
+def _patches(args: argparse.Namespace) -> int:
+    from zero_mismatch_plugin import patching
+
+    if args.patches_command == "list":
+        return patching.list_command()
+    if args.patches_command == "check":
+        return patching.check_command()
+    return patching.apply_command(args.to, args.upstream, args.assume_version)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="zmrl", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -132,6 +160,72 @@ def build_parser() -> argparse.ArgumentParser:
     recipes_run.add_argument("--dry-run", action="store_true", help="validate and print the exact command, do not run it")
     recipes_run.set_defaults(func=_recipes_run)
 
+    # The same names as checker.backends.KNOWN_TRAINERS, without importing it (it imports torch).
+    trainers = ("aligned", "hf", "megatron")
+    check = sub.add_parser(
+        "check",
+        help="run a vLLM engine and a trainer forward on the same weights; pass/fail per mismatch check",
+    )
+    bisect = sub.add_parser(
+        "bisect", help="name the first op whose output differs between vLLM's modules and the trainer's"
+    )
+    for command in (check, bisect):
+        command.add_argument("--model", required=True, metavar="DIR", help="checkpoint directory (HF format)")
+        command.add_argument(
+            "--trainer", choices=trainers, default="aligned", help="trainer forward to compare (default aligned)"
+        )
+        command.add_argument(
+            "--prompts", metavar="FILE", help="prompts: text, one per line, or JSONL with prompt / prompt_token_ids"
+        )
+        command.add_argument(
+            "--numerics",
+            choices=("consistent", "fast"),
+            help="ZMRL_NUMERICS for engine and trainer (default: the environment's, else consistent)",
+        )
+        command.add_argument(
+            "--max-model-len", type=int, metavar="N", help="engine max_model_len (default min(2048, model max))"
+        )
+        command.add_argument("--seed", type=int, default=0, help="engine seed (default 0)")
+        command.add_argument("--json", metavar="OUT", help="also write the results as JSON to OUT ('-': stdout only)")
+        command.add_argument("--quiet", action="store_true", help="no progress bar")
+    check.add_argument("--num-prompts", type=int, default=8, metavar="N", help="prompts to sample (default 8)")
+    check.add_argument("--max-tokens", type=int, default=24, metavar="N", help="tokens per completion (default 24)")
+    check.add_argument(
+        "--batch-sizes", default="1,2,8", metavar="B,..", help="batch sizes for the batch-composition check"
+    )
+    check.add_argument(
+        "--full-vocab", action="store_true", help="compare all vocabulary logprobs (default: the engine's top-20)"
+    )
+    check.set_defaults(func=_check)
+    bisect.add_argument("--num-prompts", type=int, default=4, metavar="N", help="sequences in the input (default 4)")
+    bisect.add_argument(
+        "--max-tokens", type=int, default=16, metavar="N", help="teacher-forced response tokens each (default 16)"
+    )
+    bisect.set_defaults(func=_bisect)
+
+    demo = sub.add_parser(
+        "demo", help="asynchronous RL with zero mismatch, end to end on a CPU (tiny model, vLLM, verl's losses)"
+    )
+    demo.add_argument("--algo", choices=("reinforce_zero", "flash_reinforce"), default="reinforce_zero")
+    demo.add_argument(
+        "--kernels", choices=("aligned", "standard"), default="aligned",
+        help="learner forward: vLLM's kernels (aligned) or plain transformers (standard)",
+    )
+    demo.add_argument("--lag", type=int, default=2, metavar="K", help="samples are at most K versions old (0: synchronous)")
+    demo.add_argument("--updates", type=int, default=200, metavar="N", help="optimizer updates (default 200)")
+    demo.add_argument("--seed", type=int, default=0, metavar="S")
+    demo.add_argument("--out", metavar="DIR", help="output directory (default: a fresh ./zmrl-demo-out[-N])")
+    demo.set_defaults(func=_demo)
+
+    patches = sub.add_parser("patches", help="upstream patches for a fork of verl / vLLM / Megatron-LM")
+    patches_sub = patches.add_subparsers(dest="patches_command", required=True)
+    patches_sub.add_parser("list", help="every patch: upstream, pinned version, purpose, covering test")
+    patches_sub.add_parser("check", help="apply every patch to copies of the installed upstream files")
+    patches_apply = patches_sub.add_parser("apply", help="apply the patches to a checkout of their upstream")
+    patches_apply.add_argument("--to", required=True, metavar="DIR", help="root of the verl / vLLM / Megatron-LM checkout")
+    patches_apply.add_argument("--upstream", choices=("verl", "vllm", "megatron-lm"), help="default: detected from DIR")
+    patches_apply.add_argument("--assume-version", metavar="V", help="the checkout's version, when it cannot be read")
+    patches.set_defaults(func=_patches)
     return parser
 
 
