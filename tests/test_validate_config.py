@@ -114,3 +114,10 @@ def test_separate_async_chunking_that_splits_the_centered_batch_is_named():
                          "trainer.v1.separate_async.parameter_sync_step=4")
     key = "actor_rollout_ref.actor.ppo_mini_batch_size"
     assert key in problems and "64 prompts in trainer mode separate_async" in problems[key]
+
+
+def test_unregistered_names_are_rejected_even_outside_the_plugin():
+    problems = _problems("reinforce_zero", "algorithm.adv_estimator=reinforce_zer0",
+                         "actor_rollout_ref.actor.policy_loss.loss_mode=vanila")
+    assert "is not a registered advantage estimator" in problems["algorithm.adv_estimator"]
+    assert "is not a registered policy loss" in problems["actor_rollout_ref.actor.policy_loss.loss_mode"]

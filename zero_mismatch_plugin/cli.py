@@ -7,14 +7,17 @@ import sys
 
 
 def _validate_config(args: argparse.Namespace) -> int:
-    from zero_mismatch_plugin.validate_config import compose_verl_config, format_report, validate_config
+    from zero_mismatch_plugin.recipes import check_recipe
+    from zero_mismatch_plugin.validate_config import compose_verl_config, format_report
 
     try:
         cfg = compose_verl_config(args.config_path, args.config_name, args.overrides)
     except Exception as error:  # noqa: BLE001 - composition errors are the user's to fix
         print(f"ERROR: cannot compose {args.config_name!r} from {args.config_path}: {error}", file=sys.stderr)
         return 2
-    problems = validate_config(cfg)
+    # The algorithms' requirements plus the layout/batch arithmetic verl checks only on the
+    # cluster: the same checks `zmrl recipes run` applies before launching.
+    problems = check_recipe(cfg)
     print(format_report(problems))
     return 1 if any(p.fatal for p in problems) else 0
 

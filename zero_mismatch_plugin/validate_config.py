@@ -106,16 +106,38 @@ def _check_actor_builds(cfg: DictConfig) -> list[Problem]:
     return []
 
 
+def _unregistered_names(estimator: str, loss_mode: str) -> list[Problem]:
+    """verl only notices an unknown name at first use, deep in a run; catch it here.
+
+    The same check is what the verl-reject-unknown-names patch adds to verl itself.
+    """
+    import verl  # noqa: F401  (loads every verl.plugins entry point, this plugin's included)
+    from verl.trainer.ppo import core_algos
+
+    from zero_mismatch_plugin.patching.shared import require_registered_name
+
+    problems = []
+    for key, name, registry, kind in (
+        ("algorithm.adv_estimator", estimator, core_algos.ADV_ESTIMATOR_REGISTRY, "advantage estimator"),
+        ("actor_rollout_ref.actor.policy_loss.loss_mode", loss_mode, core_algos.POLICY_LOSS_REGISTRY, "policy loss"),
+    ):
+        try:
+            require_registered_name(key, name, registry, kind)
+        except ValueError as error:
+            problems.append(Problem(key, str(error)))
+    return problems
+
+
 def validate_config(cfg: DictConfig) -> list[Problem]:
     """Every requirement of reinforce_zero / flash_reinforce that ``cfg`` violates."""
     estimator = str(_get(cfg, "algorithm.adv_estimator"))
     loss_mode = str(_get(cfg, "actor_rollout_ref.actor.policy_loss.loss_mode"))
+    problems: list[Problem] = _unregistered_names(estimator, loss_mode)
     uses_plugin_estimator = estimator in ADVANTAGE_ESTIMATORS
     uses_plugin_loss = loss_mode in POLICY_LOSSES
     if not (uses_plugin_estimator or uses_plugin_loss):
-        return []
+        return problems
     uses_flash = FLASH_REINFORCE in (estimator, loss_mode)
-    problems: list[Problem] = []
 
     def require(key: str, ok: bool, message: str, fatal: bool = True) -> None:
         if not ok:
