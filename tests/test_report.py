@@ -185,6 +185,17 @@ def test_actor_side_key_is_preferred_and_the_other_is_listed_not_mixed(tmp_path)
     assert d3["peak"] == 1.0  # the driver-side spike did not leak in
 
 
+def test_same_version_bitwise_fraction_is_preferred_over_the_lag_including_one(tmp_path):
+    # At lag > 0 the loss compares pi_current with mu, so its fraction is 0 even with aligned
+    # kernels; the fraction over tokens scored with their own sampling weights is the kernel signal.
+    records = [{"step": s, "actor/zero_mismatch/bitwise_equal_fraction": 0.0,
+                "demo/own_version/bitwise_equal_fraction": 1.0} for s in range(1, 4)]
+    run = read_metric_log(_write_plain_jsonl(tmp_path / "lagged.jsonl", records))
+    bitwise = build_report([run])["runs"]["lagged"]["bitwise_equal"]
+    assert bitwise["source"] == "demo/own_version/bitwise_equal_fraction"
+    assert bitwise["min"] == 1.0
+
+
 # ---------------------------------------------------------------- missing and non-finite
 
 

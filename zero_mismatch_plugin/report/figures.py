@@ -54,7 +54,11 @@ REJECTION_SOURCES = _with_and_without_actor_prefix("rollout_corr/rollout_rs_seq_
     MetricSource("actor/flash_reinforce/admitted_fraction", complement=True),
     MetricSource("flash_reinforce/admitted_fraction", complement=True),
 )
-BITWISE_EQUAL_SOURCES = _with_and_without_actor_prefix("zero_mismatch/bitwise_equal_fraction")
+# Preferred: the fraction over tokens scored with the weights that sampled them (what
+# `zmrl demo` logs), which isolates kernel mismatch at any lag. The loss's own metric compares
+# with the current weights, so at lag > 0 it also counts weight lag.
+BITWISE_EQUAL_SOURCES = (MetricSource("demo/own_version/bitwise_equal_fraction"),) + _with_and_without_actor_prefix(
+    "zero_mismatch/bitwise_equal_fraction")
 REWARD_SOURCES = (MetricSource("critic/score/mean"), MetricSource("critic/rewards/mean"))
 # verl's V1 trainer: versions between a trajectory's freshest sampling weights and the weights
 # being trained (`trajectory_staleness`) and its oldest ones (`trajectory_staleness_worst`).
