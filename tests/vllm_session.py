@@ -48,7 +48,7 @@ class Engines:
             gc.collect()
 
 
-def prompts_for(checkpoint, num_prompts=NUM_PROMPTS):
+def prompts_for(checkpoint, num_prompts=NUM_PROMPTS, corpus_seed=7):
     """Prompts of different lengths (4..15 tokens) from the checkpoint's tokenizer."""
     from transformers import AutoTokenizer
 
@@ -56,7 +56,7 @@ def prompts_for(checkpoint, num_prompts=NUM_PROMPTS):
 
     tok = AutoTokenizer.from_pretrained(str(checkpoint))
     prompts = []
-    for i, line in enumerate(tiny_corpus(num_prompts * 4, seed=7)):
+    for i, line in enumerate(tiny_corpus(num_prompts * 4, seed=corpus_seed)):
         ids = tok(line).input_ids
         want = 4 + (i * 5) % 12
         if len(ids) >= want:

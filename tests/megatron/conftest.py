@@ -1,26 +1,19 @@
-"""Fixtures for the aligned megatron-core tests: one tiny checkpoint, one live vLLM engine.
+"""Fixtures for the aligned megatron-core tests: their own tiny checkpoints and engine.
 
-Everything here is package-scoped: ZMRL_NUMERICS=consistent is set while these tests run and
+They do not share the session engine because the weight-sync test changes the engine's
+weights. Everything here is package-scoped: ZMRL_NUMERICS=consistent is set while these tests run and
 the engine (one start, ~30 s on CPU) is shut down when they are done.
 """
 
 from __future__ import annotations
 
 import gc
-import os
 
 import pytest
-import torch
 
-# vLLM reads these when its processes start; set before anything imports vLLM.
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+from vllm_session import MAX_MODEL_LEN, prompts_for, rollout
 
-MAX_MODEL_LEN = 256
 ENGINE_KWARGS = dict(max_model_len=MAX_MODEL_LEN, seed=0)
-NUM_PROMPTS = 8
-SAMPLES_PER_PROMPT = 2
-RESPONSE_TOKENS = 24
 
 
 @pytest.fixture(scope="package", autouse=True)
@@ -67,48 +60,10 @@ def mg_engine(mg_checkpoints):
     gc.collect()
 
 
-def prompts_for(checkpoint, num_prompts=NUM_PROMPTS):
-    """Prompts of different lengths (4..15 tokens) from the checkpoint's tokenizer."""
-    from transformers import AutoTokenizer
-
-    from zero_mismatch_plugin.tiny_models import tiny_corpus
-
-    tok = AutoTokenizer.from_pretrained(str(checkpoint))
-    prompts = []
-    for i, line in enumerate(tiny_corpus(num_prompts * 4, seed=11)):
-        ids = tok(line).input_ids
-        want = 4 + (i * 5) % 12
-        if len(ids) >= want:
-            prompts.append(ids[:want])
-        if len(prompts) == num_prompts:
-            return prompts
-    raise AssertionError("corpus too short for the requested prompts")
-
-
-def rollout(llm, prompts, seed=0, n=SAMPLES_PER_PROMPT, max_tokens=RESPONSE_TOKENS):
-    """n sampled responses per prompt in one batch (T=1); returns (prompts, responses, μ)."""
-    from vllm import SamplingParams
-
-    params = [
-        SamplingParams(n=n, temperature=1.0, max_tokens=max_tokens, ignore_eos=True,
-                       logprobs=0, seed=seed + i)
-        for i in range(len(prompts))
-    ]
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    seq_prompts, responses, mu = [], [], []
-    for prompt, out in zip(prompts, outs):
-        for completion in out.outputs:
-            ids = list(completion.token_ids)
-            seq_prompts.append(prompt)
-            responses.append(ids)
-            mu.extend(step[t].logprob for t, step in zip(ids, completion.logprobs))
-    return seq_prompts, responses, torch.tensor(mu, dtype=torch.float32)
-
-
 @pytest.fixture(scope="package")
 def mg_rollout(mg_engine, mg_checkpoints):
     """rollout(seed, n=...) on the Llama engine with the standard prompts."""
-    prompts = prompts_for(mg_checkpoints["llama"])
+    prompts = prompts_for(mg_checkpoints["llama"], corpus_seed=11)
 
     def run(seed=0, **kwargs):
         return rollout(mg_engine, prompts, seed=seed, **kwargs)
