@@ -9,9 +9,9 @@ sequences. Works on CPU (gloo, world size 1) and on one GPU.
 from __future__ import annotations
 
 import contextlib
-import os
-import socket
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -22,22 +22,17 @@ from . import convert
 from .spec import aligned_layer_spec, apply_post_construction_swaps
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def init_single_process(seed: int = 0) -> None:
     """A 1-rank process group and megatron model parallel state (TP=PP=CP=1); idempotent."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 
     if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        # A file store, not MASTER_ADDR/MASTER_PORT: an exported port would be inherited by
+        # child processes, which would then try to listen on the port this one holds.
+        store = Path(tempfile.mkdtemp(prefix="zmrl-pg-")) / "store"
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend=backend, rank=0, world_size=1)
+        dist.init_process_group(backend=backend, init_method=store.as_uri(), rank=0, world_size=1)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(1, 1)
     torch.manual_seed(seed)
