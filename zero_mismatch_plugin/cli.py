@@ -1,4 +1,4 @@
-"""``zmrl``: the plugin's command line."""
+"""zmrl: the command line of zero_mismatch_plugin."""
 
 from __future__ import annotations
 
