@@ -39,7 +39,8 @@ def main() -> int:
     args = parser.parse_args()
 
     from zero_mismatch_plugin.demo import DemoConfig, run_demo
-    from zero_mismatch_plugin.demo.rollout import start_engine, stop_engine
+    from zero_mismatch_plugin.aligned.runtime import shutdown_engine
+    from zero_mismatch_plugin.demo.rollout import start_engine
     from zero_mismatch_plugin.tiny_models import build_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -56,7 +57,7 @@ def main() -> int:
                     print(f"repeat {repeat + 1} {mode:<5} lag {lag}: "
                           f"{args.updates / result.loop_seconds:6.2f} updates/s", flush=True)
         finally:
-            stop_engine(llm)
+            shutdown_engine(llm)
 
     def rate(result):
         return len(result.records) / result.loop_seconds

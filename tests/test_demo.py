@@ -22,7 +22,8 @@ MAX_MODEL_LEN = 128
 @pytest.fixture(scope="module")
 def demo_engine(tmp_path_factory):
     """(engine, model directory) in consistent numerics; the variables are restored afterwards."""
-    from zero_mismatch_plugin.demo.rollout import start_engine, stop_engine
+    from zero_mismatch_plugin.aligned.runtime import shutdown_engine
+    from zero_mismatch_plugin.demo.rollout import start_engine
     from zero_mismatch_plugin.tiny_models import build_tiny_model
 
     model_dir = build_tiny_model(tmp_path_factory.mktemp("demo_model"), family="llama", seed=0)
@@ -34,7 +35,7 @@ def demo_engine(tmp_path_factory):
         try:
             yield llm, model_dir
         finally:
-            stop_engine(llm)
+            shutdown_engine(llm)
 
 
 def _run(demo_engine, model_dir=None, **overrides):

@@ -7,9 +7,9 @@ one down) to keep memory bounded.
 
 from __future__ import annotations
 
-import gc
-
 import torch
+
+from zero_mismatch_plugin.aligned.runtime import shutdown_engine
 
 MAX_MODEL_LEN = 256
 NUM_PROMPTS = 8
@@ -39,13 +39,9 @@ class Engines:
 
     def close(self):
         if self.llm is not None:
-            try:
-                self.llm.llm_engine.engine_core.shutdown()
-            except Exception:
-                pass
+            shutdown_engine(self.llm)
             self.llm = None
             self.name = None
-            gc.collect()
 
 
 def prompts_for(checkpoint, num_prompts=NUM_PROMPTS, corpus_seed=7):

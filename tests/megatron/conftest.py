@@ -7,8 +7,6 @@ the engine (one start, ~30 s on CPU) is shut down when they are done.
 
 from __future__ import annotations
 
-import gc
-
 import pytest
 
 from vllm_session import MAX_MODEL_LEN, prompts_for, rollout
@@ -48,16 +46,11 @@ def mg_runtime(mg_checkpoints):
 def mg_engine(mg_checkpoints):
     from vllm import LLM
 
-    from zero_mismatch_plugin.aligned.runtime import engine_args_for
+    from zero_mismatch_plugin.aligned.runtime import engine_args_for, shutdown_engine
 
     llm = LLM(**engine_args_for(mg_checkpoints["llama"], **ENGINE_KWARGS))
     yield llm
-    try:
-        llm.llm_engine.engine_core.shutdown()
-    except Exception:
-        pass
-    del llm
-    gc.collect()
+    shutdown_engine(llm)
 
 
 @pytest.fixture(scope="package")

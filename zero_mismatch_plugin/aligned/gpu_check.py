@@ -289,7 +289,7 @@ def part_vllm_bf16_equality():
     from vllm import LLM, SamplingParams
 
     from zero_mismatch_plugin.aligned import AlignedCausalLM, pack
-    from zero_mismatch_plugin.aligned.runtime import engine_args_for
+    from zero_mismatch_plugin.aligned.runtime import engine_args_for, shutdown_engine
     from zero_mismatch_plugin.tiny_models import build_tiny_model, tiny_corpus
 
     details = {}
@@ -326,10 +326,7 @@ def part_vllm_bf16_equality():
                 "attention_backend": trainer.attention.kernel.backend_name,
             }
             ok &= equal
-            try:
-                llm.llm_engine.engine_core.shutdown()
-            except Exception:
-                pass
+            shutdown_engine(llm)
             del llm
     return ok, details
 

@@ -11,6 +11,7 @@ therefore vLLM's, on every platform.
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 from pathlib import Path
@@ -43,6 +44,18 @@ def engine_args_for(model_dir: str | os.PathLike, dtype: str = "float32", **over
     args.update(overrides)
     return args
 
+
+
+def shutdown_engine(llm) -> None:
+    """Stop a ``vllm.LLM``'s engine processes now, not when the object is collected.
+
+    Best effort: a half-started or already-stopped engine is not an error here.
+    """
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception:  # noqa: BLE001 - best effort at exit
+        pass
+    gc.collect()
 
 class VllmRuntime:
     """The engine's ``VllmConfig`` for one checkpoint, plus vLLM layer instances built under it."""

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import gc
 import json
 import os
 from dataclasses import dataclass, field
@@ -64,6 +63,7 @@ def open_engine(model_dir, max_model_len: int, seed: int = 0, full_vocab: bool =
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM
 
+    from zero_mismatch_plugin.aligned.runtime import shutdown_engine
     from zero_mismatch_plugin.vllm_plugin import PREFIX_CACHING_ENV
 
     # The consistent mode turns prefix caching off unless explicitly allowed; the prefix-cache
@@ -81,14 +81,6 @@ def open_engine(model_dir, max_model_len: int, seed: int = 0, full_vocab: bool =
         yield llm
     finally:
         shutdown_engine(llm)
-
-
-def shutdown_engine(llm) -> None:
-    try:
-        llm.llm_engine.engine_core.shutdown()
-    except Exception:  # noqa: BLE001 - best effort at exit
-        pass
-    gc.collect()
 
 
 def engine_block_size(llm) -> int:

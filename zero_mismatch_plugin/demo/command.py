@@ -37,10 +37,11 @@ def run_demo_command(algo: str, kernels: str, lag: int, updates: int, seed: int,
     _quiet_defaults()
     from tqdm import tqdm
 
+    from zero_mismatch_plugin.aligned.runtime import shutdown_engine
     from zero_mismatch_plugin.tiny_models import build_tiny_model
 
     from .outputs import format_summary, write_outputs
-    from .rollout import start_engine, stop_engine
+    from .rollout import start_engine
     from .runner import DemoConfig, DemoRun
 
     try:
@@ -75,7 +76,7 @@ def run_demo_command(algo: str, kernels: str, lag: int, updates: int, seed: int,
             result = run.run(progress)
         summary = write_outputs(result, out_dir)
     finally:
-        stop_engine(llm)
+        shutdown_engine(llm)
     print(format_summary(summary, out_dir))
     print(f"wall time {time.perf_counter() - started:.0f} s")
     return 0

@@ -68,13 +68,6 @@ def start_engine(model_dir, max_model_len: int, seed: int = 0):
     return LLM(**engine_args_for(model_dir, max_model_len=max_model_len, seed=seed, enable_prefix_caching=False))
 
 
-def stop_engine(llm) -> None:
-    try:
-        llm.llm_engine.engine_core.shutdown()
-    except Exception:  # noqa: BLE001 - best effort at exit
-        pass
-
-
 @dataclass(frozen=True)
 class RolloutPlan:
     seed: int
