@@ -174,6 +174,33 @@ def test_apply_is_all_or_nothing(manifest, tmp_path):
     assert _tree_digest(checkout) == before
 
 
+def test_apply_patches_a_megatron_lm_checkout_and_refuses_another_version(manifest, tmp_path, capsys):
+    installed = patching.installed_root(manifest.upstreams["megatron-lm"])
+    [patch] = manifest.for_upstream("megatron-lm")
+
+    def checkout(name, version_file_text):
+        root = tmp_path / name
+        for relative in [*patch.files, "megatron/core/package_info.py"]:
+            (root / relative).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(installed / relative, root / relative)
+        info = root / "megatron/core/package_info.py"
+        info.write_text(version_file_text(info.read_text()))
+        return root
+
+    fork = checkout("Megatron-LM", lambda text: text)
+    assert zmrl(["patches", "apply", "--to", str(fork)]) == 0
+    _, expected = edits.render_diff(edits.EDITS[patch.name], lambda p: (installed / p).read_text())
+    for relative, text in expected.items():
+        assert (fork / relative).read_text() == text
+    assert "applied megatron-lm-spec-hooks" in capsys.readouterr().out
+
+    older = checkout("Megatron-LM-old", lambda text: re.sub(r"PATCH = \d+", "PATCH = 0", text))
+    before = _tree_digest(older)
+    assert zmrl(["patches", "apply", "--to", str(older)]) == 1
+    assert "the patches were made for 0.16.1" in capsys.readouterr().err
+    assert _tree_digest(older) == before
+
+
 def test_apply_needs_a_recognisable_checkout(tmp_path):
     with pytest.raises(PatchError, match="cannot tell which upstream"):
         patching.apply_to(tmp_path)
@@ -398,6 +425,161 @@ ENGINE_SCRIPT = """
 def test_verl_megatron_engine_hooks_run_the_aligned_forward(patched_verl):
     result = run_python(ENGINE_SCRIPT.replace("PATCHED", repr(str(patched_verl))), patched_verl)
     assert result.returncode == 0 and "ENGINE OK" in result.stdout, result.stdout + result.stderr[-4000:]
+
+
+HOOKED_ENGINE_SCRIPT = """
+    import torch
+    from zero_mismatch_plugin.megatron.standalone import init_single_process
+    init_single_process()
+    from verl.workers.engine.megatron import transformer_impl as ti
+    from zero_mismatch_plugin.megatron import verl_patch
+    assert ti.__file__.startswith(PATCHED), ti.__file__
+    methods = {(cls, name): cls.__dict__[name] for cls, name in (
+        (ti.MegatronEngine, "_build_tf_config"), (ti.MegatronEngine, "optimizer_step"),
+        (ti.MegatronEngine, "load_checkpoint"), (ti.MegatronEngineWithLMHead, "_lm_head_logits_processor"))}
+    assert verl_patch.engine_has_hooks(ti) and verl_patch.apply()
+    # Registered in the fork's extension points; no engine method replaced.
+    assert all(cls.__dict__[name] is fn for (cls, name), fn in methods.items())
+    assert ti.ENGINE_HOOKS["_build_tf_config"] == [verl_patch.inject_aligned_spec]
+    assert ti.ENGINE_HOOKS["optimizer_step"] == ti.ENGINE_HOOKS["load_checkpoint"] == [verl_patch.refresh_engine_weights]
+    assert ti.LM_HEAD_LOGITS_PROCESSOR == [verl_patch.aligned_lm_head_logits_processor]
+    assert not verl_patch.apply()  # idempotent
+    assert verl_patch.remove() and not verl_patch.is_applied()
+    assert not any(ti.ENGINE_HOOKS.values()) and ti.LM_HEAD_LOGITS_PROCESSOR == []
+    assert all(cls.__dict__[name] is fn for (cls, name), fn in methods.items())
+    print("HOOKED OK")
+"""
+
+
+def test_runtime_patch_uses_the_engine_hooks_of_a_patched_verl(patched_verl):
+    result = run_python(HOOKED_ENGINE_SCRIPT.replace("PATCHED", repr(str(patched_verl))), patched_verl)
+    assert result.returncode == 0 and "HOOKED OK" in result.stdout, result.stdout + result.stderr[-4000:]
+
+
+# ----- behaviour of the Megatron-LM patch -------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def patched_megatron(tmp_path_factory, manifest):
+    """A full copy of the installed megatron-core with the megatron-lm patch applied."""
+    return patching.copy_patched_package(manifest, "megatron-lm", tmp_path_factory.mktemp("patched-megatron"))
+
+
+MEGATRON_SCRIPT = """
+    import torch
+    import megatron.core
+    assert megatron.core.__file__.startswith(PATCHED), megatron.core.__file__
+    from megatron.core.models.gpt import GPTModel
+    from zero_mismatch_plugin.aligned.packing import pack
+    from zero_mismatch_plugin.aligned.runtime import VllmRuntime
+    from zero_mismatch_plugin.megatron import convert, modules, spec as mspec
+    from zero_mismatch_plugin.megatron.standalone import cpu_stock_megatron, init_single_process, packed_seq_params
+
+    checkpoint = CHECKPOINT
+    rollout = torch.load(ROLLOUT_FILE)
+    runtime = VllmRuntime(checkpoint, max_model_len=MAX_MODEL_LEN, seed=0)
+    init_single_process()
+    hf = runtime.hf_config
+    config = convert.transformer_config_from_hf(hf, params_dtype=runtime.dtype)
+
+    def build(spec):
+        model = GPTModel(config=config, transformer_layer_spec=spec, **convert.gpt_model_kwargs(hf))
+        convert.load_hf_checkpoint(model, checkpoint, hf)
+        return model
+
+    # Built from the spec alone: the patched megatron-core places every aligned module itself.
+    assert mspec.megatron_has_spec_hooks()
+    spec, needs_swaps = mspec.aligned_gpt_spec(config, runtime)
+    assert type(spec).__name__ == "GPTModelSubmodules" and not needs_swaps
+    hooked = build(spec)
+    assert hooked.position_embedding_type == "rope"  # megatron's own setting, not switched off
+    assert isinstance(hooked.output_layer, modules.AlignedOutputLayerModule)
+    assert isinstance(hooked.decoder.final_layernorm, modules.AlignedRMSNormModule)
+    attentions = [layer.self_attention for layer in hooked.decoder.layers]
+    assert all(isinstance(a.rotary_application, modules.AlignedRotaryApplication) for a in attentions)
+    assert not any(a.core_attention.rotates_qk for a in attentions)
+    assert isinstance(hooked.token_logprob, modules.AlignedTokenLogprob)
+
+    batch = pack(rollout["prompts"], rollout["responses"])
+    labels = torch.zeros(1, batch.num_tokens, dtype=torch.long)
+    labels[0, batch.target_rows] = batch.target_ids
+    inputs = dict(input_ids=batch.input_ids[None], position_ids=batch.positions[None], attention_mask=None,
+                  packed_seq_params=packed_seq_params(batch.seq_lens))
+    with cpu_stock_megatron():
+        per_token_loss = hooked(**inputs, labels=labels)
+    logprobs = -per_token_loss[0].index_select(0, batch.target_rows)
+    mu = rollout["mu"]
+    equal = int((logprobs == mu).sum())
+    assert equal == mu.numel(), f"{equal} of {mu.numel()} equal, max diff {(logprobs - mu).abs().max()}"
+
+    # The same as the stock-megatron route (layer spec + post-construction swaps), forward and backward.
+    swapped = build(mspec.aligned_layer_spec(config, runtime))
+    mspec.apply_post_construction_swaps(swapped, runtime)
+    with cpu_stock_megatron():
+        swapped_logits = swapped(**inputs)[0].index_select(0, batch.target_rows)
+    swapped_logprobs = modules.vllm_label_logprobs(swapped_logits, batch.target_ids)
+    assert torch.equal(logprobs, swapped_logprobs)
+    (logprobs * torch.linspace(-1, 1, mu.numel())).sum().backward()
+    (swapped_logprobs * torch.linspace(-1, 1, mu.numel())).sum().backward()
+    grads, swapped_grads = dict(hooked.named_parameters()), dict(swapped.named_parameters())
+    assert grads.keys() == swapped_grads.keys()
+    assert all(torch.equal(grads[k].grad, swapped_grads[k].grad) for k in grads)
+
+    # verl's provider injection on this megatron-core: the whole-model spec, no pre-wrap swaps.
+    from types import SimpleNamespace
+    from zero_mismatch_plugin.megatron.verl_patch import inject_aligned_spec
+    provider = convert.transformer_config_from_hf(hf)
+    wrap_hooks = []
+    provider.register_pre_wrap_hook = wrap_hooks.append
+    inject_aligned_spec(SimpleNamespace(
+        provider=provider, engine_config=SimpleNamespace(use_fused_kernels=False, use_remove_padding=True),
+        peft_cls=None, is_value_model=False, _qat_enabled=False), runtime=runtime)
+    provided_spec = provider.transformer_layer_spec(provider)
+    assert type(provided_spec).__name__ == "GPTModelSubmodules" and wrap_hooks == []
+    provided = build(provided_spec)
+    with torch.no_grad(), cpu_stock_megatron():
+        provided_loss = provided(**inputs, labels=labels)
+    assert torch.equal(-provided_loss[0].index_select(0, batch.target_rows), mu)
+
+    # Negative control: without the token_logprob hook megatron's cross entropy gives the loss.
+    hooked.token_logprob = None
+    with torch.no_grad(), cpu_stock_megatron():
+        cross_entropy = -hooked(**inputs, labels=labels)[0].index_select(0, batch.target_rows)
+    ce_equal = int((cross_entropy == mu).sum())
+    assert ce_equal < mu.numel()
+    print(f"MEGATRON OK {equal}/{mu.numel()} hooked, {ce_equal}/{mu.numel()} with megatron's cross entropy, "
+          f"max diff {(cross_entropy - mu).abs().max().item():.3g}")
+"""
+
+
+def test_megatron_spec_hooks_build_a_model_bitwise_equal_to_the_engine(
+    patched_megatron, checkpoints, engines, make_prompts, make_rollout, tmp_path, monkeypatch
+):
+    import torch
+
+    from vllm_session import MAX_MODEL_LEN
+
+    monkeypatch.setenv("ZMRL_NUMERICS", "consistent")
+    # A fresh engine on the checkpoint's own weights (earlier tests may have synced others into it).
+    engines.close()
+    prompts, responses, mu = make_rollout(engines.get("llama"), make_prompts(checkpoints["llama"]), seed=5)
+    engines.close()
+    torch.save({"prompts": prompts, "responses": responses, "mu": mu}, tmp_path / "rollout.pt")
+    script = (MEGATRON_SCRIPT.replace("PATCHED", repr(str(patched_megatron)))
+              .replace("MAX_MODEL_LEN", str(MAX_MODEL_LEN))
+              .replace("CHECKPOINT", repr(str(checkpoints["llama"])))
+              .replace("ROLLOUT_FILE", repr(str(tmp_path / "rollout.pt"))))
+    result = run_python(script, patched_megatron)
+    print(result.stdout.splitlines()[-1:])
+    assert result.returncode == 0 and "MEGATRON OK" in result.stdout, result.stdout + result.stderr[-4000:]
+
+
+def test_stock_megatron_has_no_spec_hooks_and_says_what_to_apply():
+    from zero_mismatch_plugin.megatron import spec as mspec
+
+    assert not mspec.megatron_has_spec_hooks()
+    with pytest.raises(mspec.UnsupportedMegatronFeature, match="patches/megatron-lm"):
+        mspec.aligned_model_spec(object(), runtime=None)
 
 
 # ----- behaviour of the vLLM patches ---------------------------------------------------------

@@ -278,19 +278,94 @@ def aligned_mlp_class():
     return AlignedMLP
 
 
-# ----- Core attention (with the rotary embedding) ------------------------------------------
+# ----- Rotary embedding and core attention ------------------------------------------------
 
 
-class AlignedCoreAttention(nn.Module):
-    """Replaces ``DotProductAttention``: vLLM's rotary embedding, then vLLM's attention backend.
-
-    megatron applies the rotary embedding in ``Attention.forward`` just before core attention,
-    with its own cos/sin. That application is switched off after construction
-    (:func:`..spec.apply_post_construction_swaps`), and the rotation vLLM applies (its kernel and
-    cos/sin cache) is done here, on the same q and k, at the same point in the data flow.
+def _token_major(query, key, value, attention_mask, packed_seq_params):
+    """q, k, v as vLLM's ``[T, heads * D]`` (sequence after sequence), their lengths, and the
+    megatron layout to return to (``None``: packed ``thd``; ``(s, b)``: ``sbhd``).
 
     Accepts megatron's ``sbhd`` layout (each batch column one causal sequence, no padding mask)
     and packed ``thd`` input (``packed_seq_params.cu_seqlens_q``), which verl uses.
+    """
+    if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
+        cu = packed_seq_params.cu_seqlens_q_padded
+        if cu is None:
+            cu = packed_seq_params.cu_seqlens_q
+        # Padding, if any, trails each sequence: causal rows before it are unaffected.
+        seq_lens = [int(n) for n in torch.diff(cu.cpu()).tolist() if int(n) > 0]
+        tokens = query.shape[0]
+        if sum(seq_lens) != tokens:
+            raise ValueError(f"cu_seqlens cover {sum(seq_lens)} tokens, query has {tokens}")
+        flat = [None if t is None else t.reshape(tokens, -1) for t in (query, key, value)]
+        return (*flat, seq_lens, None)
+    if packed_seq_params is not None:
+        raise NotImplementedError(
+            f"aligned megatron spec: packed qkv_format={packed_seq_params.qkv_format!r}"
+        )
+    if attention_mask is not None:
+        raise NotImplementedError(
+            "aligned megatron spec: explicit attention masks (padded bshd batches); "
+            "use packed THD input (verl: use_remove_padding=True) or unpadded sequences"
+        )
+    s, b = query.shape[0], query.shape[1]
+    flat = [None if t is None else t.transpose(0, 1).reshape(b * s, -1) for t in (query, key, value)]
+    return (*flat, [s] * b, (s, b))
+
+
+def _megatron_layout(x2d: torch.Tensor, layout, like: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`_token_major` for one tensor, back to the shape of ``like``."""
+    if layout is None:
+        return x2d.reshape(like.shape)
+    s, b = layout
+    return x2d.view(b, s, *like.shape[2:]).transpose(0, 1)
+
+
+def _positions(seq_lens: list[int], device) -> torch.Tensor:
+    return torch.cat([torch.arange(n, device=device) for n in seq_lens])
+
+
+def _shared_rotary(runtime: VllmRuntime, head_dim: int) -> AlignedRotary:
+    hf = runtime.hf_config
+    max_pos = getattr(hf, "max_position_embeddings", 8192)
+    rope = getattr(hf, "rope_parameters", None)
+    return _shared(
+        runtime, ("rotary", head_dim, max_pos), lambda: AlignedRotary(runtime, head_dim, max_pos, rope)
+    )
+
+
+class AlignedRotaryApplication(nn.Module):
+    """The ``rotary_application`` spec hook (patched megatron-core): vLLM's rotary embedding.
+
+    Called by megatron's ``Attention.forward`` in place of ``apply_rotary_pos_emb`` on q and k,
+    with megatron's layout. megatron's own frequencies (``rotary_pos_emb``) are not used: the
+    rotation is vLLM's kernel with vLLM's cos/sin cache, at positions 0.. within each sequence.
+    """
+
+    def __init__(self, config, *, runtime: VllmRuntime, **_):
+        super().__init__()
+        if getattr(config, "context_parallel_size", 1) != 1:
+            raise NotImplementedError("aligned megatron spec: context parallelism (CP > 1)")
+        self.rotary = _shared_rotary(runtime, config.kv_channels)
+
+    def forward(self, query, key, rotary_pos_emb=None, packed_seq_params=None, inference_context=None):
+        if inference_context is not None:
+            raise NotImplementedError("aligned megatron spec: megatron's inference (KV-cache) path")
+        q, k, _, seq_lens, layout = _token_major(query, key, None, None, packed_seq_params)
+        q, k = self.rotary(_positions(seq_lens, query.device), q, k)
+        return _megatron_layout(q, layout, query), _megatron_layout(k, layout, key)
+
+
+class AlignedCoreAttention(nn.Module):
+    """Replaces ``DotProductAttention`` with vLLM's attention backend (and, on stock
+    megatron-core, vLLM's rotary embedding first).
+
+    On stock megatron-core, megatron applies the rotary embedding in ``Attention.forward`` just
+    before core attention, with its own cos/sin; that application is switched off after
+    construction (:func:`..spec.apply_post_construction_swaps`) and the rotation vLLM applies is
+    done here, on the same q and k, at the same point in the data flow. With the megatron-lm
+    spec-hook patch the spec's ``rotary_application`` rotates instead and this module is built
+    with ``rotates_qk=False``.
     """
 
     def __init__(
@@ -305,6 +380,7 @@ class AlignedCoreAttention(nn.Module):
         pg_collection=None,
         *,
         runtime: VllmRuntime,
+        rotates_qk: bool = True,
         **_,
     ):
         super().__init__()
@@ -325,13 +401,8 @@ class AlignedCoreAttention(nn.Module):
         self.head_dim = config.kv_channels
         # vLLM's Llama/Qwen attention uses head_dim ** -0.5.
         self.scale = softmax_scale if softmax_scale is not None else self.head_dim**-0.5
-        hf = runtime.hf_config
-        max_pos = getattr(hf, "max_position_embeddings", 8192)
-        rope = getattr(hf, "rope_parameters", None)
-        self.rotary = _shared(
-            runtime, ("rotary", self.head_dim, max_pos),
-            lambda: AlignedRotary(runtime, self.head_dim, max_pos, rope),
-        )
+        self.rotates_qk = rotates_qk
+        self.rotary = _shared_rotary(runtime, self.head_dim) if rotates_qk else None
         self.attention = _shared(
             runtime, ("attention", self.num_heads, self.num_kv_heads, self.head_dim, self.scale),
             lambda: AlignedAttention(
@@ -351,46 +422,16 @@ class AlignedCoreAttention(nn.Module):
         attention_bias=None,
         packed_seq_params=None,
     ):
-        if not self.applies_rotary:
+        if self.rotates_qk and not self.applies_rotary:
             raise RuntimeError(
                 "AlignedCoreAttention used without apply_post_construction_swaps(model): "
                 "megatron would rotate q/k itself and the rotation would be applied twice"
             )
         if attention_bias is not None:
             raise NotImplementedError("aligned megatron spec: attention bias")
-        device = query.device
-        if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
-            cu = packed_seq_params.cu_seqlens_q_padded
-            if cu is None:
-                cu = packed_seq_params.cu_seqlens_q
-            # Padding, if any, trails each sequence: causal rows before it are unaffected.
-            seq_lens = [int(n) for n in torch.diff(cu.cpu()).tolist() if int(n) > 0]
-            tokens = query.shape[0]
-            if sum(seq_lens) != tokens:
-                raise ValueError(f"cu_seqlens cover {sum(seq_lens)} tokens, query has {tokens}")
-            q = query.reshape(tokens, -1)
-            k = key.reshape(tokens, -1)
-            v = value.reshape(tokens, -1)
-            layout = None
-        else:
-            if packed_seq_params is not None:
-                raise NotImplementedError(
-                    f"aligned megatron spec: packed qkv_format={packed_seq_params.qkv_format!r}"
-                )
-            if attention_mask is not None:
-                raise NotImplementedError(
-                    "aligned megatron spec: explicit attention masks (padded bshd batches); "
-                    "use packed THD input (verl: use_remove_padding=True) or unpadded sequences"
-                )
-            s, b = query.shape[0], query.shape[1]
-            # Sequence after sequence, as vLLM packs its batch.
-            q = query.transpose(0, 1).reshape(b * s, -1)
-            k = key.transpose(0, 1).reshape(b * s, -1)
-            v = value.transpose(0, 1).reshape(b * s, -1)
-            seq_lens = [s] * b
-            layout = (s, b)
-        positions = torch.cat([torch.arange(n, device=device) for n in seq_lens])
-        q, k = self.rotary(positions, q, k)
+        q, k, v, seq_lens, layout = _token_major(query, key, value, attention_mask, packed_seq_params)
+        if self.rotates_qk:
+            q, k = self.rotary(_positions(seq_lens, query.device), q, k)
         plan = self.attention.plan(seq_lens)
         out = self.attention(q, k, v.contiguous(), plan, seq_lens)
         if layout is None:
@@ -446,3 +487,81 @@ class AlignedOutputLayer(nn.Module):
     def refresh(self) -> None:
         if self._head is not None:
             self._head.derived.refresh()
+
+
+class AlignedOutputLayerModule(AlignedOutputLayer):
+    """The ``output_layer`` spec hook (patched megatron-core): built by GPTModel with the
+    arguments of ``ColumnParallelLinear`` (TP=1), holding its own ``[vocab, hidden]`` weight
+    unless GPTModel ties it to the embedding (``skip_weight_param_allocation``)."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        config,
+        init_method=None,
+        bias: bool = False,
+        skip_weight_param_allocation: bool = False,
+        runtime: VllmRuntime,
+        tp_group=None,
+        **_,
+    ):
+        if bias:
+            raise NotImplementedError("aligned output layer: a bias on the output layer")
+        if getattr(config, "tensor_model_parallel_size", 1) != 1:
+            raise NotImplementedError("aligned output layer: vocabulary parallelism (TP > 1)")
+        weight = None
+        if not skip_weight_param_allocation:
+            weight = nn.Parameter(torch.empty(output_size, input_size, dtype=config.params_dtype))
+            if init_method is not None and getattr(config, "perform_initialization", True):
+                with torch.no_grad():
+                    init_method(weight)
+            setattr(weight, "allreduce", True)
+            setattr(weight, "sequence_parallel", False)
+        super().__init__(runtime, weight, output_size)
+
+
+# ----- Per-token logprob -------------------------------------------------------------------
+
+
+def vllm_scaled_logits(logits: torch.Tensor, temperature: torch.Tensor | None) -> torch.Tensor:
+    """fp32 logits divided by the fp32 per-row temperature (vLLM's ``apply_temperature``)."""
+    scaled = logits.to(torch.float32)
+    if temperature is not None:
+        scaled = scaled / temperature.to(torch.float32).unsqueeze(-1)
+    return scaled
+
+
+def vllm_logprobs(scaled_logits: torch.Tensor) -> torch.Tensor:
+    """Full-vocabulary logprobs as vLLM's sampler computes them."""
+    from vllm.v1.sample.sampler import Sampler
+
+    return Sampler.compute_logprobs(scaled_logits)
+
+
+def vllm_label_logprobs(logits, labels, temperature=None) -> torch.Tensor:
+    logprobs = vllm_logprobs(vllm_scaled_logits(logits, temperature))
+    return logprobs.gather(-1, labels.unsqueeze(-1).long()).squeeze(-1)
+
+
+class AlignedTokenLogprob(nn.Module):
+    """The ``token_logprob`` spec hook (patched megatron-core): vLLM's sampler logprob of each
+    label, ``[b, s]``, from megatron's ``[s, b, V]`` logits. GPTModel returns its negation as
+    the per-token loss, so ``-model(..., labels=labels)`` is vLLM's logprob bit for bit.
+
+    ``temperature`` is the sampling temperature of the rollout (T = 1 by default).
+    """
+
+    def __init__(self, config=None, *, temperature: float = 1.0, **_):
+        super().__init__()
+        if not temperature > 0:
+            raise ValueError(f"aligned token logprob: temperature must be > 0, got {temperature}")
+        self.temperature = float(temperature)
+
+    def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        rows = logits.transpose(0, 1)  # [b, s, V], the labels' layout
+        temperature = None
+        if self.temperature != 1.0:
+            temperature = torch.full(rows.shape[:-1], self.temperature, device=rows.device)
+        return vllm_label_logprobs(rows, labels, temperature)

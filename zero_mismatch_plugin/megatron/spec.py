@@ -1,11 +1,18 @@
-"""The aligned megatron-core layer spec and the swaps a spec cannot express.
+"""The aligned megatron-core spec, and the swaps stock megatron-core's spec cannot express.
 
 :func:`aligned_layer_spec` starts from megatron-core's ``get_gpt_layer_local_spec()`` and replaces
 the input / pre-MLP / q / k norms, ``linear_qkv``, ``linear_proj``, ``linear_fc1``, ``linear_fc2``,
 the core attention and the MLP (for its activation) with the modules of :mod:`.modules`.
-GPTModel builds three more things outside the layer spec: the rotary embedding application, the
-final norm (``TransformerBlock`` uses a default norm class for a layer spec) and the output layer;
-:func:`apply_post_construction_swaps` replaces those on the constructed model.
+
+Stock megatron-core builds three more things outside the layer spec: the rotary embedding
+application, the final norm (``TransformerBlock`` uses a default norm class for a layer spec) and
+the output layer; :func:`apply_post_construction_swaps` replaces those on the constructed model.
+
+With the megatron-lm spec-hook patch (``patches/megatron-lm/``) a spec reaches all of them:
+:func:`aligned_model_spec` returns a ``GPTModelSubmodules`` block spec whose layers carry a
+``rotary_application`` and which names the final norm, the output layer and the per-token
+logprob, so the model GPTModel builds from it needs no swap. :func:`aligned_gpt_spec` picks
+whichever the installed megatron-core supports.
 """
 
 from __future__ import annotations
@@ -17,8 +24,11 @@ from .modules import (
     AlignedCoreAttention,
     AlignedLinearModule,
     AlignedOutputLayer,
+    AlignedOutputLayerModule,
     AlignedQKVLinearModule,
     AlignedRMSNormModule,
+    AlignedRotaryApplication,
+    AlignedTokenLogprob,
     aligned_mlp_class,
 )
 
@@ -120,6 +130,57 @@ def aligned_layer_spec(config, runtime: VllmRuntime):
     return spec
 
 
+def megatron_has_spec_hooks() -> bool:
+    """Whether the installed megatron-core carries the spec hooks of the megatron-lm patch."""
+    from megatron.core.models.gpt import gpt_model
+    from megatron.core.transformer.attention import SelfAttentionSubmodules
+
+    return hasattr(gpt_model, "GPTModelSubmodules") and (
+        "rotary_application" in getattr(SelfAttentionSubmodules, "__dataclass_fields__", {})
+    )
+
+
+def aligned_model_spec(config, runtime: VllmRuntime, temperature: float = 1.0, vp_stage=None):
+    """The whole aligned model as one ``GPTModelSubmodules`` spec (patched megatron-core only).
+
+    Layers: :func:`aligned_layer_spec` with the rotation moved to the attention's
+    ``rotary_application`` hook; final norm: vLLM's RMSNorm; ``output_layer``: vLLM's lm_head and
+    logits processor; ``token_logprob``: vLLM's sampler logprob at ``temperature``.
+    """
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+
+    if not megatron_has_spec_hooks():
+        raise UnsupportedMegatronFeature(
+            "this megatron-core has no spec hooks for the rotary application, output layer and "
+            "per-token logprob: apply patches/megatron-lm (zmrl patches apply --to <Megatron-LM "
+            "checkout>) or use aligned_layer_spec + apply_post_construction_swaps"
+        )
+    from megatron.core.models.gpt.gpt_model import GPTModelSubmodules
+
+    params = {"runtime": runtime}
+    layer = aligned_layer_spec(config, runtime)
+    attention = layer.submodules.self_attention.submodules
+    attention.core_attention = ModuleSpec(
+        module=AlignedCoreAttention, params={**params, "rotates_qk": False}
+    )
+    attention.rotary_application = ModuleSpec(module=AlignedRotaryApplication, params=params)
+    return GPTModelSubmodules(
+        layer_specs=[layer] * get_num_layers_to_build(config, vp_stage=vp_stage),
+        layer_norm=ModuleSpec(module=AlignedRMSNormModule, params=params),
+        output_layer=ModuleSpec(module=AlignedOutputLayerModule, params=params),
+        token_logprob=ModuleSpec(module=AlignedTokenLogprob, params={"temperature": temperature}),
+    )
+
+
+def aligned_gpt_spec(config, runtime: VllmRuntime, vp_stage=None):
+    """``(spec, needs_swaps)``: the hooked model spec on a patched megatron-core, else the layer
+    spec, after whose model :func:`apply_post_construction_swaps` must run."""
+    if megatron_has_spec_hooks():
+        return aligned_model_spec(config, runtime, vp_stage=vp_stage), False
+    return aligned_layer_spec(config, runtime), True
+
+
 def _unwrap(model):
     while hasattr(model, "module") and not hasattr(model, "decoder"):
         model = model.module
@@ -138,6 +199,9 @@ def apply_post_construction_swaps(model, runtime: VllmRuntime):
     attentions = [m for m in gpt.modules() if isinstance(m, AlignedCoreAttention)]
     if not attentions:
         raise ValueError("model was not built from the aligned layer spec (no AlignedCoreAttention)")
+    if not any(a.rotates_qk for a in attentions):
+        # Built from aligned_model_spec: the spec hooks placed every module already.
+        return model
     if getattr(gpt, "position_embedding_type", "rope") not in ("rope", ALIGNED_ROPE):
         raise UnsupportedMegatronFeature(
             f"position_embedding_type={gpt.position_embedding_type!r}"

@@ -19,7 +19,7 @@ from ..aligned.packing import PackedBatch, pack
 from ..aligned.runtime import VllmRuntime
 from ..aligned.sampling import SamplingTransform
 from . import convert
-from .spec import aligned_layer_spec, apply_post_construction_swaps
+from .spec import aligned_gpt_spec, apply_post_construction_swaps
 
 
 def init_single_process(seed: int = 0) -> None:
@@ -83,19 +83,24 @@ def cpu_stock_megatron():
 
 
 def build_gpt_model(runtime: VllmRuntime, aligned: bool = True, load: bool = True, **config_overrides):
-    """A GPTModel of ``runtime``'s checkpoint: the aligned spec (default) or the stock local spec."""
+    """A GPTModel of ``runtime``'s checkpoint: the aligned spec (default) or the stock local spec.
+
+    On a megatron-core with the spec-hook patch the aligned model is built from its spec alone;
+    on stock megatron-core the post-construction swaps complete it.
+    """
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     hf = runtime.hf_config
     init_single_process()
     config = convert.transformer_config_from_hf(hf, params_dtype=runtime.dtype, **config_overrides)
+    needs_swaps = False
     if aligned:
-        spec = aligned_layer_spec(config, runtime)
+        spec, needs_swaps = aligned_gpt_spec(config, runtime)
     else:
         spec = get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization="RMSNorm")
     model = GPTModel(config=config, transformer_layer_spec=spec, **convert.gpt_model_kwargs(hf))
-    if aligned:
+    if needs_swaps:
         apply_post_construction_swaps(model, runtime)
     if load:
         convert.load_hf_checkpoint(model, runtime.model_dir, hf)
@@ -121,7 +126,9 @@ def packed_logits(model, batch: PackedBatch) -> torch.Tensor:
     ids = batch.input_ids.to(device).unsqueeze(0)
     positions = batch.positions.to(device).unsqueeze(0)
     params = packed_seq_params(batch.seq_lens, device)
-    logits = model(input_ids=ids, position_ids=positions, attention_mask=None, packed_seq_params=params)
+    # A spec-hooked model keeps megatron's rope type, whose frequencies GPTModel still computes.
+    with cpu_stock_megatron():
+        logits = model(input_ids=ids, position_ids=positions, attention_mask=None, packed_seq_params=params)
     return logits[0]
 
 

@@ -17,6 +17,11 @@ What changes in ``verl.workers.engine.megatron.transformer_impl``:
   ``Sampler.apply_temperature`` + ``Sampler.compute_logprobs``), then gathers the labels.
 * ``MegatronEngine.optimizer_step`` / ``load_checkpoint``: afterwards the engine-layout weight
   copies are re-derived (megatron writes updated weights through ``param.data``).
+
+On a verl fork with ``patches/verl/0004-megatron-engine-hooks.patch`` nothing is replaced: the
+same functions are registered in the engine module's ``ENGINE_HOOKS`` and
+``LM_HEAD_LOGITS_PROCESSOR``, and :func:`remove` takes them out again. On a megatron-core with
+the megatron-lm spec-hook patch the provider gets the whole-model spec and no pre-wrap swaps.
 """
 
 from __future__ import annotations
@@ -25,16 +30,16 @@ import logging
 import os
 from functools import wraps
 
-import torch
-
 logger = logging.getLogger("zero_mismatch_plugin")
 
 ENABLE_ENV = "ZMRL_MEGATRON_ALIGNED"
 SUPPORTED_VERL_VERSIONS = ("0.9.1",)
 ENGINE_MODULE = "verl.workers.engine.megatron.transformer_impl"
 
-# (class name, attribute) -> original function, while the patch is applied.
+# (class name, attribute) -> original function, while methods are replaced (stock verl).
 _originals: dict[tuple[str, str], object] = {}
+# (hook list, function) pairs registered in a hooked verl's engine module, while applied.
+_registered: list[tuple[list, object]] = []
 _RUNTIME_ATTR = "_zmrl_vllm_runtime"
 
 
@@ -69,30 +74,15 @@ def enabled_by_env() -> bool:
 
 
 def is_applied() -> bool:
-    return bool(_originals)
+    return bool(_originals or _registered)
+
+
+def engine_has_hooks(ti) -> bool:
+    """Whether verl's Megatron engine module has the extension points of the verl patch 0004."""
+    return hasattr(ti, "ENGINE_HOOKS") and hasattr(ti, "LM_HEAD_LOGITS_PROCESSOR")
 
 
 # ----- vLLM's logprob arithmetic -----------------------------------------------------------
-
-
-def vllm_scaled_logits(logits: torch.Tensor, temperature: torch.Tensor | None) -> torch.Tensor:
-    """fp32 logits divided by the fp32 per-row temperature (vLLM's ``apply_temperature``)."""
-    scaled = logits.to(torch.float32)
-    if temperature is not None:
-        scaled = scaled / temperature.to(torch.float32).unsqueeze(-1)
-    return scaled
-
-
-def vllm_logprobs(scaled_logits: torch.Tensor) -> torch.Tensor:
-    """Full-vocabulary logprobs as vLLM's sampler computes them."""
-    from vllm.v1.sample.sampler import Sampler
-
-    return Sampler.compute_logprobs(scaled_logits)
-
-
-def vllm_label_logprobs(logits, labels, temperature=None) -> torch.Tensor:
-    logprobs = vllm_logprobs(vllm_scaled_logits(logits, temperature))
-    return logprobs.gather(-1, labels.unsqueeze(-1).long()).squeeze(-1)
 
 
 def _tensor_parallel_size() -> int:
@@ -118,6 +108,8 @@ def aligned_lm_head_logits_processor(
     data_format: str,
 ):
     """``_lm_head_logits_processor`` with vLLM's arithmetic (same outputs and keys as verl's)."""
+    from .modules import vllm_logprobs, vllm_scaled_logits
+
     ti = _engine_module()
     assert logits.shape[:2] == label.shape[:2]
     if _tensor_parallel_size() != 1:
@@ -154,9 +146,10 @@ class AlignedSpecFactory:
         self.runtime = runtime
 
     def __call__(self, config, vp_stage=None):
-        from .spec import aligned_layer_spec
+        from .spec import aligned_gpt_spec
 
-        return aligned_layer_spec(config, self.runtime)
+        spec, _ = aligned_gpt_spec(config, self.runtime, vp_stage=vp_stage)
+        return spec
 
 
 class PostConstructionSwaps:
@@ -219,8 +212,11 @@ def inject_aligned_spec(engine, runtime=None) -> None:
         raise UnsupportedMegatronFeature("this Megatron-Bridge provider has no register_pre_wrap_hook")
     if runtime is None:
         runtime = VllmRuntime(engine.model_config.local_path, dtype=_dtype_name(engine.param_dtype))
+    from .spec import megatron_has_spec_hooks
+
     provider.transformer_layer_spec = AlignedSpecFactory(runtime)
-    provider.register_pre_wrap_hook(PostConstructionSwaps(runtime))
+    if not megatron_has_spec_hooks():
+        provider.register_pre_wrap_hook(PostConstructionSwaps(runtime))
     setattr(engine, _RUNTIME_ATTR, runtime)
 
 
@@ -273,30 +269,54 @@ def _targets(ti):
     ]
 
 
+def _hook_registrations(ti):
+    return [
+        (ti.ENGINE_HOOKS["_build_tf_config"], inject_aligned_spec),
+        (ti.ENGINE_HOOKS["optimizer_step"], refresh_engine_weights),
+        (ti.ENGINE_HOOKS["load_checkpoint"], refresh_engine_weights),
+        (ti.LM_HEAD_LOGITS_PROCESSOR, aligned_lm_head_logits_processor),
+    ]
+
+
 def apply() -> bool:
-    """Install the patch (idempotent). Returns True when it was installed by this call."""
+    """Install the patch (idempotent). Returns True when it was installed by this call.
+
+    A verl with the engine hooks gets the functions registered in them; stock verl gets the
+    four methods wrapped / replaced.
+    """
     if is_applied():
         return False
     version = check_verl_version()
     ti = _engine_module()
-    for cls, name, make in _targets(ti):
-        original = cls.__dict__[name]
-        _originals[(cls.__name__, name)] = original
-        setattr(cls, name, make(original))
+    if engine_has_hooks(ti):
+        for hooks, function in _hook_registrations(ti):
+            hooks.append(function)
+            _registered.append((hooks, function))
+        how = "registered in the engine hooks"
+    else:
+        for cls, name, make in _targets(ti):
+            original = cls.__dict__[name]
+            _originals[(cls.__name__, name)] = original
+            setattr(cls, name, make(original))
+        how = "engine methods patched"
     logger.warning(
-        "zero-mismatch: verl %s Megatron engine patched: aligned mcore spec (vLLM kernels) and "
-        "vLLM logprob arithmetic are active", version
+        "zero-mismatch: verl %s Megatron engine (%s): aligned mcore spec (vLLM kernels) and "
+        "vLLM logprob arithmetic are active", version, how
     )
     return True
 
 
 def remove() -> bool:
-    """Restore the original callables. Returns True when something was restored."""
+    """Restore the original callables / take out the registered hooks. True when something was undone."""
     if not is_applied():
         return False
-    ti = _engine_module()
-    for cls, name, _ in _targets(ti):
-        setattr(cls, name, _originals.pop((cls.__name__, name)))
+    while _registered:
+        hooks, function = _registered.pop()
+        hooks.remove(function)
+    if _originals:
+        ti = _engine_module()
+        for cls, name, _ in _targets(ti):
+            setattr(cls, name, _originals.pop((cls.__name__, name)))
     return True
 
 
