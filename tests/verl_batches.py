@@ -25,24 +25,29 @@ def _nested(rows: list[torch.Tensor]) -> torch.Tensor:
 
 
 def ppo_loss_call(config, log_prob_rows, old_log_prob_rows, advantage_rows, prompt_lens,
-                  global_batch_size: int, dp_size: int = 1):
+                  global_batch_size: int, dp_size: int = 1, rollout_log_prob_rows=None):
     """Run verl's ppo_loss on one micro-batch given as per-row response tensors.
 
     ``log_prob_rows[i]`` is the trainer's response logprob of row i (requires_grad to get
     gradients); the packed model output verl expects is rebuilt around it.
+    ``rollout_log_prob_rows``, when given, become the batch's ``rollout_log_probs`` (the
+    rollout engine's mu, next to an ``old_log_probs`` that is the trainer's recompute).
     """
     from verl.utils import tensordict_utils as tu
     from verl.workers.utils.losses import ppo_loss
 
     response_lens = [len(r) for r in old_log_prob_rows]
+    fields = {
+        "prompts": _nested([torch.zeros(p, dtype=torch.long) for p in prompt_lens]),
+        "responses": _nested([torch.zeros(r, dtype=torch.long) for r in response_lens]),
+        "response_mask": _nested([torch.ones(r, dtype=old_log_prob_rows[0].dtype) for r in response_lens]),
+        "old_log_probs": _nested([r.detach() for r in old_log_prob_rows]),
+        "advantages": _nested([a.detach() for a in advantage_rows]),
+    }
+    if rollout_log_prob_rows is not None:
+        fields["rollout_log_probs"] = _nested([r.detach() for r in rollout_log_prob_rows])
     data = tu.get_tensordict(
-        {
-            "prompts": _nested([torch.zeros(p, dtype=torch.long) for p in prompt_lens]),
-            "responses": _nested([torch.zeros(r, dtype=torch.long) for r in response_lens]),
-            "response_mask": _nested([torch.ones(r, dtype=old_log_prob_rows[0].dtype) for r in response_lens]),
-            "old_log_probs": _nested([r.detach() for r in old_log_prob_rows]),
-            "advantages": _nested([a.detach() for a in advantage_rows]),
-        },
+        fields,
         non_tensor_dict={"dp_size": dp_size, "batch_num_tokens": sum(response_lens),
                          "global_batch_size": global_batch_size},
     )

@@ -22,6 +22,46 @@ def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (values * mask).sum() / mask.sum().clamp(min=1)
 
 
+def _gap_statistics(log_prob: torch.Tensor, reference_log_prob: torch.Tensor, log_ratio: torch.Tensor,
+                    mask: torch.Tensor) -> dict[str, float]:
+    """The four gap statistics shared by every logprob comparison; ``log_ratio`` is
+    ``log_prob - reference_log_prob`` and ``mask`` selects at least one token."""
+    selected_log_ratio = log_ratio[mask]
+    return {
+        # k1 estimator of KL(reference || current): E[log ref - log cur]
+        "kl": (-selected_log_ratio).mean().item(),
+        # k3 = w - 1 - log w: the REINFORCE Zero paper's per-token D3
+        "k3_kl": _masked_mean(k3_divergence(log_ratio.clamp(max=MAX_LOG_IMPORTANCE_RATIO)), mask).item(),
+        "bitwise_equal_fraction": (log_prob[mask] == reference_log_prob[mask]).float().mean().item(),
+        "log_prob_abs_diff_max": selected_log_ratio.abs().max().item(),
+    }
+
+
+@torch.no_grad()
+def log_prob_gap_metrics(log_prob: torch.Tensor, reference_log_prob: torch.Tensor,
+                         response_mask: torch.Tensor) -> dict[str, float]:
+    """How far one logprob of each sampled token lies from another, over the response tokens.
+
+    With d = log p - log q per token (p = ``log_prob``, q = ``reference_log_prob``, both
+    compared in fp32) and w = exp(d):
+
+    * ``bitwise_equal_fraction`` = mean 1[log p == log q]: the share computed bit for bit alike;
+    * ``kl`` = mean(-d): the k1 estimate of KL(q || p); k1 of chained gaps adds up exactly
+      in real arithmetic (d_total = d_1 + d_2);
+    * ``k3_kl`` = mean(w - 1 - d): the k3 estimate (D3), d capped at ``MAX_LOG_IMPORTANCE_RATIO``;
+    * ``log_prob_abs_diff_max`` = max |d|.
+
+    Returns an empty dict when the mask selects no token.
+    """
+    mask = response_mask.bool()
+    if not bool(mask.any()):
+        return {}
+    log_prob = log_prob.detach().float()
+    reference_log_prob = reference_log_prob.detach().float()
+    log_ratio = token_log_importance_ratio(log_prob, reference_log_prob)
+    return _gap_statistics(log_prob, reference_log_prob, log_ratio, mask)
+
+
 @torch.no_grad()
 def importance_sampling_metrics(log_prob: torch.Tensor, behaviour_log_prob: torch.Tensor,
                                 response_mask: torch.Tensor) -> dict[str, float]:
@@ -39,18 +79,19 @@ def importance_sampling_metrics(log_prob: torch.Tensor, behaviour_log_prob: torc
     log_ratio = token_log_importance_ratio(log_prob, behaviour_log_prob)
     ratio = torch.exp(log_ratio.clamp(max=MAX_LOG_IMPORTANCE_RATIO))
     selected_ratio = ratio[mask]
-    selected_log_ratio = log_ratio[mask]
+    gap = _gap_statistics(log_prob, behaviour_log_prob, log_ratio, mask)
     return {
         "rollout_corr/rollout_is_mean": selected_ratio.mean().item(),
         "rollout_corr/rollout_is_min": selected_ratio.min().item(),
         "rollout_corr/rollout_is_max": selected_ratio.max().item(),
         "rollout_corr/rollout_is_eff_sample_size": effective_sample_size_fraction(ratio, mask).item(),
         # k1 estimator of KL(mu || pi): E_mu[log mu - log pi]  (verl: rollout_corr/kl)
-        "rollout_corr/kl": (-selected_log_ratio).mean().item(),
-        # k3 = w - 1 - log w: the REINFORCE Zero paper's per-token D3  (verl: rollout_corr/k3_kl)
-        "rollout_corr/k3_kl": _masked_mean(k3_divergence(log_ratio.clamp(max=MAX_LOG_IMPORTANCE_RATIO)), mask).item(),
+        "rollout_corr/kl": gap["kl"],
+        # k3 = w - 1 - log w with w = pi/mu  (verl: rollout_corr/k3_kl)
+        "rollout_corr/k3_kl": gap["k3_kl"],
         # Kernel mismatch shows up here first: at lag 0 with aligned kernels this is 1.0.
-        "zero_mismatch/bitwise_equal_fraction": (log_prob[mask] == behaviour_log_prob[mask]).float().mean().item(),
-        "zero_mismatch/log_prob_abs_diff_max": selected_log_ratio.abs().max().item(),
-        "zero_mismatch/is_log_ratio_capped_fraction": (selected_log_ratio > MAX_LOG_IMPORTANCE_RATIO).float().mean().item(),
+        "zero_mismatch/bitwise_equal_fraction": gap["bitwise_equal_fraction"],
+        "zero_mismatch/log_prob_abs_diff_max": gap["log_prob_abs_diff_max"],
+        "zero_mismatch/is_log_ratio_capped_fraction":
+            (log_ratio[mask] > MAX_LOG_IMPORTANCE_RATIO).float().mean().item(),
     }
