@@ -53,6 +53,17 @@ COMMON_BREAKAGES = [
 
 
 @pytest.mark.parametrize("name", ["reinforce_zero", "flash_reinforce"])
+def test_bypass_off_is_accepted_when_verl_passes_mu_to_the_loss(name, monkeypatch):
+    from verl.workers.utils import losses
+
+    from zero_mismatch_plugin.verl_adapter import ROLLOUT_LOG_PROBS_MARKER
+
+    monkeypatch.setattr(losses, ROLLOUT_LOG_PROBS_MARKER, True, raising=False)
+    problems = _problems(name, "algorithm.rollout_correction.bypass_mode=false")
+    assert "algorithm.rollout_correction.bypass_mode" not in problems, problems
+
+
+@pytest.mark.parametrize("name", ["reinforce_zero", "flash_reinforce"])
 @pytest.mark.parametrize("override,key,text", COMMON_BREAKAGES)
 def test_each_broken_setting_is_named(name, override, key, text):
     problems = _problems(name, override)

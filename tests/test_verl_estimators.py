@@ -60,6 +60,20 @@ def test_estimators_refuse_bypass_off(name):
         compute_advantage(_batch(), adv_estimator=name, config=config)
 
 
+@pytest.mark.parametrize("name", ["reinforce_zero", "flash_reinforce"])
+def test_estimators_accept_bypass_off_when_verl_passes_mu_to_the_loss(name, monkeypatch):
+    from verl.workers.utils import losses
+
+    from zero_mismatch_plugin.verl_adapter import ROLLOUT_LOG_PROBS_MARKER
+
+    # What verl patch 0003 sets in verl.workers.utils.losses.
+    monkeypatch.setattr(losses, ROLLOUT_LOG_PROBS_MARKER, True, raising=False)
+    decoupled = compute_advantage(_batch(), adv_estimator=name,
+                                  config=OmegaConf.create({"rollout_correction": {"bypass_mode": False}}))
+    bypass = compute_advantage(_batch(), adv_estimator=name, config=BYPASS)
+    assert torch.equal(decoupled.batch["advantages"], bypass.batch["advantages"])
+
+
 def test_estimators_refuse_non_finite_rewards():
     data = _batch()
     data.batch["token_level_rewards"][1, 0] = float("nan")

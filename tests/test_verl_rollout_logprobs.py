@@ -249,6 +249,8 @@ PPO_LOSS_SETUP = """
 
 PATCHED_PPO_LOSS_CHECKS = """
     assert losses.__file__.startswith(PATCHED_ROOT), losses.__file__
+    from zero_mismatch_plugin.verl_adapter import verl_passes_rollout_log_probs
+    assert verl_passes_rollout_log_probs()  # so the estimators and validate-config allow bypass off
     expected_split = {}
     for prefix, current, reference in (("zero_mismatch/rollout_vs_recompute/", old, mu),
                                        ("zero_mismatch/recompute_vs_current/", pi, old)):
@@ -271,6 +273,8 @@ PATCHED_PPO_LOSS_CHECKS = """
 """
 
 STOCK_PPO_LOSS_CHECKS = """
+    from zero_mismatch_plugin.verl_adapter import verl_passes_rollout_log_probs
+    assert not verl_passes_rollout_log_probs()  # the estimators keep requiring bypass mode
     for loss_mode in ("reinforce_zero", "flash_reinforce"):
         decoupled = call(loss_mode, old, mu, bypass=False)
         # Stock verl drops rollout_log_probs: the loss takes old_log_prob (pi_old) for mu, as it always has.

@@ -16,7 +16,12 @@ from typing import Any, Iterable
 
 from omegaconf import DictConfig, OmegaConf
 
-from zero_mismatch_plugin.verl_adapter import ADVANTAGE_ESTIMATORS, PLUGIN_POLICY_LOSS_CONFIG, POLICY_LOSSES
+from zero_mismatch_plugin.verl_adapter import (
+    ADVANTAGE_ESTIMATORS,
+    PLUGIN_POLICY_LOSS_CONFIG,
+    POLICY_LOSSES,
+    verl_passes_rollout_log_probs,
+)
 
 REINFORCE_ZERO = "reinforce_zero"
 FLASH_REINFORCE = "flash_reinforce"
@@ -148,8 +153,10 @@ def validate_config(cfg: DictConfig) -> list[Problem]:
                                 f"{estimator} advantages with the {loss_mode} loss is neither paper's algorithm",
                                 fatal=False))
 
-    require("algorithm.rollout_correction.bypass_mode", _get(cfg, "algorithm.rollout_correction.bypass_mode") is True,
-            "must be true: the loss must see the rollout's own logprob mu as old_log_prob")
+    require("algorithm.rollout_correction.bypass_mode",
+            _get(cfg, "algorithm.rollout_correction.bypass_mode") is True or verl_passes_rollout_log_probs(),
+            "must be true: the loss must see the rollout's own logprob mu as old_log_prob "
+            "(or run a verl whose ppo_loss passes rollout_log_probs: patches/verl/0003)")
     require("actor_rollout_ref.rollout.calculate_log_probs",
             _get(cfg, "actor_rollout_ref.rollout.calculate_log_probs") is True,
             "must be true: mu is the logprob the rollout engine recorded while sampling")

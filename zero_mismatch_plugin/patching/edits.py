@@ -152,6 +152,11 @@ def ppo_loss(config: ActorConfig, model_output, data: TensorDict, dp_group=None)
 """ + _source_of(shared.accepts_keyword) + """\
 
 
+# Set for plugins: ppo_loss passes the rollout's logprobs to losses that accept
+# rollout_log_probs, so such a loss can train on mu outside bypass mode.
+POLICY_LOSS_RECEIVES_ROLLOUT_LOG_PROBS = True
+
+
 def ppo_loss(config: ActorConfig, model_output, data: TensorDict, dp_group=None):
 """,
     ),

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from zero_mismatch_plugin import formulas
+from zero_mismatch_plugin.verl_adapter import verl_passes_rollout_log_probs
 
 logger = logging.getLogger(__name__)
 
@@ -27,16 +28,18 @@ class InvalidBatchError(ValueError):
 
 
 def _require_bypass_mode(config: Any, algorithm: str) -> None:
-    """The losses need old_log_prob == the rollout's own mu, which only bypass mode gives."""
+    """The losses need the rollout's own mu: as old_log_prob (bypass mode), or as their own
+    ``rollout_log_probs`` input from a verl whose ppo_loss passes it (verl patch 0003)."""
     if config is None:  # called outside a trainer (tests, notebooks)
         return
     rollout_correction = config.get("rollout_correction", None)
     bypass = rollout_correction is not None and bool(rollout_correction.get("bypass_mode", False))
-    if not bypass:
+    if not bypass and not verl_passes_rollout_log_probs():
         raise InvalidBatchError(
             f"{algorithm} trains on the rollout's recorded logprobs (mu): set "
             "algorithm.rollout_correction.bypass_mode=true "
-            "(otherwise verl recomputes old_log_prob with the trainer and the IS ratio is not pi/mu)."
+            "(otherwise verl recomputes old_log_prob with the trainer and the IS ratio is not pi/mu), "
+            "or run a verl whose ppo_loss passes rollout_log_probs to the loss (patches/verl/0003)."
         )
 
 
