@@ -3,12 +3,17 @@
 Synchronous = lag 0: the engine samples only after the learner's update and weight push, and the
 learner waits for those fresh samples. Asynchronous = lag K: the engine keeps sampling with the
 newest weights it has while the learner updates. Runs alternate (sync, async, sync, ...) so load
-from other processes on the machine hits both alike; the median of each is compared.
+from other processes on the machine hits both alike; the median of each is compared, and so is
+each async run with the sync run just before it (the headline: the median of those ratios).
+
+Besides the rates it prints where the CPU went during the runs, in cores (CPU seconds / wall
+seconds): the learner's process, the engine's process, and every other process on the machine.
+Overlap can only pay while learner + engine stay below the cores the other processes leave free.
 
 The extra own-version forward the demo does at lag > 0 (a diagnostic, not part of the algorithm)
 is off by default here; ``--own-version-check`` includes it.
 
-    .venv/bin/python benchmarks/bench_async_vs_sync.py [--updates 60] [--repeats 3] [--lag 2]
+    .venv/bin/python benchmarks/bench_async_vs_sync.py [--updates 60] [--repeats 5] [--lag 2]
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ import argparse
 import os
 import statistics
 import tempfile
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -24,61 +31,123 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
 
+def _system_busy_seconds() -> float:
+    """CPU seconds every process on the machine has used since boot (Linux /proc/stat)."""
+    with open("/proc/stat", encoding="ascii") as handle:
+        fields = [int(x) for x in handle.readline().split()[1:]]
+    idle = fields[3] + fields[4]  # idle + iowait
+    return (sum(fields) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def _process_seconds(pid: int) -> float:
+    import psutil
+
+    times = psutil.Process(pid).cpu_times()
+    return times.user + times.system
+
+
+@dataclass
+class CpuShare:
+    """Cores used during one run: this (learner) process, the engine process, everything else."""
+
+    learner: float
+    engine: float
+    others: float
+
+
+class CpuMeter:
+    def __init__(self, engine_pid: int):
+        self.engine_pid = engine_pid
+
+    def __enter__(self) -> "CpuMeter":
+        self._start = (time.perf_counter(), time.process_time(), _process_seconds(self.engine_pid),
+                       _system_busy_seconds())
+        return self
+
+    def __exit__(self, *exc) -> None:
+        wall0, learner0, engine0, system0 = self._start
+        wall = time.perf_counter() - wall0
+        learner = time.process_time() - learner0
+        engine = _process_seconds(self.engine_pid) - engine0
+        others = (_system_busy_seconds() - system0) - learner - engine
+        self.share = CpuShare(learner / wall, engine / wall, max(0.0, others) / wall)
+
+
 def _median_metric(result, key: str) -> float:
     return statistics.median(r.metrics[key] for r in result.records[1:])  # first update warms up
+
+
+def _rate(result) -> float:
+    return len(result.records) / result.loop_seconds
+
+
+def _row(label: str, sync_value, async_value, fmt: str) -> str:
+    return f"{label:<30}{sync_value:>22{fmt}}{async_value:>26{fmt}}"
+
+
+def _print_table(args, config, rows, shares) -> None:
+    sync_rate = statistics.median(_rate(r) for r in rows["sync"])
+    async_rate = statistics.median(_rate(r) for r in rows["async"])
+    sequences = config.prompts_per_update * config.samples_per_prompt
+    print()
+    print(f"settings: {args.algo}, {args.kernels} kernels, {args.updates} updates x {args.repeats} repeats, "
+          f"{sequences} sequences x {config.response_tokens} tokens per update in {config.chunks_per_update} "
+          f"chunks, own-version check {'on' if args.own_version_check else 'off'}, {os.cpu_count()} CPUs")
+    print(f"{'':<30}{'synchronous (lag 0)':>22}{f'asynchronous (lag {args.lag})':>26}")
+    print(_row("updates/s (median)", sync_rate, async_rate, ".2f"))
+    for label, key in (("learner update s (median)", "timing_s/update"),
+                       ("generate s per update", "timing_s/generate"),
+                       ("weight load s per update", "timing_s/weight_load"),
+                       ("learner waits s (median)", "timing_s/wait_for_rollout")):
+        sync_value = statistics.median(_median_metric(r, key) for r in rows["sync"])
+        async_value = statistics.median(_median_metric(r, key) for r in rows["async"])
+        print(_row(label, sync_value, async_value, ".3f"))
+    for label, field in (("cores: learner process", "learner"), ("cores: engine process", "engine"),
+                         ("cores: other processes", "others")):
+        print(_row(label, statistics.median(getattr(s, field) for s in shares["sync"]),
+                   statistics.median(getattr(s, field) for s in shares["async"]), ".2f"))
+    lag_seen = max(r.metrics["training/off_policy/trajectory_staleness/max"] for res in rows["async"]
+                   for r in res.records)
+    print(_row("lag max", 0, int(lag_seen), ""))
+    pair_ratios = [_rate(a) / _rate(s) for s, a in zip(rows["sync"], rows["async"])]
+    print(f"\nasync / sync per repeat: {', '.join(f'{r:.2f}' for r in pair_ratios)}")
+    print(f"ratio of the medians: {async_rate / sync_rate:.2f}x")
+    print(f"async / sync = {statistics.median(pair_ratios):.2f}x (median over repeats)")
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--updates", type=int, default=60)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--lag", type=int, default=2, help="K of the asynchronous runs")
     parser.add_argument("--kernels", choices=("aligned", "standard"), default="aligned")
     parser.add_argument("--algo", choices=("reinforce_zero", "flash_reinforce"), default="reinforce_zero")
     parser.add_argument("--own-version-check", action="store_true")
     args = parser.parse_args()
 
-    from zero_mismatch_plugin.demo import DemoConfig, run_demo
-    from zero_mismatch_plugin.aligned.runtime import shutdown_engine
-    from zero_mismatch_plugin.demo.rollout import start_engine
+    from zero_mismatch_plugin.demo import DemoConfig, DemoRun, run_demo
+    from zero_mismatch_plugin.demo.engine import start_engine
     from zero_mismatch_plugin.tiny_models import build_tiny_model
 
+    print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
+    base = dict(algo=args.algo, kernels=args.kernels, own_version_check=args.own_version_check)
+    rows, shares = {"sync": [], "async": []}, {"sync": [], "async": []}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_tiny_model(Path(tmp) / "model", family="llama", seed=0)
-        base = dict(algo=args.algo, kernels=args.kernels, own_version_check=args.own_version_check)
-        llm = start_engine(model_dir, DemoConfig().max_model_len)
-        try:
-            run_demo(DemoConfig(**base, lag=0, updates=5), llm, model_dir)  # warm-up
-            rows = {"sync": [], "async": []}
+        with start_engine(model_dir, DemoConfig().max_model_len) as engine:
+            run_demo(DemoConfig(**base, lag=0, updates=5), engine, model_dir)  # warm-up
             for repeat in range(args.repeats):
                 for mode, lag in (("sync", 0), ("async", args.lag)):
-                    result = run_demo(DemoConfig(**base, lag=lag, updates=args.updates), llm, model_dir)
+                    demo = DemoRun(DemoConfig(**base, lag=lag, updates=args.updates), engine, model_dir)
+                    with CpuMeter(engine.pid) as meter:  # the update loop only, not the learner's set-up
+                        result = demo.run()
                     rows[mode].append(result)
-                    print(f"repeat {repeat + 1} {mode:<5} lag {lag}: "
-                          f"{args.updates / result.loop_seconds:6.2f} updates/s", flush=True)
-        finally:
-            shutdown_engine(llm)
-
-    def rate(result):
-        return len(result.records) / result.loop_seconds
-
-    sync_rate = statistics.median(rate(r) for r in rows["sync"])
-    async_rate = statistics.median(rate(r) for r in rows["async"])
-    print()
-    print(f"settings: {args.algo}, {args.kernels} kernels, {args.updates} updates x {args.repeats} repeats, "
-          f"32 sequences x 16 tokens per update, own-version check {'on' if args.own_version_check else 'off'}")
-    print(f"{'':<28}{'synchronous (lag 0)':>22}{f'asynchronous (lag {args.lag})':>26}")
-    print(f"{'updates/s (median)':<28}{sync_rate:>22.2f}{async_rate:>26.2f}")
-    for label, key in (("learner update s (median)", "timing_s/update"),
-                       ("generate s per update", "timing_s/generate"),
-                       ("learner waits s (median)", "timing_s/wait_for_rollout")):
-        sync_value = statistics.median(_median_metric(r, key) for r in rows["sync"])
-        async_value = statistics.median(_median_metric(r, key) for r in rows["async"])
-        print(f"{label:<28}{sync_value:>22.3f}{async_value:>26.3f}")
-    lag_seen = max(r.metrics["training/off_policy/trajectory_staleness/max"] for res in rows["async"]
-                   for r in res.records)
-    print(f"{'lag max':<28}{0:>22}{int(lag_seen):>26}")
-    print(f"\nasync / sync = {async_rate / sync_rate:.2f}x")
+                    shares[mode].append(meter.share)
+                    print(f"repeat {repeat + 1} {mode:<5} lag {lag}: {_rate(result):6.2f} updates/s  "
+                          f"(cores: learner {meter.share.learner:.2f}, engine {meter.share.engine:.2f}, "
+                          f"others {meter.share.others:.2f})", flush=True)
+    _print_table(args, DemoConfig(**base), rows, shares)
+    print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     return 0
 
 

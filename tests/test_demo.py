@@ -1,7 +1,7 @@
 """``zmrl demo``: asynchronous RL against a live vLLM engine, checked on CPU.
 
-One engine serves every configuration in this file (the demo loads each run's initial weights
-into it as version 0), so the file pays for a single engine start.
+One engine (in its own process) serves every configuration in this file (the demo loads each run's
+initial weights into it as version 0), so the file pays for a single engine start.
 """
 
 from __future__ import annotations
@@ -22,8 +22,7 @@ MAX_MODEL_LEN = 128
 @pytest.fixture(scope="module")
 def demo_engine(tmp_path_factory):
     """(engine, model directory) in consistent numerics; the variables are restored afterwards."""
-    from zero_mismatch_plugin.aligned.runtime import shutdown_engine
-    from zero_mismatch_plugin.demo.rollout import start_engine
+    from zero_mismatch_plugin.demo.engine import start_engine
     from zero_mismatch_plugin.tiny_models import build_tiny_model
 
     model_dir = build_tiny_model(tmp_path_factory.mktemp("demo_model"), family="llama", seed=0)
@@ -31,17 +30,14 @@ def demo_engine(tmp_path_factory):
         # start_engine sets these (consistent mode); registering them here restores them after.
         mp.setenv("ZMRL_NUMERICS", "consistent")
         mp.setenv("VLLM_CPU_ATTN_SPLIT_KV", "0")
-        llm = start_engine(model_dir, MAX_MODEL_LEN)
-        try:
-            yield llm, model_dir
-        finally:
-            shutdown_engine(llm)
+        with start_engine(model_dir, MAX_MODEL_LEN) as engine:
+            yield engine, model_dir
 
 
 def _run(demo_engine, model_dir=None, **overrides):
-    llm, engine_model_dir = demo_engine
+    engine, engine_model_dir = demo_engine
     config = DemoConfig(max_model_len=MAX_MODEL_LEN, **overrides)
-    return run_demo(config, llm, model_dir or engine_model_dir)
+    return run_demo(config, engine, model_dir or engine_model_dir)
 
 
 def _per_sample(result):
@@ -152,3 +148,30 @@ def test_reward_improves_at_lag2(demo_engine, tmp_path, seed):
     assert summary["reward_window"] == 20
     assert summary["reward_last"] > summary["reward_first"], summary
     _assert_only_gap_is_lag(result, lag=2)
+
+
+def test_rollout_error_reaches_the_learner_and_engine_serves_on(demo_engine):
+    """A failure inside the engine's process is raised in the learner; the next run still works."""
+    with pytest.raises(RuntimeError, match="Sample larger than population"):
+        _run(demo_engine, lag=0, updates=1, prompts_per_update=1024)  # more prompts than the pool
+    assert len(_run(demo_engine, lag=1, updates=2).records) == 2
+
+
+def test_weight_mailbox_hands_over_the_newest_version():
+    import multiprocessing
+
+    import torch
+
+    from zero_mismatch_plugin.demo.rollout import WeightMailbox
+
+    weights = [("a", torch.arange(6.0).view(2, 3)), ("b", torch.ones(4))]
+    mailbox = WeightMailbox(weights).attach(multiprocessing.get_context("spawn").Lock())
+    assert mailbox.take_newer(None) is None  # nothing published yet
+    mailbox.put(0, weights)
+    mailbox.put(1, [(n, t * 2) for n, t in weights])  # supersedes version 0
+    version, taken = mailbox.take_newer(None)
+    assert version == 1 and [n for n, _ in taken] == ["a", "b"]
+    assert all(torch.equal(t, w * 2) for (_, t), (_, w) in zip(taken, weights))
+    assert mailbox.take_newer(1) is None  # already loaded
+    with pytest.raises(ValueError):
+        mailbox.put(2, list(reversed(weights)))

@@ -7,11 +7,13 @@ forward (vLLM's kernels: bitwise-equal logprobs) or plain transformers. Every sa
 weight version that produced it; the learner trains on samples at most K versions old and
 publishes new weights after every update.
 
-- ``task``: prompts and reward; ``learners``: the two forwards; ``rollout``: engine and rollout
-  thread; ``runner``: the learner loop and per-update metrics; ``outputs``: metric log,
-  summary.json, report and plots; ``command``: the CLI entry.
+- ``task``: prompts and reward; ``learners``: the two forwards; ``engine``: the engine's own
+  process and the learner's handle on it; ``rollout``: the rollout loop that process runs;
+  ``runner``: the learner loop and per-update metrics; ``outputs``: metric log, summary.json,
+  report and plots; ``command``: the CLI entry.
 """
 
+from .engine import EngineProcess, start_engine
 from .runner import DemoConfig, DemoResult, DemoRun, UpdateRecord, run_demo
 
-__all__ = ["DemoConfig", "DemoResult", "DemoRun", "UpdateRecord", "run_demo"]
+__all__ = ["DemoConfig", "DemoResult", "DemoRun", "EngineProcess", "UpdateRecord", "run_demo", "start_engine"]

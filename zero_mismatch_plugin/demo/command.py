@@ -37,11 +37,10 @@ def run_demo_command(algo: str, kernels: str, lag: int, updates: int, seed: int,
     _quiet_defaults()
     from tqdm import tqdm
 
-    from zero_mismatch_plugin.aligned.runtime import shutdown_engine
     from zero_mismatch_plugin.tiny_models import build_tiny_model
 
+    from .engine import start_engine
     from .outputs import format_summary, write_outputs
-    from .rollout import start_engine
     from .runner import DemoConfig, DemoRun
 
     try:
@@ -55,10 +54,9 @@ def run_demo_command(algo: str, kernels: str, lag: int, updates: int, seed: int,
     print(f"zmrl demo -> {out_dir}/")
     print(f"building a tiny Llama (2 layers, hidden 256, vocab 512) and its tokenizer, seed {seed}")
     model_dir = build_tiny_model(out_dir / "model", family="llama", seed=seed)
-    print("starting the vLLM engine (CPU, fp32, consistent numerics; about 30 s)")
-    llm = start_engine(model_dir, config.max_model_len)
-    try:
-        run = DemoRun(config, llm, model_dir)
+    print("starting the vLLM engine in its own process (CPU, fp32, consistent numerics; about 10 s)")
+    with start_engine(model_dir, config.max_model_len) as engine:
+        run = DemoRun(config, engine, model_dir)
         print(f"task: answer with digits (reward = digit tokens / {config.response_tokens} response tokens; "
               f"chance {run.task.chance_reward:.3f})")
         with tqdm(total=config.updates, desc="updates", unit="upd", dynamic_ncols=True) as bar:
@@ -74,9 +72,7 @@ def run_demo_command(algo: str, kernels: str, lag: int, updates: int, seed: int,
                 bar.update(1)
 
             result = run.run(progress)
-        summary = write_outputs(result, out_dir)
-    finally:
-        shutdown_engine(llm)
+    summary = write_outputs(result, out_dir)
     print(format_summary(summary, out_dir))
     print(f"wall time {time.perf_counter() - started:.0f} s")
     return 0

@@ -1,9 +1,8 @@
 """Rollout: a vLLM engine that keeps generating with the newest weights it has.
 
-The engine's model runs in vLLM's own processes; this module drives it from a thread of the
-learner's process, so generation and the learner's update run at the same time. The learner
-publishes its weights after every update; the rollout thread loads the newest published version
-before each chunk it generates and stamps every sample with that version.
+This is the code the engine's process runs (see :mod:`.engine`): the learner publishes its weights
+after every update into a shared-memory :class:`WeightMailbox`; before each chunk the rollout loop
+loads the newest published version into the engine and stamps every sample with that version.
 
 The lag bound is enforced at the source: chunk ``c`` feeds update ``c // chunks_per_update``, and
 it is only generated once the learner has published version ``update - K`` or newer, so every
@@ -14,15 +13,19 @@ waits for the update, then samples with the fresh weights); with K >= 1 the engi
 from __future__ import annotations
 
 import queue
-import threading
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from zero_mismatch_plugin.aligned.weight_sync import encode
 
 from .task import DigitTask
+
+
+def _sample_from_wire(prompt, response, mu, version, uid, reward) -> "Sample":
+    return Sample(prompt, response, torch.tensor(mu, dtype=torch.float32), version, uid, reward)
 
 
 @dataclass
@@ -34,6 +37,11 @@ class Sample:
     uid: str  # prompt group (same prompt, same chunk)
     reward: float
 
+    def __reduce__(self):
+        # μ crosses the process boundary as plain floats: exact for fp32 values, and far cheaper
+        # than torch's tensor pickling (a shared-memory segment per tensor between processes).
+        return _sample_from_wire, (self.prompt, self.response, self.mu.tolist(), self.version, self.uid, self.reward)
+
 
 @dataclass
 class Chunk:
@@ -42,30 +50,6 @@ class Chunk:
     samples: list[Sample]
     generate_s: float
     weight_load_s: float
-
-
-def encode_weights(named_weights) -> list:
-    """The wire form of a weight version (raw bytes): a snapshot the learner can keep changing after."""
-    return [encode(name, t.to(torch.float32)) for name, t in named_weights]
-
-
-def load_engine_weights(llm, encoded: list) -> None:
-    """Load encoded weights into every worker through vLLM's weight-loading path."""
-    loaded = llm.collective_rpc("zmrl_load_weights", args=(encoded,))
-    if any(n != len(encoded) for n in loaded):
-        raise RuntimeError(f"weight load: workers loaded {loaded} of {len(encoded)} tensors")
-    llm.reset_prefix_cache()
-
-
-def start_engine(model_dir, max_model_len: int, seed: int = 0):
-    """A vLLM engine for the demo's model in consistent numerics (set before it starts)."""
-    from vllm import LLM
-
-    from zero_mismatch_plugin.aligned import set_mode
-    from zero_mismatch_plugin.aligned.runtime import engine_args_for
-
-    set_mode("consistent")
-    return LLM(**engine_args_for(model_dir, max_model_len=max_model_len, seed=seed, enable_prefix_caching=False))
 
 
 @dataclass(frozen=True)
@@ -79,77 +63,139 @@ class RolloutPlan:
     total_chunks: int
 
 
-class RolloutWorker(threading.Thread):
-    """Generates chunks in order into ``self.chunks``; an exception is put there instead."""
+class WeightMailbox:
+    """The newest published weight version, in one shared-memory slot that each publish overwrites.
 
-    def __init__(self, llm, task: DigitTask, plan: RolloutPlan, loaded_version: int = 0):
-        super().__init__(name="zmrl-rollout", daemon=True)
-        self.llm = llm
-        self.task = task
-        self.plan = plan
-        self.chunks: queue.Queue = queue.Queue()
-        self._cond = threading.Condition()
-        self._learner_version = loaded_version
-        self._published: tuple[int, list | None] = (loaded_version, None)
-        self._loaded_version = loaded_version
-        self._stopping = False
+    The learner copies its parameters in (a memory copy, no pickling); the engine's process copies
+    them out under the same lock, so it never reads a half-written version. The lock is created
+    with the engine's process (locks cannot travel through queues) and attached on each side.
+    """
 
-    def publish(self, version: int, encoded: list) -> None:
-        """The learner's newest weights; older unpublished ones are simply superseded."""
-        with self._cond:
-            self._published = (version, encoded)
-            self._learner_version = version
-            self._cond.notify_all()
+    def __init__(self, named_weights: list[tuple[str, torch.Tensor]]):
+        self.layout = [(name, tuple(t.shape), t.numel()) for name, t in named_weights]
+        # fp32: the demo's engine dtype, and what the learner trains in.
+        self.buffer = torch.empty(sum(n for _, _, n in self.layout), dtype=torch.float32).share_memory_()
+        self.version = torch.full((1,), -1, dtype=torch.int64).share_memory_()
+        self.lock = None
 
-    def stop(self) -> None:
-        with self._cond:
-            self._stopping = True
-            self._cond.notify_all()
+    def __getstate__(self):
+        return {**self.__dict__, "lock": None}
 
-    def run(self) -> None:
-        try:
-            for index in range(self.plan.total_chunks):
-                update = index // self.plan.chunks_per_update
-                with self._cond:
-                    self._cond.wait_for(
-                        lambda: self._stopping or update <= self._learner_version + self.plan.lag
-                    )
-                    if self._stopping:
-                        return
-                    version, encoded = self._published
-                load_s = 0.0
-                if version != self._loaded_version:
-                    start = time.perf_counter()
-                    load_engine_weights(self.llm, encoded)
-                    load_s = time.perf_counter() - start
-                    self._loaded_version = version
-                start = time.perf_counter()
-                samples = self._generate(index, version)
-                self.chunks.put(Chunk(index, version, samples, time.perf_counter() - start, load_s))
-        except BaseException as error:  # noqa: BLE001 - handed to the learner, which re-raises
-            self.chunks.put(error)
+    def attach(self, lock) -> "WeightMailbox":
+        self.lock = lock
+        return self
 
-    def _generate(self, index: int, version: int) -> list[Sample]:
-        from vllm import SamplingParams
+    def _views(self, flat: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        views, offset = [], 0
+        for name, shape, numel in self.layout:
+            views.append((name, flat[offset: offset + numel].view(shape)))
+            offset += numel
+        return views
 
-        plan = self.plan
-        n = plan.samples_per_prompt
-        pairs = self.task.prompts_for_chunk(plan.seed, index, plan.prompts_per_chunk)
-        base_seed = (plan.seed * 7_919 + index * plan.prompts_per_chunk * n) % (2**31 - 2**20)
-        # T = 1, no top-k/top-p: the recorded logprob is the distribution sampled from, and the
-        # support is the full vocabulary, as exact unclipped IS needs.
-        params = [
-            SamplingParams(
-                n=n, temperature=1.0, top_p=1.0, top_k=0, max_tokens=plan.response_tokens,
-                ignore_eos=True, logprobs=0, seed=base_seed + i * n, detokenize=False,
-            )
-            for i in range(len(pairs))
-        ]
-        outputs = self.llm.generate([{"prompt_token_ids": p} for _, p in pairs], params, use_tqdm=False)
-        samples = []
-        for (prompt_index, prompt), output in zip(pairs, outputs):
-            for completion in output.outputs:
-                ids = list(completion.token_ids)
-                mu = torch.tensor([step[t].logprob for t, step in zip(ids, completion.logprobs)], dtype=torch.float32)
-                samples.append(Sample(prompt, ids, mu, version, f"{index}:{prompt_index}", self.task.reward(ids)))
-        return samples
+    def put(self, version: int, named_weights: list[tuple[str, torch.Tensor]]) -> None:
+        given = [name for name, _ in named_weights]
+        if given != [name for name, _, _ in self.layout]:
+            raise ValueError(f"published weights {given} do not match the mailbox's layout")
+        with self.lock:
+            for (_, slot), (_, tensor) in zip(self._views(self.buffer), named_weights):
+                slot.copy_(tensor)
+            self.version[0] = version
+
+    def take_newer(self, loaded: int | None) -> tuple[int, list[tuple[str, torch.Tensor]]] | None:
+        """(version, weights) if a version other than ``loaded`` is published, else None."""
+        with self.lock:
+            version = int(self.version[0])
+            if version < 0 or version == loaded:
+                return None
+            copy = self.buffer.clone()
+        return version, self._views(copy)
+
+
+def load_engine_weights(llm, named_weights: list[tuple[str, torch.Tensor]]) -> None:
+    """Load weights into every worker through vLLM's weight-loading path (the weight-sync extension)."""
+    encoded = [encode(name, t) for name, t in named_weights]
+    loaded = llm.collective_rpc("zmrl_load_weights", args=(encoded,))
+    if any(n != len(encoded) for n in loaded):
+        raise RuntimeError(f"weight load: workers loaded {loaded} of {len(encoded)} tensors")
+    llm.reset_prefix_cache()
+
+
+def generate_chunk(llm, task: DigitTask, plan: RolloutPlan, index: int, version: int) -> list[Sample]:
+    from vllm import SamplingParams
+
+    n = plan.samples_per_prompt
+    pairs = task.prompts_for_chunk(plan.seed, index, plan.prompts_per_chunk)
+    base_seed = (plan.seed * 7_919 + index * plan.prompts_per_chunk * n) % (2**31 - 2**20)
+    # T = 1, no top-k/top-p: the recorded logprob is the distribution sampled from, and the
+    # support is the full vocabulary, as exact unclipped IS needs.
+    params = [
+        SamplingParams(
+            n=n, temperature=1.0, top_p=1.0, top_k=0, max_tokens=plan.response_tokens,
+            ignore_eos=True, logprobs=0, seed=base_seed + i * n, detokenize=False,
+        )
+        for i in range(len(pairs))
+    ]
+    outputs = llm.generate([{"prompt_token_ids": p} for _, p in pairs], params, use_tqdm=False)
+    samples = []
+    for (prompt_index, prompt), output in zip(pairs, outputs):
+        for completion in output.outputs:
+            ids = list(completion.token_ids)
+            mu = torch.tensor([step[t].logprob for t, step in zip(ids, completion.logprobs)], dtype=torch.float32)
+            samples.append(Sample(prompt, ids, mu, version, f"{index}:{prompt_index}", task.reward(ids)))
+    return samples
+
+
+class Inbox:
+    """What the learner has said during one run: the newest published version, and whether to stop.
+
+    Reads the engine process's request queue; messages of other kinds end the run (the caller
+    handles them after it).
+    """
+
+    def __init__(self, requests, receive: Callable, learner_version: int = 0):
+        self.requests = requests
+        self.receive = receive  # blocking get that notices a vanished learner
+        self.learner_version = learner_version
+        self.stopping = False
+        self.pending: list[tuple] = []
+
+    def _handle(self, message: tuple) -> None:
+        if message[0] == "published":
+            self.learner_version = max(self.learner_version, message[1])
+        else:  # "stop", or a request for after this run
+            self.stopping = True
+            if message[0] != "stop":
+                self.pending.append(message)
+
+    def poll(self) -> None:
+        while True:
+            try:
+                self._handle(self.requests.get_nowait())
+            except queue.Empty:
+                return
+
+    def wait_until_allowed(self, update: int, lag: int) -> None:
+        """Block until update ``update`` may be sampled for (learner version >= update - lag)."""
+        self.poll()
+        while not self.stopping and update > self.learner_version + lag:
+            self._handle(self.receive())
+
+
+def produce_chunks(llm, task: DigitTask, plan: RolloutPlan, mailbox: WeightMailbox, inbox: Inbox,
+                   send: Callable[[Chunk], None]) -> None:
+    """The rollout loop: every chunk of the plan, in order, each with the newest weights published."""
+    loaded: int | None = None  # the engine may hold another run's weights
+    for index in range(plan.total_chunks):
+        inbox.wait_until_allowed(index // plan.chunks_per_update, plan.lag)
+        if inbox.stopping:
+            return
+        load_s = 0.0
+        newer = mailbox.take_newer(loaded)
+        if newer is not None:
+            start = time.perf_counter()
+            loaded, weights = newer
+            load_engine_weights(llm, weights)
+            load_s = time.perf_counter() - start
+        start = time.perf_counter()
+        samples = generate_chunk(llm, task, plan, index, loaded)
+        send(Chunk(index, loaded, samples, time.perf_counter() - start, load_s))

@@ -26,7 +26,8 @@ from zero_mismatch_plugin.formulas import token_log_importance_ratio
 from zero_mismatch_plugin.token_metrics import importance_sampling_metrics
 
 from .learners import ALIGNED, KERNELS, Learner, make_learner
-from .rollout import Chunk, RolloutPlan, RolloutWorker, Sample, encode_weights, load_engine_weights
+from .engine import EngineProcess
+from .rollout import Chunk, RolloutPlan, Sample
 from .task import DigitTask
 
 ALGORITHMS = ("reinforce_zero", "flash_reinforce")
@@ -51,7 +52,7 @@ class DemoConfig:
     learning_rate: float = 1e-4
     grad_clip: float = 1.0
     max_model_len: int = 128
-    # The engine's worker has a core of its own; more learner threads than the remaining core
+    # The engine's process has a core of its own; more learner threads than the remaining core
     # oversubscribe a small machine (measured ~10x slower updates on 2 shared cores).
     learner_threads: int = 1
     # Score older-version samples under their own weights (an extra no-grad forward per older
@@ -135,14 +136,14 @@ class _Batch:
 class DemoRun:
     """One demo configuration against a live engine (which is left running for the next)."""
 
-    def __init__(self, config: DemoConfig, llm, model_dir, engine_seed: int = 0):
+    def __init__(self, config: DemoConfig, engine: EngineProcess, model_dir, engine_seed: int = 0):
         import verl  # noqa: F401 - importing verl registers the plugin's estimators and losses
         from omegaconf import OmegaConf
         from transformers import AutoTokenizer
         from verl.trainer.ppo import core_algos
 
         self.config = config
-        self.llm = llm
+        self.engine = engine
         torch.manual_seed(config.seed)
         self.task = DigitTask.from_tokenizer(AutoTokenizer.from_pretrained(str(model_dir)), seed=config.seed)
         self.learner: Learner = make_learner(config.kernels, model_dir, config.max_model_len, engine_seed)
@@ -161,37 +162,26 @@ class DemoRun:
             response_tokens=cfg.response_tokens, chunks_per_update=cfg.chunks_per_update, lag=cfg.lag,
             total_chunks=cfg.updates * cfg.chunks_per_update,
         )
-        # Version 0 = the learner's initial weights; the engine may hold another run's.
-        load_engine_weights(self.llm, encode_weights(self.learner.named_weights()))
-        rollout = RolloutWorker(self.llm, self.task, plan, loaded_version=0)
         result = DemoResult(cfg)
         threads = torch.get_num_threads()
         torch.set_num_threads(cfg.learner_threads)
         start = time.perf_counter()
-        rollout.start()
         try:
-            for step in range(1, cfg.updates + 1):
-                wait_start = time.perf_counter()
-                chunks = [self._next_chunk(rollout) for _ in range(cfg.chunks_per_update)]
-                waited = time.perf_counter() - wait_start
-                record = self._update(step, chunks, waited)
-                rollout.publish(self.version, encode_weights(self.learner.named_weights()))
-                result.records.append(record)
-                if progress is not None:
-                    progress(record)
+            # Version 0 = the learner's initial weights; the engine may hold another run's.
+            with self.engine.rollout(self.task, plan, self.learner.named_weights()) as rollout:
+                for step in range(1, cfg.updates + 1):
+                    wait_start = time.perf_counter()
+                    chunks = [rollout.next_chunk() for _ in range(cfg.chunks_per_update)]
+                    waited = time.perf_counter() - wait_start
+                    record = self._update(step, chunks, waited)
+                    rollout.publish(self.version, self.learner.named_weights())
+                    result.records.append(record)
+                    if progress is not None:
+                        progress(record)
         finally:
-            rollout.stop()
-            rollout.join()
             torch.set_num_threads(threads)
         result.loop_seconds = time.perf_counter() - start
         return result
-
-    @staticmethod
-    def _next_chunk(rollout: RolloutWorker) -> Chunk:
-        item = rollout.chunks.get()
-        if isinstance(item, BaseException):
-            raise RuntimeError("the rollout thread failed") from item
-        return item
 
     def _older_version_logprobs(self, batch: _Batch) -> dict[int, torch.Tensor]:
         """Logprobs of samples from older versions under the weights that sampled them (no grad).
@@ -289,9 +279,10 @@ class DemoRun:
         )
 
 
-def run_demo(config: DemoConfig, llm, model_dir, progress=None, engine_seed: int = 0) -> DemoResult:
-    """Run one configuration against ``llm`` (an engine started on ``model_dir``'s architecture)."""
-    return DemoRun(config, llm, model_dir, engine_seed=engine_seed).run(progress)
+def run_demo(config: DemoConfig, engine: EngineProcess, model_dir, progress=None,
+             engine_seed: int = 0) -> DemoResult:
+    """Run one configuration against ``engine`` (``start_engine`` on ``model_dir``'s architecture)."""
+    return DemoRun(config, engine, model_dir, engine_seed=engine_seed).run(progress)
 
 
 def config_dict(config: DemoConfig) -> dict:

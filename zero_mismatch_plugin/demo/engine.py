@@ -1,0 +1,224 @@
+"""The rollout engine in a process of its own, and the learner's handle on it.
+
+Why a process, and why the engine inside it runs in-process: vLLM's default CPU layout is a client
+in the caller plus an EngineCore process and a worker process that busy-wait on each other's
+shared-memory queues. While it generates, that layout keeps two cores busy (measured on 2 cores:
+worker ~1.0 core, EngineCore ~0.9 core mostly spinning, client ~0.1), so a learner updating at the
+same time only gets the cycles it takes from the spinner (a busy Python thread next to the
+client left generation as fast as alone; a busy second process made it ~1.8x slower). Here one
+child process holds the whole engine in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, one
+OpenMP thread: ~0.8 core while generating, none while waiting) together with the rollout loop,
+so the learner's process does no rollout work and the two run side by side on separate cores. Samples come back through a queue; weights go out through a
+shared-memory :class:`~.rollout.WeightMailbox` (a memory copy per update, no pickling).
+
+Requests to the child: ``("run", run_id, task, plan, mailbox)``, ``("published", version)``,
+``("stop",)``, ``("close",)``. Replies: ``("ready",)``, ``("chunk", run_id, chunk)``,
+``("error", run_id, traceback)``, ``("done", run_id)``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import multiprocessing
+import os
+import queue
+import signal
+import traceback
+
+from .rollout import Chunk, Inbox, RolloutPlan, WeightMailbox, produce_chunks
+from .task import DigitTask
+
+# The engine runs in the child's own thread, with one OpenMP thread: on a small machine the other
+# core belongs to the learner, and idle OpenMP threads spin-wait.
+CHILD_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1"}
+START_TIMEOUT_S = 600.0
+POLL_S = 1.0
+
+
+@contextlib.contextmanager
+def _environment(values: dict[str, str]):
+    """Set ``values`` while a child process is spawned (it copies the environment at start)."""
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _receive_while_parent_lives(requests):
+    """``requests.get()``, but exit when the learner's process has gone (nobody would stop us)."""
+    parent = multiprocessing.parent_process()
+    while True:
+        try:
+            return requests.get(timeout=POLL_S)
+        except queue.Empty:
+            if parent is not None and not parent.is_alive():
+                raise SystemExit(0)
+
+
+def _serve_run(llm, message, requests, replies, lock) -> list[tuple]:
+    """One run's chunks; returns requests that arrived for after it."""
+    _, run_id, task, plan, mailbox = message
+    inbox = Inbox(requests, lambda: _receive_while_parent_lives(requests))
+    try:
+        produce_chunks(llm, task, plan, mailbox.attach(lock), inbox,
+                       lambda chunk: replies.put(("chunk", run_id, chunk)))
+    except Exception:  # noqa: BLE001 - reported to the learner, which raises it
+        replies.put(("error", run_id, traceback.format_exc()))
+    replies.put(("done", run_id))
+    return inbox.pending
+
+
+def _engine_main(model_dir: str, max_model_len: int, seed: int, requests, replies, lock) -> None:
+    """The child: start the engine, then serve runs until asked to close."""
+    # Ctrl-C reaches the whole process group; the learner handles it and stops this process in
+    # order (an interrupted child would turn the learner's clean stop into an error).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    from zero_mismatch_plugin.aligned import set_mode
+    from zero_mismatch_plugin.aligned.runtime import engine_args_for
+    from vllm import LLM
+
+    set_mode("consistent")
+    llm = LLM(**engine_args_for(model_dir, max_model_len=max_model_len, seed=seed, enable_prefix_caching=False))
+    replies.put(("ready",))
+    pending: list[tuple] = []
+    while True:
+        message = pending.pop(0) if pending else _receive_while_parent_lives(requests)
+        if message[0] == "close":
+            return
+        if message[0] == "run":
+            pending.extend(_serve_run(llm, message, requests, replies, lock))
+        # "published" / "stop" left over from a finished run need nothing
+
+
+class EngineProcess:
+    """A vLLM engine (consistent numerics) for ``model_dir``'s architecture, in a child process.
+
+    Serves one :meth:`rollout` at a time; each run loads its own initial weights as version 0,
+    so one engine serves runs of different seeds and checkpoints of the same shape.
+    """
+
+    def __init__(self, model_dir, max_model_len: int, seed: int = 0):
+        context = multiprocessing.get_context("spawn")
+        self._requests = context.Queue()
+        self._replies = context.Queue()
+        self._lock = context.Lock()
+        self._run_ids = itertools.count()
+        self._process = context.Process(
+            target=_engine_main, name="zmrl-engine", daemon=True,
+            args=(str(model_dir), max_model_len, seed, self._requests, self._replies, self._lock),
+        )
+        with _environment(CHILD_ENV):
+            self._process.start()
+        self._expect("ready", timeout=START_TIMEOUT_S)
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid
+
+    def send(self, message: tuple) -> None:
+        self._requests.put(message)
+
+    def receive(self, timeout: float | None = None) -> tuple:
+        """The next reply; raises if the engine's process has died or ``timeout`` seconds pass."""
+        waited = 0.0
+        while True:
+            try:
+                return self._replies.get(timeout=POLL_S)
+            except queue.Empty:
+                if not self._process.is_alive():
+                    raise RuntimeError(f"the engine process exited (code {self._process.exitcode})") from None
+                waited += POLL_S
+                if timeout is not None and waited >= timeout:
+                    raise TimeoutError(f"no reply from the engine process in {timeout:.0f} s") from None
+
+    def _expect(self, kind: str, timeout: float | None = None) -> tuple:
+        reply = self.receive(timeout)
+        if reply[0] != kind:
+            raise RuntimeError(f"engine process: expected {kind!r}, got {reply[0]!r}")
+        return reply
+
+    def rollout(self, task: DigitTask, plan: RolloutPlan, initial_weights) -> "Rollout":
+        """Start generating ``plan``'s chunks; ``initial_weights`` (named tensors) are version 0."""
+        mailbox = WeightMailbox(initial_weights).attach(self._lock)
+        mailbox.put(0, initial_weights)
+        return Rollout(self, next(self._run_ids), task, plan, mailbox)
+
+    def close(self) -> None:
+        if self._process.is_alive():
+            self.send(("close",))
+            self._process.join(timeout=60)
+        if self._process.is_alive():
+            self._process.terminate()
+            self._process.join()
+
+    def __enter__(self) -> "EngineProcess":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class Rollout:
+    """The learner's side of one run: take chunks, publish weights, stop."""
+
+    def __init__(self, engine: EngineProcess, run_id: int, task: DigitTask, plan: RolloutPlan,
+                 mailbox: WeightMailbox):
+        self.engine = engine
+        self.run_id = run_id
+        self.mailbox = mailbox
+        self._finished = False
+        engine.send(("run", run_id, task, plan, mailbox))
+
+    def publish(self, version: int, named_weights) -> None:
+        """The learner's newest weights; older ones not yet loaded are simply superseded."""
+        self.mailbox.put(version, named_weights)
+        self.engine.send(("published", version))
+
+    def next_chunk(self) -> Chunk:
+        reply = self._reply_of_this_run()
+        if reply[0] == "error":
+            self._finished = True
+            raise RuntimeError(f"the rollout failed in the engine process:\n{reply[2]}")
+        if reply[0] == "done":
+            self._finished = True
+            raise RuntimeError("the rollout ended before the learner took all its chunks")
+        return reply[2]
+
+    def _reply_of_this_run(self) -> tuple:
+        while True:
+            reply = self.engine.receive()
+            if reply[0] in ("chunk", "error", "done") and reply[1] == self.run_id:
+                return reply
+
+    def stop(self) -> None:
+        """End the run and wait until the engine is idle (unread chunks are dropped)."""
+        if self._finished:
+            return
+        self.engine.send(("stop",))
+        while self._reply_of_this_run()[0] != "done":
+            pass
+        self._finished = True
+
+    def __enter__(self) -> "Rollout":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def start_engine(model_dir, max_model_len: int, seed: int = 0) -> EngineProcess:
+    """A rollout engine for the demo's model in consistent numerics.
+
+    Consistent mode is also selected in this process: the aligned learner reads it.
+    """
+    from zero_mismatch_plugin.aligned import set_mode
+
+    set_mode("consistent")
+    return EngineProcess(model_dir, max_model_len, seed)
