@@ -81,6 +81,22 @@ class AlignedRMSNormModule(nn.Module):
 # ----- Linears -----------------------------------------------------------------------------
 
 
+def _megatron_parameter(data: torch.Tensor) -> nn.Parameter:
+    """A parameter with the attributes megatron's DDP / optimizer read on a TP=1 parameter."""
+    param = nn.Parameter(data)
+    setattr(param, "allreduce", True)
+    setattr(param, "sequence_parallel", False)
+    return param
+
+
+def _linear_weight(config, output_size: int, input_size: int, init_method) -> nn.Parameter:
+    weight = _megatron_parameter(torch.empty(output_size, input_size, dtype=config.params_dtype))
+    if init_method is not None and getattr(config, "perform_initialization", True):
+        with torch.no_grad():
+            init_method(weight)
+    return weight
+
+
 class _EngineLinear:
     """The engine-layout copy of a megatron linear: rows reordered to vLLM's layout, engine
     dtype, vLLM's post-load processing (oneDNN packing on CPU); rebuilt when the weight changes."""
@@ -163,19 +179,10 @@ class AlignedLinearModule(nn.Module):
         self.runtime = runtime
         self.input_size = input_size
         self.output_size = output_size
-        self.weight = nn.Parameter(
-            torch.empty(output_size, input_size, dtype=config.params_dtype)
-        )
-        if init_method is not None and getattr(config, "perform_initialization", True):
-            with torch.no_grad():
-                init_method(self.weight)
+        self.weight = _linear_weight(config, output_size, input_size, init_method)
         self.bias = (
-            nn.Parameter(torch.zeros(output_size, dtype=config.params_dtype)) if bias else None
+            _megatron_parameter(torch.zeros(output_size, dtype=config.params_dtype)) if bias else None
         )
-        for p in (self.weight, self.bias):
-            if p is not None:
-                setattr(p, "allreduce", True)
-                setattr(p, "sequence_parallel", False)
         # engine_rows[i]: megatron row computing vLLM's output i; megatron_cols[j]: the vLLM
         # output that is megatron's output j. None: same layout.
         self.register_buffer("engine_rows", None, persistent=False)
@@ -513,12 +520,7 @@ class AlignedOutputLayerModule(AlignedOutputLayer):
             raise NotImplementedError("aligned output layer: vocabulary parallelism (TP > 1)")
         weight = None
         if not skip_weight_param_allocation:
-            weight = nn.Parameter(torch.empty(output_size, input_size, dtype=config.params_dtype))
-            if init_method is not None and getattr(config, "perform_initialization", True):
-                with torch.no_grad():
-                    init_method(weight)
-            setattr(weight, "allreduce", True)
-            setattr(weight, "sequence_parallel", False)
+            weight = _linear_weight(config, output_size, input_size, init_method)
         super().__init__(runtime, weight, output_size)
 
 
