@@ -81,10 +81,16 @@ def repack_shared_cpu_weights(model) -> int:
     return repacked
 
 
-def sync_weights(llm, model) -> None:
-    """Copy ``model``'s current parameters into the engine behind ``llm`` (a ``vllm.LLM``)."""
-    encoded = [encode(n, t) for n, t in engine_weights(model)]
+def load_named_weights(llm, named_weights) -> None:
+    """Load (checkpoint name, tensor) pairs into every worker of ``llm`` (a ``vllm.LLM``) through
+    vLLM's weight-loading path, then drop cached prefixes computed with the old weights."""
+    encoded = [encode(n, t) for n, t in named_weights]
     loaded = llm.collective_rpc("zmrl_load_weights", args=(encoded,))
     if any(n != len(encoded) for n in loaded):
         raise RuntimeError(f"weight sync: workers loaded {loaded} of {len(encoded)} tensors")
     llm.reset_prefix_cache()
+
+
+def sync_weights(llm, model) -> None:
+    """Copy ``model``'s current parameters into the engine behind ``llm`` (a ``vllm.LLM``)."""
+    load_named_weights(llm, engine_weights(model))

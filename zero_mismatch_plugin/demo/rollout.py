@@ -19,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from zero_mismatch_plugin.aligned.weight_sync import encode
+from zero_mismatch_plugin.aligned.weight_sync import load_named_weights
 
 from .task import DigitTask
 
@@ -111,15 +111,6 @@ class WeightMailbox:
         return version, self._views(copy)
 
 
-def load_engine_weights(llm, named_weights: list[tuple[str, torch.Tensor]]) -> None:
-    """Load weights into every worker through vLLM's weight-loading path (the weight-sync extension)."""
-    encoded = [encode(name, t) for name, t in named_weights]
-    loaded = llm.collective_rpc("zmrl_load_weights", args=(encoded,))
-    if any(n != len(encoded) for n in loaded):
-        raise RuntimeError(f"weight load: workers loaded {loaded} of {len(encoded)} tensors")
-    llm.reset_prefix_cache()
-
-
 def generate_chunk(llm, task: DigitTask, plan: RolloutPlan, index: int, version: int) -> list[Sample]:
     from vllm import SamplingParams
 
@@ -194,7 +185,7 @@ def produce_chunks(llm, task: DigitTask, plan: RolloutPlan, mailbox: WeightMailb
         if newer is not None:
             start = time.perf_counter()
             loaded, weights = newer
-            load_engine_weights(llm, weights)
+            load_named_weights(llm, weights)
             load_s = time.perf_counter() - start
         start = time.perf_counter()
         samples = generate_chunk(llm, task, plan, index, loaded)

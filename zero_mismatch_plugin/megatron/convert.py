@@ -233,10 +233,6 @@ def engine_weights(model, hf_config, dtype) -> list[tuple[str, torch.Tensor]]:
 
 def sync_weights_to_engine(llm, model, hf_config, dtype) -> None:
     """Send a GPTModel's weights into a ``vllm.LLM`` through vLLM's own loading path."""
-    from ..aligned.weight_sync import encode
+    from ..aligned.weight_sync import load_named_weights
 
-    encoded = [encode(n, t) for n, t in engine_weights(model, hf_config, dtype)]
-    loaded = llm.collective_rpc("zmrl_load_weights", args=(encoded,))
-    if any(n != len(encoded) for n in loaded):
-        raise RuntimeError(f"weight sync: workers loaded {loaded} of {len(encoded)} tensors")
-    llm.reset_prefix_cache()
+    load_named_weights(llm, engine_weights(model, hf_config, dtype))
