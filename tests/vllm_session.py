@@ -88,3 +88,15 @@ def rollout(llm, prompts, seed=0, n=SAMPLES_PER_PROMPT, max_tokens=RESPONSE_TOKE
             responses.append(ids)
             mu.extend(step[t].logprob for t, step in zip(ids, completion.logprobs))
     return seq_prompts, responses, torch.tensor(mu, dtype=torch.float32)
+
+
+def hf_token_logprobs(model, prompts, responses):
+    """Reference: a transformers causal LM's logprob of each response token, one sequence at a time."""
+    out = []
+    for prompt, response in zip(prompts, responses):
+        ids = torch.tensor([list(prompt) + list(response)])
+        logits = model(input_ids=ids).logits[0]
+        logprobs = logits.log_softmax(-1)
+        rows = torch.arange(len(prompt) - 1, len(prompt) - 1 + len(response))
+        out.append(logprobs[rows].gather(-1, torch.tensor(response)[:, None])[:, 0])
+    return torch.cat(out)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_session import prompts_for, rollout
+from vllm_session import hf_token_logprobs, prompts_for, rollout
 
 from zero_mismatch_plugin.aligned import pack
 
@@ -24,17 +24,6 @@ def hf_model(trainer, dtype):
     assert not unexpected, unexpected
     assert all(k == "lm_head.weight" for k in missing), missing
     return model.eval()
-
-
-def hf_token_logprobs(model, prompts, responses):
-    out = []
-    for prompt, response in zip(prompts, responses):
-        ids = torch.tensor([list(prompt) + list(response)])
-        logits = model(input_ids=ids).logits[0]
-        logprobs = logits.log_softmax(-1)
-        rows = torch.arange(len(prompt) - 1, len(prompt) - 1 + len(response))
-        out.append(logprobs[rows].gather(-1, torch.tensor(response)[:, None])[:, 0])
-    return torch.cat(out)
 
 
 def check_bitwise_equal(engines, trainers, name):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from vllm_session import hf_token_logprobs
 from zero_mismatch_plugin.aligned import pack
 from zero_mismatch_plugin.megatron import convert
 from zero_mismatch_plugin.megatron.standalone import (
@@ -102,16 +103,6 @@ def _hf_float64_reference(runtime, megatron_state):
     return model
 
 
-def _hf_token_logprobs(model, prompts, responses):
-    out = []
-    for prompt, response in zip(prompts, responses):
-        ids = torch.tensor([list(prompt) + list(response)])
-        logprobs = model(input_ids=ids).logits[0].log_softmax(-1)
-        rows = torch.arange(len(prompt) - 1, len(prompt) - 1 + len(response))
-        out.append(logprobs[rows].gather(-1, torch.tensor(response)[:, None])[:, 0])
-    return torch.cat(out)
-
-
 def test_backward_matches_float64_reference(mg_runtime, mg_rollout):
     prompts, responses, _ = mg_rollout(seed=90, n=1)
     model = build_gpt_model(mg_runtime, aligned=True).train()
@@ -122,7 +113,7 @@ def test_backward_matches_float64_reference(mg_runtime, mg_rollout):
     grads = convert.megatron_to_hf({k: p.grad for k, p in named.items()}, mg_runtime.hf_config)
 
     reference = _hf_float64_reference(mg_runtime, {k: p.detach() for k, p in named.items()})
-    (_hf_token_logprobs(reference, prompts, responses) * coeffs.double()).sum().backward()
+    (hf_token_logprobs(reference, prompts, responses) * coeffs.double()).sum().backward()
     worst = 0.0
     for name, ref in reference.named_parameters():
         g = grads[name].double()
