@@ -16,6 +16,7 @@ starts, flips both sides together.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 MODE_ENV = "ZMRL_NUMERICS"
@@ -72,3 +73,21 @@ def set_mode(mode: str, platform: str | None = None) -> dict[str, str]:
             os.environ.pop(key, None)
     os.environ.update(env)
     return env
+
+
+@contextlib.contextmanager
+def temporary_environment(values: dict[str, str]):
+    """Set ``values`` in ``os.environ`` for the block, then restore what was there.
+
+    For settings an engine (or a process spawned for one) reads once when it starts.
+    """
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value

@@ -63,20 +63,14 @@ def open_engine(model_dir, max_model_len: int, seed: int = 0, full_vocab: bool =
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM
 
+    from zero_mismatch_plugin.aligned.numerics import temporary_environment
     from zero_mismatch_plugin.aligned.runtime import shutdown_engine
     from zero_mismatch_plugin.vllm_plugin import PREFIX_CACHING_ENV
 
     # The consistent mode turns prefix caching off unless explicitly allowed; the prefix-cache
     # check needs it on, and every other check resets the cache before generating.
-    previous = os.environ.get(PREFIX_CACHING_ENV)
-    os.environ[PREFIX_CACHING_ENV] = "1"
-    try:
+    with temporary_environment({PREFIX_CACHING_ENV: "1"}):
         llm = LLM(**engine_kwargs(model_dir, max_model_len, seed, full_vocab))
-    finally:
-        if previous is None:
-            os.environ.pop(PREFIX_CACHING_ENV, None)
-        else:
-            os.environ[PREFIX_CACHING_ENV] = previous
     try:
         yield llm
     finally:

@@ -18,13 +18,13 @@ Requests to the child: ``("run", run_id, task, plan, mailbox)``, ``("published",
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import multiprocessing
-import os
 import queue
 import signal
 import traceback
+
+from zero_mismatch_plugin.aligned.numerics import temporary_environment
 
 from .rollout import Chunk, Inbox, RolloutPlan, WeightMailbox, produce_chunks
 from .task import DigitTask
@@ -34,21 +34,6 @@ from .task import DigitTask
 CHILD_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1"}
 START_TIMEOUT_S = 600.0
 POLL_S = 1.0
-
-
-@contextlib.contextmanager
-def _environment(values: dict[str, str]):
-    """Set ``values`` while a child process is spawned (it copies the environment at start)."""
-    saved = {key: os.environ.get(key) for key in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 def _receive_while_parent_lives(requests):
@@ -114,7 +99,7 @@ class EngineProcess:
             target=_engine_main, name="zmrl-engine", daemon=True,
             args=(str(model_dir), max_model_len, seed, self._requests, self._replies, self._lock),
         )
-        with _environment(CHILD_ENV):
+        with temporary_environment(CHILD_ENV):
             self._process.start()
         self._expect("ready", timeout=START_TIMEOUT_S)
 
