@@ -14,7 +14,6 @@ import difflib
 import inspect
 import textwrap
 from dataclasses import dataclass
-from pathlib import Path
 
 from . import shared
 
