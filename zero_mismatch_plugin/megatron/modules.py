@@ -288,6 +288,21 @@ def aligned_mlp_class():
 # ----- Rotary embedding and core attention ------------------------------------------------
 
 
+# The last packed batch's sequence lengths: every layer (rotary and attention) of one forward sees
+# the same PackedSeqParams, and reading cu_seqlens on the host is a device sync.
+_last_packed: list = [None, None, None]  # [params, cu_seqlens tensor, lengths]
+
+
+def _packed_seq_lens(packed_seq_params) -> list[int]:
+    cu = packed_seq_params.cu_seqlens_q_padded
+    if cu is None:
+        cu = packed_seq_params.cu_seqlens_q
+    if _last_packed[0] is not packed_seq_params or _last_packed[1] is not cu:
+        # Padding, if any, trails each sequence: causal rows before it are unaffected.
+        _last_packed[:] = [packed_seq_params, cu, [int(n) for n in torch.diff(cu.cpu()).tolist() if int(n) > 0]]
+    return list(_last_packed[2])
+
+
 def _token_major(query, key, value, attention_mask, packed_seq_params):
     """q, k, v as vLLM's ``[T, heads * D]`` (sequence after sequence), their lengths, and the
     megatron layout to return to (``None``: packed ``thd``; ``(s, b)``: ``sbhd``).
@@ -296,11 +311,7 @@ def _token_major(query, key, value, attention_mask, packed_seq_params):
     and packed ``thd`` input (``packed_seq_params.cu_seqlens_q``), which verl uses.
     """
     if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
-        cu = packed_seq_params.cu_seqlens_q_padded
-        if cu is None:
-            cu = packed_seq_params.cu_seqlens_q
-        # Padding, if any, trails each sequence: causal rows before it are unaffected.
-        seq_lens = [int(n) for n in torch.diff(cu.cpu()).tolist() if int(n) > 0]
+        seq_lens = _packed_seq_lens(packed_seq_params)
         tokens = query.shape[0]
         if sum(seq_lens) != tokens:
             raise ValueError(f"cu_seqlens cover {sum(seq_lens)} tokens, query has {tokens}")
