@@ -61,3 +61,24 @@ def make_rollout():
 @pytest.fixture
 def make_prompts():
     return prompts_for
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Counts of tests/test_bad_input.py by outcome (the measure of the bad-input table)."""
+    from collections import Counter
+
+    counts = Counter()
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            if getattr(report, "when", None) != "call":
+                continue
+            for key, value in getattr(report, "user_properties", ()):
+                if key == "bad_input_outcome":
+                    counts[value] += 1
+    if counts:
+        tried = sum(counts.values())
+        terminalreporter.write_line(
+            f"bad input: {tried} tried, {counts['clear_error']} clear error, "
+            f"{counts['documented_result']} documented result, {counts['traceback']} traceback, "
+            f"{counts['silent']} silent"
+        )
