@@ -1,5 +1,7 @@
 """Zero-mismatch mode refuses sampling settings under which μ cannot be reproduced."""
 
+import warnings
+
 import pytest
 import torch
 
@@ -33,10 +35,22 @@ def test_non_strict_mode_warns_loudly():
         SamplingTransform(temperature=0.5, logprobs_mode="raw_logprobs").check(strict=False)
 
 
-def test_allowed_settings_pass():
-    SamplingTransform().check()
-    SamplingTransform(logprobs_mode="raw_logprobs").check()
-    SamplingTransform(temperature=0.7, top_k=5, top_p=0.8).check()
+ALLOWED = [
+    SamplingTransform(),
+    SamplingTransform(logprobs_mode="raw_logprobs"),
+    SamplingTransform(temperature=0.7, top_k=5, top_p=0.8),
+    SamplingTransform(top_k=-1, top_p=1.0),  # -1: top-k off, as vLLM spells it
+]
+
+
+@pytest.mark.parametrize("transform", ALLOWED, ids=repr)
+def test_allowed_settings_have_no_problem_and_pass_silently(transform, caplog):
+    assert transform.problems() == []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a warning here would be a false alarm
+        assert transform.check() is None
+        assert transform.check(strict=False) is None
+    assert not caplog.records
 
 
 def test_unreplayed_logits_processors_are_refused():
