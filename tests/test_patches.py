@@ -19,7 +19,7 @@ import pytest
 
 from zero_mismatch_plugin import patching
 from zero_mismatch_plugin.cli import main as zmrl
-from zero_mismatch_plugin.patching import PatchError, edits, shared
+from zero_mismatch_plugin.patching import PatchError, edits, formatpatch, series, shared
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -116,7 +116,7 @@ def test_check_fails_for_a_diff_that_does_not_apply_and_for_another_version(mani
     other_version = patching.Patch(**{**good.__dict__, "name": "other-version", "versions": ("0.0.1",)})
     results = {r.patch.name: r for r in patching.check_installed(
         patching.Manifest(manifest.upstreams, (broken, other_version)))}
-    assert not results["broken"].ok and "does not apply" in results["broken"].detail
+    assert not results["broken"].ok and "patch -p1 fails" in results["broken"].detail
     assert not results["other-version"].ok and "made for verl 0.0.1; installed is 0.9.1" in results["other-version"].detail
 
 
@@ -144,9 +144,8 @@ def test_apply_patches_a_checkout_of_the_pinned_version(manifest, tmp_path, caps
     expected = {}
     installed = patching.installed_root(manifest.upstreams["verl"])
     for patch in manifest.for_upstream("verl"):  # the rendered texts, chained as applied
-        _, texts = edits.render_diff(edits.EDITS[patch.name],
-                                     lambda p: expected.get(p) or (installed / p).read_text())
-        expected.update(texts)
+        changes = edits.render_changes(edits.EDITS[patch.name], lambda p: expected.get(p) or (installed / p).read_text())
+        expected.update({change.path: change.after for change in changes})
     for relative, text in expected.items():
         assert (checkout / relative).read_text() == text
     assert "applied verl-megatron-engine-hooks" in capsys.readouterr().out
@@ -159,8 +158,9 @@ def test_apply_refuses_another_version_and_changes_nothing(manifest, tmp_path, c
     assert "is verl 0.9.0; the patches were made for 0.9.1" in capsys.readouterr().err
     assert _tree_digest(checkout) == before
     # A version the user asserts is gated the same way.
+    (checkout / "verl/version/version").write_text("")
     with pytest.raises(PatchError, match="made for 0.9.1"):
-        patching.apply_to(checkout, assume_version="1.0.0")
+        patching.apply_to(checkout, assume_version="1.0.0", warn=lambda message: None)
 
 
 def test_apply_is_all_or_nothing(manifest, tmp_path):
@@ -169,7 +169,8 @@ def test_apply_is_all_or_nothing(manifest, tmp_path):
     engine = checkout / edits.ENGINE
     engine.write_text(engine.read_text().replace("    def optimizer_step(self):\n", "    def optimizer_step(self, x=0):\n"))
     before = _tree_digest(checkout)
-    with pytest.raises(PatchError, match="verl-megatron-engine-hooks does not apply"):
+    with pytest.raises(PatchError, match=r"nothing was changed:\n  verl-megatron-engine-hooks: fails: "
+                       r"verl/workers/engine/megatron/transformer_impl.py:\d+ \(hunk 4 does not match\)"):
         patching.apply_to(checkout)
     assert _tree_digest(checkout) == before
 
@@ -189,9 +190,8 @@ def test_apply_patches_a_megatron_lm_checkout_and_refuses_another_version(manife
 
     fork = checkout("Megatron-LM", lambda text: text)
     assert zmrl(["patches", "apply", "--to", str(fork)]) == 0
-    _, expected = edits.render_diff(edits.EDITS[patch.name], lambda p: (installed / p).read_text())
-    for relative, text in expected.items():
-        assert (fork / relative).read_text() == text
+    for change in edits.render_changes(edits.EDITS[patch.name], lambda p: (installed / p).read_text()):
+        assert (fork / change.path).read_text() == change.after
     assert "applied megatron-lm-spec-hooks" in capsys.readouterr().out
 
     older = checkout("Megatron-LM-old", lambda text: re.sub(r"PATCH = \d+", "PATCH = 0", text))

@@ -115,7 +115,7 @@ def _patches(args: argparse.Namespace) -> int:
     if args.patches_command == "list":
         return patching.list_command()
     if args.patches_command == "check":
-        return patching.check_command()
+        return patching.check_command(args.to, args.upstream)
     return patching.apply_command(args.to, args.upstream, args.assume_version)
 
 
@@ -223,11 +223,17 @@ def build_parser() -> argparse.ArgumentParser:
     patches = sub.add_parser("patches", help="upstream patches for a fork of verl / vLLM / Megatron-LM")
     patches_sub = patches.add_subparsers(dest="patches_command", required=True)
     patches_sub.add_parser("list", help="every patch: upstream, pinned version, purpose, covering test")
-    patches_sub.add_parser("check", help="apply every patch to copies of the installed upstream files")
+    patches_check = patches_sub.add_parser(
+        "check", help="apply every patch (patch -p1, git apply, git am -3) to copies of the installed upstream "
+        "files; with --to DIR, report what each patch would do to that checkout (any version), changing nothing")
+    patches_check.add_argument("--to", metavar="DIR", help="root of a verl / vLLM / Megatron-LM checkout to report on")
+    patches_check.add_argument("--upstream", choices=("verl", "vllm", "megatron-lm"), help="with --to; default: detected from DIR")
     patches_apply = patches_sub.add_parser("apply", help="apply the patches to a checkout of their upstream")
     patches_apply.add_argument("--to", required=True, metavar="DIR", help="root of the verl / vLLM / Megatron-LM checkout")
     patches_apply.add_argument("--upstream", choices=("verl", "vllm", "megatron-lm"), help="default: detected from DIR")
-    patches_apply.add_argument("--assume-version", metavar="V", help="the checkout's version, when it cannot be read")
+    patches_apply.add_argument("--assume-version", metavar="V",
+                               help="the checkout's version when its files state none (a fresh vLLM clone); "
+                               "refused when the checkout states another version")
     patches.set_defaults(func=_patches)
     return parser
 

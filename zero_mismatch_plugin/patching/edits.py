@@ -1,21 +1,24 @@
 """The source edits every shipped ``.patch`` file is generated from.
 
-A patch is a list of :class:`Edit` (replace one exact, unique piece of upstream text). The
-``.patch`` files under ``diffs/`` are rendered from these edits against the pinned upstream
-files (``python -m zero_mismatch_plugin.patching.edits --write``); a test renders them again
-and requires byte equality, so a shipped diff cannot drift from its definition. Code that the
+A patch is a list of :class:`Edit` (replace one exact, unique piece of upstream text) and a
+commit message (:mod:`.messages`). The ``.patch`` files under ``diffs/`` are rendered from
+them against the pinned upstream files as ``git format-patch`` output, with the pinned files'
+blob ids in their ``index`` lines (``python -m zero_mismatch_plugin.patching.edits --write``);
+a test renders them again and requires byte equality, so a shipped patch cannot drift from
+its definition. Code that the
 plugin also runs itself is not written here twice: it is the source of a function in
 :mod:`.shared`, inserted with :func:`inspect.getsource`.
 """
 
 from __future__ import annotations
 
-import difflib
 import inspect
 import textwrap
 from dataclasses import dataclass
 
 from . import shared
+from .formatpatch import FileChange, format_patch
+from .messages import MESSAGES
 
 
 @dataclass(frozen=True)
@@ -527,28 +530,28 @@ def apply_edits(text: str, edits: list[Edit], path: str) -> str:
     return text
 
 
-def render_diff(edits: list[Edit], read) -> tuple[str, dict[str, str]]:
-    """Unified diff of ``edits`` against the files ``read(path)`` returns; also the new texts."""
+def render_changes(edits: list[Edit], read) -> list[FileChange]:
+    """Each file ``edits`` touch, before (``read(path)``) and after the edits, in edit order."""
     paths = list(dict.fromkeys(edit.path for edit in edits))
-    chunks, new_texts = [], {}
+    changes = []
     for path in paths:
         before = read(path)
-        after = apply_edits(before, [e for e in edits if e.path == path], path)
-        new_texts[path] = after
-        chunks.extend(difflib.unified_diff(
-            before.splitlines(keepends=True), after.splitlines(keepends=True),
-            fromfile=f"a/{path}", tofile=f"b/{path}", n=3,
-        ))
-    return "".join(chunks), new_texts
+        changes.append(FileChange(path, before, apply_edits(before, [e for e in edits if e.path == path], path)))
+    return changes
 
 
 def render_all(manifest) -> dict[str, str]:
-    """Patch name -> diff text, each against the pinned upstream with the patches before it applied."""
+    """Patch name -> its ``git format-patch`` text, numbered within its upstream's series.
+
+    Each is rendered against the pinned upstream files with the patches before it applied,
+    so the ``index`` lines chain as ``git am`` applies the series.
+    """
     from . import installed_root
 
     rendered, state = {}, {}
     for patch in manifest.patches:
         root = installed_root(manifest.upstreams[patch.upstream])
+        series = [p.name for p in manifest.for_upstream(patch.upstream)]
 
         def read(path, upstream=patch.upstream, root=root):
             key = (upstream, path)
@@ -556,10 +559,12 @@ def render_all(manifest) -> dict[str, str]:
                 state[key] = (root / path).read_text(encoding="utf-8")
             return state[key]
 
-        diff, new_texts = render_diff(EDITS[patch.name], read)
-        for path, text in new_texts.items():
-            state[(patch.upstream, path)] = text
-        rendered[patch.name] = diff
+        changes = render_changes(EDITS[patch.name], read)
+        for change in changes:
+            state[(patch.upstream, change.path)] = change.after
+        # In path order, as git writes a commit's files.
+        changes.sort(key=lambda change: change.path)
+        rendered[patch.name] = format_patch(MESSAGES[patch.name], changes, series.index(patch.name) + 1, len(series))
     return rendered
 
 

@@ -1,0 +1,119 @@
+"""The commit message of every shipped patch: its subject and why the change is needed.
+
+Rendered into each ``.patch`` file's mail header and body (:mod:`.formatpatch`), so a fork
+that takes the series with ``git am`` gets commits that explain themselves. Paragraphs are
+wrapped at render time; plain ASCII, since they become mail headers and commit text.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class CommitMessage:
+    subject: str
+    paragraphs: tuple[str, ...]
+
+
+MESSAGES: dict[str, CommitMessage] = {
+    "verl-plugin-load-warning": CommitMessage(
+        "Log a verl.plugins entry point that fails to load at WARNING",
+        (
+            "A plugin registers its advantage estimators, policy losses and hooks when its "
+            "verl.plugins entry point loads. When that import raises, verl logged it at DEBUG, "
+            "so nothing was shown and the run failed much later with an unrelated error such "
+            "as \"Unsupported loss mode\".",
+            "Log the failure at WARNING with the entry point's value and the traceback, so the "
+            "cause is visible where it happens.",
+        ),
+    ),
+    "verl-reject-unknown-names": CommitMessage(
+        "Reject unknown advantage estimator and policy loss names in validate_config",
+        (
+            "A misspelt algorithm.adv_estimator or actor_rollout_ref.actor.policy_loss.loss_mode "
+            "was only noticed at first use, after the workers had started and the first "
+            "rollout had been generated.",
+            "validate_config runs in the driver before any worker starts: look both names up "
+            "in their registries there and raise a ValueError that names the config key and "
+            "lists the registered names. Names registered by plugins are present by then, "
+            "since importing verl loads every verl.plugins entry point.",
+        ),
+    ),
+    "verl-policy-loss-rollout-logprobs": CommitMessage(
+        "Pass the rollout logprobs to policy losses that take rollout_log_probs",
+        (
+            "Outside bypass mode old_log_prob is the trainer's recompute, not the logprobs the "
+            "rollout engine recorded when it sampled (mu). A loss that corrects with mu, or that "
+            "separates the weight-lag gap (pi_old vs pi_theta) from the kernel-mismatch gap "
+            "(mu vs pi_old), had no way to receive mu.",
+            "ppo_loss now hands rollout_log_probs to any policy loss whose signature accepts "
+            "that keyword (None when the batch carries none); other losses are called exactly "
+            "as before. POLICY_LOSS_RECEIVES_ROLLOUT_LOG_PROBS tells plugins that this verl "
+            "does so.",
+        ),
+    ),
+    "verl-megatron-engine-hooks": CommitMessage(
+        "Add extension points to the Megatron engine",
+        (
+            "A plugin that changes how the Megatron model is built, or how its logits become "
+            "logprobs (for example a forward that reproduces the rollout engine's numerics "
+            "bit for bit), had to replace engine methods at run time.",
+            "Add ENGINE_HOOKS, run in order after _build_tf_config, optimizer_step and "
+            "load_checkpoint return, and LM_HEAD_LOGITS_PROCESSOR, which replaces "
+            "_lm_head_logits_processor when set. With nothing registered the engine behaves "
+            "as before.",
+        ),
+    ),
+    "vllm-ep-combine-rank-order": CommitMessage(
+        "Sum expert-parallel combine contributions in rank order in batch-invariant mode",
+        (
+            "AgRsAll2AllManager.combine reduce-scatters the expert outputs, and the backend adds "
+            "the ranks' contributions in the order they arrive. Floating-point addition is not "
+            "associative, so the combined hidden states can differ in their last bits from one "
+            "step to the next, even with VLLM_BATCH_INVARIANT set.",
+            "With VLLM_BATCH_INVARIANT, all-gather every rank's contribution into a slot "
+            "indexed by its source rank and add the slots left to right. This moves world-size "
+            "times the data of a reduce-scatter; without batch-invariant mode nothing changes.",
+        ),
+    ),
+    "vllm-rocm-shape-independent-gemm": CommitMessage(
+        "Route ROCm GEMMs to the batch-invariant matmul in batch-invariant mode",
+        (
+            "On ROCm rocm_unquantized_gemm_impl picks its kernel by the row count (skinny "
+            "wvSplitK / LLMM1 kernels, AITER, hipBLASLt), and hipBLASLt picks its tile by it "
+            "too, so one row computes different bits at 4,096 rows than at 4,097. "
+            "enable_batch_invariant_mode replaced aten::mm, addmm, matmul and linear only on "
+            "SM80 and XPU.",
+            "With VLLM_BATCH_INVARIANT, send every unquantized linear (the sparse-attention "
+            "indexer's included) to linear_batch_invariant before any row-count based choice, "
+            "and replace aten::mm, addmm, matmul and linear on ROCm as well.",
+        ),
+    ),
+    "vllm-mamba-state-slot-writes-once": CommitMessage(
+        "Write each recurrent-state slot once per step in do_mamba_copy_block",
+        (
+            "batch_memcpy runs a step's state copies in parallel, in no fixed order. After a "
+            "wake-up (KV cache reset, requests preempted and resumed) an evicted request's "
+            "state and a reused one can target the same mamba / GDN / KDA state slot in one "
+            "step, and the slot then holds whichever copy landed last.",
+            "Keep one copy per destination slot, the last in request order, which is what "
+            "running the copies one after another leaves.",
+        ),
+    ),
+    "megatron-lm-spec-hooks": CommitMessage(
+        "Add spec hooks for rotary application, output layer and per-token logprob",
+        (
+            "A layer spec chooses the modules inside each transformer layer, but the rotary "
+            "application in attention, GPTModel's output layer and the loss computed from the "
+            "logits are built outside any spec. A model whose numerics must match another "
+            "engine's had to swap those modules after construction.",
+            "Add SelfAttentionSubmodules.rotary_application (replaces apply_rotary_pos_emb on "
+            "q and k), and GPTModelSubmodules, a TransformerBlockSubmodules that GPTModel "
+            "accepts as its transformer_layer_spec, with output_layer (built with "
+            "ColumnParallelLinear's arguments) and token_logprob (forward(labels=) then returns "
+            "minus its per-token logprob instead of the cross entropy). Unset, every hook "
+            "keeps the current behaviour.",
+        ),
+    ),
+}
