@@ -52,3 +52,27 @@ def test_registering_twice_is_a_no_op():
     register()
     register()
     assert core_algos.POLICY_LOSS_REGISTRY == before
+
+
+def test_selfcheck_passes_with_two_computations_and_a_metric_that_tells_one_ulp(capsys):
+    from zero_mismatch_plugin.cli import main
+
+    assert main(["selfcheck"]) == 0
+    out = capsys.readouterr().out
+    assert "selfcheck passed" in out
+    row = next(line for line in out.splitlines() if line.startswith("bitwise-equal fraction (one token 1 ulp off)"))
+    # 24 of 25 tokens equal, for both losses (fp32 mean of 24 ones and a zero).
+    assert [abs(float(v) - 24 / 25) < 1e-6 for v in row.split()[-2:]] == [True, True]
+
+
+def test_selfcheck_fails_a_bitwise_metric_blind_to_one_ulp():
+    from zero_mismatch_plugin.selfcheck import ALGORITHMS, selfcheck_failures
+
+    good = {"advantage_row0": 0.5, "rollout_corr/rollout_is_mean": 1.0, "zero_mismatch/bitwise_equal_fraction": 1.0,
+            "bitwise_one_ulp_off": 24 / 25, "rollout_corr/k3_kl": 0.0, "grad_finite": True}
+    report = {"reinforce_zero": good, "flash_reinforce": {**good, "advantage_row0": 0.4}}
+    assert selfcheck_failures(report) == []
+    # A metric that reports 1 whatever the bits (e.g. comparing a tensor with its own copy).
+    blind = {name: {**report[name], "bitwise_one_ulp_off": 1.0} for name in ALGORITHMS}
+    failures = selfcheck_failures(blind)
+    assert len(failures) == 2 and all("1 ulp off" in f for f in failures)
