@@ -14,6 +14,10 @@ summary goes to ``$OUT/gpu_check.json`` when ``OUT`` is set. Parts:
   on this device, which is what the invariant kernels are for.
 * ``vllm_bf16_equality``: only where vLLM is installed — an engine rollout at bf16 in
   consistent mode and the aligned trainer's logprobs must be bitwise equal.
+
+Overall: FAIL when a part failed; INCOMPLETE when a required part (every part but the
+information-only one, and the vLLM equality) did not run or was not selected; PASS only when
+every required part ran and passed. Exit status 0 / 1 / 2 for PASS / FAIL / INCOMPLETE.
 """
 
 from __future__ import annotations
@@ -29,7 +33,10 @@ from pathlib import Path
 
 import torch
 
-PASS, FAIL, NOT_RUN, INFO = "PASS", "FAIL", "NOT RUN", "INFO"
+PASS, FAIL, NOT_RUN, INFO, INCOMPLETE = "PASS", "FAIL", "NOT RUN", "INFO", "INCOMPLETE"
+EXIT_CODES = {PASS: 0, FAIL: 1, INCOMPLETE: 2}
+VLLM_PART = "vllm_bf16_equality"
+GROUPS = ("kernels", "vllm")
 
 
 def _load_kernels():
@@ -342,6 +349,53 @@ PARTS = [
 ]
 
 
+# Parts that must run and pass for a complete check; torch_default_ops is information only.
+KERNEL_PARTS = tuple(name for name, _ in PARTS if name != "torch_default_ops")
+PART_NAMES = tuple(name for name, _ in PARTS) + (VLLM_PART,)
+
+
+def required_parts(only: str | None) -> tuple[str, ...]:
+    """The parts a run of ``--only`` group (None: both groups) must pass to be complete."""
+    return {"kernels": KERNEL_PARTS, "vllm": (VLLM_PART,), None: KERNEL_PARTS + (VLLM_PART,)}[only]
+
+
+def overall_status(parts: dict, required: tuple[str, ...]) -> str:
+    """FAIL if any part failed, INCOMPLETE if a required part did not pass, else PASS."""
+    if any(part["status"] == FAIL for part in parts.values()):
+        return FAIL
+    if any(parts.get(name, {}).get("status") != PASS for name in required):
+        return INCOMPLETE
+    return PASS
+
+
+def summarize(work_dir, timed_out=()) -> dict:
+    """One summary of both groups' JSON files (``scripts/gpu_check.sh``): a group without a
+    result crashed, a group that timed out failed, whatever parts it finished before."""
+    summary = {"parts": {}, "environment": {}}
+    for group in GROUPS:
+        path = Path(work_dir) / f"{group}.json"
+        if path.exists():
+            part = json.loads(path.read_text())
+            summary["environment"].update(part.get("environment", {}))
+            summary["parts"].update(part.get("parts", {}))
+        else:
+            summary["parts"][group] = {"status": FAIL, "details": "no result (crash or timeout)"}
+        if group in timed_out:
+            summary["parts"][f"{group}_timeout"] = {"status": FAIL, "details": "timed out"}
+    summary["overall"] = overall_status(summary["parts"], required_parts(None))
+    return summary
+
+
+def _print_summary(summary) -> None:
+    print("== summary ==")
+    for name, part in summary["parts"].items():
+        print(f"  {part['status']:10} {name}")
+    if summary["overall"] == INCOMPLETE:
+        missing = [n for n in required_parts(None) if summary["parts"].get(n, {}).get("status") != PASS]
+        print(f"  did not run: {', '.join(missing)}")
+    print("overall:", summary["overall"], flush=True)
+
+
 def write_summary(summary, out):
     if not out:
         return
@@ -366,48 +420,84 @@ def run_parts(parts, summary, out=None):
         write_summary(summary, out)
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description="zero-mismatch GPU checks")
-    parser.add_argument("--only", choices=["kernels", "vllm"], default=None)
-    parser.add_argument("--json", default=None, help="write the summary here")
-    args = parser.parse_args(argv)
+def _parts_list(text: str) -> tuple[str, ...]:
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    unknown = [n for n in names if n not in PART_NAMES]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown parts {unknown}; choose from {', '.join(PART_NAMES)}")
+    return names
 
-    out = args.json or (os.path.join(os.environ["OUT"], "gpu_check.json") if os.environ.get("OUT") else None)
-    summary = {"parts": {}, "environment": {}}
-    env = summary["environment"]
-    env["python"] = sys.version.split()[0]
-    env["torch"] = torch.__version__
-    env["cuda_available"] = torch.cuda.is_available()
-    env["device"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
-    env["dry_run_on_cpu"] = DRY_RUN
-    env["triton"] = getattr(sys.modules.get("triton"), "__version__", None) if ik.HAVE_TRITON else None
-    env["vllm_installed"] = importlib.util.find_spec("vllm") is not None
-    print("environment:", json.dumps(env), flush=True)
 
+def _environment() -> dict:
+    return {
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "cuda_available": torch.cuda.is_available(),
+        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "dry_run_on_cpu": DRY_RUN,
+        "triton": getattr(sys.modules.get("triton"), "__version__", None) if ik.HAVE_TRITON else None,
+        "vllm_installed": importlib.util.find_spec("vllm") is not None,
+    }
+
+
+def _run_kernel_parts(summary, selected, out) -> None:
     if not (torch.cuda.is_available() or DRY_RUN):
         summary["parts"]["device"] = {"status": FAIL, "details": "no CUDA/ROCm device visible to torch"}
         print("[FAIL] device: no CUDA/ROCm device visible to torch", flush=True)
-    elif args.only != "vllm":
-        if not ik.HAVE_TRITON:
-            summary["parts"]["triton"] = {"status": FAIL, "details": "triton is not importable"}
-            print("[FAIL] triton: not importable", flush=True)
-        else:
-            run_parts(PARTS, summary, out)
-    if args.only != "kernels":
-        if env["vllm_installed"] and torch.cuda.is_available() and not DRY_RUN:
-            run_parts([("vllm_bf16_equality", part_vllm_bf16_equality)], summary, out)
-        else:
-            reason = "vLLM is not installed" if not env["vllm_installed"] else "no GPU (or dry run)"
-            summary["parts"]["vllm_bf16_equality"] = {"status": NOT_RUN, "details": reason}
-            print(f"[{NOT_RUN}] vllm_bf16_equality: {reason}", flush=True)
+    elif not ik.HAVE_TRITON:
+        summary["parts"]["triton"] = {"status": FAIL, "details": "triton is not importable"}
+        print("[FAIL] triton: not importable", flush=True)
+    else:
+        run_parts([(name, fn) for name, fn in PARTS if name in selected], summary, out)
 
-    statuses = [p["status"] for p in summary["parts"].values()]
-    summary["overall"] = FAIL if FAIL in statuses else PASS
+
+def _run_vllm_part(summary, selected, out) -> None:
+    env = summary["environment"]
+    if VLLM_PART not in selected:
+        reason = "not selected (--parts)"
+    elif not env["vllm_installed"]:
+        reason = "vLLM is not installed"
+    elif not torch.cuda.is_available() or DRY_RUN:
+        reason = "no GPU (or dry run)"
+    else:
+        run_parts([(VLLM_PART, part_vllm_bf16_equality)], summary, out)
+        return
+    summary["parts"][VLLM_PART] = {"status": NOT_RUN, "details": reason}
+    print(f"[{NOT_RUN}] {VLLM_PART}: {reason}", flush=True)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description="zero-mismatch GPU checks")
+    parser.add_argument("--only", choices=GROUPS, default=None)
+    parser.add_argument("--parts", type=_parts_list, default=PART_NAMES, metavar="NAME,..",
+                        help="run only these parts (the result is then INCOMPLETE)")
+    parser.add_argument("--json", default=None, help="write the summary here")
+    parser.add_argument("--summarize", metavar="DIR", help="combine DIR/kernels.json and DIR/vllm.json (gpu_check.sh)")
+    parser.add_argument("--timed-out", action="append", default=[], choices=GROUPS, help="with --summarize")
+    args = parser.parse_args(argv)
+
+    if args.summarize:
+        summary = summarize(args.summarize, args.timed_out)
+        _print_summary(summary)
+        if os.environ.get("OUT"):
+            write_summary(summary, os.path.join(os.environ["OUT"], "gpu_check.json"))
+            print("wrote", os.path.join(os.environ["OUT"], "gpu_check.json"))
+        return EXIT_CODES[summary["overall"]]
+
+    out = args.json or (os.path.join(os.environ["OUT"], "gpu_check.json") if os.environ.get("OUT") else None)
+    summary = {"parts": {}, "environment": _environment()}
+    print("environment:", json.dumps(summary["environment"]), flush=True)
+    if args.only != "vllm":
+        _run_kernel_parts(summary, args.parts, out)
+    if args.only != "kernels":
+        _run_vllm_part(summary, args.parts, out)
+
+    summary["overall"] = overall_status(summary["parts"], required_parts(args.only))
     write_summary(summary, out)
     if out:
         print(f"summary written to {out}", flush=True)
     print(f"overall: {summary['overall']}", flush=True)
-    return 0 if summary["overall"] == PASS else 1
+    return EXIT_CODES[summary["overall"]]
 
 
 if __name__ == "__main__":
