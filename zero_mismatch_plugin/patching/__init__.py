@@ -24,6 +24,7 @@ from .manifest import (
     installed_root,
     installed_version,
     load_manifest,
+    touched_files,
 )
 from .series import (
     ALREADY_APPLIED,
@@ -42,7 +43,7 @@ __all__ = [
     "ALREADY_APPLIED", "APPLIES", "APPLIES_WITH_OFFSETS", "DIFFS_DIR", "FAILS", "MANIFEST", "CheckResult",
     "Manifest", "Patch", "PatchError", "Upstream", "apply_to", "apply_to_copy", "check_checkout",
     "check_installed", "checkout_version", "copy_patched_package", "detect_upstream", "diff_targets",
-    "installed_root", "installed_version", "load_manifest", "resolve_version", "run_patch",
+    "installed_root", "installed_version", "load_manifest", "resolve_version", "run_patch", "touched_files",
 ]
 
 

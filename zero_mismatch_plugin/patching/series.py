@@ -64,17 +64,18 @@ def copy_existing(relatives: list[str], source_root: Path, destination: Path) ->
 
 
 def _why_it_fails(patch: Patch, staging: Path) -> PatchState:
-    # Every hunk tried both ways: hunks missing forward but present in reverse (and the other
-    # way round) mean the patch was partly applied by hand.
+    # Every hunk tried both ways: hunks that fail forward but reverse cleanly, while the
+    # others do the opposite, mean the patch was partly applied by hand.
     forward = run_patch_program(patch.diff_path, staging, dry_run=True, every_hunk=True)
     backward = run_patch_program(patch.diff_path, staging, dry_run=True, reverse=True, every_hunk=True)
-    where = tuple(h.describe() for h in forward.failed) or (forward.output.splitlines()[-1:] or ("",))
     failed_forward = {(h.path, h.number) for h in forward.failed}
     failed_backward = {(h.path, h.number) for h in backward.failed}
-    partly = failed_forward and failed_backward and not failed_forward & failed_backward
-    note = ("part of this patch is already there: revert that part, then apply the whole patch" if partly
-            else "the code there differs from the version the patch was made for")
-    return PatchState(patch, FAILS, where, note)
+    if failed_forward and failed_backward and not failed_forward & failed_backward:
+        where = tuple(f"{h.path}:{h.line} (hunk {h.number} is already there)" for h in forward.failed)
+        return PatchState(patch, FAILS, where, "the rest of the patch is not: revert the part that is there, "
+                                               "then apply again")
+    where = tuple(h.describe() for h in forward.failed) or tuple(forward.output.splitlines()[-1:])
+    return PatchState(patch, FAILS, where, "the code there differs from the version the patch was made for")
 
 
 def classify(patch: Patch, root: Path, staging: Path) -> PatchState:
