@@ -5,37 +5,38 @@ from __future__ import annotations
 import json
 import os
 import sys
-from pathlib import Path
 
 from . import engine as eng
+from . import inputs
 from .backends import BackendUnavailable, load_backend
 from .checks import CHECK_NAMES, CheckOptions, count_steps, run_checks
 
 # Ops listed after the first differing one in the bisect table (the rest are consequences).
 OPS_SHOWN_AFTER_FIRST = 3
-DEFAULT_MAX_MODEL_LEN = 2048
 
 
 def parse_batch_sizes(text: str) -> tuple[int, ...]:
     try:
         sizes = tuple(int(part) for part in text.split(",") if part.strip())
     except ValueError:
-        raise ValueError(f"--batch-sizes must be comma-separated integers, got {text!r}") from None
+        raise inputs.CheckerInputError(f"--batch-sizes must be comma-separated integers, got {text!r}") from None
     if not sizes or any(b < 1 for b in sizes):
-        raise ValueError(f"--batch-sizes must be positive integers, got {text!r}")
+        raise inputs.CheckerInputError(f"--batch-sizes must be positive integers, got {text!r}")
     return sizes
 
 
-def resolve_max_model_len(model_dir, requested: int | None) -> int:
-    """``requested``, or the smaller of 2048 and the checkpoint's own maximum."""
-    if requested:
-        return requested
-    try:
-        config = json.loads((Path(model_dir) / "config.json").read_text())
-        limit = int(config.get("max_position_embeddings") or DEFAULT_MAX_MODEL_LEN)
-    except (OSError, ValueError):
-        limit = DEFAULT_MAX_MODEL_LEN
-    return min(DEFAULT_MAX_MODEL_LEN, limit)
+def validated_inputs(args) -> tuple[int, list[list[int]]]:
+    """(max_model_len, prompt token ids) once every input has been checked; nothing is started."""
+    inputs.require_at_least("--num-prompts", args.num_prompts)
+    inputs.require_at_least("--max-tokens", args.max_tokens)
+    inputs.require_seed(args.seed)
+    config = inputs.read_checkpoint_config(args.model)
+    max_model_len = inputs.resolve_max_model_len(config, args.max_model_len)
+    inputs.require_json_destination(args.json)
+    vocab = config.get("vocab_size") if isinstance(config.get("vocab_size"), int) else None
+    prompts = eng.load_prompts(args.model, args.prompts, args.num_prompts, vocab)
+    inputs.require_prompts_fit(prompts, args.max_tokens, max_model_len)
+    return max_model_len, prompts
 
 
 def apply_numerics(mode: str | None) -> str:
@@ -82,12 +83,9 @@ def format_check_table(results, skipped, header: str) -> str:
 def check_command(args) -> int:
     try:
         batch_sizes = parse_batch_sizes(args.batch_sizes)
-        if args.num_prompts < 1 or args.max_tokens < 1:
-            raise ValueError("--num-prompts and --max-tokens must be at least 1")
+        max_model_len, prompts = validated_inputs(args)
         mode = apply_numerics(args.numerics)
-        max_model_len = resolve_max_model_len(args.model, args.max_model_len)
         backend = load_backend(args.trainer, args.model, max_model_len=max_model_len, seed=args.seed)
-        prompts = eng.load_prompts(args.model, args.prompts, args.num_prompts)
     except (BackendUnavailable, ValueError, OSError) as error:
         print(f"ERROR: {error}", file=sys.stderr)
         return 2
@@ -163,11 +161,8 @@ def bisect_command(args) -> int:
     from .engine_modules import EngineModules
 
     try:
-        if args.num_prompts < 1 or args.max_tokens < 1:
-            raise ValueError("--num-prompts and --max-tokens must be at least 1")
+        max_model_len, prompts = validated_inputs(args)
         mode = apply_numerics(args.numerics)
-        max_model_len = resolve_max_model_len(args.model, args.max_model_len)
-        prompts = eng.load_prompts(args.model, args.prompts, args.num_prompts)
         backend = load_backend(args.trainer, args.model, max_model_len=max_model_len, seed=args.seed)
     except (BackendUnavailable, ValueError, OSError) as error:
         print(f"ERROR: {error}", file=sys.stderr)

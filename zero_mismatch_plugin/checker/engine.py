@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
 
 # Logprobs the engine returns per position for the distribution check when the full vocabulary
 # is not requested (vLLM's default ``max_logprobs``).
@@ -85,36 +83,27 @@ def engine_prefix_caching(llm) -> bool:
     return bool(llm.llm_engine.vllm_config.cache_config.enable_prefix_caching)
 
 
-def load_prompts(model_dir, prompts_file: str | None, num_prompts: int) -> list[list[int]]:
+def load_prompts(model_dir, prompts_file: str | None, num_prompts: int, vocab_size: int | None = None) -> list[list[int]]:
     """Token ids of ``num_prompts`` prompts (cycled if the source has fewer).
 
     ``prompts_file``: plain text, one prompt per line, or JSONL with ``prompt`` (text) or
-    ``prompt_token_ids`` per line.
+    ``prompt_token_ids`` per line (see :func:`.inputs.read_prompt_file`); token ids must lie in
+    ``[0, vocab_size)``.
     """
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    sources: list = []
-    if prompts_file:
-        path = Path(prompts_file)
-        for line in path.read_text(encoding="utf-8").splitlines():
-            if not line.strip():
-                continue
-            if path.suffix == ".jsonl":
-                item = json.loads(line)
-                sources.append(item.get("prompt_token_ids") or item["prompt"])
-            else:
-                sources.append(line)
-        if not sources:
-            raise ValueError(f"no prompts in {prompts_file}")
-    else:
-        sources = list(DEFAULT_PROMPTS)
+    from .inputs import CheckerInputError, read_prompt_file
+
+    sources = read_prompt_file(prompts_file, vocab_size) if prompts_file else list(DEFAULT_PROMPTS)
+    tokenizer = None
+    if any(isinstance(source, str) for source in sources):
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     prompts = []
     for i in range(num_prompts):
         source = sources[i % len(sources)]
         ids = list(source) if isinstance(source, list) else tokenizer(source).input_ids
         if not ids:
-            raise ValueError(f"prompt {source!r} has no tokens")
+            raise CheckerInputError(f"prompt {source!r} has no tokens")
         prompts.append(ids)
     return prompts
 
