@@ -10,17 +10,37 @@ from pathlib import Path
 DEFAULT_OUT = "zmrl-demo-out"
 
 
+class OutDirError(ValueError):
+    """``--out`` (or the default output directory) cannot receive the demo's files."""
+
+
 def fresh_out_dir(requested: str | None) -> Path:
     """``requested`` if given (it must be empty or absent), else ./zmrl-demo-out, -2, -3, ... not yet used."""
     if requested:
         path = Path(requested)
-        if path.exists() and any(path.iterdir()):
-            raise FileExistsError(f"--out {path} exists and is not empty; choose a fresh directory")
+        if path.exists() and not path.is_dir():
+            raise OutDirError(f"--out {path} is an existing file; give a directory (absent or empty)")
+        if path.is_dir() and any(path.iterdir()):
+            raise OutDirError(f"--out {path} exists and is not empty; choose a fresh directory")
         return path
     path, n = Path(DEFAULT_OUT), 1
     while path.exists():
         n += 1
         path = Path(f"{DEFAULT_OUT}-{n}")
+    return path
+
+
+def prepare_out_dir(requested: str | None) -> Path:
+    """Create the output directory and prove it writable, before any work is spent."""
+    path = fresh_out_dir(requested)
+    option = f"--out {path}" if requested else f"the output directory {path} (choose one with --out)"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / ".zmrl-write-test"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as error:
+        raise OutDirError(f"{option} cannot be written: {error.strerror or error}") from None
     return path
 
 
@@ -45,12 +65,11 @@ def run_demo_command(algo: str, kernels: str, lag: int, updates: int, seed: int,
 
     try:
         config = DemoConfig(algo=algo, kernels=kernels, lag=lag, updates=updates, seed=seed)
-        out_dir = fresh_out_dir(out)
-    except (ValueError, FileExistsError) as error:
+        out_dir = prepare_out_dir(out)
+    except ValueError as error:
         print(f"ERROR: {error}", file=sys.stderr)
         return 2
     started = time.perf_counter()
-    out_dir.mkdir(parents=True, exist_ok=True)
     print(f"zmrl demo -> {out_dir}/")
     print(f"building a tiny Llama (2 layers, hidden 256, vocab 512) and its tokenizer, seed {seed}")
     model_dir = build_tiny_model(out_dir / "model", family="llama", seed=seed)

@@ -32,6 +32,8 @@ from .task import DigitTask
 
 ALGORITHMS = ("reinforce_zero", "flash_reinforce")
 LOSS_AGG_MODE = "seq-mean-token-mean"
+# torch's and numpy's generators both accept seeds in [0, 2**32).
+MAX_SEED = 2**32 - 1
 
 
 @dataclass
@@ -64,8 +66,12 @@ class DemoConfig:
             raise ValueError(f"--algo must be one of {ALGORITHMS}, got {self.algo!r}")
         if self.kernels not in KERNELS:
             raise ValueError(f"--kernels must be one of {KERNELS}, got {self.kernels!r}")
-        if self.lag < 0 or self.updates < 1:
-            raise ValueError("--lag must be >= 0 and --updates >= 1")
+        if self.lag < 0:
+            raise ValueError(f"--lag must be at least 0 (0: synchronous), got {self.lag}")
+        if self.updates < 1:
+            raise ValueError(f"--updates must be at least 1, got {self.updates}")
+        if not 0 <= self.seed <= MAX_SEED:
+            raise ValueError(f"--seed must be between 0 and {MAX_SEED}, got {self.seed}")
         if self.prompts_per_update % self.chunks_per_update:
             raise ValueError("prompts_per_update must be a multiple of chunks_per_update")
 
