@@ -85,6 +85,8 @@ def check_command(args) -> int:
         batch_sizes = parse_batch_sizes(args.batch_sizes)
         max_model_len, prompts = validated_inputs(args)
         mode = apply_numerics(args.numerics)
+        budget = eng.prefill_budget(args.model, max_model_len, seed=args.seed, full_vocab=args.full_vocab)
+        inputs.require_prompts_within_budget(prompts, budget)
         backend = load_backend(args.trainer, args.model, max_model_len=max_model_len, seed=args.seed)
     except (BackendUnavailable, ValueError, OSError) as error:
         print(f"ERROR: {error}", file=sys.stderr)

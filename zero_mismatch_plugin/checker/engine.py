@@ -75,6 +75,19 @@ def open_engine(model_dir, max_model_len: int, seed: int = 0, full_vocab: bool =
         shutdown_engine(llm)
 
 
+def prefill_budget(model_dir, max_model_len: int, seed: int = 0, full_vocab: bool = False) -> int:
+    """Tokens the engine :func:`open_engine` would start prefills per step, from its config alone
+    (no engine is started): what :func:`split_by_budget` allows per prompt."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from zero_mismatch_plugin.aligned.numerics import temporary_environment
+    from zero_mismatch_plugin.vllm_plugin import PREFIX_CACHING_ENV
+
+    with temporary_environment({PREFIX_CACHING_ENV: "1"}):
+        config = EngineArgs(**engine_kwargs(model_dir, max_model_len, seed, full_vocab)).create_engine_config()
+    return int(config.scheduler_config.max_num_batched_tokens)
+
+
 def engine_block_size(llm) -> int:
     return int(llm.llm_engine.vllm_config.cache_config.block_size)
 

@@ -106,6 +106,16 @@ def require_prompts_fit(prompts: list[list[int]], max_tokens: int, max_model_len
         )
 
 
+def require_prompts_within_budget(prompts: list[list[int]], budget: int) -> None:
+    """``check`` prefills each seeded prompt in one scheduler step (see ``engine.split_by_budget``)."""
+    longest = max(range(len(prompts)), key=lambda i: len(prompts[i]))
+    if len(prompts[longest]) > budget:
+        raise CheckerInputError(
+            f"prompt {longest} has {len(prompts[longest])} tokens, more than the engine prefills in one "
+            f"step ({budget}); shorten it to at most {budget} tokens"
+        )
+
+
 def require_json_destination(path: str | None) -> None:
     """``--json OUT`` must be writable before the run, not found unwritable after it."""
     if not path or path == "-":
