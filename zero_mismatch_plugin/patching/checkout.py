@@ -112,7 +112,7 @@ def _warn_on_stderr(message: str) -> None:
 
 
 def resolve_version(upstream: str, root: Path, assume_version: str | None,
-                    warn: Callable[[str], None] = _warn_on_stderr) -> str:
+                    warn: Callable[[str], None] | None = None) -> str:
     """The version to gate the patches on: the checkout's own, or, when it states none, the assumed one.
 
     ``assume_version`` never overrides a version the checkout states; using it is announced
@@ -130,7 +130,7 @@ def resolve_version(upstream: str, root: Path, assume_version: str | None,
         raise PatchError(f"{root} states {upstream} {stated} ({VERSION_FILE[upstream]}); --assume-version "
                          f"{assume_version} cannot override a version the checkout states. Nothing was changed.")
     if stated is None:
-        warn(f"{root} states no {upstream} version ({VERSION_FILE[upstream]} is missing); assuming "
+        (warn or _warn_on_stderr)(f"{root} states no {upstream} version ({VERSION_FILE[upstream]} is missing); assuming "
              f"{assume_version} because --assume-version says so. Nothing confirms that claim: each patch "
              "still has to match the code around its changes exactly, but it was tested on the pinned "
              "version only.")

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from .checkout import detect_upstream, require_checkout_of, require_directory, resolve_version
-from .manifest import Manifest, Patch, PatchError, installed_root, load_manifest, touched_files
+from .checkout import checkout_version, detect_upstream, require_checkout_of, require_directory, resolve_version
 from .formatpatch import index_lines
+from .manifest import Manifest, Patch, PatchError, installed_root, load_manifest, touched_files
 from .tools import PatchRun, ToolMissing, has_object, is_git_work_tree, run_patch_program
 
 APPLIES = "applies"
@@ -210,7 +210,7 @@ def apply_to(root: Path, upstream: str | None = None, assume_version: str | None
     manifest = manifest or load_manifest()
     root = require_directory(Path(root))
     upstream, patches = series_for(manifest, root, upstream)
-    version = resolve_version(upstream, root, assume_version, *([warn] if warn else []))
+    version = resolve_version(upstream, root, assume_version, warn)
     refused = [p.name for p in patches if version not in p.versions]
     if refused:
         made_for = sorted({v for p in patches for v in p.versions})
@@ -244,8 +244,6 @@ class CheckoutReport:
 
 
 def _stated_version(upstream: str, root: Path) -> str:
-    from .checkout import checkout_version
-
     try:
         return checkout_version(upstream, root) or "version not stated"
     except PatchError as error:

@@ -15,9 +15,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .formatpatch import blob_id, index_lines
-from .manifest import Manifest, Patch, PatchError, installed_file_differs_from_record, installed_root, installed_version, touched_files
+from .manifest import (
+    Manifest,
+    Patch,
+    installed_file_differs_from_record,
+    installed_root,
+    installed_version,
+    touched_files,
+)
 from .series import copy_existing
-from .tools import ToolMissing, git_am, git_apply, init_repository, run_patch_program
+from .tools import git_am, git_apply, init_repository, run_patch_program
 
 TOOLS = "patch -p1, git apply and git am -3"
 
@@ -114,6 +121,6 @@ def check_installed(manifest: Manifest) -> list[CheckResult]:
             continue
         try:
             results += _check_series(manifest, name, version)
-        except (PatchError, ToolMissing, RuntimeError) as error:
+        except RuntimeError as error:  # PatchError, ToolMissing, or a git command that failed
             results += [CheckResult(p, version, False, str(error)) for p in patches]
     return results
