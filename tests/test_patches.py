@@ -254,6 +254,27 @@ def test_check_fails_for_a_patch_whose_index_lines_do_not_name_the_pinned_blobs(
     assert not results["headerless"].ok and "index lines cover []" in results["headerless"].detail
 
 
+
+def test_an_installed_file_that_differs_from_its_distributions_record_is_reported(tmp_path, monkeypatch):
+    import base64
+
+    from zero_mismatch_plugin.patching.manifest import installed_file_differs_from_record
+
+    (tmp_path / "zmrl_fake").mkdir()
+    (tmp_path / "zmrl_fake/x.py").write_bytes(b"x = 1\n")
+    digest = base64.urlsafe_b64encode(hashlib.sha256(b"x = 1\n").digest()).rstrip(b"=").decode()
+    info = tmp_path / "zmrl_fake-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: zmrl-fake\nVersion: 1.0\n")
+    (info / "RECORD").write_text(f"zmrl_fake/x.py,sha256={digest},6\nzmrl_fake-1.0.dist-info/RECORD,,\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    upstream = patching.Upstream("fake", "zmrl-fake", "zmrl_fake")
+    assert installed_file_differs_from_record(upstream, "zmrl_fake/x.py") is None
+    (tmp_path / "zmrl_fake/x.py").write_bytes(b"x = 2\n")
+    assert "differs from the file zmrl-fake shipped (its RECORD): reinstall zmrl-fake" in (
+        installed_file_differs_from_record(upstream, "zmrl_fake/x.py"))
+
+
 # ----- apply --to ----------------------------------------------------------------------------
 
 
