@@ -447,11 +447,10 @@ def test_apply_restores_the_checkout_when_a_write_fails_midway_and_a_rerun_works
     before = _tree_digest(checkout)
     writer = FailingWriter(succeed=2)
     monkeypatch.setattr(series, "write_file", writer)
-    with pytest.raises(PatchError, match=r"could not write .*transformer_impl.py|could not write .*losses.py"
-                       r"|could not write .*config.py|could not write .*__init__.py") as raised:
+    with pytest.raises(PatchError, match=r"could not write .*/verl/workers/utils/losses.py \(\[Errno 28\] No space "
+                       r"left on device\); the files written before it were restored"):
         patching.apply_to(checkout)
-    assert "No space left on device" in str(raised.value) and "were restored" in str(raised.value)
-    assert writer.calls > 3  # two written, one failed, then the two put back
+    assert writer.calls == 5  # two written, the third failed, then the two put back
     assert _tree_digest(checkout) == before
     monkeypatch.undo()
     result = patching.apply_to(checkout)
