@@ -127,3 +127,63 @@ def test_k3_and_effective_sample_size():
     mask = torch.ones(2)
     assert formulas.effective_sample_size_fraction(torch.ones(2), mask).item() == pytest.approx(1.0)
     assert formulas.effective_sample_size_fraction(torch.tensor([1.0, 3.0]), mask).item() == pytest.approx(16 / 20)
+
+
+# ----- padding is selected, never multiplied; 16-bit inputs compute in fp32 ------------------
+
+PADDING_POISONS = [float("nan"), float("inf"), float("-inf"), 3e38]
+MASK = torch.tensor([[1, 1, 0], [1, 0, 0], [0, 0, 0]], dtype=torch.bool)
+
+
+def _poisoned(values: torch.Tensor, poison: float) -> torch.Tensor:
+    return torch.where(MASK, values, torch.tensor(poison, dtype=values.dtype))
+
+
+@pytest.mark.parametrize("poison", PADDING_POISONS)
+def test_masked_reductions_never_read_padding(poison):
+    values = torch.tensor([[0.5, -1.0, 0.0], [2.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
+    for reduce in (formulas.outcome_reward,
+                   formulas.sequence_mean_token_mean,
+                   lambda v, m: formulas.sequence_trust_region(v.abs(), m, delta=1.0)[1],
+                   lambda v, m: formulas.effective_sample_size_fraction(v.abs(), m)):
+        assert torch.equal(reduce(_poisoned(values, poison), MASK), reduce(values, MASK))
+
+
+@pytest.mark.parametrize("poison", PADDING_POISONS)
+def test_padding_gets_an_exact_zero_gradient_through_masked(poison):
+    leaf = _poisoned(torch.full((3, 3), -1.0), poison).requires_grad_(True)
+    token_loss, _ = formulas.reinforce_zero_token_loss(formulas.masked(leaf, MASK), torch.zeros(3, 3) - 2.0,
+                                                       torch.ones(3))
+    formulas.sequence_mean_token_mean(token_loss, MASK).backward()
+    assert torch.isfinite(leaf.grad).all() and not leaf.grad[~MASK].any() and leaf.grad[MASK].all()
+
+
+def test_sequence_mean_token_mean_of_no_rows_is_zero_and_connected():
+    values = torch.zeros(0, 4, requires_grad=True)
+    loss = formulas.sequence_mean_token_mean(values, torch.zeros(0, 4, dtype=torch.bool))
+    loss.backward()
+    assert loss.item() == 0.0 and values.grad.shape == (0, 4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_16_bit_log_ratios_are_computed_in_fp32_with_a_cap_the_gradient_dtype_holds(dtype):
+    log_mu = torch.tensor([[-12.0, -13.0, -1.0, -70.0]], dtype=dtype)
+    log_pi = torch.tensor([[-1.0, -0.5, -1.5, -1.0]], dtype=dtype, requires_grad=True)
+    token_loss, capped = formulas.reinforce_zero_token_loss(log_pi, log_mu, torch.ones(1, dtype=dtype))
+    assert token_loss.dtype == torch.float32
+    formulas.sequence_mean_token_mean(token_loss, torch.ones(1, 4)).backward()
+    cap = formulas.log_ratio_cap(dtype)
+    log_ratio = log_pi.detach().double() - log_mu.double()
+    assert capped.tolist() == (log_ratio > cap).tolist()
+    assert torch.equal(token_loss.detach().double(), -torch.exp(log_ratio.clamp(max=cap)).float().double())
+    assert log_pi.grad.dtype == dtype and torch.isfinite(log_pi.grad).all()
+    # Log-ratios 11, 12.5, -0.5, 69: fp16 caps 12.5 (its exp overflows fp16) and 69; bf16 (cap 50) only 69.
+    assert capped.sum().item() == (2 if dtype == torch.float16 else 1)
+
+
+def test_bernoulli_kl_of_16_bit_inputs_is_returned_in_fp32():
+    log_q = torch.tensor([-1e-3, -0.5, -3.0], dtype=torch.float16)
+    log_p = torch.tensor([-0.2, -0.5001, -9.0], dtype=torch.float16)
+    kl = formulas.bernoulli_kl(log_q, log_p)
+    assert kl.dtype == torch.float32
+    assert torch.equal(kl, formulas.bernoulli_kl(log_q.float(), log_p.float()))

@@ -1,12 +1,17 @@
-"""Both losses through verl's own ppo_loss (the single worker-side call site)."""
+"""Both losses through verl's own ppo_loss (the single worker-side call site), then direct
+calls with bad input: padding, 16-bit inputs, empty batches, positive logprobs."""
+
+import math
 
 import pytest
 import torch
 
 import verl  # noqa: F401  (loads the plugin through its entry point)
-from verl_batches import actor_config, ppo_loss_call
+from verl_batches import actor_config, fill_padding, loss_call, padded_loss_batch, ppo_loss_call
 
 from zero_mismatch_plugin import formulas
+from zero_mismatch_plugin.verl_adapter import losses
+from zero_mismatch_plugin.verl_adapter.estimators import InvalidBatchError
 
 torch.manual_seed(0)
 RESPONSE_LENS = [5, 3, 7, 1, 4, 6]
@@ -115,7 +120,7 @@ def test_gate_admits_at_delta_exactly_and_rejects_just_below():
 
 def test_all_rejected_batch_gives_zero_loss_and_finite_gradients():
     pi, mu, adv = _rows()
-    pi = [m + 70.0 for m in mu]  # absurd ratios: every row rejected, the log-ratio cap engages
+    mu = [p - 70.0 for p in pi]  # absurd ratios: every row rejected, the log-ratio cap engages
     loss, grads, metrics = _grads("flash_reinforce", pi, mu, adv)
     assert loss == 0.0
     assert all(torch.isfinite(g).all() and not g.any() for g in grads)
@@ -167,3 +172,155 @@ def test_plugin_config_rejects_bad_values():
         actor_config("flash_reinforce", trust_region_delta=0.0)
     with pytest.raises(InstantiationException, match="kl_direction must be one of"):
         actor_config("flash_reinforce", kl_direction="forward")
+
+
+# ----- bad input: padding, low precision, empty batches, positive logprobs --------------------
+
+POISONS = [float("nan"), float("inf"), float("-inf"), 3e38, -3e38]
+# (tensor poisoned, whether mu is passed as rollout_log_probs)
+POISONED_INPUTS = [("log_prob", False), ("old_log_prob", False), ("advantages", False),
+                   ("rollout_log_probs", True), ("old_log_prob", True)]
+
+
+def _padded_call(loss_mode, pi, mu, old, advantages, mask, with_rollout_log_probs, poisoned=None, poison=0.0):
+    inputs = {"log_prob": pi, "old_log_prob": old if with_rollout_log_probs else mu, "advantages": advantages}
+    if with_rollout_log_probs:
+        inputs["rollout_log_probs"] = mu
+    if poisoned is not None:
+        inputs[poisoned] = fill_padding(inputs[poisoned], mask, poison)
+    keywords = {"rollout_log_probs": inputs["rollout_log_probs"]} if with_rollout_log_probs else {}
+    return loss_call(loss_mode, inputs["log_prob"], inputs["old_log_prob"], inputs["advantages"], mask, **keywords)
+
+
+@pytest.mark.parametrize("poison", POISONS)
+@pytest.mark.parametrize("poisoned,with_rollout_log_probs", POISONED_INPUTS)
+@pytest.mark.parametrize("loss_mode", ["reinforce_zero", "flash_reinforce"])
+def test_whatever_padding_holds_loss_gradient_and_metrics_are_bit_identical(loss_mode, poisoned,
+                                                                           with_rollout_log_probs, poison):
+    pi, mu, old, advantages, mask = padded_loss_batch()
+    clean = _padded_call(loss_mode, pi, mu, old, advantages, mask, with_rollout_log_probs)
+    dirty = _padded_call(loss_mode, pi, mu, old, advantages, mask, with_rollout_log_probs, poisoned, poison)
+    assert torch.equal(dirty[0], clean[0])
+    assert torch.equal(dirty[1], clean[1])
+    assert dirty[2] == clean[2]
+    assert not clean[1][~mask].any()
+    if loss_mode == "flash_reinforce":  # the fixture has rows on both sides of the gate
+        assert 0.0 < clean[2]["flash_reinforce/admitted_fraction"] < 1.0
+
+
+def _extreme_log_ratio_batch(dtype):
+    """Log-ratios from -3 to 60 by column (exp overflows fp16 above ~11.09), logprobs <= -1."""
+    _, base, _, advantages, mask = padded_loss_batch(dtype=torch.float64)
+    log_ratios = torch.tensor([0.25, -3.0, 10.5, 11.5, 12.0, 20.0, 60.0], dtype=torch.float64)
+    mu = base - 1.0 - log_ratios.clamp(min=0)
+    pi = mu + log_ratios
+    return tuple(torch.where(mask, t, 0.0).to(dtype) for t in (pi, mu, advantages)) + (mask,)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("loss_mode", ["reinforce_zero", "flash_reinforce"])
+def test_16_bit_inputs_are_computed_in_fp32_and_match_an_fp64_reference(loss_mode, dtype):
+    pi, mu, advantages, mask = _extreme_log_ratio_batch(dtype)
+    # A delta no row exceeds: FlashREINFORCE then trains on every row, like REINFORCE Zero.
+    config = actor_config(loss_mode, trust_region_delta=1e9) if loss_mode == "flash_reinforce" else None
+    loss, grad, metrics = loss_call(loss_mode, pi, mu, advantages, mask, config=config)
+
+    cap = formulas.log_ratio_cap(dtype)
+    log_ratio = torch.where(mask, pi.double() - mu.double(), 0.0)
+    assert bool((log_ratio[mask] > 11.1).any()), "the fixture must hold ratios beyond the fp16 range"
+    ratio = torch.exp(log_ratio.clamp(max=cap))
+    tokens = mask.sum(-1, keepdim=True).clamp(min=1)
+    rows = int((mask.sum(-1) > 0).sum())
+    reference_loss = (torch.where(mask, -advantages.double() * ratio, 0.0) / tokens).sum() / rows
+    reference_grad = torch.where(mask & (log_ratio <= cap), -advantages.double() * ratio / tokens / rows, 0.0)
+
+    assert loss.dtype == torch.float32 and grad.dtype == dtype
+    assert torch.isfinite(grad).all()
+    assert loss.item() == pytest.approx(reference_loss.item(), rel=1e-6)
+    assert torch.allclose(grad.double(), reference_grad.to(dtype).double(), rtol=torch.finfo(dtype).eps, atol=0)
+    expected_capped = (log_ratio[mask] > cap).double().mean().item()
+    assert metrics["zero_mismatch/is_log_ratio_capped_fraction"] == pytest.approx(expected_capped)
+    assert expected_capped > 0
+    assert all(math.isfinite(value) for value in metrics.values())
+
+
+def test_fp16_cap_keeps_the_largest_ratio_inside_fp16():
+    cap = formulas.log_ratio_cap(torch.float16)
+    assert math.exp(cap) <= torch.finfo(torch.float16).max < math.exp(cap + 1)
+    assert formulas.log_ratio_cap(torch.float32) == formulas.log_ratio_cap(torch.bfloat16) == 50.0
+
+
+def _empty_batches():
+    pi, mu, _, advantages, mask = padded_loss_batch()
+    return {
+        "no rows": (pi[:0], mu[:0], advantages[:0], mask[:0]),
+        "no tokens": (pi[:, :0], mu[:, :0], advantages[:, :0], mask[:, :0]),
+        "every row masked": (pi, mu, advantages, torch.zeros_like(mask)),
+    }
+
+
+@pytest.mark.parametrize("empty", ["no rows", "no tokens", "every row masked"])
+@pytest.mark.parametrize("loss_mode", ["reinforce_zero", "flash_reinforce"])
+def test_a_batch_without_response_tokens_gives_loss_0_and_zero_gradients(loss_mode, empty):
+    pi, mu, advantages, mask = _empty_batches()[empty]
+    loss, grad, metrics = loss_call(loss_mode, pi, mu, advantages, mask)
+    assert loss.item() == 0.0
+    assert grad is not None and grad.shape == pi.shape and not grad.any()
+    assert metrics == {}  # every metric describes response tokens; there are none
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("positive_in", ["log_prob", "old_log_prob", "rollout_log_probs"])
+@pytest.mark.parametrize("loss_mode", ["reinforce_zero", "flash_reinforce"])
+def test_positive_log_probs_beyond_rounding_are_refused(loss_mode, positive_in, dtype):
+    pi, mu, old, advantages, mask = padded_loss_batch(dtype=dtype)
+    tolerance = losses.positive_log_prob_tolerance(dtype)
+    inputs = {"log_prob": pi, "old_log_prob": old, "rollout_log_probs": mu}
+
+    def call_with(value):
+        changed = dict(inputs)
+        changed[positive_in] = inputs[positive_in].clone()
+        changed[positive_in][2, 3] = value
+        return loss_call(loss_mode, changed["log_prob"], changed["old_log_prob"], advantages, mask,
+                         rollout_log_probs=changed["rollout_log_probs"])
+
+    loss, _, _ = call_with(tolerance)  # at the tolerance: rounding, accepted
+    assert torch.isfinite(loss)
+    just_above = tolerance * (1 + torch.finfo(dtype).eps)  # the next value of the dtype
+    assert torch.tensor(just_above, dtype=dtype).item() > tolerance
+    with pytest.raises(InvalidBatchError, match=rf"\({positive_in}[ )=].* is positive at 1 response tokens"):
+        call_with(just_above)
+
+
+def test_rounding_tolerance_of_positive_log_probs_per_dtype():
+    assert losses.positive_log_prob_tolerance(torch.float32) == 2.0**-13
+    assert losses.positive_log_prob_tolerance(torch.float64) == 2.0**-13
+    assert losses.positive_log_prob_tolerance(torch.bfloat16) == 2.0**-5
+    assert losses.positive_log_prob_tolerance(torch.float16) == 2.0**-8
+
+
+@pytest.mark.parametrize("loss_mode", ["reinforce_zero", "flash_reinforce"])
+def test_a_loss_that_overflows_is_refused(loss_mode):
+    pi, mu, _, advantages, mask = padded_loss_batch()
+    config = actor_config(loss_mode, trust_region_delta=1e9) if loss_mode == "flash_reinforce" else None
+    huge = torch.where(mask, torch.tensor(3e38), 0.0)  # a row of 5 tokens sums past the fp32 range
+    with pytest.raises(InvalidBatchError, match="loss overflowed torch.float32 .* scale the rewards down"):
+        loss_call(loss_mode, pi, mu, huge, mask, config=config)
+
+
+@pytest.mark.parametrize("mask_value", [0.5, 2.0, -1.0, float("nan")])
+def test_masks_other_than_0_and_1_are_refused(mask_value):
+    pi, mu, _, advantages, mask = padded_loss_batch()
+    numeric = mask.float()
+    numeric[1, 0] = mask_value
+    with pytest.raises(InvalidBatchError, match="response_mask must hold only 0 and 1"):
+        loss_call("reinforce_zero", pi, mu, advantages, numeric)
+
+
+@pytest.mark.parametrize("loss_mode", ["reinforce_zero", "flash_reinforce"])
+def test_a_0_1_mask_of_any_dtype_trains_like_the_bool_mask(loss_mode):
+    pi, mu, _, advantages, mask = padded_loss_batch()
+    expected = loss_call(loss_mode, pi, mu, advantages, mask)
+    for dtype in (torch.float32, torch.int64, torch.uint8):
+        got = loss_call(loss_mode, pi, mu, advantages, mask.to(dtype))
+        assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1]) and got[2] == expected[2]

@@ -58,3 +58,42 @@ def ppo_loss_call(config, log_prob_rows, old_log_prob_rows, advantage_rows, prom
     loss, metrics = ppo_loss(config, {"log_probs": _nested(packed)}, data)
     return loss, {key: (float(metric.aggregate()) if hasattr(metric, "aggregate") else metric)
                   for key, metric in metrics.items()}
+
+
+# ----- padded (B, T) batches, as verl's ppo_loss hands them to a policy loss --------------------
+
+PADDED_RESPONSE_LENS = (5, 3, 7, 1, 0, 4)  # row 4 is verl's padding row (mask all 0)
+PADDED_ADVANTAGES = (0.7, -0.3, 1.2, -1.0, 0.0, 0.4)
+
+
+def padded_loss_batch(seed: int = 0, log_ratio_scale: float = 0.3, dtype: torch.dtype = torch.float32):
+    """``(pi, mu, pi_old, advantages, mask)``, right-padded ``(B, T)`` with a bool mask and 0 at
+    every padded position; pi_old lies between mu and pi (the trainer's recompute)."""
+    generator = torch.Generator().manual_seed(seed)
+    width = max(PADDED_RESPONSE_LENS)
+    mask = torch.arange(width).unsqueeze(0) < torch.tensor(PADDED_RESPONSE_LENS).unsqueeze(1)
+    mu = -torch.rand(mask.shape, generator=generator, dtype=torch.float64) * 3 - 0.01
+    old = (mu + log_ratio_scale / 2 * torch.randn(mask.shape, generator=generator, dtype=torch.float64)).clamp(max=-1e-3)
+    pi = (old + log_ratio_scale / 2 * torch.randn(mask.shape, generator=generator, dtype=torch.float64)).clamp(max=-1e-3)
+    advantages = torch.tensor(PADDED_ADVANTAGES, dtype=torch.float64).unsqueeze(-1).expand(mask.shape)
+    return tuple(torch.where(mask, t, 0.0).to(dtype) for t in (pi, mu, old, advantages)) + (mask,)
+
+
+def loss_call(loss_mode: str, log_prob, old_log_prob, advantages, response_mask, config=None, **keywords):
+    """One direct call of a plugin loss as verl's ppo_loss makes it, then backward.
+    Returns ``(loss, grad of log_prob, metrics)``; the loss is detached."""
+    from zero_mismatch_plugin.verl_adapter.losses import flash_reinforce_policy_loss, reinforce_zero_policy_loss
+
+    loss_fn = {"reinforce_zero": reinforce_zero_policy_loss, "flash_reinforce": flash_reinforce_policy_loss}[loss_mode]
+    leaf = log_prob.clone().requires_grad_(True)
+    loss, metrics = loss_fn(old_log_prob=old_log_prob, log_prob=leaf, advantages=advantages,
+                            response_mask=response_mask, loss_agg_mode="seq-mean-token-mean",
+                            config=actor_config(loss_mode) if config is None else config,
+                            rollout_is_weights=None, **keywords)
+    loss.backward()
+    return loss.detach(), leaf.grad, metrics
+
+
+def fill_padding(tensor: torch.Tensor, mask: torch.Tensor, value: float) -> torch.Tensor:
+    """``tensor`` with ``value`` at every padded position (mask 0)."""
+    return torch.where(mask, tensor, torch.tensor(value, dtype=tensor.dtype))

@@ -13,6 +13,14 @@ References
 
 Shapes: ``(B, T)`` token tensors are right-padded responses with a 0/1 ``response_mask``;
 ``(B,)`` tensors are per response. ``T_i`` is the number of unmasked tokens in row ``i``.
+
+Padding: whatever a masked position holds (NaN, inf, any number), every function that takes
+a mask selects with it (``torch.where``), never multiplies by it, so padding cannot reach a
+result or a gradient.
+
+Precision: the IS ratio and the Bernoulli KL are computed in float32 or wider whatever the
+input dtype (16-bit log-probabilities are upcast), and their gradients reach a 16-bit
+``log_prob`` in its own dtype.
 """
 
 from __future__ import annotations
@@ -22,10 +30,35 @@ import math
 import torch
 
 # exp() of an fp32 log-ratio overflows to inf above ~88.7, and an inf ratio turns the
-# (masked) gradient into NaN. A log-ratio of 50 is a ratio of 5e21: no real policy lag
-# produces it, so capping there never changes a real update. Every cap is counted in
-# the `zero_mismatch/is_log_ratio_capped_fraction` metric.
+# gradient into NaN. A log-ratio of 50 is a ratio of 5e21: no real policy lag produces it,
+# so capping there never changes a real update. Every cap is counted in the
+# `zero_mismatch/is_log_ratio_capped_fraction` metric.
 MAX_LOG_IMPORTANCE_RATIO = 50.0
+
+
+def compute_dtype(*dtypes: torch.dtype) -> torch.dtype:
+    """The dtype the ratio and KL formulas compute in: float32, or wider when an input is."""
+    result = torch.float32
+    for dtype in dtypes:
+        result = torch.promote_types(result, dtype)
+    return result
+
+
+def log_ratio_cap(gradient_dtype: torch.dtype) -> float:
+    """The float-safety cap of the log IS ratio for a ``log_prob`` of ``gradient_dtype``.
+
+    ``MAX_LOG_IMPORTANCE_RATIO`` (50) where e^50 fits the dtype (float32, bfloat16, float64);
+    for float16 (max 65504) the largest integer whose exp fits: 11, a ratio of 6.0e4, so the
+    gradient -A rho / (T_i B) that reaches an fp16 ``log_prob`` stays finite for
+    |A| <= T_i B.
+    """
+    return min(MAX_LOG_IMPORTANCE_RATIO, float(math.floor(math.log(torch.finfo(gradient_dtype).max))))
+
+
+def masked(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``values`` where ``mask`` holds, 0 elsewhere: selection, so NaN/inf padding never
+    reaches a sum (0 * NaN would be NaN) and its gradient is exactly 0."""
+    return torch.where(mask.bool(), values, 0.0)
 
 # An fp32 log-probability that rounds to 0 means p = 1 to within 2^-24; probabilities are
 # capped at 1 - 2^-24 so a confidently predicted token gives a finite Bernoulli KL, not inf.
@@ -43,9 +76,10 @@ def outcome_reward(token_level_rewards: torch.Tensor, response_mask: torch.Tenso
 
     verl places a scalar outcome reward on the last response token; summing over the
     mask recovers it (and is the natural reading of a per-token reward). [RZ] sec. 4,
-    [FR] eq. 1 use this scalar R_i.
+    [FR] eq. 1 use this scalar R_i. Masked positions are never read. The sum runs in the
+    dtype of ``token_level_rewards``: pass float64 when rewards may approach the float32 range.
     """
-    return (token_level_rewards * response_mask).sum(dim=-1)
+    return masked(token_level_rewards, response_mask).sum(dim=-1)
 
 
 def group_centered_advantage(
@@ -96,20 +130,25 @@ def batch_centered_advantage(rewards: torch.Tensor, valid: torch.Tensor) -> torc
 
 
 def token_log_importance_ratio(log_prob: torch.Tensor, behaviour_log_prob: torch.Tensor) -> torch.Tensor:
-    """log rho_{i,t} = log pi_theta(a_{i,t}|h_{i,t}) - log mu_i(a_{i,t}|h_{i,t})   ([FR] eq. 2)."""
-    return log_prob - behaviour_log_prob
+    """log rho_{i,t} = log pi_theta(a_{i,t}|h_{i,t}) - log mu_i(a_{i,t}|h_{i,t})   ([FR] eq. 2).
+
+    Computed in :func:`compute_dtype` (float32 for 16-bit inputs)."""
+    dtype = compute_dtype(log_prob.dtype, behaviour_log_prob.dtype)
+    return log_prob.to(dtype) - behaviour_log_prob.to(dtype)
 
 
-def unclipped_importance_ratio(log_ratio: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def unclipped_importance_ratio(log_ratio: torch.Tensor, max_log_ratio: float = MAX_LOG_IMPORTANCE_RATIO
+                               ) -> tuple[torch.Tensor, torch.Tensor]:
     """rho = exp(log pi - log mu), unclipped ([RZ] sec. 4, step 2: "no truncation").
 
-    The only change is a float-safety cap of the *log*-ratio at
-    ``MAX_LOG_IMPORTANCE_RATIO`` (ratio 5e21), far outside any real ratio; it exists so
-    that a masked-out token can never turn a gradient into NaN. Returns
+    The only change is a float-safety cap of the *log*-ratio at ``max_log_ratio``
+    (default ``MAX_LOG_IMPORTANCE_RATIO``, ratio 5e21; see :func:`log_ratio_cap`), far
+    outside any real ratio, so that exp() never overflows into an inf ratio and a NaN
+    gradient. A capped token counts e^cap in the loss and gets no gradient. Returns
     ``(rho, capped)`` where ``capped`` marks the tokens the cap touched.
     """
-    capped = log_ratio > MAX_LOG_IMPORTANCE_RATIO
-    return torch.exp(log_ratio.clamp(max=MAX_LOG_IMPORTANCE_RATIO)), capped
+    capped = log_ratio > max_log_ratio
+    return torch.exp(log_ratio.clamp(max=max_log_ratio)), capped
 
 
 def sequence_mean_token_mean(
@@ -121,13 +160,14 @@ def sequence_mean_token_mean(
 
     Each response gets equal weight whatever its length. ``B`` defaults to the number of
     rows; pass the global count under data parallelism. Rows with T_i = 0 add 0 but still
-    count in B (FlashREINFORCE's rejected rows must not rescale the admitted ones).
+    count in B (FlashREINFORCE's rejected rows must not rescale the admitted ones). With no
+    row (B = 0) or no token at all the result is 0, still connected to ``values``' graph
+    (its gradient is 0).
     """
-    mask = mask.to(values.dtype)
-    tokens_per_row = mask.sum(dim=-1)
-    row_means = (values * mask).sum(dim=-1) / tokens_per_row.clamp(min=1)
+    tokens_per_row = mask.to(values.dtype).sum(dim=-1)
+    row_means = masked(values, mask).sum(dim=-1) / tokens_per_row.clamp(min=1)
     denominator = values.shape[0] if num_sequences is None else num_sequences
-    return row_means.sum() / denominator
+    return row_means.sum() / max(denominator, 1)
 
 
 def reinforce_zero_token_loss(log_prob: torch.Tensor, behaviour_log_prob: torch.Tensor,
@@ -139,12 +179,16 @@ def reinforce_zero_token_loss(log_prob: torch.Tensor, behaviour_log_prob: torch.
     This returns the per-token term ``-A_i * rho_it``; aggregate it with
     :func:`sequence_mean_token_mean`. Its gradient is ``-A_i * rho_it * grad log pi``: the
     unclipped token-IS REINFORCE gradient. ``advantages`` is ``(B,)`` or ``(B, T)``.
-    Returns ``(loss_per_token, capped)``.
+    The term is computed in :func:`compute_dtype` (float32 for 16-bit inputs), with the
+    log-ratio capped at ``log_ratio_cap(log_prob.dtype)``; the gradient reaches ``log_prob``
+    in its own dtype. Padding is the caller's: pass finite values at masked positions
+    (:func:`masked`). Returns ``(loss_per_token, capped)``.
     """
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(-1)
-    ratio, capped = unclipped_importance_ratio(token_log_importance_ratio(log_prob, behaviour_log_prob))
-    return -advantages * ratio, capped
+    log_ratio = token_log_importance_ratio(log_prob, behaviour_log_prob)
+    ratio, capped = unclipped_importance_ratio(log_ratio, log_ratio_cap(log_prob.dtype))
+    return -advantages.to(ratio.dtype) * ratio, capped
 
 
 def _log_one_minus_exp(log_x: torch.Tensor) -> torch.Tensor:
@@ -163,9 +207,10 @@ def bernoulli_kl(log_q: torch.Tensor, log_p: torch.Tensor) -> torch.Tensor:
     are capped at 1 - ``MIN_BERNOULLI_COMPLEMENT`` (the resolution of an fp32
     log-probability near 0), so a token that one side predicts with probability 1.0
     gives a large but finite value; capping both sides keeps the result a true KL (>= 0).
-    Result has the dtype of ``log_q``.
+    Result has :func:`compute_dtype` of the inputs (float32 for 16-bit inputs, whose range
+    would turn large KLs into inf).
     """
-    out_dtype = log_q.dtype
+    out_dtype = compute_dtype(log_q.dtype, log_p.dtype)
     max_log_prob = math.log1p(-MIN_BERNOULLI_COMPLEMENT)
     log_q = log_q.double().clamp(max=max_log_prob)
     log_p = log_p.double().clamp(max=max_log_prob)
@@ -202,11 +247,12 @@ def sequence_trust_region(token_kl: torch.Tensor, mask: torch.Tensor, delta: flo
         D_bar_i = (1/T_i) sum_t D_{i,t},     m_i = 1[D_bar_i <= delta]
 
     Admission is a hard decision: no gradient flows through it. Rows with T_i = 0 have
-    D_bar_i = 0. Returns ``(admitted (B,) bool, mean_kl (B,))``.
+    D_bar_i = 0. Masked positions of ``token_kl`` are never read. Returns
+    ``(admitted (B,) bool, mean_kl (B,))``.
     """
     with torch.no_grad():
-        mask = mask.to(token_kl.dtype)
-        mean_kl = (token_kl.detach() * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+        tokens_per_row = mask.to(token_kl.dtype).sum(-1)
+        mean_kl = masked(token_kl.detach(), mask).sum(-1) / tokens_per_row.clamp(min=1)
         return mean_kl <= delta, mean_kl
 
 
@@ -234,8 +280,10 @@ def k3_divergence(log_ratio: torch.Tensor) -> torch.Tensor:
 
 def effective_sample_size_fraction(ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Normalised effective sample size of the token IS weights:
-    ESS/N = (sum w)^2 / (N sum w^2), in (0, 1]; 1 when every w is equal."""
-    mask = mask.to(ratio.dtype)
-    w = ratio * mask
-    n = mask.sum().clamp(min=1)
+    ESS/N = (sum w)^2 / (N sum w^2), in (0, 1]; 1 when every w is equal. Masked positions
+    are never read. The weights are divided by their largest first (ESS does not change):
+    a capped ratio e^50 squared would overflow fp32."""
+    w = masked(ratio, mask)
+    w = w / w.max().clamp(min=torch.finfo(ratio.dtype).tiny) if w.numel() else w
+    n = mask.to(ratio.dtype).sum().clamp(min=1)
     return w.sum() ** 2 / (n * (w * w).sum()).clamp(min=torch.finfo(ratio.dtype).tiny)

@@ -2,7 +2,8 @@
 
 Names follow verl's ``rollout_corr/*`` metrics wherever the meaning is identical, so a
 run that uses this plugin and one that uses verl's own rollout correction can be read
-with the same dashboards (see docs/algorithms.md, "Metrics").
+with the same dashboards (see docs/algorithms.md, "Metrics"). Masked (padding) positions
+are never read, whatever they hold.
 """
 
 from __future__ import annotations
@@ -11,19 +12,28 @@ import torch
 
 from zero_mismatch_plugin.formulas import (
     MAX_LOG_IMPORTANCE_RATIO,
+    compute_dtype,
     effective_sample_size_fraction,
     k3_divergence,
+    log_ratio_cap,
+    masked,
     token_log_importance_ratio,
 )
 
 
 def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    mask = mask.to(values.dtype)
-    return (values * mask).sum() / mask.sum().clamp(min=1)
+    return masked(values, mask).sum() / mask.to(values.dtype).sum().clamp(min=1)
+
+
+def _in_compute_dtype(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """Detached copies in float32 (or float64 when an input is): 16-bit inputs are
+    compared and exponentiated in fp32, float64 inputs keep their bits."""
+    dtype = compute_dtype(*(tensor.dtype for tensor in tensors))
+    return [tensor.detach().to(dtype) for tensor in tensors]
 
 
 def _gap_statistics(log_prob: torch.Tensor, reference_log_prob: torch.Tensor, log_ratio: torch.Tensor,
-                    mask: torch.Tensor) -> dict[str, float]:
+                    mask: torch.Tensor, max_log_ratio: float = MAX_LOG_IMPORTANCE_RATIO) -> dict[str, float]:
     """The four gap statistics shared by every logprob comparison; ``log_ratio`` is
     ``log_prob - reference_log_prob`` and ``mask`` selects at least one token."""
     selected_log_ratio = log_ratio[mask]
@@ -31,7 +41,7 @@ def _gap_statistics(log_prob: torch.Tensor, reference_log_prob: torch.Tensor, lo
         # k1 estimator of KL(reference || current): E[log ref - log cur]
         "kl": (-selected_log_ratio).mean().item(),
         # k3 = w - 1 - log w: the REINFORCE Zero paper's per-token D3
-        "k3_kl": _masked_mean(k3_divergence(log_ratio.clamp(max=MAX_LOG_IMPORTANCE_RATIO)), mask).item(),
+        "k3_kl": _masked_mean(k3_divergence(log_ratio.clamp(max=max_log_ratio)), mask).item(),
         "bitwise_equal_fraction": (log_prob[mask] == reference_log_prob[mask]).float().mean().item(),
         "log_prob_abs_diff_max": selected_log_ratio.abs().max().item(),
     }
@@ -43,7 +53,7 @@ def log_prob_gap_metrics(log_prob: torch.Tensor, reference_log_prob: torch.Tenso
     """How far one logprob of each sampled token lies from another, over the response tokens.
 
     With d = log p - log q per token (p = ``log_prob``, q = ``reference_log_prob``, both
-    compared in fp32) and w = exp(d):
+    compared in fp32, or float64 when one is) and w = exp(d):
 
     * ``bitwise_equal_fraction`` = mean 1[log p == log q]: the share computed bit for bit alike;
     * ``kl`` = mean(-d): the k1 estimate of KL(q || p); k1 of chained gaps adds up exactly
@@ -56,8 +66,7 @@ def log_prob_gap_metrics(log_prob: torch.Tensor, reference_log_prob: torch.Tenso
     mask = response_mask.bool()
     if not bool(mask.any()):
         return {}
-    log_prob = log_prob.detach().float()
-    reference_log_prob = reference_log_prob.detach().float()
+    log_prob, reference_log_prob = _in_compute_dtype(log_prob, reference_log_prob)
     log_ratio = token_log_importance_ratio(log_prob, reference_log_prob)
     return _gap_statistics(log_prob, reference_log_prob, log_ratio, mask)
 
@@ -69,17 +78,19 @@ def importance_sampling_metrics(log_prob: torch.Tensor, behaviour_log_prob: torc
 
     ``rollout_corr/*`` keys mean exactly what verl's rollout-correction metrics mean
     (verl computes them in decoupled mode; in bypass mode with this plugin's losses they
-    come from here). ``zero_mismatch/*`` keys are this plugin's own.
+    come from here). ``zero_mismatch/*`` keys are this plugin's own. The log-ratio cap is
+    the loss's: ``log_ratio_cap(log_prob.dtype)``. Returns an empty dict when the mask
+    selects no token.
     """
     mask = response_mask.bool()
     if not bool(mask.any()):
         return {}
-    log_prob = log_prob.detach().float()
-    behaviour_log_prob = behaviour_log_prob.detach().float()
+    max_log_ratio = log_ratio_cap(log_prob.dtype)
+    log_prob, behaviour_log_prob = _in_compute_dtype(log_prob, behaviour_log_prob)
     log_ratio = token_log_importance_ratio(log_prob, behaviour_log_prob)
-    ratio = torch.exp(log_ratio.clamp(max=MAX_LOG_IMPORTANCE_RATIO))
+    ratio = torch.exp(log_ratio.clamp(max=max_log_ratio))
     selected_ratio = ratio[mask]
-    gap = _gap_statistics(log_prob, behaviour_log_prob, log_ratio, mask)
+    gap = _gap_statistics(log_prob, behaviour_log_prob, log_ratio, mask, max_log_ratio)
     return {
         "rollout_corr/rollout_is_mean": selected_ratio.mean().item(),
         "rollout_corr/rollout_is_min": selected_ratio.min().item(),
@@ -93,5 +104,5 @@ def importance_sampling_metrics(log_prob: torch.Tensor, behaviour_log_prob: torc
         "zero_mismatch/bitwise_equal_fraction": gap["bitwise_equal_fraction"],
         "zero_mismatch/log_prob_abs_diff_max": gap["log_prob_abs_diff_max"],
         "zero_mismatch/is_log_ratio_capped_fraction":
-            (log_ratio[mask] > MAX_LOG_IMPORTANCE_RATIO).float().mean().item(),
+            (log_ratio[mask] > max_log_ratio).float().mean().item(),
     }

@@ -22,6 +22,8 @@ micro-batching give the gradient of one big batch.
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,14 +32,41 @@ from verl.trainer.ppo.core_algos import agg_loss
 from zero_mismatch_plugin import formulas
 from zero_mismatch_plugin.token_metrics import importance_sampling_metrics, log_prob_gap_metrics
 from zero_mismatch_plugin.verl_adapter.config import DEFAULT_TRUST_REGION_DELTA
-from zero_mismatch_plugin.verl_adapter.estimators import InvalidBatchError
+from zero_mismatch_plugin.verl_adapter.estimators import InvalidBatchError, bool_response_mask
 
 REQUIRED_LOSS_AGG_MODE = "seq-mean-token-mean"
 
+# A log-probability is <= 0, but a log-softmax whose logit and log-sum-exp are computed
+# apart (fused or tensor-parallel kernels, a temperature applied twice) can round a
+# near-certain token a few units above 0. Up to 2^-13 (1.2e-4; fp32 and fp64), or 4 eps
+# for 16-bit formats (bf16 2^-5, fp16 2^-8), is rounding; anything above is refused.
+POSITIVE_LOG_PROB_TOLERANCE_FLOOR = 2.0**-13
 
-def _check_inputs(algorithm: str, old_log_prob: torch.Tensor, log_prob: torch.Tensor,
-                  advantages: torch.Tensor, response_mask: torch.Tensor, loss_agg_mode: str,
-                  rollout_is_weights: torch.Tensor | None, rollout_log_probs: torch.Tensor | None) -> None:
+
+def positive_log_prob_tolerance(dtype: torch.dtype) -> float:
+    """The largest log-probability of ``dtype`` accepted as rounding of a value <= 0."""
+    return max(POSITIVE_LOG_PROB_TOLERANCE_FLOOR, 4 * torch.finfo(dtype).eps)
+
+
+@dataclass(frozen=True)
+class _Batch:
+    """The loss inputs after checking, with every masked position replaced by 0, so that
+    nothing padding holds reaches the loss, its gradient or a metric."""
+
+    old_log_prob: torch.Tensor
+    log_prob: torch.Tensor
+    advantages: torch.Tensor
+    mask: torch.Tensor  # bool
+    rollout_log_probs: torch.Tensor | None
+
+    @property
+    def behaviour_log_prob(self) -> torch.Tensor:
+        """mu: the rollout's own logprob when verl passes it, else old_log_prob (mu in bypass mode)."""
+        return self.old_log_prob if self.rollout_log_probs is None else self.rollout_log_probs
+
+
+def _checked_batch(algorithm: str, old_log_prob: Any, log_prob: Any, advantages: Any, response_mask: Any,
+                   loss_agg_mode: str, rollout_is_weights: Any, rollout_log_probs: Any) -> _Batch:
     if loss_agg_mode != REQUIRED_LOSS_AGG_MODE:
         raise InvalidBatchError(
             f"{algorithm} averages within each response, then over responses: set "
@@ -45,9 +74,17 @@ def _check_inputs(algorithm: str, old_log_prob: torch.Tensor, log_prob: torch.Te
         )
     if rollout_is_weights is not None:
         raise InvalidBatchError(_precomputed_weights_message(algorithm, rollout_log_probs is not None))
-    _check_shapes(algorithm, old_log_prob, log_prob, advantages, response_mask, rollout_log_probs)
-    _check_finite(algorithm, _named_inputs(old_log_prob, log_prob, advantages, rollout_log_probs),
-                  response_mask.bool())
+    named_log_probs = _named_log_probs(old_log_prob, log_prob, rollout_log_probs)
+    for name, tensor in [*named_log_probs, ("advantages", advantages)]:
+        _check_floating_tensor(algorithm, name, tensor)
+    mask = bool_response_mask(algorithm, response_mask)
+    _check_shapes(algorithm, old_log_prob, log_prob, advantages, mask, rollout_log_probs)
+    clean_old, clean_current, *clean_rollout = [
+        _checked_log_prob(algorithm, name, formulas.masked(tensor, mask)) for name, tensor in named_log_probs]
+    clean_advantages = formulas.masked(advantages, mask)
+    if not bool(torch.isfinite(clean_advantages).all()):
+        raise InvalidBatchError(_non_finite_message(algorithm, "advantages", clean_advantages))
+    return _Batch(clean_old, clean_current, clean_advantages, mask, clean_rollout[0] if clean_rollout else None)
 
 
 def _precomputed_weights_message(algorithm: str, has_rollout_log_probs: bool) -> str:
@@ -60,12 +97,29 @@ def _precomputed_weights_message(algorithm: str, has_rollout_log_probs: bool) ->
             "to the loss as rollout_log_probs: verl patch 0003).")
 
 
+def _named_log_probs(old_log_prob: Any, log_prob: Any, rollout_log_probs: Any) -> list[tuple[str, Any]]:
+    """(name, tensor) of every logprob input, in the order old_log_prob, log_prob, rollout_log_probs."""
+    if rollout_log_probs is None:
+        return [("rollout logprob (old_log_prob = mu)", old_log_prob), ("trainer logprob (log_prob)", log_prob)]
+    return [("trainer recompute (old_log_prob = pi_old)", old_log_prob), ("trainer logprob (log_prob)", log_prob),
+            ("rollout logprob (rollout_log_probs = mu)", rollout_log_probs)]
+
+
+def _check_floating_tensor(algorithm: str, name: str, value: Any) -> None:
+    if not isinstance(value, torch.Tensor):
+        raise InvalidBatchError(f"{algorithm}: {name} must be a torch.Tensor of shape (batch, response length), "
+                                f"got {type(value).__name__}.")
+    if not value.is_floating_point():
+        raise InvalidBatchError(f"{algorithm}: {name} must be a floating-point tensor, got {value.dtype}: "
+                                "pass log-probabilities and advantages as float32 (or bfloat16/float16/float64).")
+
+
 def _check_shapes(algorithm: str, old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
                   response_mask: torch.Tensor, rollout_log_probs: torch.Tensor | None) -> None:
     shapes_agree = old_log_prob.shape == log_prob.shape == response_mask.shape == advantages.shape
     if rollout_log_probs is not None:
         shapes_agree = shapes_agree and rollout_log_probs.shape == log_prob.shape
-    if not shapes_agree:
+    if not shapes_agree or log_prob.dim() != 2:
         rollout_shape = "" if rollout_log_probs is None else f", rollout_log_probs {tuple(rollout_log_probs.shape)}"
         raise InvalidBatchError(
             f"{algorithm}: shape mismatch old_log_prob {tuple(old_log_prob.shape)}, log_prob "
@@ -74,44 +128,58 @@ def _check_shapes(algorithm: str, old_log_prob: torch.Tensor, log_prob: torch.Te
         )
 
 
-def _named_inputs(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
-                  rollout_log_probs: torch.Tensor | None) -> list[tuple[str, torch.Tensor]]:
-    if rollout_log_probs is None:
-        return [("rollout logprob (old_log_prob = mu)", old_log_prob), ("trainer logprob", log_prob),
-                ("advantages", advantages)]
-    return [("rollout logprob (rollout_log_probs = mu)", rollout_log_probs),
-            ("trainer recompute (old_log_prob = pi_old)", old_log_prob), ("trainer logprob", log_prob),
-            ("advantages", advantages)]
+def _checked_log_prob(algorithm: str, name: str, clean: torch.Tensor) -> torch.Tensor:
+    """Refuse NaN/inf and log-probabilities above the rounding tolerance at response tokens.
+    ``clean`` holds 0 at every masked position."""
+    tolerance = positive_log_prob_tolerance(clean.dtype)
+    if bool(((clean > -math.inf) & (clean <= tolerance)).all()):  # one pass; NaN fails both
+        return clean
+    if not bool(torch.isfinite(clean).all()):
+        raise InvalidBatchError(_non_finite_message(algorithm, name, clean))
+    positive = clean.detach() > tolerance
+    raise InvalidBatchError(
+        f"{algorithm}: {name} is positive at {int(positive.sum())} response tokens (max "
+        f"{clean.detach().max().item():.4g}, above the rounding tolerance {tolerance:.3g} of {clean.dtype}); a "
+        "log-probability is <= 0: check that this input holds the log-probability of each sampled token, "
+        "not a logit or a negative log-likelihood."
+    )
 
 
-def _check_finite(algorithm: str, named_inputs: list[tuple[str, torch.Tensor]], mask: torch.Tensor) -> None:
-    for name, tensor in named_inputs:
-        bad = int((~torch.isfinite(tensor.detach()) & mask).sum())
-        if bad:
-            raise InvalidBatchError(
-                f"{algorithm}: {name} is NaN/inf at {bad} response tokens. A sampled token cannot have "
-                "probability 0 under the policy that sampled it: check that the trainer applies the same "
-                "temperature/top-k/top-p as the rollout and that rollout.calculate_log_probs=true."
-            )
+def _non_finite_message(algorithm: str, name: str, clean: torch.Tensor) -> str:
+    bad = int((~torch.isfinite(clean.detach())).sum())
+    if name == "advantages":
+        return (f"{algorithm}: advantages are NaN/inf at {bad} response tokens: check the reward function "
+                "and the advantage estimator.")
+    return (f"{algorithm}: {name} is NaN/inf at {bad} response tokens. A sampled token cannot have "
+            "probability 0 under the policy that sampled it: check that the trainer applies the same "
+            "temperature/top-k/top-p as the rollout and that rollout.calculate_log_probs=true.")
 
 
-def _behaviour_log_prob(old_log_prob: torch.Tensor, rollout_log_probs: torch.Tensor | None) -> torch.Tensor:
-    """mu: the rollout's own logprob when verl passes it, else old_log_prob (mu in bypass mode)."""
-    return old_log_prob if rollout_log_probs is None else rollout_log_probs
-
-
-def _aggregate(loss_mat: torch.Tensor, response_mask: torch.Tensor, loss_agg_mode: str, config: Any) -> torch.Tensor:
+def _aggregate(loss_mat: torch.Tensor, batch: _Batch, loss_agg_mode: str, config: Any, algorithm: str
+               ) -> torch.Tensor:
+    """verl's aggregation with the global batch info (one big batch across data parallelism and
+    micro-batches). A micro-batch without any response token (B = 0, T = 0, every row
+    masked) gives a loss of exactly 0 whose gradient is 0, still connected to log_prob."""
+    if not bool(batch.mask.any()):
+        return batch.log_prob.to(loss_mat.dtype).sum() * 0.0  # log_prob is 0 at every masked position
     global_batch_info = dict(getattr(config, "global_batch_info", None) or {}) if config is not None else {}
-    return agg_loss(loss_mat=loss_mat, loss_mask=response_mask, loss_agg_mode=loss_agg_mode, **global_batch_info)
+    loss = agg_loss(loss_mat=loss_mat, loss_mask=batch.mask, loss_agg_mode=loss_agg_mode, **global_batch_info)
+    if not bool(torch.isfinite(loss)):
+        raise InvalidBatchError(
+            f"{algorithm}: the loss overflowed {loss_mat.dtype} (advantage x IS ratio; largest |advantage| "
+            f"{batch.advantages.abs().max().item():.3g}): scale the rewards down so that advantages stay well "
+            "inside the float range."
+        )
+    return loss
 
 
-def _common_metrics(behaviour_log_prob, log_prob, advantages, response_mask) -> dict[str, float]:
-    metrics = importance_sampling_metrics(log_prob, behaviour_log_prob, response_mask)
-    valid = formulas.valid_rows(response_mask)
+def _common_metrics(batch: _Batch) -> dict[str, float]:
+    metrics = importance_sampling_metrics(batch.log_prob, batch.behaviour_log_prob, batch.mask)
+    valid = formulas.valid_rows(batch.mask)
     if bool(valid.any()):
         # Rows whose advantage is exactly 0 carry no learning signal (singleton groups,
         # groups where every response got the same reward).
-        row_advantage = (advantages.detach() * response_mask).sum(-1)
+        row_advantage = batch.advantages.detach().sum(-1)
         metrics["zero_mismatch/zero_advantage_fraction"] = (row_advantage[valid] == 0).float().mean().item()
     return metrics
 
@@ -133,11 +201,11 @@ def _gap_split_metrics(old_log_prob: torch.Tensor, log_prob: torch.Tensor, rollo
     return {f"{prefix}/{name}": value for prefix, part in parts.items() for name, value in part.items()}
 
 
-def _loss_metrics(old_log_prob, log_prob, advantages, response_mask, rollout_log_probs) -> dict[str, float]:
-    metrics = _common_metrics(_behaviour_log_prob(old_log_prob, rollout_log_probs), log_prob, advantages,
-                              response_mask)
-    if rollout_log_probs is not None:
-        metrics.update(_gap_split_metrics(old_log_prob, log_prob, rollout_log_probs, response_mask))
+def _loss_metrics(batch: _Batch) -> dict[str, float]:
+    """Every metric is over response tokens only; a batch without any has none (empty dict)."""
+    metrics = _common_metrics(batch)
+    if batch.rollout_log_probs is not None:
+        metrics.update(_gap_split_metrics(batch.old_log_prob, batch.log_prob, batch.rollout_log_probs, batch.mask))
     return metrics
 
 
@@ -148,13 +216,17 @@ def reinforce_zero_policy_loss(old_log_prob: torch.Tensor, log_prob: torch.Tenso
                                ) -> tuple[torch.Tensor, dict[str, float]]:
     """REINFORCE Zero: -(1/B) sum_i (1/T_i) sum_t A_i pi/mu, unclipped.
 
-    mu = ``rollout_log_probs`` when given, else ``old_log_prob`` (bypass mode)."""
-    _check_inputs("reinforce_zero", old_log_prob, log_prob, advantages, response_mask, loss_agg_mode,
-                  rollout_is_weights, rollout_log_probs)
-    behaviour_log_prob = _behaviour_log_prob(old_log_prob, rollout_log_probs)
-    loss_mat, _ = formulas.reinforce_zero_token_loss(log_prob, behaviour_log_prob, advantages)
-    loss = _aggregate(loss_mat, response_mask, loss_agg_mode, config)
-    return loss, _loss_metrics(old_log_prob, log_prob, advantages, response_mask, rollout_log_probs)
+    mu = ``rollout_log_probs`` when given, else ``old_log_prob`` (bypass mode). Masked
+    positions of every input are never read. A batch without response tokens (B = 0,
+    T = 0 or every row masked) gives loss 0 with a zero gradient. 16-bit inputs are computed
+    in float32; the loss is then float32 and the gradient reaches ``log_prob`` in its dtype.
+    Raises :class:`InvalidBatchError` for NaN/inf or positive (beyond rounding) logprobs or
+    NaN/inf advantages at response tokens, and for a loss that overflows."""
+    batch = _checked_batch("reinforce_zero", old_log_prob, log_prob, advantages, response_mask, loss_agg_mode,
+                           rollout_is_weights, rollout_log_probs)
+    loss_mat, _ = formulas.reinforce_zero_token_loss(batch.log_prob, batch.behaviour_log_prob, batch.advantages)
+    loss = _aggregate(loss_mat, batch, loss_agg_mode, config, "reinforce_zero")
+    return loss, _loss_metrics(batch)
 
 
 def _trust_region_settings(config: Any) -> tuple[float, str]:
@@ -173,18 +245,20 @@ def flash_reinforce_policy_loss(old_log_prob: torch.Tensor, log_prob: torch.Tens
     """FlashREINFORCE: -(1/B) sum_i (m_i A_i / T_i) sum_t pi/mu, m_i = sequence trust-region gate
     on the mean Bernoulli KL between mu and pi.
 
-    mu = ``rollout_log_probs`` when given, else ``old_log_prob`` (bypass mode)."""
-    _check_inputs("flash_reinforce", old_log_prob, log_prob, advantages, response_mask, loss_agg_mode,
-                  rollout_is_weights, rollout_log_probs)
-    behaviour_log_prob = _behaviour_log_prob(old_log_prob, rollout_log_probs)
+    mu = ``rollout_log_probs`` when given, else ``old_log_prob`` (bypass mode). Inputs,
+    empty batches, precision and errors as in :func:`reinforce_zero_policy_loss`; the
+    trust-region KL is computed in float64."""
+    batch = _checked_batch("flash_reinforce", old_log_prob, log_prob, advantages, response_mask, loss_agg_mode,
+                           rollout_is_weights, rollout_log_probs)
     delta, direction = _trust_region_settings(config)
-    token_kl = formulas.sampled_action_bernoulli_kl(log_prob.detach(), behaviour_log_prob, direction)
-    admitted, mean_kl = formulas.sequence_trust_region(token_kl, response_mask, delta)
-    loss_mat, _ = formulas.flash_reinforce_token_loss(log_prob, behaviour_log_prob, advantages, admitted)
+    token_kl = formulas.sampled_action_bernoulli_kl(batch.log_prob.detach(), batch.behaviour_log_prob, direction)
+    admitted, mean_kl = formulas.sequence_trust_region(token_kl, batch.mask, delta)
+    loss_mat, _ = formulas.flash_reinforce_token_loss(batch.log_prob, batch.behaviour_log_prob, batch.advantages,
+                                                      admitted)
     # Rejected rows keep their mask, so B (the denominator) still counts them.
-    loss = _aggregate(loss_mat, response_mask, loss_agg_mode, config)
-    metrics = _loss_metrics(old_log_prob, log_prob, advantages, response_mask, rollout_log_probs)
-    valid = formulas.valid_rows(response_mask)
+    loss = _aggregate(loss_mat, batch, loss_agg_mode, config, "flash_reinforce")
+    metrics = _loss_metrics(batch)
+    valid = formulas.valid_rows(batch.mask)
     if bool(valid.any()):
         admitted_fraction = admitted[valid].float().mean().item()
         metrics["flash_reinforce/admitted_fraction"] = admitted_fraction
