@@ -84,3 +84,100 @@ def test_estimators_refuse_non_finite_rewards():
 def test_reinforce_zero_needs_uids():
     with pytest.raises(ValueError, match="uid"):
         estimators.reinforce_zero_advantage(torch.ones(2, 2), torch.ones(2, 2), config=BYPASS, index=None)
+
+
+# ----- bad input ------------------------------------------------------------------------------
+
+ESTIMATORS = {"reinforce_zero": estimators.reinforce_zero_advantage,
+              "flash_reinforce": estimators.flash_reinforce_advantage}
+UIDS = np.array(["a", "a", "a", "b", "b", "c", "pad0", "pad0"], dtype=object)
+
+
+def _tensors():
+    data = _batch()
+    return data.batch["token_level_rewards"].clone(), data.batch["response_mask"].clone()
+
+
+def _advantages(name, rewards, mask, index=UIDS):
+    return ESTIMATORS[name](rewards, mask, config=BYPASS, index=index)[0]
+
+
+@pytest.mark.parametrize("poison", [float("nan"), float("inf"), float("-inf"), 3e38, -3e38])
+@pytest.mark.parametrize("name", sorted(ESTIMATORS))
+def test_whatever_padding_holds_the_advantages_are_bit_identical(name, poison):
+    rewards, mask = _tensors()
+    clean = _advantages(name, rewards, mask)
+    dirty = _advantages(name, torch.where(mask.bool(), rewards, poison), mask)
+    assert torch.equal(dirty, clean)
+    assert not clean[mask == 0].any()
+
+
+def test_rewards_near_the_float32_limit_give_finite_advantages_or_a_clear_error():
+    mask = torch.ones(4, 2)
+    rewards = torch.zeros(4, 2)
+    rewards[0] = 2e38  # R_0 = 4e38: beyond fp32 as a sum, fine in float64
+    advantages = _advantages("flash_reinforce", rewards, mask)
+    assert advantages[:, 0].tolist() == pytest.approx([3e38, -1e38, -1e38, -1e38], rel=1e-6)
+
+    rewards = torch.tensor([[3e38], [-3e38]])
+    assert _advantages("flash_reinforce", rewards, torch.ones(2, 1)).flatten().tolist() == pytest.approx(
+        [3e38, -3e38], rel=1e-6)
+    assert _advantages("reinforce_zero", rewards, torch.ones(2, 1), index=["p", "p"]).flatten().tolist() == \
+        pytest.approx([3e38, -3e38], rel=1e-6)
+
+    rewards = torch.tensor([[3e38], [3e38], [-3e38]])  # mean 1e38: row 2 gets -4e38
+    for name in ESTIMATORS:
+        with pytest.raises(estimators.InvalidBatchError, match=r"rows \[2\] .* does not fit torch.float32"):
+            _advantages(name, rewards, torch.ones(3, 1), index=["p"] * 3)
+
+
+@pytest.mark.parametrize("missing", [None, float("nan"), np.float32("nan")])
+def test_rows_without_a_uid_are_refused_not_grouped_together(missing):
+    rewards, mask = _tensors()
+    uids = UIDS.copy()
+    uids[[1, 4]] = missing
+    with pytest.raises(estimators.InvalidBatchError, match=r"rows \[1, 4\] have no uid"):
+        _advantages("reinforce_zero", rewards, mask, index=uids)
+
+
+def test_a_padding_row_without_a_uid_is_fine():
+    rewards, mask = _tensors()
+    uids = UIDS.copy()
+    uids[6] = None
+    assert torch.equal(_advantages("reinforce_zero", rewards, mask, index=uids), _advantages("reinforce_zero",
+                                                                                            rewards, mask))
+
+
+@pytest.mark.parametrize("index", [UIDS[:5], UIDS.reshape(2, 4), "a", [["a"]] * 8])
+def test_an_index_that_is_not_one_uid_per_row_is_refused(index):
+    rewards, mask = _tensors()
+    with pytest.raises(estimators.InvalidBatchError, match="index must hold one uid per row"):
+        _advantages("reinforce_zero", rewards, mask, index=index)
+
+
+@pytest.mark.parametrize("name", sorted(ESTIMATORS))
+def test_shapes_other_than_matching_batch_by_length_are_refused(name):
+    rewards, mask = _tensors()
+    for bad_rewards, bad_mask in ((rewards[:, :3], mask), (rewards[:, 0], mask[:, 0]), (rewards[None], mask[None])):
+        with pytest.raises(estimators.InvalidBatchError, match="must both be \\(batch, response length\\)"):
+            _advantages(name, bad_rewards, bad_mask)
+
+
+@pytest.mark.parametrize("name", sorted(ESTIMATORS))
+def test_masks_other_than_0_1_and_non_tensors_are_refused(name):
+    rewards, mask = _tensors()
+    half = mask.clone()
+    half[0, 0] = 0.5
+    with pytest.raises(estimators.InvalidBatchError, match="response_mask must hold only 0 and 1"):
+        _advantages(name, rewards, half)
+    with pytest.raises(estimators.InvalidBatchError, match="response_mask must be a torch.Tensor"):
+        _advantages(name, rewards, mask.numpy())
+    with pytest.raises(estimators.InvalidBatchError, match="token_level_rewards must be floating-point"):
+        _advantages(name, rewards.long(), mask)
+
+
+@pytest.mark.parametrize("shape", [(0, 4), (3, 0)])
+@pytest.mark.parametrize("name", sorted(ESTIMATORS))
+def test_empty_batches_give_empty_or_zero_advantages(name, shape):
+    advantages = _advantages(name, torch.zeros(shape), torch.zeros(shape), index=["p"] * shape[0])
+    assert advantages.shape == shape and not advantages.any()
