@@ -34,6 +34,11 @@ from zero_mismatch_plugin.recipes import (
     runtime_env_vars,
     trainer_layout,
 )
+from zero_mismatch_plugin.config_checks.alignment import ALIGNED as ALIGNMENT_ALIGNED
+from zero_mismatch_plugin.config_checks.alignment import MODEL_UNKNOWN
+from zero_mismatch_plugin.config_checks.alignment import NOT_ALIGNED as ALIGNMENT_NOT_ALIGNED
+from zero_mismatch_plugin.config_checks.alignment import STANDARD as ALIGNMENT_STANDARD
+from zero_mismatch_plugin.config_checks.alignment import UNALIGNED_OVERRIDE, trainer_alignment
 from zero_mismatch_plugin.validate_config import compose_verl_config, validate_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -65,44 +70,55 @@ SPEC = {
         model="Kimi-K3.1", nodes=2, gpus=8, engine="megatron", numerics="consistent_rocm", algorithm="dapo", lora=32,
         expect={"trainer.total_training_steps": 100, "actor_rollout_ref.rollout.quantization": None}),
     "reinforce_zero_r1_distill_1_5b_math_lag2": dict(
-        model="DeepSeek-R1-Distill-Qwen-1.5B", nodes=2, gpus=8, numerics="consistent", algorithm="reinforce_zero",
+        model="DeepSeek-R1-Distill-Qwen-1.5B", nodes=2, gpus=8, engine="megatron", numerics="consistent", algorithm="reinforce_zero",
         expect={"trainer.total_training_steps": 20000}),
     "reinforce_zero_r1_distill_1_5b_math_lag8": dict(
-        model="DeepSeek-R1-Distill-Qwen-1.5B", nodes=2, gpus=8, numerics="consistent", algorithm="reinforce_zero",
+        model="DeepSeek-R1-Distill-Qwen-1.5B", nodes=2, gpus=8, engine="megatron", numerics="consistent", algorithm="reinforce_zero",
         expect={"trainer.total_training_steps": 20000}),
     "reinforce_zero_qwen3_4b_python_tool_lag64": dict(
-        model="Qwen3-4B", nodes=2, gpus=8, numerics="consistent", algorithm="reinforce_zero", tools=True, context=16384,
+        model="Qwen3-4B", nodes=2, gpus=8, engine="megatron", numerics="consistent", algorithm="reinforce_zero", tools=True, context=16384,
         expect={"trainer.total_training_steps": 5000}),
     "reinforce_zero_qwen3_30b_a3b_python_tool_lag8": dict(
         model="Qwen3-30B-A3B", nodes=4, gpus=8, engine="megatron", numerics="consistent", algorithm="reinforce_zero",
         tools=True, expect={"trainer.total_training_steps": 3000}),
     "ablation_sync_aligned_kernels_r1_distill_1_5b_sync": dict(
-        model="DeepSeek-R1-Distill-Qwen-1.5B", nodes=2, gpus=8, numerics="consistent", algorithm="reinforce_zero",
+        model="DeepSeek-R1-Distill-Qwen-1.5B", nodes=2, gpus=8, engine="megatron", numerics="consistent", algorithm="reinforce_zero",
         expect={"trainer.total_training_steps": 6000}),
     "ablation_is_standard_kernels_r1_distill_1_5b_lag8": dict(
-        model="DeepSeek-R1-Distill-Qwen-1.5B", nodes=2, gpus=8, numerics="standard", algorithm="verl_is",
+        model="DeepSeek-R1-Distill-Qwen-1.5B", nodes=2, gpus=8, engine="megatron", numerics="standard", algorithm="verl_is",
         gate=None, expect={"trainer.total_training_steps": 6000}),
     "ablation_is_sequence_gate_standard_kernels_r1_distill_1_5b_lag8": dict(
-        model="DeepSeek-R1-Distill-Qwen-1.5B", nodes=2, gpus=8, numerics="standard", algorithm="verl_is",
+        model="DeepSeek-R1-Distill-Qwen-1.5B", nodes=2, gpus=8, engine="megatron", numerics="standard", algorithm="verl_is",
         gate="seq_mean_k3", expect={"trainer.total_training_steps": 6000}),
     "ablation_is_token_gate_standard_kernels_r1_distill_1_5b_lag8": dict(
-        model="DeepSeek-R1-Distill-Qwen-1.5B", nodes=2, gpus=8, numerics="standard", algorithm="verl_is",
+        model="DeepSeek-R1-Distill-Qwen-1.5B", nodes=2, gpus=8, engine="megatron", numerics="standard", algorithm="verl_is",
         gate="token_k3", expect={"trainer.total_training_steps": 6000}),
     "flash_reinforce_qwen2_5_math_1_5b_reasoning_lag4": dict(
-        model="Qwen2.5-Math-1.5B", nodes=2, gpus=8, numerics="consistent", algorithm="flash_reinforce",
+        model="Qwen2.5-Math-1.5B", nodes=2, gpus=8, engine="megatron", numerics="consistent", algorithm="flash_reinforce",
         rollouts_total=256_000),
     "flash_reinforce_qwen2_5_7b_python_tool_lag4": dict(
-        model="Qwen2.5-7B-Instruct", nodes=4, gpus=8, numerics="consistent", algorithm="flash_reinforce", tools=True,
+        model="Qwen2.5-7B-Instruct", nodes=4, gpus=8, engine="megatron", numerics="consistent", algorithm="flash_reinforce", tools=True,
         expect={"trainer.total_training_steps": 600}),
     "flash_reinforce_qwen3_30b_a3b_python_tool_lag8": dict(
         model="Qwen3-30B-A3B", nodes=4, gpus=8, engine="megatron", numerics="consistent", algorithm="flash_reinforce",
         tools=True),
     "flash_reinforce_qwen2_5_7b_alfworld_lag4": dict(
-        model="Qwen2.5-7B-Instruct", nodes=2, gpus=8, numerics="consistent", algorithm="flash_reinforce",
+        model="Qwen2.5-7B-Instruct", nodes=2, gpus=8, engine="megatron", numerics="consistent", algorithm="flash_reinforce",
         expect={"trainer.total_training_steps": 200}, rollouts_total=12_800),
 }
 NAMED = sorted(SPEC)
 ALL = sorted(SPEC) + list(BASE_RECIPES)
+# The trainer side of each recipe today (config_checks.alignment): the dense consistent recipes are
+# aligned, the MoE / MLA / LoRA flagships are not, the standard-kernel ablations are not meant to be.
+NOT_ALIGNED = ("deepseek_v4_1_flash_swe_bench_pro_sync", "deepseek_v4_1_flash_dapo_math_sync",
+               "kimi_k3_1_lora_r32_dapo_gb300_sync", "mi355x_deepseek_v4_flash_grpo_sync",
+               "mi355x_kimi_k3_1_lora_r32_dapo_sync", "reinforce_zero_qwen3_30b_a3b_python_tool_lag8",
+               "flash_reinforce_qwen3_30b_a3b_python_tool_lag8")
+STANDARD = tuple(n for n in NAMED if SPEC[n]["numerics"] == "standard")
+ALIGNED = tuple(n for n in NAMED if n not in NOT_ALIGNED + STANDARD)
+SWITCH = f"{ENV}.ZMRL_MEGATRON_ALIGNED"
+# The base recipes leave the model open: declared here, as a user with a hub id would.
+DENSE = "zmrl.architecture=Qwen2ForCausalLM"
 
 
 @lru_cache(maxsize=None)
@@ -133,13 +149,24 @@ def test_every_recipe_names_its_setting_and_named_recipes_quote_the_seed():
 # ----- composes and validates --------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("name", [*ALIGNED, *STANDARD, *BASE_RECIPES])
 def test_composes_against_installed_verl_and_zmrl_validate_config_passes(name, capsys):
-    cfg = composed(name)
+    overrides = [DENSE] if name in BASE_RECIPES else []
+    cfg = compose_verl_config(TOP_LEVEL_RECIPES, name, overrides)
     assert [str(p) for p in validate_config(cfg) if p.fatal] == []
     assert [str(p) for p in recipe_problems(cfg) if p.fatal] == []
-    assert zmrl(["validate-config", "--config-path", str(TOP_LEVEL_RECIPES), "--config-name", name]) == 0
+    assert zmrl(["validate-config", "--config-path", str(TOP_LEVEL_RECIPES), "--config-name", name, *overrides]) == 0
     assert "config OK" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", NOT_ALIGNED)
+def test_unaligned_flagships_are_refused_for_that_alone_and_run_with_the_override(name, capsys):
+    problems = [p for p in recipe_problems(composed(name)) if p.fatal]
+    assert [p.key for p in problems] == [SWITCH], problems
+    assert "does not cover this run, so diff 0 cannot hold; missing: a path for" in problems[0].message
+    assert zmrl(["validate-config", "--config-path", str(TOP_LEVEL_RECIPES), "--config-name", name,
+                 "--allow-unaligned-trainer"]) == 0
+    assert "TRAINER NOT ALIGNED" in capsys.readouterr().out
 
 
 @pytest.fixture
@@ -272,6 +299,7 @@ def test_zero_mismatch_recipes_turn_the_consistent_switch_on(name):
     cfg = composed(name)
     env = runtime_env_vars(cfg)
     assert env["ZMRL_NUMERICS"] == "consistent" and env["VLLM_BATCH_INVARIANT"] == "1"
+    assert env["ZMRL_MEGATRON_ALIGNED"] == "1", "consistent numerics enable the aligned trainer forward"
     # Prefix caching only where the seed's run had it, and then the plugin is told to keep it.
     caching = sel(cfg, "actor_rollout_ref.rollout.enable_prefix_caching")
     assert caching == (env.get("ZMRL_ALLOW_PREFIX_CACHING") == "1")
@@ -287,7 +315,7 @@ def test_standard_kernel_ablations_use_verls_rollout_correction(name, vllm_lora_
     from verl.utils.config import omega_conf_to_dataclass
 
     cfg = composed(name)
-    assert runtime_env_vars(cfg) == {"ZMRL_NUMERICS": "fast", "VLLM_BATCH_INVARIANT": "0"}
+    assert runtime_env_vars(cfg) == {"ZMRL_NUMERICS": "fast", "VLLM_BATCH_INVARIANT": "0", "ZMRL_MEGATRON_ALIGNED": "0"}
     correction = cfg.algorithm.rollout_correction
     assert correction.bypass_mode is True and correction.loss_type == "reinforce"
     assert correction.rollout_is == "token" and float(correction.rollout_is_threshold) >= 1e9  # unclipped
@@ -404,7 +432,7 @@ RECIPE_BREAKAGES = [
     ("mi355x_kimi_k3_1_lora_r32_dapo_sync", [f"{ENV}.VLLM_BATCH_INVARIANT='0'"], f"{ENV}.VLLM_BATCH_INVARIANT",
      "must be \"1\""),
     ("kimi_k3_1_lora_r32_dapo_gb300_sync", ["actor_rollout_ref.rollout.calculate_log_probs=false"],
-     "actor_rollout_ref.rollout.calculate_log_probs", "recorded mu"),
+     "actor_rollout_ref.rollout.calculate_log_probs", "the rollout engine recorded"),
 ]
 
 
@@ -443,28 +471,75 @@ def test_run_hands_the_command_to_the_launcher_and_returns_its_status():
         launched.append(command)
         return 7
 
-    assert run_recipe("flash_reinforce", ["trainer.nnodes=1"], launcher=launcher) == 7
-    assert launched == [launch_command("flash_reinforce", ["trainer.nnodes=1"])]
+    assert run_recipe("flash_reinforce", [DENSE, "trainer.nnodes=1"], launcher=launcher) == 7
+    assert launched == [launch_command("flash_reinforce", [DENSE, "trainer.nnodes=1"])]
 
 
-def test_the_printed_command_composes_in_verls_own_launcher(tmp_path):
+def test_the_printed_command_composes_in_verls_own_launcher(tmp_path, capsys):
     # Hydra's --cfg job composes through verl's real entry point and prints the config without
-    # starting the trainer; run from another directory, as a user would.
-    command = launch_command("flash_reinforce_qwen2_5_7b_alfworld_lag4", ["trainer.total_training_steps=5"])
+    # starting the trainer; run from another directory, as a user would. The command is the one
+    # `--allow-unaligned-trainer` prints for a flagship the aligned forward does not cover.
+    name = "flash_reinforce_qwen3_30b_a3b_python_tool_lag8"
+    assert run_recipe(name, ["trainer.total_training_steps=5"], dry_run=True, allow_unaligned_trainer=True) == 0
+    command = shlex.split(capsys.readouterr().out.strip())
     result = subprocess.run([*command, "--cfg", "job"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     printed = OmegaConf.create(result.stdout[result.stdout.index("data:"):])
     assert printed.algorithm.adv_estimator == "flash_reinforce"
     assert printed.trainer.total_training_steps == 5
-    assert printed.ray_kwargs.ray_init.runtime_env.env_vars.ZMRL_NUMERICS == "consistent"
+    env = printed.ray_kwargs.ray_init.runtime_env.env_vars
+    assert env.ZMRL_NUMERICS == "consistent" and env.ZMRL_MEGATRON_ALIGNED == "0"  # a string, as Ray needs
 
 
-def test_list_names_every_recipe(capsys):
+def test_the_unaligned_override_is_loud_and_launches_only_with_the_switch_off(capsys):
+    name = "kimi_k3_1_lora_r32_dapo_gb300_sync"
+    launched = []
+    assert run_recipe(name, launcher=launched.append) == 1 and launched == []
+    err = capsys.readouterr().err
+    assert "missing: a path for KimiK3ForCausalLM" in err and "LoRA adapters (rank 32)" in err
+    assert "refusing to launch" in err
+    assert run_recipe(name, launcher=lambda command: launched.append(command) or 0, allow_unaligned_trainer=True) == 0
+    assert launched == [launch_command(name, [UNALIGNED_OVERRIDE])]
+    assert f"warning: {SWITCH}: TRAINER NOT ALIGNED" in capsys.readouterr().err
+
+
+def test_list_names_every_recipe_and_whether_its_trainer_is_aligned(capsys):
     assert zmrl(["recipes", "list"]) == 0
     out = capsys.readouterr().out
     for name in recipe_names():
         assert f"  {name}\n" in out
+        trainer = out.split(f"  {name}\n", 1)[1].splitlines()[1].strip()
+        expected = ("trainer: NOT aligned: missing a path for" if name in NOT_ALIGNED else
+                    "trainer: standard kernels" if name in STANDARD else
+                    "trainer: aligned if the model is one of" if name in BASE_RECIPES else "trainer: aligned")
+        assert trainer.startswith(expected), (name, trainer)
     assert str(RECIPES_DIR) in out
+
+
+HEADER_SAYS = {"aligned": ALIGNED, "NOT aligned today": NOT_ALIGNED, "standard kernels": STANDARD,
+               "aligned if the model is a dense": BASE_RECIPES}
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_each_recipe_header_says_what_its_trainer_side_is(name):
+    said = recipe_info(name).trainer
+    matching = [prefix for prefix, names in HEADER_SAYS.items() if name in names]
+    assert len(matching) == 1 and said.startswith(matching[0] + (":" if matching[0] == "aligned" else "")), said
+    status = trainer_alignment(composed(name)).status
+    assert status == {"aligned": ALIGNMENT_ALIGNED, "NOT aligned today": ALIGNMENT_NOT_ALIGNED,
+                      "standard kernels": ALIGNMENT_STANDARD, "aligned if the model is a dense": MODEL_UNKNOWN}[matching[0]]
+
+
+@pytest.mark.parametrize("name", ALIGNED)
+def test_aligned_recipes_enable_the_aligned_megatron_forward(name):
+    cfg = composed(name)
+    assert runtime_env_vars(cfg)["ZMRL_MEGATRON_ALIGNED"] == "1"
+    assert sel(cfg, "actor_rollout_ref.actor.strategy") == "megatron"
+    megatron = cfg.actor_rollout_ref.actor.megatron
+    assert (megatron.tensor_model_parallel_size, megatron.pipeline_model_parallel_size,
+            megatron.context_parallel_size) == (1, 1, 1)
+    assert sel(cfg, "actor_rollout_ref.rollout.tensor_model_parallel_size") == 1
+    assert lora_rank(cfg) == 0
 
 
 def test_show_prints_the_composed_config_with_overrides(capsys):

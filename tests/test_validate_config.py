@@ -1,14 +1,19 @@
 """`zmrl validate-config`: composes as verl does and reports every problem with its key."""
 
+import json
 from pathlib import Path
 
 import pytest
 
+from zero_mismatch_plugin import recipes
 from zero_mismatch_plugin.cli import main as zmrl
+from zero_mismatch_plugin.config_checks import check_config
 from zero_mismatch_plugin.validate_config import compose_verl_config, validate_config
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 PLUGIN_TARGET = "zero_mismatch_plugin.verl_adapter.config.ZeroMismatchPolicyLossConfig"
+# The base recipes leave the model open; a dense architecture lets them validate without a checkpoint.
+DENSE = "zmrl.architecture=Qwen2ForCausalLM"
 
 
 def _problems(name: str, *overrides: str) -> dict[str, str]:
@@ -16,10 +21,15 @@ def _problems(name: str, *overrides: str) -> dict[str, str]:
     return {p.key: p.message for p in validate_config(cfg) if p.fatal}
 
 
+def _all_problems(name: str, *overrides: str) -> dict[str, str]:
+    cfg = compose_verl_config(RECIPES, name, (DENSE, *overrides))
+    return {p.key: p.message for p in check_config(cfg) if p.fatal}
+
+
 @pytest.mark.parametrize("name", ["reinforce_zero", "flash_reinforce"])
 def test_recipe_composes_against_installed_verl_and_passes(name, capsys):
     assert _problems(name) == {}
-    assert zmrl(["validate-config", "--config-path", str(RECIPES), "--config-name", name]) == 0
+    assert zmrl(["validate-config", "--config-path", str(RECIPES), "--config-name", name, DENSE]) == 0
     assert "config OK" in capsys.readouterr().out
 
 
@@ -98,14 +108,14 @@ def test_plugin_key_without_plugin_target_is_named():
 
 
 def test_all_problems_are_reported_at_once_and_exit_nonzero(capsys):
-    code = zmrl(["validate-config", "--config-path", str(RECIPES), "--config-name", "flash_reinforce",
+    code = zmrl(["validate-config", "--config-path", str(RECIPES), "--config-name", "flash_reinforce", DENSE,
                  "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.rollout.top_p=0.5",
                  "algorithm.rollout_correction.bypass_mode=false"])
-    out = capsys.readouterr().out
+    err = capsys.readouterr().err
     assert code == 1
-    assert "3 error(s)" in out
+    assert "3 error(s)" in err
     for key in ("actor_rollout_ref.rollout.n", "actor_rollout_ref.rollout.top_p", "bypass_mode"):
-        assert key in out
+        assert key in err
 
 
 def test_bad_config_path_is_a_clear_error(capsys, tmp_path):
@@ -132,3 +142,136 @@ def test_unregistered_names_are_rejected_even_outside_the_plugin():
                          "actor_rollout_ref.actor.policy_loss.loss_mode=vanila")
     assert "is not a registered advantage estimator" in problems["algorithm.adv_estimator"]
     assert "is not a registered policy loss" in problems["actor_rollout_ref.actor.policy_loss.loss_mode"]
+
+
+# ----- values of the wrong type, null, out of range: one reader, one policy -------------------------
+
+
+def test_every_mistyped_value_is_named_at_once_with_its_expected_type(capsys):
+    code = zmrl(["validate-config", "--config-path", str(RECIPES), "--config-name", "reinforce_zero", DENSE,
+                 "actor_rollout_ref.rollout.n=abc", "data.train_batch_size=abc", "trainer.nnodes=abc",
+                 "actor_rollout_ref.rollout.temperature=hot"])
+    err = capsys.readouterr().err
+    assert code == 1 and "Traceback" not in err
+    assert "ERROR: actor_rollout_ref.rollout.n: must be an integer, got str 'abc'" in err
+    assert "ERROR: data.train_batch_size: must be an integer, got str 'abc'" in err
+    assert "ERROR: trainer.nnodes: must be an integer, got str 'abc'" in err
+    assert "ERROR: actor_rollout_ref.rollout.temperature: must be a finite number, got str 'hot'" in err
+    assert "4 error(s)" in err
+
+
+def test_validate_config_and_recipes_run_give_the_same_verdict_on_the_same_value(capsys):
+    bad = "actor_rollout_ref.rollout.temperature=hot"
+    assert zmrl(["validate-config", "--config-path", str(RECIPES), "--config-name", "reinforce_zero", DENSE, bad]) == 1
+    from_validate = capsys.readouterr().err
+    assert zmrl(["recipes", "run", "reinforce_zero", DENSE, bad, "--dry-run"]) == 1
+    from_run = capsys.readouterr().err
+    line = "ERROR: actor_rollout_ref.rollout.temperature: must be a finite number, got str 'hot'"
+    assert line in from_validate and line in from_run
+
+
+def test_both_modules_read_values_through_the_one_reader():
+    # The second, lenient reader (None -> default) is gone: a null where a value is due is an error
+    # in both entry points, where one used to default it and the other crashed on it.
+    assert not hasattr(recipes, "_get")
+    import zero_mismatch_plugin.validate_config as module
+
+    assert not hasattr(module, "_get")
+    cfg = compose_verl_config(RECIPES, "reinforce_zero", [DENSE, "actor_rollout_ref.rollout.temperature=null"])
+    expected = "must be a finite number, got null"
+    assert {p.message for p in validate_config(cfg) if p.key.endswith("temperature")} == {expected}
+    assert {p.message for p in recipes.recipe_problems(cfg) if p.key.endswith("temperature")} == {expected}
+
+
+def test_a_temperature_other_than_1_is_one_warning_everywhere():
+    cfg = compose_verl_config(RECIPES, "reinforce_zero", [DENSE, "actor_rollout_ref.rollout.temperature=0.7"])
+    problems = [p for p in check_config(cfg) if p.key == "actor_rollout_ref.rollout.temperature"]
+    assert len(problems) == 1 and not problems[0].fatal
+    assert "tested end to end at temperature 1.0" in problems[0].message
+
+
+def test_reinforce_zero_with_one_rollout_per_prompt_is_refused_pointing_to_flash_reinforce():
+    problems = _problems("reinforce_zero", "actor_rollout_ref.rollout.n=1")
+    message = problems["actor_rollout_ref.rollout.n"]
+    assert "must be at least 2 with reinforce_zero" in message and "use flash_reinforce" in message
+    assert "actor_rollout_ref.rollout.n" not in _problems("reinforce_zero", "actor_rollout_ref.rollout.n=2")
+
+
+def test_a_zero_mini_batch_is_a_range_error_not_a_division_by_zero():
+    problems = _all_problems("reinforce_zero", "actor_rollout_ref.actor.ppo_mini_batch_size=0")
+    assert problems == {"actor_rollout_ref.actor.ppo_mini_batch_size": "must be at least 1 (got 0)"}
+
+
+def test_a_removed_required_key_is_named():
+    problems = _all_problems("reinforce_zero", "~data.train_batch_size")
+    assert problems == {"data.train_batch_size": "is required: set it to an integer"}
+
+
+def test_nullable_keys_take_the_meaning_verl_gives_null():
+    assert _all_problems("reinforce_zero", "trainer.v1.sampler.max_off_policy_threshold=null") == {}
+    cfg = compose_verl_config(RECIPES, "reinforce_zero", [DENSE, "trainer.v1.sampler.max_off_policy_threshold=null"])
+    assert recipes.policy_lag(cfg).max_updates is None  # unbounded, as verl reads it
+
+
+def test_ray_env_values_must_be_strings():
+    problems = _all_problems("reinforce_zero", "ray_kwargs.ray_init.runtime_env.env_vars.VLLM_BATCH_INVARIANT=1")
+    assert "quote it" in problems["ray_kwargs.ray_init.runtime_env.env_vars.VLLM_BATCH_INVARIANT"]
+
+
+# ----- the trainer side ---------------------------------------------------------------------------------
+
+
+def _model(tmp_path: Path, **config) -> str:
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "config.json").write_text(json.dumps(config), encoding="utf-8")
+    return str(tmp_path)
+
+
+SWITCH = "ray_kwargs.ray_init.runtime_env.env_vars.ZMRL_MEGATRON_ALIGNED"
+
+
+def test_the_local_config_json_decides_the_architecture(tmp_path):
+    dense = _model(tmp_path / "dense", architectures=["LlamaForCausalLM"])
+    moe = _model(tmp_path / "moe", architectures=["Qwen3MoeForCausalLM"], num_experts=128)
+    assert _all_problems("reinforce_zero", f"actor_rollout_ref.model.path={dense}") == {}
+    # config.json wins over a declared dense architecture.
+    message = _all_problems("reinforce_zero", f"actor_rollout_ref.model.path={moe}")[SWITCH]
+    assert f"a path for Qwen3MoeForCausalLM (from {moe}/config.json" in message
+    assert "MoE (num_moe_experts)" in message and "--allow-unaligned-trainer" in message
+
+
+def test_without_a_local_checkpoint_or_a_declared_architecture_the_run_is_refused():
+    cfg = compose_verl_config(RECIPES, "reinforce_zero", ["actor_rollout_ref.model.path=org/some-hub-model"])
+    problems = {p.key: p.message for p in check_config(cfg) if p.fatal}
+    assert "cannot tell whether the aligned trainer forward covers the model" in problems["zmrl.architecture"]
+    assert "'org/some-hub-model' has no local config.json" in problems["zmrl.architecture"]
+
+
+def test_the_supported_list_is_the_aligned_megatron_paths_own(monkeypatch):
+    from zero_mismatch_plugin.megatron import convert
+
+    assert SWITCH in _all_problems("reinforce_zero", "zmrl.architecture=MistralForCausalLM")
+    monkeypatch.setattr(convert, "SUPPORTED_ARCHITECTURES", (*convert.SUPPORTED_ARCHITECTURES, "MistralForCausalLM"))
+    assert _all_problems("reinforce_zero", "zmrl.architecture=MistralForCausalLM") == {}
+
+
+def test_the_override_runs_an_uncovered_model_with_a_loud_warning(capsys):
+    argv = ["validate-config", "--config-path", str(RECIPES), "--config-name", "reinforce_zero",
+            "zmrl.architecture=Qwen3MoeForCausalLM"]
+    assert zmrl(argv) == 1
+    assert "missing: a path for Qwen3MoeForCausalLM" in capsys.readouterr().err
+    assert zmrl([*argv, "--allow-unaligned-trainer"]) == 0
+    out = capsys.readouterr().out
+    assert f"warning: {SWITCH}: TRAINER NOT ALIGNED" in out and "diff 0 CANNOT hold" in out
+    assert "a path for Qwen3MoeForCausalLM" in out  # and it still says what is missing
+
+
+def test_consistent_numerics_without_the_aligned_switch_is_refused():
+    problems = _all_problems("reinforce_zero", f"~{SWITCH}")
+    assert "ZMRL_NUMERICS=consistent promises diff 0" in problems[SWITCH]
+
+
+def test_config_checks_is_the_one_module_both_commands_use():
+    cfg = compose_verl_config(RECIPES, "flash_reinforce", [DENSE, "actor_rollout_ref.rollout.n=4"])
+    assert recipes.check_recipe(cfg) == check_config(cfg)
+    assert set(validate_config(cfg)) | set(recipes.recipe_problems(cfg)) == set(check_config(cfg))

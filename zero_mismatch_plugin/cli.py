@@ -7,19 +7,21 @@ import sys
 
 
 def _validate_config(args: argparse.Namespace) -> int:
-    from zero_mismatch_plugin.recipes import check_recipe
-    from zero_mismatch_plugin.validate_config import compose_verl_config, format_report
+    from zero_mismatch_plugin.config_checks import check_config, format_report
+    from zero_mismatch_plugin.recipes import with_unaligned_trainer
+    from zero_mismatch_plugin.validate_config import compose_verl_config
 
+    overrides = with_unaligned_trainer(args.overrides, args.allow_unaligned_trainer)
     try:
-        cfg = compose_verl_config(args.config_path, args.config_name, args.overrides)
+        cfg = compose_verl_config(args.config_path, args.config_name, overrides)
     except Exception as error:  # noqa: BLE001 - composition errors are the user's to fix
         print(f"ERROR: cannot compose {args.config_name!r} from {args.config_path}: {error}", file=sys.stderr)
         return 2
-    # The algorithms' requirements plus the layout/batch arithmetic verl checks only on the
-    # cluster: the same checks `zmrl recipes run` applies before launching.
-    problems = check_recipe(cfg)
-    print(format_report(problems))
-    return 1 if any(p.fatal for p in problems) else 0
+    # The same checks `zmrl recipes run` applies before launching; errors go to stderr.
+    problems = check_config(cfg)
+    failed = any(p.fatal for p in problems)
+    print(format_report(problems), file=sys.stderr if failed else sys.stdout)
+    return 1 if failed else 0
 
 
 def _selfcheck(args: argparse.Namespace) -> int:
@@ -66,11 +68,12 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _recipes_list(args: argparse.Namespace) -> int:
-    from zero_mismatch_plugin.recipes import RECIPES_DIR, list_recipes
+    from zero_mismatch_plugin.recipes import RECIPES_DIR, list_recipes, recipe_alignment
 
     print(f"recipes in {RECIPES_DIR} (also --config-path=pkg://zero_mismatch_plugin.recipes):")
     for info in list_recipes():
-        print(f"  {info.name}\n      {info.summary}")
+        # Composed and checked, not read from the comment: what the checks would say at launch.
+        print(f"  {info.name}\n      {info.summary}\n      trainer: {recipe_alignment(info.name).describe()}")
     return 0
 
 
@@ -88,7 +91,8 @@ def _recipes_show(args: argparse.Namespace) -> int:
 def _recipes_run(args: argparse.Namespace) -> int:
     from zero_mismatch_plugin.recipes import run_recipe
 
-    return run_recipe(args.name, args.overrides, dry_run=args.dry_run)
+    return run_recipe(args.name, args.overrides, dry_run=args.dry_run,
+                      allow_unaligned_trainer=args.allow_unaligned_trainer)
 
 
 def _check(args: argparse.Namespace) -> int:
@@ -161,6 +165,12 @@ def build_parser() -> argparse.ArgumentParser:
     recipes_run.add_argument("name", help="recipe name (see `zmrl recipes list`)")
     recipes_run.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. actor_rollout_ref.model.path=...")
     recipes_run.add_argument("--dry-run", action="store_true", help="validate and print the exact command, do not run it")
+    for command in (validate, recipes_run):
+        command.add_argument(
+            "--allow-unaligned-trainer", action="store_true",
+            help="run a consistent-numerics config whose model/layout the aligned trainer forward does not cover, "
+                 "with the trainer unaligned (adds the ZMRL_MEGATRON_ALIGNED='0' override; diff 0 cannot hold)",
+        )
     recipes_run.set_defaults(func=_recipes_run)
 
     # The same names as checker.backends.KNOWN_TRAINERS, without importing it (it imports torch).

@@ -1,0 +1,203 @@
+"""Whether the trainer side of a run is aligned: consistent numerics promise diff 0, and only the
+aligned trainer forward (``ZMRL_MEGATRON_ALIGNED=1``: vLLM's kernels inside verl's Megatron engine,
+docs/megatron.md) can keep that promise, for the models and layouts it covers.
+
+The architectures it covers are the aligned Megatron path's own list
+(:data:`zero_mismatch_plugin.megatron.convert.SUPPORTED_ARCHITECTURES`); the model features and
+parallel layouts it refuses are its own check
+(:func:`zero_mismatch_plugin.megatron.spec.unsupported_features`), fed from the verl config and
+the model's ``config.json``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+
+from omegaconf import DictConfig
+
+from zero_mismatch_plugin.megatron import convert
+from zero_mismatch_plugin.megatron.verl_patch import ENABLE_ENV
+
+from .cluster import MEGATRON, ROLLOUT, lora_rank, uses_megatron
+from .numerics import is_consistent, runtime_env_vars
+from .problems import Problem
+from .values import ENV_VARS_KEY, ConfigValueError, read
+
+ALIGNED_SWITCH_KEY = f"{ENV_VARS_KEY}.{ENABLE_ENV}"
+# Appended by `--allow-unaligned-trainer`: `++` sets the variable whether or not the config has it.
+UNALIGNED_OVERRIDE = f"++{ALIGNED_SWITCH_KEY}='0'"
+ARCHITECTURE_KEY = "zmrl.architecture"
+OVERRIDE_HINT = (f"To train anyway with the trainer unaligned, pass --allow-unaligned-trainer (it adds "
+                 f"{UNALIGNED_OVERRIDE}); diff 0 then cannot hold")
+
+STANDARD = "standard kernels"
+ALIGNED = "aligned"
+NOT_ALIGNED = "NOT aligned"
+TURNED_OFF = "NOT aligned (turned off)"
+NOT_ENABLED = "NOT aligned (not enabled)"
+MODEL_UNKNOWN = "aligned if the model is one of the supported dense decoders (its architecture is not known yet)"
+
+
+@dataclass(frozen=True)
+class Architecture:
+    name: str | None
+    source: str
+    features: dict = field(default_factory=dict)  # megatron-style feature flags read from config.json
+
+
+@dataclass(frozen=True)
+class TrainerAlignment:
+    status: str
+    gaps: tuple[str, ...] = ()
+
+    def describe(self) -> str:
+        return self.status + (f": missing {'; '.join(self.gaps)}" if self.gaps else "")
+
+
+def _model_dir(cfg: DictConfig) -> tuple[str, Path]:
+    key = "actor_rollout_ref.model.hf_config_path"
+    path = read(cfg, key)
+    if path is None:
+        key = "actor_rollout_ref.model.path"
+        path = read(cfg, key)
+    return key, Path(path).expanduser()
+
+
+def _features(hf_config: dict) -> dict:
+    """The config.json fields the aligned spec's feature check knows, under megatron's names."""
+    experts = next((hf_config[k] for k in ("num_experts", "num_local_experts", "n_routed_experts")
+                    if hf_config.get(k)), None)
+    sliding = hf_config.get("sliding_window") if hf_config.get("use_sliding_window") else None
+    return {"num_moe_experts": experts, "multi_latent_attention": bool(hf_config.get("kv_lora_rank")),
+            "window_size": sliding}
+
+
+def model_architecture(cfg: DictConfig) -> Architecture:
+    """From the local ``config.json`` of the model when there is one, else the recipe's ``zmrl.architecture``."""
+    key, directory = _model_dir(cfg)
+    config_file = directory / "config.json"
+    if config_file.is_file():
+        try:
+            hf_config = json.loads(config_file.read_text(encoding="utf-8"))
+            name = (hf_config.get("architectures") or [None])[0]
+        except (OSError, ValueError, AttributeError, TypeError) as error:
+            raise ConfigValueError(key, f"{config_file} is not a readable model config ({error}): "
+                                        "point the key at a checkpoint directory") from None
+        if not isinstance(name, str):
+            raise ConfigValueError(key, f"{config_file} names no architecture (its \"architectures\" list is "
+                                        "missing or empty)")
+        return Architecture(name, str(config_file), _features(hf_config))
+    declared = read(cfg, ARCHITECTURE_KEY)
+    if declared is not None:
+        return Architecture(declared, ARCHITECTURE_KEY)
+    return Architecture(None, f"{key} {str(directory)!r} has no local config.json and {ARCHITECTURE_KEY} is not set")
+
+
+def _architecture_gaps(architecture: Architecture) -> list[str]:
+    from zero_mismatch_plugin.megatron.spec import unsupported_features
+
+    if architecture.name is None:
+        return []
+    gaps = unsupported_features(SimpleNamespace(**architecture.features))
+    supported = convert.SUPPORTED_ARCHITECTURES  # the aligned Megatron path's own list, read at call time
+    if architecture.name not in supported:
+        gaps.insert(0, f"a path for {architecture.name} (from {architecture.source}: the aligned forward covers "
+                       f"only the dense decoders {', '.join(supported)})")
+    return gaps
+
+
+def _engine_gaps(cfg: DictConfig) -> list[str]:
+    """The Megatron engine settings the aligned forward is built into (docs/megatron.md)."""
+    from zero_mismatch_plugin.megatron.spec import unsupported_features
+
+    if not uses_megatron(cfg):
+        return [f"verl's Megatron engine (actor strategy is {read(cfg, 'actor_rollout_ref.actor.strategy')!r}; "
+                "the aligned forward patches that engine): add the zm_engine: megatron group or model_engine=megatron"]
+    tp = read(cfg, f"{MEGATRON}.tensor_model_parallel_size")
+    layout = SimpleNamespace(tensor_model_parallel_size=tp,
+                             pipeline_model_parallel_size=read(cfg, f"{MEGATRON}.pipeline_model_parallel_size"),
+                             context_parallel_size=read(cfg, f"{MEGATRON}.context_parallel_size"),
+                             sequence_parallel=tp > 1 and read(cfg, f"{MEGATRON}.sequence_parallel"))
+    gaps = [f"{feature} in the trainer" for feature in unsupported_features(layout)]
+    for key, wanted in ((f"{MEGATRON}.use_mbridge", True), (f"{MEGATRON}.vanilla_mbridge", False),
+                        (f"{MEGATRON}.use_remove_padding", True), ("actor_rollout_ref.model.use_fused_kernels", False)):
+        if read(cfg, key) is not wanted:
+            gaps.append(f"{key}={str(wanted).lower()}")
+    return gaps
+
+
+def _rollout_gaps(cfg: DictConfig) -> list[str]:
+    """The aligned forward reproduces one single-GPU vLLM replica's arithmetic."""
+    gaps = []
+    for key, name in (("tensor_model_parallel_size", "tensor"), ("pipeline_model_parallel_size", "pipeline")):
+        size = read(cfg, f"{ROLLOUT}.{key}")
+        if size != 1:
+            gaps.append(f"rollout {name} parallelism {size} (the aligned forward reproduces a 1-GPU vLLM replica)")
+    return gaps
+
+
+def alignment_gaps(cfg: DictConfig, architecture: Architecture) -> list[str]:
+    """What the aligned trainer forward lacks to reproduce this config's rollout bit for bit."""
+    gaps = _architecture_gaps(architecture) + _engine_gaps(cfg)
+    rank = lora_rank(cfg)
+    if rank > 0:
+        gaps.append(f"LoRA adapters (rank {rank})")
+    return gaps + _rollout_gaps(cfg)
+
+
+def aligned_switch(cfg: DictConfig) -> str | None:
+    return runtime_env_vars(cfg).get(ENABLE_ENV)
+
+
+def trainer_alignment(cfg: DictConfig) -> TrainerAlignment:
+    """Whether the trainer's logprobs are vLLM's bits for this config, and if not, what is missing."""
+    if not is_consistent(cfg):
+        return TrainerAlignment(STANDARD)
+    switch = aligned_switch(cfg)
+    architecture = model_architecture(cfg)
+    gaps = tuple(alignment_gaps(cfg, architecture))
+    if switch == "0":
+        return TrainerAlignment(TURNED_OFF, gaps)
+    if switch != "1":
+        return TrainerAlignment(NOT_ENABLED, gaps)
+    if gaps:
+        return TrainerAlignment(NOT_ALIGNED, gaps)
+    if architecture.name is None:
+        return TrainerAlignment(MODEL_UNKNOWN)
+    return TrainerAlignment(ALIGNED)
+
+
+def _unaligned_warning(gaps: tuple[str, ...]) -> Problem:
+    why = f" The aligned forward would also lack: {'; '.join(gaps)}." if gaps else ""
+    return Problem(ALIGNED_SWITCH_KEY,
+                   "TRAINER NOT ALIGNED: \"0\" runs the trainer on its own kernels while ZMRL_NUMERICS=consistent; "
+                   "its logprobs are not vLLM's bits, so diff 0 CANNOT hold (rollout_probs_diff will not read 0, "
+                   f"bitwise_equal_fraction will not read 1).{why}", fatal=False)
+
+
+def alignment_problems(cfg: DictConfig) -> list[Problem]:
+    switch = aligned_switch(cfg)
+    if switch not in (None, "0", "1"):
+        return [Problem(ALIGNED_SWITCH_KEY, f"must be \"1\" (aligned trainer forward) or \"0\" (off); now {switch!r}")]
+    alignment = trainer_alignment(cfg)
+    if alignment.status == NOT_ENABLED:
+        return [Problem(ALIGNED_SWITCH_KEY, "ZMRL_NUMERICS=consistent promises diff 0, which needs the aligned "
+                                            "trainer forward: set it to \"1\" (the zm_numerics: consistent group "
+                                            f"does). {OVERRIDE_HINT}")]
+    if alignment.status == NOT_ALIGNED:
+        return [Problem(ALIGNED_SWITCH_KEY, "the aligned trainer forward does not cover this run, so diff 0 cannot "
+                                            f"hold; missing: {'; '.join(alignment.gaps)}. {OVERRIDE_HINT}")]
+    if alignment.status == MODEL_UNKNOWN:
+        return [Problem(ARCHITECTURE_KEY, f"cannot tell whether the aligned trainer forward covers the model: "
+                                          f"{model_architecture(cfg).source}. Point model.path at a local "
+                                          f"checkpoint, or set ++{ARCHITECTURE_KEY}=<its config.json architectures[0]>")]
+    if alignment.status == TURNED_OFF:
+        return [_unaligned_warning(alignment.gaps)]
+    if alignment.status == STANDARD and switch == "1":
+        return [Problem(ALIGNED_SWITCH_KEY, "the aligned trainer forward is on without ZMRL_NUMERICS=consistent: "
+                                            "the engine side is not batch-invariant, so parity is not expected",
+                        fatal=False)]
+    return []

@@ -1,0 +1,66 @@
+"""Sampling and the consistent/fast switch: what exact importance sampling and bit-exact parity need."""
+
+from __future__ import annotations
+
+from omegaconf import DictConfig
+
+from zero_mismatch_plugin.aligned.numerics import BATCH_INVARIANT_ENV, CONSISTENT, MODE_ENV, MODES
+
+from .algorithms import uses_plugin
+from .problems import Problem
+from .values import ENV_VARS_KEY, read
+
+ROLLOUT = "actor_rollout_ref.rollout"
+ALLOW_PREFIX_CACHING_ENV = "ZMRL_ALLOW_PREFIX_CACHING"
+
+
+def runtime_env_vars(cfg: DictConfig) -> dict[str, str]:
+    """The variables verl hands every Ray worker (``ray_kwargs.ray_init.runtime_env.env_vars``)."""
+    return read(cfg, ENV_VARS_KEY) or {}
+
+
+def is_consistent(cfg: DictConfig) -> bool:
+    return runtime_env_vars(cfg).get(MODE_ENV) == CONSISTENT
+
+
+def sampling_problems(cfg: DictConfig) -> list[Problem]:
+    """For the plugin's algorithms (IS over a common support) and for consistent numerics (parity)."""
+    if not (uses_plugin(cfg) or is_consistent(cfg)):
+        return []
+    problems = []
+    if read(cfg, f"{ROLLOUT}.top_p") < 1.0:
+        problems.append(Problem(f"{ROLLOUT}.top_p", "must be 1.0: top-p truncation breaks the common support that "
+                                                    "importance sampling assumes, and the trainer does not replay it"))
+    if read(cfg, f"{ROLLOUT}.top_k") > 0:
+        problems.append(Problem(f"{ROLLOUT}.top_k", "must be -1 (off): top-k truncation breaks the common support "
+                                                    "that importance sampling assumes, and the trainer does not replay it"))
+    if not read(cfg, f"{ROLLOUT}.calculate_log_probs"):
+        problems.append(Problem(f"{ROLLOUT}.calculate_log_probs",
+                                "must be true: mu is the logprob the rollout engine recorded while sampling"))
+    temperature = read(cfg, f"{ROLLOUT}.temperature")
+    if temperature != 1.0:
+        problems.append(Problem(f"{ROLLOUT}.temperature",
+                                f"is {temperature}: bit-exact parity is tested end to end at temperature 1.0 only "
+                                "(the aligned logits processor divides by T as vLLM does)", fatal=False))
+    return problems
+
+
+def numerics_problems(cfg: DictConfig) -> list[Problem]:
+    """The switch's value, and what consistent mode needs from the rest of the config."""
+    env = runtime_env_vars(cfg)
+    mode = env.get(MODE_ENV)
+    if mode is not None and mode not in MODES:
+        return [Problem(f"{ENV_VARS_KEY}.{MODE_ENV}", f"must be one of {', '.join(MODES)} (now {mode!r})")]
+    if mode != CONSISTENT:
+        return []
+    problems = []
+    if env.get(BATCH_INVARIANT_ENV) != "1":
+        problems.append(Problem(f"{ENV_VARS_KEY}.{BATCH_INVARIANT_ENV}",
+                                f"must be \"1\" with {MODE_ENV}=consistent: verl forwards the shell's value "
+                                "(\"0\" if unset) otherwise"))
+    if read(cfg, f"{ROLLOUT}.enable_prefix_caching") and env.get(ALLOW_PREFIX_CACHING_ENV) != "1":
+        problems.append(Problem(f"{ROLLOUT}.enable_prefix_caching",
+                                f"is on, but the plugin's consistent mode turns it off unless "
+                                f"{ALLOW_PREFIX_CACHING_ENV}=1; set one or the other so the config says what runs",
+                                fatal=False))
+    return problems
