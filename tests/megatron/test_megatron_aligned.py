@@ -46,17 +46,19 @@ def test_aligned_megatron_logprobs_bitwise_equal_engine(mg_runtime, mg_rollout):
     print(_report("aligned megatron (THD packed)", logprobs, mu))
 
 
-def test_stock_local_spec_is_not_bitwise_equal(mg_runtime, mg_rollout):
-    """Negative control: the same weights through megatron's stock local spec."""
+def test_stock_local_spec_is_close(mg_runtime, mg_rollout):
+    """Control: the same weights through megatron's stock local spec agree with the engine to
+    fp32 round-off. How many tokens are bit-equal depends on the host's kernels: printed, not
+    asserted (a planted difference is caught in test_checker_backend_reports_engine_bits)."""
     prompts, responses, mu = mg_rollout(seed=0)
     batch = pack(prompts, responses)
     with cpu_stock_megatron(), torch.no_grad():
         model = build_gpt_model(mg_runtime, aligned=False).eval()
         logprobs = token_logprobs_from_logits(per_sequence_logits(model, batch), batch)
+    assert logprobs.shape == mu.shape
     diff = (logprobs - mu).abs().max().item()
-    assert diff < 1e-4, diff  # the same model, up to fp32 round-off ...
-    assert not torch.equal(logprobs, mu)  # ... but not the engine's bits
-    print(_report("stock local spec", logprobs, mu))
+    assert diff < 1e-4, diff
+    print(_report("stock local spec on this host", logprobs, mu))
 
 
 def test_verl_provider_injection_builds_bitwise_model(mg_runtime, mg_rollout):
