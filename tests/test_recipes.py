@@ -590,3 +590,31 @@ def test_recipes_compose_from_the_package_without_a_source_path():
         cfg = compose(config_name="kimi_k3_1_lora_r32_dapo_gb300_sync")
     GlobalHydra.instance().clear()
     assert cfg.actor_rollout_ref.model.lora.rank == 32
+
+
+def test_verls_launcher_hands_the_aligned_switch_to_every_ray_worker(monkeypatch):
+    # verl 0.9.1's run_ppo merges ray_kwargs.ray_init.runtime_env over its own defaults and passes
+    # it to ray.init, whose runtime_env every actor (TaskRunner, workers, vLLM servers) inherits.
+    from verl.trainer import main_ppo
+
+    initialised = {}
+
+    class TaskRunner:
+        @classmethod
+        def remote(cls):
+            return cls()
+
+        class run:  # noqa: N801 - stands in for a Ray actor method
+            @staticmethod
+            def remote(config):
+                return config
+
+    monkeypatch.setattr(main_ppo.ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(main_ppo.ray, "init", lambda **kwargs: initialised.update(kwargs))
+    monkeypatch.setattr(main_ppo.ray, "get", lambda ref: ref)
+    for name, switch in (("reinforce_zero_r1_distill_1_5b_math_lag2", "1"),
+                         ("ablation_is_standard_kernels_r1_distill_1_5b_lag8", "0")):
+        main_ppo.run_ppo(composed(name), task_runner_class=TaskRunner)
+        env_vars = initialised["runtime_env"]["env_vars"]
+        assert env_vars["ZMRL_MEGATRON_ALIGNED"] == switch, name
+        assert env_vars["ZMRL_NUMERICS"] == ("consistent" if switch == "1" else "fast")
