@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import verl  # noqa: F401  (loads the plugin through its entry point)
-from verl_batches import actor_config, fill_padding, loss_call, padded_loss_batch, ppo_loss_call
+from verl_batches import (actor_config, extreme_log_ratio_batch, fill_padding, loss_call, padded_loss_batch,
+                          ppo_loss_call, reference_reinforce)
 
 from zero_mismatch_plugin import formulas
 from zero_mismatch_plugin.verl_adapter import losses
@@ -208,39 +209,22 @@ def test_whatever_padding_holds_loss_gradient_and_metrics_are_bit_identical(loss
         assert 0.0 < clean[2]["flash_reinforce/admitted_fraction"] < 1.0
 
 
-def _extreme_log_ratio_batch(dtype):
-    """Log-ratios from -3 to 60 by column (exp overflows fp16 above ~11.09), logprobs <= -1."""
-    _, base, _, advantages, mask = padded_loss_batch(dtype=torch.float64)
-    log_ratios = torch.tensor([0.25, -3.0, 10.5, 11.5, 12.0, 20.0, 60.0], dtype=torch.float64)
-    mu = base - 1.0 - log_ratios.clamp(min=0)
-    pi = mu + log_ratios
-    return tuple(torch.where(mask, t, 0.0).to(dtype) for t in (pi, mu, advantages)) + (mask,)
-
-
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("loss_mode", ["reinforce_zero", "flash_reinforce"])
 def test_16_bit_inputs_are_computed_in_fp32_and_match_an_fp64_reference(loss_mode, dtype):
-    pi, mu, advantages, mask = _extreme_log_ratio_batch(dtype)
+    pi, mu, advantages, mask = extreme_log_ratio_batch(dtype)
+    assert bool(((pi - mu).float()[mask] > 11.1).any()), "the fixture must hold ratios beyond the fp16 range"
     # A delta no row exceeds: FlashREINFORCE then trains on every row, like REINFORCE Zero.
     config = actor_config(loss_mode, trust_region_delta=1e9) if loss_mode == "flash_reinforce" else None
     loss, grad, metrics = loss_call(loss_mode, pi, mu, advantages, mask, config=config)
-
-    cap = formulas.log_ratio_cap(dtype)
-    log_ratio = torch.where(mask, pi.double() - mu.double(), 0.0)
-    assert bool((log_ratio[mask] > 11.1).any()), "the fixture must hold ratios beyond the fp16 range"
-    ratio = torch.exp(log_ratio.clamp(max=cap))
-    tokens = mask.sum(-1, keepdim=True).clamp(min=1)
-    rows = int((mask.sum(-1) > 0).sum())
-    reference_loss = (torch.where(mask, -advantages.double() * ratio, 0.0) / tokens).sum() / rows
-    reference_grad = torch.where(mask & (log_ratio <= cap), -advantages.double() * ratio / tokens / rows, 0.0)
-
+    reference_loss, reference_grad, capped_fraction = reference_reinforce(pi, mu, advantages, mask,
+                                                                          formulas.log_ratio_cap(dtype))
     assert loss.dtype == torch.float32 and grad.dtype == dtype
     assert torch.isfinite(grad).all()
-    assert loss.item() == pytest.approx(reference_loss.item(), rel=1e-6)
+    assert loss.item() == pytest.approx(reference_loss, rel=1e-6)
     assert torch.allclose(grad.double(), reference_grad.to(dtype).double(), rtol=torch.finfo(dtype).eps, atol=0)
-    expected_capped = (log_ratio[mask] > cap).double().mean().item()
-    assert metrics["zero_mismatch/is_log_ratio_capped_fraction"] == pytest.approx(expected_capped)
-    assert expected_capped > 0
+    assert capped_fraction > 0
+    assert metrics["zero_mismatch/is_log_ratio_capped_fraction"] == pytest.approx(capped_fraction)
     assert all(math.isfinite(value) for value in metrics.values())
 
 

@@ -80,16 +80,18 @@ def padded_loss_batch(seed: int = 0, log_ratio_scale: float = 0.3, dtype: torch.
 
 
 def loss_call(loss_mode: str, log_prob, old_log_prob, advantages, response_mask, config=None, **keywords):
-    """One direct call of a plugin loss as verl's ppo_loss makes it, then backward.
+    """One direct call of a plugin loss as verl's ppo_loss makes it (``loss_agg_mode`` from the
+    config, ``rollout_is_weights`` None unless given), then backward.
     Returns ``(loss, grad of log_prob, metrics)``; the loss is detached."""
     from zero_mismatch_plugin.verl_adapter.losses import flash_reinforce_policy_loss, reinforce_zero_policy_loss
 
     loss_fn = {"reinforce_zero": reinforce_zero_policy_loss, "flash_reinforce": flash_reinforce_policy_loss}[loss_mode]
-    leaf = log_prob.clone().requires_grad_(True)
+    config = actor_config(loss_mode) if config is None else config
+    leaf = log_prob.clone().requires_grad_(True) if log_prob.is_floating_point() else log_prob
+    keywords.setdefault("rollout_is_weights", None)
     loss, metrics = loss_fn(old_log_prob=old_log_prob, log_prob=leaf, advantages=advantages,
-                            response_mask=response_mask, loss_agg_mode="seq-mean-token-mean",
-                            config=actor_config(loss_mode) if config is None else config,
-                            rollout_is_weights=None, **keywords)
+                            response_mask=response_mask, loss_agg_mode=config.loss_agg_mode, config=config,
+                            **keywords)
     loss.backward()
     return loss.detach(), leaf.grad, metrics
 
@@ -97,3 +99,28 @@ def loss_call(loss_mode: str, log_prob, old_log_prob, advantages, response_mask,
 def fill_padding(tensor: torch.Tensor, mask: torch.Tensor, value: float) -> torch.Tensor:
     """``tensor`` with ``value`` at every padded position (mask 0)."""
     return torch.where(mask, tensor, torch.tensor(value, dtype=tensor.dtype))
+
+
+def reference_reinforce(log_prob, behaviour_log_prob, advantages, mask, max_log_ratio: float):
+    """REINFORCE Zero's loss and gradient in float64 from the closed form, for checking the
+    losses at other precisions: loss = -(1/B) sum_i (1/T_i) sum_t A_i rho_it over the rows with
+    tokens, d loss / d log pi_it = -A_i rho_it / (T_i B), 0 where the log-ratio is capped."""
+    log_ratio = torch.where(mask, log_prob.double() - behaviour_log_prob.double(), 0.0)
+    ratio = torch.exp(log_ratio.clamp(max=max_log_ratio))
+    tokens = mask.sum(-1, keepdim=True).clamp(min=1)
+    rows = max(int((mask.sum(-1) > 0).sum()), 1)
+    term = torch.where(mask, -advantages.double() * ratio, 0.0)
+    loss = (term / tokens).sum() / rows
+    grad = torch.where(mask & (log_ratio <= max_log_ratio), term / tokens / rows, 0.0)
+    capped_fraction = (log_ratio[mask] > max_log_ratio).double().mean().item()
+    return loss.item(), grad, capped_fraction
+
+
+def extreme_log_ratio_batch(dtype: torch.dtype):
+    """``(pi, mu, advantages, mask)`` with log-ratios from -3 to 60 by column (exp overflows fp16
+    above ~11.09, the fp32 cap is 50), every logprob <= -1."""
+    _, base, _, advantages, mask = padded_loss_batch(dtype=torch.float64)
+    log_ratios = torch.tensor([0.25, -3.0, 10.5, 11.5, 12.0, 20.0, 60.0], dtype=torch.float64)
+    mu = base - 1.0 - log_ratios.clamp(min=0)
+    pi = mu + log_ratios
+    return tuple(torch.where(mask, t, 0.0).to(dtype) for t in (pi, mu, advantages)) + (mask,)

@@ -31,7 +31,7 @@ from verl.trainer.ppo.core_algos import agg_loss
 
 from zero_mismatch_plugin import formulas
 from zero_mismatch_plugin.token_metrics import importance_sampling_metrics, log_prob_gap_metrics
-from zero_mismatch_plugin.verl_adapter.config import DEFAULT_TRUST_REGION_DELTA
+from zero_mismatch_plugin.verl_adapter.config import DEFAULT_TRUST_REGION_DELTA, KL_DIRECTIONS
 from zero_mismatch_plugin.verl_adapter.estimators import InvalidBatchError, bool_response_mask
 
 REQUIRED_LOSS_AGG_MODE = "seq-mean-token-mean"
@@ -230,11 +230,21 @@ def reinforce_zero_policy_loss(old_log_prob: torch.Tensor, log_prob: torch.Tenso
 
 
 def _trust_region_settings(config: Any) -> tuple[float, str]:
+    """(delta, KL direction) from ``config.policy_loss``; refused when a NaN or non-positive
+    delta would reject every row (the config class refuses them too, but a config can be
+    changed after it was built)."""
     policy_loss = getattr(config, "policy_loss", None) if config is not None else None
     if policy_loss is None:
         return DEFAULT_TRUST_REGION_DELTA, "behaviour_to_learner"
-    return (float(policy_loss.get("trust_region_delta", DEFAULT_TRUST_REGION_DELTA)),
-            str(policy_loss.get("kl_direction", "behaviour_to_learner")))
+    delta = policy_loss.get("trust_region_delta", DEFAULT_TRUST_REGION_DELTA)
+    direction = policy_loss.get("kl_direction", "behaviour_to_learner")
+    if isinstance(delta, bool) or not isinstance(delta, int | float) or not delta > 0:
+        raise InvalidBatchError(f"flash_reinforce: actor_rollout_ref.actor.policy_loss.trust_region_delta must be "
+                                f"a positive number, got {delta!r}.")
+    if direction not in KL_DIRECTIONS:
+        raise InvalidBatchError(f"flash_reinforce: actor_rollout_ref.actor.policy_loss.kl_direction must be one of "
+                                f"{', '.join(KL_DIRECTIONS)}, got {direction!r}.")
+    return float(delta), direction
 
 
 def flash_reinforce_policy_loss(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,

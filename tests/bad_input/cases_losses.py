@@ -1,0 +1,343 @@
+"""Bad input to the policy losses ``reinforce_zero`` and ``flash_reinforce``, called as verl's
+``ppo_loss`` calls them: anything in the padding, 16-bit inputs with ratios past fp16's range,
+batches without response tokens, positive or non-finite logprobs, advantages that overflow,
+masks, shapes, dtypes and settings that are not what verl passes.
+
+Documented in docs/algorithms.md, "Bad input" (and in the losses' docstrings).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+import verl  # noqa: F401  (registers the plugin's losses)
+from bad_input import error, result
+from verl_batches import (actor_config, extreme_log_ratio_batch, fill_padding, loss_call, padded_loss_batch,
+                          reference_reinforce)
+
+from zero_mismatch_plugin import formulas
+from zero_mismatch_plugin.verl_adapter.estimators import InvalidBatchError
+from zero_mismatch_plugin.verl_adapter.losses import positive_log_prob_tolerance
+
+DOC = "docs/algorithms.md, 'Bad input: the losses'"
+LOSS_MODES = ("reinforce_zero", "flash_reinforce")
+POISONS = {"nan": float("nan"), "+inf": float("inf"), "-inf": float("-inf"), "3e38": 3e38, "-3e38": -3e38}
+# What a padded position of each input can hold; "+mu" means mu is passed as rollout_log_probs
+# (decoupled mode with verl patch 0003; old_log_prob is then the trainer's recompute).
+POISONED_INPUTS = ("log_prob", "old_log_prob", "advantages", "rollout_log_probs+mu", "old_log_prob+mu")
+
+
+def _inputs(with_mu: bool, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    pi, mu, old, advantages, mask = padded_loss_batch(dtype=dtype)
+    inputs = {"log_prob": pi, "old_log_prob": old if with_mu else mu, "advantages": advantages, "mask": mask}
+    if with_mu:
+        inputs["rollout_log_probs"] = mu
+    return inputs
+
+
+def _call(loss_mode: str, inputs: dict, config=None):
+    keywords = {key: inputs[key] for key in ("rollout_log_probs", "rollout_is_weights") if key in inputs}
+    return loss_call(loss_mode, inputs["log_prob"], inputs["old_log_prob"], inputs["advantages"], inputs["mask"],
+                     config=config, **keywords)
+
+
+def _changed(loss_mode: str, change, with_mu: bool = False, config=None, dtype: torch.dtype = torch.float32):
+    """Run the loss on the standard padded batch after ``change(inputs)`` edits it in place."""
+    def run():
+        inputs = _inputs(with_mu, dtype)
+        change(inputs)
+        return _call(loss_mode, inputs, config() if callable(config) else config)
+    return run
+
+
+# ----- padding: whatever it holds, loss, gradient and metrics are those of clean padding ---------
+
+def _poisoned_and_clean(loss_mode: str, poisoned: str, value: float):
+    name, _, with_mu = poisoned.partition("+")
+
+    def poison(inputs):
+        inputs[name] = fill_padding(inputs[name], inputs["mask"], value)
+
+    return lambda: (_changed(loss_mode, poison, bool(with_mu))(), _changed(loss_mode, lambda _: None, bool(with_mu))())
+
+
+def _bit_identical(pair):
+    (loss, grad, metrics), (clean_loss, clean_grad, clean_metrics) = pair
+    assert torch.equal(loss, clean_loss), (loss, clean_loss)
+    assert torch.equal(grad, clean_grad), "gradient differs from clean padding"
+    assert metrics == clean_metrics, (metrics, clean_metrics)
+
+
+PADDING = [
+    result(f"{loss_mode}-padding-{poisoned}-{label}", _poisoned_and_clean(loss_mode, poisoned, value),
+           _bit_identical, DOC)
+    for loss_mode in LOSS_MODES for poisoned in POISONED_INPUTS for label, value in POISONS.items()
+]
+
+
+# ----- 16-bit inputs: ratios computed in fp32, gradients finite in the input dtype ---------------
+
+def _low_precision(loss_mode: str, dtype: torch.dtype, columns: slice):
+    def run():
+        pi, mu, advantages, mask = extreme_log_ratio_batch(dtype)
+        mask = mask.clone()
+        keep = torch.zeros_like(mask)
+        keep[:, columns] = True
+        mask &= keep
+        config = actor_config(loss_mode, trust_region_delta=1e9) if loss_mode == "flash_reinforce" else None
+        return dtype, (pi, mu, advantages, mask), loss_call(loss_mode, pi, mu, advantages, mask, config=config)
+    return run
+
+
+def _matches_fp64_reference(outcome):
+    dtype, (pi, mu, advantages, mask), (loss, grad, metrics) = outcome
+    reference_loss, reference_grad, capped_fraction = reference_reinforce(pi, mu, advantages, mask,
+                                                                          formulas.log_ratio_cap(dtype))
+    assert grad.dtype == dtype and torch.isfinite(grad).all(), grad
+    assert math.isclose(loss.item(), reference_loss, rel_tol=1e-6), (loss.item(), reference_loss)
+    # One rounding to the gradient's dtype, or fp32 arithmetic on log-ratios up to 60 (a few 1e-6).
+    tolerance = max(torch.finfo(dtype).eps, 1e-5)
+    assert torch.allclose(grad.double(), reference_grad.to(dtype).double(), rtol=tolerance, atol=0)
+    assert math.isclose(metrics["zero_mismatch/is_log_ratio_capped_fraction"], capped_fraction, rel_tol=1e-6)
+
+
+LOW_PRECISION = [
+    result(f"{loss_mode}-{str(dtype)[6:]}-log-ratios-{label}", _low_precision(loss_mode, dtype, columns),
+           _matches_fp64_reference, DOC)
+    for loss_mode in LOSS_MODES for dtype in (torch.float16, torch.bfloat16)
+    # columns 2-4: log-ratios 10.5, 11.5, 12 (fp16's exp overflows above 11.09); 4-6: 12, 20, 60 (past the cap)
+    for label, columns in (("10.5-to-12", slice(2, 5)), ("12-to-60", slice(4, 7)))
+]
+
+
+def _mixed_dtypes(loss_mode: str, log_prob_dtype: torch.dtype, mu_dtype: torch.dtype):
+    def run():
+        pi, mu, advantages, mask = extreme_log_ratio_batch(torch.float64)
+        return log_prob_dtype, (pi.to(log_prob_dtype), mu.to(mu_dtype), advantages, mask), loss_call(
+            loss_mode, pi.to(log_prob_dtype), mu.to(mu_dtype), advantages.float(), mask,
+            config=actor_config(loss_mode, trust_region_delta=1e9) if loss_mode == "flash_reinforce" else None)
+    return run
+
+
+MIXED = [
+    result(f"{loss_mode}-log_prob-{str(a)[6:]}-mu-{str(b)[6:]}", _mixed_dtypes(loss_mode, a, b),
+           _matches_fp64_reference, DOC)
+    for loss_mode in LOSS_MODES for a, b in ((torch.float16, torch.float32), (torch.float32, torch.bfloat16))
+]
+
+
+# ----- batches without response tokens: loss 0, zero gradients, no metrics ---------------------
+
+def _empty(loss_mode: str, cut, mask_every_row: bool = False):
+    def run():
+        pi, mu, _, advantages, mask = (cut(t) for t in padded_loss_batch())
+        if mask_every_row:
+            mask = torch.zeros_like(mask)
+        return pi.shape, loss_call(loss_mode, pi, mu, advantages, mask)
+    return run
+
+
+def _zero_loss_zero_gradient(outcome):
+    shape, (loss, grad, metrics) = outcome
+    assert loss.item() == 0.0 and grad is not None and grad.shape == shape and not grad.any(), (loss, grad)
+    assert metrics == {}, metrics
+
+
+EMPTY = [
+    result(f"{loss_mode}-{label}", _empty(loss_mode, cut, mask_every_row), _zero_loss_zero_gradient, DOC)
+    for loss_mode in LOSS_MODES
+    for label, cut, mask_every_row in (("no-rows", lambda t: t[:0], False), ("no-tokens", lambda t: t[:, :0], False),
+                                       ("every-row-masked", lambda t: t, True))
+]
+
+
+# ----- logprobs that no policy gives ----------------------------------------------------------
+
+def _set_token(name: str, value: float, row: int = 2, column: int = 3):
+    def change(inputs):
+        inputs[name] = inputs[name].clone()
+        inputs[name][row, column] = value
+    return change
+
+
+POSITIVE = [
+    error(f"{loss_mode}-positive-{name}{'+mu' if with_mu else ''}",
+          _changed(loss_mode, _set_token(name, 0.25), with_mu),
+          rf"{name}[ )=].* is positive at 1 response tokens .* check that this input holds the log-probability",
+          InvalidBatchError)
+    for loss_mode in LOSS_MODES
+    for name, with_mu in (("log_prob", False), ("old_log_prob", False), ("rollout_log_probs", True),
+                          ("old_log_prob", True))
+] + [
+    error(f"{loss_mode}-logits-as-log_prob", _changed(loss_mode, lambda inputs: inputs.update(
+        log_prob=torch.where(inputs["mask"], torch.full_like(inputs["log_prob"], 7.5), 0.0))),
+        r"trainer logprob \(log_prob\) is positive at 20 response tokens .* not a logit", InvalidBatchError)
+    for loss_mode in LOSS_MODES
+]
+
+
+def _at_tolerance(loss_mode: str, dtype: torch.dtype):
+    return _changed(loss_mode, _set_token("log_prob", positive_log_prob_tolerance(dtype)), dtype=dtype)
+
+
+def _finite(outcome):
+    loss, grad, metrics = outcome
+    assert torch.isfinite(loss) and torch.isfinite(grad).all(), (loss, grad)
+    assert all(math.isfinite(value) for value in metrics.values()), metrics
+
+
+AT_TOLERANCE = [
+    result(f"{loss_mode}-log_prob-at-rounding-tolerance-{str(dtype)[6:]}", _at_tolerance(loss_mode, dtype),
+           _finite, DOC)
+    for loss_mode in LOSS_MODES for dtype in (torch.float32, torch.bfloat16)
+]
+
+NON_FINITE = [
+    error(f"{loss_mode}-{label}-at-a-response-token", _changed(loss_mode, _set_token(name, value), with_mu),
+          rf"{says} at 1 response tokens", InvalidBatchError)
+    for loss_mode in LOSS_MODES
+    for label, name, value, with_mu, says in (
+        ("nan-log_prob", "log_prob", float("nan"), False, r"\(log_prob\) is NaN/inf"),
+        ("-inf-mu", "old_log_prob", float("-inf"), False, r"\(old_log_prob = mu\) is NaN/inf"),
+        ("nan-rollout_log_probs", "rollout_log_probs", float("nan"), True, r"\(rollout_log_probs = mu\) is NaN/inf"),
+        ("+inf-advantages", "advantages", float("inf"), False, r"advantages are NaN/inf"),
+    )
+]
+
+
+def _capped_and_finite(outcome):
+    _finite(outcome)
+    assert outcome[2]["zero_mismatch/is_log_ratio_capped_fraction"] > 0
+
+
+HUGE_FINITE = [
+    result(f"{loss_mode}-mu-of-1e-30-probability", _changed(loss_mode, _set_token("old_log_prob", -1e30)),
+           _capped_and_finite, DOC)
+    for loss_mode in LOSS_MODES
+] + [
+    result(f"{loss_mode}-log_prob-of--3e38", _changed(loss_mode, _set_token("log_prob", -3e38)), _finite, DOC)
+    for loss_mode in LOSS_MODES
+]
+
+OVERFLOW = [
+    error(f"{loss_mode}-advantages-of-3e38", _changed(
+        loss_mode, lambda inputs: inputs.update(advantages=torch.where(inputs["mask"], torch.tensor(3e38), 0.0)),
+        config=lambda: actor_config("flash_reinforce", trust_region_delta=1e9) if loss_mode == "flash_reinforce"
+        else None),
+        "loss overflowed torch.float32 .* scale the rewards down", InvalidBatchError)
+    for loss_mode in LOSS_MODES
+]
+
+
+# ----- masks, shapes, dtypes, settings ---------------------------------------------------------
+
+def _mask_with(value: float):
+    def change(inputs):
+        mask = inputs["mask"].float()
+        mask[1, 0] = value
+        inputs["mask"] = mask
+    return change
+
+
+MASKS = [
+    error(f"reinforce_zero-mask-holding-{value}", _changed("reinforce_zero", _mask_with(value)),
+          "response_mask must hold only 0 and 1", InvalidBatchError)
+    for value in (0.5, 2.0, -1.0, float("nan"))
+] + [
+    error("flash_reinforce-mask-as-numpy", _changed("flash_reinforce", lambda i: i.update(mask=i["mask"].numpy())),
+          "response_mask must be a torch.Tensor", InvalidBatchError),
+    error("reinforce_zero-mask-as-list", _changed("reinforce_zero", lambda i: i.update(mask=i["mask"].tolist())),
+          "response_mask must be a torch.Tensor", InvalidBatchError),
+]
+
+
+def _numeric_and_bool_mask(loss_mode: str, dtype: torch.dtype):
+    return lambda: (_changed(loss_mode, lambda i: i.update(mask=i["mask"].to(dtype)))(),
+                    _changed(loss_mode, lambda _: None)())
+
+
+MASKS += [
+    result(f"{loss_mode}-0-1-mask-as-{str(dtype)[6:]}", _numeric_and_bool_mask(loss_mode, dtype), _bit_identical, DOC)
+    for loss_mode in LOSS_MODES for dtype in (torch.float32, torch.int64)
+]
+
+SHAPES = [
+    error(f"{loss_mode}-{label}", _changed(loss_mode, change), "every input must be \\(batch, response length\\)",
+          InvalidBatchError)
+    for loss_mode in LOSS_MODES
+    for label, change in (
+        ("1-D-inputs", lambda i: i.update({k: v[0] for k, v in i.items()})),
+        ("3-D-inputs", lambda i: i.update({k: v[None] for k, v in i.items()})),
+        ("advantages-per-row", lambda i: i.update(advantages=i["advantages"][:, 0])),
+        ("mask-one-column-short", lambda i: i.update(mask=i["mask"][:, :-1])),
+    )
+] + [
+    error("reinforce_zero-rollout_log_probs-one-row-short",
+          _changed("reinforce_zero", lambda i: i.update(rollout_log_probs=i["rollout_log_probs"][:-1]), True),
+          r"shape mismatch .* rollout_log_probs \(5, 7\)", InvalidBatchError),
+]
+
+DTYPES = [
+    error("reinforce_zero-integer-log_prob", _changed("reinforce_zero", lambda i: i.update(
+        log_prob=i["log_prob"].long())), r"\(log_prob\) must be a floating-point tensor, got torch.int64",
+        InvalidBatchError),
+    error("flash_reinforce-boolean-advantages", _changed("flash_reinforce", lambda i: i.update(
+        advantages=i["advantages"] > 0)), "advantages must be a floating-point tensor", InvalidBatchError),
+    error("reinforce_zero-numpy-old_log_prob", _changed("reinforce_zero", lambda i: i.update(
+        old_log_prob=np.asarray(i["old_log_prob"]))), r"old_log_prob = mu\) must be a torch.Tensor",
+        InvalidBatchError),
+    error("flash_reinforce-missing-old_log_prob", _changed("flash_reinforce", lambda i: i.update(
+        old_log_prob=None)), r"old_log_prob = mu\) must be a torch.Tensor .* got NoneType", InvalidBatchError),
+]
+
+
+def _policy_loss_with(**fields):
+    def config():
+        built = actor_config("flash_reinforce")
+        for key, value in fields.items():
+            object.__setattr__(built.policy_loss, key, value)  # as if changed after it was validated
+        return built
+    return config
+
+
+SETTINGS = [
+    error(f"flash_reinforce-trust_region_delta-{value}", _changed(
+        "flash_reinforce", lambda _: None, config=_policy_loss_with(trust_region_delta=value)),
+        "trust_region_delta must be a positive number", InvalidBatchError)
+    for value in (float("nan"), 0.0, -0.01, "0.01")
+] + [
+    error("flash_reinforce-kl_direction-forward", _changed(
+        "flash_reinforce", lambda _: None, config=_policy_loss_with(kl_direction="forward")),
+        "kl_direction must be one of behaviour_to_learner, learner_to_behaviour", InvalidBatchError),
+]
+
+
+def _agg_mode(loss_mode: str, mode: str):
+    def config():
+        built = actor_config(loss_mode)
+        object.__setattr__(built, "loss_agg_mode", mode)
+        return built
+    return config
+
+
+def _with_is_weights(inputs):
+    inputs["rollout_is_weights"] = torch.ones_like(inputs["log_prob"])
+
+
+SETTINGS += [
+    error(f"{loss_mode}-loss_agg_mode-{mode}", _changed(loss_mode, lambda _: None, config=_agg_mode(loss_mode, mode)),
+          "set actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean", InvalidBatchError)
+    for loss_mode in LOSS_MODES for mode in ("token-mean", "seq-mean-token-sum")
+] + [
+    error(f"{loss_mode}-precomputed-rollout_is_weights{'+mu' if with_mu else ''}",
+          _changed(loss_mode, _with_is_weights, with_mu),
+          "would correct the same gap twice: set algorithm.rollout_correction.rollout_is=null", InvalidBatchError)
+    for loss_mode in LOSS_MODES for with_mu in (False, True)
+]
+
+
+CASES = [*PADDING, *LOW_PRECISION, *MIXED, *EMPTY, *POSITIVE, *AT_TOLERANCE, *NON_FINITE, *HUGE_FINITE,
+         *OVERFLOW, *MASKS, *SHAPES, *DTYPES, *SETTINGS]
