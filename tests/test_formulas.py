@@ -187,3 +187,9 @@ def test_bernoulli_kl_of_16_bit_inputs_is_returned_in_fp32():
     kl = formulas.bernoulli_kl(log_q, log_p)
     assert kl.dtype == torch.float32
     assert torch.equal(kl, formulas.bernoulli_kl(log_q.float(), log_p.float()))
+
+
+def test_effective_sample_size_of_capped_ratios_stays_finite():
+    # e^50 squared overflows fp32; ESS is scale-free, so it is computed on w / max(w).
+    ratio = torch.tensor([1.0, math.exp(50.0)], dtype=torch.float32)
+    assert formulas.effective_sample_size_fraction(ratio, torch.ones(2)).item() == pytest.approx(0.5)
