@@ -247,11 +247,12 @@ def test_without_a_local_checkpoint_or_a_declared_architecture_the_run_is_refuse
     assert "'org/some-hub-model' has no local config.json" in problems["zmrl.architecture"]
 
 
-def test_the_supported_list_is_the_aligned_megatron_paths_own(monkeypatch):
-    from zero_mismatch_plugin.megatron import convert
+def test_the_supported_list_is_the_aligned_forwards_own(monkeypatch):
+    from zero_mismatch_plugin import architectures
 
     assert SWITCH in _all_problems("reinforce_zero", "zmrl.architecture=MistralForCausalLM")
-    monkeypatch.setattr(convert, "SUPPORTED_ARCHITECTURES", (*convert.SUPPORTED_ARCHITECTURES, "MistralForCausalLM"))
+    monkeypatch.setattr(architectures, "SUPPORTED_ARCHITECTURES",
+                        (*architectures.SUPPORTED_ARCHITECTURES, "MistralForCausalLM"))
     assert _all_problems("reinforce_zero", "zmrl.architecture=MistralForCausalLM") == {}
 
 

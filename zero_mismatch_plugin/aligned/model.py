@@ -29,8 +29,8 @@ from .ops import (
 from .packing import PackedBatch
 from .runtime import VllmRuntime
 from .sampling import SamplingTransform
+from ..architectures import SUPPORTED_ARCHITECTURES
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
 
 class _Weights(nn.Module):

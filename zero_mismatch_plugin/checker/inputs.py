@@ -34,7 +34,7 @@ def require_seed(seed: int) -> None:
 
 
 def supported_architectures() -> tuple[str, ...]:
-    from zero_mismatch_plugin.aligned.model import SUPPORTED_ARCHITECTURES
+    from zero_mismatch_plugin.architectures import SUPPORTED_ARCHITECTURES
 
     return SUPPORTED_ARCHITECTURES
 

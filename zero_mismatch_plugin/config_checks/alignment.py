@@ -3,7 +3,7 @@ aligned trainer forward (``ZMRL_MEGATRON_ALIGNED=1``: vLLM's kernels inside verl
 docs/megatron.md) can keep that promise, for the models and layouts it covers.
 
 The architectures it covers are the aligned Megatron path's own list
-(:data:`zero_mismatch_plugin.megatron.convert.SUPPORTED_ARCHITECTURES`); the model features and
+(:data:`zero_mismatch_plugin.architectures.SUPPORTED_ARCHITECTURES`, shared by both faces); the model features and
 parallel layouts it refuses are its own check
 (:func:`zero_mismatch_plugin.megatron.spec.unsupported_features`), fed from the verl config and
 the model's ``config.json``.
@@ -18,7 +18,7 @@ from types import SimpleNamespace
 
 from omegaconf import DictConfig
 
-from zero_mismatch_plugin.megatron import convert
+from zero_mismatch_plugin import architectures
 from zero_mismatch_plugin.megatron.verl_patch import ENABLE_ENV
 
 from .cluster import MEGATRON, ROLLOUT, lora_rank, uses_megatron
@@ -102,7 +102,7 @@ def _architecture_gaps(architecture: Architecture) -> list[str]:
     if architecture.name is None:
         return []
     gaps = unsupported_features(SimpleNamespace(**architecture.features))
-    supported = convert.SUPPORTED_ARCHITECTURES  # the aligned Megatron path's own list, read at call time
+    supported = architectures.SUPPORTED_ARCHITECTURES  # read at call time
     if architecture.name not in supported:
         gaps.insert(0, f"a path for {architecture.name} (from {architecture.source}: the aligned forward covers "
                        f"only the dense decoders {', '.join(supported)})")

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+from zero_mismatch_plugin.architectures import SUPPORTED_ARCHITECTURES
 
 
 def _arch(hf_config) -> str:
