@@ -82,7 +82,7 @@ def _checked_batch(algorithm: str, old_log_prob: Any, log_prob: Any, advantages:
     clean_old, clean_current, *clean_rollout = [
         _checked_log_prob(algorithm, name, formulas.masked(tensor, mask)) for name, tensor in named_log_probs]
     clean_advantages = formulas.masked(advantages, mask)
-    if not bool(torch.isfinite(clean_advantages).all()):
+    if not _all_within(clean_advantages, math.inf):
         raise InvalidBatchError(_non_finite_message(algorithm, "advantages", clean_advantages))
     return _Batch(clean_old, clean_current, clean_advantages, mask, clean_rollout[0] if clean_rollout else None)
 
@@ -132,7 +132,7 @@ def _checked_log_prob(algorithm: str, name: str, clean: torch.Tensor) -> torch.T
     """Refuse NaN/inf and log-probabilities above the rounding tolerance at response tokens.
     ``clean`` holds 0 at every masked position."""
     tolerance = positive_log_prob_tolerance(clean.dtype)
-    if bool(((clean > -math.inf) & (clean <= tolerance)).all()):  # one pass; NaN fails both
+    if _all_within(clean, tolerance):
         return clean
     if not bool(torch.isfinite(clean).all()):
         raise InvalidBatchError(_non_finite_message(algorithm, name, clean))
@@ -143,6 +143,16 @@ def _checked_log_prob(algorithm: str, name: str, clean: torch.Tensor) -> torch.T
         "log-probability is <= 0: check that this input holds the log-probability of each sampled token, "
         "not a logit or a negative log-likelihood."
     )
+
+
+def _all_within(clean: torch.Tensor, upper: float) -> bool:
+    """Every value is > -inf and <= ``upper`` (< inf when ``upper`` is inf); NaN fails. One
+    pass: min and max propagate NaN."""
+    if clean.numel() == 0:
+        return True
+    lowest, highest = torch.aminmax(clean.detach())
+    within = (lowest > -math.inf) & (highest < math.inf if upper == math.inf else highest <= upper)
+    return bool(within)
 
 
 def _non_finite_message(algorithm: str, name: str, clean: torch.Tensor) -> str:
