@@ -8,6 +8,8 @@ Documented in docs/algorithms.md, "Bad input" (and in the estimators' docstrings
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import torch
 from omegaconf import OmegaConf
@@ -112,6 +114,23 @@ HUGE_REWARDS = [
     error(f"{name}-float64-rewards-summing-to-inf", _changed(name, lambda i: (
         _rows(1e308, 0.0, tokens=2)(i), i.update(rewards=i["rewards"].double()))),
         r"non-finite reward in rows \[0\]", InvalidBatchError)
+    for name in NAMES
+]
+
+def _in_fp16(change):
+    def fp16(inputs):
+        change(inputs)
+        inputs["rewards"] = inputs["rewards"].half()
+    return fp16
+
+
+HUGE_REWARDS += [
+    result(f"{name}-float16-rewards-plus-minus-60000", _changed(name, _in_fp16(_rows(6e4, -6e4))),
+           _advantages_are(6e4, -6e4), DOC)
+    for name in NAMES
+] + [
+    error(f"{name}-float16-advantage-past-65504", _changed(name, _in_fp16(_rows(65504.0, 65504.0, -65504.0))),
+          r"rows \[2\] .* does not fit torch.float16", InvalidBatchError)
     for name in NAMES
 ]
 
@@ -229,6 +248,19 @@ SETTINGS = [
         *_batch()[:2], config=OmegaConf.create({"rollout_correction": {"bypass_mode": False}}), index=_batch()[2]),
         "set algorithm.rollout_correction.bypass_mode=true", InvalidBatchError)
     for name in NAMES
+]
+
+def _with_config(name: str, config):
+    rewards, mask, uids = _batch()
+    return ESTIMATORS[name](rewards, mask, config=config, index=uids)[0], _changed(name, _unchanged)()
+
+
+SETTINGS += [
+    result(f"{name}-algorithm-config-as-{label}", lambda name=name, config=config: _with_config(name, config),
+           _bit_identical, DOC)
+    for name in NAMES
+    for label, config in (("dict", {"rollout_correction": {"bypass_mode": True}}),
+                          ("object", SimpleNamespace(rollout_correction=SimpleNamespace(bypass_mode=True))))
 ]
 
 CASES = [*PADDING, *HUGE_REWARDS, *NON_FINITE, *UID_CASES, *SHAPES, *MASKS, *DTYPES, *EMPTY, *SETTINGS]

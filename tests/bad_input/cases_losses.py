@@ -222,13 +222,19 @@ HUGE_FINITE = [
     for loss_mode in LOSS_MODES
 ]
 
+def _admit_every_row(loss_mode: str):
+    return lambda: actor_config(loss_mode, trust_region_delta=1e9) if loss_mode == "flash_reinforce" else None
+
+
 OVERFLOW = [
-    error(f"{loss_mode}-advantages-of-3e38", _changed(
-        loss_mode, lambda inputs: inputs.update(advantages=torch.where(inputs["mask"], torch.tensor(3e38), 0.0)),
-        config=lambda: actor_config("flash_reinforce", trust_region_delta=1e9) if loss_mode == "flash_reinforce"
-        else None),
+    error(f"{loss_mode}-advantages-of-{label}", _changed(
+        loss_mode, lambda inputs, value=value, dtype=dtype: inputs.update(
+            advantages=torch.where(inputs["mask"], torch.tensor(value, dtype=dtype), 0.0)),
+        config=_admit_every_row(loss_mode)),
         "loss overflowed torch.float32 .* scale the rewards down", InvalidBatchError)
     for loss_mode in LOSS_MODES
+    # 3e38 on a row of 5 tokens sums past fp32; 1e300 (float64) does not fit fp32 at all
+    for label, value, dtype in (("3e38", 3e38, torch.float32), ("1e300-float64", 1e300, torch.float64))
 ]
 
 
@@ -312,6 +318,39 @@ SETTINGS = [
     error("flash_reinforce-kl_direction-forward", _changed(
         "flash_reinforce", lambda _: None, config=_policy_loss_with(kl_direction="forward")),
         "kl_direction must be one of behaviour_to_learner, learner_to_behaviour", InvalidBatchError),
+]
+
+
+def _admitted_fraction_is_1(outcome):
+    _finite(outcome)
+    assert outcome[2]["flash_reinforce/admitted_fraction"] == 1.0, outcome[2]
+
+
+SETTINGS += [
+    result("flash_reinforce-trust_region_delta-inf", _changed(
+        "flash_reinforce", _set_token("log_prob", -60.0), config=_policy_loss_with(trust_region_delta=math.inf)),
+        _admitted_fraction_is_1, DOC),
+]
+
+
+def _global_batch_info(loss_mode: str, **info):
+    def config():
+        built = actor_config(loss_mode)
+        built.global_batch_info.update(info)
+        return built
+    return config
+
+
+SETTINGS += [
+    error(f"{loss_mode}-global_batch_size-{size}", _changed(
+        loss_mode, lambda _: None, config=_global_batch_info(loss_mode, dp_size=1, global_batch_size=size)),
+        "global_batch_size .* is not a count of at least the 5 responses of this micro-batch", InvalidBatchError)
+    for loss_mode in LOSS_MODES for size in (0, 4, float("nan"))
+] + [
+    error(f"{loss_mode}-dp_size-0", _changed(
+        loss_mode, lambda _: None, config=_global_batch_info(loss_mode, dp_size=0, global_batch_size=8)),
+        "dp_size 0 in verl's global batch info must be a number >= 1", InvalidBatchError)
+    for loss_mode in LOSS_MODES
 ]
 
 

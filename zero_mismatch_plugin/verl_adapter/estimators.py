@@ -36,8 +36,7 @@ def _require_bypass_mode(config: Any, algorithm: str) -> None:
     ``rollout_log_probs`` input from a verl whose ppo_loss passes it (verl patch 0003)."""
     if config is None:  # called outside a trainer (tests, notebooks)
         return
-    rollout_correction = config.get("rollout_correction", None)
-    bypass = rollout_correction is not None and bool(rollout_correction.get("bypass_mode", False))
+    bypass = bool(_setting(_setting(config, "rollout_correction"), "bypass_mode"))
     if not bypass and not verl_passes_rollout_log_probs():
         raise InvalidBatchError(
             f"{algorithm} trains on the rollout's recorded logprobs (mu): set "
@@ -45,6 +44,14 @@ def _require_bypass_mode(config: Any, algorithm: str) -> None:
             "(otherwise verl recomputes old_log_prob with the trainer and the IS ratio is not pi/mu), "
             "or run a verl whose ppo_loss passes rollout_log_probs to the loss (patches/verl/0003)."
         )
+
+
+def _setting(node: Any, key: str) -> Any:
+    """``node[key]`` of a DictConfig, a dict or a verl config dataclass; None when absent."""
+    if node is None:
+        return None
+    getter = getattr(node, "get", None)
+    return getter(key, None) if callable(getter) else getattr(node, key, None)
 
 
 def _checked_inputs(algorithm: str, token_level_rewards: Any, response_mask: Any) -> torch.Tensor:

@@ -172,7 +172,7 @@ def _aggregate(loss_mat: torch.Tensor, batch: _Batch, loss_agg_mode: str, config
     masked) gives a loss of exactly 0 whose gradient is 0, still connected to log_prob."""
     if not bool(batch.mask.any()):
         return batch.log_prob.to(loss_mat.dtype).sum() * 0.0  # log_prob is 0 at every masked position
-    global_batch_info = dict(getattr(config, "global_batch_info", None) or {}) if config is not None else {}
+    global_batch_info = _global_batch_info(config, algorithm, int(formulas.valid_rows(batch.mask).sum()))
     loss = agg_loss(loss_mat=loss_mat, loss_mask=batch.mask, loss_agg_mode=loss_agg_mode, **global_batch_info)
     if not bool(torch.isfinite(loss)):
         raise InvalidBatchError(
@@ -181,6 +181,25 @@ def _aggregate(loss_mat: torch.Tensor, batch: _Batch, loss_agg_mode: str, config
             "inside the float range."
         )
     return loss
+
+
+def _global_batch_info(config: Any, algorithm: str, responses: int) -> dict[str, Any]:
+    """verl's global batch info (set by its ppo_loss), checked: the mini-batch that
+    ``global_batch_size`` counts holds at least this micro-batch's responses, else every
+    gradient would be scaled up without a word."""
+    info = dict(getattr(config, "global_batch_info", None) or {}) if config is not None else {}
+    size, dp_size = info.get("global_batch_size"), info.get("dp_size", 1)
+    if size is not None and not (_is_number(size) and size >= responses):  # NaN fails too
+        raise InvalidBatchError(
+            f"{algorithm}: global_batch_size {size!r} is not a count of at least the {responses} responses of "
+            "this micro-batch: it must count every response of the mini-batch across all data-parallel ranks.")
+    if not (_is_number(dp_size) and dp_size >= 1):
+        raise InvalidBatchError(f"{algorithm}: dp_size {dp_size!r} in verl's global batch info must be a number >= 1.")
+    return info
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def _common_metrics(batch: _Batch) -> dict[str, float]:
@@ -248,7 +267,7 @@ def _trust_region_settings(config: Any) -> tuple[float, str]:
         return DEFAULT_TRUST_REGION_DELTA, "behaviour_to_learner"
     delta = policy_loss.get("trust_region_delta", DEFAULT_TRUST_REGION_DELTA)
     direction = policy_loss.get("kl_direction", "behaviour_to_learner")
-    if isinstance(delta, bool) or not isinstance(delta, int | float) or not delta > 0:
+    if not (_is_number(delta) and delta > 0):  # NaN fails too
         raise InvalidBatchError(f"flash_reinforce: actor_rollout_ref.actor.policy_loss.trust_region_delta must be "
                                 f"a positive number, got {delta!r}.")
     if direction not in KL_DIRECTIONS:
