@@ -72,9 +72,13 @@ def padded_loss_batch(seed: int = 0, log_ratio_scale: float = 0.3, dtype: torch.
     generator = torch.Generator().manual_seed(seed)
     width = max(PADDED_RESPONSE_LENS)
     mask = torch.arange(width).unsqueeze(0) < torch.tensor(PADDED_RESPONSE_LENS).unsqueeze(1)
+
+    def noise():
+        return log_ratio_scale / 2 * torch.randn(mask.shape, generator=generator, dtype=torch.float64)
+
     mu = -torch.rand(mask.shape, generator=generator, dtype=torch.float64) * 3 - 0.01
-    old = (mu + log_ratio_scale / 2 * torch.randn(mask.shape, generator=generator, dtype=torch.float64)).clamp(max=-1e-3)
-    pi = (old + log_ratio_scale / 2 * torch.randn(mask.shape, generator=generator, dtype=torch.float64)).clamp(max=-1e-3)
+    old = (mu + noise()).clamp(max=-1e-3)
+    pi = (old + noise()).clamp(max=-1e-3)
     advantages = torch.tensor(PADDED_ADVANTAGES, dtype=torch.float64).unsqueeze(-1).expand(mask.shape)
     return tuple(torch.where(mask, t, 0.0).to(dtype) for t in (pi, mu, old, advantages)) + (mask,)
 

@@ -35,6 +35,10 @@ import torch
 # `zero_mismatch/is_log_ratio_capped_fraction` metric.
 MAX_LOG_IMPORTANCE_RATIO = 50.0
 
+# An fp32 log-probability that rounds to 0 means p = 1 to within 2^-24; probabilities are
+# capped at 1 - 2^-24 so a confidently predicted token gives a finite Bernoulli KL, not inf.
+MIN_BERNOULLI_COMPLEMENT = 2.0**-24
+
 
 def compute_dtype(*dtypes: torch.dtype) -> torch.dtype:
     """The dtype the ratio and KL formulas compute in: float32, or wider when an input is."""
@@ -59,10 +63,6 @@ def masked(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """``values`` where ``mask`` holds, 0 elsewhere: selection, so NaN/inf padding never
     reaches a sum (0 * NaN would be NaN) and its gradient is exactly 0."""
     return torch.where(mask.bool(), values, 0.0)
-
-# An fp32 log-probability that rounds to 0 means p = 1 to within 2^-24; probabilities are
-# capped at 1 - 2^-24 so a confidently predicted token gives a finite Bernoulli KL, not inf.
-MIN_BERNOULLI_COMPLEMENT = 2.0**-24
 
 
 def valid_rows(response_mask: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,10 @@ KL) is
 The per-token terms come from :mod:`zero_mismatch_plugin.formulas`; aggregation goes
 through verl's ``agg_loss`` with the global batch info, so data parallelism and
 micro-batching give the gradient of one big batch.
+
+Every input is selected with the response mask before any arithmetic, so masked positions
+are never read; inputs the losses cannot train on raise :class:`InvalidBatchError` naming
+what to change (docs/algorithms.md, "Bad input: the losses").
 """
 
 from __future__ import annotations
