@@ -1,5 +1,117 @@
-"""The checkpoint architectures the aligned trainer forward supports (both faces: the
-aligned model and the Megatron spec). Light on purpose: the CLI and the config checks read
-it without importing torch, vLLM or megatron-core."""
+"""The checkpoint architectures the aligned trainer forward supports, and what their blocks are.
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+One entry per architecture, read by both faces (the aligned model and the Megatron spec), the
+checker and the config checks. :func:`describe` reads a checkpoint's config once into
+:class:`Blocks`; every face builds its layers from that, so adding an architecture is one entry
+here (plus the ops it needs). Light on purpose: the CLI and the config checks import it without
+torch, vLLM or megatron-core.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """What every decoder layer of a checkpoint is made of (the supported dense decoders)."""
+
+    architecture: str
+    norm: str  # "rms": RMSNorm before attention, before the MLP and at the end
+    attention: str  # "causal": full causal self-attention, grouped-query
+    qk_norm: bool  # an RMSNorm on every q and k head before the rotary embedding
+    mlp: str  # "swiglu": gate_up linear, SiluAndMul, down linear, no bias
+    rope_type: str  # vLLM's rope_type ("default": plain rotary at rope_theta)
+    rope_theta: float | None
+    qkv_bias: bool
+    o_bias: bool
+    tied_head: bool  # the lm_head is the token embedding
+    head_dim: int
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class _Entry:
+    qk_norm: bool
+    biases: Callable[[object], tuple[bool, bool]]  # config -> (qkv_bias, o_bias), as vLLM reads them
+    refuse: Callable[[object], list[str]] = lambda config: []  # what of this family vLLM does not run plainly
+
+
+def _llama_biases(config) -> tuple[bool, bool]:
+    # vLLM's Llama: attention_bias (or bias) puts a bias on q/k/v and o_proj; qkv_bias overrides q/k/v.
+    bias = bool(getattr(config, "attention_bias", False) or getattr(config, "bias", False))
+    return bool(getattr(config, "qkv_bias", bias)), bias
+
+
+def _mistral_extras(config) -> list[str]:
+    out = []
+    if getattr(config, "llama_4_scaling", None) is not None:
+        out.append("llama_4_scaling (position-dependent query scaling): set it to null")
+    if getattr(config, "ada_rms_norm_t_cond", False):
+        out.append("ada_rms_norm_t_cond (time-conditioned norms): set it to false")
+    return out
+
+
+_ENTRIES: dict[str, _Entry] = {
+    "LlamaForCausalLM": _Entry(qk_norm=False, biases=_llama_biases),
+    "Qwen2ForCausalLM": _Entry(qk_norm=False, biases=lambda config: (True, False)),
+    "Qwen3ForCausalLM": _Entry(
+        qk_norm=True, biases=lambda config: (bool(getattr(config, "attention_bias", False)), False)
+    ),
+}
+
+SUPPORTED_ARCHITECTURES = tuple(_ENTRIES)
+
+
+def architecture_of(config) -> str:
+    """The checkpoint's architecture name, refused clearly if no entry covers it."""
+    arch = (getattr(config, "architectures", None) or [""])[0]
+    if arch not in _ENTRIES:
+        raise NotImplementedError(
+            f"architecture {arch!r} is not supported by the aligned trainer forward; "
+            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    return arch
+
+
+def _unsupported_features(config) -> list[str]:
+    out = []
+    if any(t != "full_attention" for t in (getattr(config, "layer_types", None) or [])):
+        out.append("sliding-window layers (layer_types other than full_attention)")
+    if getattr(config, "sliding_window", None) is not None:
+        out.append(f"sliding_window={config.sliding_window} (windowed attention): set it to null")
+    if getattr(config, "hidden_act", "silu") != "silu":
+        out.append(f"hidden_act={config.hidden_act!r}: only SwiGLU (silu) MLPs")
+    if getattr(config, "mlp_bias", False):
+        out.append("mlp_bias: set it to false")
+    if not getattr(config, "is_causal", True):
+        out.append("a non-causal model: only causal decoders")
+    return out
+
+
+def describe(config) -> Blocks:
+    """The blocks of the checkpoint whose (transformers) config is ``config``; raises
+    ``NotImplementedError`` naming every setting the aligned forward does not cover."""
+    arch = architecture_of(config)
+    entry = _ENTRIES[arch]
+    problems = _unsupported_features(config) + entry.refuse(config)
+    if problems:
+        raise NotImplementedError(f"{arch}: not supported by the aligned trainer forward: " + "; ".join(problems))
+    qkv_bias, o_bias = entry.biases(config)
+    rope = getattr(config, "rope_parameters", None) or {}
+    return Blocks(
+        architecture=arch,
+        norm="rms",
+        attention="causal",
+        qk_norm=entry.qk_norm,
+        mlp="swiglu",
+        rope_type=rope.get("rope_type") or "default",
+        rope_theta=rope.get("rope_theta", getattr(config, "rope_theta", None)),
+        qkv_bias=qkv_bias,
+        o_bias=o_bias,
+        tied_head=bool(getattr(config, "tie_word_embeddings", False)),
+        head_dim=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
+    )

@@ -29,8 +29,7 @@ from .ops import (
 from .packing import PackedBatch
 from .runtime import VllmRuntime
 from .sampling import SamplingTransform
-from ..architectures import SUPPORTED_ARCHITECTURES
-
+from ..architectures import Blocks, describe
 
 
 class _Weights(nn.Module):
@@ -42,46 +41,20 @@ class _Weights(nn.Module):
         self.bias = nn.Parameter(torch.empty(bias_size)) if bias_size else None
 
 
-def _architecture_flags(arch: str, config) -> dict:
-    if arch == "LlamaForCausalLM":
-        bias = bool(getattr(config, "attention_bias", False) or getattr(config, "bias", False))
-        qkv_bias = bool(getattr(config, "qkv_bias", bias))
-        if getattr(config, "mlp_bias", False):
-            raise NotImplementedError("Llama with mlp_bias is not supported by the aligned model")
-        return dict(qkv_bias=qkv_bias, o_bias=bias, qk_norm=False)
-    if arch == "Qwen2ForCausalLM":
-        return dict(qkv_bias=True, o_bias=False, qk_norm=False)
-    if arch == "Qwen3ForCausalLM":
-        return dict(qkv_bias=bool(getattr(config, "attention_bias", False)), o_bias=False, qk_norm=True)
-    raise NotImplementedError(
-        f"architecture {arch} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-    )
-
-
-def _reject_unsupported(config) -> None:
-    layer_types = getattr(config, "layer_types", None) or []
-    if any(t != "full_attention" for t in layer_types):
-        raise NotImplementedError("sliding-window layers are not supported by the aligned model")
-    if getattr(config, "hidden_act", "silu") != "silu":
-        raise NotImplementedError("only SwiGLU (silu) MLPs are supported")
-    if not getattr(config, "is_causal", True):
-        raise NotImplementedError("only causal decoders are supported")
-
-
 class _Layer(nn.Module):
-    def __init__(self, config, flags, head_dim):
+    def __init__(self, config, blocks: Blocks):
         super().__init__()
-        h = config.hidden_size
+        h, head_dim = config.hidden_size, blocks.head_dim
         nh, nkv = config.num_attention_heads, config.num_key_value_heads
         inter = config.intermediate_size
-        qb = nh * head_dim if flags["qkv_bias"] else None
-        kvb = nkv * head_dim if flags["qkv_bias"] else None
+        qb = nh * head_dim if blocks.qkv_bias else None
+        kvb = nkv * head_dim if blocks.qkv_bias else None
         attn = nn.Module()
         attn.q_proj = _Weights((nh * head_dim, h), qb)
         attn.k_proj = _Weights((nkv * head_dim, h), kvb)
         attn.v_proj = _Weights((nkv * head_dim, h), kvb)
-        attn.o_proj = _Weights((h, nh * head_dim), h if flags["o_bias"] else None)
-        if flags["qk_norm"]:
+        attn.o_proj = _Weights((h, nh * head_dim), h if blocks.o_bias else None)
+        if blocks.qk_norm:
             attn.q_norm = _Weights((head_dim,))
             attn.k_norm = _Weights((head_dim,))
         self.self_attn = attn
@@ -100,22 +73,20 @@ class AlignedCausalLM(nn.Module):
     def __init__(self, runtime: VllmRuntime):
         super().__init__()
         config = runtime.hf_config
-        arch = (getattr(config, "architectures", None) or [""])[0]
-        self.flags = _architecture_flags(arch, config)
-        _reject_unsupported(config)
+        self.blocks = describe(config)
         self.runtime = runtime
         self.config = config
-        self.architecture = arch
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.architecture = self.blocks.architecture
+        self.head_dim = self.blocks.head_dim
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.vocab_size = config.vocab_size
-        self.tied = bool(getattr(config, "tie_word_embeddings", False))
+        self.tied = self.blocks.tied_head
 
         self.model = nn.Module()
         self.model.embed_tokens = _Weights((config.vocab_size, config.hidden_size))
         self.model.layers = nn.ModuleList(
-            _Layer(config, self.flags, self.head_dim) for _ in range(config.num_hidden_layers)
+            _Layer(config, self.blocks) for _ in range(config.num_hidden_layers)
         )
         self.model.norm = _Weights((config.hidden_size,))
         if not self.tied:
@@ -168,16 +139,16 @@ class AlignedCausalLM(nn.Module):
         self.layer_ops = []
         for layer in self.model.layers:
             a, m = layer.self_attn, layer.mlp
-            qkv_bias = [a.q_proj.bias, a.k_proj.bias, a.v_proj.bias] if self.flags["qkv_bias"] else None
+            qkv_bias = [a.q_proj.bias, a.k_proj.bias, a.v_proj.bias] if self.blocks.qkv_bias else None
             ops = dict(
                 input_norm=AlignedRMSNorm(rt, layer.input_layernorm.weight, eps),
                 post_norm=AlignedRMSNorm(rt, layer.post_attention_layernorm.weight, eps),
                 qkv=AlignedLinear(rt, [a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], qkv_bias),
-                o=AlignedLinear(rt, [a.o_proj.weight], [a.o_proj.bias] if self.flags["o_bias"] else None),
+                o=AlignedLinear(rt, [a.o_proj.weight], [a.o_proj.bias] if self.blocks.o_bias else None),
                 gate_up=AlignedLinear(rt, [m.gate_proj.weight, m.up_proj.weight]),
                 down=AlignedLinear(rt, [m.down_proj.weight]),
             )
-            if self.flags["qk_norm"]:
+            if self.blocks.qk_norm:
                 ops["q_norm"] = AlignedRMSNorm(rt, a.q_norm.weight, eps)
                 ops["k_norm"] = AlignedRMSNorm(rt, a.k_norm.weight, eps)
             self.layer_ops.append(ops)
@@ -252,7 +223,7 @@ class AlignedCausalLM(nn.Module):
                 hidden, residual = ops["input_norm"](hidden, residual)
             qkv = ops["qkv"](hidden)
             q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-            if self.flags["qk_norm"]:
+            if self.blocks.qk_norm:
                 t = q.shape[0]
                 q = ops["q_norm"](q.reshape(t, self.num_heads, self.head_dim)).reshape(t, q_size)
                 k = ops["k_norm"](k.reshape(t, self.num_kv_heads, self.head_dim)).reshape(t, kv_size)
@@ -294,8 +265,7 @@ class AlignedCausalLM(nn.Module):
     def describe(self) -> str:
         return json.dumps(
             dict(
-                architecture=self.architecture,
-                flags=self.flags,
+                blocks=self.blocks.as_dict(),
                 dtype=str(self.runtime.dtype),
                 head_dtype=str(self.runtime.head_dtype),
                 platform=self.runtime.platform,

@@ -1,4 +1,4 @@
-"""Dense Llama / Qwen2 / Qwen3 checkpoints <-> megatron-core GPTModel (TP=1).
+"""Dense checkpoints of :mod:`zero_mismatch_plugin.architectures` <-> megatron-core GPTModel (TP=1).
 
 Layouts that differ between the Hugging Face / vLLM checkpoint and megatron-core:
 
@@ -18,65 +18,45 @@ from pathlib import Path
 
 import torch
 
-from zero_mismatch_plugin.architectures import SUPPORTED_ARCHITECTURES
+from zero_mismatch_plugin.architectures import Blocks, describe
 
 
-def _arch(hf_config) -> str:
-    arch = (getattr(hf_config, "architectures", None) or [""])[0]
-    if arch not in SUPPORTED_ARCHITECTURES:
+def megatron_blocks(hf_config) -> Blocks:
+    """The checkpoint's blocks, refused where megatron-core's dense GPT layer cannot hold them."""
+    blocks = describe(hf_config)
+    if blocks.o_bias:
+        # megatron-core has one switch (add_bias_linear) for o_proj and both MLP linears.
         raise NotImplementedError(
-            f"architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            f"{blocks.architecture}: an o_proj bias (attention_bias=true) is not supported by the "
+            "Megatron face: megatron-core cannot bias o_proj alone; use the aligned trainer model"
         )
-    return arch
-
-
-def head_dim(hf_config) -> int:
-    return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
-
-
-def rope_theta(hf_config) -> float:
-    rope = getattr(hf_config, "rope_parameters", None) or {}
-    if rope.get("rope_type", "default") not in ("default", None):
-        raise NotImplementedError(f"rope scaling {rope.get('rope_type')!r} is not supported")
-    theta = rope.get("rope_theta", getattr(hf_config, "rope_theta", None))
-    if theta is None:
+    if blocks.rope_type != "default":
+        raise NotImplementedError(f"rope scaling {blocks.rope_type!r} is not supported by the Megatron face")
+    if blocks.rope_theta is None:
         raise ValueError("checkpoint config has no rope_theta")
-    return float(theta)
-
-
-def qkv_bias(hf_config) -> bool:
-    arch = _arch(hf_config)
-    if arch == "Qwen2ForCausalLM":
-        return True
-    return bool(getattr(hf_config, "attention_bias", False))
+    return blocks
 
 
 def transformer_config_from_hf(hf_config, params_dtype=torch.float32, **overrides):
-    """A megatron-core ``TransformerConfig`` for a dense Llama/Qwen checkpoint (CPU-friendly)."""
+    """A megatron-core ``TransformerConfig`` for a supported dense checkpoint (CPU-friendly)."""
     import torch.nn.functional as F
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    arch = _arch(hf_config)
-    if getattr(hf_config, "mlp_bias", False):
-        raise NotImplementedError("mlp_bias is not supported")
-    if getattr(hf_config, "hidden_act", "silu") != "silu":
-        raise NotImplementedError("only SwiGLU (silu) MLPs are supported")
-    if any(t != "full_attention" for t in (getattr(hf_config, "layer_types", None) or [])):
-        raise NotImplementedError("sliding-window layers are not supported")
+    blocks = megatron_blocks(hf_config)
     kwargs = dict(
         num_layers=hf_config.num_hidden_layers,
         hidden_size=hf_config.hidden_size,
         ffn_hidden_size=hf_config.intermediate_size,
         num_attention_heads=hf_config.num_attention_heads,
         num_query_groups=hf_config.num_key_value_heads,
-        kv_channels=head_dim(hf_config),
+        kv_channels=blocks.head_dim,
         normalization="RMSNorm",
         layernorm_epsilon=hf_config.rms_norm_eps,
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
-        add_qkv_bias=qkv_bias(hf_config),
-        qk_layernorm=arch == "Qwen3ForCausalLM",
+        add_qkv_bias=blocks.qkv_bias,
+        qk_layernorm=blocks.qk_norm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         params_dtype=params_dtype,
@@ -95,12 +75,13 @@ def transformer_config_from_hf(hf_config, params_dtype=torch.float32, **override
 
 
 def gpt_model_kwargs(hf_config) -> dict:
+    blocks = megatron_blocks(hf_config)
     return dict(
         vocab_size=hf_config.vocab_size,
         max_sequence_length=getattr(hf_config, "max_position_embeddings", 4096),
-        share_embeddings_and_output_weights=bool(getattr(hf_config, "tie_word_embeddings", False)),
+        share_embeddings_and_output_weights=blocks.tied_head,
         position_embedding_type="rope",
-        rotary_base=rope_theta(hf_config),
+        rotary_base=float(blocks.rope_theta),
     )
 
 
@@ -108,7 +89,7 @@ def gpt_model_kwargs(hf_config) -> dict:
 
 
 def _groups(hf_config):
-    nh, ng, d = hf_config.num_attention_heads, hf_config.num_key_value_heads, head_dim(hf_config)
+    nh, ng, d = hf_config.num_attention_heads, hf_config.num_key_value_heads, describe(hf_config).head_dim
     return nh, ng, d
 
 
@@ -136,8 +117,8 @@ def split_qkv(qkv, hf_config):
 def hf_to_megatron(state: dict, hf_config) -> dict:
     """Checkpoint state dict (HF names) -> GPTModel state dict (megatron names)."""
     out = {"embedding.word_embeddings.weight": state["model.embed_tokens.weight"]}
-    has_bias = qkv_bias(hf_config)
-    qk_norm = _arch(hf_config) == "Qwen3ForCausalLM"
+    blocks = megatron_blocks(hf_config)
+    has_bias, qk_norm = blocks.qkv_bias, blocks.qk_norm
     for i in range(hf_config.num_hidden_layers):
         src = f"model.layers.{i}."
         dst = f"decoder.layers.{i}."
@@ -161,7 +142,7 @@ def hf_to_megatron(state: dict, hf_config) -> dict:
         )
         out[dst + "mlp.linear_fc2.weight"] = state[m + "down_proj.weight"]
     out["decoder.final_layernorm.weight"] = state["model.norm.weight"]
-    if not getattr(hf_config, "tie_word_embeddings", False):
+    if not blocks.tied_head:
         out["output_layer.weight"] = state["lm_head.weight"]
     return out
 
@@ -169,8 +150,8 @@ def hf_to_megatron(state: dict, hf_config) -> dict:
 def megatron_to_hf(state: dict, hf_config) -> dict:
     """GPTModel state dict (or gradients under the same names) -> checkpoint names/layouts."""
     out = {"model.embed_tokens.weight": state["embedding.word_embeddings.weight"]}
-    has_bias = qkv_bias(hf_config)
-    qk_norm = _arch(hf_config) == "Qwen3ForCausalLM"
+    blocks = megatron_blocks(hf_config)
+    has_bias, qk_norm = blocks.qkv_bias, blocks.qk_norm
     inter = hf_config.intermediate_size
     for i in range(hf_config.num_hidden_layers):
         src = f"decoder.layers.{i}."

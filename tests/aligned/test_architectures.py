@@ -1,0 +1,67 @@
+"""The one architecture description both faces build from: what it reads from a config, and
+what each face refuses clearly (no engine, no checkpoint: transformers configs only)."""
+
+from __future__ import annotations
+
+import pytest
+from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+from zero_mismatch_plugin.architectures import SUPPORTED_ARCHITECTURES, describe
+from zero_mismatch_plugin.megatron.convert import megatron_blocks, transformer_config_from_hf
+
+SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=32)
+
+
+def _config(cls, arch, **extra):
+    return cls(architectures=[arch], **SHAPE, **extra)
+
+
+def test_every_supported_architecture_is_described():
+    configs = {
+        "LlamaForCausalLM": _config(LlamaConfig, "LlamaForCausalLM"),
+        "Qwen2ForCausalLM": _config(Qwen2Config, "Qwen2ForCausalLM"),
+        "Qwen3ForCausalLM": _config(Qwen3Config, "Qwen3ForCausalLM", head_dim=32),
+    }
+    assert set(configs) <= set(SUPPORTED_ARCHITECTURES)
+    llama, qwen2, qwen3 = (describe(configs[a]) for a in configs)
+    assert (llama.qkv_bias, llama.o_bias, llama.qk_norm, llama.head_dim) == (False, False, False, 16)
+    assert (qwen2.qkv_bias, qwen2.o_bias, qwen2.qk_norm) == (True, False, False)
+    assert (qwen3.qkv_bias, qwen3.o_bias, qwen3.qk_norm, qwen3.head_dim) == (False, False, True, 32)
+    assert (llama.norm, llama.attention, llama.mlp, llama.rope_type) == ("rms", "causal", "swiglu", "default")
+
+
+def test_llama_attention_bias_biases_qkv_and_o_as_vllm_reads_it():
+    blocks = describe(_config(LlamaConfig, "LlamaForCausalLM", attention_bias=True))
+    assert (blocks.qkv_bias, blocks.o_bias) == (True, True)
+
+
+def test_megatron_face_refuses_the_o_proj_bias_it_cannot_hold():
+    # It used to build a model with q/k/v biases and silently drop the checkpoint's o_proj bias.
+    config = _config(LlamaConfig, "LlamaForCausalLM", attention_bias=True)
+    with pytest.raises(NotImplementedError, match="o_proj bias .* not supported by the Megatron face"):
+        megatron_blocks(config)
+    with pytest.raises(NotImplementedError, match="o_proj bias"):
+        transformer_config_from_hf(config)
+
+
+def test_unsupported_architecture_lists_the_supported_ones():
+    config = _config(LlamaConfig, "GPT2LMHeadModel")
+    with pytest.raises(NotImplementedError, match="'GPT2LMHeadModel' is not supported.*supported: LlamaForCausalLM"):
+        describe(config)
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (dict(hidden_act="gelu"), "only SwiGLU"),
+        (dict(mlp_bias=True), "mlp_bias"),
+        (dict(layer_types=["sliding_attention"]), "sliding-window layers"),
+    ],
+)
+def test_features_outside_the_blocks_are_refused_by_both_faces(extra, message):
+    config = _config(LlamaConfig, "LlamaForCausalLM", **extra)
+    with pytest.raises(NotImplementedError, match=message):
+        describe(config)
+    with pytest.raises(NotImplementedError, match=message):
+        megatron_blocks(config)
