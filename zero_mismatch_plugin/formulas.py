@@ -164,10 +164,12 @@ def sequence_mean_token_mean(
     row (B = 0) or no token at all the result is 0, still connected to ``values``' graph
     (its gradient is 0).
     """
+    if num_sequences is not None and not num_sequences > 0:
+        raise ValueError(f"num_sequences must be a positive count of responses, got {num_sequences!r}")
     tokens_per_row = mask.to(values.dtype).sum(dim=-1)
     row_means = masked(values, mask).sum(dim=-1) / tokens_per_row.clamp(min=1)
-    denominator = values.shape[0] if num_sequences is None else num_sequences
-    return row_means.sum() / max(denominator, 1)
+    denominator = max(values.shape[0], 1) if num_sequences is None else num_sequences
+    return row_means.sum() / denominator
 
 
 def reinforce_zero_token_loss(log_prob: torch.Tensor, behaviour_log_prob: torch.Tensor,

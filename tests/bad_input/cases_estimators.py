@@ -67,6 +67,10 @@ def _poisoned_and_clean(name: str, value: float):
     return lambda: (_changed(name, poison)(), _changed(name, _unchanged)())
 
 
+def _row_advantages(advantages, expected):
+    assert torch.allclose(advantages[:, 0], torch.tensor(expected)), advantages[:, 0]
+
+
 def _bit_identical(pair):
     poisoned, clean = pair
     assert torch.equal(poisoned, clean), (poisoned, clean)
@@ -134,6 +138,14 @@ HUGE_REWARDS += [
     for name in NAMES
 ]
 
+BF16_NEAR_MAX = 1.75 * 2.0**127  # 3.0e38, exact in bfloat16
+HUGE_REWARDS += [
+    result(f"{name}-bfloat16-rewards-plus-minus-3e38", _changed(
+        name, lambda i: (_rows(BF16_NEAR_MAX, -BF16_NEAR_MAX)(i), i.update(rewards=i["rewards"].bfloat16()))),
+        _advantages_are(BF16_NEAR_MAX, -BF16_NEAR_MAX), DOC)
+    for name in NAMES
+]
+
 NON_FINITE = [
     error(f"{name}-{label}-reward-at-a-response-token", _changed(name, lambda i, v=value: i["rewards"].__setitem__(
         (1, 0), v)), r"non-finite reward in rows \[1\]; check the reward function", InvalidBatchError)
@@ -172,9 +184,16 @@ UID_CASES = [
     for label, value in (("one-short", np.array(UIDS[:-1], dtype=object)), ("one-long", list(UIDS) + ["x"]),
                          ("2-D", np.array(UIDS).reshape(2, 4)), ("a-string", "a"), ("a-number", 7))
 ] + [
+    error("reinforce_zero-float-uids-with-nan", _changed("reinforce_zero", _index(
+        np.array([0.0, 0.0, np.nan, 1.0, 1.0, 2.0, 9.0, 9.0]))), r"rows \[2\] have no uid", InvalidBatchError),
+] + [
     result("reinforce_zero-padding-row-without-uid", lambda: (
         _changed("reinforce_zero", _uids((6, None), (7, float("nan"))))(),
         _changed("reinforce_zero", _unchanged)()), _bit_identical, DOC),
+    # 1 and "1" are different uids: grouped by equality, never by their text
+    result("reinforce_zero-uid-1-and-text-1", _changed("reinforce_zero", _index(
+        np.array([1, 1, "1", "b", "b", "c", "p", "p"], dtype=object))),
+        lambda advantages: _row_advantages(advantages, [0.5, -0.5, 0.0, 1.0, -1.0, 0.0, 0.0, 0.0]), DOC),
     result("reinforce_zero-integer-uids", lambda: (
         _changed("reinforce_zero", _index(torch.tensor([0, 0, 0, 1, 1, 2, 9, 9])))(),
         _changed("reinforce_zero", _unchanged)()), _bit_identical, DOC),

@@ -378,5 +378,36 @@ SETTINGS += [
 ]
 
 
+def _empty_with_mu(loss_mode: str):
+    def run():
+        pi, mu, old, advantages, mask = (t[:0] for t in padded_loss_batch())
+        return pi.shape, loss_call(loss_mode, pi, old, advantages, mask, rollout_log_probs=mu)
+    return run
+
+
+EMPTY += [
+    result(f"{loss_mode}-no-rows+mu", _empty_with_mu(loss_mode), _zero_loss_zero_gradient, DOC)
+    for loss_mode in LOSS_MODES
+]
+
+# The framework-free formulas the losses are built from (zero_mismatch_plugin/formulas.py).
+FORMULAS = [
+    error(f"formulas-sequence_mean_token_mean-num_sequences-{value}", lambda value=value: (
+        formulas.sequence_mean_token_mean(torch.ones(2, 3), torch.ones(2, 3), num_sequences=value)),
+        "num_sequences must be a positive count of responses", ValueError)
+    for value in (0, -4, float("nan"))
+] + [
+    error("formulas-kl-direction-forward", lambda: formulas.sampled_action_bernoulli_kl(
+        torch.full((2,), -1.0), torch.full((2,), -2.0), "forward"),
+        "use 'behaviour_to_learner' or 'learner_to_behaviour'", ValueError),
+    result("formulas-sequence_mean_token_mean-no-rows", lambda: formulas.sequence_mean_token_mean(
+        torch.zeros(0, 3), torch.zeros(0, 3)), lambda value: _is_zero(value), DOC),
+]
+
+
+def _is_zero(value):
+    assert value.item() == 0.0, value
+
+
 CASES = [*PADDING, *LOW_PRECISION, *MIXED, *EMPTY, *POSITIVE, *AT_TOLERANCE, *NON_FINITE, *HUGE_FINITE,
-         *OVERFLOW, *MASKS, *SHAPES, *DTYPES, *SETTINGS]
+         *OVERFLOW, *MASKS, *SHAPES, *DTYPES, *SETTINGS, *FORMULAS]
