@@ -36,3 +36,26 @@ def test_model_tokenizer_formats_a_chat_with_the_generation_prompt(tmp_path):
     text = tokenizer.apply_chat_template([{"role": "user", "content": "question: two"}],
                                          add_generation_prompt=True, tokenize=False)
     assert text == "question: two answer:"
+
+
+def test_a_missing_trainer_package_is_named_before_anything_starts(tmp_path, monkeypatch):
+    import importlib.util
+
+    from zero_mismatch_plugin.verl_cpu import launch
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "transfer_queue" else real_find_spec(name, *a))
+    with pytest.raises(launch.MissingTrainerPackages, match="pip install TransferQueue"):
+        launch.run_smoke(tmp_path, {}, [])
+    assert not (tmp_path / "log.txt").exists()
+
+
+def test_smoke_command_launches_verls_trainer_with_the_recipe():
+    from zero_mismatch_plugin.verl_cpu.launch import cpu_environment, smoke_command
+
+    command = smoke_command(["trainer.total_training_steps=2"])
+    assert command[1:3] == ["-m", "verl.trainer.main_ppo"] and command[-1] == "trainer.total_training_steps=2"
+    assert "--config-name=cpu_smoke" in command
+    env = cpu_environment({"VERL_PLATFORM": "nvidia", "PATH": "/bin"})
+    assert env["ZMRL_VERL_PLATFORM"] == "cpu" and "VERL_PLATFORM" not in env and env["PATH"] == "/bin"
