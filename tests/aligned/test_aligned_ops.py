@@ -122,6 +122,26 @@ def test_merged_linear_with_bias(runtime):
     _compare(lambda x, *p: linear(x), reference, [x, *parts, *biases])
 
 
+def test_linear_with_engine_rows_runs_the_engine_layout_and_answers_in_the_trainers(runtime):
+    """A trainer storing the rows in another order (megatron's grouped qkv) gets the engine's GEMM
+    bits, permuted back, and gradients in its own order."""
+    engine_w = torch.randn(96, 256, generator=_gen(40))
+    engine_b = torch.randn(96, generator=_gen(41))
+    engine_rows = torch.randperm(96, generator=_gen(42))  # trainer row of each engine row
+    trainer_cols = torch.argsort(engine_rows)
+    w = torch.nn.Parameter(torch.empty_like(engine_w))
+    b = torch.nn.Parameter(torch.empty_like(engine_b))
+    with torch.no_grad():
+        w[engine_rows] = engine_w
+        b[engine_rows] = engine_b
+    permuted = AlignedLinear(runtime, [w], [b], engine_rows=engine_rows)
+    plain = AlignedLinear(runtime, [torch.nn.Parameter(engine_w)], [torch.nn.Parameter(engine_b)])
+    x = torch.randn(7, 256, generator=_gen(43))
+    assert torch.equal(permuted.kernel(x), plain.kernel(x).index_select(-1, trainer_cols))
+    assert not torch.equal(permuted.kernel(x), plain.kernel(x))  # the permutation is not a no-op
+    _compare(lambda x, w, b: permuted(x), lambda x, w, b: x @ w.t() + b, [_leaf(7, 256, seed=44), w, b])
+
+
 def test_linear_rederives_after_in_place_update(runtime):
     w = torch.nn.Parameter(torch.randn(64, 256, generator=_gen(30)))
     linear = AlignedLinear(runtime, [w])

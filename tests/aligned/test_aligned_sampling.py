@@ -68,3 +68,25 @@ def test_mask_is_vllms_top_k():
     logits = torch.tensor([[0.0, 3.0, 1.0, 2.0, -1.0]])
     mask = SamplingTransform(top_k=2).engine_mask(logits)
     assert mask.tolist() == [[True, False, True, False, True]]
+
+
+@pytest.mark.parametrize("per_row", [False, True])
+def test_the_one_logprob_tail_is_vllms_sampler(per_row):
+    """Temperature, compute_logprobs and gather, with a float or a per-row temperature, equal
+    vLLM's ``apply_temperature`` + ``compute_logprobs`` bit for bit (and T = 1 skips the division)."""
+    from vllm.v1.sample.sampler import Sampler
+
+    from zero_mismatch_plugin.aligned.sampling import recorded_logprobs, vllm_label_logprobs
+
+    g = torch.Generator().manual_seed(3)
+    logits = 4 * torch.randn(6, 50, generator=g)
+    labels = torch.randint(0, 50, (6,), generator=g)
+    temps = torch.full((6,), 0.7)
+    expected = Sampler.compute_logprobs(Sampler.apply_temperature(logits.clone(), temps, all_random=True))
+    expected = expected.gather(-1, labels[:, None])[:, 0]
+    got = vllm_label_logprobs(logits, labels, temps if per_row else 0.7)
+    assert torch.equal(got, expected)
+    assert torch.equal(recorded_logprobs(logits, labels, SamplingTransform(temperature=0.7)), expected)
+    plain = Sampler.compute_logprobs(logits).gather(-1, labels[:, None])[:, 0]
+    assert torch.equal(recorded_logprobs(logits, labels), plain)
+    assert not torch.equal(plain, expected)  # the temperature is applied, not dropped

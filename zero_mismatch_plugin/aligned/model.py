@@ -28,7 +28,7 @@ from .ops import (
 )
 from .packing import PackedBatch
 from .runtime import VllmRuntime
-from .sampling import SamplingTransform
+from .sampling import SamplingTransform, recorded_logprobs
 from ..architectures import Blocks, describe
 
 
@@ -246,21 +246,7 @@ class AlignedCausalLM(nn.Module):
         self, batch: PackedBatch, transform: SamplingTransform | None = None, strict: bool = True
     ) -> torch.Tensor:
         """Logprob [R] of every response token under the engine's recorded distribution."""
-        transform = transform or SamplingTransform()
-        transform.check(strict=strict)
-        logits = self.logits(batch)
-        logprobs = transform.logprobs(logits, self.runtime.compute_logprobs)
-        ids = batch.target_ids.to(logprobs.device)
-        return logprobs.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
-
-    def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        """Parameters under checkpoint names, in the engine dtype (for weight sync)."""
-        out = {}
-        for name, p in self.named_parameters():
-            out[name] = p.detach().to(self.runtime.dtype)
-        if self.tied:
-            out.setdefault("lm_head.weight", out["model.embed_tokens.weight"])
-        return out
+        return recorded_logprobs(self.logits(batch), batch.target_ids, transform, strict)
 
     def describe(self) -> str:
         return json.dumps(

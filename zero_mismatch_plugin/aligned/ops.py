@@ -182,10 +182,13 @@ class AlignedLinear:
 
     ``weights`` are stacked along the output dim the way vLLM merges q/k/v or gate/up. The merged,
     engine-dtype copy and vLLM's post-load processing of it (oneDNN packing on CPU) are derived
-    from the trainer parameters and redone after they change.
+    from the trainer parameters and redone after they change. ``engine_rows`` is for a trainer
+    that stacks the rows in another order (megatron's grouped qkv): ``engine_rows[i]`` is the
+    trainer row computing vLLM's output ``i``. The GEMM then runs in vLLM's row order and its
+    output (and every gradient) is in the trainer's order: a permutation, exact.
     """
 
-    def __init__(self, runtime: VllmRuntime, weights, biases=None):
+    def __init__(self, runtime: VllmRuntime, weights, biases=None, engine_rows=None):
         self.runtime = runtime
         self.weights = list(weights)
         self.biases = list(biases) if biases is not None else [None] * len(self.weights)
@@ -193,23 +196,37 @@ class AlignedLinear:
         if self.has_bias and any(b is None for b in self.biases):
             raise ValueError("either all or none of the merged parts carry a bias")
         self.out_sizes = [w.shape[0] for w in self.weights]
+        self.engine_rows = engine_rows
+        self.trainer_cols = None
+        if engine_rows is not None:
+            self.trainer_cols = torch.empty_like(engine_rows)
+            self.trainer_cols[engine_rows] = torch.arange(engine_rows.numel(), device=engine_rows.device)
         self.method = runtime.linear_method()
         self.params = self.weights + ([b for b in self.biases] if self.has_bias else [])
         self.derived = DerivedWeight(self.params, self._build)
 
     def _build(self, sources):
+        """(vLLM's layer, the merged weight in the trainer's row order and the engine dtype)."""
         n = len(self.weights)
         dtype = self.runtime.dtype
-        weight = cast_like_engine(torch.cat(sources[:n], dim=0), dtype).contiguous()
+        trainer_weight = cast_like_engine(torch.cat(sources[:n], dim=0), dtype).contiguous()
+        weight = trainer_weight
         bias = cast_like_engine(torch.cat(sources[n:], dim=0), dtype) if self.has_bias else None
+        if self.engine_rows is not None:
+            rows = self.engine_rows.to(weight.device)
+            weight = weight.index_select(0, rows)
+            bias = None if bias is None else bias.index_select(0, rows)
         layer = KernelLayer(weight.clone(), None if bias is None else bias.clone(), self.method)
         with self.runtime.context():
             self.method.process_weights_after_loading(layer)
-        return layer, weight
+        return layer, trainer_weight
 
     def kernel(self, x):
         layer, _ = self.derived.get()
-        return self.method.apply(layer, x, layer.bias)
+        out = self.method.apply(layer, x, layer.bias)
+        if self.trainer_cols is not None:
+            out = out.index_select(-1, self.trainer_cols.to(out.device))
+        return out
 
     def __call__(self, x):
         return _LinearFn.apply(x, self, *self.params)

@@ -160,11 +160,6 @@ class VllmRuntime:
 
         return BackendPagedAttention(self, num_heads, num_kv_heads, head_dim, scale)
 
-    def compute_logprobs(self, logits: torch.Tensor) -> torch.Tensor:
-        from vllm.v1.sample.sampler import Sampler
-
-        return Sampler.compute_logprobs(logits)
-
 
 class KernelLayer(torch.nn.Module):
     """The minimal layer object vLLM's linear/embedding methods read (weight, bias, tp_size)."""

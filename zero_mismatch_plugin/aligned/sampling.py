@@ -103,21 +103,14 @@ class SamplingTransform:
             replay_mask=replay_mask,
         )
 
-    def logprobs(self, logits: torch.Tensor, compute_logprobs) -> torch.Tensor:
-        """Full-vocabulary logprobs of what the engine recorded, differentiable in ``logits``.
-
-        ``compute_logprobs`` is vLLM's ``Sampler.compute_logprobs``.
-        """
+    def logprobs(self, logits: torch.Tensor) -> torch.Tensor:
+        """Full-vocabulary logprobs of what the engine recorded, differentiable in ``logits``."""
         if self.logprobs_mode == RAW:
-            return compute_logprobs(logits)
-        logits = logits.to(torch.float32)
-        if self.temperature != 1.0:
-            # The sampler divides by a float32 tensor of per-request temperatures.
-            temp = torch.tensor([self.temperature], dtype=torch.float32, device=logits.device)
-            logits = logits / temp
+            return vllm_logprobs(logits)
+        logits = vllm_scaled_logits(logits, self.temperature if self.temperature != 1.0 else None)
         if self.truncates and self.replay_mask:
             logits = logits.masked_fill(self.engine_mask(logits), float("-inf"))
-        return compute_logprobs(logits)
+        return vllm_logprobs(logits)
 
     def engine_mask(self, scaled_logits: torch.Tensor) -> torch.Tensor:
         """True where vLLM's top-k/top-p sets a logit to -inf."""
@@ -133,3 +126,44 @@ class SamplingTransform:
         with torch.no_grad():
             masked = apply_top_k_top_p(scaled_logits.detach().clone(), k, p)
         return torch.isneginf(masked) & ~torch.isneginf(scaled_logits.detach())
+
+
+# ----- The logprob tail: the one place the trainer, both faces, the checker and the demo turn
+# logits into the logprob vLLM records ------------------------------------------------------
+
+
+def vllm_scaled_logits(logits: torch.Tensor, temperature=None) -> torch.Tensor:
+    """fp32 logits divided by the fp32 temperature (a float, or one per row), as vLLM's sampler
+    divides them (``apply_temperature``); ``None``: T = 1, no division."""
+    scaled = logits.to(torch.float32)
+    if temperature is None:
+        return scaled
+    if isinstance(temperature, torch.Tensor):
+        return scaled / temperature.to(torch.float32).unsqueeze(-1)
+    return scaled / torch.tensor([temperature], dtype=torch.float32, device=scaled.device)
+
+
+def vllm_logprobs(scaled_logits: torch.Tensor) -> torch.Tensor:
+    """Full-vocabulary logprobs as vLLM's sampler computes them (``Sampler.compute_logprobs``)."""
+    from vllm.v1.sample.sampler import Sampler
+
+    return Sampler.compute_logprobs(scaled_logits)
+
+
+def gather_labels(logprobs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The logprob of each label: ``logprobs[..., label]``."""
+    return logprobs.gather(-1, labels.to(logprobs.device).unsqueeze(-1).long()).squeeze(-1)
+
+
+def vllm_label_logprobs(logits, labels, temperature=None) -> torch.Tensor:
+    """vLLM's sampler logprob of each label at a temperature (a float or one per row)."""
+    return gather_labels(vllm_logprobs(vllm_scaled_logits(logits, temperature)), labels)
+
+
+def recorded_logprobs(logits, labels, transform: SamplingTransform | None = None, strict=True):
+    """The logprob the engine recorded for each label (one logits row per label), under the
+    engine's sampling ``transform`` (default: T = 1, no truncation); refuses a transform under
+    which the trainer cannot reproduce it (``strict=False``: reports it loudly)."""
+    transform = transform or SamplingTransform()
+    transform.check(strict=strict)
+    return gather_labels(transform.logprobs(logits), labels)

@@ -11,10 +11,10 @@ prompt + response per sequence, targets = the response tokens):
   optional ``perturb(name, tensor) -> tensor`` applied to an op's output before the rest of the
   forward uses it (how the bisector's own tests plant a difference).
 
-Backends are registered in :data:`TRAINER_BACKENDS` as ``"module:callable"`` strings, imported
-only when chosen, so a backend whose framework is not installed costs nothing until asked for.
-A new one is one line: ``"megatron": "zero_mismatch_plugin.megatron.checker_backend:MegatronBackend"``;
-the callable is called as ``factory(model_dir, max_model_len=..., seed=...)``.
+Backends are registered in :data:`.registry.TRAINER_BACKENDS` as ``"module:callable"`` strings,
+imported only when chosen, so a backend whose framework is not installed costs nothing until
+asked for. A new one is one line there; the callable is called as
+``factory(model_dir, max_model_len=..., seed=...)``.
 """
 
 from __future__ import annotations
@@ -27,26 +27,16 @@ from typing import Callable, Protocol, runtime_checkable
 import torch
 
 from . import oplist
+from .registry import KNOWN_TRAINERS, TRAINER_BACKENDS
 
 Perturb = Callable[[str, torch.Tensor], torch.Tensor]
 
-TRAINER_BACKENDS: dict[str, str] = {
-    "aligned": "zero_mismatch_plugin.checker.backends:AlignedBackend",
-    "hf": "zero_mismatch_plugin.checker.backends:HFBackend",
-    "megatron": "zero_mismatch_plugin.megatron.checker_backend:MegatronBackend",
-}
 
-# Trainers the command line accepts. One listed here but missing from TRAINER_BACKENDS is
-# reported as not available instead of being rejected as an unknown name.
-KNOWN_TRAINERS = ("aligned", "hf", "megatron")
-
-_NOT_AVAILABLE_HINTS = {
-    "megatron": (
-        "the Megatron trainer backend is not available in this installation: no checker "
-        "backend is registered for it (zero_mismatch_plugin.megatron does not provide one yet). "
-        "Use --trainer aligned or --trainer hf."
-    ),
-}
+def _not_available(name: str) -> str:
+    return (
+        f"the {name.capitalize()} trainer backend is not available in this installation: no checker "
+        f"backend is registered for it. Use --trainer with one of: {', '.join(TRAINER_BACKENDS)}."
+    )
 
 
 class BackendUnavailable(RuntimeError):
@@ -74,9 +64,8 @@ def load_backend(name: str, model_dir, max_model_len: int, seed: int = 0) -> Tra
     """Build the backend registered as ``name`` for ``model_dir``."""
     target = TRAINER_BACKENDS.get(name)
     if target is None:
-        hint = _NOT_AVAILABLE_HINTS.get(name)
-        if hint:
-            raise BackendUnavailable(hint)
+        if name in KNOWN_TRAINERS:
+            raise BackendUnavailable(_not_available(name))
         raise BackendUnavailable(
             f"unknown trainer backend {name!r}; available: {', '.join(TRAINER_BACKENDS)}"
         )
@@ -163,7 +152,7 @@ class AlignedBackend:
         from zero_mismatch_plugin.aligned import SamplingTransform
 
         logits = self.model.logits(batch)
-        return SamplingTransform().logprobs(logits, self.model.runtime.compute_logprobs).float()
+        return SamplingTransform().logprobs(logits).float()
 
     @torch.no_grad()
     def intermediates(self, batch, perturb: Perturb | None = None) -> dict:
@@ -204,7 +193,7 @@ class AlignedBackend:
         rows = batch.target_rows.to(hidden.device)
         logits = _perturbed(perturb, oplist.LOGITS, m.logits_head(hidden.index_select(0, rows)))
         record[oplist.LOGITS] = logits.detach().clone()
-        logprobs = SamplingTransform().logprobs(logits, m.runtime.compute_logprobs)
+        logprobs = SamplingTransform().logprobs(logits)
         record[oplist.LOGPROBS] = _perturbed(perturb, oplist.LOGPROBS, logprobs).detach().clone()
         return record
 

@@ -200,7 +200,7 @@ class EngineModules:
     def forward(self, batch, record: dict | None = None) -> torch.Tensor:
         """Full-vocabulary logprobs [R, V] at the batch's target rows; ops into ``record``."""
         from vllm.forward_context import set_forward_context
-        from vllm.v1.sample.sampler import Sampler
+        from zero_mismatch_plugin.aligned.sampling import vllm_logprobs
 
         from zero_mismatch_plugin.aligned.attention_backend import _scratch_cache
 
@@ -234,7 +234,7 @@ class EngineModules:
             for layer in self.attention_layers.values():
                 layer.kv_cache = torch.tensor([])
         logits = logits[:, : rt.hf_config.vocab_size]
-        logprobs = Sampler.compute_logprobs(logits)
+        logprobs = vllm_logprobs(logits)
         if record is not None:
             record[oplist.LOGITS] = logits.detach().clone()
             record[oplist.LOGPROBS] = logprobs.detach().clone()

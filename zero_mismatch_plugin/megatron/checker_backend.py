@@ -37,11 +37,9 @@ class MegatronBackend:
 
     @torch.no_grad()
     def full_logprobs(self, batch) -> torch.Tensor:
-        from vllm.v1.sample.sampler import Sampler
-
         logits = packed_logits(self.model, batch)
         rows = logits.index_select(0, batch.target_rows.to(logits.device))
-        return SamplingTransform().logprobs(rows, Sampler.compute_logprobs).float()
+        return SamplingTransform().logprobs(rows).float()
 
     @torch.no_grad()
     def intermediates(self, batch, perturb=None) -> dict:
@@ -100,13 +98,11 @@ class MegatronBackend:
         finally:
             for h in handles:
                 h.remove()
-        from vllm.v1.sample.sampler import Sampler
-
         rows = logits.index_select(0, batch.target_rows.to(logits.device))
         if perturb is not None:
             rows = perturb(oplist.LOGITS, rows)
         record[oplist.LOGITS] = rows.detach().clone()
-        logprobs = SamplingTransform().logprobs(rows, Sampler.compute_logprobs)
+        logprobs = SamplingTransform().logprobs(rows)
         if perturb is not None:
             logprobs = perturb(oplist.LOGPROBS, logprobs)
         record[oplist.LOGPROBS] = logprobs.detach().clone()

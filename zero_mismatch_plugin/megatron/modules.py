@@ -17,17 +17,10 @@ import weakref
 
 import torch
 from torch import nn
-from torch.autograd import Function
 
-from ..aligned.derived import DerivedWeight, cast_like_engine
-from ..aligned.ops import (
-    AlignedAttention,
-    AlignedLogits,
-    AlignedRMSNorm,
-    AlignedRotary,
-    AlignedSiluAndMul,
-)
-from ..aligned.runtime import KernelLayer, VllmRuntime
+from ..aligned import ops
+from ..aligned.runtime import VllmRuntime
+from ..aligned.sampling import vllm_label_logprobs
 
 # vLLM layer instances that hold no trainable state (rotary cos/sin cache, attention backend)
 # are shared by all layers built from one runtime, as vLLM shares one rotary embedding.
@@ -67,10 +60,10 @@ class AlignedRMSNormModule(nn.Module):
         setattr(self.weight, "sequence_parallel", False)
         self._op = None
 
-    def _kernel(self) -> AlignedRMSNorm:
+    def _kernel(self) -> ops.AlignedRMSNorm:
         # Rebuilt if the Parameter object was replaced (e.g. by a model conversion).
         if self._op is None or self._op.weight is not self.weight:
-            self._op = AlignedRMSNorm(self.runtime, self.weight, self.eps)
+            self._op = ops.AlignedRMSNorm(self.runtime, self.weight, self.eps)
         return self._op
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -95,61 +88,6 @@ def _linear_weight(config, output_size: int, input_size: int, init_method) -> nn
         with torch.no_grad():
             init_method(weight)
     return weight
-
-
-class _EngineLinear:
-    """The engine-layout copy of a megatron linear: rows reordered to vLLM's layout, engine
-    dtype, vLLM's post-load processing (oneDNN packing on CPU); rebuilt when the weight changes."""
-
-    def __init__(self, runtime: VllmRuntime, module: "AlignedLinearModule"):
-        self.runtime = runtime
-        self.module = module
-        self.method = runtime.linear_method()
-        self.derived = DerivedWeight(module.sources(), self._build)
-
-    def _build(self, sources):
-        weight, bias = sources[0], (sources[1] if len(sources) > 1 else None)
-        order = self.module.engine_rows
-        if order is not None:
-            weight = weight.index_select(0, order.to(weight.device))
-            bias = None if bias is None else bias.index_select(0, order.to(bias.device))
-        dtype = self.runtime.dtype
-        weight = cast_like_engine(weight, dtype).contiguous()
-        bias = None if bias is None else cast_like_engine(bias, dtype).contiguous()
-        layer = KernelLayer(weight.clone(), None if bias is None else bias.clone(), self.method)
-        with self.runtime.context():
-            self.method.process_weights_after_loading(layer)
-        return layer, weight
-
-    def apply(self, x2d: torch.Tensor) -> torch.Tensor:
-        layer, _ = self.derived.get()
-        return self.method.apply(layer, x2d, layer.bias)
-
-
-class _MegatronLinearFn(Function):
-    @staticmethod
-    def forward(ctx, x, module: "AlignedLinearModule", weight, bias):
-        x2d = _flat(x)
-        out = module._engine().apply(x2d)
-        if module.megatron_cols is not None:
-            # vLLM's row order -> megatron's (an exact permutation of output columns).
-            out = out.index_select(-1, module.megatron_cols.to(out.device))
-        ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
-        ctx.engine_dtype = module.runtime.dtype
-        return out.reshape(*x.shape[:-1], out.shape[-1])
-
-    @staticmethod
-    def backward(ctx, g):
-        x, weight = ctx.saved_tensors
-        g2 = _flat(g).float()
-        x2 = _flat(x).float()
-        # In megatron's row order throughout: the permutation cancels in every product.
-        w32 = cast_like_engine(weight, ctx.engine_dtype).float()
-        gx = (g2 @ w32).reshape(x.shape).to(x.dtype)
-        gw = (g2.t() @ x2).to(weight.dtype)
-        gb = g2.sum(0).to(weight.dtype) if ctx.has_bias else None
-        return gx, None, gw, gb
 
 
 class AlignedLinearModule(nn.Module):
@@ -183,32 +121,29 @@ class AlignedLinearModule(nn.Module):
         self.bias = (
             _megatron_parameter(torch.zeros(output_size, dtype=config.params_dtype)) if bias else None
         )
-        # engine_rows[i]: megatron row computing vLLM's output i; megatron_cols[j]: the vLLM
-        # output that is megatron's output j. None: same layout.
+        # engine_rows[i]: the megatron row computing vLLM's output i (None: same layout).
         self.register_buffer("engine_rows", None, persistent=False)
-        self.register_buffer("megatron_cols", None, persistent=False)
-        self._engine_linear = None
+        self._op = None
 
-    def sources(self):
-        return [self.weight] + ([self.bias] if self.bias is not None else [])
-
-    def _engine(self) -> _EngineLinear:
-        if self._engine_linear is None or any(
-            a is not b for a, b in zip(self._engine_linear.derived.sources, self.sources())
-        ):
-            self._engine_linear = _EngineLinear(self.runtime, self)
-        return self._engine_linear
+    def _kernel(self) -> ops.AlignedLinear:
+        # Rebuilt if a Parameter object was replaced (e.g. by a model conversion).
+        sources = [self.weight] + ([self.bias] if self.bias is not None else [])
+        if self._op is None or any(a is not b for a, b in zip(self._op.params, sources)):
+            biases = None if self.bias is None else [self.bias]
+            self._op = ops.AlignedLinear(self.runtime, [self.weight], biases, engine_rows=self.engine_rows)
+        return self._op
 
     def forward(self, x: torch.Tensor, *args, **kwargs):
-        out = _MegatronLinearFn.apply(x, self, self.weight, self.bias)
-        return out, None
+        out = self._kernel()(_flat(x))
+        return out.reshape(*x.shape[:-1], out.shape[-1]), None
 
     def refresh(self) -> None:
-        self._engine().derived.refresh()
+        self._kernel().derived.refresh()
 
 
-def qkv_row_order(num_heads: int, num_query_groups: int, head_dim: int):
-    """(engine_rows, megatron_cols) between megatron's fused qkv and vLLM's ``[q; k; v]``.
+def qkv_row_order(num_heads: int, num_query_groups: int, head_dim: int) -> torch.Tensor:
+    """engine_rows between megatron's fused qkv and vLLM's ``[q; k; v]``: the megatron row of
+    each of vLLM's output rows.
 
     megatron stores, per query group g: the group's ``num_heads / num_query_groups`` query heads,
     then its key head, then its value head. vLLM's ``QKVParallelLinear`` stacks all query heads,
@@ -222,10 +157,7 @@ def qkv_row_order(num_heads: int, num_query_groups: int, head_dim: int):
         q_rows.append(torch.arange(base, base + per_group * head_dim))
         k_rows.append(torch.arange(base + per_group * head_dim, base + (per_group + 1) * head_dim))
         v_rows.append(torch.arange(base + (per_group + 1) * head_dim, base + group_rows))
-    engine_rows = torch.cat(q_rows + k_rows + v_rows)
-    megatron_cols = torch.empty_like(engine_rows)
-    megatron_cols[engine_rows] = torch.arange(engine_rows.numel())
-    return engine_rows, megatron_cols
+    return torch.cat(q_rows + k_rows + v_rows)
 
 
 class AlignedQKVLinearModule(AlignedLinearModule):
@@ -241,9 +173,7 @@ class AlignedQKVLinearModule(AlignedLinearModule):
                 f"aligned megatron spec: linear_qkv of {output_size} rows, expected {expected} "
                 "(dense GQA attention; gated or latent attention is not supported)"
             )
-        rows, cols = qkv_row_order(config.num_attention_heads, groups, head_dim)
-        self.engine_rows = rows
-        self.megatron_cols = cols
+        self.engine_rows = qkv_row_order(config.num_attention_heads, groups, head_dim)
 
 
 # ----- Activation / MLP --------------------------------------------------------------------
@@ -262,7 +192,7 @@ def _mlp_class():
                 raise NotImplementedError("aligned megatron spec: use_te_activation_func")
             super().__init__(config, submodules, *args, **kwargs)
             self.runtime = runtime
-            self.act = AlignedSiluAndMul(runtime)
+            self.act = ops.AlignedSiluAndMul(runtime)
 
         def forward(self, hidden_states, per_token_scale=None, **kwargs):
             if per_token_scale is not None:
@@ -343,12 +273,12 @@ def _positions(seq_lens: list[int], device) -> torch.Tensor:
     return torch.cat([torch.arange(n, device=device) for n in seq_lens])
 
 
-def _shared_rotary(runtime: VllmRuntime, head_dim: int) -> AlignedRotary:
+def _shared_rotary(runtime: VllmRuntime, head_dim: int) -> ops.AlignedRotary:
     hf = runtime.hf_config
     max_pos = getattr(hf, "max_position_embeddings", 8192)
     rope = getattr(hf, "rope_parameters", None)
     return _shared(
-        runtime, ("rotary", head_dim, max_pos), lambda: AlignedRotary(runtime, head_dim, max_pos, rope)
+        runtime, ("rotary", head_dim, max_pos), lambda: ops.AlignedRotary(runtime, head_dim, max_pos, rope)
     )
 
 
@@ -423,7 +353,7 @@ class AlignedCoreAttention(nn.Module):
         self.rotary = _shared_rotary(runtime, self.head_dim) if rotates_qk else None
         self.attention = _shared(
             runtime, ("attention", self.num_heads, self.num_kv_heads, self.head_dim, self.scale),
-            lambda: AlignedAttention(
+            lambda: ops.AlignedAttention(
                 runtime, self.num_heads, self.num_kv_heads, self.head_dim, self.scale
             ),
         )
@@ -461,7 +391,7 @@ class AlignedCoreAttention(nn.Module):
 # ----- Output layer ------------------------------------------------------------------------
 
 
-class _MegatronLogits(AlignedLogits):
+class _MegatronLogits(ops.AlignedLogits):
     def _build(self, sources):
         # A megatron output weight may carry padded vocabulary rows; vLLM's head has exactly
         # vocab_size rows before its own padding.
@@ -481,7 +411,7 @@ class AlignedOutputLayer(nn.Module):
         self.sequence_parallel = False
         self._head = None
 
-    def _kernel(self, weight: torch.Tensor) -> AlignedLogits:
+    def _kernel(self, weight: torch.Tensor) -> ops.AlignedLogits:
         if weight.shape[0] != self.vocab_size:
             raise NotImplementedError(
                 f"aligned output layer: weight has {weight.shape[0]} rows, the model vocabulary "
@@ -538,26 +468,6 @@ class AlignedOutputLayerModule(AlignedOutputLayer):
 # ----- Per-token logprob -------------------------------------------------------------------
 
 
-def vllm_scaled_logits(logits: torch.Tensor, temperature: torch.Tensor | None) -> torch.Tensor:
-    """fp32 logits divided by the fp32 per-row temperature (vLLM's ``apply_temperature``)."""
-    scaled = logits.to(torch.float32)
-    if temperature is not None:
-        scaled = scaled / temperature.to(torch.float32).unsqueeze(-1)
-    return scaled
-
-
-def vllm_logprobs(scaled_logits: torch.Tensor) -> torch.Tensor:
-    """Full-vocabulary logprobs as vLLM's sampler computes them."""
-    from vllm.v1.sample.sampler import Sampler
-
-    return Sampler.compute_logprobs(scaled_logits)
-
-
-def vllm_label_logprobs(logits, labels, temperature=None) -> torch.Tensor:
-    logprobs = vllm_logprobs(vllm_scaled_logits(logits, temperature))
-    return logprobs.gather(-1, labels.unsqueeze(-1).long()).squeeze(-1)
-
-
 class AlignedTokenLogprob(nn.Module):
     """The ``token_logprob`` spec hook (patched megatron-core): vLLM's sampler logprob of each
     label, ``[b, s]``, from megatron's ``[s, b, V]`` logits. GPTModel returns its negation as
@@ -574,7 +484,4 @@ class AlignedTokenLogprob(nn.Module):
 
     def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         rows = logits.transpose(0, 1)  # [b, s, V], the labels' layout
-        temperature = None
-        if self.temperature != 1.0:
-            temperature = torch.full(rows.shape[:-1], self.temperature, device=rows.device)
-        return vllm_label_logprobs(rows, labels, temperature)
+        return vllm_label_logprobs(rows, labels, self.temperature if self.temperature != 1.0 else None)

@@ -17,7 +17,7 @@ import torch
 
 from ..aligned.packing import PackedBatch, pack
 from ..aligned.runtime import VllmRuntime
-from ..aligned.sampling import SamplingTransform
+from ..aligned.sampling import SamplingTransform, recorded_logprobs
 from . import convert
 from .spec import aligned_gpt_spec, apply_post_construction_swaps
 
@@ -148,13 +148,8 @@ def per_sequence_logits(model, batch: PackedBatch) -> torch.Tensor:
 
 def token_logprobs_from_logits(logits: torch.Tensor, batch: PackedBatch, transform=None):
     """vLLM's recorded logprob of each response token, from logits [T, V]."""
-    from vllm.v1.sample.sampler import Sampler
-
-    transform = transform or SamplingTransform()
-    transform.check()
     rows = logits.index_select(0, batch.target_rows.to(logits.device))
-    logprobs = transform.logprobs(rows, Sampler.compute_logprobs)
-    return logprobs.gather(-1, batch.target_ids.to(logprobs.device).unsqueeze(-1)).squeeze(-1)
+    return recorded_logprobs(rows, batch.target_ids, transform)
 
 
 @dataclass

@@ -108,7 +108,7 @@ def aligned_lm_head_logits_processor(
     data_format: str,
 ):
     """``_lm_head_logits_processor`` with vLLM's arithmetic (same outputs and keys as verl's)."""
-    from .modules import vllm_logprobs, vllm_scaled_logits
+    from ..aligned.sampling import gather_labels, vllm_logprobs, vllm_scaled_logits
 
     ti = _engine_module()
     assert logits.shape[:2] == label.shape[:2]
@@ -132,7 +132,7 @@ def aligned_lm_head_logits_processor(
     if distillation_use_topk:
         ret.update(logits_processor_func(student_logits=scaled, data=batch, data_format=data_format))
     if not distillation_only:
-        ret["log_probs"] = vllm_logprobs(scaled).gather(-1, label.unsqueeze(-1).long()).squeeze(-1)
+        ret["log_probs"] = gather_labels(vllm_logprobs(scaled), label)
     return ret
 
 
