@@ -173,8 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
         )
     recipes_run.set_defaults(func=_recipes_run)
 
-    # The same names as checker.backends.KNOWN_TRAINERS, without importing it (it imports torch).
-    trainers = ("aligned", "hf", "megatron")
+    from zero_mismatch_plugin.checker.registry import KNOWN_TRAINERS as trainers  # no torch import
     check = sub.add_parser(
         "check",
         help="run a vLLM engine and a trainer forward on the same weights; pass/fail per mismatch check",

@@ -8,23 +8,26 @@ and names the first op whose output differs. Trainer backends are pluggable
 (:mod:`.backends`).
 """
 
-from .backends import (
-    KNOWN_TRAINERS,
-    TRAINER_BACKENDS,
-    BackendUnavailable,
-    TrainerBackend,
-    load_backend,
-)
-from .checks import CHECK_NAMES, CheckOptions, CheckResult, run_checks
+import importlib
 
-__all__ = [
-    "BackendUnavailable",
-    "CHECK_NAMES",
-    "CheckOptions",
-    "CheckResult",
-    "KNOWN_TRAINERS",
-    "TRAINER_BACKENDS",
-    "TrainerBackend",
-    "load_backend",
-    "run_checks",
-]
+# Where each public name lives; imported on first use, so that reading the trainer names
+# (:mod:`.registry`, for the command line) does not import torch.
+_EXPORTS = {
+    "BackendUnavailable": ".backends",
+    "TrainerBackend": ".backends",
+    "load_backend": ".backends",
+    "KNOWN_TRAINERS": ".registry",
+    "TRAINER_BACKENDS": ".registry",
+    "CHECK_NAMES": ".checks",
+    "CheckOptions": ".checks",
+    "CheckResult": ".checks",
+    "run_checks": ".checks",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name], __name__), name)

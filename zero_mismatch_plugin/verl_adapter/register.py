@@ -55,10 +55,8 @@ def _apply_megatron_patch_if_enabled() -> None:
     """
     from zero_mismatch_plugin.megatron import verl_patch
 
-    if not verl_patch.enabled_by_env():
-        return
     try:
-        verl_patch.apply()
+        verl_patch.maybe_apply()
     except Exception:
         # verl would swallow the exception; training on without alignment must not go unnoticed.
         logger.error("zero_mismatch_plugin: %s=1 but the aligned Megatron patch could NOT be applied "
