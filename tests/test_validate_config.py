@@ -250,10 +250,10 @@ def test_without_a_local_checkpoint_or_a_declared_architecture_the_run_is_refuse
 def test_the_supported_list_is_the_aligned_forwards_own(monkeypatch):
     from zero_mismatch_plugin import architectures
 
-    assert SWITCH in _all_problems("reinforce_zero", "zmrl.architecture=MistralForCausalLM")
+    assert SWITCH in _all_problems("reinforce_zero", "zmrl.architecture=GemmaForCausalLM")
     monkeypatch.setattr(architectures, "SUPPORTED_ARCHITECTURES",
-                        (*architectures.SUPPORTED_ARCHITECTURES, "MistralForCausalLM"))
-    assert _all_problems("reinforce_zero", "zmrl.architecture=MistralForCausalLM") == {}
+                        (*architectures.SUPPORTED_ARCHITECTURES, "GemmaForCausalLM"))
+    assert _all_problems("reinforce_zero", "zmrl.architecture=GemmaForCausalLM") == {}
 
 
 def test_the_override_runs_an_uncovered_model_with_a_loud_warning(capsys):

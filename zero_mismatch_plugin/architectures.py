@@ -61,6 +61,7 @@ _ENTRIES: dict[str, _Entry] = {
     "Qwen3ForCausalLM": _Entry(
         qk_norm=True, biases=lambda config: (bool(getattr(config, "attention_bias", False)), False)
     ),
+    "MistralForCausalLM": _Entry(qk_norm=False, biases=_llama_biases, refuse=_mistral_extras),
 }
 
 SUPPORTED_ARCHITECTURES = tuple(_ENTRIES)

@@ -1,4 +1,4 @@
-"""Tiny randomly initialised Llama-, Qwen2- and Qwen3-shaped checkpoints with a local tokenizer.
+"""Tiny randomly initialised Llama-, Mistral-, Qwen2- and Qwen3-shaped checkpoints with a local tokenizer.
 
 Everything is built on the local machine (no hub access): a byte-level BPE tokenizer is trained
 on a small generated corpus, a model is randomly initialised from a transformers config, and both
@@ -13,7 +13,7 @@ import os
 import random
 from pathlib import Path
 
-FAMILIES = ("llama", "qwen2", "qwen3")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
 # Shapes chosen so vLLM's CPU attention accepts them (head_dim in 32/64/80/96/112/128/...)
 # and some GEMMs have K >= 256, where torch's and oneDNN's CPU GEMMs round differently.
@@ -80,7 +80,7 @@ def build_tokenizer(out_dir: str | os.PathLike, vocab_size: int = 512, seed: int
 
 
 def _config(family: str, shape: dict, tokenizer):
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     common = dict(
         vocab_size=shape["vocab_size"],
@@ -96,7 +96,7 @@ def _config(family: str, shape: dict, tokenizer):
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        tie_word_embeddings=shape.get("tie_word_embeddings", family != "llama"),
+        tie_word_embeddings=shape.get("tie_word_embeddings", family not in ("llama", "mistral")),
         torch_dtype="float32",
     )
     rope = {"rope_type": "default", "rope_theta": shape["rope_theta"]}
@@ -104,6 +104,9 @@ def _config(family: str, shape: dict, tokenizer):
         cfg = LlamaConfig(
             **common, attention_bias=shape.get("attention_bias", False), mlp_bias=False
         )
+    elif family == "mistral":
+        # Without a sliding window (full causal attention in every layer).
+        cfg = MistralConfig(**common, sliding_window=None)
     elif family == "qwen2":
         cfg = Qwen2Config(**common)  # Qwen2 always has q/k/v bias and no o_proj bias
     elif family == "qwen3":

@@ -65,3 +65,20 @@ def test_features_outside_the_blocks_are_refused_by_both_faces(extra, message):
         describe(config)
     with pytest.raises(NotImplementedError, match=message):
         megatron_blocks(config)
+
+
+def test_mistral_is_one_entry_and_a_set_window_is_refused_clearly():
+    from transformers import MistralConfig
+
+    blocks = describe(_config(MistralConfig, "MistralForCausalLM", sliding_window=None))
+    assert (blocks.architecture, blocks.qkv_bias, blocks.o_bias, blocks.qk_norm) == (
+        "MistralForCausalLM", False, False, False)
+    assert megatron_blocks(_config(MistralConfig, "MistralForCausalLM", sliding_window=None)) == blocks
+    windowed = _config(MistralConfig, "MistralForCausalLM", sliding_window=4096)
+    for face in (describe, megatron_blocks):
+        with pytest.raises(NotImplementedError, match="sliding_window=4096 .*set it to null"):
+            face(windowed)
+    scaled = _config(MistralConfig, "MistralForCausalLM", sliding_window=None)
+    scaled.llama_4_scaling = {"original_max_position_embeddings": 8192, "beta": 0.1}
+    with pytest.raises(NotImplementedError, match="llama_4_scaling"):
+        describe(scaled)

@@ -1,4 +1,4 @@
-"""The aligned trainer model: dense Llama / Qwen2 / Qwen3 shapes built from the aligned ops.
+"""The aligned trainer model: the dense decoders of :mod:`..architectures`, built from the aligned ops.
 
 Parameters carry the Hugging Face checkpoint names and live in fp32 on the trainer; the forward
 runs vLLM's kernels in vLLM's order (embedding, per layer: [fused residual-add] RMSNorm, merged
