@@ -60,3 +60,27 @@ def test_flash_reinforce_asynchronous_with_a_stale_batch(tmp_path, inputs):
     assert run.metric("actor/flash_reinforce/admitted_fraction")
     # The warm-up batch is sampled by version 0 and trained on after the first update: lag 1.
     assert max(run.metric("training/off_policy/trajectory_staleness/max")) >= 1
+
+
+# verl's separate_async trainer with the rollout on its own device slot; weights travel through
+# the plugin's gloo checkpoint engine.
+SEPARATE_ASYNC = [
+    "trainer.v1.trainer_mode=separate_async", "actor_rollout_ref.hybrid_engine=false",
+    "actor_rollout_ref.rollout.nnodes=1", "actor_rollout_ref.rollout.n_gpus_per_node=1",
+    "actor_rollout_ref.rollout.checkpoint_engine.backend=gloo",
+    "actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module=zero_mismatch_plugin.verl_cpu.gloo_checkpoint_engine",
+    "trainer.v1.separate_async.parameter_sync_step=1", "trainer.v1.separate_async.num_warmup_batches=1",
+    "ray_kwargs.ray_init.num_gpus=2",
+]
+
+
+def test_reinforce_zero_separate_async_rollout_synced_over_gloo(tmp_path, inputs):
+    run = run_smoke(tmp_path / "separate", inputs, [
+        *SEPARATE_ASYNC, "trainer.total_training_steps=3", f"trainer.default_local_dir={tmp_path / 'checkpoints'}"])
+    _assert_ran(run, [1, 2, 3])
+    staleness = run.metric("training/off_policy/trajectory_staleness_worst/max")
+    diffs = run.metric(DIFF)
+    # Step 1 samples with the weights the gloo engine pushed at start-up: same weights, rounding only.
+    assert staleness[0] == 0 and diffs[0] < SAME_WEIGHTS_LOGPROB_DIFF
+    # Later batches were sampled (at least partly) one version behind the learner.
+    assert max(staleness) >= 1

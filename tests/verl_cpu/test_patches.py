@@ -111,3 +111,15 @@ def test_vllm_alias_steps_aside_for_a_real_vllm_distribution(tmp_path, monkeypat
         assert [d.version for d in metadata.distributions(name="vllm")] == ["9.9.9"]
     finally:
         vllm_metadata.uninstall()
+
+
+def test_separate_async_logger_accepts_prints_flush_keyword(caplog):
+    import logging
+
+    plain = logging.getLogger("zmrl_planted_logger")
+    with pytest.raises(TypeError, match="flush"):
+        plain.info("hybrid replicas disabled", flush=True)  # what verl 0.9.1 does
+    tolerant = patches._flush_tolerant_logger(plain)
+    with caplog.at_level(logging.INFO, logger="zmrl_planted_logger"):
+        tolerant.info("hybrid replicas disabled: %d standalone", 1, flush=True)
+    assert caplog.messages == ["hybrid replicas disabled: 1 standalone"]

@@ -248,7 +248,32 @@ ROLLOUT_WEIGHT_RELOAD = FunctionPatch(
         "AttributeError: 'Parameter' object has no attribute 'weight_loader'",
 )
 
-PATCHES: list[FunctionPatch] = [PROCESS_GROUP_BACKEND, ROLLOUT_WEIGHT_RELOAD]
+
+
+class _FlushTolerantLogger(logging.LoggerAdapter):
+    """A module logger that accepts (and ignores) print's ``flush=`` keyword."""
+
+    def process(self, msg, kwargs):
+        kwargs.pop("flush", None)
+        return msg, kwargs
+
+
+def _flush_tolerant_logger(original):
+    return _FlushTolerantLogger(original, {})
+
+
+SEPARATE_ASYNC_LOGGER = FunctionPatch(
+    name="separate-async-logger",
+    module="verl.trainer.ppo.v1.trainer_separate_async",
+    owner=None,
+    attribute="logger",
+    build=_flush_tolerant_logger,
+    why="with actor_rollout_ref.hybrid_engine=false, PPOTrainerSeparateAsync._setup calls "
+        "logger.info(..., flush=True): TypeError: Logger._log() got an unexpected keyword argument 'flush' "
+        "(not CPU-specific: every separate_async run without hybrid replicas)",
+)
+
+PATCHES: list[FunctionPatch] = [PROCESS_GROUP_BACKEND, ROLLOUT_WEIGHT_RELOAD, SEPARATE_ASYNC_LOGGER]
 
 
 def apply_all() -> None:
