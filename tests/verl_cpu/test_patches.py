@@ -117,6 +117,7 @@ def test_separate_async_logger_accepts_prints_flush_keyword(caplog):
     import logging
 
     plain = logging.getLogger("zmrl_planted_logger")
+    plain.setLevel(logging.INFO)  # a disabled level would skip the call that fails
     with pytest.raises(TypeError, match="flush"):
         plain.info("hybrid replicas disabled", flush=True)  # what verl 0.9.1 does
     tolerant = patches._flush_tolerant_logger(plain)
