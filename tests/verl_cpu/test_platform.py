@@ -111,3 +111,20 @@ def test_device_module_gives_host_memory_and_the_global_rng():
     assert device.memory_allocated() == 0 and device.empty_cache() is None
     assert device.current_device() == torch.cpu.current_device()
 
+
+
+def test_a_failed_opt_in_is_logged_at_error_level_not_only_raised():
+    # verl swallows entry-point exceptions at DEBUG: the log line is what the user sees.
+    code = ("import verl\n"
+            "try:\n    import zero_mismatch_plugin.verl_cpu\nexcept ValueError:\n    print('raised')\n")
+    result = _run(code, ZMRL_VERL_PLATFORM="tpu")
+    assert "raised" in result.stdout
+    assert "CPU platform could NOT be set up" in result.stderr
+
+
+def test_importing_the_package_without_opt_in_loads_nothing_heavy():
+    code = ("import sys\nimport zero_mismatch_plugin.verl_cpu\n"
+            "print(sorted(m for m in ('verl', 'torch', 'vllm') if m in sys.modules))\n")
+    result = _run(code)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["[]"]

@@ -78,6 +78,20 @@ def register_if_enabled() -> bool:
     return True
 
 
+def register_loudly() -> bool:
+    """:func:`register_if_enabled`, logging a failure at ERROR before re-raising it.
+
+    verl logs an exception raised while loading a ``verl.plugins`` entry point at DEBUG only; the
+    run would then go on towards CUDA and fail much later with an unrelated NCCL error.
+    """
+    try:
+        return register_if_enabled()
+    except Exception:
+        logger.error("zero_mismatch_plugin: %s=%s but the CPU platform could NOT be set up in process %d",
+                     ENABLE_ENV, os.environ.get(ENABLE_ENV), os.getpid(), exc_info=True)
+        raise
+
+
 def unregister() -> None:
     """Undo :func:`register_if_enabled`: patches, registry entry and ``VERL_PLATFORM``."""
     from verl.plugin.platform import PlatformRegistry, platform_manager
