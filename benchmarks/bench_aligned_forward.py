@@ -129,7 +129,8 @@ def main():
         f"model: {args.family} layers={args.layers} hidden={args.hidden} "
         f"intermediate={args.intermediate} heads={args.heads}/{args.kv_heads} vocab={args.vocab}; "
         f"batch {args.batch} x {seq} tokens; torch threads {torch.get_num_threads()}; "
-        f"median of {args.repeats}, timed alternately"
+        f"median of {args.repeats}, timed alternately; "
+        f"host ISA {torch.backends.cpu.get_cpu_capability()} (the figures depend on it)"
     )
     print(f"max |aligned - transformers| logprob: {max_diff:.3g}")
     print(f"{'':18}{'aligned (s)':>14}{'transformers (s)':>18}{'ratio':>9}{'target':>9}")

@@ -94,7 +94,8 @@ def main() -> None:
     print(
         f"model: hidden {args.hidden}, {args.layers} layers, {args.heads}/{args.kv_heads} heads, "
         f"ffn {args.intermediate}, vocab {vocab}; batch {args.batch} x {args.seq} = {tokens} tokens; "
-        f"{args.threads} thread(s), {args.iters} timed iterations (median)"
+        f"{args.threads} thread(s), {args.iters} timed iterations (median); "
+        f"host ISA {torch.backends.cpu.get_cpu_capability()} (the figures depend on it)"
     )
     print(f"{'phase':<18}{'stock ms':>10}{'aligned ms':>12}{'ratio':>8}{'target':>8}")
     for phase, target in (("forward", 1.05), ("forward+backward", 1.15)):

@@ -218,19 +218,19 @@ def aligned_mlp_class():
 # ----- Rotary embedding and core attention ------------------------------------------------
 
 
-# The last packed batch's sequence lengths: every layer (rotary and attention) of one forward sees
-# the same PackedSeqParams, and reading cu_seqlens on the host is a device sync.
-_last_packed: list = [None, None, None]  # [params, cu_seqlens tensor, lengths]
-
-
 def _packed_seq_lens(packed_seq_params) -> list[int]:
+    """The sequence lengths of a packed (THD) batch, kept on its ``PackedSeqParams``: every layer
+    (rotary and attention) of one forward sees the same object, and reading cu_seqlens on the host
+    is a device sync."""
     cu = packed_seq_params.cu_seqlens_q_padded
     if cu is None:
         cu = packed_seq_params.cu_seqlens_q
-    if _last_packed[0] is not packed_seq_params or _last_packed[1] is not cu:
+    cached = getattr(packed_seq_params, "_zmrl_seq_lens", None)
+    if cached is None or cached[0] is not cu:
         # Padding, if any, trails each sequence: causal rows before it are unaffected.
-        _last_packed[:] = [packed_seq_params, cu, [int(n) for n in torch.diff(cu.cpu()).tolist() if int(n) > 0]]
-    return list(_last_packed[2])
+        cached = (cu, [int(n) for n in torch.diff(cu.cpu()).tolist() if int(n) > 0])
+        packed_seq_params._zmrl_seq_lens = cached
+    return list(cached[1])
 
 
 def _token_major(query, key, value, attention_mask, packed_seq_params):

@@ -1,0 +1,21 @@
+"""Small pieces of the Megatron face that need no engine."""
+
+from __future__ import annotations
+
+import torch
+
+from zero_mismatch_plugin.megatron import modules
+
+
+def test_packed_lengths_are_read_once_per_batch_and_kept_on_the_batch():
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    first = PackedSeqParams(qkv_format="thd", cu_seqlens_q=torch.tensor([0, 3, 3, 7], dtype=torch.int32))
+    second = PackedSeqParams(qkv_format="thd", cu_seqlens_q=torch.tensor([0, 2, 8], dtype=torch.int32))
+    assert modules._packed_seq_lens(first) == [3, 4]  # the empty (padding) sequence is dropped
+    assert modules._packed_seq_lens(second) == [2, 6]
+    # Each batch keeps its own lengths: interleaved forwards do not see each other's.
+    assert modules._packed_seq_lens(first) == [3, 4]
+    first.cu_seqlens_q = torch.tensor([0, 5], dtype=torch.int32)  # a new tensor is read again
+    assert modules._packed_seq_lens(first) == [5]
+    assert not hasattr(modules, "_last_packed")
