@@ -130,7 +130,7 @@ def test_checker_backend_reports_engine_bits(mg_checkpoints, mg_rollout):
     """``MegatronBackend`` (for ``zmrl check --trainer megatron``): μ bitwise, canonical op
     names, and a planted difference in one op reaches the logprobs."""
     from zero_mismatch_plugin.checker import oplist
-    from zero_mismatch_plugin.megatron.checker_backend import MegatronBackend
+    from zero_mismatch_plugin.checker.megatron_backend import MegatronBackend
 
     backend = MegatronBackend(mg_checkpoints["llama"], max_model_len=256, seed=0)
     prompts, responses, mu = mg_rollout(seed=0)

@@ -8,7 +8,7 @@ importing torch.
 TRAINER_BACKENDS: dict[str, str] = {
     "aligned": "zero_mismatch_plugin.checker.backends:AlignedBackend",
     "hf": "zero_mismatch_plugin.checker.backends:HFBackend",
-    "megatron": "zero_mismatch_plugin.megatron.checker_backend:MegatronBackend",
+    "megatron": "zero_mismatch_plugin.checker.megatron_backend:MegatronBackend",
 }
 
 # Trainers the command line accepts. One of them missing from TRAINER_BACKENDS (an installation

@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 
 from ..aligned.sampling import SamplingTransform
-from .standalone import MegatronScorer, packed_logits, token_logprobs_from_logits
+from ..megatron.standalone import MegatronScorer, packed_logits, token_logprobs_from_logits
+from . import oplist
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -43,8 +44,6 @@ class MegatronBackend:
 
     @torch.no_grad()
     def intermediates(self, batch, perturb=None) -> dict:
-        from zero_mismatch_plugin.checker import oplist
-
         gpt = self.model
         record: dict = {}
         handles = []
