@@ -176,15 +176,6 @@ def test_attention_packed_gqa(runtime):
     _compare(lambda q, k, v: attn(q, k, v, plan, seq_lens), reference, [q, k, v])
 
 
-def test_attention_plan_is_kept_for_the_same_lengths_only(runtime):
-    attn = AlignedAttention(runtime, 4, 2, 64, 64**-0.5)
-    first = attn.plan([5, 1, 9])
-    assert attn.plan([5, 1, 9]) is first  # every layer of one forward asks again
-    assert attn.plan([9, 1, 5]) is not first
-    q, k, v = (torch.randn(15, n * 64, generator=_gen(60 + n)) for n in (4, 2, 2))
-    assert torch.equal(attn(q, k, v, attn.plan([5, 1, 9]), [5, 1, 9]), attn(q, k, v, first, [5, 1, 9]))
-
-
 def test_logits_head_padded_vocab(runtime):
     w = torch.nn.Parameter(0.1 * torch.randn(500, 256, generator=_gen(15)))  # pads to 512
     head = AlignedLogits(runtime, w, 500)

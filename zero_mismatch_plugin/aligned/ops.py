@@ -318,15 +318,11 @@ class AlignedAttention:
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
-        self._last_plan = None
 
     def plan(self, seq_lens: list[int]):
-        """The backend's metadata for these sequence lengths (a function of them alone). The last
-        one is kept: every layer of a Megatron forward, and a batch scored again, asks again."""
-        key = tuple(seq_lens)
-        if self._last_plan is None or self._last_plan[0] != key:
-            self._last_plan = (key, self.kernel.metadata(seq_lens))
-        return self._last_plan[1]
+        """The backend's metadata for one batch: build it once per forward. It is not only a
+        function of the lengths (vLLM's CPU backend records the thread count in it, for one)."""
+        return self.kernel.metadata(seq_lens)
 
     def __call__(self, q, k, v, plan, seq_lens):
         return _AttentionFn.apply(q, k, v, self, plan, seq_lens)

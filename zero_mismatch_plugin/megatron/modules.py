@@ -233,6 +233,18 @@ def _packed_seq_lens(packed_seq_params) -> list[int]:
     return list(cached[1])
 
 
+def _batch_plan(attention: ops.AlignedAttention, packed_seq_params, seq_lens: list[int]):
+    """The attention plan of one packed batch, built by its first layer and kept on its
+    ``PackedSeqParams`` for the others (unpacked input: built per call)."""
+    if packed_seq_params is None:
+        return attention.plan(seq_lens)
+    plans = packed_seq_params.__dict__.setdefault("_zmrl_plans", {})
+    key = (id(attention), tuple(seq_lens))
+    if key not in plans:
+        plans[key] = (attention, attention.plan(seq_lens))  # holding attention keeps its id unique
+    return plans[key][1]
+
+
 def _token_major(query, key, value, attention_mask, packed_seq_params):
     """q, k, v as vLLM's ``[T, heads * D]`` (sequence after sequence), their lengths, and the
     megatron layout to return to (``None``: packed ``thd``; ``(s, b)``: ``sbhd``).
@@ -380,7 +392,7 @@ class AlignedCoreAttention(nn.Module):
         q, k, v, seq_lens, layout = _token_major(query, key, value, attention_mask, packed_seq_params)
         if self.rotates_qk:
             q, k = self.rotary(_positions(seq_lens, query.device), q, k)
-        plan = self.attention.plan(seq_lens)
+        plan = _batch_plan(self.attention, packed_seq_params, seq_lens)
         out = self.attention(q, k, v.contiguous(), plan, seq_lens)
         if layout is None:
             return out
