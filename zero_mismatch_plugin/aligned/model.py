@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 
 import torch
 from torch import nn
 
 from . import numerics
+from .checkpoint import copy_checkpoint, read_checkpoint
 from .cpu_gemm import probe_linear, require_invariant
 from .ops import (
     AlignedAttention,
@@ -104,25 +104,10 @@ class AlignedCausalLM(nn.Module):
         return model
 
     def load_checkpoint(self, model_dir: str | os.PathLike) -> None:
-        from safetensors.torch import load_file
-
-        model_dir = Path(model_dir)
-        files = sorted(model_dir.glob("*.safetensors"))
-        if not files:
-            raise FileNotFoundError(f"no safetensors files in {model_dir}")
-        state = {}
-        for f in files:
-            state.update(load_file(str(f)))
+        state = read_checkpoint(model_dir)
         if self.tied:
             state.pop("lm_head.weight", None)
-        own = dict(self.named_parameters())
-        missing = sorted(set(own) - set(state))
-        unexpected = sorted(k for k in set(state) - set(own) if "rotary_emb" not in k)
-        if missing or unexpected:
-            raise ValueError(f"checkpoint mismatch: missing {missing}, unexpected {unexpected}")
-        with torch.no_grad():
-            for name, p in own.items():
-                p.copy_(state[name].to(torch.float32))
+        copy_checkpoint(dict(self.named_parameters()), state, ignored=("rotary_emb",))
         self.to(self.runtime.device)
         self._build_ops()
 

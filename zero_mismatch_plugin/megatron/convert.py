@@ -14,11 +14,11 @@ verl loads through Megatron-Bridge) and to send a megatron model's weights back 
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import torch
 
-from zero_mismatch_plugin.architectures import Blocks, describe
+from ..aligned.checkpoint import copy_checkpoint, read_checkpoint
+from ..architectures import Blocks, describe
 
 
 def megatron_blocks(hf_config) -> Blocks:
@@ -178,32 +178,10 @@ def megatron_to_hf(state: dict, hf_config) -> dict:
     return out
 
 
-def read_checkpoint(model_dir: str | os.PathLike) -> dict:
-    from safetensors.torch import load_file
-
-    files = sorted(Path(model_dir).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no safetensors files in {model_dir}")
-    state = {}
-    for f in files:
-        state.update(load_file(str(f)))
-    return state
-
-
 def load_hf_checkpoint(model, model_dir: str | os.PathLike, hf_config) -> None:
     """Copy the checkpoint in ``model_dir`` into a GPTModel (in place, exact names checked)."""
     mapped = hf_to_megatron(read_checkpoint(model_dir), hf_config)
-    own = {k: p for k, p in model.named_parameters()}
-    missing = sorted(set(own) - set(mapped))
-    unexpected = sorted(set(mapped) - set(own))
-    if missing or unexpected:
-        raise ValueError(f"checkpoint mismatch: missing {missing}, unexpected {unexpected}")
-    with torch.no_grad():
-        for name, p in own.items():
-            src = mapped[name]
-            if src.shape != p.shape:
-                raise ValueError(f"{name}: checkpoint {tuple(src.shape)} vs model {tuple(p.shape)}")
-            p.copy_(src.to(p.dtype))
+    copy_checkpoint(dict(model.named_parameters()), mapped)
 
 
 def engine_weights(model, hf_config, dtype) -> list[tuple[str, torch.Tensor]]:
