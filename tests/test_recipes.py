@@ -44,6 +44,8 @@ from zero_mismatch_plugin.validate_config import compose_verl_config, validate_c
 REPO = Path(__file__).resolve().parents[1]
 TOP_LEVEL_RECIPES = REPO / "recipes"
 BASE_RECIPES = ("reinforce_zero", "flash_reinforce")
+# Runs verl itself on a CPU (tests/verl_cpu runs it).
+CPU_RECIPES = ("cpu_smoke",)
 ENV = "ray_kwargs.ray_init.runtime_env.env_vars"
 
 # What the seeds and the task ask for, independent of how the recipes express it.
@@ -135,7 +137,7 @@ def sel(cfg, key):
 
 
 def test_every_shipped_recipe_is_specified_here():
-    assert set(recipe_names()) == set(SPEC) | set(BASE_RECIPES)
+    assert set(recipe_names()) == set(SPEC) | set(BASE_RECIPES) | set(CPU_RECIPES)
 
 
 def test_every_recipe_names_its_setting_and_named_recipes_quote_the_seed():
@@ -510,7 +512,7 @@ def test_list_names_every_recipe_and_whether_its_trainer_is_aligned(capsys):
         assert f"  {name}\n" in out
         trainer = out.split(f"  {name}\n", 1)[1].splitlines()[1].strip()
         expected = ("trainer: NOT aligned: missing a path for" if name in NOT_ALIGNED else
-                    "trainer: standard kernels" if name in STANDARD else
+                    "trainer: standard kernels" if name in (*STANDARD, *CPU_RECIPES) else
                     "trainer: aligned if the model is one of" if name in BASE_RECIPES else "trainer: aligned")
         assert trainer.startswith(expected), (name, trainer)
     assert str(RECIPES_DIR) in out

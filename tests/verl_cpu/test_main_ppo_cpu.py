@@ -8,6 +8,7 @@ start-up (Ray, the vLLM engine, FSDP); a step after the first takes about 2 s.
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 
@@ -35,13 +36,18 @@ def _assert_ran(run, steps):
     assert all(math.isfinite(v) for v in run.metric("actor/pg_loss"))
 
 
-def test_reinforce_zero_two_sync_steps_then_resume_from_verls_checkpoint(tmp_path, inputs):
+def test_reinforce_zero_two_sync_steps_then_resume_from_verls_checkpoint(tmp_path, inputs, capsys):
     checkpoints = tmp_path / "checkpoints"
     first = run_smoke(tmp_path / "first", inputs,
                       [f"trainer.default_local_dir={checkpoints}", "trainer.save_freq=2"])
     _assert_ran(first, [1, 2])
     assert max(first.metric(DIFF)) < SAME_WEIGHTS_LOGPROB_DIFF
     assert (checkpoints / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+    # `zmrl report` reads verl's own metric log of the run.
+    from zero_mismatch_plugin.cli import main as zmrl
+
+    assert zmrl(["report", str(tmp_path / "first" / "metrics.jsonl")]) == 0
+    assert re.search(r"steps logged\s+2\n", capsys.readouterr().out)
 
     resumed = run_smoke(tmp_path / "resumed", inputs,
                         [f"trainer.default_local_dir={checkpoints}", "trainer.total_training_steps=3"])

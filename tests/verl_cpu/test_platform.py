@@ -70,8 +70,12 @@ def test_opting_in_after_verl_resolved_another_platform_is_refused():
 def test_unregister_restores_registry_environment_and_patches(monkeypatch):
     from verl.plugin.platform import PlatformRegistry
 
+    from verl.plugin.platform import platform_manager
+
     from zero_mismatch_plugin.verl_cpu import patches, registration
 
+    # Other tests in this process may have let verl resolve its default platform already.
+    monkeypatch.setattr(platform_manager, "_current_platform", None)
     monkeypatch.setenv("ZMRL_VERL_PLATFORM", "cpu")
     monkeypatch.delenv("VERL_PLATFORM", raising=False)
     monkeypatch.setenv("VERL_ENGINE_DEVICE", "npu")  # the user's own choice must survive

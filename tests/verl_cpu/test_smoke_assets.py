@@ -55,7 +55,44 @@ def test_smoke_command_launches_verls_trainer_with_the_recipe():
     from zero_mismatch_plugin.verl_cpu.launch import cpu_environment, smoke_command
 
     command = smoke_command(["trainer.total_training_steps=2"])
-    assert command[1:3] == ["-m", "verl.trainer.main_ppo"] and command[-1] == "trainer.total_training_steps=2"
-    assert "--config-name=cpu_smoke" in command
+    assert command[1:] == ["-m", "zero_mismatch_plugin.cli", "recipes", "run", "cpu_smoke",
+                           "trainer.total_training_steps=2"]
     env = cpu_environment({"VERL_PLATFORM": "nvidia", "PATH": "/bin"})
     assert env["ZMRL_VERL_PLATFORM"] == "cpu" and "VERL_PLATFORM" not in env and env["PATH"] == "/bin"
+
+
+def test_recipes_run_builds_missing_inputs_and_launches_on_the_cpu_platform(tmp_path, monkeypatch):
+    from zero_mismatch_plugin import recipes
+
+    monkeypatch.chdir(tmp_path)
+    launched = []
+    status = recipes.run_recipe("cpu_smoke", ["trainer.total_training_steps=3"], launcher=lambda command: launched.append(command) or 0,
+                                err=lambda text: None)
+    assert status == 0 and len(launched) == 1
+    command = launched[0]
+    # verl resolves its platform before reading the config: the environment comes with the command.
+    assert command[:3] == ["env", "-u", "VERL_PLATFORM"] and "ZMRL_VERL_PLATFORM=cpu" in command
+    assert command[command.index("-m") + 1] == "verl.trainer.main_ppo" and "--config-name=cpu_smoke" in command
+    inputs = tmp_path / recipes.SMOKE_INPUTS_DIR
+    assert f"actor_rollout_ref.model.path={inputs / 'model'}" in command
+    assert f"data.train_files={inputs / 'data' / 'train.parquet'}" in command
+    assert (inputs / "model" / "config.json").exists()
+    assert command[-1] == "trainer.total_training_steps=3"
+
+
+def test_recipes_run_keeps_the_users_model_and_data(tmp_path, monkeypatch):
+    from zero_mismatch_plugin import recipes
+
+    monkeypatch.chdir(tmp_path)
+    launched = []
+    given = ["actor_rollout_ref.model.path=/models/mine", "data.train_files=/data/mine.parquet"]
+    assert recipes.run_recipe("cpu_smoke", given, launcher=lambda command: launched.append(command) or 0, err=lambda text: None) == 0
+    assert [arg for arg in launched[0] if arg.startswith(("actor_rollout_ref.model.path", "data.train_files"))] == given
+    assert not (tmp_path / recipes.SMOKE_INPUTS_DIR).exists()
+
+
+def test_other_recipes_launch_without_the_cpu_environment():
+    from zero_mismatch_plugin import recipes
+
+    command = recipes.launch_command("reinforce_zero", ["x=1"])
+    assert command[0] != "env" and not any(arg.startswith("ZMRL_VERL_PLATFORM") for arg in command)

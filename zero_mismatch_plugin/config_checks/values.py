@@ -132,6 +132,8 @@ KEYS: dict[str, Key] = {key.path: key for key in (
     Key("actor_rollout_ref.model.lora_rank", INT, 0, minimum=0),
     Key("zmrl.architecture", STRING, None, nullable=True,
         help="null: read from the model's config.json when model.path is a local directory"),
+    Key("zmrl.platform", STRING, None, nullable=True, choices=("cpu",),
+        help="null: verl picks its device; cpu: `zmrl recipes run` launches on verl's CPU platform"),
     # Environment of every Ray worker.
     Key(ENV_VARS_KEY, STRING_MAP, None, nullable=True, help="null: no variables"),
 )}

@@ -43,7 +43,7 @@ from zero_mismatch_plugin.config_checks.cluster import (
     uses_separate_rollout_pool,
 )
 from zero_mismatch_plugin.config_checks.numerics import is_consistent, runtime_env_vars
-from zero_mismatch_plugin.config_checks.values import ENV_VARS_KEY
+from zero_mismatch_plugin.config_checks.values import ENV_VARS_KEY, ConfigValueError, read
 from zero_mismatch_plugin.validate_config import compose_verl_config
 
 __all__ = [
@@ -149,16 +149,43 @@ def with_unaligned_trainer(overrides: Sequence[str], allow_unaligned_trainer: bo
     return [*overrides, UNALIGNED_OVERRIDE] if allow_unaligned_trainer else list(overrides)
 
 
-def launch_command(name: str, overrides: Sequence[str] = (), python: str | None = None) -> list[str]:
+def launch_command(name: str, overrides: Sequence[str] = (), python: str | None = None,
+                   platform: str | None = None) -> list[str]:
     """``python -m verl.trainer.main_ppo --config-path=<this directory> --config-name=NAME overrides...``
 
     The recipe's environment (the consistent switch, the aligned trainer forward, ROCm GEMM
     routing) is part of the config (``ray_kwargs.ray_init.runtime_env.env_vars``), which verl hands
-    to every Ray worker, so the command needs no environment of its own.
+    to every Ray worker. Only the device platform cannot come from the config: verl resolves it in
+    the launching process before reading any config, so ``platform="cpu"`` (a recipe's
+    ``zmrl.platform``) prefixes the command with ``env`` and the CPU platform's variables.
     """
     recipe_path(name)
-    return [python or sys.executable, "-m", LAUNCHER_MODULE, f"--config-path={RECIPES_DIR}",
-            f"--config-name={name}", *overrides]
+    command = [python or sys.executable, "-m", LAUNCHER_MODULE, f"--config-path={RECIPES_DIR}",
+               f"--config-name={name}", *overrides]
+    if platform == "cpu":
+        from zero_mismatch_plugin.verl_cpu.launch import CPU_ENVIRONMENT
+
+        # -u: the CPU platform sets VERL_PLATFORM itself and refuses a leftover value.
+        command = ["env", "-u", "VERL_PLATFORM", *(f"{key}={value}" for key, value in CPU_ENVIRONMENT.items()),
+                   *command]
+    return command
+
+
+SMOKE_INPUT_KEYS = ("actor_rollout_ref.model.path", "data.train_files")
+
+
+def _with_smoke_inputs(overrides: Sequence[str], inputs_dir: Path) -> list[str]:
+    """A CPU recipe run without a model or data set gets the tiny local ones (built once in
+    ``inputs_dir``); paths the user gave are kept. (The recipe cannot mark them ``???``: a merged
+    ``???`` never replaces verl's default paths.)"""
+    given = {override.split("=", 1)[0].lstrip("+") for override in overrides}
+    if all(key in given for key in SMOKE_INPUT_KEYS):
+        return list(overrides)
+    from zero_mismatch_plugin.verl_cpu.launch import input_overrides
+    from zero_mismatch_plugin.verl_cpu.smoke_assets import build_smoke_inputs
+
+    built = [o for o in input_overrides(build_smoke_inputs(inputs_dir)) if o.split("=", 1)[0] not in given]
+    return [*built, *overrides]
 
 
 def validate_recipe(name: str, overrides: Sequence[str] = (),
@@ -178,6 +205,19 @@ def validate_recipe(name: str, overrides: Sequence[str] = (),
     for problem in problems:
         err(str(problem))
     return 0
+
+
+# Where `zmrl recipes run` builds the tiny model and data set of a CPU recipe run without them.
+SMOKE_INPUTS_DIR = "zmrl-cpu-smoke-inputs"
+
+
+def recipe_platform(cfg: DictConfig) -> str | None:
+    """The recipe's ``zmrl.platform`` (``None``: verl picks its device); a bad value is left to
+    validation, which names it."""
+    try:
+        return read(cfg, "zmrl.platform")
+    except ConfigValueError:
+        return None
 
 
 def _launch(command: list[str]) -> int:
@@ -201,10 +241,16 @@ def run_recipe(
     (a loud warning says diff 0 cannot hold).
     """
     overrides = with_unaligned_trainer(overrides, allow_unaligned_trainer)
+    try:
+        platform = recipe_platform(compose_recipe(name, overrides))
+    except RecipeError:
+        platform = None  # validation says why it does not compose
+    if platform == "cpu":
+        overrides = _with_smoke_inputs(overrides, Path(SMOKE_INPUTS_DIR).resolve())
     status = validate_recipe(name, overrides, err)
     if status:
         return status
-    command = launch_command(name, overrides)
+    command = launch_command(name, overrides, platform=platform)
     if dry_run:
         out(shlex.join(command))
         return 0

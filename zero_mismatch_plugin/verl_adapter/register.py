@@ -66,3 +66,6 @@ def _apply_megatron_patch_if_enabled() -> None:
 
 
 _apply_megatron_patch_if_enabled()
+
+# ZMRL_VERL_PLATFORM=cpu: verl's CPU platform (opt-in; otherwise this imports only os and logging).
+import zero_mismatch_plugin.verl_cpu  # noqa: E402,F401

@@ -13,9 +13,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-RECIPE_CONFIG_PATH = "pkg://zero_mismatch_plugin.verl_cpu"
 RECIPE_NAME = "cpu_smoke"
-LAUNCHER_MODULE = "verl.trainer.main_ppo"
 
 # What a verl process on a CPU needs before it imports verl or vLLM.
 CPU_ENVIRONMENT = {
@@ -65,8 +63,9 @@ def cpu_environment(base: dict[str, str] | None = None) -> dict[str, str]:
 
 
 def smoke_command(overrides: list[str]) -> list[str]:
-    return [sys.executable, "-m", LAUNCHER_MODULE, f"--config-path={RECIPE_CONFIG_PATH}",
-            f"--config-name={RECIPE_NAME}", *overrides]
+    """What a user runs: ``zmrl recipes run cpu_smoke overrides...`` (validates, then launches
+    verl's ``main_ppo`` with the CPU platform's environment)."""
+    return [sys.executable, "-m", "zero_mismatch_plugin.cli", "recipes", "run", RECIPE_NAME, *overrides]
 
 
 def input_overrides(inputs: dict[str, str]) -> list[str]:
