@@ -14,16 +14,22 @@ EngineCore and in every worker. It does nothing unless ``ZMRL_NUMERICS`` is set 
   pads single-row GEMMs to two rows (see :mod:`zero_mismatch_plugin.aligned.cpu_gemm`).
 
 ``ZMRL_NUMERICS=fast`` only adds the weight-sync worker extension. Safe to call repeatedly.
+
+Each change to a vLLM function is a named wrapper that keeps the original: :func:`applied` lists
+them and :func:`remove` puts the originals back (the environment variables set for vLLM's
+processes stay).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from typing import Callable
 
 logger = logging.getLogger(__name__)
 
-_APPLIED: set[str] = set()
+# name -> (owner, attribute, original) of every vLLM function wrapped in this process.
+_ORIGINALS: dict[str, tuple[object, str, Callable]] = {}
 
 PREFIX_CACHING_ENV = "ZMRL_ALLOW_PREFIX_CACHING"
 
@@ -50,23 +56,46 @@ def register() -> None:
         _patch_cpu_gemm()
 
 
-def _patch_cpu_gemm() -> None:
-    if "cpu_gemm" in _APPLIED:
+def _wrap(name: str, owner, attribute: str, make_wrapper) -> None:
+    """Replace ``owner.attribute`` by ``make_wrapper(original)`` once, keeping the original."""
+    if name in _ORIGINALS:
         return
+    original = getattr(owner, attribute)
+    wrapper = make_wrapper(original)
+    wrapper.__wrapped__ = original
+    setattr(owner, attribute, wrapper)
+    _ORIGINALS[name] = (owner, attribute, original)
+
+
+def applied() -> list[str]:
+    """The names of the vLLM functions the plugin has wrapped in this process."""
+    return sorted(_ORIGINALS)
+
+
+def remove() -> list[str]:
+    """Put back every vLLM function the plugin wrapped in this process; return their names."""
+    removed = []
+    while _ORIGINALS:
+        name, (owner, attribute, original) = _ORIGINALS.popitem()
+        setattr(owner, attribute, original)
+        removed.append(name)
+    return sorted(removed)
+
+
+def _patch_cpu_gemm() -> None:
     import vllm.model_executor.layers.utils as layer_utils
 
     from .aligned.cpu_gemm import pad_single_row
 
-    original = layer_utils.dispatch_cpu_unquantized_gemm
+    def make(original):
+        def dispatch_cpu_unquantized_gemm(layer, remove_weight):
+            original(layer, remove_weight)
+            if hasattr(layer, "cpu_linear"):
+                layer.cpu_linear = pad_single_row(layer.cpu_linear)
 
-    def dispatch_cpu_unquantized_gemm(layer, remove_weight):
-        original(layer, remove_weight)
-        if hasattr(layer, "cpu_linear"):
-            layer.cpu_linear = pad_single_row(layer.cpu_linear)
+        return dispatch_cpu_unquantized_gemm
 
-    dispatch_cpu_unquantized_gemm.__wrapped__ = original
-    layer_utils.dispatch_cpu_unquantized_gemm = dispatch_cpu_unquantized_gemm
-    _APPLIED.add("cpu_gemm")
+    _wrap("cpu_gemm", layer_utils, "dispatch_cpu_unquantized_gemm", make)
 
 
 def consistent_engine_settings(args) -> list[str]:
@@ -106,25 +135,22 @@ def consistent_engine_settings(args) -> list[str]:
 
 
 def _patch_engine_args() -> None:
-    if "engine_args" in _APPLIED:
-        return
     from vllm.engine.arg_utils import EngineArgs
 
     from .aligned import numerics
     from .aligned.weight_sync import WORKER_EXTENSION
 
-    original = EngineArgs.create_engine_config
+    def make(original):
+        def create_engine_config(self, *args, **kwargs):
+            mode = numerics.current_mode()
+            if mode is not None and not self.worker_extension_cls:
+                self.worker_extension_cls = WORKER_EXTENSION
+            if mode == numerics.CONSISTENT:
+                changed = consistent_engine_settings(self)
+                if changed:
+                    logger.info("zero-mismatch (consistent): engine settings %s", ", ".join(changed))
+            return original(self, *args, **kwargs)
 
-    def create_engine_config(self, *args, **kwargs):
-        mode = numerics.current_mode()
-        if mode is not None and not self.worker_extension_cls:
-            self.worker_extension_cls = WORKER_EXTENSION
-        if mode == numerics.CONSISTENT:
-            changed = consistent_engine_settings(self)
-            if changed:
-                logger.info("zero-mismatch (consistent): engine settings %s", ", ".join(changed))
-        return original(self, *args, **kwargs)
+        return create_engine_config
 
-    create_engine_config.__wrapped__ = original
-    EngineArgs.create_engine_config = create_engine_config
-    _APPLIED.add("engine_args")
+    _wrap("engine_args", EngineArgs, "create_engine_config", make)

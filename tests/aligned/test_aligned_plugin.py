@@ -27,6 +27,24 @@ def test_consistent_mode_engine_settings(checkpoints):
     assert os.environ[numerics.CPU_SPLIT_KV_ENV] == "0"
 
 
+def test_vllm_changes_are_named_and_removable(checkpoints):
+    from vllm.engine.arg_utils import EngineArgs
+
+    from zero_mismatch_plugin import vllm_plugin
+
+    vllm_plugin.register()  # consistent mode here
+    applied = vllm_plugin.applied()  # on CPU also "cpu_gemm"
+    assert "engine_args" in applied
+    patched = EngineArgs.create_engine_config
+    try:
+        assert vllm_plugin.remove() == applied and vllm_plugin.applied() == []
+        assert EngineArgs.create_engine_config is patched.__wrapped__
+        assert _config(checkpoints["llama"], enable_prefix_caching=True).cache_config.enable_prefix_caching
+    finally:
+        vllm_plugin.register()  # the rest of the session runs with the plugin applied
+    assert not _config(checkpoints["llama"], enable_prefix_caching=True).cache_config.enable_prefix_caching
+
+
 def test_unset_mode_leaves_vllm_alone(checkpoints, monkeypatch):
     monkeypatch.delenv(numerics.MODE_ENV)
     cfg = _config(checkpoints["llama"], enable_prefix_caching=True)
