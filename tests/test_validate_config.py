@@ -240,6 +240,17 @@ def test_the_local_config_json_decides_the_architecture(tmp_path):
     assert "MoE (num_moe_experts)" in message and "--allow-unaligned-trainer" in message
 
 
+def test_a_window_counts_unless_the_config_switches_it_off(tmp_path):
+    unwindowed = _model(tmp_path / "mistral", architectures=["MistralForCausalLM"], sliding_window=None)
+    windowed = _model(tmp_path / "mistral_window", architectures=["MistralForCausalLM"], sliding_window=4096)
+    qwen2_off = _model(tmp_path / "qwen2", architectures=["Qwen2ForCausalLM"], sliding_window=4096,
+                       use_sliding_window=False)
+    assert _all_problems("reinforce_zero", f"actor_rollout_ref.model.path={unwindowed}") == {}
+    assert _all_problems("reinforce_zero", f"actor_rollout_ref.model.path={qwen2_off}") == {}
+    message = _all_problems("reinforce_zero", f"actor_rollout_ref.model.path={windowed}")[SWITCH]
+    assert "sliding-window attention" in message
+
+
 def test_without_a_local_checkpoint_or_a_declared_architecture_the_run_is_refused():
     cfg = compose_verl_config(RECIPES, "reinforce_zero", ["actor_rollout_ref.model.path=org/some-hub-model"])
     problems = {p.key: p.message for p in check_config(cfg) if p.fatal}

@@ -70,7 +70,8 @@ def _features(hf_config: dict) -> dict:
     """The config.json fields the aligned spec's feature check knows, under megatron's names."""
     experts = next((hf_config[k] for k in ("num_experts", "num_local_experts", "n_routed_experts")
                     if hf_config.get(k)), None)
-    sliding = hf_config.get("sliding_window") if hf_config.get("use_sliding_window") else None
+    # Qwen2 configs carry a window with use_sliding_window=false; Mistral's has no switch: a window is on.
+    sliding = hf_config.get("sliding_window") if hf_config.get("use_sliding_window", True) else None
     return {"num_moe_experts": experts, "multi_latent_attention": bool(hf_config.get("kv_lora_rank")),
             "window_size": sliding}
 
