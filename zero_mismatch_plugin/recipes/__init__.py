@@ -163,11 +163,9 @@ def launch_command(name: str, overrides: Sequence[str] = (), python: str | None 
     command = [python or sys.executable, "-m", LAUNCHER_MODULE, f"--config-path={RECIPES_DIR}",
                f"--config-name={name}", *overrides]
     if platform == "cpu":
-        from zero_mismatch_plugin.verl_cpu.launch import CPU_ENVIRONMENT
+        from zero_mismatch_plugin.verl_cpu.launch import env_command_prefix
 
-        # -u: the CPU platform sets VERL_PLATFORM itself and refuses a leftover value.
-        command = ["env", "-u", "VERL_PLATFORM", *(f"{key}={value}" for key, value in CPU_ENVIRONMENT.items()),
-                   *command]
+        command = [*env_command_prefix(), *command]
     return command
 
 
@@ -184,8 +182,8 @@ def _with_smoke_inputs(overrides: Sequence[str], inputs_dir: Path) -> list[str]:
     from zero_mismatch_plugin.verl_cpu.launch import input_overrides
     from zero_mismatch_plugin.verl_cpu.smoke_assets import build_smoke_inputs
 
-    built = [o for o in input_overrides(build_smoke_inputs(inputs_dir)) if o.split("=", 1)[0] not in given]
-    return [*built, *overrides]
+    built = {key: path for key, path in build_smoke_inputs(inputs_dir).items() if key not in given}
+    return [*input_overrides(built), *overrides]
 
 
 def validate_recipe(name: str, overrides: Sequence[str] = (),

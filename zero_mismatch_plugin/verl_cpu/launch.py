@@ -55,11 +55,22 @@ class SmokeRun:
         return [row["data"][name] for row in self.metrics if name in row["data"]]
 
 
+# The plugin sets it on opting in; a leftover value would be refused.
+CLEARED_ENVIRONMENT = ("VERL_PLATFORM",)
+
+
 def cpu_environment(base: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ if base is None else base)
     env.update(CPU_ENVIRONMENT)
-    env.pop("VERL_PLATFORM", None)  # the plugin sets it; a leftover value would be refused
+    for name in CLEARED_ENVIRONMENT:
+        env.pop(name, None)
     return env
+
+
+def env_command_prefix() -> list[str]:
+    """``env`` arguments giving a command :func:`cpu_environment` (for a printable command line)."""
+    unset = [argument for name in CLEARED_ENVIRONMENT for argument in ("-u", name)]
+    return ["env", *unset, *(f"{key}={value}" for key, value in CPU_ENVIRONMENT.items())]
 
 
 def smoke_command(overrides: list[str]) -> list[str]:
