@@ -1,5 +1,5 @@
-"""The CPU runtime patches: version gate, post-import application, exact removal, and what
-each replacement changes."""
+"""The CPU runtime patches of verl: version gate and what each replacement changes (the
+mechanism itself: tests/test_runtime_patches.py)."""
 
 from __future__ import annotations
 
@@ -11,60 +11,11 @@ import pytest
 from zero_mismatch_plugin.verl_cpu import patches, vllm_metadata
 
 
-@pytest.fixture
-def planted_module(tmp_path, monkeypatch):
-    """A module not imported yet, with one function to patch."""
-    (tmp_path / "zmrl_planted_target.py").write_text("def answer(x):\n    return x\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    yield "zmrl_planted_target"
-    sys.modules.pop("zmrl_planted_target", None)
-
-
-def _doubling_patch(module_name: str) -> patches.FunctionPatch:
-    def build(original):
-        def answer(x):
-            return 2 * original(x)
-        return answer
-
-    return patches.FunctionPatch(name="planted", module=module_name, owner=None, attribute="answer",
-                                 build=build, why="test")
-
-
-def test_patch_waits_for_its_module_and_applies_when_it_is_imported(planted_module):
-    patch = _doubling_patch(planted_module)
-    patches.apply(patch)
-    try:
-        assert patches.is_pending(patch) and planted_module not in sys.modules
-        from zmrl_planted_target import answer  # bound by name right after the module runs
-
-        assert answer(3) == 6 and patches.is_applied(patch)
-    finally:
-        patches.remove(patch)
-    assert sys.modules[planted_module].answer(3) == 3
-    assert not patches.is_applied(patch) and not patches.is_pending(patch)
-
-
-def test_patch_of_an_imported_module_applies_at_once_and_rebinds_importers(planted_module, monkeypatch):
-    import zmrl_planted_target
-
-    importer = type(sys)("zmrl_planted_importer")
-    importer.answer = zmrl_planted_target.answer
-    monkeypatch.setitem(sys.modules, "zmrl_planted_importer", importer)
-    patch = patches.FunctionPatch(**{**_doubling_patch(planted_module).__dict__,
-                                     "bound_in": ("zmrl_planted_importer",)})
-    patches.apply(patch)
-    try:
-        assert zmrl_planted_target.answer(2) == 4 and importer.answer(2) == 4
-    finally:
-        patches.remove(patch)
-    assert zmrl_planted_target.answer(2) == 2 and importer.answer(2) == 2
-
-
 def test_other_verl_versions_are_refused(monkeypatch):
     import verl
 
     monkeypatch.setattr(verl, "__version__", "0.9.0")
-    with pytest.raises(patches.UnsupportedVerlVersion, match="support verl 0.9.1; found verl 0.9.0"):
+    with pytest.raises(patches.UnsupportedVersion, match="support verl 0.9.1; found verl 0.9.0"):
         patches.apply_all()
 
 

@@ -1,170 +1,34 @@
 """Runtime patches verl 0.9.1 needs to train on a CPU.
 
 Each patch replaces one function or method of verl with a wrapper that handles the CPU case and
-otherwise calls verl's original. They are applied only for the verl versions in
-:data:`SUPPORTED_VERL_VERSIONS` (any other version is refused with :class:`UnsupportedVerlVersion`)
-and :func:`remove_all` puts every original back.
-
-Most target modules are heavy (they import vLLM or the FSDP engine) and only some processes
-import them, so a patch whose module is not imported yet is applied by a post-import hook the
-moment that module finishes executing, before any other module can bind its functions by name.
+otherwise calls verl's original. They are :class:`~zero_mismatch_plugin.runtime_patches.FunctionPatch`
+entries of the plugin's one patch mechanism: applied only for the verl versions in
+:data:`SUPPORTED_VERL_VERSIONS` (any other is refused), lazily when their module is imported, and
+:func:`remove_all` puts every original back.
 """
 
 from __future__ import annotations
 
-import importlib
-import importlib.abc
 import logging
-import sys
-from dataclasses import dataclass
-from typing import Callable
+from functools import partial
+
+from zero_mismatch_plugin.runtime_patches import (FunctionPatch, UnsupportedVersion, apply, installed_version,
+                                                   is_applied, is_pending, remove)
 
 logger = logging.getLogger("zero_mismatch_plugin")
 
 SUPPORTED_VERL_VERSIONS = ("0.9.1",)
 
-
-class UnsupportedVerlVersion(RuntimeError):
-    pass
-
-
-@dataclass(frozen=True)
-class FunctionPatch:
-    """Replace ``owner.attribute`` (owner: a module, or a class in it) with ``build(original)``."""
-
-    name: str
-    module: str
-    owner: str | None  # class name inside ``module``; None for a module-level function
-    attribute: str
-    build: Callable[[Callable], Callable]
-    why: str
-    # Modules that bind the function by name (``from module import attribute``): rebound too when
-    # they were imported before the patch was applied.
-    bound_in: tuple[str, ...] = ()
-
-
-# (module, owner, attribute) -> original, while applied.
-_originals: dict[tuple[str, str | None, str], Callable] = {}
-# module name -> patches waiting for that module to be imported.
-_pending: dict[str, list[FunctionPatch]] = {}
+verl_patch = partial(FunctionPatch, package="verl", versions=SUPPORTED_VERL_VERSIONS)
 
 
 def check_verl_version() -> str:
-    import verl
-
-    version = getattr(verl, "__version__", "unknown")
+    version = installed_version("verl")
     if version not in SUPPORTED_VERL_VERSIONS:
-        raise UnsupportedVerlVersion(
+        raise UnsupportedVersion(
             f"the CPU patches for verl support verl {', '.join(SUPPORTED_VERL_VERSIONS)}; found verl "
             f"{version}. Unset ZMRL_VERL_PLATFORM or install a supported verl.")
     return version
-
-
-def _key(patch: FunctionPatch) -> tuple[str, str | None, str]:
-    return patch.module, patch.owner, patch.attribute
-
-
-def _owner_object(patch: FunctionPatch):
-    module = sys.modules[patch.module]
-    return module if patch.owner is None else getattr(module, patch.owner)
-
-
-def _current(owner, attribute: str):
-    return owner.__dict__[attribute] if isinstance(owner, type) else getattr(owner, attribute)
-
-
-def _replace_now(patch: FunctionPatch) -> None:
-    owner = _owner_object(patch)
-    original = _current(owner, patch.attribute)
-    replacement = patch.build(original)
-    replacement.__wrapped__ = original
-    setattr(owner, patch.attribute, replacement)
-    _rebind_importers(patch, original, replacement)
-    _originals[_key(patch)] = original
-
-
-def _rebind_importers(patch: FunctionPatch, old: Callable, new: Callable) -> None:
-    for name in patch.bound_in:
-        module = sys.modules.get(name)
-        if module is not None and getattr(module, patch.attribute, None) is old:
-            setattr(module, patch.attribute, new)
-
-
-def apply(patch: FunctionPatch) -> None:
-    """Patch now if the module is imported, else as soon as it is."""
-    if is_applied(patch) or patch in _pending.get(patch.module, []):
-        return
-    if patch.module in sys.modules:
-        _replace_now(patch)
-        return
-    _pending.setdefault(patch.module, []).append(patch)
-    _install_hook()
-
-
-def remove(patch: FunctionPatch) -> None:
-    waiting = _pending.get(patch.module, [])
-    if patch in waiting:
-        waiting.remove(patch)
-    original = _originals.pop(_key(patch), None)
-    if original is None:
-        return
-    owner = _owner_object(patch)
-    replacement = _current(owner, patch.attribute)
-    setattr(owner, patch.attribute, original)
-    _rebind_importers(patch, replacement, original)
-
-
-def is_applied(patch: FunctionPatch) -> bool:
-    return _key(patch) in _originals
-
-
-def is_pending(patch: FunctionPatch) -> bool:
-    return patch in _pending.get(patch.module, [])
-
-
-# ----- post-import hook ----------------------------------------------------------------------
-
-
-class _PatchingLoader(importlib.abc.Loader):
-    """Runs the real loader, then applies the patches waiting for the module."""
-
-    def __init__(self, loader):
-        self._loader = loader
-
-    def create_module(self, spec):
-        return self._loader.create_module(spec)
-
-    def exec_module(self, module):
-        self._loader.exec_module(module)
-        for patch in _pending.pop(module.__name__, []):
-            _replace_now(patch)
-
-    def __getattr__(self, name):
-        return getattr(self._loader, name)
-
-
-class _PostImportFinder(importlib.abc.MetaPathFinder):
-    def find_spec(self, fullname, path=None, target=None):
-        if not _pending.get(fullname):
-            return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None:
-                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                    spec.loader = _PatchingLoader(spec.loader)
-                return spec
-        return None
-
-
-def _install_hook() -> None:
-    if not any(isinstance(f, _PostImportFinder) for f in sys.meta_path):
-        sys.meta_path.insert(0, _PostImportFinder())
-
-
-def _uninstall_hook() -> None:
-    sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _PostImportFinder)]
 
 
 # ----- the patches ---------------------------------------------------------------------------
@@ -186,7 +50,7 @@ def _gloo_default_backend(original):
     return initialize_global_process_group_ray
 
 
-PROCESS_GROUP_BACKEND = FunctionPatch(
+PROCESS_GROUP_BACKEND = verl_patch(
     name="process-group-backend",
     module="verl.utils.distributed",
     owner=None,
@@ -237,7 +101,7 @@ def _cpu_reload_weights(original):
     return update_weights_from_ipc
 
 
-ROLLOUT_WEIGHT_RELOAD = FunctionPatch(
+ROLLOUT_WEIGHT_RELOAD = verl_patch(
     name="rollout-weight-reload",
     module="verl.workers.rollout.vllm_rollout.utils",
     owner="vLLMColocateWorkerExtension",
@@ -262,7 +126,7 @@ def _flush_tolerant_logger(original):
     return _FlushTolerantLogger(original, {})
 
 
-SEPARATE_ASYNC_LOGGER = FunctionPatch(
+SEPARATE_ASYNC_LOGGER = verl_patch(
     name="separate-async-logger",
     module="verl.trainer.ppo.v1.trainer_separate_async",
     owner=None,
@@ -285,5 +149,3 @@ def apply_all() -> None:
 def remove_all() -> None:
     for patch in reversed(PATCHES):
         remove(patch)
-    _pending.clear()
-    _uninstall_hook()
