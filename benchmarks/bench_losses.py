@@ -4,6 +4,11 @@ Same batch, same process, interleaved runs; prints the median time of each and t
 of medians (plugin / verl). verl's comparison point is `bypass_mode` with
 loss_type=reinforce, token IS and a huge threshold: the same gradient as REINFORCE Zero.
 
+FlashREINFORCE computes one thing verl's loss does not: the per-token Bernoulli KL of its
+sequence trust region ([FR] sec. 2), in float64 (ten elementwise transcendental functions per
+token, against verl's one exp). That KL is timed on its own, interleaved with the losses, so the
+last line shows what FlashREINFORCE costs beyond it.
+
     .venv/bin/python benchmarks/bench_losses.py [--batch 256] [--length 2048] [--repeats 15]
 """
 
@@ -39,6 +44,14 @@ def time_loss(fn, config, pi, mu, advantages, mask) -> float:
     return time.perf_counter() - start
 
 
+def time_kl(formulas, pi, mu, mask) -> float:
+    """The trust-region part of FlashREINFORCE alone: per-token Bernoulli KL and the gate."""
+    start = time.perf_counter()
+    token_kl = formulas.sampled_action_bernoulli_kl(pi, mu)
+    formulas.sequence_trust_region(token_kl, mask, 0.01)
+    return time.perf_counter() - start
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=256)
@@ -47,6 +60,8 @@ def main() -> None:
     args = parser.parse_args()
 
     import verl  # noqa: F401  (registers the plugin)
+
+    from zero_mismatch_plugin import formulas
     from verl.trainer.config.algorithm import RolloutCorrectionConfig
     from verl.trainer.ppo.core_algos import get_policy_loss_fn
     from verl_batches import actor_config
@@ -60,23 +75,30 @@ def main() -> None:
         "reinforce_zero": (get_policy_loss_fn("reinforce_zero"), actor_config("reinforce_zero")),
         "flash_reinforce": (get_policy_loss_fn("flash_reinforce"), actor_config("flash_reinforce")),
     }
-    times: dict[str, list[float]] = {name: [] for name in contenders}
-    for name, (fn, config) in contenders.items():  # warm-up
-        time_loss(fn, config, pi, mu, advantages, mask)
+    kl_only = "flash_reinforce's trust-region KL alone"
+    times: dict[str, list[float]] = {name: [] for name in [*contenders, kl_only]}
+    runs = {name: (lambda fn=fn, config=config: time_loss(fn, config, pi, mu, advantages, mask))
+            for name, (fn, config) in contenders.items()}
+    runs[kl_only] = lambda: time_kl(formulas, pi, mu, mask)
+    for run in runs.values():  # warm-up
+        run()
     for repeat in range(args.repeats):
-        order = list(contenders.items())
+        order = list(runs.items())
         if repeat % 2:
             order.reverse()
-        for name, (fn, config) in order:
-            times[name].append(time_loss(fn, config, pi, mu, advantages, mask))
+        for name, run in order:
+            times[name].append(run())
 
     baseline = statistics.median(times["verl bypass_mode reinforce"])
     print(f"batch {args.batch} x {args.length} tokens, fp32, CPU threads {torch.get_num_threads()}, "
-          f"{args.repeats} interleaved repeats, forward + backward")
-    print(f"{'loss':<30} {'median ms':>10} {'ratio vs verl':>14}")
+          f"{args.repeats} interleaved repeats, forward + backward; host ISA "
+          f"{torch.backends.cpu.get_cpu_capability()} (the figures depend on it)")
+    print(f"{'loss':<40} {'median ms':>10} {'ratio vs verl':>14}")
     for name, samples in times.items():
         median = statistics.median(samples)
-        print(f"{name:<30} {median * 1e3:>10.1f} {median / baseline:>13.2f}x")
+        print(f"{name:<40} {median * 1e3:>10.1f} {median / baseline:>13.2f}x")
+    beyond_kl = statistics.median(times["flash_reinforce"]) - statistics.median(times[kl_only])
+    print(f"{'flash_reinforce less its KL':<40} {beyond_kl * 1e3:>10.1f} {beyond_kl / baseline:>13.2f}x")
 
 
 if __name__ == "__main__":
