@@ -1201,3 +1201,68 @@ def test_shared_last_write_per_slot():
     assert shared.last_write_per_slot([7, 7, 3, 7, 5]) == [2, 3, 4]
     assert shared.last_write_per_slot([1, 2, 3]) == [0, 1, 2]
     assert shared.last_write_per_slot([]) == []
+
+
+CPU_MLA_SCRIPT = LOAD_PATCHED + """
+import json
+import torch
+from vllm.config import VllmConfig, set_current_vllm_config
+
+root = ROOT
+rotary_base = load_patched("vllm.model_executor.layers.rotary_embedding.base", root)
+linear = load_patched("vllm.model_executor.layers.linear", root)
+mla = load_patched("vllm.model_executor.layers.attention.mla_attention", root)
+
+with set_current_vllm_config(VllmConfig()):
+    rotary = rotary_base.RotaryEmbedding(64, 64, 256, 10000.0, False, torch.float32)
+    g = torch.Generator().manual_seed(0)
+    # MLA's inputs: the rotary half of q (3-D, gaps between heads) and k_pe, two identical requests.
+    q = torch.randn(11, 4, 96, generator=g).repeat(2, 1, 1)
+    latent = torch.randn(11, 576, generator=g).repeat(2, 1)
+    positions = torch.arange(11).repeat(2)
+    ref_q, _ = rotary.forward_native(positions, q[..., 32:].clone(), latent[:, 512:].unsqueeze(1).clone())
+    got_q, _ = rotary.forward_cpu(positions, q[..., 32:], latent[:, 512:].unsqueeze(1))
+    rotary_error = (got_q - ref_q).abs().max().item()
+    rows_equal = torch.equal(got_q[:11], got_q[11:])
+
+    layer = torch.nn.Module()
+    layer.weight = torch.nn.Parameter(torch.randn(256, 512, generator=g), requires_grad=False)
+    layer._cpu_skip_gemm_dispatch = True
+    linear.UnquantizedLinearMethod().process_weights_after_loading(layer)
+    kv_b_proj_on_aten = layer.cpu_linear is torch.nn.functional.linear
+    weight_kept = layer.weight.numel() == 256 * 512
+
+bmm = getattr(mla, "row_invariant_bmm", None)
+x, w = torch.randn(4, 1, 32, generator=g), torch.randn(4, 32, 512, generator=g)
+one_row_as_two = bmm is not None and torch.equal(
+    bmm(x, w), torch.bmm(torch.cat([x, torch.zeros_like(x)], dim=1), w)[:, :1])
+print("RESULT " + json.dumps(dict(rotary_error=rotary_error, rows_equal=rows_equal,
+                                   kv_b_proj_on_aten=kv_b_proj_on_aten, weight_kept=weight_kept,
+                                   one_row_as_two=one_row_as_two)))
+"""
+
+
+def _cpu_mla_result(root: str) -> dict:
+    result = run_python(CPU_MLA_SCRIPT.replace("ROOT", repr(root)))
+    assert result.returncode == 0, result.stdout + result.stderr[-4000:]
+    line = next(l for l in result.stdout.splitlines() if l.startswith("RESULT "))
+    return __import__("json").loads(line[len("RESULT "):])
+
+
+def test_vllm_cpu_mla_rotary_rows_gemm_dispatch_and_bmm(patched_vllm_files):
+    patched = _cpu_mla_result(str(patched_vllm_files))
+    assert patched["rotary_error"] < 1e-5 and patched["rows_equal"], patched
+    assert not patched["kv_b_proj_on_aten"] and patched["weight_kept"], patched
+    assert patched["one_row_as_two"], patched
+    # Stock vLLM: MLA's 3-D q view is rotated wrongly (not rounding) and differently per request,
+    # kv_b_proj runs aten's linear, and there is no one-row bmm padding.
+    stock = _cpu_mla_result("")
+    assert stock["rotary_error"] > 1e-2 and not stock["rows_equal"], stock
+    assert stock["kv_b_proj_on_aten"] and not stock["one_row_as_two"], stock
+
+
+def test_shared_rotary_on_rows_and_row_invariant_bmm_match_the_runtime_patches():
+    from zero_mismatch_plugin import vllm_cpu_mla
+
+    assert vllm_cpu_mla.rotate_rows_in_place is shared.rotary_on_rows
+    assert vllm_cpu_mla.row_invariant_bmm is shared.row_invariant_bmm

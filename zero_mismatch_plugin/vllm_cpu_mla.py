@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import types
 
+from zero_mismatch_plugin.patching.shared import rotary_on_rows as rotate_rows_in_place
+from zero_mismatch_plugin.patching.shared import row_invariant_bmm
 from zero_mismatch_plugin.runtime_patches import FunctionPatch
 
 SUPPORTED_VLLM_VERSIONS = ("0.31.0",)
@@ -41,14 +43,8 @@ def rotary_on_rows(original):
     def forward_cpu(self, positions, query, key=None):
         if query.dim() <= 2 and (key is None or key.dim() <= 2):
             return original(self, positions, query, key)
-        num_tokens = positions.numel()
-        query_rows = query.reshape(num_tokens, -1)  # a copy when the heads have gaps between them
-        key_rows = None if key is None else key.reshape(num_tokens, -1)
-        original(self, positions, query_rows, key_rows)  # in place on the rows
-        for tensor, rows in ((query, query_rows), (key, key_rows)):
-            if tensor is not None and rows.data_ptr() != tensor.data_ptr():
-                tensor.copy_(rows.view(tensor.shape))
-        return query, key
+        return rotate_rows_in_place(lambda query_rows, key_rows: original(self, positions, query_rows, key_rows),
+                                    positions, query, key)
 
     return forward_cpu
 
@@ -81,12 +77,7 @@ class TorchWithRowInvariantBmm(types.ModuleType):
         return getattr(self.__wrapped__, name)
 
     def bmm(self, batch1, batch2, *, out=None):
-        real = self.__wrapped__
-        if batch1.dim() == 3 and batch1.shape[1] == 1:
-            padded = real.cat([batch1, real.zeros_like(batch1)], dim=1)
-            result = real.bmm(padded, batch2)[:, :1]
-            return result if out is None else out.copy_(result)
-        return real.bmm(batch1, batch2) if out is None else real.bmm(batch1, batch2, out=out)
+        return row_invariant_bmm(batch1, batch2, out=out)
 
 
 def _row_invariant_bmm(original):

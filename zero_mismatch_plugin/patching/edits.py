@@ -505,6 +505,129 @@ def do_mamba_copy_block(copy_bufs: MambaCopyBuffers):
     ),
 ]
 
+ROTARY_BASE = "vllm/model_executor/layers/rotary_embedding/base.py"
+LINEAR = "vllm/model_executor/layers/linear.py"
+MLA_ATTENTION = "vllm/model_executor/layers/attention/mla_attention.py"
+
+VLLM_CPU_MLA_BATCH_INVARIANT = [
+    Edit(
+        ROTARY_BASE,
+        old="""\
+        cos_sin_cache = self._match_cos_sin_cache_dtype(query)
+
+        # ops.rotary_embedding() is an in-place operation
+        # that updates the query and key tensors.
+        ops.rotary_embedding(
+            positions,
+            query,
+            key,
+            self.head_size,
+            cos_sin_cache,
+            self.is_neox_style,
+        )
+        return query, key
+
+    def extra_repr(self) -> str:
+""",
+        new="""\
+        cos_sin_cache = self._match_cos_sin_cache_dtype(query)
+
+        # ops.rotary_embedding() is an in-place operation that reads query and key as
+        # [num_tokens, num_heads * head_size] rows: a 3-D [tokens, heads, head_size] input
+        # (MLA's q[..., qk_nope_head_dim:] view, with gaps between heads) is handed over as
+        # 2-D rows and written back, else the wrong elements are rotated.
+        def rotate_in_place(query_rows, key_rows):
+            ops.rotary_embedding(
+                positions,
+                query_rows,
+                key_rows,
+                self.head_size,
+                cos_sin_cache,
+                self.is_neox_style,
+            )
+
+        return rotary_on_rows(rotate_in_place, positions, query, key)
+
+    def extra_repr(self) -> str:
+""",
+    ),
+    Edit(
+        ROTARY_BASE,
+        old="""\
+
+
+class RotaryEmbedding(RotaryEmbeddingBase):
+""",
+        new="""\
+
+
+""" + _source_of(shared.rotary_on_rows) + """\
+
+
+class RotaryEmbedding(RotaryEmbeddingBase):
+""",
+    ),
+    Edit(
+        LINEAR,
+        old="""\
+            # MLA's kv_b_proj (see `_cpu_skip_gemm_dispatch`): not
+            # perf-critical, so skip packing and use a plain fallback.
+            if getattr(layer, "_cpu_skip_gemm_dispatch", False):
+                layer.cpu_linear = torch.nn.functional.linear
+                return
+
+            from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+            dispatch_cpu_unquantized_gemm(layer, remove_weight=True)
+""",
+        new="""\
+            from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+            # MLA's kv_b_proj (see `_cpu_skip_gemm_dispatch`) keeps its weight for the
+            # W_UK / W_UV split, but still goes through the CPU GEMM dispatch: aten's
+            # F.linear rounds a row differently depending on how many rows the call has.
+            keep_weight = getattr(layer, "_cpu_skip_gemm_dispatch", False)
+            dispatch_cpu_unquantized_gemm(layer, remove_weight=not keep_weight)
+""",
+    ),
+    Edit(
+        MLA_ATTENTION,
+        old="""\
+                    torch.bmm(mqa_q_nope, W_UK_T, out=mqa_ql_nope)
+""",
+        new="""\
+                    row_invariant_bmm(mqa_q_nope, W_UK_T, out=mqa_ql_nope)
+""",
+    ),
+    Edit(
+        MLA_ATTENTION,
+        old="""\
+                    torch.bmm(mqa_q_nope, W_UK_T, out=mqa_ql_nope.transpose(0, 1))
+""",
+        new="""\
+                    row_invariant_bmm(mqa_q_nope, W_UK_T, out=mqa_ql_nope.transpose(0, 1))
+""",
+    ),
+    Edit(
+        MLA_ATTENTION,
+        old="""\
+            torch.bmm(x, self.W_UV, out=out.transpose(0, 1))
+
+
+def unified_mla_kv_cache_update(
+""",
+        new="""\
+            row_invariant_bmm(x, self.W_UV, out=out.transpose(0, 1))
+
+
+""" + _source_of(shared.row_invariant_bmm) + """\
+
+
+def unified_mla_kv_cache_update(
+""",
+    ),
+]
+
 # Patch name (as in manifest.yaml) -> its edits.
 EDITS: dict[str, list[Edit]] = {
     "verl-plugin-load-warning": VERL_PLUGIN_LOAD_WARNING,
@@ -514,6 +637,7 @@ EDITS: dict[str, list[Edit]] = {
     "vllm-ep-combine-rank-order": VLLM_EP_COMBINE_RANK_ORDER,
     "vllm-rocm-shape-independent-gemm": VLLM_ROCM_SHAPE_INDEPENDENT_GEMM,
     "vllm-mamba-state-slot-writes-once": VLLM_MAMBA_STATE_SLOT_WRITES_ONCE,
+    "vllm-cpu-mla-batch-invariant": VLLM_CPU_MLA_BATCH_INVARIANT,
     "megatron-lm-spec-hooks": MEGATRON_SPEC_HOOKS,
 }
 

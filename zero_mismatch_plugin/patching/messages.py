@@ -101,6 +101,27 @@ MESSAGES: dict[str, CommitMessage] = {
             "running the copies one after another leaves.",
         ),
     ),
+    "vllm-cpu-mla-batch-invariant": CommitMessage(
+        "Make CPU MLA compute the model, with the same bits in any batch",
+        (
+            "On the CPU backend a DeepSeek-V2/V3 (MLA) model gave two identical prompts in one "
+            "batch different logprobs (0.2 to 0.5 nats apart at the first sampled token), and a "
+            "prompt alone did not match the model either. Three causes.",
+            "RotaryEmbedding.forward_cpu passed query and key to _C.rotary_embedding, which "
+            "reads them as [num_tokens, num_heads * head_size] rows. MLA rotates q[..., "
+            "qk_nope_head_dim:], a 3-D view with gaps between heads, so the kernel rotated the "
+            "wrong elements with the wrong positions. forward_cpu now hands the kernel 2-D rows "
+            "(a contiguous copy where needed) and writes the result back; 2-D inputs are "
+            "unchanged.",
+            "MLA's kv_b_proj skipped the CPU GEMM dispatch and ran aten's F.linear, whose bits "
+            "for a row depend on the number of rows in the call. It now goes through "
+            "dispatch_cpu_unquantized_gemm and keeps its weight for the W_UK / W_UV split.",
+            "The absorbed decode multiplies by W_UK and W_UV with torch.bmm over (heads, "
+            "tokens); with one decoding sequence aten takes a matrix-vector kernel whose bits "
+            "differ from the two-row one. A one-row CPU product is now computed as two rows "
+            "(the row and a zero row) and the first kept.",
+        ),
+    ),
     "megatron-lm-spec-hooks": CommitMessage(
         "Add spec hooks for rotary application, output layer and per-token logprob",
         (

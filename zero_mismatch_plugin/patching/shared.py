@@ -76,3 +76,39 @@ def last_write_per_slot(destinations):
     for position, destination in enumerate(destinations):
         last[int(destination)] = position
     return sorted(last.values())
+
+
+def rotary_on_rows(rotate_in_place, positions, query, key):
+    """Run a rotary kernel that reads ``[num_tokens, num_heads * head_size]`` on 3-D inputs.
+
+    ``rotate_in_place(query_rows, key_rows)`` rotates 2-D row tensors in place. A 3-D query or
+    key (``[tokens, heads, head_size]``, possibly a view with gaps between heads, as MLA's
+    ``q[..., qk_nope_head_dim:]``) is given to it as 2-D rows (a contiguous copy where a view is
+    impossible) and the result written back, so the caller's tensors are rotated in place and
+    returned. 2-D inputs reach the kernel as they are.
+    """
+    num_tokens = positions.numel()
+    query_rows = query.reshape(num_tokens, -1)
+    key_rows = None if key is None else key.reshape(num_tokens, -1)
+    rotate_in_place(query_rows, key_rows)
+    for tensor, rows in ((query, query_rows), (key, key_rows)):
+        if tensor is not None and rows.data_ptr() != tensor.data_ptr():
+            tensor.copy_(rows.view(tensor.shape))
+    return query, key
+
+
+def row_invariant_bmm(batch1, batch2, out=None):
+    """``torch.bmm`` whose rows do not depend on how many there are, on CPU.
+
+    aten's CPU bmm takes a matrix-vector kernel when ``batch1`` has one row per batch entry
+    (one decoding sequence in MLA's absorbed decode), whose bits differ from the two-row
+    kernel. A one-row CPU product is computed as two rows (the row and a zero row) and the
+    first kept; everything else is ``torch.bmm`` itself.
+    """
+    import torch
+
+    if batch1.device.type == "cpu" and batch1.dim() == 3 and batch1.shape[1] == 1:
+        padded = torch.cat([batch1, torch.zeros_like(batch1)], dim=1)
+        result = torch.bmm(padded, batch2)[:, :1]
+        return result if out is None else out.copy_(result)
+    return torch.bmm(batch1, batch2) if out is None else torch.bmm(batch1, batch2, out=out)
