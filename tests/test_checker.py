@@ -329,6 +329,7 @@ def test_bisect_hf_trainer_reports_consistently(llama, tmp_path, capsys, module_
     first = report["first_differing_op"]
     print(f"hf trainer on this host: first differing op {first}")
     assert code == (0 if first is None else 1) and report["pass"] is (first is None)
+    assert report["not_compared"] == []  # every op recorded, rotary (a function there) included
     names = [op["op"] for op in report["ops"]]
     ops = {op["op"]: op for op in report["ops"]}
     stop = names.index(first) if first is not None else len(names)
@@ -437,3 +438,19 @@ def test_compare_op_treats_nan_in_place_as_equal_and_reports_shape_mismatch():
     assert c.max_abs_diff == float(b[1, 1] - 2.0)
     bad = oplist.compare_op("x", a, torch.zeros(3))
     assert not bad.equal and bad.shape_mismatch
+
+
+def test_recorder_refuses_an_op_the_canonical_list_has_no_place_for(aligned_backend, bisect_batch):
+    """The op layer's calls are named by kind and order: a forward calling an op the canonical
+    list does not have (a new architecture block) is an error naming oplist, never a misnamed op."""
+    from zero_mismatch_plugin.checker.recording import OpRecorder
+
+    model = aligned_backend.model
+    order = [n for n in oplist.op_names(2, qk_norm=False) if not n.endswith(".act")]
+    with OpRecorder() as recorder, pytest.raises(RuntimeError, match="canonical op list has no place.*oplist"):
+        with recorder.op_layer(order), torch.no_grad():
+            model.hidden_states(bisect_batch)
+    # The observation point is gone after the block: the model runs unobserved again.
+    from zero_mismatch_plugin.aligned import ops
+
+    assert ops._observer is None

@@ -152,7 +152,8 @@ class OpRecorder:
 
     def name(self, kind: str) -> str:
         """``kind`` in the decoder layer running, or ``kind`` itself for a model-level op."""
-        return kind if kind in oplist.MODEL_OPS else f"layers.{self.layer}.{kind}"
+        model_level = kind.split(".", 1)[0] in oplist.MODEL_OPS  # final_norm.input too
+        return kind if model_level else f"layers.{self.layer}.{kind}"
 
     def on_output(self, module, kind: str, layout: Layout = None, split: Callable | None = None) -> None:
         """Record ``module``'s output as ``kind``. ``split(output) -> (value, rebuild)`` picks
