@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
 # Zero-mismatch GPU check: one short run (< 8 minutes) on one NVIDIA/AMD GPU.
 #
-# Needs python3 with torch (CUDA or ROCm) and triton; vLLM is optional and no network is used.
-# Runs from the repository tree (PYTHONPATH=., nothing installed):
-#   1. trainer-side batch invariance of the aligned GPU kernels: rows across batch sizes,
-#      prefill- vs decode-shaped attention, a small model packed vs alone vs token-by-token;
-#   2. only where vLLM is installed: an engine rollout at bf16 in consistent mode vs the aligned
-#      trainer, which must be bitwise equal (reported NOT RUN otherwise).
-# Prints PASS / FAIL / NOT RUN per part and one overall result: PASS only when every part ran
-# and passed, INCOMPLETE when one did not run (no vLLM here, or --parts chose a subset), FAIL
-# when one failed, crashed or timed out. Writes $OUT/gpu_check.json when OUT is set.
-# Arguments go to both parts, e.g. --parts linear_batch_invariant to rerun one part.
+# Needs python3 with torch (CUDA or ROCm); vLLM (and transformers) for every part but the first.
+# No network is used. Runs the plugin's own trainer path from the repository tree (PYTHONPATH=.,
+# nothing installed); the parts are described in scripts/gpu_check.py:
+#   1. trainer: the op layer's backward vs float64 (torch only); the aligned model's forward
+#      (vLLM's batch-invariant kernels) alone vs packed vs reordered, its backward vs float64;
+#   2. engine: an engine rollout at bf16 in consistent mode vs the aligned trainer, bitwise.
+# A part that cannot run here (no vLLM) is reported NOT RUN with the reason. One overall result:
+# PASS only when every part ran and passed, INCOMPLETE when one did not run (no vLLM here, or
+# --parts chose a subset), FAIL when one failed, crashed or timed out. Writes $OUT/gpu_check.json
+# when OUT is set. Arguments go to both groups, e.g. --parts aligned_backward_float64 to rerun
+# one part, --device cpu for a dry run of the check's logic on a CPU.
 # Exit status: 0 PASS, 1 FAIL, 2 INCOMPLETE.
 set -uo pipefail
 
@@ -35,7 +36,7 @@ timed_out=()
 run_group() {
   local group=$1 limit=$2
   shift 2
-  timeout -k 10 "$limit" "$py" zero_mismatch_plugin/aligned/gpu_check.py --only "$group" --json "$work/$group.json" "$@"
+  timeout -k 10 "$limit" "$py" scripts/gpu_check.py --only "$group" --json "$work/$group.json" "$@"
   local rc=$?
   if [[ $rc -eq 124 || $rc -eq 137 ]]; then
     echo "[FAIL] $group timed out after $limit s"
@@ -43,10 +44,10 @@ run_group() {
   fi
 }
 
-echo "== part 1: trainer-side batch invariance (no vLLM needed) =="
-run_group kernels 210 "$@"
-echo "== part 2: bf16 equality with vLLM (only where vLLM is installed) =="
-run_group vllm 240 "$@"
+echo "== part 1: the trainer path (op layer, aligned model) on the device =="
+run_group trainer 240 "$@"
+echo "== part 2: bf16 equality with the vLLM engine =="
+run_group engine 240 "$@"
 
 # One summary of both parts; its exit status is the script's.
-"$py" zero_mismatch_plugin/aligned/gpu_check.py --summarize "$work" "${timed_out[@]}"
+"$py" scripts/gpu_check.py --summarize "$work" "${timed_out[@]}"

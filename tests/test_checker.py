@@ -270,13 +270,10 @@ def test_megatron_bisect_finds_every_compared_op_equal(llama, tmp_path, capsys, 
     )
     assert code == 0, out
     assert "no difference" in out and report["pass"] is True
-    # Megatron computes rotary, attention and the activation inside single modules: exactly these
-    # go uncompared, every other op is compared and equal.
-    names = oplist.op_names(2, qk_norm=False)
-    inside = [n for n in names if n.split(".")[-1] in ("rotary", "attn", "act")]
-    assert len(inside) == 2 * 3
-    assert report["not_compared"] == inside
-    assert report["ops_compared"] == len(names) - len(inside) == 20
+    # The Megatron modules run the op layer, where the one recorder sees every op, the rotary,
+    # attention and activation inside megatron's attention and MLP modules included.
+    assert report["not_compared"] == []
+    assert report["ops_compared"] == len(oplist.op_names(2, qk_norm=False)) == 26
     assert all(op["bitwise_equal"] for op in report["ops"])
 
 
@@ -332,6 +329,7 @@ def test_bisect_hf_trainer_reports_consistently(llama, tmp_path, capsys, module_
     first = report["first_differing_op"]
     print(f"hf trainer on this host: first differing op {first}")
     assert code == (0 if first is None else 1) and report["pass"] is (first is None)
+    assert report["not_compared"] == []  # every op recorded, rotary (a function there) included
     names = [op["op"] for op in report["ops"]]
     ops = {op["op"]: op for op in report["ops"]}
     stop = names.index(first) if first is not None else len(names)
@@ -440,3 +438,19 @@ def test_compare_op_treats_nan_in_place_as_equal_and_reports_shape_mismatch():
     assert c.max_abs_diff == float(b[1, 1] - 2.0)
     bad = oplist.compare_op("x", a, torch.zeros(3))
     assert not bad.equal and bad.shape_mismatch
+
+
+def test_recorder_refuses_an_op_the_canonical_list_has_no_place_for(aligned_backend, bisect_batch):
+    """The op layer's calls are named by kind and order: a forward calling an op the canonical
+    list does not have (a new architecture block) is an error naming oplist, never a misnamed op."""
+    from zero_mismatch_plugin.checker.recording import OpRecorder
+
+    model = aligned_backend.model
+    order = [n for n in oplist.op_names(2, qk_norm=False) if not n.endswith(".act")]
+    with OpRecorder() as recorder, pytest.raises(RuntimeError, match="canonical op list has no place.*oplist"):
+        with recorder.op_layer(order), torch.no_grad():
+            model.hidden_states(bisect_batch)
+    # The observation point is gone after the block: the model runs unobserved again.
+    from zero_mismatch_plugin.aligned import ops
+
+    assert ops._observer is None

@@ -138,14 +138,17 @@ def test_checker_backend_reports_engine_bits(mg_checkpoints, mg_rollout):
     assert torch.equal(backend.token_logprobs(batch), mu)
     record = backend.intermediates(batch)
     names = oplist.op_names(backend.runtime.hf_config.num_hidden_layers, qk_norm=False)
-    not_reported = {n for n in names if n.split(".")[-1] in ("rotary", "attn", "act")}
-    assert set(record) == set(names) - not_reported
+    assert set(record) == set(names)  # rotary, attention and activation included
     assert torch.equal(record[oplist.LOGPROBS].gather(-1, batch.target_ids[:, None])[:, 0], mu)
     planted = backend.intermediates(
         batch, lambda name, t: t + 1e-3 if name == "layers.1.qkv_proj" else t
     )
     assert torch.equal(planted["layers.0.qkv_proj"], record["layers.0.qkv_proj"])
     assert not torch.equal(planted[oplist.LOGPROBS], record[oplist.LOGPROBS])
+    # An op inside megatron's attention module is recorded and planted the same way.
+    inside = backend.intermediates(batch, lambda name, t: t + 1e-3 if name == "layers.1.attn" else t)
+    assert torch.equal(inside["layers.1.rotary"][0], record["layers.1.rotary"][0])
+    assert not torch.equal(inside["layers.1.o_proj"], record["layers.1.o_proj"])
 
 
 def test_equal_again_after_optimizer_step_and_weight_sync(mg_runtime, mg_engine, mg_rollout):

@@ -7,11 +7,41 @@ are forward-only; the backward of each op is written here in plain torch, in fp3
 
 from __future__ import annotations
 
+import contextlib
+import functools
+
 import torch
 from torch.autograd import Function
 
 from .derived import DerivedWeight, cast_like_engine
 from .runtime import KernelLayer, VllmRuntime
+
+
+# ----- The hook point for inspection (``zmrl bisect``) ------------------------------------
+
+_observer = None
+
+
+@contextlib.contextmanager
+def observed(observer):
+    """Inside, every aligned op call runs as ``observer(op, run, args)``, which returns ``run(*args)``
+    (it may record, or change inputs or outputs): how the bisect recorder sees every face's ops."""
+    global _observer
+    previous, _observer = _observer, observer
+    try:
+        yield
+    finally:
+        _observer = previous
+
+
+def _observable(call):
+    @functools.wraps(call)
+    def observable_call(self, *args):
+        if _observer is None:
+            return call(self, *args)
+        return _observer(self, lambda *a: call(self, *a), args)
+
+    return observable_call
 
 
 def _f32(t):
@@ -49,6 +79,7 @@ class AlignedRMSNorm:
         # vLLM may update x and residual in place (fused kernels); keep autograd's copies intact.
         return self.module(x.clone(), residual.clone())
 
+    @_observable
     def __call__(self, x, residual=None):
         if residual is None:
             return _RMSNormFn.apply(x, self.weight, self)
@@ -101,6 +132,7 @@ class AlignedRotary:
         self.rotary_dim = self.module.rotary_dim
         self.is_neox_style = self.module.is_neox_style
 
+    @_observable
     def __call__(self, positions, q, k):
         return _RotaryFn.apply(positions, q, k, self)
 
@@ -151,6 +183,7 @@ class AlignedSiluAndMul:
     def __init__(self, runtime: VllmRuntime):
         self.module = runtime.silu_and_mul()
 
+    @_observable
     def __call__(self, x):
         return _SiluAndMulFn.apply(x, self)
 
@@ -228,6 +261,7 @@ class AlignedLinear:
             out = out.index_select(-1, self.trainer_cols.to(out.device))
         return out
 
+    @_observable
     def __call__(self, x):
         return _LinearFn.apply(x, self, *self.params)
 
@@ -283,6 +317,7 @@ class AlignedLogits:
     def kernel(self, hidden):
         return self.processor(self.derived.get(), hidden)
 
+    @_observable
     def __call__(self, hidden):
         return _LogitsFn.apply(hidden, self.weight, self)
 
@@ -324,6 +359,7 @@ class AlignedAttention:
         function of the lengths (vLLM's CPU backend records the thread count in it, for one)."""
         return self.kernel.metadata(seq_lens)
 
+    @_observable
     def __call__(self, q, k, v, plan, seq_lens):
         return _AttentionFn.apply(q, k, v, self, plan, seq_lens)
 

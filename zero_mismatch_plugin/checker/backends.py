@@ -19,17 +19,16 @@ asked for. A new one is one line there; the callable is called as
 
 from __future__ import annotations
 
+import contextlib
 import importlib
-import sys
 from pathlib import Path
-from typing import Callable, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import torch
 
 from . import oplist
+from .recording import OpRecorder, Perturb
 from .registry import KNOWN_TRAINERS, TRAINER_BACKENDS
-
-Perturb = Callable[[str, torch.Tensor], torch.Tensor]
 
 
 def _not_available(name: str) -> str:
@@ -82,54 +81,7 @@ def load_backend(name: str, model_dir, max_model_len: int, seed: int = 0) -> Tra
     return backend
 
 
-def _perturbed(perturb: Perturb | None, name: str, value: torch.Tensor) -> torch.Tensor:
-    return value if perturb is None else perturb(name, value)
-
-
 # ----- aligned: the plugin's trainer forward built from vLLM's kernels ---------------------
-
-
-class _Recording:
-    """Wraps one aligned op; records (and optionally perturbs) what it returns.
-
-    ``names`` maps the n-th call to the op's name, so a shared op object (the model has one
-    rotary, one attention and one activation for all layers) is named per layer by the order of
-    its calls. A fused residual-add norm (``fused_norm``) returns (normalised, residual sum) and
-    is recorded as ``<name>`` and ``<name>.input``; called without a residual (layer 0), the
-    tensor it normalises is the embedding output, recorded as ``embed``.
-    """
-
-    def __init__(self, op, record: dict, perturb: Perturb | None, names: Callable[[int], str], fused_norm=False):
-        self.op = op
-        self.record = record
-        self.perturb = perturb
-        self.names = names
-        self.fused_norm = fused_norm
-        self.calls = 0
-
-    def __getattr__(self, item):
-        return getattr(self.op, item)
-
-    def _keep(self, name, value):
-        value = _perturbed(self.perturb, name, value)
-        self.record[name] = value.detach().clone()
-        return value
-
-    def __call__(self, *args):
-        name = self.names(self.calls)
-        self.calls += 1
-        if self.fused_norm and len(args) == 1:
-            args = (self._keep(oplist.EMBED, args[0]),)
-        out = self.op(*args)
-        if self.fused_norm and len(args) == 2:
-            normed, summed = out
-            summed = self._keep(name + ".input", summed)
-            return self._keep(name, normed), summed
-        if isinstance(out, tuple):  # rotary: (q, k); a perturbation applies to q
-            out = (_perturbed(self.perturb, name, out[0]), *out[1:])
-            self.record[name] = tuple(t.detach().clone() for t in out)
-            return out
-        return self._keep(name, out)
 
 
 class AlignedBackend:
@@ -156,46 +108,15 @@ class AlignedBackend:
 
     @torch.no_grad()
     def intermediates(self, batch, perturb: Perturb | None = None) -> dict:
-        """Runs the model's own ``hidden_states`` with every op wrapped by a recorder."""
+        """The model's own forward with every op of the op layer recorded."""
         m = self.model
-        record: dict = {}
-        saved_layer_ops = [dict(ops) for ops in m.layer_ops]
-        saved = {attr: getattr(m, attr) for attr in ("rotary", "attention", "act", "final_norm")}
-        kinds = {
-            "input_norm": "input_norm",
-            "post_norm": "post_attention_norm",
-            "qkv": "qkv_proj",
-            "o": "o_proj",
-            "gate_up": "gate_up_proj",
-            "down": "down_proj",
-            "q_norm": "q_norm",
-            "k_norm": "k_norm",
-        }
-        try:
-            for i, ops in enumerate(m.layer_ops):
-                for key, op in list(ops.items()):
-                    name = f"layers.{i}.{kinds[key]}"
-                    fused = key in ("input_norm", "post_norm")
-                    ops[key] = _Recording(op, record, perturb, lambda _c, n=name: n, fused)
-            for attr, kind in (("rotary", "rotary"), ("attention", "attn"), ("act", "act")):
-                op = saved[attr]
-                setattr(m, attr, _Recording(op, record, perturb, lambda c, k=kind: f"layers.{c}.{k}"))
-            m.final_norm = _Recording(saved["final_norm"], record, perturb, lambda _c: oplist.FINAL_NORM, True)
-            hidden = m.hidden_states(batch)
-        finally:
-            for ops, original in zip(m.layer_ops, saved_layer_ops):
-                ops.clear()
-                ops.update(original)
-            for attr, op in saved.items():
-                setattr(m, attr, op)
-        from zero_mismatch_plugin.aligned import SamplingTransform
-
-        rows = batch.target_rows.to(hidden.device)
-        logits = _perturbed(perturb, oplist.LOGITS, m.logits_head(hidden.index_select(0, rows)))
-        record[oplist.LOGITS] = logits.detach().clone()
-        logprobs = SamplingTransform().logprobs(logits)
-        record[oplist.LOGPROBS] = _perturbed(perturb, oplist.LOGPROBS, logprobs).detach().clone()
-        return record
+        order = oplist.op_names(m.config.num_hidden_layers, m.blocks.qk_norm)
+        with OpRecorder(perturb) as recorder:
+            with recorder.op_layer(order):
+                hidden = m.hidden_states(batch)
+            rows = batch.target_rows.to(hidden.device)
+            recorder.keep_head(m.logits_head(hidden.index_select(0, rows)))
+        return recorder.ops
 
 
 # ----- hf: transformers' standard kernels, the usual trainer baseline ----------------------
@@ -238,12 +159,12 @@ class HFBackend:
         """Every sequence alone through the model with hooks; per-op outputs joined by token."""
         per_sequence = []
         for ids, prompt_len, response_len in self._sequences(batch):
-            record = self._trace(ids, perturb)
-            rows = slice(prompt_len - 1, prompt_len - 1 + response_len)
-            logits = _perturbed(perturb, oplist.LOGITS, record.pop("_all_logits")[rows].float())
-            record[oplist.LOGITS] = logits
-            record[oplist.LOGPROBS] = _perturbed(perturb, oplist.LOGPROBS, logits.log_softmax(-1))
-            per_sequence.append(record)
+            with OpRecorder(perturb) as recorder:
+                logits = self._trace(recorder, ids)
+                rows = logits[prompt_len - 1 : prompt_len - 1 + response_len].float()
+                # transformers' usual tail: log_softmax of the logits (this is the baseline).
+                recorder.keep(oplist.LOGPROBS, recorder.keep(oplist.LOGITS, rows).log_softmax(-1))
+            per_sequence.append(recorder.ops)
         joined = {}
         for name in per_sequence[0]:
             values = [r[name] for r in per_sequence]
@@ -253,99 +174,84 @@ class HFBackend:
                 joined[name] = torch.cat(values)
         return joined
 
-    def _trace(self, ids, perturb):
-        """One sequence; returns op name -> [T, ...] (batch dimension dropped)."""
-        model = self.model
-        record: dict = {}
-        handles = []
-        current = {"layer": None}
-        first = lambda t: t[0]  # noqa: E731 - drop the batch dimension
-
-        def output_hook(name_of, take=first):
-            def hook(module, args, output):
-                name = name_of()
-                out = _perturbed(perturb, name, output) if perturb else output
-                record[name] = take(out).detach().clone()
-                return out
-
-            return hook
-
-        def input_hook(name_of):
-            def hook(module, args):
-                name = name_of()
-                x = _perturbed(perturb, name, args[0]) if perturb else args[0]
-                record[name] = x[0].detach().clone()
-                return (x, *args[1:])
-
-            return hook
-
-        def layer_name(kind):
-            return lambda: f"layers.{current['layer']}.{kind}"
-
-        def enter(index):
-            def hook(module, args, kwargs=None):
-                current["layer"] = index
-
-            return hook
-
-        inner = model.model
-        handles.append(inner.embed_tokens.register_forward_hook(output_hook(lambda: oplist.EMBED)))
+    def _trace(self, recorder: OpRecorder, ids) -> torch.Tensor:
+        """One sequence through the model, its ops into ``recorder`` as [T, ...] (the batch
+        dimension dropped); returns the logits [T, V]."""
+        inner = self.model.model
+        batch_row = (lambda t: t[0], lambda t: t[None])
+        recorder.track_layers(inner.layers)
+        recorder.on_output(inner.embed_tokens, oplist.EMBED, batch_row)
         for i, layer in enumerate(inner.layers):
-            handles.append(layer.register_forward_pre_hook(enter(i)))
             attn, mlp = layer.self_attn, layer.mlp
             if i > 0:
-                handles.append(layer.input_layernorm.register_forward_pre_hook(input_hook(layer_name("input_norm.input"))))
-            handles.append(layer.input_layernorm.register_forward_hook(output_hook(layer_name("input_norm"))))
+                recorder.on_input(layer.input_layernorm, "input_norm.input", batch_row)
+            recorder.on_output(layer.input_layernorm, "input_norm", batch_row)
             for part in ("q_proj", "k_proj", "v_proj"):
-                handles.append(getattr(attn, part).register_forward_hook(output_hook(layer_name(f"qkv_proj.{part}"))))
+                recorder.on_output(getattr(attn, part), f"qkv_proj.{part}", batch_row)
             if self.qk_norm:
-                handles.append(attn.q_norm.register_forward_hook(output_hook(layer_name("q_norm"))))
-                handles.append(attn.k_norm.register_forward_hook(output_hook(layer_name("k_norm"))))
-            handles.append(attn.o_proj.register_forward_pre_hook(input_hook(layer_name("attn"))))
-            handles.append(attn.o_proj.register_forward_hook(output_hook(layer_name("o_proj"))))
-            handles.append(
-                layer.post_attention_layernorm.register_forward_pre_hook(input_hook(layer_name("post_attention_norm.input")))
-            )
-            handles.append(
-                layer.post_attention_layernorm.register_forward_hook(output_hook(layer_name("post_attention_norm")))
-            )
+                recorder.on_output(attn.q_norm, "q_norm", batch_row)
+                recorder.on_output(attn.k_norm, "k_norm", batch_row)
+            recorder.on_input(attn.o_proj, "attn", batch_row)
+            recorder.on_output(attn.o_proj, "o_proj", batch_row)
+            recorder.on_input(layer.post_attention_layernorm, "post_attention_norm.input", batch_row)
+            recorder.on_output(layer.post_attention_layernorm, "post_attention_norm", batch_row)
             for part in ("gate_proj", "up_proj"):
-                handles.append(getattr(mlp, part).register_forward_hook(output_hook(layer_name(f"gate_up_proj.{part}"))))
-            handles.append(mlp.down_proj.register_forward_pre_hook(input_hook(layer_name("act"))))
-            handles.append(mlp.down_proj.register_forward_hook(output_hook(layer_name("down_proj"))))
-        handles.append(inner.norm.register_forward_pre_hook(input_hook(lambda: oplist.FINAL_NORM + ".input")))
-        handles.append(inner.norm.register_forward_hook(output_hook(lambda: oplist.FINAL_NORM)))
-        handles.append(model.lm_head.register_forward_hook(output_hook(lambda: "_all_logits")))
-
-        # Rotary is a function in transformers' modeling code, not a module: wrap it there.
-        modeling = sys.modules[type(model).__module__]
-        original_rope = getattr(modeling, "apply_rotary_pos_emb", None)
-
-        def recording_rope(q, k, *args, **kwargs):
-            q_out, k_out = original_rope(q, k, *args, **kwargs)
-            name = layer_name("rotary")()
-            if perturb:
-                q_out = perturb(name, q_out)
-            # [B, heads, T, D] -> [T, heads * D], the engine's layout.
-            record[name] = tuple(t[0].transpose(0, 1).reshape(t.shape[2], -1).detach().clone() for t in (q_out, k_out))
-            return q_out, k_out
-
-        if original_rope is not None:
-            modeling.apply_rotary_pos_emb = recording_rope
-        try:
-            model(input_ids=ids[None])
-        finally:
-            if original_rope is not None:
-                modeling.apply_rotary_pos_emb = original_rope
-            for h in handles:
-                h.remove()
+                recorder.on_output(getattr(mlp, part), f"gate_up_proj.{part}", batch_row)
+            recorder.on_input(mlp.down_proj, "act", batch_row)
+            recorder.on_output(mlp.down_proj, "down_proj", batch_row)
+        recorder.on_input(inner.norm, oplist.FINAL_NORM + ".input", batch_row)
+        recorder.on_output(inner.norm, oplist.FINAL_NORM, batch_row)
+        with _recording_hf_rotary(self.model, recorder):
+            logits = self.model(input_ids=ids[None]).logits[0]
         # vLLM runs q/k/v and gate/up as one merged linear each: compare the concatenation.
+        ops = recorder.ops
         for i in range(len(inner.layers)):
             p = f"layers.{i}."
-            record[p + "qkv_proj"] = torch.cat(
-                [record.pop(p + f"qkv_proj.{part}") for part in ("q_proj", "k_proj", "v_proj")], dim=-1
+            ops[p + "qkv_proj"] = torch.cat([ops.pop(p + f"qkv_proj.{n}") for n in ("q_proj", "k_proj", "v_proj")], -1)
+            ops[p + "gate_up_proj"] = torch.cat([ops.pop(p + f"gate_up_proj.{n}") for n in ("gate_proj", "up_proj")], -1)
+        return logits
+
+
+# transformers versions whose modeling code applies rotary as ``apply_rotary_pos_emb(q, k, ...)``
+# returning (q, k) in [batch, heads, tokens, head_dim].
+HF_ROTARY_VERSIONS = ("5.10.4",)
+
+
+@contextlib.contextmanager
+def _recording_hf_rotary(model, recorder: OpRecorder):
+    """transformers applies the rotary embedding in a function of the model's modeling module, not
+    in a module: a runtime patch of that function records its (q, k) for the block. On another
+    transformers version rotary is left unrecorded (reported as not compared)."""
+    from zero_mismatch_plugin import runtime_patches
+
+    def build(original):
+        def apply_rotary_pos_emb(q, k, *args, **kwargs):
+            q_out, k_out = original(q, k, *args, **kwargs)
+            # [1, heads, T, D] <-> [T, heads * D], vLLM's layout.
+            layout = (
+                lambda pair: tuple(t[0].transpose(0, 1).reshape(t.shape[2], -1) for t in pair),
+                lambda pair: tuple(t.reshape(t.shape[0], -1, q_out.shape[-1]).transpose(0, 1)[None] for t in pair),
             )
-            record[p + "gate_up_proj"] = torch.cat(
-                [record.pop(p + f"gate_up_proj.{part}") for part in ("gate_proj", "up_proj")], dim=-1
-            )
-        return record
+            return recorder.keep(recorder.name("rotary"), (q_out, k_out), layout)
+
+        return apply_rotary_pos_emb
+
+    patch = runtime_patches.FunctionPatch(
+        name="bisect-record-hf-rotary",
+        package="transformers",
+        versions=HF_ROTARY_VERSIONS,
+        module=type(model).__module__,
+        owner=None,
+        attribute="apply_rotary_pos_emb",
+        build=build,
+        why="zmrl bisect records transformers' rotary output, which no module returns",
+    )
+    try:
+        runtime_patches.apply(patch)
+    except (runtime_patches.UnsupportedVersion, AttributeError):
+        yield
+        return
+    try:
+        yield
+    finally:
+        runtime_patches.remove(patch)

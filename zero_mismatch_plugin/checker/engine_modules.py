@@ -6,7 +6,7 @@ engine builds for the same checkpoint and engine arguments. What the engine's mo
 normally provides is supplied here: a one-process distributed group (vLLM's layers ask for their
 tensor-parallel rank), a scratch paged KV cache per attention layer, attention metadata from the
 backend's own builder, and the forward context carrying them. Forward hooks on vLLM's modules
-record each op's output under the canonical names of :mod:`.oplist`.
+record each op's output under the canonical names of :mod:`.oplist` (:mod:`.recording`).
 """
 
 from __future__ import annotations
@@ -16,9 +16,10 @@ import contextlib
 import torch
 
 from . import oplist
+from .recording import OpRecorder, first_of_pair
 
 # vLLM module attribute -> canonical op name (per decoder layer). Linear layers return
-# (output, bias); norms with a residual return (normalised, residual sum).
+# (output, bias); norms of the residual stream return (normalised, residual sum).
 _LAYER_MODULES = (
     ("input_layernorm", "input_norm"),
     ("self_attn.qkv_proj", "qkv_proj"),
@@ -35,12 +36,6 @@ _LAYER_MODULES = (
 
 _LINEARS = {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
 _NORMS = {"input_norm", "post_attention_norm"}
-
-
-def _clone(value):
-    if isinstance(value, (tuple, list)):
-        return tuple(_clone(v) for v in value)
-    return value.detach().clone() if isinstance(value, torch.Tensor) else value
 
 
 def _submodule(module, dotted: str):
@@ -150,57 +145,36 @@ class EngineModules:
     def op_names(self) -> list[str]:
         return oplist.op_names(self.num_layers, self.qk_norm)
 
-    def _hooks(self, record: dict):
-        """Forward hooks recording every op into ``record``; returns their handles.
+    def _attach(self, recorder: OpRecorder) -> None:
+        """Hooks on vLLM's modules recording every op into ``recorder``.
 
         vLLM shares some module instances between layers (``get_rope`` caches one rotary
-        embedding per shape), so a module is hooked once and names its output after the decoder
-        layer currently running, which a pre-hook on each layer keeps track of.
+        embedding per shape): such a module is hooked once and its output is named after the
+        decoder layer running.
         """
-        handles = []
-        current = {"layer": None}
-
-        def enter_layer(index):
-            def pre_hook(module, args):
-                current["layer"] = index
-
-            return pre_hook
-
-        def hook_for(kind):
-            def hook(module, args, output):
-                name = kind if kind == oplist.FINAL_NORM else f"layers.{current['layer']}.{kind}"
-                if kind in _LINEARS:
-                    record[name] = _clone(output[0])
-                elif isinstance(output, tuple) and (kind in _NORMS or kind == oplist.FINAL_NORM):
-                    record[name] = _clone(output[0])
-                    record[name + ".input"] = _clone(output[1])
-                else:
-                    record[name] = _clone(output)
-
-            return hook
-
         model = self.model.model
-        handles.append(
-            model.embed_tokens.register_forward_hook(
-                lambda m, a, out: record.__setitem__(oplist.EMBED, _clone(out))
-            )
-        )
+        recorder.on_output(model.embed_tokens, oplist.EMBED)
+        recorder.track_layers(model.layers)
         hooked = set()
-        for i, layer in enumerate(model.layers):
-            handles.append(layer.register_forward_pre_hook(enter_layer(i)))
+        for layer in model.layers:
             for attr, kind in _LAYER_MODULES:
                 module = _submodule(layer, attr)
-                if module is not None and id(module) not in hooked:
-                    hooked.add(id(module))
-                    handles.append(module.register_forward_hook(hook_for(kind)))
-        handles.append(model.norm.register_forward_hook(hook_for(oplist.FINAL_NORM)))
-        return handles
+                if module is None or id(module) in hooked:
+                    continue
+                hooked.add(id(module))
+                if kind in _LINEARS:
+                    recorder.on_output(module, kind, split=first_of_pair)
+                elif kind in _NORMS:
+                    recorder.on_fused_norm(module, kind)
+                else:
+                    recorder.on_output(module, kind)
+        recorder.on_fused_norm(model.norm, oplist.FINAL_NORM)
 
     @torch.no_grad()
     def forward(self, batch, record: dict | None = None) -> torch.Tensor:
         """Full-vocabulary logprobs [R, V] at the batch's target rows; ops into ``record``."""
         from vllm.forward_context import set_forward_context
-        from zero_mismatch_plugin.aligned.sampling import vllm_logprobs
+        from zero_mismatch_plugin.aligned.sampling import vllm_logprobs, vllm_scaled_logits
 
         from zero_mismatch_plugin.aligned.attention_backend import _scratch_cache
 
@@ -218,25 +192,25 @@ class EngineModules:
                 device,
             )
         names = list(self.attention_layers)
-        handles = self._hooks(record) if record is not None else []
-        try:
-            with rt.context(), set_forward_context(
-                {n: plan.meta for n in names},
-                rt.vllm_config,
-                num_tokens=batch.num_tokens,
-                slot_mapping={n: plan.slot_mapping for n in names},
-            ):
-                hidden = self.model(batch.input_ids.to(device), batch.positions.to(device))
-                logits = self.model.compute_logits(hidden.index_select(0, batch.target_rows.to(device)))
-        finally:
-            for h in handles:
-                h.remove()
-            for layer in self.attention_layers.values():
-                layer.kv_cache = torch.tensor([])
+        with OpRecorder() as recorder:
+            if record is not None:
+                self._attach(recorder)
+            try:
+                with rt.context(), set_forward_context(
+                    {n: plan.meta for n in names},
+                    rt.vllm_config,
+                    num_tokens=batch.num_tokens,
+                    slot_mapping={n: plan.slot_mapping for n in names},
+                ):
+                    hidden = self.model(batch.input_ids.to(device), batch.positions.to(device))
+                    logits = self.model.compute_logits(hidden.index_select(0, batch.target_rows.to(device)))
+            finally:
+                for layer in self.attention_layers.values():
+                    layer.kv_cache = torch.tensor([])
         logits = logits[:, : rt.hf_config.vocab_size]
-        logprobs = vllm_logprobs(logits)
-        if record is not None:
-            record[oplist.LOGITS] = logits.detach().clone()
-            record[oplist.LOGPROBS] = logprobs.detach().clone()
-        return logprobs
+        if record is None:
+            return vllm_logprobs(vllm_scaled_logits(logits))
+        recorder.keep_head(logits)
+        record.update(recorder.ops)
+        return recorder.ops[oplist.LOGPROBS]
 

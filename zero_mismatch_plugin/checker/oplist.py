@@ -20,6 +20,26 @@ EMBED = "embed"
 FINAL_NORM = "final_norm"
 LOGITS = "logits"
 LOGPROBS = "logprobs"
+# Ops of the model as a whole, not of one decoder layer.
+MODEL_OPS = (EMBED, FINAL_NORM, LOGITS, LOGPROBS)
+
+# Kind of op (what computes it) of each per-layer name's last part and of the final norm.
+_KINDS = {
+    "input_norm": "norm",
+    "post_attention_norm": "norm",
+    "q_norm": "norm",
+    "k_norm": "norm",
+    FINAL_NORM: "norm",
+    "qkv_proj": "linear",
+    "o_proj": "linear",
+    "gate_up_proj": "linear",
+    "down_proj": "linear",
+    "rotary": "rotary",
+    "attn": "attn",
+    "act": "act",
+}
+# Norms of the residual stream (fused residual-add norms in vLLM).
+_RESIDUAL_NORMS = ("input_norm", "post_attention_norm", FINAL_NORM)
 
 
 def layer_op_names(index: int, qk_norm: bool) -> list[str]:
@@ -40,6 +60,23 @@ def layer_op_names(index: int, qk_norm: bool) -> list[str]:
         p + "down_proj",
     ]
     return names
+
+
+def op_kind(name: str) -> str | None:
+    """``norm``, ``linear``, ``rotary``, ``attn`` or ``act``: the op that computes ``name``;
+    None for what no op of the op layer computes (the embedding, a norm's input, the head)."""
+    return _KINDS.get(name.rsplit(".", 1)[-1])
+
+
+def reads_residual(name: str) -> bool:
+    """Whether the norm ``name`` normalises the residual stream (its input is recorded too)."""
+    return name.rsplit(".", 1)[-1] in _RESIDUAL_NORMS
+
+
+def norm_input(name: str) -> str:
+    """The name of what the residual norm ``name`` reads: the embedding for layer 0's input
+    norm, else ``<name>.input`` (the residual sum)."""
+    return EMBED if name == "layers.0.input_norm" else name + ".input"
 
 
 def op_names(num_layers: int, qk_norm: bool) -> list[str]:
