@@ -83,3 +83,126 @@ def test_applied_lists_patches_by_name_and_remove_is_idempotent(planted_module):
         runtime_patches.remove(patch)
     runtime_patches.remove(patch)
     assert "planted" not in runtime_patches.applied() and zmrl_planted_target.answer(1) == 1
+
+
+def _planted_hooks_module(tmp_path, monkeypatch, name: str) -> str:
+    (tmp_path / f"{name}.py").write_text("HOOKS = {'step': []}\nPROCESSORS = []\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return name
+
+
+def _hook(module_name: str, key: str | None, function) -> runtime_patches.HookRegistration:
+    return runtime_patches.HookRegistration(
+        name=f"planted-{key}", package="torch", versions=(torch.__version__,), module=module_name,
+        attribute="HOOKS" if key else "PROCESSORS", key=key, function=function, why="test")
+
+
+def test_hook_registration_waits_for_its_module_and_is_taken_out_again(tmp_path, monkeypatch):
+    name = _planted_hooks_module(tmp_path, monkeypatch, "zmrl_planted_hooks")
+    try:
+        step, processor = _hook(name, "step", print), _hook(name, None, repr)
+        runtime_patches.apply(step)
+        runtime_patches.apply(processor)
+        assert runtime_patches.is_pending(step) and name not in sys.modules
+        import zmrl_planted_hooks
+
+        assert zmrl_planted_hooks.HOOKS == {"step": [print]} and zmrl_planted_hooks.PROCESSORS == [repr]
+        assert {"planted-step", "planted-None"} <= set(runtime_patches.applied())
+        runtime_patches.apply(step)  # again: still one entry
+        assert zmrl_planted_hooks.HOOKS == {"step": [print]}
+        runtime_patches.remove(step)
+        runtime_patches.remove(processor)
+        assert zmrl_planted_hooks.HOOKS == {"step": []} and zmrl_planted_hooks.PROCESSORS == []
+        assert not runtime_patches.is_applied(step) and not runtime_patches.is_applied(processor)
+    finally:
+        sys.modules.pop(name, None)
+
+
+def test_a_second_patch_of_a_held_target_is_refused(planted_module):
+    import zmrl_planted_target
+
+    first = _doubling_patch(planted_module)
+    second = runtime_patches.FunctionPatch(**{**first.__dict__, "name": "planted-again"})
+    runtime_patches.apply(first)
+    try:
+        with pytest.raises(RuntimeError, match="already patched by 'planted'"):
+            runtime_patches.apply(second)
+        assert zmrl_planted_target.answer(1) == 2
+    finally:
+        runtime_patches.remove(first)
+    assert zmrl_planted_target.answer(1) == 1
+
+
+# ----- the plugin's registry -------------------------------------------------------------------
+
+
+def _modules_defining_patches() -> list[str]:
+    """Every module of the package whose source builds a patch of the mechanism."""
+    from pathlib import Path
+
+    import zero_mismatch_plugin
+
+    root = Path(zero_mismatch_plugin.__file__).parent
+    names = []
+    for path in sorted(root.rglob("*.py")):
+        if path.name == "runtime_patches.py":
+            continue
+        text = path.read_text()
+        if "FunctionPatch" in text or "HookRegistration" in text:
+            parts = path.relative_to(root.parent).with_suffix("").parts
+            names.append(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
+    return names
+
+
+def _patches_in(module) -> list:
+    found = []
+    for value in vars(module).values():
+        values = value if isinstance(value, (list, tuple)) else [value]
+        found.extend(v for v in values if isinstance(v, (runtime_patches.FunctionPatch, runtime_patches.HookRegistration)))
+    return found
+
+
+def test_registry_lists_every_runtime_patch_of_the_plugin():
+    import importlib
+
+    registered = [patch for _, patch in runtime_patches.registered()]
+    modules = _modules_defining_patches()
+    # The three groups at least; a new module with patches is found here too.
+    assert {"zero_mismatch_plugin.vllm_plugin", "zero_mismatch_plugin.megatron.verl_patch",
+            "zero_mismatch_plugin.verl_cpu.patches"} <= set(modules), modules
+    defined = [patch for name in modules for patch in _patches_in(importlib.import_module(name))]
+    missing = sorted({patch.name for patch in defined if patch not in registered})
+    assert not missing, f"patches missing from runtime_patches.REGISTRY: {missing}"
+    names = [patch.name for patch in registered]
+    assert len(names) == len(set(names)), names
+    assert {patch.package for patch in registered} == {"vllm", "verl"}
+    for patch in registered:
+        info = runtime_patches.describe(patch)
+        assert all(info[key] for key in ("name", "package", "versions", "target", "why")), info
+    print(f"{len(registered)} runtime patches in {len(runtime_patches.REGISTRY)} groups")
+
+
+def test_patches_list_shows_the_runtime_patches_next_to_the_fork_patches(capsys):
+    from zero_mismatch_plugin.cli import main
+
+    assert main(["patches", "list"]) == 0
+    out = capsys.readouterr().out
+    fork, runtime = out.split("runtime patches")
+    assert "verl-megatron-engine-hooks" in fork
+    for group, patch in runtime_patches.registered():
+        assert group in runtime
+        assert f"{patch.name}  [{patch.package} {', '.join(patch.versions)}]  {patch.target}" in runtime
+        assert patch.why in runtime
+
+
+@pytest.mark.parametrize("package", ["vllm", "verl"])
+def test_every_patch_refuses_a_planted_other_version_of_its_package(package, monkeypatch):
+    import importlib
+
+    monkeypatch.setattr(importlib.import_module(package), "__version__", "0.0.1")
+    patches = [patch for _, patch in runtime_patches.registered() if patch.package == package]
+    assert patches
+    for patch in patches:
+        with pytest.raises(runtime_patches.UnsupportedVersion, match=f"found {package} 0.0.1"):
+            runtime_patches.apply(patch)
+        assert not runtime_patches.is_applied(patch) and not runtime_patches.is_pending(patch), patch.name

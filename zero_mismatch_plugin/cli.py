@@ -117,7 +117,11 @@ def _patches(args: argparse.Namespace) -> int:
     from zero_mismatch_plugin import patching
 
     if args.patches_command == "list":
-        return patching.list_command()
+        from zero_mismatch_plugin import runtime_patches
+
+        status = patching.list_command()
+        print()
+        return status or runtime_patches.list_command()
     if args.patches_command == "check":
         return patching.check_command(args.to, args.upstream)
     return patching.apply_command(args.to, args.upstream, args.assume_version)
@@ -229,9 +233,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--out", metavar="DIR", help="output directory (default: a fresh ./zmrl-demo-out[-N])")
     demo.set_defaults(func=_demo)
 
-    patches = sub.add_parser("patches", help="upstream patches for a fork of verl / vLLM / Megatron-LM")
+    patches = sub.add_parser("patches", help="upstream patches for a fork of verl / vLLM / Megatron-LM, and the runtime patches")
     patches_sub = patches.add_subparsers(dest="patches_command", required=True, metavar="{list,check,apply}")
-    patches_sub.add_parser("list", help="every patch: upstream, pinned version, purpose, covering test")
+    patches_sub.add_parser("list", help="every patch: fork patches (upstream, pinned version, purpose, covering test) "
+                                              "and runtime patches (package, versions, target, when, why)")
     patches_check = patches_sub.add_parser(
         "check", help="apply every patch (patch -p1, git apply, git am -3) to copies of the installed upstream "
         "files; with --to DIR, report what each patch would do to that checkout (any version), changing nothing")

@@ -10,28 +10,37 @@ EngineCore and in every worker. It does nothing unless ``ZMRL_NUMERICS`` is set 
   from the trainer's eager ops), a seed, no prefix caching (cache hits are computed with other
   shapes, and survive weight updates), and the weight-sync worker extension;
 * on CUDA/ROCm/XPU sets ``VLLM_BATCH_INVARIANT=1`` for every process;
-* on CPU, where vLLM's batch-invariant mode cannot run, disables split-KV decode attention and
-  pads single-row GEMMs to two rows (see :mod:`zero_mismatch_plugin.aligned.cpu_gemm`).
+* on CPU, where vLLM's batch-invariant mode cannot run, disables split-KV decode attention,
+  pads single-row GEMMs to two rows (see :mod:`zero_mismatch_plugin.aligned.cpu_gemm`) and
+  applies the CPU MLA fixes of :mod:`zero_mismatch_plugin.vllm_cpu_mla`.
 
 ``ZMRL_NUMERICS=fast`` only adds the weight-sync worker extension. Safe to call repeatedly.
 
-Each change to a vLLM function is a named wrapper that keeps the original: :func:`applied` lists
-them and :func:`remove` puts the originals back (the environment variables set for vLLM's
-processes stay).
+Each change to a vLLM function is a :class:`~zero_mismatch_plugin.runtime_patches.FunctionPatch`
+of the plugin's one patch mechanism (:data:`PATCHES`, for vLLM :data:`SUPPORTED_VLLM_VERSIONS`;
+any other version is refused): :func:`applied` lists them, and :func:`remove` puts the originals
+back and restores the environment variables :func:`register` set.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from typing import Callable
+from functools import partial
+
+from . import runtime_patches
+from .runtime_patches import FunctionPatch
+from .vllm_cpu_mla import CONSISTENT_MODE_PATCHES as CPU_MLA_PATCHES
 
 logger = logging.getLogger(__name__)
 
-# name -> (owner, attribute, original) of every vLLM function wrapped in this process.
-_ORIGINALS: dict[str, tuple[object, str, Callable]] = {}
-
+SUPPORTED_VLLM_VERSIONS = ("0.31.0",)
 PREFIX_CACHING_ENV = "ZMRL_ALLOW_PREFIX_CACHING"
+
+# What register() found in os.environ before it set a variable for vLLM's processes (None: unset).
+_saved_env: dict[str, str | None] = {}
+
+vllm_patch = partial(FunctionPatch, package="vllm", versions=SUPPORTED_VLLM_VERSIONS)
 
 
 def register() -> None:
@@ -40,7 +49,7 @@ def register() -> None:
     mode = numerics.current_mode()
     if mode is None:
         return
-    _patch_engine_args()
+    runtime_patches.apply(ENGINE_ARGS)
     if mode != numerics.CONSISTENT:
         return
     try:
@@ -50,72 +59,62 @@ def register() -> None:
     except Exception as exc:  # a plugin must not take the engine down
         logger.error("zero-mismatch plugin: cannot determine the vLLM platform: %s", exc)
         return
-    for key, value in numerics.engine_env(mode, platform).items():
-        os.environ[key] = value
+    _set_engine_env(numerics.engine_env(mode, platform))
     if platform == "cpu":
-        _patch_cpu_gemm()
-        _patch_cpu_mla()
+        for patch in (CPU_GEMM, *CPU_MLA_PATCHES):
+            runtime_patches.apply(patch)
 
 
-def _wrap(name: str, owner, attribute: str, make_wrapper) -> None:
-    """Replace ``owner.attribute`` by ``make_wrapper(original)`` once, keeping the original."""
-    if name in _ORIGINALS:
-        return
-    original = getattr(owner, attribute)
-    wrapper = make_wrapper(original)
-    wrapper.__wrapped__ = original
-    setattr(owner, attribute, wrapper)
-    _ORIGINALS[name] = (owner, attribute, original)
+def _set_engine_env(values: dict[str, str]) -> None:
+    """Set the variables vLLM's processes read, remembering the first value found for each."""
+    from .aligned.numerics import set_environment
+
+    changed = {key: value for key, value in values.items() if os.environ.get(key) != value}
+    for key, previous in set_environment(changed).items():
+        _saved_env.setdefault(key, previous)
 
 
 def applied() -> list[str]:
-    """The names of the vLLM functions the plugin has wrapped in this process."""
-    from . import runtime_patches
-    from .vllm_cpu_mla import CONSISTENT_MODE_PATCHES
-
-    return sorted([*_ORIGINALS, *(p.name for p in CONSISTENT_MODE_PATCHES
-                                      if runtime_patches.is_applied(p) or runtime_patches.is_pending(p))])
+    """The names of the plugin's vLLM patches in place in this process (or waiting for their
+    module to be imported)."""
+    return sorted(patch.name for patch in PATCHES
+                  if runtime_patches.is_applied(patch) or runtime_patches.is_pending(patch))
 
 
 def remove() -> list[str]:
-    """Put back every vLLM function the plugin wrapped in this process; return their names."""
-    from . import runtime_patches
-    from .vllm_cpu_mla import CONSISTENT_MODE_PATCHES
+    """Put back every vLLM function the plugin patched in this process and the environment
+    variables it set; return the names of the patches removed."""
+    from .aligned.numerics import restore_environment
 
-    removed = []
-    for patch in CONSISTENT_MODE_PATCHES:
-        if runtime_patches.is_applied(patch) or runtime_patches.is_pending(patch):
-            runtime_patches.remove(patch)
-            removed.append(patch.name)
-    while _ORIGINALS:
-        name, (owner, attribute, original) = _ORIGINALS.popitem()
-        setattr(owner, attribute, original)
-        removed.append(name)
-    return sorted(removed)
+    removed = applied()
+    for patch in reversed(PATCHES):
+        runtime_patches.remove(patch)
+    restore_environment(_saved_env)
+    _saved_env.clear()
+    return removed
 
 
-def _patch_cpu_gemm() -> None:
-    import vllm.model_executor.layers.utils as layer_utils
-
+def _pad_single_row_gemms(original):
     from .aligned.cpu_gemm import pad_single_row
 
-    def make(original):
-        def dispatch_cpu_unquantized_gemm(layer, remove_weight):
-            original(layer, remove_weight)
-            if hasattr(layer, "cpu_linear"):
-                layer.cpu_linear = pad_single_row(layer.cpu_linear)
+    def dispatch_cpu_unquantized_gemm(layer, remove_weight):
+        original(layer, remove_weight)
+        if hasattr(layer, "cpu_linear"):
+            layer.cpu_linear = pad_single_row(layer.cpu_linear)
 
-        return dispatch_cpu_unquantized_gemm
-
-    _wrap("cpu_gemm", layer_utils, "dispatch_cpu_unquantized_gemm", make)
+    return dispatch_cpu_unquantized_gemm
 
 
-def _patch_cpu_mla() -> None:
-    from . import runtime_patches
-    from .vllm_cpu_mla import CONSISTENT_MODE_PATCHES
-
-    for patch in CONSISTENT_MODE_PATCHES:
-        runtime_patches.apply(patch)
+CPU_GEMM = vllm_patch(
+    name="cpu-gemm",
+    module="vllm.model_executor.layers.utils",
+    owner=None,
+    attribute="dispatch_cpu_unquantized_gemm",
+    build=_pad_single_row_gemms,
+    why="oneDNN's single-row GEMM rounds differently from the same row in a larger batch "
+        "(K >= 2048): every CPU linear pads one-row inputs to two rows",
+    when="ZMRL_NUMERICS=consistent on CPU",
+)
 
 
 def consistent_engine_settings(args) -> list[str]:
@@ -154,23 +153,32 @@ def consistent_engine_settings(args) -> list[str]:
     return changed
 
 
-def _patch_engine_args() -> None:
-    from vllm.engine.arg_utils import EngineArgs
-
+def _engine_settings(original):
     from .aligned import numerics
     from .aligned.weight_sync import WORKER_EXTENSION
 
-    def make(original):
-        def create_engine_config(self, *args, **kwargs):
-            mode = numerics.current_mode()
-            if mode is not None and not self.worker_extension_cls:
-                self.worker_extension_cls = WORKER_EXTENSION
-            if mode == numerics.CONSISTENT:
-                changed = consistent_engine_settings(self)
-                if changed:
-                    logger.info("zero-mismatch (consistent): engine settings %s", ", ".join(changed))
-            return original(self, *args, **kwargs)
+    def create_engine_config(self, *args, **kwargs):
+        mode = numerics.current_mode()
+        if mode is not None and not self.worker_extension_cls:
+            self.worker_extension_cls = WORKER_EXTENSION
+        if mode == numerics.CONSISTENT:
+            changed = consistent_engine_settings(self)
+            if changed:
+                logger.info("zero-mismatch (consistent): engine settings %s", ", ".join(changed))
+        return original(self, *args, **kwargs)
 
-        return create_engine_config
+    return create_engine_config
 
-    _wrap("engine_args", EngineArgs, "create_engine_config", make)
+
+ENGINE_ARGS = vllm_patch(
+    name="engine-args",
+    module="vllm.engine.arg_utils",
+    owner="EngineArgs",
+    attribute="create_engine_config",
+    build=_engine_settings,
+    why="the engine settings that decide which numbers are computed and recorded (fp32 lm_head, "
+        "processed_logprobs, eager, seed, no prefix caching) and the weight-sync worker extension",
+    when="ZMRL_NUMERICS set (consistent: all settings; fast: the worker extension only)",
+)
+
+PATCHES: list[FunctionPatch] = [ENGINE_ARGS, CPU_GEMM, *CPU_MLA_PATCHES]

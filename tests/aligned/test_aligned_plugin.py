@@ -5,6 +5,7 @@ import os
 import pytest
 
 from zero_mismatch_plugin.aligned import numerics
+from zero_mismatch_plugin.aligned.vllm_compat import platform_kind
 from zero_mismatch_plugin.aligned.weight_sync import WORKER_EXTENSION
 
 
@@ -27,22 +28,50 @@ def test_consistent_mode_engine_settings(checkpoints):
     assert os.environ[numerics.CPU_SPLIT_KV_ENV] == "0"
 
 
-def test_vllm_changes_are_named_and_removable(checkpoints):
+def test_vllm_changes_are_named_and_removable_with_the_environment(checkpoints, monkeypatch):
+    import vllm.model_executor.layers.utils as layer_utils
     from vllm.engine.arg_utils import EngineArgs
 
-    from zero_mismatch_plugin import vllm_plugin
+    from zero_mismatch_plugin import runtime_patches, vllm_plugin
 
-    vllm_plugin.register()  # consistent mode here
-    applied = vllm_plugin.applied()  # on CPU also "cpu_gemm"
-    assert "engine_args" in applied
-    patched = EngineArgs.create_engine_config
+    vllm_plugin.remove()  # start from nothing the plugin changed in this process
+    original_config, original_gemm = EngineArgs.create_engine_config, layer_utils.dispatch_cpu_unquantized_gemm
+    monkeypatch.setenv(numerics.CPU_SPLIT_KV_ENV, "7")  # a value of the user's own
+    environment = dict(os.environ)
     try:
+        vllm_plugin.register()  # consistent mode here
+        applied = vllm_plugin.applied()
+        on_cpu = sorted(patch.name for patch in vllm_plugin.PATCHES)  # engine settings, GEMM, MLA
+        assert applied == (on_cpu if platform_kind() == "cpu" else ["engine-args"]) and "cpu-gemm" in on_cpu
+        assert os.environ[numerics.CPU_SPLIT_KV_ENV if platform_kind() == "cpu" else numerics.BATCH_INVARIANT_ENV] != \
+            environment.get(numerics.CPU_SPLIT_KV_ENV if platform_kind() == "cpu" else numerics.BATCH_INVARIANT_ENV)
+        assert EngineArgs.create_engine_config.__wrapped__ is original_config
         assert vllm_plugin.remove() == applied and vllm_plugin.applied() == []
-        assert EngineArgs.create_engine_config is patched.__wrapped__
+        assert EngineArgs.create_engine_config is original_config
+        assert layer_utils.dispatch_cpu_unquantized_gemm is original_gemm
+        assert not set(applied) & set(runtime_patches.applied() + runtime_patches.pending())
+        assert dict(os.environ) == environment
         assert _config(checkpoints["llama"], enable_prefix_caching=True).cache_config.enable_prefix_caching
     finally:
+        monkeypatch.undo()
         vllm_plugin.register()  # the rest of the session runs with the plugin applied
     assert not _config(checkpoints["llama"], enable_prefix_caching=True).cache_config.enable_prefix_caching
+
+
+def test_other_vllm_versions_are_refused_by_the_plugin(monkeypatch):
+    import vllm
+
+    from zero_mismatch_plugin import runtime_patches, vllm_plugin
+
+    vllm_plugin.remove()
+    monkeypatch.setattr(vllm, "__version__", "0.30.0")
+    try:
+        with pytest.raises(runtime_patches.UnsupportedVersion, match="supports vllm 0.31.0; found vllm 0.30.0"):
+            vllm_plugin.register()
+        assert vllm_plugin.applied() == []
+    finally:
+        monkeypatch.undo()
+        vllm_plugin.register()
 
 
 def test_unset_mode_leaves_vllm_alone(checkpoints, monkeypatch):

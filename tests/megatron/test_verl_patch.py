@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from zero_mismatch_plugin import runtime_patches
 from zero_mismatch_plugin.megatron import verl_patch
 
 ENGINE = "verl.workers.engine.megatron.transformer_impl"
@@ -100,10 +101,15 @@ def test_apply_then_remove_restores_original_callables(engine_module, clean_patc
         assert getattr(ti, c).__dict__[n] is not original, (c, n)
         assert getattr(ti, c).__dict__[n].__wrapped__ is original
     assert not verl_patch.apply()  # idempotent
+    # Named entries of the one patch mechanism: the four method patches, not the hook ones.
+    names = {patch.name for patch in verl_patch.METHOD_PATCHES}
+    assert names <= set(runtime_patches.applied())
+    assert not {patch.name for patch in verl_patch.HOOK_PATCHES} & set(runtime_patches.applied())
     assert verl_patch.remove()
-    assert not verl_patch.is_applied()
+    assert not verl_patch.is_applied() and not names & set(runtime_patches.applied())
     for (c, n), original in before.items():
         assert getattr(ti, c).__dict__[n] is original, (c, n)
+    assert not verl_patch.remove()
 
 
 def test_other_verl_versions_are_refused(engine_module, clean_patch, monkeypatch):
@@ -112,7 +118,7 @@ def test_other_verl_versions_are_refused(engine_module, clean_patch, monkeypatch
     ti = engine_module
     before = _originals(ti)
     monkeypatch.setattr(verl, "__version__", "0.10.0")
-    with pytest.raises(verl_patch.UnsupportedVerlVersion):
+    with pytest.raises(runtime_patches.UnsupportedVersion, match="supports verl 0.9.1; found verl 0.10.0"):
         verl_patch.apply()
     assert not verl_patch.is_applied()
     assert _originals(ti) == before

@@ -1,9 +1,11 @@
 """Runtime patch of verl's Megatron engine: aligned mcore spec + vLLM's logprob arithmetic.
 
 Enabled by ``ZMRL_MEGATRON_ALIGNED=1`` (see :func:`maybe_apply`) or by calling :func:`apply`;
-undone by :func:`remove`, which puts back the exact original callables. Only for the verl
-versions in :data:`SUPPORTED_VERL_VERSIONS` (the engine module's internals were checked there);
-any other version is refused with :class:`UnsupportedVerlVersion`.
+undone by :func:`remove`, which puts back the exact original callables. The changes are entries
+of the plugin's one patch mechanism (:mod:`zero_mismatch_plugin.runtime_patches`, listed in
+:data:`PATCHES`): only for the verl versions in :data:`SUPPORTED_VERL_VERSIONS` (the engine
+module's internals were checked there); any other version is refused with
+:class:`~zero_mismatch_plugin.runtime_patches.UnsupportedVersion`.
 
 What changes in ``verl.workers.engine.megatron.transformer_impl``:
 
@@ -20,7 +22,9 @@ What changes in ``verl.workers.engine.megatron.transformer_impl``:
 
 On a verl fork with ``patches/verl/0004-megatron-engine-hooks.patch`` nothing is replaced: the
 same functions are registered in the engine module's ``ENGINE_HOOKS`` and
-``LM_HEAD_LOGITS_PROCESSOR``, and :func:`remove` takes them out again. On a megatron-core with
+``LM_HEAD_LOGITS_PROCESSOR`` (:data:`HOOK_PATCHES`), and :func:`remove` takes them out again.
+In consistent numerics the runtime built for the actor's checkpoint is preceded by
+:func:`~..aligned.numerics.enable_consistent_numerics` (vLLM's batch-invariant mode on a GPU). On a megatron-core with
 the megatron-lm spec-hook patch the provider gets the whole-model spec and no pre-wrap swaps.
 """
 
@@ -28,39 +32,28 @@ from __future__ import annotations
 
 import logging
 import os
-from functools import wraps
+from functools import partial, wraps
+
+from .. import runtime_patches
+from ..runtime_patches import FunctionPatch, HookRegistration
 
 logger = logging.getLogger("zero_mismatch_plugin")
 
 ENABLE_ENV = "ZMRL_MEGATRON_ALIGNED"
 SUPPORTED_VERL_VERSIONS = ("0.9.1",)
 ENGINE_MODULE = "verl.workers.engine.megatron.transformer_impl"
-
-# (class name, attribute) -> original function, while methods are replaced (stock verl).
-_originals: dict[tuple[str, str], object] = {}
-# (hook list, function) pairs registered in a hooked verl's engine module, while applied.
-_registered: list[tuple[list, object]] = []
 _RUNTIME_ATTR = "_zmrl_vllm_runtime"
 
-
-class UnsupportedVerlVersion(RuntimeError):
-    pass
+# Kept for callers of the former name.
+UnsupportedVerlVersion = runtime_patches.UnsupportedVersion
 
 
 def verl_version() -> str:
-    import verl
-
-    return getattr(verl, "__version__", "unknown")
+    return runtime_patches.installed_version("verl")
 
 
 def check_verl_version() -> str:
-    version = verl_version()
-    if version not in SUPPORTED_VERL_VERSIONS:
-        raise UnsupportedVerlVersion(
-            f"the aligned Megatron patch supports verl {', '.join(SUPPORTED_VERL_VERSIONS)}; "
-            f"found verl {version}"
-        )
-    return version
+    return runtime_patches.check_version(METHOD_PATCHES[0])
 
 
 def _engine_module():
@@ -74,7 +67,7 @@ def enabled_by_env() -> bool:
 
 
 def is_applied() -> bool:
-    return bool(_originals or _registered)
+    return any(runtime_patches.is_applied(patch) for patch in PATCHES)
 
 
 def engine_has_hooks(ti) -> bool:
@@ -211,6 +204,12 @@ def inject_aligned_spec(engine, runtime=None) -> None:
     if not hasattr(provider, "register_pre_wrap_hook"):
         raise UnsupportedMegatronFeature("this Megatron-Bridge provider has no register_pre_wrap_hook")
     if runtime is None:
+        from ..aligned import numerics
+
+        if numerics.is_consistent():
+            # The trainer side of the switch, in the worker that builds the actor (kept for the
+            # worker's life; its engine side is in the environment the worker was started with).
+            numerics.enable_consistent_numerics()
         runtime = VllmRuntime(engine.model_config.local_path, dtype=_dtype_name(engine.param_dtype))
     from .spec import megatron_has_spec_hooks
 
@@ -260,22 +259,41 @@ def _aligned_processor(original):
     return _lm_head_logits_processor
 
 
-def _targets(ti):
-    return [
-        (ti.MegatronEngine, "_build_tf_config", _patched_build_tf_config),
-        (ti.MegatronEngine, "optimizer_step", _refresh_after),
-        (ti.MegatronEngine, "load_checkpoint", _refresh_after),
-        (ti.MegatronEngineWithLMHead, "_lm_head_logits_processor", _aligned_processor),
-    ]
+engine_patch = partial(FunctionPatch, package="verl", versions=SUPPORTED_VERL_VERSIONS, module=ENGINE_MODULE,
+                       when=f"{ENABLE_ENV}=1 on a stock verl")
+engine_hook = partial(HookRegistration, package="verl", versions=SUPPORTED_VERL_VERSIONS, module=ENGINE_MODULE,
+                      when=f"{ENABLE_ENV}=1 on a verl with patches/verl/0004-megatron-engine-hooks.patch")
 
+_SPEC_WHY = ("the actor's mcore model is built from the aligned spec (vLLM's layers as forward kernels) "
+             "instead of verl's stock spec")
+_REFRESH_WHY = ("megatron writes updated weights through param.data: the engine-layout weight copies "
+                "the aligned layers compute with are re-derived afterwards")
+_LOGPROB_WHY = ("verl divides bf16 logits by the temperature in place and takes -cross_entropy; vLLM "
+                "divides fp32 logits by the fp32 temperature and takes log_softmax(fp32)")
 
-def _hook_registrations(ti):
-    return [
-        (ti.ENGINE_HOOKS["_build_tf_config"], inject_aligned_spec),
-        (ti.ENGINE_HOOKS["optimizer_step"], refresh_engine_weights),
-        (ti.ENGINE_HOOKS["load_checkpoint"], refresh_engine_weights),
-        (ti.LM_HEAD_LOGITS_PROCESSOR, aligned_lm_head_logits_processor),
-    ]
+METHOD_PATCHES: list[FunctionPatch] = [
+    engine_patch(name="megatron-aligned-spec", owner="MegatronEngine", attribute="_build_tf_config",
+                 build=_patched_build_tf_config, why=_SPEC_WHY),
+    engine_patch(name="megatron-refresh-after-step", owner="MegatronEngine", attribute="optimizer_step",
+                 build=_refresh_after, why=_REFRESH_WHY),
+    engine_patch(name="megatron-refresh-after-load", owner="MegatronEngine", attribute="load_checkpoint",
+                 build=_refresh_after, why=_REFRESH_WHY),
+    engine_patch(name="megatron-vllm-logprobs", owner="MegatronEngineWithLMHead",
+                 attribute="_lm_head_logits_processor", build=_aligned_processor, why=_LOGPROB_WHY),
+]
+
+HOOK_PATCHES: list[HookRegistration] = [
+    engine_hook(name="megatron-aligned-spec-hook", attribute="ENGINE_HOOKS", key="_build_tf_config",
+                function=inject_aligned_spec, why=_SPEC_WHY),
+    engine_hook(name="megatron-refresh-after-step-hook", attribute="ENGINE_HOOKS", key="optimizer_step",
+                function=refresh_engine_weights, why=_REFRESH_WHY),
+    engine_hook(name="megatron-refresh-after-load-hook", attribute="ENGINE_HOOKS", key="load_checkpoint",
+                function=refresh_engine_weights, why=_REFRESH_WHY),
+    engine_hook(name="megatron-vllm-logprobs-hook", attribute="LM_HEAD_LOGITS_PROCESSOR", key=None,
+                function=aligned_lm_head_logits_processor, why=_LOGPROB_WHY),
+]
+
+PATCHES = METHOD_PATCHES + HOOK_PATCHES
 
 
 def apply() -> bool:
@@ -287,18 +305,12 @@ def apply() -> bool:
     if is_applied():
         return False
     version = check_verl_version()
-    ti = _engine_module()
-    if engine_has_hooks(ti):
-        for hooks, function in _hook_registrations(ti):
-            hooks.append(function)
-            _registered.append((hooks, function))
-        how = "registered in the engine hooks"
+    if engine_has_hooks(_engine_module()):
+        patches, how = HOOK_PATCHES, "registered in the engine hooks"
     else:
-        for cls, name, make in _targets(ti):
-            original = cls.__dict__[name]
-            _originals[(cls.__name__, name)] = original
-            setattr(cls, name, make(original))
-        how = "engine methods patched"
+        patches, how = METHOD_PATCHES, "engine methods patched"
+    for patch in patches:
+        runtime_patches.apply(patch)
     logger.warning(
         "zero-mismatch: verl %s Megatron engine (%s): aligned mcore spec (vLLM kernels) and "
         "vLLM logprob arithmetic are active", version, how
@@ -310,13 +322,8 @@ def remove() -> bool:
     """Restore the original callables / take out the registered hooks. True when something was undone."""
     if not is_applied():
         return False
-    while _registered:
-        hooks, function = _registered.pop()
-        hooks.remove(function)
-    if _originals:
-        ti = _engine_module()
-        for cls, name, _ in _targets(ti):
-            setattr(cls, name, _originals.pop((cls.__name__, name)))
+    for patch in reversed(PATCHES):
+        runtime_patches.remove(patch)
     return True
 
 
