@@ -82,19 +82,96 @@ def test_unset_mode_leaves_vllm_alone(checkpoints, monkeypatch):
     assert cfg.parallel_config.worker_extension_cls == ""
 
 
-def test_switch_sets_both_sides_for_each_platform(monkeypatch):
+def test_switch_sets_both_sides_and_fast_takes_it_back(monkeypatch):
     for key in (numerics.MODE_ENV, numerics.CPU_SPLIT_KV_ENV, numerics.BATCH_INVARIANT_ENV):
         monkeypatch.delenv(key, raising=False)
-    assert numerics.set_mode("consistent", platform="cuda") == {
+    assert numerics.engine_env("consistent", "cuda") == {
         numerics.MODE_ENV: "consistent",
         numerics.BATCH_INVARIANT_ENV: "1",
     }
-    assert os.environ[numerics.BATCH_INVARIANT_ENV] == "1"
-    numerics.set_mode("fast", platform="cuda")
-    assert numerics.BATCH_INVARIANT_ENV not in os.environ
-    assert numerics.set_mode("consistent", platform="cpu")[numerics.CPU_SPLIT_KV_ENV] == "0"
+    environment = dict(os.environ)
+    assert numerics.set_mode("consistent", platform="cpu") == {
+        numerics.MODE_ENV: "consistent",
+        numerics.CPU_SPLIT_KV_ENV: "0",
+    }
+    assert os.environ[numerics.CPU_SPLIT_KV_ENV] == "0" and os.environ[numerics.MODE_ENV] == "consistent"
+    numerics.set_mode("fast", platform="cpu")
+    assert dict(os.environ) == {**environment, numerics.MODE_ENV: "fast"}
     with pytest.raises(ValueError):
         numerics.set_mode("fastest", platform="cpu")
+    assert dict(os.environ) == {**environment, numerics.MODE_ENV: "fast"}
+    with numerics.consistent_numerics(platform="cpu") as switch:
+        assert os.environ[numerics.MODE_ENV] == "consistent" and os.environ[numerics.CPU_SPLIT_KV_ENV] == "0"
+        assert switch.saved_env == {numerics.MODE_ENV: "fast", numerics.CPU_SPLIT_KV_ENV: None}
+    assert dict(os.environ) == {**environment, numerics.MODE_ENV: "fast"}
+
+
+# vLLM's GPU switch (init_batch_invariance) run on this CPU: it installs its aten overrides under
+# the CPU dispatch key and writes its NCCL / cuBLAS variables, so switching it off is checked for
+# real. In a child process: a failure must not leave the overrides in the test session.
+GPU_SWITCH_SCRIPT = """
+import os, sys, torch
+from zero_mismatch_plugin import vllm_plugin
+from zero_mismatch_plugin.aligned import numerics, runtime
+checkpoint = sys.argv[1]
+x = torch.randn(64, 96, generator=torch.Generator().manual_seed(0)) * 8
+reference, bmm = torch.softmax(x, -1), torch.bmm
+# vLLM's imports and its plugin loader write variables of their own: done before the snapshot.
+numerics.batch_invariance_on()
+runtime.VllmRuntime(checkpoint, max_model_len=256)
+vllm_plugin.remove()
+flags = numerics._torch_backend_flags()
+environment = dict(os.environ)
+runtime.platform_kind = lambda: "cuda"
+try:
+    runtime.VllmRuntime(checkpoint, max_model_len=256)
+    raise SystemExit("built a consistent GPU trainer with the switch off")
+except RuntimeError as error:
+    assert "enable_consistent_numerics()" in str(error), error
+assert dict(os.environ) == environment
+with numerics.consistent_numerics(platform="cuda") as switch:
+    assert numerics.batch_invariance_on() and torch.bmm is not bmm
+    assert os.environ[numerics.BATCH_INVARIANT_ENV] == "1" and os.environ["NCCL_PROTO"] == "Simple"
+    print("softmax under vLLM's overrides bit-equal to torch's:", torch.equal(torch.softmax(x, -1), reference))
+    assert numerics.enable_consistent_numerics(platform="cuda").saved_env == {}  # nested: owns nothing
+    runtime.VllmRuntime(checkpoint, max_model_len=256)  # switched on: built
+    vllm_plugin.remove()  # what vLLM's plugin loader applied while the config was built
+print("variables the switch set and restored:", sorted(switch.saved_env))
+assert not numerics.batch_invariance_on() and torch.bmm is bmm
+assert numerics._torch_backend_flags() == flags
+assert torch.equal(torch.softmax(x, -1), reference)
+assert dict(os.environ) == environment
+print("SWITCH OK")
+"""
+
+
+def test_gpu_switch_is_explicit_and_undone_exactly(checkpoints):
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-c", GPU_SWITCH_SCRIPT, str(checkpoints["llama"])],
+                            capture_output=True, text=True, timeout=600)
+    print(result.stdout)
+    assert result.returncode == 0 and "SWITCH OK" in result.stdout, result.stdout + result.stderr[-4000:]
+
+
+def test_building_a_trainer_leaves_the_environment_alone(checkpoints, monkeypatch):
+    from zero_mismatch_plugin.aligned import runtime
+
+    runtime.VllmRuntime(checkpoints["llama"], max_model_len=256)  # vLLM's imports write variables
+    environment = dict(os.environ)
+    runtime.VllmRuntime(checkpoints["llama"], max_model_len=256)  # consistent mode, this platform
+    assert dict(os.environ) == environment
+    # On a GPU platform with the switch off: refused, and nothing written (the former constructor
+    # set VLLM_BATCH_INVARIANT and vLLM's process-wide overrides here).
+    monkeypatch.setattr(runtime, "platform_kind", lambda: "cuda")
+    with pytest.raises(RuntimeError, match=r"enable_consistent_numerics\(\)"):
+        runtime.VllmRuntime(checkpoints["llama"], max_model_len=256)
+    monkeypatch.setenv(numerics.MODE_ENV, "fast")
+    environment = dict(os.environ)
+    runtime.VllmRuntime(checkpoints["llama"], max_model_len=256)
+    assert dict(os.environ) == environment
+    assert not numerics.batch_invariance_on()
 
 
 def test_live_engine_runs_with_consistent_settings(engines):

@@ -6,6 +6,10 @@ engine builds for the same checkpoint and engine arguments, instantiates vLLM's 
 backend implementation, ``LogitsProcessor``) under that config, and calls them. Their dispatch
 (``forward_cpu``, ``forward_cuda`` with batch invariance, IR op priorities, oneDNN packing) is
 therefore vLLM's, on every platform.
+
+Building a runtime changes no process-wide state: consistent numerics on a GPU (vLLM's
+batch-invariant mode in this process) is switched on by the caller beforehand, with
+:func:`~.numerics.enable_consistent_numerics` or :func:`~.numerics.set_mode`.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from pathlib import Path
 import torch
 
 from . import numerics
-from .vllm_compat import batch_invariant_module, platform_kind, require_vllm
+from .vllm_compat import platform_kind, require_vllm
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +68,11 @@ class VllmRuntime:
         require_vllm()
         from vllm.engine.arg_utils import EngineArgs
 
+        self.platform = platform_kind()
+        self.mode = numerics.current_mode()
+        # The numerics switch is the caller's (numerics.enable_consistent_numerics): building a
+        # trainer changes no process-wide state, and refuses what would not match the engine.
+        numerics.require_trainer_numerics(self.mode, self.platform)
         self.model_dir = Path(model_dir)
         kwargs = engine_args_for(model_dir, dtype=dtype, **engine_kwargs)
         # Only config-level arguments matter here; the trainer never allocates an engine.
@@ -73,14 +82,10 @@ class VllmRuntime:
         self.hf_config = self.model_config.hf_config
         self.dtype: torch.dtype = self.model_config.dtype
         self.head_dtype: torch.dtype = self.model_config.head_dtype
-        self.platform = platform_kind()
         self.device = torch.device("cpu" if self.platform == "cpu" else self.platform_device())
-        self.mode = numerics.current_mode()
         with self.context():
             # What each vLLM worker does at start: fix the IR op implementations (rms_norm, ...).
             self.vllm_config.kernel_config.ir_op_priority.set_default()
-        if self.mode == numerics.CONSISTENT and self.platform != "cpu":
-            self._enable_gpu_batch_invariance()
 
     @staticmethod
     def platform_device() -> str:
@@ -92,13 +97,6 @@ class VllmRuntime:
 
         with set_current_vllm_config(self.vllm_config):
             yield
-
-    def _enable_gpu_batch_invariance(self):
-        # The same switch the engine's workers flip: aten mm/log_softmax/mean overrides and
-        # vLLM layers taking their batch-invariant branches.
-        os.environ[numerics.BATCH_INVARIANT_ENV] = "1"
-        module = batch_invariant_module()
-        module.init_batch_invariance()
 
     # ----- vLLM layer instances -------------------------------------------------------------
 
