@@ -8,11 +8,12 @@ import pytest
 
 @pytest.fixture(scope="module", autouse=True)
 def consistent_mode():
-    """ZMRL_NUMERICS=consistent while this directory's tests run, restored afterwards.
+    """Consistent numerics while this directory's tests run, undone afterwards.
 
-    Engines and trainers read it when they are created (inside these tests); the rest of the test
-    session does not see it.
+    Engines read ZMRL_NUMERICS when they are created (inside these tests), a GPU trainer needs
+    vLLM's batch-invariant mode in this process; the rest of the test session sees neither.
     """
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("ZMRL_NUMERICS", "consistent")
+    from zero_mismatch_plugin.aligned.numerics import consistent_numerics
+
+    with consistent_numerics():
         yield

@@ -1,7 +1,7 @@
 """Fixtures for the aligned megatron-core tests: their own tiny checkpoints and engine.
 
 They do not share the session engine because the weight-sync test changes the engine's
-weights. Everything here is package-scoped: ZMRL_NUMERICS=consistent is set while these tests run and
+weights. Everything here is package-scoped: consistent numerics is switched on while these tests run and
 the engine (one start, ~30 s on CPU) is shut down when they are done.
 """
 
@@ -16,8 +16,9 @@ ENGINE_KWARGS = dict(max_model_len=MAX_MODEL_LEN, seed=0)
 
 @pytest.fixture(scope="package", autouse=True)
 def mg_consistent_mode():
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("ZMRL_NUMERICS", "consistent")
+    from zero_mismatch_plugin.aligned.numerics import consistent_numerics
+
+    with consistent_numerics():
         yield
 
 
