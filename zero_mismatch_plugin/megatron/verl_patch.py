@@ -23,9 +23,12 @@ What changes in ``verl.workers.engine.megatron.transformer_impl``:
 On a verl fork with ``patches/verl/0004-megatron-engine-hooks.patch`` nothing is replaced: the
 same functions are registered in the engine module's ``ENGINE_HOOKS`` and
 ``LM_HEAD_LOGITS_PROCESSOR`` (:data:`HOOK_PATCHES`), and :func:`remove` takes them out again.
-In consistent numerics the runtime built for the actor's checkpoint is preceded by
-:func:`~..aligned.numerics.enable_consistent_numerics` (vLLM's batch-invariant mode on a GPU). On a megatron-core with
-the megatron-lm spec-hook patch the provider gets the whole-model spec and no pre-wrap swaps.
+On a megatron-core with the megatron-lm spec-hook patch the provider gets the whole-model spec and
+no pre-wrap swaps.
+
+In consistent numerics the worker switches the trainer side on
+(:func:`~..aligned.numerics.enable_consistent_numerics`: vLLM's batch-invariant mode on a GPU)
+before it builds the runtime of the actor's checkpoint.
 """
 
 from __future__ import annotations
@@ -44,16 +47,6 @@ SUPPORTED_VERL_VERSIONS = ("0.9.1",)
 ENGINE_MODULE = "verl.workers.engine.megatron.transformer_impl"
 _RUNTIME_ATTR = "_zmrl_vllm_runtime"
 
-# Kept for callers of the former name.
-UnsupportedVerlVersion = runtime_patches.UnsupportedVersion
-
-
-def verl_version() -> str:
-    return runtime_patches.installed_version("verl")
-
-
-def check_verl_version() -> str:
-    return runtime_patches.check_version(METHOD_PATCHES[0])
 
 
 def _engine_module():
@@ -304,7 +297,7 @@ def apply() -> bool:
     """
     if is_applied():
         return False
-    version = check_verl_version()
+    version = runtime_patches.check_version(METHOD_PATCHES[0])
     if engine_has_hooks(_engine_module()):
         patches, how = HOOK_PATCHES, "registered in the engine hooks"
     else:
