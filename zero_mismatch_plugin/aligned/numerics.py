@@ -1,7 +1,7 @@
 """The one consistent/fast switch, shared by the engine (through the vLLM plugin) and the trainer.
 
 ``ZMRL_NUMERICS`` is read in every process: the vLLM plugin applies the engine side of the mode in
-each vLLM process, the aligned trainer applies the trainer side. Setting it once, before the engine
+each vLLM process, the aligned trainer follows it on CPU. Switching it once, before the engine
 starts, flips both sides together.
 
 * ``consistent``: the engine and the trainer take paths whose bits do not depend on batch
