@@ -33,6 +33,15 @@ def _mla_shaped_rotary_inputs(tokens: int = 22, heads: int = 4, nope: int = 32, 
     return positions, q, latent, nope, kv_lora_rank
 
 
+def _stock_forward_cpu():
+    """vLLM's own ``RotaryEmbedding.forward_cpu``, also when the plugin has patched it in this
+    process (an engine started in consistent mode earlier in the session)."""
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+
+    current = RotaryEmbedding.forward_cpu
+    return current.__wrapped__ if runtime_patches.is_applied(vllm_cpu_mla.CPU_ROTARY_ON_ROWS) else current
+
+
 def _rotate(forward_cpu, rotary, positions, q, latent, nope, kv_lora_rank):
     q, latent = q.clone(), latent.clone()
     q_pe, k_pe = forward_cpu(rotary, positions, q[..., nope:], latent[:, kv_lora_rank:].unsqueeze(1))
@@ -40,14 +49,13 @@ def _rotate(forward_cpu, rotary, positions, q, latent, nope, kv_lora_rank):
 
 
 def test_stock_cpu_rotary_mixes_rows_of_3d_inputs_and_the_patch_rotates_each_row(rotary):
-    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
-
+    stock_forward_cpu = _stock_forward_cpu()
     positions, q, latent, nope, rank = _mla_shaped_rotary_inputs()
     reference_q, reference_k = rotary.forward_native(positions, q[..., nope:].clone(),
                                                      latent[:, rank:].unsqueeze(1).clone())
-    stock_q, _ = _rotate(RotaryEmbedding.forward_cpu, rotary, positions, q, latent, nope, rank)
-    fixed_q, fixed_k = _rotate(vllm_cpu_mla.rotary_on_rows(RotaryEmbedding.forward_cpu), rotary, positions, q,
-                               latent, nope, rank)
+    stock_q, _ = _rotate(stock_forward_cpu, rotary, positions, q, latent, nope, rank)
+    fixed_q, fixed_k = _rotate(vllm_cpu_mla.rotary_on_rows(stock_forward_cpu), rotary, positions, q, latent,
+                               nope, rank)
     stock_error = (stock_q - reference_q).abs().max().item()
     print(f"stock CPU rotary on MLA's 3-D q view: max error {stock_error:.3g} vs vLLM's native rotary")
     assert stock_error > 1e-2  # the wrong elements are rotated: not rounding
@@ -58,13 +66,12 @@ def test_stock_cpu_rotary_mixes_rows_of_3d_inputs_and_the_patch_rotates_each_row
 
 
 def test_patched_rotary_leaves_2d_inputs_to_the_kernel_unchanged(rotary):
-    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
-
+    stock_forward_cpu = _stock_forward_cpu()
     generator = torch.Generator().manual_seed(1)
     q, k = torch.randn(9, 4 * 64, generator=generator), torch.randn(9, 64, generator=generator)
     positions = torch.arange(9)
-    stock = RotaryEmbedding.forward_cpu(rotary, positions, q.clone(), k.clone())
-    fixed = vllm_cpu_mla.rotary_on_rows(RotaryEmbedding.forward_cpu)(rotary, positions, q.clone(), k.clone())
+    stock = stock_forward_cpu(rotary, positions, q.clone(), k.clone())
+    fixed = vllm_cpu_mla.rotary_on_rows(stock_forward_cpu)(rotary, positions, q.clone(), k.clone())
     assert torch.equal(stock[0], fixed[0]) and torch.equal(stock[1], fixed[1])
 
 
@@ -87,16 +94,22 @@ def test_patches_are_version_gated_named_and_reversible(monkeypatch):
     import vllm.model_executor.layers.attention.mla_attention as mla
 
     patch = vllm_cpu_mla.CPU_MLA_DECODE_BMM
-    original = mla.torch
-    runtime_patches.apply(patch)
-    try:
-        assert isinstance(mla.torch, vllm_cpu_mla.TorchWithRowInvariantBmm) and patch.name in runtime_patches.applied()
-    finally:
+    applied_before = runtime_patches.is_applied(patch)  # by an engine started earlier in this process
+    if applied_before:
         runtime_patches.remove(patch)
-    assert mla.torch is original
-    monkeypatch.setattr(vllm, "__version__", "0.32.0")
-    with pytest.raises(runtime_patches.UnsupportedVersion, match="supports vllm 0.31.0; found vllm 0.32.0"):
+    try:
+        stock = mla.torch
         runtime_patches.apply(patch)
+        assert isinstance(mla.torch, vllm_cpu_mla.TorchWithRowInvariantBmm) and patch.name in runtime_patches.applied()
+        runtime_patches.remove(patch)
+        assert mla.torch is stock and patch.name not in runtime_patches.applied()
+        monkeypatch.setattr(vllm, "__version__", "0.32.0")
+        with pytest.raises(runtime_patches.UnsupportedVersion, match="supports vllm 0.31.0; found vllm 0.32.0"):
+            runtime_patches.apply(patch)
+    finally:
+        monkeypatch.undo()
+        if applied_before:
+            runtime_patches.apply(patch)
 
 
 @pytest.fixture(scope="module")

@@ -84,7 +84,7 @@ def _row_invariant_bmm(original):
     return original if isinstance(original, TorchWithRowInvariantBmm) else TorchWithRowInvariantBmm(original)
 
 
-_VLLM = dict(package="vllm", versions=SUPPORTED_VLLM_VERSIONS)
+_VLLM = dict(package="vllm", versions=SUPPORTED_VLLM_VERSIONS, when="ZMRL_NUMERICS=consistent on CPU")
 
 CPU_ROTARY_ON_ROWS = FunctionPatch(
     name="vllm-cpu-rotary-on-rows", module=ROTARY_MODULE, owner="RotaryEmbedding", attribute="forward_cpu",
@@ -102,5 +102,4 @@ CPU_MLA_DECODE_BMM = FunctionPatch(
     why="the absorbed MLA decode's torch.bmm takes another kernel for one decoding sequence than for two",
     **_VLLM)
 
-CORRECTNESS_PATCHES = (CPU_ROTARY_ON_ROWS,)
 CONSISTENT_MODE_PATCHES = (CPU_ROTARY_ON_ROWS, CPU_MLA_KV_B_PROJ_GEMM, CPU_MLA_DECODE_BMM)
