@@ -9,6 +9,7 @@ sampled-token logprobs it returns are the engine's bits.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 
@@ -96,18 +97,37 @@ class AlignedCausalLM(nn.Module):
     # ----- construction ---------------------------------------------------------------------
 
     @classmethod
-    def from_pretrained(cls, model_dir: str | os.PathLike, dtype: str = "float32", **engine_kwargs):
-        """Load the checkpoint vLLM loads; ``engine_kwargs`` must match the engine's."""
+    def from_pretrained(
+        cls,
+        model_dir: str | os.PathLike,
+        dtype: str = "float32",
+        lora_dir: str | os.PathLike | None = None,
+        **engine_kwargs,
+    ):
+        """Load the checkpoint vLLM loads; ``engine_kwargs`` must match the engine's.
+
+        With ``lora_dir`` (a PEFT adapter) the base is frozen and the adapter is the trainable
+        part (see :meth:`load_adapter`); the engine's ``enable_lora`` / ``max_lora_rank`` belong
+        in ``engine_kwargs``.
+        """
+        if lora_dir is not None and not engine_kwargs.get("enable_lora"):
+            raise ValueError(
+                "lora_dir needs the engine's LoRA arguments: pass enable_lora=True and the engine's "
+                "max_lora_rank (the trainer pads the adapter to it, as the engine does)"
+            )
         runtime = VllmRuntime(model_dir, dtype=dtype, **engine_kwargs)
         model = cls(runtime)
         model.load_checkpoint(model_dir)
+        if lora_dir is not None:
+            model.load_adapter(lora_dir)
         return model
 
     def load_checkpoint(self, model_dir: str | os.PathLike) -> None:
         state = read_checkpoint(model_dir)
         if self.tied:
             state.pop("lm_head.weight", None)
-        copy_checkpoint(dict(self.named_parameters()), state, ignored=("rotary_emb",))
+        base = {n: p for n, p in self.named_parameters() if not n.startswith("lora.")}
+        copy_checkpoint(base, state, ignored=("rotary_emb",))
         self.to(self.runtime.device)
         self._build_ops()
 
@@ -140,9 +160,48 @@ class AlignedCausalLM(nn.Module):
         self.final_norm = AlignedRMSNorm(rt, self.model.norm.weight, eps)
         head_weight = self.model.embed_tokens.weight if self.tied else self.lm_head.weight
         self.logits_head = AlignedLogits(rt, head_weight, self.vocab_size)
+        self._build_lora_ops()
         self._ops_built = True
         if rt.platform == "cpu" and numerics.is_consistent():
             self.check_cpu_gemm_invariance()
+
+    # ----- LoRA ------------------------------------------------------------------------------
+
+    def load_adapter(self, lora_dir: str | os.PathLike) -> None:
+        """Attach the PEFT adapter in ``lora_dir`` (trainable, ``self.lora``) and freeze the base:
+        targeted linears then run vLLM's LoRA arithmetic (:mod:`.lora`), never a merged weight."""
+        from .lora import LoRAAdapter
+
+        adapter = LoRAAdapter.from_dir(lora_dir, self.config, self.head_dim)
+        for p in self.parameters():
+            p.requires_grad_(False)
+        self.lora = adapter.to(self.runtime.device)
+        self._build_lora_ops()
+
+    def _build_lora_ops(self) -> None:
+        self.lora_enabled = getattr(self, "lora", None) is not None
+        self.lora_ops = [{} for _ in self.layer_ops]
+        if self.lora_enabled:
+            from .lora import lora_linears
+
+            self.lora_ops = lora_linears(self.runtime, self.lora, self.layer_ops)
+
+    @contextlib.contextmanager
+    def adapter_disabled(self):
+        """Run the base model (a request without adapter) inside the block."""
+        previous, self.lora_enabled = self.lora_enabled, False
+        try:
+            yield self
+        finally:
+            self.lora_enabled = previous
+
+    def save_adapter(self, adapter_dir: str | os.PathLike):
+        """Write the current adapter in PEFT's format, for a ``LoRARequest`` to load."""
+        return self.lora.save(adapter_dir)
+
+    def _linear(self, layer: int, key: str, x: torch.Tensor) -> torch.Tensor:
+        op = self.lora_ops[layer].get(key) if self.lora_enabled else None
+        return (op or self.layer_ops[layer][key])(x)
 
     def all_linears(self) -> dict[str, AlignedLinear]:
         out = {}
@@ -185,6 +244,9 @@ class AlignedCausalLM(nn.Module):
             for op in ops.values():
                 derived = getattr(op, "derived", None) or getattr(op, "engine_weight", None)
                 derived.refresh()
+        for ops in self.lora_ops:
+            for op in ops.values():
+                op.derived.refresh()
         self.final_norm.engine_weight.refresh()
         self.logits_head.derived.refresh()
 
@@ -200,13 +262,13 @@ class AlignedCausalLM(nn.Module):
         residual = None
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
-        for ops in self.layer_ops:
+        for i, ops in enumerate(self.layer_ops):
             if residual is None:
                 residual = hidden
                 hidden = ops["input_norm"](hidden)
             else:
                 hidden, residual = ops["input_norm"](hidden, residual)
-            qkv = ops["qkv"](hidden)
+            qkv = self._linear(i, "qkv", hidden)
             q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
             if self.blocks.qk_norm:
                 t = q.shape[0]
@@ -214,10 +276,10 @@ class AlignedCausalLM(nn.Module):
                 k = ops["k_norm"](k.reshape(t, self.num_kv_heads, self.head_dim)).reshape(t, kv_size)
             q, k = self.rotary(positions, q, k)
             attn = self.attention(q, k, v.contiguous(), plan, batch.seq_lens)
-            hidden = ops["o"](attn)
+            hidden = self._linear(i, "o", attn)
             hidden, residual = ops["post_norm"](hidden, residual)
-            gate_up = ops["gate_up"](hidden)
-            hidden = ops["down"](self.act(gate_up))
+            gate_up = self._linear(i, "gate_up", hidden)
+            hidden = self._linear(i, "down", self.act(gate_up))
         hidden, _ = self.final_norm(hidden, residual)
         return hidden
 

@@ -1,0 +1,439 @@
+"""LoRA on the dense linears: a frozen base plus a trainable adapter, with vLLM's LoRA arithmetic.
+
+vLLM serves an adapter without merging it into the base weight. At load it multiplies B by the
+adapter's scaling (``alpha / r``, or ``alpha / sqrt(r)`` with rsLoRA) in the LoRA dtype; at
+every step a LoRA-wrapped linear computes ``y = base(x) + bias``, then per output slice (q, k, v;
+gate, up) ``buf = x A^T`` into an fp32 buffer and ``y[:, slice] += buf B'^T``, with A and B
+zero-padded to the engine's ``max_lora_rank``. :class:`AlignedLoRALinear` calls the same punica
+wrapper vLLM's layers call (``PunicaWrapperCPU`` on CPU) on the trainer's A and B in that
+layout, so its output bits are the engine's; its backward, for A and B only (the base is frozen),
+is plain fp32 torch.
+
+An adapter is read from and written to PEFT's format (``adapter_config.json`` +
+``adapter_model.safetensors``), the format ``vllm.lora.request.LoRARequest`` loads; vLLM's own
+``PEFTHelper`` reads the config and computes the scaling. Targets are the dense linears vLLM
+wraps (``ALIGNED_LORA_TARGETS``); DoRA, adapter biases, ``modules_to_save``, per-module rank or
+alpha patterns, embedding / lm_head targets and ``fan_in_fan_out`` are refused.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.autograd import Function
+
+from .derived import DerivedWeight
+
+ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
+ALIGNED_LORA_TARGETS = ATTENTION_TARGETS + MLP_TARGETS
+
+# The merged linears of the aligned model and the checkpoint modules stacked in them, in order.
+MERGED_TARGETS = {
+    "qkv": ("q_proj", "k_proj", "v_proj"),
+    "o": ("o_proj",),
+    "gate_up": ("gate_proj", "up_proj"),
+    "down": ("down_proj",),
+}
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+_TENSOR_NAME = re.compile(
+    r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_(A|B)\.weight$"
+)
+_PARENT = {**{t: "self_attn" for t in ATTENTION_TARGETS}, **{t: "mlp" for t in MLP_TARGETS}}
+
+
+def lora_scaling(alpha: float, r: int, use_rslora: bool = False) -> float:
+    """The factor the low-rank update BA is multiplied by: ``alpha / r`` (LoRA, Hu et al. 2021),
+    or ``alpha / sqrt(r)`` (rsLoRA, Kalajdzievski 2023). vLLM folds it into B at load."""
+    return alpha / math.sqrt(r) if use_rslora else alpha / r
+
+
+def peft_tensor_name(layer: int, target: str, which: str) -> str:
+    """PEFT's name of the A or B matrix of ``target`` in decoder layer ``layer``."""
+    return f"base_model.model.model.layers.{layer}.{_PARENT[target]}.{target}.lora_{which}.weight"
+
+
+# ----- adapter config ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    """What the aligned path reads from a PEFT ``adapter_config.json``."""
+
+    r: int
+    lora_alpha: float
+    targets: tuple[str, ...]
+    use_rslora: bool = False
+
+    @property
+    def scaling(self) -> float:
+        return lora_scaling(self.lora_alpha, self.r, self.use_rslora)
+
+    def as_peft_dict(self) -> dict:
+        return dict(
+            peft_type="LORA",
+            task_type="CAUSAL_LM",
+            r=self.r,
+            lora_alpha=self.lora_alpha,
+            target_modules=list(self.targets),
+            use_rslora=self.use_rslora,
+            use_dora=False,
+            bias="none",
+            modules_to_save=None,
+            lora_dropout=0.0,
+            fan_in_fan_out=False,
+        )
+
+
+def unsupported_lora_settings(config: dict) -> list[str]:
+    """Every setting of a PEFT adapter config the aligned LoRA path does not run, with the change
+    that fixes it. Framework-free: ``validate-config`` uses it too."""
+    out = []
+    peft_type = config.get("peft_type", "LORA")
+    if str(peft_type).upper() != "LORA":
+        out.append(f"peft_type={peft_type!r}: only LORA adapters")
+    if config.get("use_dora"):
+        out.append("use_dora=true (DoRA): vLLM does not serve DoRA; train a plain LoRA (use_dora=false)")
+    if config.get("bias", "none") != "none":
+        out.append(f"bias={config['bias']!r}: adapter biases are not served by vLLM; set bias='none'")
+    if config.get("modules_to_save"):
+        out.append(
+            f"modules_to_save={config['modules_to_save']}: fully trained modules are not served by "
+            "vLLM for a causal LM; set modules_to_save=null"
+        )
+    for key in ("rank_pattern", "alpha_pattern"):
+        if config.get(key):
+            out.append(f"{key}={config[key]}: per-module ranks/alphas are not supported; remove {key}")
+    if config.get("fan_in_fan_out"):
+        out.append("fan_in_fan_out=true: only nn.Linear-layout adapters; set fan_in_fan_out=false")
+    for key in ("layers_to_transform", "layers_pattern"):
+        if config.get(key) not in (None, [], ""):
+            out.append(f"{key}={config[key]!r}: adapters on a subset of layers are not supported; remove {key}")
+    if config.get("use_qalora") or config.get("lora_bias"):
+        out.append("lora_bias / QA-LoRA: not supported; train a plain LoRA")
+    targets = config.get("target_modules")
+    if isinstance(targets, str):
+        targets = [targets] if targets in ALIGNED_LORA_TARGETS else None
+        if targets is None:
+            out.append(
+                f"target_modules={config['target_modules']!r}: give the target modules as a list "
+                f"of names from {list(ALIGNED_LORA_TARGETS)}"
+            )
+    if isinstance(targets, (list, tuple)):
+        bad = [t for t in targets if t not in ALIGNED_LORA_TARGETS]
+        if bad:
+            out.append(
+                f"target_modules {bad}: the aligned LoRA path covers {list(ALIGNED_LORA_TARGETS)} "
+                "(embeddings, lm_head and MoE experts are not aligned)"
+            )
+        if not targets:
+            out.append("target_modules is empty")
+    elif targets is None and not out:
+        out.append("target_modules is missing")
+    r = config.get("r")
+    if not isinstance(r, int) or r <= 0:
+        out.append(f"r={r!r}: the rank must be a positive integer")
+    return out
+
+
+def read_lora_config(adapter_dir: str | os.PathLike) -> LoRAConfig:
+    """Read and check ``adapter_config.json`` with vLLM's ``PEFTHelper``; refuse what the aligned
+    path does not run, naming each setting."""
+    from vllm.lora.peft_helper import PEFTHelper
+
+    path = Path(adapter_dir) / CONFIG_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: a PEFT adapter directory needs {CONFIG_FILE} and {WEIGHTS_FILE}")
+    raw = json.loads(path.read_text())
+    problems = unsupported_lora_settings(raw)
+    if problems:
+        raise NotImplementedError(f"{adapter_dir}: LoRA adapter not supported: " + "; ".join(problems))
+    helper = PEFTHelper.from_dict({**raw, "vllm_max_position_embeddings": None})
+    targets = raw["target_modules"]
+    targets = (targets,) if isinstance(targets, str) else tuple(targets)
+    config = LoRAConfig(
+        r=helper.r, lora_alpha=helper.lora_alpha, targets=targets, use_rslora=bool(helper.use_rslora)
+    )
+    if config.scaling != helper.vllm_lora_scaling_factor:
+        raise AssertionError(
+            f"scaling {config.scaling} differs from vLLM's {helper.vllm_lora_scaling_factor}"
+        )
+    return config
+
+
+# ----- adapter parameters ------------------------------------------------------------------
+
+
+class _LoRAPair(nn.Module):
+    def __init__(self, r: int, in_features: int, out_features: int):
+        super().__init__()
+        self.lora_A = nn.Parameter(torch.zeros(r, in_features))
+        self.lora_B = nn.Parameter(torch.zeros(out_features, r))
+
+
+def _target_shapes(config, head_dim: int) -> dict[str, tuple[int, int]]:
+    """(out_features, in_features) of every LoRA target of a dense decoder layer."""
+    h, inter = config.hidden_size, config.intermediate_size
+    q = config.num_attention_heads * head_dim
+    kv = config.num_key_value_heads * head_dim
+    return dict(
+        q_proj=(q, h), k_proj=(kv, h), v_proj=(kv, h), o_proj=(h, q),
+        gate_proj=(inter, h), up_proj=(inter, h), down_proj=(h, inter),
+    )
+
+
+class LoRAAdapter(nn.Module):
+    """The trainable A [r, in] and B [out, r] of every target of every layer (fp32, PEFT layout).
+
+    Parameters are named ``layers.{i}.{target}.lora_A`` / ``lora_B``; :meth:`save` writes them
+    under PEFT's names.
+    """
+
+    def __init__(self, lora_config: LoRAConfig, model_config, head_dim: int):
+        super().__init__()
+        self.lora_config = lora_config
+        shapes = _target_shapes(model_config, head_dim)
+        self.layers = nn.ModuleList()
+        for _ in range(model_config.num_hidden_layers):
+            layer = nn.Module()
+            for target in lora_config.targets:
+                out_f, in_f = shapes[target]
+                setattr(layer, target, _LoRAPair(lora_config.r, in_f, out_f))
+            self.layers.append(layer)
+
+    def pair(self, layer: int, target: str) -> _LoRAPair | None:
+        return getattr(self.layers[layer], target, None)
+
+    def pairs(self):
+        for i, layer in enumerate(self.layers):
+            for target in self.lora_config.targets:
+                yield i, target, getattr(layer, target)
+
+    def peft_state(self) -> dict[str, torch.Tensor]:
+        out = {}
+        for i, target, pair in self.pairs():
+            out[peft_tensor_name(i, target, "A")] = pair.lora_A.detach().contiguous()
+            out[peft_tensor_name(i, target, "B")] = pair.lora_B.detach().contiguous()
+        return out
+
+    def load_peft_state(self, state: dict[str, torch.Tensor], where: str = "adapter") -> None:
+        expected = {}
+        for i, target, pair in self.pairs():
+            expected[peft_tensor_name(i, target, "A")] = pair.lora_A
+            expected[peft_tensor_name(i, target, "B")] = pair.lora_B
+        unexpected = sorted(set(state) - set(expected))
+        missing = sorted(set(expected) - set(state))
+        if unexpected or missing:
+            hint = [n for n in unexpected if not _TENSOR_NAME.match(n)]
+            raise ValueError(
+                f"{where}: tensors do not match the config's targets: missing {missing[:4]}"
+                f"{'...' if len(missing) > 4 else ''}, unexpected {unexpected[:4]}"
+                + (f" (not a decoder-layer LoRA tensor: {hint[:2]})" if hint else "")
+            )
+        with torch.no_grad():
+            for name, p in expected.items():
+                t = state[name]
+                if tuple(t.shape) != tuple(p.shape):
+                    raise ValueError(f"{where}: {name} has shape {tuple(t.shape)}, expected {tuple(p.shape)}")
+                p.copy_(t.to(p.dtype))
+
+    def save(self, adapter_dir: str | os.PathLike) -> Path:
+        """Write the adapter in PEFT's format (what ``LoRARequest`` loads); return the directory."""
+        from safetensors.torch import save_file
+
+        out = Path(adapter_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / CONFIG_FILE).write_text(json.dumps(self.lora_config.as_peft_dict(), indent=1))
+        save_file({k: v.cpu() for k, v in self.peft_state().items()}, str(out / WEIGHTS_FILE))
+        return out
+
+    @classmethod
+    def from_dir(cls, adapter_dir: str | os.PathLike, model_config, head_dim: int) -> "LoRAAdapter":
+        from safetensors.torch import load_file
+
+        lora_config = read_lora_config(adapter_dir)
+        path = Path(adapter_dir) / WEIGHTS_FILE
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: the adapter's weights ({WEIGHTS_FILE}) are missing")
+        adapter = cls(lora_config, model_config, head_dim)
+        adapter.load_peft_state(load_file(str(path)), where=str(adapter_dir))
+        return adapter
+
+
+def build_adapter(
+    adapter_dir: str | os.PathLike,
+    model_dir: str | os.PathLike,
+    r: int = 8,
+    lora_alpha: float = 16,
+    targets=ALIGNED_LORA_TARGETS,
+    use_rslora: bool = False,
+    seed: int = 0,
+    std: float = 0.05,
+) -> Path:
+    """Write a random PEFT adapter for the checkpoint in ``model_dir`` (A and B both non-zero, so
+    the adapter changes the logits from the first step; PEFT's own init has B = 0)."""
+    from transformers import AutoConfig
+
+    from ..architectures import describe
+
+    model_config = AutoConfig.from_pretrained(str(model_dir))
+    config = LoRAConfig(r=r, lora_alpha=lora_alpha, targets=tuple(targets), use_rslora=use_rslora)
+    problems = unsupported_lora_settings(config.as_peft_dict())
+    if problems:
+        raise ValueError("; ".join(problems))
+    adapter = LoRAAdapter(config, model_config, describe(model_config).head_dim)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in adapter.parameters():
+            p.copy_(std * torch.randn(p.shape, generator=gen))
+    return adapter.save(adapter_dir)
+
+
+# ----- the op ------------------------------------------------------------------------------
+
+
+class _TokenMapping:
+    """vLLM's punica wrapper with every token of the batch mapped to adapter slot 0 (prefill
+    metadata, as the engine sets it for a prompt)."""
+
+    def __init__(self, runtime):
+        self.runtime = runtime
+        self.capacity = 0
+        self.wrapper = None
+        self.tokens = None
+
+    def get(self, num_tokens: int):
+        from vllm.lora.layers.utils import LoRAMapping
+        from vllm.lora.punica_wrapper import get_punica_wrapper
+
+        if num_tokens > self.capacity:
+            self.capacity = max(num_tokens, 2 * self.capacity, 256)
+            with self.runtime.context():
+                self.wrapper = get_punica_wrapper(self.capacity, 1, self.runtime.device)
+            self.tokens = None
+        if self.tokens != num_tokens:
+            mapping = LoRAMapping((1,) * num_tokens, (1,), is_prefill=True)
+            self.wrapper.update_metadata(mapping, [1], 2, self.runtime.hf_config.vocab_size)
+            self.tokens = num_tokens
+        return self.wrapper
+
+
+class AlignedLoRALinear:
+    """vLLM's LoRA-wrapped linear over a frozen :class:`~.ops.AlignedLinear` and trainable A, B.
+
+    ``pairs[i]`` is the adapter (``lora_A`` [r, in], ``lora_B`` [out_i, r]) of the i-th stacked
+    part of ``base`` or None (no adapter on that part: vLLM's slice stays zero).
+    """
+
+    def __init__(self, runtime, base, pairs, lora_config: LoRAConfig, mapping: _TokenMapping):
+        if len(pairs) != len(base.weights):
+            raise ValueError("one adapter pair (or None) per stacked part of the base linear")
+        lora = runtime.vllm_config.lora_config
+        if lora is None:
+            raise ValueError("the trainer's engine arguments need enable_lora=True (as the engine's)")
+        if lora_config.r > lora.max_lora_rank:
+            raise ValueError(f"adapter rank {lora_config.r} > max_lora_rank {lora.max_lora_rank}: raise max_lora_rank")
+        self.runtime = runtime
+        self.base = base
+        self.pairs = list(pairs)
+        self.scaling = lora_config.scaling
+        self.max_rank = lora.max_lora_rank
+        self.lora_dtype = lora.lora_dtype
+        self.mapping = mapping
+        self.params = [t for p in self.pairs if p is not None for t in (p.lora_A, p.lora_B)]
+        self.derived = DerivedWeight(self.params, self._build)
+
+    def _build(self, sources):
+        """(lora_a_stacked, lora_b_stacked): vLLM's per-slice [1, 1, max_rank, in] and
+        [1, 1, out, max_rank] buffers, B cast to the LoRA dtype then scaled (vLLM's order)."""
+        it = iter(sources)
+        in_features = self.base.weights[0].shape[1]
+        device = self.base.weights[0].device
+        a_stacked, b_stacked = [], []
+        for pair, out_size in zip(self.pairs, self.base.out_sizes):
+            a = torch.zeros(1, 1, self.max_rank, in_features, dtype=self.lora_dtype, device=device)
+            b = torch.zeros(1, 1, out_size, self.max_rank, dtype=self.lora_dtype, device=device)
+            if pair is not None:
+                lora_a, lora_b = next(it), next(it)
+                r = lora_a.shape[0]
+                a[0, 0, :r] = lora_a.to(self.lora_dtype)
+                scaled = lora_b.to(self.lora_dtype, copy=True)  # never scale the parameter itself
+                if self.scaling != 1:
+                    scaled *= self.scaling
+                b[0, 0, :, :r] = scaled
+            a_stacked.append(a)
+            b_stacked.append(b)
+        return tuple(a_stacked), tuple(b_stacked)
+
+    def kernel(self, x):
+        out = self.base.kernel(x)
+        a_stacked, b_stacked = self.derived.get()
+        x2 = x.reshape(-1, x.shape[-1])
+        wrapper = self.mapping.get(x2.shape[0])
+        y = out.view(-1, out.shape[-1])
+        wrapper.add_lora_linear(y, x2, a_stacked, b_stacked, 1.0, tuple(self.base.out_sizes))
+        return out
+
+    def __call__(self, x):
+        return _LoRALinearFn.apply(x, self, *self.params)
+
+
+class _LoRALinearFn(Function):
+    @staticmethod
+    def forward(ctx, x, op: AlignedLoRALinear, *params):
+        ctx.save_for_backward(x, *params)
+        ctx.op = op
+        return op.kernel(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, *params = ctx.saved_tensors
+        op = ctx.op
+        _, base_weight = op.base.derived.get()
+        g2 = g.reshape(-1, g.shape[-1]).float()
+        x2 = x.reshape(-1, x.shape[-1]).float()
+        gx = g2 @ base_weight.float()
+        grads = []
+        it = iter(params)
+        offset = 0
+        for pair, size in zip(op.pairs, op.base.out_sizes):
+            gs = g2[:, offset : offset + size]
+            offset += size
+            if pair is None:
+                continue
+            a, b = next(it).float(), next(it).float()
+            buf = x2 @ a.t()  # [T, r]
+            gbuf = (gs @ b) * op.scaling  # [T, r]
+            gx = gx + gbuf @ a
+            grads.append((gbuf.t() @ x2).to(pair.lora_A.dtype))
+            grads.append(((gs.t() @ buf) * op.scaling).to(pair.lora_B.dtype))
+        return (gx.reshape(x.shape).to(x.dtype), None, *grads)
+
+
+def lora_linears(runtime, adapter: LoRAAdapter, base_ops: list[dict]) -> list[dict]:
+    """The LoRA op of every merged linear an adapter targets, per layer: ``{"qkv": op, ...}``."""
+    mapping = _TokenMapping(runtime)
+    out = []
+    for i, ops in enumerate(base_ops):
+        layer = {}
+        for key, parts in MERGED_TARGETS.items():
+            pairs = [adapter.pair(i, part) for part in parts]
+            if any(p is not None for p in pairs):
+                layer[key] = AlignedLoRALinear(runtime, ops[key], pairs, adapter.lora_config, mapping)
+        out.append(layer)
+    return out
+
+
+def merged_lora_weight(weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: float):
+    """PEFT's merged weight W + s·BA (what ``merge_and_unload`` computes): the forward vLLM does
+    not run. Used as the negative control."""
+    return weight + scaling * (lora_b @ lora_a)
