@@ -212,6 +212,11 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument(
         "--full-vocab", action="store_true", help="compare all vocabulary logprobs (default: the engine's top-20)"
     )
+    check.add_argument(
+        "--lora",
+        metavar="ADAPTER_DIR",
+        help="PEFT LoRA adapter: the engine serves it (enable_lora, a LoRARequest per request), the trainer is base + adapter",
+    )
     check.set_defaults(func=_check)
     bisect.add_argument("--num-prompts", type=int, default=4, metavar="N", help="sequences in the input (default 4)")
     bisect.add_argument(

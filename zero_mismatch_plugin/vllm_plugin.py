@@ -12,7 +12,8 @@ EngineCore and in every worker. It does nothing unless ``ZMRL_NUMERICS`` is set 
 * on CUDA/ROCm/XPU sets ``VLLM_BATCH_INVARIANT=1`` for every process;
 * on CPU, where vLLM's batch-invariant mode cannot run, disables split-KV decode attention,
   pads single-row GEMMs to two rows (see :mod:`zero_mismatch_plugin.aligned.cpu_gemm`) and
-  applies the CPU MLA fixes of :mod:`zero_mismatch_plugin.vllm_cpu_mla`.
+  applies the CPU MLA fixes of :mod:`zero_mismatch_plugin.vllm_cpu_mla`, and gives a base request
+  batched with LoRA requests no adapter (``LORA_BASE_ROWS``).
 
 ``ZMRL_NUMERICS=fast`` only adds the weight-sync worker extension. Safe to call repeatedly.
 
@@ -61,7 +62,7 @@ def register() -> None:
         return
     _set_engine_env(numerics.engine_env(mode, platform))
     if platform == "cpu":
-        for patch in (CPU_GEMM, *CPU_MLA_PATCHES):
+        for patch in (CPU_GEMM, *CPU_MLA_PATCHES, LORA_BASE_ROWS):
             runtime_patches.apply(patch)
 
 
@@ -181,4 +182,31 @@ ENGINE_ARGS = vllm_patch(
     when="ZMRL_NUMERICS set (consistent: all settings; fast: the worker extension only)",
 )
 
-PATCHES: list[FunctionPatch] = [ENGINE_ARGS, CPU_GEMM, *CPU_MLA_PATCHES]
+def _shrink_without_adapter_rows(original):
+    def bgmv_shrink(inputs, lora_b_weights, output_tensor, lora_indices_tensor, scaling=1.0):
+        original(inputs, lora_b_weights, output_tensor, lora_indices_tensor, scaling)
+        no_adapter = lora_indices_tensor < 0
+        if bool(no_adapter.any()):
+            # Zero buffer rows: the expand then adds exactly 0 to a base request's output.
+            output_tensor[: no_adapter.shape[0]].masked_fill_(no_adapter[:, None], 0)
+
+    return bgmv_shrink
+
+
+# vLLM's torch LoRA ops (the CPU punica path) select each token's adapter by indexing the stacked
+# slots with its slot index; a token without adapter has index -1, which selects the LAST slot, so
+# a base request batched with adapter requests ran the last slot's adapter whenever that slot was
+# loaded (always with max_loras=1). The GPU kernels skip index -1.
+LORA_BASE_ROWS = vllm_patch(
+    name="cpu-lora-base-rows",
+    module="vllm.lora.ops.torch_ops.lora_ops",
+    owner=None,
+    attribute="bgmv_shrink",
+    build=_shrink_without_adapter_rows,
+    why="a base request batched with LoRA requests got the last adapter slot's update (slot index -1): "
+        "its shrink rows are made 0, so its output is the base output",
+    when="ZMRL_NUMERICS=consistent on CPU",
+    bound_in=("vllm.lora.ops.torch_ops", "vllm.lora.punica_wrapper.punica_cpu"),
+)
+
+PATCHES: list[FunctionPatch] = [ENGINE_ARGS, CPU_GEMM, *CPU_MLA_PATCHES, LORA_BASE_ROWS]

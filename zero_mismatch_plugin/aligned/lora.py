@@ -170,6 +170,23 @@ def read_lora_config(adapter_dir: str | os.PathLike) -> LoRAConfig:
     return config
 
 
+def lora_engine_args(adapter_dir: str | os.PathLike, max_loras: int = 2) -> dict:
+    """Engine arguments serving the adapter in ``adapter_dir`` (engine and trainer both take them).
+
+    ``max_lora_rank``: the smallest rank vLLM accepts that holds the adapter; ``max_loras`` 2: the
+    adapter's current and next version can be served side by side during a sync.
+    """
+    from typing import get_args
+
+    from vllm.config.lora import MaxLoRARanks
+
+    r = read_lora_config(adapter_dir).r
+    ranks = sorted(get_args(MaxLoRARanks))
+    if r > ranks[-1]:
+        raise NotImplementedError(f"{adapter_dir}: rank {r} exceeds vLLM's largest max_lora_rank {ranks[-1]}")
+    return dict(enable_lora=True, max_lora_rank=min(x for x in ranks if x >= r), max_loras=max_loras)
+
+
 # ----- adapter parameters ------------------------------------------------------------------
 
 

@@ -59,8 +59,9 @@ def available_backends() -> list[str]:
     return list(TRAINER_BACKENDS)
 
 
-def load_backend(name: str, model_dir, max_model_len: int, seed: int = 0) -> TrainerBackend:
-    """Build the backend registered as ``name`` for ``model_dir``."""
+def load_backend(name: str, model_dir, max_model_len: int, seed: int = 0, **options) -> TrainerBackend:
+    """Build the backend registered as ``name`` for ``model_dir`` (``options``: backend-specific,
+    e.g. the aligned backend's ``lora_dir``)."""
     target = TRAINER_BACKENDS.get(name)
     if target is None:
         if name in KNOWN_TRAINERS:
@@ -75,7 +76,7 @@ def load_backend(name: str, model_dir, max_model_len: int, seed: int = 0) -> Tra
         raise BackendUnavailable(
             f"trainer backend {name!r} ({target}) cannot be loaded here: {error}"
         ) from error
-    backend = factory(Path(model_dir), max_model_len=max_model_len, seed=seed)
+    backend = factory(Path(model_dir), max_model_len=max_model_len, seed=seed, **options)
     if not isinstance(backend, TrainerBackend):
         raise BackendUnavailable(f"{target} does not implement the TrainerBackend interface")
     return backend
@@ -89,10 +90,15 @@ class AlignedBackend:
 
     name = "aligned"
 
-    def __init__(self, model_dir: Path, max_model_len: int = 256, seed: int = 0):
+    def __init__(self, model_dir: Path, max_model_len: int = 256, seed: int = 0, lora_dir=None):
         from zero_mismatch_plugin.aligned import AlignedCausalLM
 
-        self.model = AlignedCausalLM.from_pretrained(model_dir, max_model_len=max_model_len, seed=seed)
+        lora = {}
+        if lora_dir is not None:
+            from zero_mismatch_plugin.aligned.lora import lora_engine_args
+
+            lora = dict(lora_dir=lora_dir, **lora_engine_args(lora_dir))
+        self.model = AlignedCausalLM.from_pretrained(model_dir, max_model_len=max_model_len, seed=seed, **lora)
         self.vocab_size = self.model.vocab_size
 
     @torch.no_grad()

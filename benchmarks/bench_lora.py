@@ -1,0 +1,169 @@
+"""Aligned LoRA (vLLM's LoRA arithmetic) vs PEFT's LoRA, and adapter sync vs full-weight sync.
+
+1. Forward+backward of the response-token logprobs of one batch: the aligned model with a
+   frozen base and a trainable adapter (vLLM's kernels and punica LoRA ops, analytic backward
+   for A and B) against transformers + PEFT (unmerged LoRA, autograd) on the same weights.
+2. Weight sync into a LoRA-enabled engine: the adapter (written in PEFT's format, loaded by a
+   new ``LoRARequest``) against the full model (``sync_weights``: every base tensor through
+   vLLM's weight loader). Each is timed up to the end of a one-token request that uses the
+   new weights, so both include what the engine does before it can serve them.
+
+Timings alternate between the two sides; medians and their ratio are printed, with the host ISA.
+
+    python benchmarks/bench_lora.py [--layers 4 --hidden 512 --rank 32 ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("ZMRL_NUMERICS", "consistent")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--family", default="llama", choices=["llama", "qwen2", "qwen3"])
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--intermediate", type=int, default=1408)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=2048)
+    p.add_argument("--rank", type=int, default=32)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--prompt-len", type=int, default=16)
+    p.add_argument("--response-len", type=int, default=112)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--skip-sync", action="store_true", help="only the forward+backward comparison")
+    return p.parse_args()
+
+
+def median_times(fn_a, fn_b, repeats, warmup):
+    """Medians of fn_a and fn_b, timed alternately so both see the same machine load."""
+    for _ in range(warmup):
+        fn_a()
+        fn_b()
+    times_a, times_b = [], []
+    for _ in range(repeats):
+        for fn, times in ((fn_a, times_a), (fn_b, times_b)):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times_a), statistics.median(times_b)
+
+
+def main():
+    args = parse_args()
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from zero_mismatch_plugin.aligned import AlignedCausalLM, pack
+    from zero_mismatch_plugin.aligned.lora import build_adapter, lora_engine_args
+    from zero_mismatch_plugin.tiny_models import build_tiny_model
+
+    seq = args.prompt_len + args.response_len
+    with tempfile.TemporaryDirectory() as tmp:
+        path = build_tiny_model(
+            os.path.join(tmp, "model"),
+            family=args.family,
+            hidden_size=args.hidden,
+            intermediate_size=args.intermediate,
+            num_hidden_layers=args.layers,
+            num_attention_heads=args.heads,
+            num_key_value_heads=args.kv_heads,
+            head_dim=args.hidden // args.heads,
+            vocab_size=args.vocab,
+            max_position_embeddings=max(512, seq),
+        )
+        adapter_dir = build_adapter(os.path.join(tmp, "adapter"), path, r=args.rank, lora_alpha=2 * args.rank)
+        lora_args = lora_engine_args(adapter_dir)
+        aligned = AlignedCausalLM.from_pretrained(path, lora_dir=adapter_dir, max_model_len=seq, **lora_args)
+        base = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+        peft = PeftModel.from_pretrained(base, str(adapter_dir), is_trainable=True)
+
+        gen = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, args.vocab, (args.batch, seq), generator=gen)
+        batch = pack([r[: args.prompt_len].tolist() for r in ids], [r[args.prompt_len :].tolist() for r in ids])
+        rows = torch.arange(args.prompt_len - 1, seq - 1)
+        targets = ids[:, args.prompt_len :]
+
+        def peft_logprobs():
+            logits = peft(input_ids=ids).logits[:, rows]
+            return logits.float().log_softmax(-1).gather(-1, targets[..., None])[..., 0]
+
+        with torch.no_grad():
+            max_diff = (aligned.token_logprobs(batch).view(args.batch, -1) - peft_logprobs()).abs().max().item()
+
+        def aligned_step():
+            aligned.zero_grad(set_to_none=True)
+            aligned.token_logprobs(batch).sum().backward()
+
+        def peft_step():
+            peft.zero_grad(set_to_none=True)
+            peft_logprobs().sum().backward()
+
+        fwd_bwd = median_times(aligned_step, peft_step, args.repeats, args.warmup)
+        adapter_params = sum(p.numel() for p in aligned.lora.parameters())
+        base_params = sum(p.numel() for n, p in aligned.named_parameters() if not n.startswith("lora."))
+        print(
+            f"model: {args.family} layers={args.layers} hidden={args.hidden} intermediate={args.intermediate} "
+            f"heads={args.heads}/{args.kv_heads} vocab={args.vocab}; LoRA r={args.rank} on every linear "
+            f"({adapter_params} adapter / {base_params} base parameters); batch {args.batch} x {seq} tokens; "
+            f"torch threads {torch.get_num_threads()}; median of {args.repeats}, timed alternately; "
+            f"host ISA {torch.backends.cpu.get_cpu_capability()} (the figures depend on it)"
+        )
+        print(f"max |aligned LoRA - PEFT LoRA| logprob: {max_diff:.3g}")
+        print(f"{'':24}{'aligned (s)':>12}{'PEFT (s)':>12}{'ratio':>8}")
+        print(f"{'LoRA forward+backward':24}{fwd_bwd[0]:12.4f}{fwd_bwd[1]:12.4f}{fwd_bwd[0] / fwd_bwd[1]:8.3f}")
+        if not args.skip_sync:
+            sync_times(args, path, aligned, lora_args, seq, tmp)
+
+
+def sync_times(args, path, aligned, lora_args, seq, tmp):
+    import torch
+    from vllm import LLM, SamplingParams
+    from vllm.lora.request import LoRARequest
+
+    from zero_mismatch_plugin.aligned.runtime import engine_args_for, shutdown_engine
+    from zero_mismatch_plugin.aligned.weight_sync import load_named_weights
+
+    llm = LLM(**engine_args_for(path, max_model_len=seq, seed=0, **lora_args))
+    params = SamplingParams(max_tokens=1, temperature=1.0, seed=0)
+    prompt = [{"prompt_token_ids": list(range(1, 9))}]
+    versions = iter(range(1, 10_000))
+    base_weights = [
+        (n, p.detach()) for n, p in aligned.named_parameters() if not n.startswith("lora.")
+    ]
+
+    def adapter_sync():
+        v = next(versions)
+        out = aligned.save_adapter(os.path.join(tmp, f"adapter-v{v}"))
+        llm.generate(prompt, params, lora_request=LoRARequest(f"v{v}", v, str(out)), use_tqdm=False)
+
+    def full_sync():
+        load_named_weights(llm, base_weights)
+        llm.generate(prompt, params, use_tqdm=False)
+
+    try:
+        adapter_s, full_s = median_times(adapter_sync, full_sync, args.repeats, args.warmup)
+    finally:
+        shutdown_engine(llm)
+    size = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
+    print(
+        f"{'sync + 1-token request':24}{adapter_s:12.4f}{full_s:12.4f}{adapter_s / full_s:8.3f}"
+        f"   (adapter {size(list(aligned.lora.parameters())) / 2**20:.2f} MiB vs full "
+        f"{size([t for _, t in base_weights]) / 2**20:.2f} MiB; columns: adapter, full weights)"
+    )
+    del torch
+
+
+if __name__ == "__main__":
+    main()
