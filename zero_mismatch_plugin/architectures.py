@@ -66,6 +66,11 @@ _ENTRIES: dict[str, _Entry] = {
 
 SUPPORTED_ARCHITECTURES = tuple(_ENTRIES)
 
+# The linears the aligned LoRA path adapts (vLLM's dense LoRA layers), under the checkpoint's names
+# and, for a verl Megatron config, under megatron-core's names of the same (merged) linears.
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+MEGATRON_LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+
 
 def architecture_of(config) -> str:
     """The checkpoint's architecture name, refused clearly if no entry covers it."""

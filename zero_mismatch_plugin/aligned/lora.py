@@ -29,11 +29,11 @@ import torch
 from torch import nn
 from torch.autograd import Function
 
+from ..architectures import LORA_TARGETS as ALIGNED_LORA_TARGETS
 from .derived import DerivedWeight
 
-ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
-MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
-ALIGNED_LORA_TARGETS = ATTENTION_TARGETS + MLP_TARGETS
+ATTENTION_TARGETS = ALIGNED_LORA_TARGETS[:4]
+MLP_TARGETS = ALIGNED_LORA_TARGETS[4:]
 
 # The merged linears of the aligned model and the checkpoint modules stacked in them, in order.
 MERGED_TARGETS = {

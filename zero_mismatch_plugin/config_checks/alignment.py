@@ -140,12 +140,36 @@ def _rollout_gaps(cfg: DictConfig) -> list[str]:
     return gaps
 
 
+def lora_targets(cfg: DictConfig) -> list[str]:
+    """The LoRA target modules the config names (verl reads ``model.lora.target_modules``, older
+    configs ``model.target_modules``); empty when it names none."""
+    from omegaconf import OmegaConf
+
+    for key in ("actor_rollout_ref.model.lora.target_modules", "actor_rollout_ref.model.target_modules"):
+        value = OmegaConf.select(cfg, key, default=None)
+        if value is not None:
+            return [value] if isinstance(value, str) else [str(t) for t in value]
+    return []
+
+
+def _lora_gaps(cfg: DictConfig) -> list[str]:
+    """LoRA is aligned in the aligned model face (vLLM's dense LoRA arithmetic on q/k/v/o and
+    gate/up/down), not yet in verl's Megatron engine; targets outside those linears never are."""
+    rank = lora_rank(cfg)
+    if rank <= 0:
+        return []
+    covered = architectures.LORA_TARGETS + architectures.MEGATRON_LORA_TARGETS
+    uncovered = [t for t in lora_targets(cfg) if t not in covered]
+    gap = f"LoRA adapters (rank {rank}) in verl's Megatron engine (the aligned LoRA path runs in the aligned model face)"
+    if uncovered:
+        gap += (f"; LoRA targets outside the dense linears the aligned LoRA path adapts "
+                f"({', '.join(architectures.MEGATRON_LORA_TARGETS)}): {', '.join(uncovered)}")
+    return [gap]
+
+
 def alignment_gaps(cfg: DictConfig, architecture: Architecture) -> list[str]:
     """What the aligned trainer forward lacks to reproduce this config's rollout bit for bit."""
-    gaps = _architecture_gaps(architecture) + _engine_gaps(cfg)
-    rank = lora_rank(cfg)
-    if rank > 0:
-        gaps.append(f"LoRA adapters (rank {rank})")
+    gaps = _architecture_gaps(architecture) + _engine_gaps(cfg) + _lora_gaps(cfg)
     return gaps + _rollout_gaps(cfg)
 
 
