@@ -354,6 +354,10 @@ class AlignedLoRALinear:
     def __init__(self, runtime, base, pairs, lora_config: LoRAConfig, mapping: _TokenMapping):
         if len(pairs) != len(base.weights):
             raise ValueError("one adapter pair (or None) per stacked part of the base linear")
+        if base.engine_rows is not None:
+            # vLLM adds each slice's update in its own row order; a permuted base (megatron's
+            # grouped qkv) would need the update added before the permutation.
+            raise NotImplementedError("LoRA on a linear whose rows are permuted against vLLM's (engine_rows)")
         lora = runtime.vllm_config.lora_config
         if lora is None:
             raise ValueError("the trainer's engine arguments need enable_lora=True (as the engine's)")
