@@ -108,9 +108,27 @@ def _bisect(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from zero_mismatch_plugin.demo.command import run_demo_command
+    from zero_mismatch_plugin.demo.command import run_compare_command, run_demo_command
 
-    return run_demo_command(args.algo, args.kernels, args.lag, args.updates, args.seed, args.out)
+    if args.compare:
+        single_run = [f"--{name}" for name in ("algo", "kernels", "seed") if getattr(args, name) is not None]
+        if single_run:
+            print(f"ERROR: {', '.join(single_run)} choose a single run; --compare runs every variant "
+                  "(use --seeds for the seeds)", file=sys.stderr)
+            return 2
+        return run_compare_command(args.seeds, args.updates, args.lag, args.out)
+    if args.seeds is not None:
+        print("ERROR: --seeds is for --compare; a single run takes --seed", file=sys.stderr)
+        return 2
+    return run_demo_command(args.algo or "reinforce_zero", args.kernels or "aligned",
+                            2 if args.lag is None else args.lag, args.updates or 200, args.seed or 0, args.out)
+
+
+def _seed_list(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
 def _patches(args: argparse.Namespace) -> int:
@@ -227,14 +245,23 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser(
         "demo", help="asynchronous RL with zero mismatch, end to end on a CPU (tiny model, vLLM, verl's losses)"
     )
-    demo.add_argument("--algo", choices=("reinforce_zero", "flash_reinforce"), default="reinforce_zero")
+    demo.add_argument("--algo", choices=("reinforce_zero", "flash_reinforce"), help="default reinforce_zero")
     demo.add_argument(
-        "--kernels", choices=("aligned", "standard"), default="aligned",
-        help="learner forward: vLLM's kernels (aligned) or plain transformers (standard)",
+        "--kernels", choices=("aligned", "standard", "standard-bf16"),
+        help="learner forward: vLLM's kernels (aligned, the default), plain transformers in fp32 (standard) "
+        "or in bf16 mixed precision as verl's FSDP engine trains (standard-bf16)",
     )
-    demo.add_argument("--lag", type=int, default=2, metavar="K", help="samples are at most K versions old (0: synchronous)")
-    demo.add_argument("--updates", type=int, default=200, metavar="N", help="optimizer updates (default 200)")
-    demo.add_argument("--seed", type=int, default=0, metavar="S")
+    demo.add_argument("--lag", type=int, metavar="K",
+                      help="samples are at most K versions old (0: synchronous; default 2, with --compare 8)")
+    demo.add_argument("--updates", type=int, metavar="N",
+                      help="optimizer updates per run (default 200, with --compare 300)")
+    demo.add_argument("--seed", type=int, metavar="S", help="default 0")
+    demo.add_argument(
+        "--compare", action="store_true",
+        help="the papers' contrast: aligned REINFORCE Zero, bf16 standard-kernel IS without / with verl's sequence "
+        "and token gates, and synchronous aligned, on the class-chain task, for every seed of --seeds",
+    )
+    demo.add_argument("--seeds", type=_seed_list, metavar="S,..", help="with --compare (default 0,1,2)")
     demo.add_argument("--out", metavar="DIR", help="output directory (default: a fresh ./zmrl-demo-out[-N])")
     demo.set_defaults(func=_demo)
 

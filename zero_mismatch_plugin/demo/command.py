@@ -76,8 +76,7 @@ def run_demo_command(algo: str, kernels: str, lag: int, updates: int, seed: int,
     print("starting the vLLM engine in its own process (CPU, fp32, consistent numerics; about 10 s)")
     with start_engine(model_dir, config.max_model_len) as engine:
         run = DemoRun(config, engine, model_dir)
-        print(f"task: answer with digits (reward = digit tokens / {config.response_tokens} response tokens; "
-              f"chance {run.task.chance_reward:.3f})")
+        print(f"task: {run.task.describe(config.response_tokens)}; chance {run.task.chance_reward:.3f}")
         with tqdm(total=config.updates, desc="updates", unit="upd", dynamic_ncols=True) as bar:
 
             def progress(record):
@@ -93,5 +92,49 @@ def run_demo_command(algo: str, kernels: str, lag: int, updates: int, seed: int,
             result = run.run(progress)
     summary = write_outputs(result, out_dir)
     print(format_summary(summary, out_dir))
+    print(f"wall time {time.perf_counter() - started:.0f} s")
+    return 0
+
+
+def run_compare_command(seeds: list[int] | None, updates: int | None, lag: int | None, out: str | None) -> int:
+    """Every comparison variant for every seed, one engine; the comparison table and figures in ``out``."""
+    _quiet_defaults()
+    from zero_mismatch_plugin.report.compare import COMPARE_TEXT, FIGURE1, FIGURE3, PLOTS_DIR
+    from zero_mismatch_plugin.tiny_models import build_tiny_model
+
+    from .compare import DEFAULT_LAG, DEFAULT_SEEDS, DEFAULT_UPDATES, CompareConfig, run_compare
+    from .engine import start_engine
+    from .runner import DemoRun  # noqa: F401 - fail on a broken install before the engine starts
+
+    try:
+        config = CompareConfig(seeds=DEFAULT_SEEDS if seeds is None else seeds,
+                               updates=DEFAULT_UPDATES if updates is None else updates,
+                               lag=DEFAULT_LAG if lag is None else lag)
+        out_dir = prepare_out_dir(out)
+    except ValueError as error:
+        print(f"ERROR: {error}", file=sys.stderr)
+        return 2
+    started = time.perf_counter()
+    runs = len(config.seeds) * len(config.selected)
+    print(f"zmrl demo --compare -> {out_dir}/")
+    print(f"{len(config.selected)} variants x seeds {list(config.seeds)}, {config.updates} updates each, "
+          f"lag {config.lag} (the synchronous reference: 0), learning rate {config.learning_rate}")
+    model_dirs = {seed: build_tiny_model(out_dir / "models" / f"seed-{seed}", family="llama", seed=seed)
+                  for seed in config.seeds}
+    print("starting the vLLM engine in its own process (CPU, fp32, consistent numerics; about 10 s)")
+    done = []
+
+    def progress(variant, seed, result):
+        done.append(1)
+        rewards = [r.metrics["critic/score/mean"] for r in result.records]
+        window = config.window
+        print(f"[{len(done)}/{runs}] seed {seed} {variant.name:<24} {len(rewards) / result.loop_seconds:5.2f} upd/s  "
+              f"reward {sum(rewards[:window]) / window:.3f} -> {sum(rewards[-window:]) / window:.3f}", flush=True)
+
+    with start_engine(model_dirs[config.seeds[0]], config.max_model_len) as engine:
+        run_compare(config, out_dir, engine, model_dirs.__getitem__, progress)
+    print((out_dir / COMPARE_TEXT).read_text())
+    print(f"table:   {out_dir / COMPARE_TEXT} (and compare.json)")
+    print(f"figures: {out_dir / PLOTS_DIR / FIGURE1}, {out_dir / PLOTS_DIR / FIGURE3}")
     print(f"wall time {time.perf_counter() - started:.0f} s")
     return 0

@@ -27,7 +27,7 @@ import traceback
 from zero_mismatch_plugin.aligned.numerics import temporary_environment
 
 from .rollout import Chunk, Inbox, RolloutPlan, WeightMailbox, produce_chunks
-from .task import DigitTask
+from .task import Task
 
 # The engine runs in the child's own thread, with one OpenMP thread: on a small machine the other
 # core belongs to the learner, and idle OpenMP threads spin-wait.
@@ -129,7 +129,7 @@ class EngineProcess:
             raise RuntimeError(f"engine process: expected {kind!r}, got {reply[0]!r}")
         return reply
 
-    def rollout(self, task: DigitTask, plan: RolloutPlan, initial_weights) -> "Rollout":
+    def rollout(self, task: Task, plan: RolloutPlan, initial_weights) -> "Rollout":
         """Start generating ``plan``'s chunks; ``initial_weights`` (named tensors) are version 0."""
         mailbox = WeightMailbox(initial_weights).attach(self._lock)
         mailbox.put(0, initial_weights)
@@ -153,7 +153,7 @@ class EngineProcess:
 class Rollout:
     """The learner's side of one run: take chunks, publish weights, stop."""
 
-    def __init__(self, engine: EngineProcess, run_id: int, task: DigitTask, plan: RolloutPlan,
+    def __init__(self, engine: EngineProcess, run_id: int, task: Task, plan: RolloutPlan,
                  mailbox: WeightMailbox):
         self.engine = engine
         self.run_id = run_id

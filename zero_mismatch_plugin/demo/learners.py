@@ -1,6 +1,7 @@
-"""The learner's forward: the aligned trainer (vLLM's kernels) or plain Hugging Face transformers.
+"""The learner's forward: the aligned trainer (vLLM's kernels) or plain Hugging Face transformers,
+in fp32 or in bf16 mixed precision as verl's FSDP engine runs it.
 
-Both return, for each response, the logprob of every sampled token under the learner's current
+Each returns, for each response, the logprob of every sampled token under the learner's current
 weights (temperature 1, no truncation: the distribution the engine sampled from), with autograd.
 Only the forward differs between them; the optimizer, the loss and the weight push are shared.
 """
@@ -14,7 +15,8 @@ import torch
 
 ALIGNED = "aligned"
 STANDARD = "standard"
-KERNELS = (ALIGNED, STANDARD)
+STANDARD_BF16 = "standard-bf16"
+KERNELS = (ALIGNED, STANDARD, STANDARD_BF16)
 
 
 class Learner:
@@ -90,6 +92,12 @@ class StandardLearner(Learner):
         if getattr(self.module.config, "tie_word_embeddings", False):
             raise ValueError("the demo's standard learner expects untied embeddings (Llama shape)")
 
+    def _logits(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.module(input_ids=ids, attention_mask=mask).logits.float()
+
+    def _label_logprobs(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return torch.log_softmax(logits, dim=-1).gather(-1, labels[:, None])[:, 0]
+
     def response_logprobs(self, prompts, responses):
         # Right-padded batch; positions of real tokens are 0..len-1 as in the engine.
         lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
@@ -99,13 +107,39 @@ class StandardLearner(Learner):
         for i, (p, r) in enumerate(zip(prompts, responses)):
             ids[i, : lengths[i]] = torch.tensor(list(p) + list(r))
             mask[i, : lengths[i]] = 1
-        logits = self.module(input_ids=ids, attention_mask=mask).logits.float()
-        logprobs = torch.log_softmax(logits, dim=-1)
+        logits = self._logits(ids, mask)
         out = []
         for i, (p, r) in enumerate(zip(prompts, responses)):
             rows = torch.arange(len(p) - 1, len(p) - 1 + len(r))
-            out.append(logprobs[i, rows].gather(-1, torch.tensor(r)[:, None])[:, 0])
+            out.append(self._label_logprobs(logits[i, rows], torch.tensor(r)))
         return out
+
+
+class MixedPrecisionLearner(StandardLearner):
+    """The transformers forward in bf16 mixed precision, as verl's FSDP engine trains by default.
+
+    The parameters (what the optimizer updates and the engine receives) stay fp32 master weights;
+    every forward runs on a bf16 copy of them (FSDP ``MixedPrecision(param_dtype=bf16,
+    reduce_dtype=fp32)``) inside ``torch.autocast(bf16)`` (verl's ``forward_step``), and the bf16
+    gradients reach the fp32 master weights through the cast. The logits come out in bf16; their
+    logprobs are taken in fp32 by verl's ``logprobs_from_logits`` (on GPUs verl uses flash-attn's
+    cross entropy, which computes in fp32; its CPU fallback would take a bf16 log-softmax). Both
+    the IS ratio and the gradient come from this forward: the mismatch against the fp32 engine is
+    the bf16 rounding of weights and activations, which is what a bf16 trainer has.
+    """
+
+    kernels = STANDARD_BF16
+
+    def _logits(self, ids, mask):
+        bf16_weights = {name: p.to(torch.bfloat16) for name, p in self.module.named_parameters()}
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            output = torch.func.functional_call(self.module, bf16_weights, (), {"input_ids": ids, "attention_mask": mask})
+        return output.logits.float()
+
+    def _label_logprobs(self, logits, labels):
+        from verl.utils.torch_functional import logprobs_from_logits
+
+        return logprobs_from_logits(logits, labels)
 
 
 def make_learner(kernels: str, model_dir, max_model_len: int, engine_seed: int) -> Learner:
@@ -113,4 +147,6 @@ def make_learner(kernels: str, model_dir, max_model_len: int, engine_seed: int) 
         return AlignedLearner(model_dir, max_model_len, engine_seed)
     if kernels == STANDARD:
         return StandardLearner(model_dir)
+    if kernels == STANDARD_BF16:
+        return MixedPrecisionLearner(model_dir)
     raise ValueError(f"unknown kernels {kernels!r}; expected one of {KERNELS}")

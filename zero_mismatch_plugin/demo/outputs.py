@@ -74,8 +74,13 @@ def summarize(result: DemoResult, report: dict, label: str) -> dict:
     }
 
 
-def write_outputs(result: DemoResult, out_dir: Path, label: str = "demo") -> dict:
-    """Metric log, report (text, JSON), plots and summary.json under ``out_dir``; returns the summary."""
+def write_outputs(result: DemoResult, out_dir: Path, label: str = "demo", window: int | None = None,
+                  plots: bool = True) -> dict:
+    """Metric log, report, plots (unless ``plots`` is false) and summary.json under ``out_dir``.
+
+    ``window``: updates in the report's first and last windows (default: a fifth of the run).
+    Returns the summary.
+    """
     from zero_mismatch_plugin.report import build_report, load_runs
     from zero_mismatch_plugin.report.plots import write_plots
     from zero_mismatch_plugin.report.render import format_report
@@ -83,11 +88,12 @@ def write_outputs(result: DemoResult, out_dir: Path, label: str = "demo") -> dic
     out_dir.mkdir(parents=True, exist_ok=True)
     metrics_path = write_metrics_log(result, out_dir / METRICS_FILE)
     runs = load_runs([f"{label}={metrics_path}"])
-    report = build_report(runs, window=_fifth(len(result.records)))
+    report = build_report(runs, window=window or _fifth(len(result.records)))
     (out_dir / REPORT_FILE).write_text(format_report(report) + "\n", encoding="utf-8")
-    plots = {name: str(path) for name, path in write_plots(runs, out_dir / PLOTS_DIR).items() if path}
+    plot_files = ({name: str(path) for name, path in write_plots(runs, out_dir / PLOTS_DIR).items() if path}
+                  if plots else {})
     summary = summarize(result, report, label)
-    summary["files"] = {"metrics": str(metrics_path), "report": str(out_dir / REPORT_FILE), "plots": plots}
+    summary["files"] = {"metrics": str(metrics_path), "report": str(out_dir / REPORT_FILE), "plots": plot_files}
     with open(out_dir / SUMMARY_FILE, "w", encoding="utf-8") as handle:
         json.dump(summary, handle, indent=2)
     return summary

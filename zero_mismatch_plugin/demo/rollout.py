@@ -21,7 +21,7 @@ import torch
 
 from zero_mismatch_plugin.aligned.weight_sync import load_named_weights
 
-from .task import DigitTask
+from .task import Task
 
 
 def _sample_from_wire(prompt, response, mu, version, uid, reward) -> "Sample":
@@ -111,7 +111,7 @@ class WeightMailbox:
         return version, self._views(copy)
 
 
-def generate_chunk(llm, task: DigitTask, plan: RolloutPlan, index: int, version: int) -> list[Sample]:
+def generate_chunk(llm, task: Task, plan: RolloutPlan, index: int, version: int) -> list[Sample]:
     from vllm import SamplingParams
 
     n = plan.samples_per_prompt
@@ -132,7 +132,7 @@ def generate_chunk(llm, task: DigitTask, plan: RolloutPlan, index: int, version:
         for completion in output.outputs:
             ids = list(completion.token_ids)
             mu = torch.tensor([step[t].logprob for t, step in zip(ids, completion.logprobs)], dtype=torch.float32)
-            samples.append(Sample(prompt, ids, mu, version, f"{index}:{prompt_index}", task.reward(ids)))
+            samples.append(Sample(prompt, ids, mu, version, f"{index}:{prompt_index}", task.reward(prompt, ids)))
     return samples
 
 
@@ -172,7 +172,7 @@ class Inbox:
             self._handle(self.receive())
 
 
-def produce_chunks(llm, task: DigitTask, plan: RolloutPlan, mailbox: WeightMailbox, inbox: Inbox,
+def produce_chunks(llm, task: Task, plan: RolloutPlan, mailbox: WeightMailbox, inbox: Inbox,
                    send: Callable[[Chunk], None]) -> None:
     """The rollout loop: every chunk of the plan, in order, each with the newest weights published."""
     loaded: int | None = None  # the engine may hold another run's weights

@@ -19,16 +19,18 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field
+from types import SimpleNamespace
 
 import torch
 
 from zero_mismatch_plugin.formulas import token_log_importance_ratio
 from zero_mismatch_plugin.token_metrics import importance_sampling_metrics
 
+from .corrections import CORRECTIONS, rollout_correction_settings
 from .learners import ALIGNED, KERNELS, Learner, make_learner
 from .engine import EngineProcess
 from .rollout import Chunk, RolloutPlan, Sample
-from .task import DigitTask
+from .task import DIGITS, TASKS, make_task
 
 ALGORITHMS = ("reinforce_zero", "flash_reinforce")
 LOSS_AGG_MODE = "seq-mean-token-mean"
@@ -43,6 +45,11 @@ class DemoConfig:
     lag: int = 2
     updates: int = 200
     seed: int = 0
+    task: str = DIGITS
+    # None: the algorithm's own loss (``algo``). Else one of the standard-kernel baselines in
+    # ``corrections.CORRECTIONS``: verl's rollout-correction loss (bypass mode, token IS, optional
+    # gate) with the group-mean advantage, as the ablation recipes configure it.
+    correction: str | None = None
     # Sequences per update = prompts_per_update * samples_per_prompt; FlashREINFORCE samples
     # one response per prompt (batch-mean baseline), so it uses as many distinct prompts instead.
     prompts_per_update: int = 8
@@ -66,6 +73,13 @@ class DemoConfig:
             raise ValueError(f"--algo must be one of {ALGORITHMS}, got {self.algo!r}")
         if self.kernels not in KERNELS:
             raise ValueError(f"--kernels must be one of {KERNELS}, got {self.kernels!r}")
+        if self.task not in TASKS:
+            raise ValueError(f"task must be one of {TASKS}, got {self.task!r}")
+        if self.correction is not None:
+            if self.correction not in CORRECTIONS:
+                raise ValueError(f"correction must be one of {tuple(CORRECTIONS)} or None, got {self.correction!r}")
+            if self.algo != "reinforce_zero":
+                raise ValueError("a rollout-correction baseline replaces REINFORCE Zero's loss; use algo reinforce_zero")
         if self.lag < 0:
             raise ValueError(f"--lag must be at least 0 (0: synchronous), got {self.lag}")
         if self.updates < 1:
@@ -151,13 +165,23 @@ class DemoRun:
         self.config = config
         self.engine = engine
         torch.manual_seed(config.seed)
-        self.task = DigitTask.from_tokenizer(AutoTokenizer.from_pretrained(str(model_dir)), seed=config.seed)
+        self.task = make_task(config.task, AutoTokenizer.from_pretrained(str(model_dir)), config.seed)
         self.learner: Learner = make_learner(config.kernels, model_dir, config.max_model_len, engine_seed)
         self.optimizer = torch.optim.AdamW(self.learner.parameters(), lr=config.learning_rate, weight_decay=0.0)
-        self.advantage_fn = core_algos.get_adv_estimator_fn(config.algo)
-        self.loss_fn = core_algos.get_policy_loss_fn(config.algo)
-        # μ is the rollout's own logprob: verl's bypass mode, which the estimators require.
-        self.algorithm_config = OmegaConf.create({"rollout_correction": {"bypass_mode": True}})
+        if config.correction is None:
+            self.advantage_fn = core_algos.get_adv_estimator_fn(config.algo)
+            self.loss_fn = core_algos.get_policy_loss_fn(config.algo)
+            # μ is the rollout's own logprob: verl's bypass mode, which the estimators require.
+            self.algorithm_config = OmegaConf.create({"rollout_correction": {"bypass_mode": True}})
+            self.advantage_options = {}
+            self.rollout_correction = None
+        else:
+            algorithm, self.rollout_correction = rollout_correction_settings(config.correction)
+            self.advantage_fn = core_algos.get_adv_estimator_fn(algorithm["adv_estimator"])
+            self.advantage_options = {"norm_adv_by_std_in_grpo": algorithm["norm_adv_by_std_in_grpo"]}
+            self.algorithm_config = OmegaConf.create(algorithm)
+            # verl's bypass loss reads the correction from the actor's policy-loss config.
+            self.loss_fn = core_algos.get_policy_loss_fn("bypass_mode")
         self.version = 0
         self.kept_weights = {0: self.learner.snapshot()}
 
@@ -206,6 +230,16 @@ class DemoRun:
             out.update(zip(rows, logprobs))
         return out
 
+    def _loss_config(self, batch: _Batch):
+        """What verl's actor hands a policy loss: its policy-loss settings and the batch sizes."""
+        if self.rollout_correction is None:
+            return None  # the plugin's losses need no actor config
+        return SimpleNamespace(
+            policy_loss={"rollout_correction": self.rollout_correction},
+            global_batch_info={"dp_size": 1, "batch_num_tokens": int(batch.mask.sum()),
+                               "global_batch_size": len(batch.samples), "loss_scale_factor": None},
+        )
+
     def _update(self, step: int, chunks: list[Chunk], waited: float) -> UpdateRecord:
         cfg = self.config
         update_start = time.perf_counter()
@@ -224,11 +258,11 @@ class DemoRun:
 
         advantages, _ = self.advantage_fn(
             token_level_rewards=batch.token_level_rewards, response_mask=batch.mask,
-            config=self.algorithm_config, index=batch.uids,
+            config=self.algorithm_config, index=batch.uids, **self.advantage_options,
         )
         loss, loss_metrics = self.loss_fn(
             old_log_prob=batch.mu, log_prob=log_prob, advantages=advantages, response_mask=batch.mask,
-            loss_agg_mode=LOSS_AGG_MODE, config=None, rollout_is_weights=None,
+            loss_agg_mode=LOSS_AGG_MODE, config=self._loss_config(batch), rollout_is_weights=None,
         )
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -253,7 +287,8 @@ class DemoRun:
             kernel_gap = importance_sampling_metrics(own, batch.mu, own_mask)
             lag_gap = importance_sampling_metrics(log_prob.detach(), own, own_mask)
 
-        metrics = {f"actor/{k}": float(v) for k, v in loss_metrics.items()}
+        # verl's own losses already prefix some keys with "actor/".
+        metrics = {(k if k.startswith("actor/") else f"actor/{k}"): float(v) for k, v in loss_metrics.items()}
         metrics.update({
             "actor/pg_loss": loss.item(),
             "actor/grad_norm": float(grad_norm),
