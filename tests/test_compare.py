@@ -106,15 +106,17 @@ def test_report_reads_every_variant_and_rebuilds_the_comparison(compared):
     assert "standard_is_token_gate" in (out_dir / "seed-0" / "report.txt").read_text()
 
 
-def test_chain_task_reward_counts_class_successors():
+def test_chain_task_rewards_digits_and_alternating_parity():
     from zero_mismatch_plugin.demo.task import ChainTask
 
-    task = ChainTask(prompts=[[5]], vocab_size=16, classes=4)
-    # classes: 5 -> 1; 6 -> 2 (hit), 11 -> 3 (hit), 1 -> 1 (miss: 0 follows 3), 2 -> 2 (hit)
-    assert task.reward([5], [6, 11, 1, 2]) == 0.75
-    assert task.reward([3], [4]) == 1.0  # cyclic: class 0 follows class 3
-    assert task.reward([5], []) == 0.0
-    assert task.chance_reward == 0.25
+    # token id -> digit value; 7 is not a digit token
+    task = ChainTask(prompts=[[7]], vocab_size=8, digit_values={1: 1, 2: 2, 3: 3, 4: 4})
+    assert task.reward([7], [1, 2, 3, 4]) == 1.0  # digits, alternating parity
+    assert task.reward([7], [1, 3, 2, 4]) == (1 + 0.5 + 1 + 0.5) / 4  # 1 -> 3 and 2 -> 4 keep parity
+    assert task.reward([7], [1, 7, 2, 7]) == (1 + 0 + 0.5 + 0) / 4  # a digit after a non-digit: half
+    assert task.reward([7], [7, 7]) == 0.0 and task.reward([7], []) == 0.0
+    # uniformly random tokens: half of 4/8 digits, plus half of digit-after-other-parity-digit
+    assert task.chance_reward == 0.5 * 0.5 + 0.5 * 0.5 * 0.5 * 0.5
 
 
 def test_baselines_are_the_ablation_recipes_settings():

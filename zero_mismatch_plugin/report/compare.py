@@ -166,6 +166,7 @@ def write_figure1(comparison: dict, path: Path) -> Path:
 
     variants = comparison["variants"]
     figure, axes = plt.subplots(figsize=(10, 5.2), dpi=110)
+    paper_labelled = False
     for index, variant in enumerate(variants):
         values = [v["d3_peak_to_median"] for v in comparison["figures"][variant["name"]].values()
                   if v["d3_peak_to_median"] is not None]
@@ -176,7 +177,8 @@ def write_figure1(comparison: dict, path: Path) -> Path:
         paper = PAPER.get(variant["name"], {}).get("d3_peak_to_median")
         if isinstance(paper, float):
             axes.bar(index + 0.2, paper, width=0.38, color="tab:orange", hatch="//",
-                     label="paper (REINFORCE Zero, Table 2)" if not axes.containers[1:] else None)
+                     label=None if paper_labelled else "paper (REINFORCE Zero, Table 2)")
+            paper_labelled = True
             axes.annotate(f"{paper:.2f}x", (index + 0.2, paper), ha="center", va="bottom", fontsize=8)
     axes.set_yscale("log")
     axes.set_xticks(range(len(variants)), [v["title"].replace(", ", ",\n", 1) for v in variants], fontsize=8)
@@ -221,6 +223,12 @@ def write_figure3(comparison: dict, series: dict, path: Path) -> Path:
     return path
 
 
+def _summary_beside(log: Path) -> dict | None:
+    """The demo's summary.json next to a run's metric log, when there is one."""
+    path = Path(log).parent / "summary.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
 def write_comparison(logs: Mapping[int, Mapping[str, Path]], variants: Sequence, settings: dict,
                      summaries: Mapping[int, Mapping[str, Mapping]] | None, out_dir: Path) -> dict:
     """Read every run's log through ``zmrl report``'s code; write the table, JSON and plots to ``out_dir``."""
@@ -241,7 +249,7 @@ def write_comparison(logs: Mapping[int, Mapping[str, Path]], variants: Sequence,
             if path:
                 plot_files[f"seed-{seed}/{name}"] = str(path)
         for variant, run in zip(variants, runs):
-            summary = (summaries or {}).get(seed, {}).get(variant.name)
+            summary = (summaries or {}).get(seed, {}).get(variant.name) or _summary_beside(logs[seed][variant.name])
             figures[variant.name][str(seed)] = variant_figures(run, report["runs"][variant.name], summary, window)
             reward = select_series(run, (MetricSource("critic/score/mean"),))
             kl = select_series(run, (MetricSource("actor/rollout_corr/kl"),))
