@@ -121,7 +121,8 @@ def _demo(args: argparse.Namespace) -> int:
         print("ERROR: --seeds is for --compare; a single run takes --seed", file=sys.stderr)
         return 2
     return run_demo_command(args.algo or "reinforce_zero", args.kernels or "aligned",
-                            2 if args.lag is None else args.lag, args.updates or 200, args.seed or 0, args.out)
+                            2 if args.lag is None else args.lag, 200 if args.updates is None else args.updates,
+                            args.seed or 0, args.out)
 
 
 def _seed_list(text: str) -> list[int]:
