@@ -61,8 +61,7 @@ ROWS = (
     Row("grad_norm_max", "largest gradient norm (before clipping)", "number"),
     Row("rejected_seqs_last", "rejected sequences, last window", "percent"),
     Row("rejected_tokens_last", "rejected tokens, last window", "percent"),
-    Row("reward_first", "reward, first window", "number"),
-    Row("reward_last", "reward, last window", "number"),
+    Row("reward", "reward, first -> last window (paper: pass@1)", "text"),
     Row("kernel_gap_median", "kernel gap: max |log pi - log mu| at the sampling weights, median", "number"),
     Row("own_version_bitwise_min", "tokens bit-equal at the sampling weights, min", "percent"),
     Row("lag_mean", "lag, mean versions", "number"),
@@ -82,11 +81,16 @@ def _median_of(run, source: MetricSource) -> float | None:
     return stats.median(series.values) if series is not None and series.values else None
 
 
+def _first_to_last(first: float | None, last: float | None) -> str | None:
+    return None if first is None or last is None else f"{first:.3f} -> {last:.3f}"
+
+
 def variant_figures(run, figures: dict, summary: Mapping | None, window: int) -> dict:
     """One run's comparison figures, from its ``zmrl report`` figures (and the demo summary)."""
     gated = figures["rejection"]["status"] != "missing"
     out = {
-        "d3_peak_to_median": figures["d3"].get("peak_to_median"),
+        "d3_peak_to_median": (figures["d3"].get("peak_to_median") if figures["d3"].get("median") != 0
+                              else "undefined (D3 median 0)"),
         "d3_median": figures["d3"].get("median"),
         "kl_last_over_first": figures["kl"].get("last_over_first"),
         "kl_first_window_median": figures["kl"].get("first_window_median"),
@@ -96,6 +100,7 @@ def variant_figures(run, figures: dict, summary: Mapping | None, window: int) ->
         "rejected_tokens_last": _last_window_mean(run, TOKEN_REJECTION, window) if gated else "none (no gate)",
         "reward_first": figures["reward"].get("first_window"),
         "reward_last": figures["reward"].get("last_window"),
+        "reward": _first_to_last(figures["reward"].get("first_window"), figures["reward"].get("last_window")),
         "kernel_gap_median": _median_of(run, KERNEL_GAP),
         "own_version_bitwise_min": figures["bitwise_equal"].get("min"),
         "lag_mean": (figures["lag"].get("mean_per_update") or {}).get("median"),
@@ -169,11 +174,14 @@ def write_figure1(comparison: dict, path: Path) -> Path:
     paper_labelled = False
     for index, variant in enumerate(variants):
         values = [v["d3_peak_to_median"] for v in comparison["figures"][variant["name"]].values()
-                  if v["d3_peak_to_median"] is not None]
+                  if isinstance(v["d3_peak_to_median"], float)]
         if values:
             axes.bar(index - 0.2, stats.median(values), width=0.38, color="tab:blue",
                      label="ours (median over seeds; dots: seeds)" if index == 0 else None)
             axes.scatter([index - 0.2] * len(values), values, color="black", s=12, zorder=3)
+        else:  # e.g. synchronous and aligned: D3 is 0 at every update, so the ratio has no value
+            axes.text(index, 0.04, "no ratio:\nD3 median 0", ha="center", fontsize=8,
+                      transform=axes.get_xaxis_transform())
         paper = PAPER.get(variant["name"], {}).get("d3_peak_to_median")
         if isinstance(paper, float):
             axes.bar(index + 0.2, paper, width=0.38, color="tab:orange", hatch="//",
