@@ -54,14 +54,19 @@ def engine(module_environ, llama, engines):
 def cli_uses_engine(engine, monkeypatch):
     """``zmrl check`` run in-process gets the module's engine instead of starting one."""
     requested = []
+    prefix_caching = []  # what each run asked for; the shared engine has it on
 
     @contextlib.contextmanager
-    def shared_engine(model_dir, max_model_len, seed=0, full_vocab=False):
+    def shared_engine(model_dir, max_model_len, seed=0, full_vocab=False, prefix_caching_on=True):
         requested.append((max_model_len, seed))
+        prefix_caching.append(prefix_caching_on)
         yield engine
 
-    monkeypatch.setattr(checker_engine, "open_engine", shared_engine)
-    yield requested
+    def open_engine(*args, prefix_caching=True, **kwargs):
+        return shared_engine(*args, prefix_caching_on=prefix_caching, **kwargs)
+
+    monkeypatch.setattr(checker_engine, "open_engine", open_engine)
+    yield prefix_caching
     # The shared engine was started with these; a check asking for others would be invalid.
     assert all(r == (MAX_MODEL_LEN, 0) for r in requested), requested
 
@@ -99,6 +104,8 @@ def test_check_aligned_trainer_passes_every_check(llama, cli_uses_engine, tmp_pa
     prefix = report["prefix_cache"]
     # A real hit happened (whole blocks from the cache) and a real miss before it.
     assert prefix["cached_tokens_on_hit"] >= prefix["block_size"] > 0 == prefix["cached_tokens_on_miss"]
+    assert prefix["trainer_on_hit_bitwise_equal_fraction"] == 1.0  # the trainer reproduces the hit
+    assert cli_uses_engine == [True]  # --prefix-caching on is the default
     assert report["prefill_vs_decode"]["tokens"] == 8 * 24
     assert "5/5 checks passed" in table and "PASS" in table
 
@@ -259,6 +266,26 @@ def test_prefix_cache_and_prefill_vs_decode_checks_catch_shape_dependent_roundin
     assert prefix_cache_check(engine, prompts, options).passed
     completions = checker_engine.generate(engine, prompts, [1000 + i for i in range(4)], 12)
     assert prefill_vs_decode_check(engine, completions).passed
+
+
+def test_check_prefix_caching_off_skips_the_prefix_check(llama, cli_uses_engine, tmp_path, capsys):
+    code, report, table = run_cli(
+        ["check", "--model", str(llama), "--max-model-len", str(MAX_MODEL_LEN), "--batch-sizes", "1",
+         "--num-prompts", "2", "--max-tokens", "8", "--prefix-caching", "off"],
+        tmp_path,
+        capsys,
+    )
+    print(table)
+    assert cli_uses_engine == [False]
+    assert "prefix_cache" not in report and code == 0
+    assert "not run: --prefix-caching off" in table and "prefix caching off" in table
+
+
+def test_prefix_caching_switch_reaches_the_engine_config(llama, module_environ):
+    """The engine the checker starts runs with prefix caching exactly as asked (no engine started)."""
+    for asked in (True, False):
+        config = checker_engine.engine_config(llama, MAX_MODEL_LEN, seed=0, prefix_caching=asked)
+        assert config.cache_config.enable_prefix_caching is asked
 
 
 # ----- trainer backends -----------------------------------------------------------------------

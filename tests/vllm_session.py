@@ -90,6 +90,37 @@ def rollout(llm, prompts, seed=0, n=SAMPLES_PER_PROMPT, max_tokens=RESPONSE_TOKE
     return seq_prompts, responses, torch.tensor(mu, dtype=torch.float32)
 
 
+def multi_turn_rollout(llm, first_prompts, user_turns, seed=0, max_tokens=RESPONSE_TOKENS):
+    """Conversations re-sent whole every turn, as an agent does: the prompt of turn t + 1 is the
+    prompt of turn t, its response and the new user tokens ``user_turns[t][i]``. One batch per
+    turn, one sample per conversation, a seed per request.
+
+    Returns one ``(prompts, responses, μ, cached)`` per turn; ``cached[i]`` is the number of prompt
+    tokens the engine took from its prefix cache (``RequestOutput.num_cached_tokens``).
+    """
+    from vllm import SamplingParams
+
+    prompts = [list(p) for p in first_prompts]
+    turns = []
+    for t in range(len(user_turns) + 1):
+        params = [
+            SamplingParams(temperature=1.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0, seed=seed + 1000 * t + i)
+            for i in range(len(prompts))
+        ]
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        responses = [list(out.outputs[0].token_ids) for out in outs]
+        mu = [
+            step[tok].logprob
+            for out, response in zip(outs, responses)
+            for tok, step in zip(response, out.outputs[0].logprobs)
+        ]
+        cached = [int(out.num_cached_tokens or 0) for out in outs]
+        turns.append((prompts, responses, torch.tensor(mu, dtype=torch.float32), cached))
+        if t < len(user_turns):
+            prompts = [p + r + list(u) for p, r, u in zip(prompts, responses, user_turns[t])]
+    return turns
+
+
 def hf_token_logprobs(model, prompts, responses):
     """Reference: a transformers causal LM's logprob of each response token, one sequence at a time."""
     out = []

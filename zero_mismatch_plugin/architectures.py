@@ -28,6 +28,12 @@ class Blocks:
     o_bias: bool
     tied_head: bool  # the lm_head is the token embedding
     head_dim: int
+    # Per layer: the sliding window vLLM gives that layer's attention (each query sees itself and
+    # the window - 1 tokens before it), None for full causal attention. Empty: no layer is windowed.
+    sliding_windows: tuple[int | None, ...] = ()
+
+    def window_of(self, layer: int) -> int | None:
+        return self.sliding_windows[layer] if self.sliding_windows else None
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -38,6 +44,9 @@ class _Entry:
     qk_norm: bool
     biases: Callable[[object], tuple[bool, bool]]  # config -> (qkv_bias, o_bias), as vLLM reads them
     refuse: Callable[[object], list[str]] = lambda config: []  # what of this family vLLM does not run plainly
+    # Whether a model-level ``sliding_window`` means the same thing to vLLM and transformers here
+    # (every layer windowed); families without it keep refusing windowed configs.
+    every_layer_window: bool = False
 
 
 def _llama_biases(config) -> tuple[bool, bool]:
@@ -61,7 +70,9 @@ _ENTRIES: dict[str, _Entry] = {
     "Qwen3ForCausalLM": _Entry(
         qk_norm=True, biases=lambda config: (bool(getattr(config, "attention_bias", False)), False)
     ),
-    "MistralForCausalLM": _Entry(qk_norm=False, biases=_llama_biases, refuse=_mistral_extras),
+    "MistralForCausalLM": _Entry(
+        qk_norm=False, biases=_llama_biases, refuse=_mistral_extras, every_layer_window=True
+    ),
 }
 
 SUPPORTED_ARCHITECTURES = tuple(_ENTRIES)
@@ -83,12 +94,26 @@ def architecture_of(config) -> str:
     return arch
 
 
+def _layer_windows(config, entry: _Entry) -> tuple[tuple[int | None, ...], list[str]]:
+    """(the window of every layer, what is refused). vLLM's Llama-family attention windows a
+    layer by ``layer_types`` when the config has them, else every layer by ``sliding_window``."""
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None) or []
+    if any(t != "full_attention" for t in layer_types):
+        # transformers' Mistral ignores layer_types (it windows every layer) while vLLM follows
+        # them, and vLLM's Qwen2/Qwen3 refuse a mix: no family here reads them the same way.
+        return (), ["sliding-window layers (layer_types other than full_attention)"]
+    if window is None:
+        return (), []
+    if not entry.every_layer_window:
+        return (), [f"sliding_window={window} (windowed attention): set it to null"]
+    if not isinstance(window, int) or window < 1:
+        return (), [f"sliding_window={window!r}: a positive number of tokens (or null)"]
+    return (window,) * config.num_hidden_layers, []
+
+
 def _unsupported_features(config) -> list[str]:
     out = []
-    if any(t != "full_attention" for t in (getattr(config, "layer_types", None) or [])):
-        out.append("sliding-window layers (layer_types other than full_attention)")
-    if getattr(config, "sliding_window", None) is not None:
-        out.append(f"sliding_window={config.sliding_window} (windowed attention): set it to null")
     if getattr(config, "hidden_act", "silu") != "silu":
         out.append(f"hidden_act={config.hidden_act!r}: only SwiGLU (silu) MLPs")
     if getattr(config, "mlp_bias", False):
@@ -103,7 +128,8 @@ def describe(config) -> Blocks:
     ``NotImplementedError`` naming every setting the aligned forward does not cover."""
     arch = architecture_of(config)
     entry = _ENTRIES[arch]
-    problems = _unsupported_features(config) + entry.refuse(config)
+    windows, window_problems = _layer_windows(config, entry)
+    problems = window_problems + _unsupported_features(config) + entry.refuse(config)
     if problems:
         raise NotImplementedError(f"{arch}: not supported by the aligned trainer forward: " + "; ".join(problems))
     qkv_bias, o_bias = entry.biases(config)
@@ -120,4 +146,5 @@ def describe(config) -> Blocks:
         o_bias=o_bias,
         tied_head=bool(getattr(config, "tie_word_embeddings", False)),
         head_dim=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
+        sliding_windows=windows,
     )

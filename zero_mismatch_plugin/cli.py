@@ -236,6 +236,11 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="ADAPTER_DIR",
         help="PEFT LoRA adapter: the engine serves it (enable_lora, a LoRARequest per request), the trainer is base + adapter",
     )
+    check.add_argument(
+        "--prefix-caching", choices=("on", "off"), default="on",
+        help="engine prefix caching (default on: the prefix-cache check compares a hit with a miss and the "
+             "trainer on the hit; off: the engine runs without it and that check is skipped)",
+    )
     check.set_defaults(func=_check)
     bisect.add_argument("--num-prompts", type=int, default=4, metavar="N", help="sequences in the input (default 4)")
     bisect.add_argument(

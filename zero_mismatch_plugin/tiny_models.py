@@ -105,8 +105,8 @@ def _config(family: str, shape: dict, tokenizer):
             **common, attention_bias=shape.get("attention_bias", False), mlp_bias=False
         )
     elif family == "mistral":
-        # Without a sliding window (full causal attention in every layer).
-        cfg = MistralConfig(**common, sliding_window=None)
+        # Full causal attention unless a window is given (then every layer is windowed).
+        cfg = MistralConfig(**common, sliding_window=shape.get("sliding_window"))
     elif family == "qwen2":
         cfg = Qwen2Config(**common)  # Qwen2 always has q/k/v bias and no o_proj bias
     elif family == "qwen3":
@@ -126,8 +126,8 @@ def build_tiny_model(
 ) -> Path:
     """Build a random tiny causal LM of ``family`` with a local tokenizer; return its directory.
 
-    ``shape`` overrides entries of :data:`DEFAULT_SHAPE` (plus ``tie_word_embeddings`` and
-    ``attention_bias``). The result is saved as float32 safetensors.
+    ``shape`` overrides entries of :data:`DEFAULT_SHAPE` (plus ``tie_word_embeddings``,
+    ``attention_bias`` and, for Mistral, ``sliding_window``). The result is saved as float32 safetensors.
     """
     import torch
     from transformers import AutoModelForCausalLM

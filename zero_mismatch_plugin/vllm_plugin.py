@@ -7,8 +7,9 @@ EngineCore and in every worker. It does nothing unless ``ZMRL_NUMERICS`` is set 
 * fixes the engine settings that decide which numbers are computed and recorded, when the
   engine config is built: lm_head in fp32 (``hf_overrides.head_dtype``), ``processed_logprobs``
   (the distribution actually sampled from), eager execution (compiled graphs round differently
-  from the trainer's eager ops), a seed, no prefix caching (cache hits are computed with other
-  shapes, and survive weight updates), and the weight-sync worker extension;
+  from the trainer's eager ops), a seed, prefix caching only where a hit is proven to give the
+  bits of a miss (:mod:`zero_mismatch_plugin.aligned.prefix_caching`), and the weight-sync worker
+  extension;
 * on CUDA/ROCm/XPU sets ``VLLM_BATCH_INVARIANT=1`` for every process;
 * on CPU, where vLLM's batch-invariant mode cannot run, disables split-KV decode attention,
   pads single-row GEMMs to two rows (see :mod:`zero_mismatch_plugin.aligned.cpu_gemm`) and
@@ -36,7 +37,7 @@ from .vllm_cpu_mla import CONSISTENT_MODE_PATCHES as CPU_MLA_PATCHES
 logger = logging.getLogger(__name__)
 
 SUPPORTED_VLLM_VERSIONS = ("0.31.0",)
-PREFIX_CACHING_ENV = "ZMRL_ALLOW_PREFIX_CACHING"
+PREFIX_CACHING_ENV = "ZMRL_ALLOW_PREFIX_CACHING"  # read by aligned.prefix_caching
 
 # What register() found in os.environ before it set a variable for vLLM's processes (None: unset).
 _saved_env: dict[str, str | None] = {}
@@ -149,9 +150,22 @@ def consistent_engine_settings(args) -> list[str]:
     setattr_if("enforce_eager", True)
     if args.seed is None:
         setattr_if("seed", 0)
-    if os.environ.get(PREFIX_CACHING_ENV) != "1":
-        setattr_if("enable_prefix_caching", False)
+    if getattr(args, "enable_prefix_caching", None) is not False:
+        keep, why = _prefix_caching_decision(args)
+        if not keep:
+            setattr_if("enable_prefix_caching", False)
+            logger.warning("zero-mismatch (consistent): prefix caching off: %s", why)
     return changed
+
+
+def _prefix_caching_decision(args) -> tuple[bool, str]:
+    from .aligned import prefix_caching
+    from .aligned.vllm_compat import platform_kind
+
+    hf_config = None
+    if os.environ.get(PREFIX_CACHING_ENV) not in ("0", "1"):
+        hf_config = prefix_caching.engine_hf_config(args)
+    return prefix_caching.keep_prefix_caching(hf_config, platform_kind(), os.environ)
 
 
 def _engine_settings(original):
@@ -178,7 +192,7 @@ ENGINE_ARGS = vllm_patch(
     attribute="create_engine_config",
     build=_engine_settings,
     why="the engine settings that decide which numbers are computed and recorded (fp32 lm_head, "
-        "processed_logprobs, eager, seed, no prefix caching) and the weight-sync worker extension",
+        "processed_logprobs, eager, seed, prefix caching only where proven) and the weight-sync worker extension",
     when="ZMRL_NUMERICS set (consistent: all settings; fast: the worker extension only)",
 )
 

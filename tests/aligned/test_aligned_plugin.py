@@ -22,7 +22,8 @@ def test_consistent_mode_engine_settings(checkpoints):
     cfg = _config(checkpoints["llama"], enable_prefix_caching=True, enforce_eager=False)
     assert cfg.model_config.logprobs_mode == "processed_logprobs"
     assert cfg.model_config.enforce_eager
-    assert not cfg.cache_config.enable_prefix_caching
+    # Proven for the dense decoders (tests/aligned/test_aligned_prefix_caching.py): kept on.
+    assert cfg.cache_config.enable_prefix_caching
     assert cfg.model_config.hf_config.head_dtype == "float32"
     assert cfg.parallel_config.worker_extension_cls == WORKER_EXTENSION
     assert os.environ[numerics.CPU_SPLIT_KV_ENV] == "0"
@@ -51,11 +52,11 @@ def test_vllm_changes_are_named_and_removable_with_the_environment(checkpoints, 
         assert layer_utils.dispatch_cpu_unquantized_gemm is original_gemm
         assert not set(applied) & set(runtime_patches.applied() + runtime_patches.pending())
         assert dict(os.environ) == environment
-        assert _config(checkpoints["llama"], enable_prefix_caching=True).cache_config.enable_prefix_caching
+        assert not _config(checkpoints["llama"], enforce_eager=False).model_config.enforce_eager
     finally:
         monkeypatch.undo()
         vllm_plugin.register()  # the rest of the session runs with the plugin applied
-    assert not _config(checkpoints["llama"], enable_prefix_caching=True).cache_config.enable_prefix_caching
+    assert _config(checkpoints["llama"], enforce_eager=False).model_config.enforce_eager
 
 
 def test_other_vllm_versions_are_refused_by_the_plugin(monkeypatch):
@@ -179,7 +180,7 @@ def test_live_engine_runs_with_consistent_settings(engines):
     cfg = llm.llm_engine.vllm_config
     assert cfg.model_config.logprobs_mode == "processed_logprobs"
     assert cfg.model_config.enforce_eager
-    assert not cfg.cache_config.enable_prefix_caching
+    assert cfg.cache_config.enable_prefix_caching  # the dense-decoder default in consistent mode
 
 
 def test_unsupported_vllm_version_fails_clearly(monkeypatch):

@@ -5,6 +5,10 @@ selected (CPU_ATTN on CPU; FLASH_ATTN / TRITON_ATTN / ... on GPUs, with ``num_sp
 batch-invariant mode) is the one used here. Metadata come from that backend's own builder, the
 keys/values go through its KV-cache write into a scratch paged cache, and ``impl.forward`` runs
 the kernel: every query row attends its own sequence's cache, as a decode step does in the engine.
+
+A sliding window is the layer's own setting (``per_layer_sliding_window``, as vLLM's model code
+passes it per layer): the backend's impl masks with it and its metadata builder plans the work for
+it, exactly as in the engine's KV-cache group of that window.
 """
 
 from __future__ import annotations
@@ -32,7 +36,15 @@ def _scratch_cache(backend, num_blocks, num_kv_heads, block_size, head_dim, dtyp
 class BackendPagedAttention:
     """Causal attention over packed sequences through the engine's attention backend."""
 
-    def __init__(self, runtime, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+    def __init__(
+        self,
+        runtime,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        sliding_window: int | None = None,
+    ):
         from vllm.model_executor.layers.attention import Attention
         from vllm.utils.torch_utils import set_default_torch_dtype
 
@@ -40,6 +52,7 @@ class BackendPagedAttention:
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
+        self.sliding_window = sliding_window
         cfg = runtime.vllm_config
         self.cache_config = cfg.cache_config
         if self.cache_config.cache_dtype != "auto":
@@ -52,6 +65,7 @@ class BackendPagedAttention:
                 scale,
                 num_kv_heads=num_kv_heads,
                 cache_config=self.cache_config,
+                per_layer_sliding_window=sliding_window,
                 prefix=self.layer_name,
             )
             self.layer.to(runtime.device)

@@ -138,9 +138,16 @@ class AlignedCausalLM(nn.Module):
         max_pos = getattr(cfg, "max_position_embeddings", 8192)
         self.rotary = AlignedRotary(rt, self.head_dim, max_pos, getattr(cfg, "rope_parameters", None))
         self.act = AlignedSiluAndMul(rt)
-        self.attention = AlignedAttention(
-            rt, self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5
-        )
+        # One backend per distinct window (vLLM's attention layer carries its window).
+        windows = [self.blocks.window_of(i) for i in range(len(self.model.layers))]
+        attentions = {
+            window: AlignedAttention(
+                rt, self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5, window
+            )
+            for window in dict.fromkeys(windows)
+        }
+        self.layer_attention = [attentions[window] for window in windows]
+        self.attention = self.layer_attention[0]
         self.layer_ops = []
         for layer in self.model.layers:
             a, m = layer.self_attn, layer.mlp
@@ -256,13 +263,14 @@ class AlignedCausalLM(nn.Module):
         """Final hidden states [T, hidden] of the packed batch (vLLM's layer order)."""
         ids = batch.input_ids.to(self.runtime.device)
         positions = batch.positions.to(self.runtime.device)
-        plan = self.attention.plan(batch.seq_lens)
+        plans = {}  # one backend plan per attention (window) per forward
         embed = self.model.embed_tokens.weight
         hidden = nn.functional.embedding(ids, embed.to(self.runtime.dtype) if embed.dtype != self.runtime.dtype else embed)
         residual = None
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
         for i, ops in enumerate(self.layer_ops):
+            attention = self.layer_attention[i]
             if residual is None:
                 residual = hidden
                 hidden = ops["input_norm"](hidden)
@@ -275,7 +283,9 @@ class AlignedCausalLM(nn.Module):
                 q = ops["q_norm"](q.reshape(t, self.num_heads, self.head_dim)).reshape(t, q_size)
                 k = ops["k_norm"](k.reshape(t, self.num_kv_heads, self.head_dim)).reshape(t, kv_size)
             q, k = self.rotary(positions, q, k)
-            attn = self.attention(q, k, v.contiguous(), plan, batch.seq_lens)
+            if attention not in plans:
+                plans[attention] = attention.plan(batch.seq_lens)
+            attn = attention(q, k, v.contiguous(), plans[attention], batch.seq_lens)
             hidden = self._linear(i, "o", attn)
             hidden, residual = ops["post_norm"](hidden, residual)
             gate_up = self._linear(i, "gate_up", hidden)

@@ -347,12 +347,17 @@ class _LogitsFn(Function):
 class AlignedAttention:
     """vLLM's attention backend over packed causal sequences; analytic backward in torch."""
 
-    def __init__(self, runtime: VllmRuntime, num_heads, num_kv_heads, head_dim, scale):
-        self.kernel = runtime.attention(num_heads, num_kv_heads, head_dim, scale)
+    def __init__(self, runtime: VllmRuntime, num_heads, num_kv_heads, head_dim, scale, sliding_window=None):
+        """``sliding_window``: the layer's window as vLLM counts it (each query sees itself and
+        the ``sliding_window - 1`` keys before it), ``None`` for full causal attention."""
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be a positive number of tokens or None, got {sliding_window}")
+        self.kernel = runtime.attention(num_heads, num_kv_heads, head_dim, scale, sliding_window)
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
+        self.sliding_window = sliding_window
 
     def plan(self, seq_lens: list[int]):
         """The backend's metadata for one batch: build it once per forward. It is not only a
@@ -364,8 +369,20 @@ class AlignedAttention:
         return _AttentionFn.apply(q, k, v, self, plan, seq_lens)
 
 
-def attention_backward(q, k, v, g, seq_lens, num_heads, num_kv_heads, head_dim, scale):
-    """Gradients of causal softmax attention per packed sequence (fp32, recomputed)."""
+def masked_positions(n: int, sliding_window: int | None, device=None) -> torch.Tensor:
+    """[n, n] bool, True where query i may NOT attend key j: the future (j > i) and, with a
+    window, keys ``sliding_window`` or more tokens back (i - j >= sliding_window)."""
+    i = torch.arange(n, device=device)[:, None]
+    j = torch.arange(n, device=device)[None, :]
+    masked = j > i
+    if sliding_window is not None:
+        masked |= (i - j) >= sliding_window
+    return masked
+
+
+def attention_backward(q, k, v, g, seq_lens, num_heads, num_kv_heads, head_dim, scale, sliding_window=None):
+    """Gradients of causal (optionally sliding-window) softmax attention per packed sequence
+    (fp32, recomputed)."""
     group = num_heads // num_kv_heads
     gq = torch.empty_like(q, dtype=torch.float32)
     gk = torch.empty_like(k, dtype=torch.float32)
@@ -380,8 +397,7 @@ def attention_backward(q, k, v, g, seq_lens, num_heads, num_kv_heads, head_dim, 
         ke = ks.repeat_interleave(group, dim=0)
         ve = vs.repeat_interleave(group, dim=0)
         scores = (qs @ ke.transpose(1, 2)) * scale
-        causal = torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1)
-        scores.masked_fill_(causal, float("-inf"))
+        scores.masked_fill_(masked_positions(n, sliding_window, q.device), float("-inf"))
         p = torch.softmax(scores, dim=-1)
         gve = p.transpose(1, 2) @ gs
         gp = gs @ ve.transpose(1, 2)
@@ -410,6 +426,6 @@ class _AttentionFn(Function):
         q, k, v = ctx.saved_tensors
         a = ctx.attn
         gq, gk, gv = attention_backward(
-            q, k, v, g, ctx.seq_lens, a.num_heads, a.num_kv_heads, a.head_dim, a.scale
+            q, k, v, g, ctx.seq_lens, a.num_heads, a.num_kv_heads, a.head_dim, a.scale, a.sliding_window
         )
         return gq.to(q.dtype), gk.to(k.dtype), gv.to(v.dtype), None, None, None

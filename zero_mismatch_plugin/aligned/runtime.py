@@ -153,10 +153,12 @@ class VllmRuntime:
 
         return pad_vocab_size(vocab_size, DEFAULT_VOCAB_PADDING_SIZE)
 
-    def attention(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+    def attention(
+        self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, sliding_window: int | None = None
+    ):
         from .attention_backend import BackendPagedAttention
 
-        return BackendPagedAttention(self, num_heads, num_kv_heads, head_dim, scale)
+        return BackendPagedAttention(self, num_heads, num_kv_heads, head_dim, scale, sliding_window)
 
 
 class KernelLayer(torch.nn.Module):

@@ -6,6 +6,7 @@ Each check returns a :class:`CheckResult` (pass/fail plus figures). Bitwise mean
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from dataclasses import dataclass, field
@@ -43,6 +44,7 @@ class CheckOptions:
     batch_sizes: tuple[int, ...] = (1, 2, 8)
     full_vocab: bool = False
     max_model_len: int = 256
+    prefix_caching: bool = True  # False: the engine runs without it and the prefix-cache check is skipped
 
 
 @dataclass
@@ -232,8 +234,11 @@ def batch_composition_check(llm, prompts, options: CheckOptions, progress=None) 
     return CheckResult(BATCH_COMPOSITION, all_identical, figures, summary)
 
 
-def prefix_cache_check(llm, prompts, options: CheckOptions, progress=None) -> CheckResult:
-    """The same long prompt (same seed) first with an empty cache, then with its blocks cached."""
+def prefix_cache_check(llm, prompts, options: CheckOptions, progress=None, backend=None) -> CheckResult:
+    """The same long prompt (same seed) first with an empty cache, then with its blocks cached;
+    with a trainer ``backend``, also the trainer against the engine's logprobs on the hit."""
+    if not options.prefix_caching:
+        raise CheckSkipped("--prefix-caching off")
     if not eng.engine_prefix_caching(llm):
         raise CheckSkipped("the engine runs without prefix caching")
     block = eng.engine_block_size(llm)
@@ -272,6 +277,15 @@ def prefix_cache_check(llm, prompts, options: CheckOptions, progress=None) -> Ch
         f"{'identical' if cmp['tokens_identical'] else 'differ'}, "
         f"{_pct(figures['bitwise_equal_fraction'])} logprobs equal, max |Δ| {cmp['max_abs_diff']:.3g}"
     )
+    if backend is not None:
+        from zero_mismatch_plugin.aligned import pack
+
+        trainer = backend.token_logprobs(pack([hit.prompt], [hit.tokens]))
+        on_hit = _diff_figures(trainer, torch.tensor(hit.logprobs, dtype=torch.float32))
+        figures["trainer_on_hit_bitwise_equal_fraction"] = on_hit["bitwise_equal_fraction"]
+        figures["trainer_on_hit_max_abs_diff"] = on_hit["max_abs_diff"]
+        passed = passed and on_hit["bitwise_equal_fraction"] == 1.0
+        summary += f"; trainer on the hit {_pct(on_hit['bitwise_equal_fraction'])} equal"
     if not hit_happened:
         summary += " (no cache hit happened: nothing was compared against a hit)"
     return CheckResult(PREFIX_CACHE, passed, figures, summary)
@@ -331,7 +345,7 @@ def run_checks(
     _tick(progress, "batch composition")
     for name, check in (
         (BATCH_COMPOSITION, batch_composition_check),
-        (PREFIX_CACHE, prefix_cache_check),
+        (PREFIX_CACHE, functools.partial(prefix_cache_check, backend=backend)),
     ):
         if progress is not None:
             progress.set_description(name.replace("_", " "))

@@ -102,7 +102,11 @@ def check_command(args) -> int:
         max_model_len, prompts = validated_inputs(args)
         lora = lora_options(args)
         mode = apply_numerics(args.numerics)
-        budget = eng.prefill_budget(args.model, max_model_len, seed=args.seed, full_vocab=args.full_vocab, **lora)
+        prefix_caching = args.prefix_caching == "on"
+        budget = eng.prefill_budget(
+            args.model, max_model_len, seed=args.seed, full_vocab=args.full_vocab, prefix_caching=prefix_caching,
+            **lora,
+        )
         inputs.require_prompts_within_budget(prompts, budget)
         backend = load_backend(args.trainer, args.model, max_model_len=max_model_len, seed=args.seed, **lora)
     except (BackendUnavailable, ValueError, OSError) as error:
@@ -114,8 +118,11 @@ def check_command(args) -> int:
         batch_sizes=batch_sizes,
         full_vocab=args.full_vocab,
         max_model_len=max_model_len,
+        prefix_caching=prefix_caching,
     )
-    with eng.open_engine(args.model, max_model_len, seed=args.seed, full_vocab=args.full_vocab, **lora) as llm:
+    with eng.open_engine(
+        args.model, max_model_len, seed=args.seed, full_vocab=args.full_vocab, prefix_caching=prefix_caching, **lora
+    ) as llm:
         progress = _progress(count_steps(options, len(prompts)), args.quiet)
         try:
             results, skipped = run_checks(llm, backend, prompts, options, progress)
@@ -125,7 +132,7 @@ def check_command(args) -> int:
         f"zmrl check: {args.model}"
         + (f" + LoRA {lora['lora_dir']}" if lora else "")
         + f" | trainer {args.trainer} | numerics {mode} | "
-        f"{len(prompts)} prompts x {args.max_tokens} tokens, T=1"
+        f"{len(prompts)} prompts x {args.max_tokens} tokens, T=1 | prefix caching {args.prefix_caching}"
     )
     if args.json != "-":
         print(format_check_table(results, skipped, header))

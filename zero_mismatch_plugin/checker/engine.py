@@ -41,10 +41,12 @@ class Completion:
     num_cached_tokens: int = 0
 
 
-def engine_kwargs(model_dir, max_model_len: int, seed: int, full_vocab: bool, lora_dir=None) -> dict:
+def engine_kwargs(
+    model_dir, max_model_len: int, seed: int, full_vocab: bool, lora_dir=None, prefix_caching: bool = True
+) -> dict:
     """``vllm.LLM`` arguments for the checker's engine (those the aligned trainer mirrors, plus
-    prefix caching for the prefix-cache check and enough returned logprobs; with ``lora_dir``,
-    LoRA serving sized for that adapter)."""
+    prefix caching as asked for and enough returned logprobs; with ``lora_dir``, LoRA serving
+    sized for that adapter)."""
     from zero_mismatch_plugin.aligned.runtime import engine_args_for
 
     extra = {}
@@ -56,7 +58,7 @@ def engine_kwargs(model_dir, max_model_len: int, seed: int, full_vocab: bool, lo
         model_dir,
         max_model_len=max_model_len,
         seed=seed,
-        enable_prefix_caching=True,
+        enable_prefix_caching=prefix_caching,
         max_logprobs=-1 if full_vocab else DEFAULT_TOP_K,
         **extra,
     )
@@ -80,36 +82,53 @@ class AdapterEngine:
         return getattr(self.llm, name)
 
 
+def _prefix_caching_environment(prefix_caching: bool) -> dict[str, str]:
+    # Consistent mode turns prefix caching off where it is not proven; the prefix-cache check is
+    # how it gets proven, so with it on the engine keeps it on regardless. Every other check
+    # resets the cache before generating.
+    from zero_mismatch_plugin.vllm_plugin import PREFIX_CACHING_ENV
+
+    return {PREFIX_CACHING_ENV: "1"} if prefix_caching else {}
+
+
 @contextlib.contextmanager
-def open_engine(model_dir, max_model_len: int, seed: int = 0, full_vocab: bool = False, lora_dir=None):
+def open_engine(
+    model_dir, max_model_len: int, seed: int = 0, full_vocab: bool = False, lora_dir=None, prefix_caching: bool = True
+):
     """Start one vLLM engine for the checks; shut it down afterwards."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM
 
     from zero_mismatch_plugin.aligned.numerics import temporary_environment
     from zero_mismatch_plugin.aligned.runtime import shutdown_engine
-    from zero_mismatch_plugin.vllm_plugin import PREFIX_CACHING_ENV
 
-    # The consistent mode turns prefix caching off unless explicitly allowed; the prefix-cache
-    # check needs it on, and every other check resets the cache before generating.
-    with temporary_environment({PREFIX_CACHING_ENV: "1"}):
-        llm = LLM(**engine_kwargs(model_dir, max_model_len, seed, full_vocab, lora_dir))
+    with temporary_environment(_prefix_caching_environment(prefix_caching)):
+        llm = LLM(**engine_kwargs(model_dir, max_model_len, seed, full_vocab, lora_dir, prefix_caching))
     try:
         yield llm if lora_dir is None else AdapterEngine(llm, lora_dir)
     finally:
         shutdown_engine(llm)
 
 
-def prefill_budget(model_dir, max_model_len: int, seed: int = 0, full_vocab: bool = False, lora_dir=None) -> int:
-    """Tokens the engine :func:`open_engine` would start prefills per step, from its config alone
-    (no engine is started): what :func:`split_by_budget` allows per prompt."""
+def engine_config(
+    model_dir, max_model_len: int, seed: int = 0, full_vocab: bool = False, lora_dir=None, prefix_caching: bool = True
+):
+    """The ``VllmConfig`` the engine of :func:`open_engine` would run with (no engine is started)."""
     from vllm.engine.arg_utils import EngineArgs
 
     from zero_mismatch_plugin.aligned.numerics import temporary_environment
-    from zero_mismatch_plugin.vllm_plugin import PREFIX_CACHING_ENV
 
-    with temporary_environment({PREFIX_CACHING_ENV: "1"}):
-        config = EngineArgs(**engine_kwargs(model_dir, max_model_len, seed, full_vocab, lora_dir)).create_engine_config()
+    with temporary_environment(_prefix_caching_environment(prefix_caching)):
+        kwargs = engine_kwargs(model_dir, max_model_len, seed, full_vocab, lora_dir, prefix_caching)
+        return EngineArgs(**kwargs).create_engine_config()
+
+
+def prefill_budget(
+    model_dir, max_model_len: int, seed: int = 0, full_vocab: bool = False, lora_dir=None, prefix_caching: bool = True
+) -> int:
+    """Tokens the engine :func:`open_engine` would start prefills per step, from its config alone
+    (no engine is started): what :func:`split_by_budget` allows per prompt."""
+    config = engine_config(model_dir, max_model_len, seed, full_vocab, lora_dir, prefix_caching)
     return int(config.scheduler_config.max_num_batched_tokens)
 
 

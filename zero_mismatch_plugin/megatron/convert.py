@@ -70,8 +70,24 @@ def transformer_config_from_hf(hf_config, params_dtype=torch.float32, **override
         apply_rope_fusion=False,
         persist_layer_norm=False,
     )
+    kwargs.update(megatron_windows(blocks))
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
+
+
+def megatron_windows(blocks: Blocks) -> dict:
+    """megatron-core's ``window_size`` / ``window_attn_skip_freq`` for the checkpoint's per-layer
+    sliding windows (vLLM's window W is megatron's causal ``(W - 1, 0)``)."""
+    windows = [w for w in blocks.sliding_windows if w is not None]
+    if not windows:
+        return {}
+    if len(set(windows)) != 1:
+        raise NotImplementedError(f"layers with different sliding windows {sorted(set(windows))}")
+    out = {"window_size": (windows[0] - 1, 0)}
+    if None in blocks.sliding_windows:
+        # A list marks the windowed layers (1) and the full-attention ones (0), layer by layer.
+        out["window_attn_skip_freq"] = [int(w is not None) for w in blocks.sliding_windows]
+    return out
 
 
 def gpt_model_kwargs(hf_config) -> dict:

@@ -294,6 +294,24 @@ def _shared_rotary(runtime: VllmRuntime, head_dim: int) -> ops.AlignedRotary:
     )
 
 
+def _layer_window(config, layer_number: int) -> int | None:
+    """vLLM's sliding window of megatron layer ``layer_number`` (1-based), read the way megatron's
+    own attention reads ``window_size`` / ``window_attn_skip_freq``; ``None``: full attention."""
+    from megatron.core.transformer.utils import is_layer_window_attention
+
+    from .spec import vllm_window
+
+    window_size = getattr(config, "window_size", None)
+    if not is_layer_window_attention(window_size, getattr(config, "window_attn_skip_freq", None), layer_number):
+        return None
+    window = vllm_window(window_size)
+    if window is None:
+        raise NotImplementedError(
+            f"aligned megatron spec: window_size={window_size!r}; only causal windows (left, 0)"
+        )
+    return window
+
+
 class AlignedRotaryApplication(nn.Module):
     """The ``rotary_application`` spec hook (patched megatron-core): vLLM's rotary embedding.
 
@@ -351,8 +369,7 @@ class AlignedCoreAttention(nn.Module):
         dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         if dropout:
             raise NotImplementedError("aligned megatron spec: attention dropout (vLLM has none)")
-        if getattr(config, "window_size", None) is not None:
-            raise NotImplementedError("aligned megatron spec: sliding-window attention")
+        self.sliding_window = _layer_window(config, layer_number)
         self.config = config
         self.runtime = runtime
         self.layer_number = layer_number
@@ -364,9 +381,10 @@ class AlignedCoreAttention(nn.Module):
         self.rotates_qk = rotates_qk
         self.rotary = _shared_rotary(runtime, self.head_dim) if rotates_qk else None
         self.attention = _shared(
-            runtime, ("attention", self.num_heads, self.num_kv_heads, self.head_dim, self.scale),
+            runtime,
+            ("attention", self.num_heads, self.num_kv_heads, self.head_dim, self.scale, self.sliding_window),
             lambda: ops.AlignedAttention(
-                runtime, self.num_heads, self.num_kv_heads, self.head_dim, self.scale
+                runtime, self.num_heads, self.num_kv_heads, self.head_dim, self.scale, self.sliding_window
             ),
         )
         # Set by apply_post_construction_swaps once megatron's own rotary is switched off.

@@ -41,6 +41,18 @@ class UnsupportedMegatronFeature(NotImplementedError):
     """A megatron-core feature the aligned spec does not reproduce vLLM's numerics for."""
 
 
+def vllm_window(window_size) -> int | None:
+    """vLLM's ``sliding_window`` (tokens a query sees, itself included) for megatron-core's causal
+    ``window_size=(left, 0)``; ``None`` for anything else."""
+    try:
+        left, right = window_size
+    except (TypeError, ValueError):
+        return None
+    if isinstance(left, int) and left >= 0 and right == 0:
+        return left + 1
+    return None
+
+
 def unsupported_features(config) -> list[str]:
     """What in ``config`` (a TransformerConfig or Megatron-Bridge provider) is not supported."""
 
@@ -76,8 +88,12 @@ def unsupported_features(config) -> list[str]:
         problems.append("the Transformer Engine full-layer spec")
     if get("qk_l2_norm"):
         problems.append("qk L2 norm")
-    if get("window_size") is not None:
-        problems.append("sliding-window attention")
+    window = get("window_size")
+    if window is not None and vllm_window(window) is None:
+        problems.append(
+            f"sliding-window attention with window_size={window!r} (only causal windows "
+            "(left, 0), as megatron-core writes vLLM's per-layer sliding_window)"
+        )
     position = get("position_embedding_type", "rope")
     if position not in ("rope", ALIGNED_ROPE):
         problems.append(f"position_embedding_type={position!r} (only rope)")

@@ -1,0 +1,69 @@
+"""Whether consistent mode keeps vLLM's prefix cache on for a checkpoint.
+
+On a prefix-cache hit the engine computes only the rest of the prompt, as a chunk whose rows attend
+the cached blocks; on a miss it computes the whole prompt. The trainer computes neither way: it runs
+every row of prompt + response at once. Zero mismatch needs all three to give the same bits.
+
+Proven (bitwise, hit == miss == trainer, with hits asserted through ``num_cached_tokens``) on vLLM's
+CPU backend for the dense decoders of :mod:`..architectures`, with and without sliding windows:
+multi-turn rollouts that re-send the conversation, across block boundaries and with a partially
+filled last block (``tests/aligned/test_aligned_prefix_caching.py``,
+``tests/aligned/test_aligned_sliding_window.py``). There consistent mode keeps prefix caching as
+the engine arguments say (on by default). Everywhere else (MoE, MLA, other architectures, GPU
+backends) it is not proven, and consistent mode turns it off, saying why.
+
+``ZMRL_ALLOW_PREFIX_CACHING=1`` keeps it on where it is not proven (unverified); ``=0`` turns it off
+everywhere.
+"""
+
+from __future__ import annotations
+
+ALLOW_ENV = "ZMRL_ALLOW_PREFIX_CACHING"
+# Platforms whose consistent-mode attention has been measured hit == miss == trainer.
+PROVEN_PLATFORMS = ("cpu",)
+
+
+def unproven_reason(hf_config, platform: str) -> str | None:
+    """``None`` when a prefix-cache hit is proven to give the bits of a miss (and of the trainer)
+    for this checkpoint on this platform; otherwise why not, as a sentence."""
+    from ..architectures import describe
+
+    if platform not in PROVEN_PLATFORMS:
+        return f"prefix-cache hits are not proven bitwise equal to misses on {platform} (only on {', '.join(PROVEN_PLATFORMS)})"
+    try:
+        describe(hf_config)
+    except NotImplementedError as why:
+        return f"prefix-cache hits are proven only for the aligned dense decoders; {why}"
+    return None
+
+
+def keep_prefix_caching(hf_config, platform: str, environ) -> tuple[bool, str]:
+    """(keep the engine's prefix caching?, why) in consistent mode. ``environ`` holds
+    ``ZMRL_ALLOW_PREFIX_CACHING`` when the user set it."""
+    allow = environ.get(ALLOW_ENV)
+    if allow == "0":
+        return False, f"{ALLOW_ENV}=0"
+    if allow == "1":
+        return True, f"{ALLOW_ENV}=1 (kept on whether or not proven)"
+    if allow not in (None, ""):
+        raise ValueError(f"{ALLOW_ENV}={allow!r}; expected '1' (keep prefix caching on) or '0' (off)")
+    if hf_config is None:
+        return False, "the model config could not be read, so prefix caching is not proven for it"
+    reason = unproven_reason(hf_config, platform)
+    if reason is None:
+        return True, "proven bitwise for this architecture"
+    return False, f"{reason}; set {ALLOW_ENV}=1 to keep it on unverified"
+
+
+def engine_hf_config(args):
+    """The transformers config of an ``EngineArgs``' model, or ``None`` when it cannot be read."""
+    try:
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(
+            args.model,
+            trust_remote_code=bool(getattr(args, "trust_remote_code", False)),
+            revision=getattr(args, "revision", None),
+        )
+    except Exception:  # noqa: BLE001 - unreadable here means unproven, not an engine failure
+        return None
