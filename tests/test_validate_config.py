@@ -245,10 +245,17 @@ def test_a_window_counts_unless_the_config_switches_it_off(tmp_path):
     windowed = _model(tmp_path / "mistral_window", architectures=["MistralForCausalLM"], sliding_window=4096)
     qwen2_off = _model(tmp_path / "qwen2", architectures=["Qwen2ForCausalLM"], sliding_window=4096,
                        use_sliding_window=False)
+    qwen2_on = _model(tmp_path / "qwen2_window", architectures=["Qwen2ForCausalLM"], sliding_window=4096,
+                      use_sliding_window=True)
+    interleaved = _model(tmp_path / "mistral_layers", architectures=["MistralForCausalLM"], sliding_window=4096,
+                         layer_types=["sliding_attention", "full_attention"])
     assert _all_problems("reinforce_zero", f"actor_rollout_ref.model.path={unwindowed}") == {}
     assert _all_problems("reinforce_zero", f"actor_rollout_ref.model.path={qwen2_off}") == {}
-    message = _all_problems("reinforce_zero", f"actor_rollout_ref.model.path={windowed}")[SWITCH]
-    assert "sliding-window attention" in message
+    # Mistral's every-layer window is covered by both faces; Qwen2's window and per-layer types are not.
+    assert _all_problems("reinforce_zero", f"actor_rollout_ref.model.path={windowed}") == {}
+    for refused in (qwen2_on, interleaved):
+        message = _all_problems("reinforce_zero", f"actor_rollout_ref.model.path={refused}")[SWITCH]
+        assert "sliding-window attention" in message
 
 
 def test_without_a_local_checkpoint_or_a_declared_architecture_the_run_is_refused():

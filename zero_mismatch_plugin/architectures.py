@@ -112,6 +112,14 @@ def _layer_windows(config, entry: _Entry) -> tuple[tuple[int | None, ...], list[
     return (window,) * config.num_hidden_layers, []
 
 
+def windows_every_layer(architecture: str | None, layer_types=None) -> bool:
+    """Whether a model-level ``sliding_window`` of ``architecture`` is a window on every layer that
+    both faces cover (no ``layer_types`` other than full_attention)."""
+    entry = _ENTRIES.get(architecture or "")
+    mixed = any(t != "full_attention" for t in (layer_types or []))
+    return bool(entry and entry.every_layer_window and not mixed)
+
+
 def _unsupported_features(config) -> list[str]:
     out = []
     if getattr(config, "hidden_act", "silu") != "silu":

@@ -67,18 +67,61 @@ def test_features_outside_the_blocks_are_refused_by_both_faces(extra, message):
         megatron_blocks(config)
 
 
-def test_mistral_is_one_entry_and_a_set_window_is_refused_clearly():
+def test_mistral_is_one_entry_and_its_window_reaches_every_layer_of_both_faces():
     from transformers import MistralConfig
 
     blocks = describe(_config(MistralConfig, "MistralForCausalLM", sliding_window=None))
     assert (blocks.architecture, blocks.qkv_bias, blocks.o_bias, blocks.qk_norm) == (
         "MistralForCausalLM", False, False, False)
+    assert blocks.sliding_windows == () and blocks.window_of(0) is None
     assert megatron_blocks(_config(MistralConfig, "MistralForCausalLM", sliding_window=None)) == blocks
-    windowed = _config(MistralConfig, "MistralForCausalLM", sliding_window=4096)
-    for face in (describe, megatron_blocks):
-        with pytest.raises(NotImplementedError, match="sliding_window=4096 .*set it to null"):
-            face(windowed)
+    windowed = _mistral(sliding_window=4096, num_hidden_layers=3)
+    assert describe(windowed).sliding_windows == (4096, 4096, 4096)
+    assert megatron_blocks(windowed) == describe(windowed)
+    config = transformer_config_from_hf(windowed)
+    assert config.window_size == (4095, 0) and config.window_attn_skip_freq is None
     scaled = _config(MistralConfig, "MistralForCausalLM", sliding_window=None)
     scaled.llama_4_scaling = {"original_max_position_embeddings": 8192, "beta": 0.1}
     with pytest.raises(NotImplementedError, match="llama_4_scaling"):
         describe(scaled)
+
+
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        # vLLM's Qwen2/Qwen3 window every layer where transformers windows only the upper ones.
+        (lambda: _config(Qwen2Config, "Qwen2ForCausalLM", use_sliding_window=True, sliding_window=64,
+                         max_window_layers=0), "sliding-window layers"),
+        # transformers' Mistral ignores layer_types (every layer windowed); vLLM follows them.
+        (lambda: _mistral(sliding_window=64, layer_types=["sliding_attention", "full_attention"], num_hidden_layers=2),
+         "sliding-window layers"),
+        (lambda: _mistral(sliding_window=0), "sliding_window=0: a positive number"),
+    ],
+)
+def test_windows_read_differently_by_vllm_and_transformers_are_refused(config, message):
+    config = config()
+    for face in (describe, megatron_blocks):
+        with pytest.raises(NotImplementedError, match=message):
+            face(config)
+
+
+def _mistral(**extra):
+    from transformers import MistralConfig
+
+    shape = {**SHAPE, **{k: extra.pop(k) for k in list(extra) if k in SHAPE}}
+    return MistralConfig(architectures=["MistralForCausalLM"], **shape, **extra)
+
+
+def test_megatron_window_is_read_per_layer_like_megatron_reads_it():
+    from types import SimpleNamespace
+
+    from zero_mismatch_plugin.megatron.modules import _layer_window
+    from zero_mismatch_plugin.megatron.spec import unsupported_features, vllm_window
+
+    assert vllm_window((11, 0)) == 12 and vllm_window((11, 3)) is None and vllm_window(4096) is None
+    every = SimpleNamespace(window_size=(11, 0), window_attn_skip_freq=None)
+    assert [_layer_window(every, n) for n in (1, 2)] == [12, 12]
+    mixed = SimpleNamespace(window_size=(11, 0), window_attn_skip_freq=[1, 0, 1])
+    assert [_layer_window(mixed, n) for n in (1, 2, 3)] == [12, None, 12]
+    assert unsupported_features(SimpleNamespace(window_size=(11, 0))) == []
+    assert "sliding-window attention" in unsupported_features(SimpleNamespace(window_size=(11, 5)))[0]

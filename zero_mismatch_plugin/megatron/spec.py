@@ -91,8 +91,8 @@ def unsupported_features(config) -> list[str]:
     window = get("window_size")
     if window is not None and vllm_window(window) is None:
         problems.append(
-            f"sliding-window attention with window_size={window!r} (only causal windows "
-            "(left, 0), as megatron-core writes vLLM's per-layer sliding_window)"
+            f"sliding-window attention (window_size={window!r}; the aligned spec takes causal "
+            "windows (left, 0), of the architectures whose windows it covers)"
         )
     position = get("position_embedding_type", "rope")
     if position not in ("rope", ALIGNED_ROPE):
