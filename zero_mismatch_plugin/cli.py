@@ -116,13 +116,17 @@ def _demo(args: argparse.Namespace) -> int:
             print(f"ERROR: {', '.join(single_run)} choose a single run; --compare runs every variant "
                   "(use --seeds for the seeds)", file=sys.stderr)
             return 2
+        if args.turns != 1:
+            print("ERROR: --turns chooses a single run's conversations; --compare runs single-turn variants",
+                  file=sys.stderr)
+            return 2
         return run_compare_command(args.seeds, args.updates, args.lag, args.out)
     if args.seeds is not None:
         print("ERROR: --seeds is for --compare; a single run takes --seed", file=sys.stderr)
         return 2
     return run_demo_command(args.algo or "reinforce_zero", args.kernels or "aligned",
                             2 if args.lag is None else args.lag, 200 if args.updates is None else args.updates,
-                            args.seed or 0, args.out)
+                            args.seed or 0, args.out, args.turns)
 
 
 def _seed_list(text: str) -> list[int]:
@@ -268,6 +272,11 @@ def build_parser() -> argparse.ArgumentParser:
         "and token gates, and synchronous aligned, on the class-chain task, for every seed of --seeds",
     )
     demo.add_argument("--seeds", type=_seed_list, metavar="S,..", help="with --compare (default 0,1,2)")
+    demo.add_argument(
+        "--turns", type=int, default=1, metavar="N",
+        help="turns per conversation (default 1); each later turn re-sends the conversation with a new "
+             "question, answered from the engine's prefix cache",
+    )
     demo.add_argument("--out", metavar="DIR", help="output directory (default: a fresh ./zmrl-demo-out[-N])")
     demo.set_defaults(func=_demo)
 

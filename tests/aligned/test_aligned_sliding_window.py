@@ -94,6 +94,9 @@ def test_megatron_face_bitwise_equal_engine(conversations, checkpoints):
     with torch.no_grad():
         logprobs = token_logprobs_from_logits(packed_logits(model, batch), batch)
     assert torch.equal(logprobs, mu), _report("megatron face", logprobs, mu)
+    # A megatron config without the checkpoint's window (a provider that dropped it) is refused.
+    with pytest.raises(NotImplementedError, match="sliding window None in megatron's config but 12"):
+        build_gpt_model(runtime, aligned=True, load=False, window_size=None)
 
 
 def test_prefix_hit_equals_miss_across_the_window(conversations):

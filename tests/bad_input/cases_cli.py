@@ -263,6 +263,10 @@ CASES = [
     error("demo-unknown-algo", demo("--algo", "ppo"), r"argument --algo: invalid choice: 'ppo'"),
     error("demo-unknown-kernels", demo("--kernels", "fast"), r"argument --kernels: invalid choice: 'fast'"),
     error("demo-updates-not-an-int", demo("--updates", "many"), r"argument --updates: invalid int value: 'many'"),
+    error("demo-turns-0", demo("--turns", "0"), r"--turns must be at least 1, got 0"),
+    error("demo-turns-beyond-the-model", demo("--turns", "40"),
+          r"--turns 40: a conversation reaches 1120 tokens, more than the demo model's 512 positions; "
+          r"use at most 18 turns"),
     # ----- selfcheck -------------------------------------------------------------------------
     error("selfcheck-takes-no-arguments", lambda: refused(["selfcheck", "--model", "x"]), r"unrecognized arguments: --model x"),
     error("selfcheck-without-verl-entry-points", selfcheck_without_entry_points,

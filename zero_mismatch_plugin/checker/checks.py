@@ -235,8 +235,11 @@ def batch_composition_check(llm, prompts, options: CheckOptions, progress=None) 
 
 
 def prefix_cache_check(llm, prompts, options: CheckOptions, progress=None, backend=None) -> CheckResult:
-    """The same long prompt (same seed) first with an empty cache, then with its blocks cached;
-    with a trainer ``backend``, also the trainer against the engine's logprobs on the hit."""
+    """The same long prompt (same seed) first with an empty cache, then with its blocks cached.
+
+    The verdict is the engine's own (hit == miss). With a trainer ``backend`` the figures also
+    give the trainer against the engine's logprobs on the hit: implied by the sampled-token check
+    when hit == miss, shown so that a run reads the trainer's agreement on a hit directly."""
     if not options.prefix_caching:
         raise CheckSkipped("--prefix-caching off")
     if not eng.engine_prefix_caching(llm):
@@ -284,7 +287,6 @@ def prefix_cache_check(llm, prompts, options: CheckOptions, progress=None, backe
         on_hit = _diff_figures(trainer, torch.tensor(hit.logprobs, dtype=torch.float32))
         figures["trainer_on_hit_bitwise_equal_fraction"] = on_hit["bitwise_equal_fraction"]
         figures["trainer_on_hit_max_abs_diff"] = on_hit["max_abs_diff"]
-        passed = passed and on_hit["bitwise_equal_fraction"] == 1.0
         summary += f"; trainer on the hit {_pct(on_hit['bitwise_equal_fraction'])} equal"
     if not hit_happened:
         summary += " (no cache hit happened: nothing was compared against a hit)"

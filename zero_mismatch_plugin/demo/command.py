@@ -53,18 +53,29 @@ def _quiet_defaults() -> None:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 
-def run_demo_command(algo: str, kernels: str, lag: int, updates: int, seed: int, out: str | None) -> int:
+def run_demo_command(algo: str, kernels: str, lag: int, updates: int, seed: int, out: str | None,
+                     turns: int = 1) -> int:
     _quiet_defaults()
     from tqdm import tqdm
 
-    from zero_mismatch_plugin.tiny_models import build_tiny_model
+    from zero_mismatch_plugin.tiny_models import DEFAULT_SHAPE, build_tiny_model
 
     from .engine import start_engine
     from .outputs import format_summary, write_outputs
-    from .runner import DemoConfig, DemoRun
+    from .runner import DemoConfig, DemoRun, conversation_tokens
 
     try:
-        config = DemoConfig(algo=algo, kernels=kernels, lag=lag, updates=updates, seed=seed)
+        # Room for the whole conversation; 128 for one turn.
+        needed = conversation_tokens(turns, DemoConfig.response_tokens)
+        positions = DEFAULT_SHAPE["max_position_embeddings"]
+        if needed > positions:
+            raise ValueError(
+                f"--turns {turns}: a conversation reaches {needed} tokens, more than the demo model's "
+                f"{positions} positions; use at most {positions // conversation_tokens(1, DemoConfig.response_tokens)} turns"
+            )
+        max_model_len = max(DemoConfig.max_model_len, -(-needed // 32) * 32)
+        config = DemoConfig(algo=algo, kernels=kernels, lag=lag, updates=updates, seed=seed, turns=turns,
+                            max_model_len=max_model_len)
         out_dir = prepare_out_dir(out)
     except ValueError as error:
         print(f"ERROR: {error}", file=sys.stderr)

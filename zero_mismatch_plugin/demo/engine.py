@@ -33,6 +33,10 @@ from .task import Task
 # core belongs to the learner, and idle OpenMP threads spin-wait.
 CHILD_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1"}
 START_TIMEOUT_S = 600.0
+# Engine arguments the learner mirrors. 32-token KV blocks (the smallest vLLM's CPU attention
+# takes) let the short multi-turn conversations of ``--turns`` hit the prefix cache, which
+# consistent mode keeps on for this dense model.
+ENGINE_ARGS = dict(block_size=32)
 POLL_S = 1.0
 
 
@@ -70,7 +74,7 @@ def _engine_main(model_dir: str, max_model_len: int, seed: int, requests, replie
     from vllm import LLM
 
     set_mode("consistent")
-    llm = LLM(**engine_args_for(model_dir, max_model_len=max_model_len, seed=seed, enable_prefix_caching=False))
+    llm = LLM(**engine_args_for(model_dir, max_model_len=max_model_len, seed=seed, **ENGINE_ARGS))
     replies.put(("ready",))
     pending: list[tuple] = []
     while True:

@@ -66,8 +66,12 @@ class AlignedLearner(Learner):
     def __init__(self, model_dir, max_model_len: int, engine_seed: int):
         from zero_mismatch_plugin.aligned import AlignedCausalLM
 
+        from .engine import ENGINE_ARGS
+
         # The same engine arguments the engine was started with: the trainer rebuilds its config.
-        self.module = AlignedCausalLM.from_pretrained(model_dir, max_model_len=max_model_len, seed=engine_seed)
+        self.module = AlignedCausalLM.from_pretrained(
+            model_dir, max_model_len=max_model_len, seed=engine_seed, **ENGINE_ARGS
+        )
 
     def _weights_changed(self) -> None:
         self.module.refresh_derived_weights()

@@ -69,6 +69,8 @@ def summarize(result: DemoResult, report: dict, label: str) -> dict:
         # From the loss's own metric, not the report's bitwise figure: the report prefers the
         # own-version fraction when a log has it, which would hide the weight lag meant here.
         "bitwise_equal_fraction_min_vs_current_weights": min(vs_current) if vs_current else None,
+        "prefix_cache_cached_prompt_tokens": int(sum(
+            r.metrics.get("demo/prefix_cache/cached_prompt_tokens", 0.0) for r in records)),
         "updates_per_second": len(records) / result.loop_seconds,
         "loop_seconds": result.loop_seconds,
     }
@@ -129,6 +131,9 @@ def format_summary(summary: dict, out_dir: Path) -> str:
         f"peak {_number(s['d3_peak'])})",
         f"  {fresh_line}",
         f"  {older_line}",
+        *([f"  {s['turns']} turns per conversation, each re-sent whole: "
+           f"{s['prefix_cache_cached_prompt_tokens']} prompt tokens from the engine's prefix cache"]
+          if s["turns"] > 1 else []),
         f"summary: {out_dir / SUMMARY_FILE}",
         f"report:  {out_dir / REPORT_FILE}   (zmrl report {out_dir / METRICS_FILE})",
         f"plots:   {out_dir / PLOTS_DIR}/ ({', '.join(sorted(Path(p).name for p in s['files']['plots'].values()))})",

@@ -24,8 +24,8 @@ from zero_mismatch_plugin.aligned.weight_sync import load_named_weights
 from .task import Task
 
 
-def _sample_from_wire(prompt, response, mu, version, uid, reward) -> "Sample":
-    return Sample(prompt, response, torch.tensor(mu, dtype=torch.float32), version, uid, reward)
+def _sample_from_wire(prompt, response, mu, version, uid, reward, cached_tokens) -> "Sample":
+    return Sample(prompt, response, torch.tensor(mu, dtype=torch.float32), version, uid, reward, cached_tokens)
 
 
 @dataclass
@@ -34,13 +34,18 @@ class Sample:
     response: list[int]
     mu: torch.Tensor  # fp32 logprob the engine recorded for each sampled token
     version: int  # weight version that sampled it
-    uid: str  # prompt group (same prompt, same chunk)
+    uid: str  # prompt group (same prompt, same chunk, same turn)
     reward: float
+    # Prompt tokens the engine took from its prefix cache for this sample's request (counted on
+    # the request's first sample only).
+    cached_tokens: int = 0
 
     def __reduce__(self):
         # μ crosses the process boundary as plain floats: exact for fp32 values, and far cheaper
         # than torch's tensor pickling (a shared-memory segment per tensor between processes).
-        return _sample_from_wire, (self.prompt, self.response, self.mu.tolist(), self.version, self.uid, self.reward)
+        return _sample_from_wire, (
+            self.prompt, self.response, self.mu.tolist(), self.version, self.uid, self.reward, self.cached_tokens
+        )
 
 
 @dataclass
@@ -61,6 +66,7 @@ class RolloutPlan:
     chunks_per_update: int
     lag: int
     total_chunks: int
+    turns: int = 1  # >1: each conversation is re-sent with its response and a new question
 
 
 class WeightMailbox:
@@ -112,27 +118,44 @@ class WeightMailbox:
 
 
 def generate_chunk(llm, task: Task, plan: RolloutPlan, index: int, version: int) -> list[Sample]:
+    """The chunk's samples, all with the weights of ``version``.
+
+    Turn 1 samples ``samples_per_prompt`` responses per prompt; every later turn re-sends each
+    conversation whole (its prompt, its response, a follow-up question), as an agent does, so the
+    engine takes the earlier turns from its prefix cache. The samples of one prompt in one turn
+    form one group.
+    """
     from vllm import SamplingParams
 
     n = plan.samples_per_prompt
     pairs = task.prompts_for_chunk(plan.seed, index, plan.prompts_per_chunk)
     base_seed = (plan.seed * 7_919 + index * plan.prompts_per_chunk * n) % (2**31 - 2**20)
-    # T = 1, no top-k/top-p: the recorded logprob is the distribution sampled from, and the
-    # support is the full vocabulary, as exact unclipped IS needs.
-    params = [
-        SamplingParams(
-            n=n, temperature=1.0, top_p=1.0, top_k=0, max_tokens=plan.response_tokens,
-            ignore_eos=True, logprobs=0, seed=base_seed + i * n, detokenize=False,
-        )
-        for i in range(len(pairs))
-    ]
-    outputs = llm.generate([{"prompt_token_ids": p} for _, p in pairs], params, use_tqdm=False)
+    # (prompt index, conversation so far, samples, seed) per request.
+    requests = [(prompt_index, prompt, n, base_seed + i * n) for i, (prompt_index, prompt) in enumerate(pairs)]
     samples = []
-    for (prompt_index, prompt), output in zip(pairs, outputs):
-        for completion in output.outputs:
-            ids = list(completion.token_ids)
-            mu = torch.tensor([step[t].logprob for t, step in zip(ids, completion.logprobs)], dtype=torch.float32)
-            samples.append(Sample(prompt, ids, mu, version, f"{index}:{prompt_index}", task.reward(prompt, ids)))
+    for turn in range(plan.turns):
+        # T = 1, no top-k/top-p: the recorded logprob is the distribution sampled from, and the
+        # support is the full vocabulary, as exact unclipped IS needs.
+        params = [
+            SamplingParams(
+                n=k, temperature=1.0, top_p=1.0, top_k=0, max_tokens=plan.response_tokens,
+                ignore_eos=True, logprobs=0, seed=seed, detokenize=False,
+            )
+            for _, _, k, seed in requests
+        ]
+        outputs = llm.generate([{"prompt_token_ids": r[1]} for r in requests], params, use_tqdm=False)
+        follow_ups = []
+        group_suffix = f":turn{turn + 1}" if turn else ""
+        for (prompt_index, prompt, _, seed), output in zip(requests, outputs):
+            for k, completion in enumerate(output.outputs):
+                ids = list(completion.token_ids)
+                mu = torch.tensor([step[t].logprob for t, step in zip(ids, completion.logprobs)], dtype=torch.float32)
+                cached = int(output.num_cached_tokens or 0) if k == 0 else 0
+                samples.append(Sample(prompt, ids, mu, version, f"{index}:{prompt_index}{group_suffix}",
+                                      task.reward(prompt, ids), cached))
+                conversation = prompt + ids + task.follow_up(prompt_index, turn + 1)
+                follow_ups.append((prompt_index, conversation, 1, (seed + 1_000_003 * (turn + 1) + k) % (2**31 - 1)))
+        requests = follow_ups
     return samples
 
 

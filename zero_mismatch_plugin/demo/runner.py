@@ -30,12 +30,18 @@ from .corrections import CORRECTIONS, rollout_correction_settings
 from .learners import ALIGNED, KERNELS, Learner, make_learner
 from .engine import EngineProcess
 from .rollout import Chunk, RolloutPlan, Sample
-from .task import DIGITS, TASKS, make_task
+from .task import DIGITS, MAX_PROMPT_TOKENS, TASKS, make_task
 
 ALGORITHMS = ("reinforce_zero", "flash_reinforce")
 LOSS_AGG_MODE = "seq-mean-token-mean"
 # torch's and numpy's generators both accept seeds in [0, 2**32).
 MAX_SEED = 2**32 - 1
+
+
+def conversation_tokens(turns: int, response_tokens: int) -> int:
+    """The most tokens a conversation of ``turns`` turns can reach (questions of at most
+    ``MAX_PROMPT_TOKENS``)."""
+    return turns * (MAX_PROMPT_TOKENS + response_tokens)
 
 
 @dataclass
@@ -67,6 +73,9 @@ class DemoConfig:
     # Score older-version samples under their own weights (an extra no-grad forward per older
     # version in the batch). Off, the kernel gap is measured on the learner-version samples only.
     own_version_check: bool = True
+    # Turns per conversation: each later turn re-sends the conversation (prompt, response, a new
+    # question) and is answered from the engine's prefix cache; every turn's response is a sample.
+    turns: int = 1
 
     def __post_init__(self):
         if self.algo not in ALGORITHMS:
@@ -88,6 +97,13 @@ class DemoConfig:
             raise ValueError(f"--seed must be between 0 and {MAX_SEED}, got {self.seed}")
         if self.prompts_per_update % self.chunks_per_update:
             raise ValueError("prompts_per_update must be a multiple of chunks_per_update")
+        if self.turns < 1:
+            raise ValueError(f"--turns must be at least 1, got {self.turns}")
+        if conversation_tokens(self.turns, self.response_tokens) > self.max_model_len:
+            raise ValueError(
+                f"--turns {self.turns}: a conversation reaches {conversation_tokens(self.turns, self.response_tokens)} "
+                f"tokens, more than max_model_len={self.max_model_len}; use fewer turns or a longer max_model_len"
+            )
 
     @property
     def group_size(self) -> int:
@@ -190,7 +206,7 @@ class DemoRun:
         plan = RolloutPlan(
             seed=cfg.seed, prompts_per_chunk=cfg.prompts_per_chunk, samples_per_prompt=cfg.group_size,
             response_tokens=cfg.response_tokens, chunks_per_update=cfg.chunks_per_update, lag=cfg.lag,
-            total_chunks=cfg.updates * cfg.chunks_per_update,
+            total_chunks=cfg.updates * cfg.chunks_per_update, turns=cfg.turns,
         )
         result = DemoResult(cfg)
         threads = torch.get_num_threads()
@@ -304,6 +320,7 @@ class DemoRun:
             "timing_s/update": time.perf_counter() - update_start,
             "timing_s/generate": sum(c.generate_s for c in chunks),
             "timing_s/weight_load": sum(c.weight_load_s for c in chunks),
+            "demo/prefix_cache/cached_prompt_tokens": float(sum(s.cached_tokens for s in samples)),
         })
         if kernel_gap:  # empty when no sample could be scored under its own version
             metrics.update({

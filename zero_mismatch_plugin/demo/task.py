@@ -57,6 +57,10 @@ class Task:
     def describe(self, response_tokens: int) -> str:
         raise NotImplementedError
 
+    def follow_up(self, prompt_index: int, turn: int) -> list[int]:
+        """The question a conversation that started with prompt ``prompt_index`` gets at ``turn``."""
+        return self.prompts[(prompt_index + 7 * turn) % len(self.prompts)]
+
     def prompts_for_chunk(self, seed: int, chunk: int, count: int) -> list[tuple[int, list[int]]]:
         """``count`` (prompt index, prompt) pairs for rollout chunk ``chunk``, reproducible."""
         rng = random.Random(seed * 1_000_003 + chunk)

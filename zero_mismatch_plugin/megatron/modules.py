@@ -21,6 +21,7 @@ from torch import nn
 from ..aligned import ops
 from ..aligned.runtime import VllmRuntime
 from ..aligned.sampling import vllm_label_logprobs
+from ..architectures import describe
 
 # vLLM layer instances that hold no trainable state (rotary cos/sin cache, attention backend)
 # are shared by all layers built from one runtime, as vLLM shares one rotary embedding.
@@ -370,6 +371,14 @@ class AlignedCoreAttention(nn.Module):
         if dropout:
             raise NotImplementedError("aligned megatron spec: attention dropout (vLLM has none)")
         self.sliding_window = _layer_window(config, layer_number)
+        # A provider built elsewhere (Megatron-Bridge in verl) must carry the window vLLM runs.
+        engine_window = describe(runtime.hf_config).window_of(layer_number - 1)
+        if self.sliding_window != engine_window:
+            raise NotImplementedError(
+                f"aligned megatron spec: layer {layer_number} has sliding window {self.sliding_window} in "
+                f"megatron's config but {engine_window} in the checkpoint vLLM serves; set window_size="
+                f"{None if engine_window is None else (engine_window - 1, 0)} (and window_attn_skip_freq per layer)"
+            )
         self.config = config
         self.runtime = runtime
         self.layer_number = layer_number
