@@ -138,16 +138,16 @@ class AlignedCausalLM(nn.Module):
         max_pos = getattr(cfg, "max_position_embeddings", 8192)
         self.rotary = AlignedRotary(rt, self.head_dim, max_pos, getattr(cfg, "rope_parameters", None))
         self.act = AlignedSiluAndMul(rt)
-        # One backend per distinct window (vLLM's attention layer carries its window).
+        # One backend per distinct window (vLLM's attention layer carries its window); ``attention``
+        # is the first layer's, the others are looked up by window (see _layer_attention).
         windows = [self.blocks.window_of(i) for i in range(len(self.model.layers))]
-        attentions = {
+        self.attention_by_window = {
             window: AlignedAttention(
                 rt, self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5, window
             )
             for window in dict.fromkeys(windows)
         }
-        self.layer_attention = [attentions[window] for window in windows]
-        self.attention = self.layer_attention[0]
+        self.attention = self.attention_by_window[windows[0]]
         self.layer_ops = []
         for layer in self.model.layers:
             a, m = layer.self_attn, layer.mlp
@@ -210,6 +210,16 @@ class AlignedCausalLM(nn.Module):
         op = self.lora_ops[layer].get(key) if self.lora_enabled else None
         return (op or self.layer_ops[layer][key])(x)
 
+    @property
+    def layer_attention(self) -> list[AlignedAttention]:
+        return [self._layer_attention(i) for i in range(len(self.layer_ops))]
+
+    def _layer_attention(self, index: int):
+        # Through ``self.attention`` wherever the first layer's window applies, so that a wrapper
+        # set on that attribute (the checker's op recorder) sees those layers' calls.
+        window = self.blocks.window_of(index)
+        return self.attention if window == self.blocks.window_of(0) else self.attention_by_window[window]
+
     def all_linears(self) -> dict[str, AlignedLinear]:
         out = {}
         for i, ops in enumerate(self.layer_ops):
@@ -270,7 +280,7 @@ class AlignedCausalLM(nn.Module):
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
         for i, ops in enumerate(self.layer_ops):
-            attention = self.layer_attention[i]
+            attention = self._layer_attention(i)
             if residual is None:
                 residual = hidden
                 hidden = ops["input_norm"](hidden)

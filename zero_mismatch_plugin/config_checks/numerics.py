@@ -61,6 +61,8 @@ def numerics_problems(cfg: DictConfig) -> list[Problem]:
     if read(cfg, f"{ROLLOUT}.enable_prefix_caching") and env.get(ALLOW_PREFIX_CACHING_ENV) != "1":
         problems.append(Problem(f"{ROLLOUT}.enable_prefix_caching",
                                 f"is on, but the plugin's consistent mode turns it off unless "
-                                f"{ALLOW_PREFIX_CACHING_ENV}=1; set one or the other so the config says what runs",
+                                f"{ALLOW_PREFIX_CACHING_ENV}=1 (it keeps it on by itself only where a hit is proven "
+                                "bitwise equal to a miss: the dense decoders on vLLM's CPU backend); set one or the "
+                                "other so the config says what runs",
                                 fatal=False))
     return problems
