@@ -165,7 +165,8 @@ def _prefix_caching_decision(args) -> tuple[bool, str]:
     hf_config = None
     if os.environ.get(PREFIX_CACHING_ENV) not in ("0", "1"):
         hf_config = prefix_caching.engine_hf_config(args)
-    return prefix_caching.keep_prefix_caching(hf_config, platform_kind(), os.environ)
+    lora = bool(getattr(args, "enable_lora", False))
+    return prefix_caching.keep_prefix_caching(hf_config, platform_kind(), os.environ, lora=lora)
 
 
 def _engine_settings(original):

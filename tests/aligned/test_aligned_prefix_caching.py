@@ -103,6 +103,8 @@ def test_unproven_architectures_and_platforms_turn_prefix_caching_off():
     mla = DeepseekV3Config(architectures=["DeepseekV3ForCausalLM"], num_hidden_layers=2)
     assert not keep_prefix_caching(mla, "cpu", {})[0]
     assert not keep_prefix_caching(None, "cpu", {})[0]
+    keep, why = keep_prefix_caching(llama, "cpu", {}, lora=True)
+    assert not keep and "not proven with LoRA adapters" in why
     # The switch: 1 keeps it on unproven, 0 turns it off everywhere, anything else is refused.
     assert keep_prefix_caching(moe, "cpu", {ALLOW_ENV: "1"})[0]
     assert not keep_prefix_caching(llama, "cpu", {ALLOW_ENV: "0"})[0]

@@ -10,7 +10,7 @@ multi-turn rollouts that re-send the conversation, across block boundaries and w
 filled last block (``tests/aligned/test_aligned_prefix_caching.py``,
 ``tests/aligned/test_aligned_sliding_window.py``). There consistent mode keeps prefix caching as
 the engine arguments say (on by default). Everywhere else (MoE, MLA, other architectures, GPU
-backends) it is not proven, and consistent mode turns it off, saying why.
+backends, LoRA serving) it is not proven, and consistent mode turns it off, saying why.
 
 ``ZMRL_ALLOW_PREFIX_CACHING=1`` keeps it on where it is not proven (unverified); ``=0`` turns it off
 everywhere.
@@ -37,9 +37,9 @@ def unproven_reason(hf_config, platform: str) -> str | None:
     return None
 
 
-def keep_prefix_caching(hf_config, platform: str, environ) -> tuple[bool, str]:
+def keep_prefix_caching(hf_config, platform: str, environ, lora: bool = False) -> tuple[bool, str]:
     """(keep the engine's prefix caching?, why) in consistent mode. ``environ`` holds
-    ``ZMRL_ALLOW_PREFIX_CACHING`` when the user set it."""
+    ``ZMRL_ALLOW_PREFIX_CACHING`` when the user set it; ``lora``: the engine serves LoRA adapters."""
     allow = environ.get(ALLOW_ENV)
     if allow == "0":
         return False, f"{ALLOW_ENV}=0"
@@ -47,6 +47,8 @@ def keep_prefix_caching(hf_config, platform: str, environ) -> tuple[bool, str]:
         return True, f"{ALLOW_ENV}=1 (kept on whether or not proven)"
     if allow not in (None, ""):
         raise ValueError(f"{ALLOW_ENV}={allow!r}; expected '1' (keep prefix caching on) or '0' (off)")
+    if lora:
+        return False, f"prefix-cache hits are not proven with LoRA adapters; set {ALLOW_ENV}=1 to keep it on unverified"
     if hf_config is None:
         return False, "the model config could not be read, so prefix caching is not proven for it"
     reason = unproven_reason(hf_config, platform)
