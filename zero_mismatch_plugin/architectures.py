@@ -179,6 +179,9 @@ def _moe_refusals(config) -> list[str]:
 
 def _glm4_refusals(config) -> list[str]:
     out = _moe_refusals(config)
+    if getattr(config, "tie_word_embeddings", False):
+        # vLLM's Glm4Moe always builds its own lm_head: a tied checkpoint leaves it unloaded.
+        out.append("tie_word_embeddings=true (vLLM's GLM-4.5 model never ties the head): untie it")
     n_group, topk_group = getattr(config, "n_group", 1), getattr(config, "topk_group", 1)
     experts = getattr(config, "n_routed_experts", 0)
     if not n_group or experts % n_group:

@@ -32,9 +32,9 @@ DEFAULT_SHAPE = dict(
     rope_theta=10000.0,
 )
 
-# Mixture-of-Experts families: 8 experts, top-2. An expert width of 80 is padded to 96 by vLLM's
-# CPU experts (a multiple of 32), so that path is exercised too.
-MOE_SHAPE = dict(num_experts=8, top_k=2, moe_intermediate_size=80, shared_expert_intermediate_size=96)
+# Mixture-of-Experts families: 8 experts, top-2, expert width 96 (a multiple of 32, which vLLM's CPU
+# experts need; another width, e.g. moe_intermediate_size=80, is zero-padded by vLLM to 96).
+MOE_SHAPE = dict(num_experts=8, top_k=2, moe_intermediate_size=96, shared_expert_intermediate_size=96)
 
 _SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 
@@ -136,7 +136,8 @@ def _config(family: str, shape: dict, tokenizer):
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        tie_word_embeddings=shape.get("tie_word_embeddings", family not in ("llama", "mistral")),
+        # vLLM's GLM-4.5 never ties its head (as the real checkpoints): untied there.
+        tie_word_embeddings=shape.get("tie_word_embeddings", family not in ("llama", "mistral", "glm4_moe")),
         torch_dtype="float32",
     )
     rope = {"rope_type": "default", "rope_theta": shape["rope_theta"]}
