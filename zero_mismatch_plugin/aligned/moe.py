@@ -50,6 +50,31 @@ def refuse_unsupported_engine(runtime: VllmRuntime) -> None:
         )
 
 
+def reprocess_moe_as_first_load(model: torch.nn.Module) -> int:
+    """Make the next post-load processing of every CPU MoE layer in ``model`` a first load.
+
+    vLLM treats a second ``process_weights_after_loading`` of an unquantized MoE layer as a
+    weight update: it copies the new checkpoint-layout weights into the processed storage and
+    skips the experts' own processing. On CPU that processing zero-pads the expert width to a
+    multiple of 32 and pre-packs both weights, so an update would feed the kernel unpadded,
+    unpacked weights (a shape error when the width is padded, wrong numbers otherwise). Dropping
+    the built kernel sends the next processing through the first-load path: pad, pack, rebuild.
+    Returns how many layers were reset.
+    """
+    from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return 0
+    reset = 0
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if isinstance(method, FusedMoEMethodBase) and getattr(method, "moe_kernel", None) is not None:
+            method.moe_kernel = None
+            reset += 1
+    return reset
+
+
 def routing_weights(logits: torch.Tensor, ids: torch.Tensor, moe: MoeBlocks) -> torch.Tensor:
     """The top-k weights [T, K] of the experts ``ids`` [T, K] chosen from ``logits`` [T, E], as a
     differentiable function of the logits (vLLM's CPU router's arithmetic, in torch).
@@ -164,6 +189,8 @@ class AlignedMoE:
                         raise RuntimeError(f"vLLM's MoE weight loader refused expert {e} {shard}")
             if self._engine_bias is not None:
                 self._engine_bias.copy_(sources[3 * n].float())
+            # Each derivation is a first load (see reprocess_moe_as_first_load).
+            reprocess_moe_as_first_load(experts)
             experts.quant_method.process_weights_after_loading(experts)
         return self.runner
 
