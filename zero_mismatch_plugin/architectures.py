@@ -274,6 +274,13 @@ def describe(config) -> Blocks:
         raise NotImplementedError(f"{arch}: not supported by the aligned trainer forward: " + "; ".join(problems))
     qkv_bias, o_bias = entry.biases(config)
     rope = getattr(config, "rope_parameters", None) or {}
+    try:
+        moe = entry.moe(config) if entry.moe is not None else None
+    except AttributeError as missing:
+        raise ValueError(
+            f"{arch} is a Mixture-of-Experts architecture but its config has no {missing.name!r}: "
+            "give the checkpoint's own config.json"
+        ) from None
     qk_norm = entry.qk_norm or (arch == "Glm4MoeForCausalLM" and bool(getattr(config, "use_qk_norm", False)))
     return Blocks(
         architecture=arch,
@@ -287,6 +294,6 @@ def describe(config) -> Blocks:
         o_bias=o_bias,
         tied_head=bool(getattr(config, "tie_word_embeddings", False)),
         head_dim=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
-        moe=entry.moe(config) if entry.moe is not None else None,
+        moe=moe,
         partial_rotary_factor=entry.partial_rotary(config),
     )
