@@ -231,6 +231,8 @@ _ENTRIES: dict[str, _Entry] = {
 }
 
 SUPPORTED_ARCHITECTURES = tuple(_ENTRIES)
+# Covered by the aligned trainer model (AlignedCausalLM) but not yet by the Megatron face.
+MOE_ARCHITECTURES = tuple(name for name, entry in _ENTRIES.items() if entry.moe is not None)
 
 # The linears the aligned LoRA path adapts (vLLM's dense LoRA layers), under the checkpoint's names
 # and, for a verl Megatron config, under megatron-core's names of the same (merged) linears.
@@ -253,7 +255,8 @@ def _unsupported_features(config) -> list[str]:
     out = []
     if any(t != "full_attention" for t in (getattr(config, "layer_types", None) or [])):
         out.append("sliding-window layers (layer_types other than full_attention)")
-    if getattr(config, "sliding_window", None) is not None:
+    # Qwen2-style configs keep a window value with use_sliding_window=false: no window then.
+    if getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True):
         out.append(f"sliding_window={config.sliding_window} (windowed attention): set it to null")
     if getattr(config, "hidden_act", "silu") != "silu":
         out.append(f"hidden_act={config.hidden_act!r}: only SwiGLU (silu) MLPs")
