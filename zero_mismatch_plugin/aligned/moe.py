@@ -218,7 +218,9 @@ def experts_backward(x, g, ids, weights, gate, up, down):
     """fp32 gradients of out[t] = sum_k weights[t, k] * down_e(silu(gate_e x_t) * up_e x_t),
     e = ids[t, k]: returns (d x, d weights, [d gate_e], [d up_e], [d down_e])."""
     x32, g32 = x.float(), g.float()
-    gx = torch.zeros_like(x32)
+    # One row per (token, slot): each is written once, then summed over the slots (a scatter-add
+    # into the tokens would serialise on this CPU).
+    gx_slots = x32.new_zeros(ids.shape[0], ids.shape[1], x32.shape[1])
     gweights = torch.zeros_like(weights, dtype=torch.float32)
     ggate, gup, gdown = [], [], []
     for e in range(len(gate)):
@@ -243,8 +245,8 @@ def experts_backward(x, g, ids, weights, gate, up, down):
         gb = gh * a * s
         ggate.append(ga.t() @ xe)
         gup.append(gb.t() @ xe)
-        gx.index_add_(0, tok, ga @ wg + gb @ wu)
-    return gx, gweights, ggate, gup, gdown
+        gx_slots[tok, slot] = ga @ wg + gb @ wu
+    return gx_slots.sum(1), gweights, ggate, gup, gdown
 
 
 class _MoEFn(Function):
