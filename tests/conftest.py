@@ -16,7 +16,7 @@ from vllm_session import MAX_MODEL_LEN, Engines, prompts_for, rollout  # noqa: E
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory):
     """Tiny random checkpoints, built once: family -> directory."""
-    from zero_mismatch_plugin.tiny_models import build_tiny_model
+    from zero_mismatch_plugin.tiny_models import MOE_FAMILIES, build_tiny_model
 
     root = tmp_path_factory.mktemp("tiny_models")
     return {
@@ -29,6 +29,10 @@ def checkpoints(tmp_path_factory):
         "llama_wide": build_tiny_model(
             root / "llama_wide", family="llama", seed=3, intermediate_size=2816, num_hidden_layers=1
         ),
+        # Mixture-of-Experts: 8 experts, top-2; "qwen3_moe_padded" has an expert width vLLM pads (80 -> 96).
+        **{f: build_tiny_model(root / f, family=f, seed=5) for f in MOE_FAMILIES},
+        "qwen3_moe_padded": build_tiny_model(root / "qwen3_moe_padded", family="qwen3_moe", seed=6,
+                                             moe_intermediate_size=80),
     }
 
 

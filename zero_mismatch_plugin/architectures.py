@@ -14,8 +14,31 @@ from typing import Callable
 
 
 @dataclass(frozen=True)
+class MoeBlocks:
+    """The Mixture-of-Experts MLP of a checkpoint, as vLLM's model code configures its layer."""
+
+    num_experts: int
+    top_k: int
+    moe_intermediate_size: int
+    norm_topk_prob: bool  # vLLM's ``renormalize``: the top-k weights sum to one
+    scoring_func: str  # "softmax" or "sigmoid" over the router logits
+    grouped_topk: bool  # DeepSeek-V3 style: experts in n_group groups, topk_group groups kept
+    n_group: int | None
+    topk_group: int | None
+    e_score_correction_bias: bool  # a per-expert bias steering the selection only
+    routed_scaling_factor: float
+    shared_expert_intermediate_size: int  # 0: no shared expert
+    shared_expert_gate: bool  # a sigmoid gate (a 1-row linear) on the shared expert's output
+    moe_layers: tuple[int, ...]  # the layers whose MLP is the MoE; the others are dense SwiGLU
+    names: str  # checkpoint naming: "qwen" (mlp.gate, experts.E.gate_proj) or "mixtral"
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
 class Blocks:
-    """What every decoder layer of a checkpoint is made of (the supported dense decoders)."""
+    """What every decoder layer of a checkpoint is made of."""
 
     architecture: str
     norm: str  # "rms": RMSNorm before attention, before the MLP and at the end
@@ -31,12 +54,18 @@ class Blocks:
     # Per layer: the sliding window vLLM gives that layer's attention (each query sees itself and
     # the window - 1 tokens before it), None for full causal attention. Empty: no layer is windowed.
     sliding_windows: tuple[int | None, ...] = ()
+    moe: MoeBlocks | None = None  # None: every MLP is dense
+    partial_rotary_factor: float = 1.0  # the leading fraction of each head the rotary turns
 
     def window_of(self, layer: int) -> int | None:
         return self.sliding_windows[layer] if self.sliding_windows else None
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+    def mlp_kind(self, layer: int) -> str:
+        """"moe" or "dense" (SwiGLU) for decoder layer ``layer``."""
+        return "moe" if self.moe is not None and layer in self.moe.moe_layers else "dense"
 
 
 @dataclass(frozen=True)
@@ -47,6 +76,8 @@ class _Entry:
     # Whether a model-level ``sliding_window`` means the same thing to vLLM and transformers here
     # (every layer windowed); families without it keep refusing windowed configs.
     every_layer_window: bool = False
+    moe: Callable[[object], MoeBlocks] | None = None  # the MoE MLP, for MoE families
+    partial_rotary: Callable[[object], float] = lambda config: 1.0
 
 
 def _llama_biases(config) -> tuple[bool, bool]:
@@ -64,6 +95,121 @@ def _mistral_extras(config) -> list[str]:
     return out
 
 
+def _qwen_moe_layers(config) -> tuple[int, ...]:
+    # vLLM's Qwen2-/Qwen3-MoE: MoE unless listed in mlp_only_layers or off the sparse step.
+    dense = set(getattr(config, "mlp_only_layers", None) or [])
+    step = getattr(config, "decoder_sparse_step", 1) or 1
+    return tuple(
+        i
+        for i in range(config.num_hidden_layers)
+        if i not in dense and config.num_experts > 0 and (i + 1) % step == 0
+    )
+
+
+def _qwen_moe(config, shared: bool) -> MoeBlocks:
+    shared_size = int(getattr(config, "shared_expert_intermediate_size", 0) or 0) if shared else 0
+    return MoeBlocks(
+        num_experts=config.num_experts,
+        top_k=config.num_experts_per_tok,
+        moe_intermediate_size=config.moe_intermediate_size,
+        norm_topk_prob=bool(getattr(config, "norm_topk_prob", False)),
+        scoring_func="softmax",
+        grouped_topk=False,
+        n_group=None,
+        topk_group=None,
+        e_score_correction_bias=False,
+        routed_scaling_factor=1.0,
+        shared_expert_intermediate_size=shared_size,
+        # vLLM's Qwen2-MoE always builds the gate; Qwen3-MoE has no shared expert in practice.
+        shared_expert_gate=shared_size > 0,
+        moe_layers=_qwen_moe_layers(config),
+        names="qwen",
+    )
+
+
+def _qwen3_moe(config) -> MoeBlocks:
+    if int(getattr(config, "shared_expert_intermediate_size", 0) or 0) > 0:
+        raise NotImplementedError(
+            "Qwen3MoeForCausalLM with shared_expert_intermediate_size > 0 is not covered: set it to 0"
+        )
+    return _qwen_moe(config, shared=False)
+
+
+def _mixtral_moe(config) -> MoeBlocks:
+    return MoeBlocks(
+        num_experts=config.num_local_experts,
+        top_k=config.num_experts_per_tok,
+        moe_intermediate_size=config.intermediate_size,
+        norm_topk_prob=True,  # vLLM's Mixtral always renormalizes
+        scoring_func="softmax",
+        grouped_topk=False,
+        n_group=None,
+        topk_group=None,
+        e_score_correction_bias=False,
+        routed_scaling_factor=1.0,
+        shared_expert_intermediate_size=0,
+        shared_expert_gate=False,
+        moe_layers=tuple(range(config.num_hidden_layers)),
+        names="mixtral",
+    )
+
+
+def _glm4_moe(config) -> MoeBlocks:
+    first_dense = int(getattr(config, "first_k_dense_replace", 0) or 0)
+    n_shared = getattr(config, "n_shared_experts", None)
+    return MoeBlocks(
+        num_experts=config.n_routed_experts,
+        top_k=config.num_experts_per_tok,
+        moe_intermediate_size=config.moe_intermediate_size,
+        norm_topk_prob=bool(getattr(config, "norm_topk_prob", True)),
+        scoring_func="sigmoid",
+        grouped_topk=True,
+        n_group=config.n_group,
+        topk_group=config.topk_group,
+        e_score_correction_bias=True,
+        routed_scaling_factor=float(getattr(config, "routed_scaling_factor", 1.0)),
+        shared_expert_intermediate_size=config.moe_intermediate_size * n_shared if n_shared else 0,
+        shared_expert_gate=False,
+        moe_layers=tuple(
+            i for i in range(config.num_hidden_layers) if config.n_routed_experts and i >= first_dense
+        ),
+        names="glm",
+    )
+
+
+def _moe_refusals(config) -> list[str]:
+    out = []
+    quant = getattr(config, "quantization_config", None)
+    if quant:
+        method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", quant)
+        out.append(f"quantized experts (quantization_config {method!r}): use an unquantized checkpoint")
+    return out
+
+
+def _glm4_refusals(config) -> list[str]:
+    out = _moe_refusals(config)
+    if getattr(config, "tie_word_embeddings", False):
+        # vLLM's Glm4Moe always builds its own lm_head: a tied checkpoint leaves it unloaded.
+        out.append("tie_word_embeddings=true (vLLM's GLM-4.5 model never ties the head): untie it")
+    n_group, topk_group = getattr(config, "n_group", 1), getattr(config, "topk_group", 1)
+    experts = getattr(config, "n_routed_experts", 0)
+    if not n_group or experts % n_group:
+        out.append(f"n_routed_experts={experts} not divisible by n_group={n_group}")
+    elif topk_group is None or not 0 < topk_group <= n_group:
+        out.append(f"topk_group={topk_group} outside 1..n_group={n_group}")
+    return out
+
+
+def _glm4_biases(config) -> tuple[bool, bool]:
+    return bool(getattr(config, "attention_bias", False)), False
+
+
+def _glm4_partial_rotary(config) -> float:
+    # vLLM's Glm4Moe defaults the factor to 0.5 when the config does not set it.
+    rope = getattr(config, "rope_parameters", None) or {}
+    return float(rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 0.5)))
+
+
 _ENTRIES: dict[str, _Entry] = {
     "LlamaForCausalLM": _Entry(qk_norm=False, biases=_llama_biases),
     "Qwen2ForCausalLM": _Entry(qk_norm=False, biases=lambda config: (True, False)),
@@ -73,9 +219,31 @@ _ENTRIES: dict[str, _Entry] = {
     "MistralForCausalLM": _Entry(
         qk_norm=False, biases=_llama_biases, refuse=_mistral_extras, every_layer_window=True
     ),
+    "Qwen3MoeForCausalLM": _Entry(
+        qk_norm=True,
+        biases=lambda config: (bool(getattr(config, "attention_bias", False)), False),
+        refuse=_moe_refusals,
+        moe=_qwen3_moe,
+    ),
+    "Qwen2MoeForCausalLM": _Entry(
+        qk_norm=False,
+        biases=lambda config: (bool(getattr(config, "qkv_bias", True)), False),
+        refuse=_moe_refusals,
+        moe=lambda config: _qwen_moe(config, shared=True),
+    ),
+    "MixtralForCausalLM": _Entry(qk_norm=False, biases=lambda config: (False, False), refuse=_moe_refusals, moe=_mixtral_moe),
+    "Glm4MoeForCausalLM": _Entry(
+        qk_norm=False,  # use_qk_norm is read per checkpoint in describe()
+        biases=_glm4_biases,
+        refuse=_glm4_refusals,
+        moe=_glm4_moe,
+        partial_rotary=_glm4_partial_rotary,
+    ),
 }
 
 SUPPORTED_ARCHITECTURES = tuple(_ENTRIES)
+# Covered by the aligned trainer model (AlignedCausalLM) but not yet by the Megatron face.
+MOE_ARCHITECTURES = tuple(name for name, entry in _ENTRIES.items() if entry.moe is not None)
 
 # The linears the aligned LoRA path adapts (vLLM's dense LoRA layers), under the checkpoint's names
 # and, for a verl Megatron config, under megatron-core's names of the same (merged) linears.
@@ -98,6 +266,8 @@ def _layer_windows(config, entry: _Entry) -> tuple[tuple[int | None, ...], list[
     """(the window of every layer, what is refused). vLLM's Llama-family attention windows a
     layer by ``layer_types`` when the config has them, else every layer by ``sliding_window``."""
     window = getattr(config, "sliding_window", None)
+    if not getattr(config, "use_sliding_window", True):
+        window = None  # Qwen2-style configs keep a window value with use_sliding_window=false
     layer_types = getattr(config, "layer_types", None) or []
     if any(t != "full_attention" for t in layer_types):
         # transformers' Mistral ignores layer_types (it windows every layer) while vLLM follows
@@ -142,12 +312,20 @@ def describe(config) -> Blocks:
         raise NotImplementedError(f"{arch}: not supported by the aligned trainer forward: " + "; ".join(problems))
     qkv_bias, o_bias = entry.biases(config)
     rope = getattr(config, "rope_parameters", None) or {}
+    try:
+        moe = entry.moe(config) if entry.moe is not None else None
+    except AttributeError as missing:
+        raise ValueError(
+            f"{arch} is a Mixture-of-Experts architecture but its config has no {missing.name!r}: "
+            "give the checkpoint's own config.json"
+        ) from None
+    qk_norm = entry.qk_norm or (arch == "Glm4MoeForCausalLM" and bool(getattr(config, "use_qk_norm", False)))
     return Blocks(
         architecture=arch,
         norm="rms",
         attention="causal",
-        qk_norm=entry.qk_norm,
-        mlp="swiglu",
+        qk_norm=qk_norm,
+        mlp="moe" if entry.moe is not None else "swiglu",
         rope_type=rope.get("rope_type") or "default",
         rope_theta=rope.get("rope_theta", getattr(config, "rope_theta", None)),
         qkv_bias=qkv_bias,
@@ -155,4 +333,6 @@ def describe(config) -> Blocks:
         tied_head=bool(getattr(config, "tie_word_embeddings", False)),
         head_dim=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
         sliding_windows=windows,
+        moe=moe,
+        partial_rotary_factor=entry.partial_rotary(config),
     )

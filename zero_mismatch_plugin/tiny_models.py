@@ -1,4 +1,5 @@
-"""Tiny randomly initialised Llama-, Mistral-, Qwen2- and Qwen3-shaped checkpoints with a local tokenizer.
+"""Tiny randomly initialised checkpoints with a local tokenizer: dense Llama, Mistral, Qwen2 and Qwen3,
+and Mixture-of-Experts Qwen3-MoE, Qwen2-MoE, Mixtral and GLM-4.5 shapes.
 
 Everything is built on the local machine (no hub access): a byte-level BPE tokenizer is trained
 on a small generated corpus, a model is randomly initialised from a transformers config, and both
@@ -13,7 +14,8 @@ import os
 import random
 from pathlib import Path
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe")
+MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe")
 
 # Shapes chosen so vLLM's CPU attention accepts them (head_dim in 32/64/80/96/112/128/...)
 # and some GEMMs have K >= 256, where torch's and oneDNN's CPU GEMMs round differently.
@@ -29,6 +31,10 @@ DEFAULT_SHAPE = dict(
     rms_norm_eps=1e-6,
     rope_theta=10000.0,
 )
+
+# Mixture-of-Experts families: 8 experts, top-2, expert width 96 (a multiple of 32, which vLLM's CPU
+# experts need; another width, e.g. moe_intermediate_size=80, is zero-padded by vLLM to 96).
+MOE_SHAPE = dict(num_experts=8, top_k=2, moe_intermediate_size=96, shared_expert_intermediate_size=96)
 
 _SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 
@@ -79,6 +85,40 @@ def build_tokenizer(out_dir: str | os.PathLike, vocab_size: int = 512, seed: int
     return fast
 
 
+def _moe_config(family: str, common: dict, shape: dict):
+    from transformers import Glm4MoeConfig, MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
+
+    experts, top_k, width = shape["num_experts"], shape["top_k"], shape["moe_intermediate_size"]
+    if family == "qwen3_moe":
+        return Qwen3MoeConfig(
+            **common, num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=width,
+            norm_topk_prob=shape.get("norm_topk_prob", True), decoder_sparse_step=1,
+            mlp_only_layers=shape.get("mlp_only_layers", []),
+        )
+    if family == "qwen2_moe":
+        # The last layer dense (mlp_only_layers): both MLP kinds in one model.
+        return Qwen2MoeConfig(
+            **common, num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=width,
+            shared_expert_intermediate_size=shape["shared_expert_intermediate_size"],
+            norm_topk_prob=shape.get("norm_topk_prob", False), decoder_sparse_step=1,
+            mlp_only_layers=shape.get("mlp_only_layers", [shape["num_hidden_layers"] - 1]),
+            use_sliding_window=False, sliding_window=None,
+        )
+    if family == "mixtral":
+        common = {**common, "intermediate_size": width}
+        return MixtralConfig(**common, num_local_experts=experts, num_experts_per_tok=top_k, sliding_window=None)
+    if family == "glm4_moe":
+        # DeepSeek-V3-style routing: 4 groups of 2, 2 groups kept; the first layer dense.
+        return Glm4MoeConfig(
+            **common, n_routed_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=width,
+            n_shared_experts=1, n_group=shape.get("n_group", 4), topk_group=shape.get("topk_group", 2),
+            routed_scaling_factor=shape.get("routed_scaling_factor", 1.5), norm_topk_prob=True,
+            first_k_dense_replace=shape.get("first_k_dense_replace", 1), attention_bias=True,
+            use_qk_norm=False, partial_rotary_factor=0.5,
+        )
+    raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
+
+
 def _config(family: str, shape: dict, tokenizer):
     from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
@@ -96,10 +136,17 @@ def _config(family: str, shape: dict, tokenizer):
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        tie_word_embeddings=shape.get("tie_word_embeddings", family not in ("llama", "mistral")),
+        # vLLM's GLM-4.5 never ties its head (as the real checkpoints): untied there.
+        tie_word_embeddings=shape.get("tie_word_embeddings", family not in ("llama", "mistral", "glm4_moe")),
         torch_dtype="float32",
     )
     rope = {"rope_type": "default", "rope_theta": shape["rope_theta"]}
+    if family in MOE_FAMILIES:
+        cfg = _moe_config(family, common, shape)
+        if family == "glm4_moe":
+            rope["partial_rotary_factor"] = 0.5
+        cfg.rope_parameters = rope
+        return cfg
     if family == "llama":
         cfg = LlamaConfig(
             **common, attention_bias=shape.get("attention_bias", False), mlp_bias=False
@@ -134,7 +181,7 @@ def build_tiny_model(
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    full_shape = {**DEFAULT_SHAPE, **shape}
+    full_shape = {**DEFAULT_SHAPE, **(MOE_SHAPE if family in MOE_FAMILIES else {}), **shape}
     tokenizer = build_tokenizer(out, vocab_size=full_shape["vocab_size"], seed=seed)
     cfg = _config(family, full_shape, tokenizer)
     cfg.initializer_range = init_std
@@ -147,6 +194,10 @@ def build_tiny_model(
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
             elif name.endswith(".bias"):
                 p.copy_(0.02 * torch.randn_like(p))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                # A selection bias that changes some expert choices, not all of them.
+                b.copy_(0.05 * torch.randn_like(b))
     model.save_pretrained(str(out), safe_serialization=True)
     (out / "zmrl_tiny.json").write_text(json.dumps({"family": family, "seed": seed, **full_shape}))
     return out

@@ -27,6 +27,7 @@ from .ops import (
     AlignedRotary,
     AlignedSiluAndMul,
 )
+from .moe import AlignedMoE
 from .packing import PackedBatch
 from .runtime import VllmRuntime
 from .sampling import SamplingTransform, recorded_logprobs
@@ -42,8 +43,48 @@ class _Weights(nn.Module):
         self.bias = nn.Parameter(torch.empty(bias_size)) if bias_size else None
 
 
+def _swiglu(h: int, inter: int) -> nn.Module:
+    """gate_proj, up_proj, down_proj of one SwiGLU MLP (checkpoint names)."""
+    mlp = nn.Module()
+    mlp.gate_proj = _Weights((inter, h))
+    mlp.up_proj = _Weights((inter, h))
+    mlp.down_proj = _Weights((h, inter))
+    return mlp
+
+
+# Checkpoint names of an MoE block: (block, router gate, experts' gate / up / down, shared expert).
+_MOE_NAMES = {
+    "qwen": ("mlp", "gate", ("gate_proj", "up_proj", "down_proj"), "shared_expert"),
+    "glm": ("mlp", "gate", ("gate_proj", "up_proj", "down_proj"), "shared_experts"),
+    "mixtral": ("block_sparse_moe", "gate", ("w1", "w3", "w2"), None),
+}
+
+
+def _moe_block(h: int, moe) -> tuple[str, nn.Module]:
+    block_name, gate_name, (g, u, d), shared_name = _MOE_NAMES[moe.names]
+    block = nn.Module()
+    gate = _Weights((moe.num_experts, h))
+    if moe.e_score_correction_bias:
+        # Steers the selection only: no gradient; a parameter so that it is saved and synced.
+        gate.e_score_correction_bias = nn.Parameter(torch.empty(moe.num_experts), requires_grad=False)
+    setattr(block, gate_name, gate)
+    experts = nn.ModuleList()
+    for _ in range(moe.num_experts):
+        expert = nn.Module()
+        setattr(expert, g, _Weights((moe.moe_intermediate_size, h)))
+        setattr(expert, u, _Weights((moe.moe_intermediate_size, h)))
+        setattr(expert, d, _Weights((h, moe.moe_intermediate_size)))
+        experts.append(expert)
+    block.experts = experts
+    if moe.shared_expert_intermediate_size:
+        setattr(block, shared_name, _swiglu(h, moe.shared_expert_intermediate_size))
+        if moe.shared_expert_gate:
+            block.shared_expert_gate = _Weights((1, h))
+    return block_name, block
+
+
 class _Layer(nn.Module):
-    def __init__(self, config, blocks: Blocks):
+    def __init__(self, config, blocks: Blocks, index: int = 0):
         super().__init__()
         h, head_dim = config.hidden_size, blocks.head_dim
         nh, nkv = config.num_attention_heads, config.num_key_value_heads
@@ -59,11 +100,11 @@ class _Layer(nn.Module):
             attn.q_norm = _Weights((head_dim,))
             attn.k_norm = _Weights((head_dim,))
         self.self_attn = attn
-        mlp = nn.Module()
-        mlp.gate_proj = _Weights((inter, h))
-        mlp.up_proj = _Weights((inter, h))
-        mlp.down_proj = _Weights((h, inter))
-        self.mlp = mlp
+        if blocks.mlp_kind(index) == "moe":
+            name, block = _moe_block(h, blocks.moe)
+            setattr(self, name, block)
+        else:
+            self.mlp = _swiglu(h, inter)
         self.input_layernorm = _Weights((h,))
         self.post_attention_layernorm = _Weights((h,))
 
@@ -87,7 +128,7 @@ class AlignedCausalLM(nn.Module):
         self.model = nn.Module()
         self.model.embed_tokens = _Weights((config.vocab_size, config.hidden_size))
         self.model.layers = nn.ModuleList(
-            _Layer(config, self.blocks) for _ in range(config.num_hidden_layers)
+            _Layer(config, self.blocks, i) for i in range(config.num_hidden_layers)
         )
         self.model.norm = _Weights((config.hidden_size,))
         if not self.tied:
@@ -136,7 +177,10 @@ class AlignedCausalLM(nn.Module):
         cfg = self.config
         eps = cfg.rms_norm_eps
         max_pos = getattr(cfg, "max_position_embeddings", 8192)
-        self.rotary = AlignedRotary(rt, self.head_dim, max_pos, getattr(cfg, "rope_parameters", None))
+        rope_parameters = getattr(cfg, "rope_parameters", None)
+        if self.blocks.partial_rotary_factor != 1.0:
+            rope_parameters = {**(rope_parameters or {}), "partial_rotary_factor": self.blocks.partial_rotary_factor}
+        self.rotary = AlignedRotary(rt, self.head_dim, max_pos, rope_parameters)
         self.act = AlignedSiluAndMul(rt)
         # One backend per distinct window (vLLM's attention layer carries its window); ``attention``
         # is the first layer's, the others are looked up by window (see _layer_attention).
@@ -149,17 +193,22 @@ class AlignedCausalLM(nn.Module):
         }
         self.attention = self.attention_by_window[windows[0]]
         self.layer_ops = []
-        for layer in self.model.layers:
-            a, m = layer.self_attn, layer.mlp
+        for index, layer in enumerate(self.model.layers):
+            a = layer.self_attn
             qkv_bias = [a.q_proj.bias, a.k_proj.bias, a.v_proj.bias] if self.blocks.qkv_bias else None
             ops = dict(
                 input_norm=AlignedRMSNorm(rt, layer.input_layernorm.weight, eps),
                 post_norm=AlignedRMSNorm(rt, layer.post_attention_layernorm.weight, eps),
                 qkv=AlignedLinear(rt, [a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], qkv_bias),
                 o=AlignedLinear(rt, [a.o_proj.weight], [a.o_proj.bias] if self.blocks.o_bias else None),
-                gate_up=AlignedLinear(rt, [m.gate_proj.weight, m.up_proj.weight]),
-                down=AlignedLinear(rt, [m.down_proj.weight]),
             )
+            if self.blocks.mlp_kind(index) == "moe":
+                ops.update(self._moe_ops(layer))
+            else:
+                ops.update(
+                    gate_up=AlignedLinear(rt, [layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight]),
+                    down=AlignedLinear(rt, [layer.mlp.down_proj.weight]),
+                )
             if self.blocks.qk_norm:
                 ops["q_norm"] = AlignedRMSNorm(rt, a.q_norm.weight, eps)
                 ops["k_norm"] = AlignedRMSNorm(rt, a.k_norm.weight, eps)
@@ -220,11 +269,52 @@ class AlignedCausalLM(nn.Module):
         window = self.blocks.window_of(index)
         return self.attention if window == self.blocks.window_of(0) else self.attention_by_window[window]
 
+    def _moe_ops(self, layer) -> dict:
+        """The router gate, vLLM's MoE layer and any shared expert of one MoE layer."""
+        rt, moe = self.runtime, self.blocks.moe
+        block_name, gate_name, (g, u, d), shared_name = _MOE_NAMES[moe.names]
+        block = getattr(layer, block_name)
+        gate = getattr(block, gate_name)
+        experts = block.experts
+        ops = dict(
+            router=AlignedLinear(rt, [gate.weight]),
+            experts=AlignedMoE(
+                rt,
+                moe,
+                self.config.hidden_size,
+                [getattr(e, g).weight for e in experts],
+                [getattr(e, u).weight for e in experts],
+                [getattr(e, d).weight for e in experts],
+                getattr(gate, "e_score_correction_bias", None),
+            ),
+        )
+        if moe.shared_expert_intermediate_size:
+            shared = getattr(block, shared_name)
+            ops["shared_gate_up"] = AlignedLinear(rt, [shared.gate_proj.weight, shared.up_proj.weight])
+            ops["shared_down"] = AlignedLinear(rt, [shared.down_proj.weight])
+            if moe.shared_expert_gate:
+                ops["shared_expert_gate"] = AlignedLinear(rt, [block.shared_expert_gate.weight])
+        return ops
+
+    def _mlp(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
+        """The layer's MLP in vLLM's order: dense SwiGLU, or shared expert + routed experts."""
+        ops = self.layer_ops[layer]
+        if "experts" not in ops:
+            return self._linear(layer, "down", self.act(self._linear(layer, "gate_up", hidden)))
+        routed = ops["experts"](hidden, ops["router"](hidden))
+        if "shared_down" not in ops:
+            return routed
+        shared = ops["shared_down"](self.act(ops["shared_gate_up"](hidden)))
+        if "shared_expert_gate" in ops:
+            shared = torch.sigmoid(ops["shared_expert_gate"](hidden)) * shared
+        return shared + routed
+
     def all_linears(self) -> dict[str, AlignedLinear]:
         out = {}
         for i, ops in enumerate(self.layer_ops):
-            for key in ("qkv", "o", "gate_up", "down"):
-                out[f"layers.{i}.{key}"] = ops[key]
+            for key, op in ops.items():
+                if isinstance(op, AlignedLinear):
+                    out[f"layers.{i}.{key}"] = op
         return out
 
     def check_cpu_gemm_invariance(self) -> dict:
@@ -298,8 +388,7 @@ class AlignedCausalLM(nn.Module):
             attn = attention(q, k, v.contiguous(), plans[attention], batch.seq_lens)
             hidden = self._linear(i, "o", attn)
             hidden, residual = ops["post_norm"](hidden, residual)
-            gate_up = self._linear(i, "gate_up", hidden)
-            hidden = self._linear(i, "down", self.act(gate_up))
+            hidden = self._mlp(i, hidden)
         hidden, _ = self.final_norm(hidden, residual)
         return hidden
 

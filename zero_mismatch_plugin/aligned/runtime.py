@@ -153,6 +153,15 @@ class VllmRuntime:
 
         return pad_vocab_size(vocab_size, DEFAULT_VOCAB_PADDING_SIZE)
 
+    def fused_moe(self, prefix: str, **moe_kwargs):
+        """vLLM's MoE layer (``MoERunner``: router + routed experts) as one process builds it:
+        tensor, data and context parallelism of one; registered under ``prefix`` in the config."""
+        from vllm.model_executor.layers.fused_moe.layer import FusedMoEFactory
+        from vllm.utils.torch_utils import set_default_torch_dtype
+
+        with self.context(), set_default_torch_dtype(self.dtype), torch.device(self.device):
+            return FusedMoEFactory(tp_size=1, dp_size=1, pcp_size=1, prefix=prefix, **moe_kwargs)
+
     def attention(
         self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, sliding_window: int | None = None
     ):

@@ -46,6 +46,10 @@ class WeightSyncExtension:
         weights = [decode(item) for item in encoded]
         device = self.device if hasattr(self, "device") else torch.device("cpu")
         weights = [(n, t.to(device)) for n, t in weights]
+        from .moe import reprocess_moe_as_first_load
+
+        # CPU MoE layers: pad and pre-pack the new expert weights as at the first load.
+        reprocess_moe_as_first_load(self.model_runner.get_model())
         self.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
         repack_shared_cpu_weights(self.model_runner.get_model())
         return len(weights)

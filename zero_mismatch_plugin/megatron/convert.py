@@ -24,6 +24,16 @@ from ..architectures import Blocks, describe
 def megatron_blocks(hf_config) -> Blocks:
     """The checkpoint's blocks, refused where megatron-core's dense GPT layer cannot hold them."""
     blocks = describe(hf_config)
+    if blocks.moe is not None:
+        raise NotImplementedError(
+            f"{blocks.architecture}: Mixture-of-Experts layers are not in the Megatron face yet; "
+            "use the aligned trainer model (AlignedCausalLM)"
+        )
+    if blocks.partial_rotary_factor != 1.0:
+        raise NotImplementedError(
+            f"{blocks.architecture}: partial rotary (factor {blocks.partial_rotary_factor}) is not "
+            "supported by the Megatron face"
+        )
     if blocks.o_bias:
         # megatron-core has one switch (add_bias_linear) for o_proj and both MLP linears.
         raise NotImplementedError(

@@ -1,0 +1,272 @@
+"""The Mixture-of-Experts op: vLLM's router and fused-experts layer forward, torch backward.
+
+The forward is vLLM's own MoE layer (``FusedMoEFactory`` -> ``MoERunner``: the router of the
+platform, ``CPURouter`` on CPU, then the routed experts' kernel, ``CPUUnquantizedExperts`` ->
+``_C.cpu_fused_moe`` on CPU) built under the engine's ``VllmConfig`` and fed the trainer's expert
+weights through the layer's own weight loader and post-load processing (intermediate padding,
+pre-packing). Its numerics (an approximate exp in SiLU, the top-k combine in slot order, the
+padded intermediate size) are therefore the engine's, and are not repeated here.
+
+The backward is plain fp32 torch: the experts (gate, up, down), and the router logits through the
+top-k weights; the selection itself (which experts) is piecewise constant and has no gradient.
+The router's gate linear and any shared expert are composed from the dense ops of :mod:`.ops`.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+from torch.autograd import Function
+
+from .derived import DerivedWeight
+from .runtime import VllmRuntime
+from ..architectures import MoeBlocks
+
+_layer_ids = itertools.count()
+
+
+def refuse_unsupported_engine(runtime: VllmRuntime) -> None:
+    """Engine settings under which vLLM's MoE layer would not be this one-process layer."""
+    cfg = runtime.vllm_config
+    par = cfg.parallel_config
+    problems = []
+    if par.tensor_parallel_size != 1:
+        problems.append(f"tensor_parallel_size={par.tensor_parallel_size}: use 1")
+    if par.data_parallel_size != 1:
+        problems.append(f"data_parallel_size={par.data_parallel_size}: use 1")
+    if par.enable_expert_parallel:
+        problems.append("enable_expert_parallel (expert parallelism): leave it off")
+    if par.enable_eplb:
+        problems.append("enable_eplb (redundant experts): leave it off")
+    if cfg.model_config.quantization is not None:
+        problems.append(f"quantization={cfg.model_config.quantization!r}: use unquantized experts")
+    if cfg.lora_config is not None:
+        problems.append("enable_lora (vLLM has no CPU path for LoRA on experts): leave it off")
+    if problems:
+        raise NotImplementedError(
+            "the aligned Mixture-of-Experts forward runs vLLM's one-process MoE layer; not with "
+            + "; ".join(problems)
+        )
+
+
+def reprocess_moe_as_first_load(model: torch.nn.Module) -> int:
+    """Make the next post-load processing of every CPU MoE layer in ``model`` a first load.
+
+    vLLM treats a second ``process_weights_after_loading`` of an unquantized MoE layer as a
+    weight update: it copies the new checkpoint-layout weights into the processed storage and
+    skips the experts' own processing. On CPU that processing zero-pads the expert width to a
+    multiple of 32 and pre-packs both weights, so an update would feed the kernel unpadded,
+    unpacked weights (a shape error when the width is padded, wrong numbers otherwise). Dropping
+    the built kernel sends the next processing through the first-load path: pad, pack, rebuild.
+    Returns how many layers were reset.
+    """
+    from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return 0
+    reset = 0
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if isinstance(method, FusedMoEMethodBase) and getattr(method, "moe_kernel", None) is not None:
+            method.moe_kernel = None
+            reset += 1
+    return reset
+
+
+def routing_weights(logits: torch.Tensor, ids: torch.Tensor, moe: MoeBlocks) -> torch.Tensor:
+    """The top-k weights [T, K] of the experts ``ids`` [T, K] chosen from ``logits`` [T, E], as a
+    differentiable function of the logits (vLLM's CPU router's arithmetic, in torch).
+
+    Softmax routing: the softmax over the chosen logits when renormalized, else the chosen entries
+    of the full softmax. Sigmoid (DeepSeek-V3 / GLM-4.5) routing: the chosen sigmoid scores (the
+    correction bias steers the choice only), renormalized if asked, times routed_scaling_factor.
+    """
+    logits = logits.float()
+    ids = ids.long()
+    if moe.scoring_func == "softmax" and not moe.grouped_topk:
+        chosen = logits.gather(1, ids)
+        if moe.norm_topk_prob:
+            return torch.softmax(chosen, dim=-1)
+        return (chosen - torch.logsumexp(logits, dim=-1, keepdim=True)).exp()
+    scores = torch.sigmoid(logits) if moe.scoring_func == "sigmoid" else torch.softmax(logits, dim=-1)
+    w = scores.gather(1, ids)
+    if moe.norm_topk_prob:
+        w = w / w.sum(dim=-1, keepdim=True)
+    return w * moe.routed_scaling_factor
+
+
+class AlignedMoE:
+    """vLLM's MoE layer (router + routed experts) over the trainer's per-expert weights.
+
+    ``gate``, ``up``, ``down``: per-expert parameters ([I, H], [I, H], [H, I]) in expert order.
+    ``correction_bias``: the per-expert selection bias (sigmoid routing), or None.
+    """
+
+    def __init__(
+        self,
+        runtime: VllmRuntime,
+        moe: MoeBlocks,
+        hidden_size: int,
+        gate: list,
+        up: list,
+        down: list,
+        correction_bias: torch.nn.Parameter | None = None,
+    ):
+        refuse_unsupported_engine(runtime)
+        if len(gate) != moe.num_experts or len(up) != moe.num_experts or len(down) != moe.num_experts:
+            raise ValueError(f"expected {moe.num_experts} experts' gate/up/down weights")
+        self.runtime = runtime
+        self.moe = moe
+        self.gate, self.up, self.down = list(gate), list(up), list(down)
+        self.correction_bias = correction_bias
+        self.params = self.gate + self.up + self.down
+        self.layer_name = f"zmrl_aligned_moe.{next(_layer_ids)}.experts"
+        # vLLM's router keeps a reference to the bias tensor it was built with: the trainer's
+        # values are copied into this one whenever they change.
+        self._engine_bias = None
+        if moe.e_score_correction_bias:
+            if correction_bias is None:
+                raise ValueError("this MoE routing needs its e_score_correction_bias")
+            self._engine_bias = torch.zeros(moe.num_experts, dtype=torch.float32, device=runtime.device)
+        self.runner = runtime.fused_moe(
+            prefix=self.layer_name,
+            num_experts=moe.num_experts,
+            top_k=moe.top_k,
+            hidden_size=hidden_size,
+            intermediate_size=moe.moe_intermediate_size,
+            renormalize=moe.norm_topk_prob,
+            use_grouped_topk=moe.grouped_topk,
+            num_expert_group=moe.n_group,
+            topk_group=moe.topk_group,
+            scoring_func=moe.scoring_func,
+            routed_scaling_factor=moe.routed_scaling_factor,
+            # As vLLM's GLM-4.5 / DeepSeek-V3 models on a non-ROCm platform: the runner scales
+            # the routed output, the router's weights stay unscaled.
+            apply_routed_scale_to_output=moe.grouped_topk,
+            e_score_correction_bias=self._engine_bias,
+            router_logits_dtype=torch.float32 if moe.grouped_topk else None,
+        )
+        self.experts = self.runner.routed_experts
+        # The created (unprocessed) parameters: each re-derivation starts from their shape and
+        # loader attributes, as a fresh checkpoint load would.
+        self._created = {
+            name: (tuple(p.shape), p.dtype, dict(vars(p)))
+            for name, p in self.experts.named_parameters(recurse=False)
+        }
+        self._captured = None
+        self.runner.router.set_capture_fn(self._capture)
+        sources = self.params + ([correction_bias] if correction_bias is not None else [])
+        self.derived = DerivedWeight(sources, self._build)
+
+    def _capture(self, topk_ids: torch.Tensor) -> None:
+        self._captured = topk_ids
+
+    def _build(self, sources):
+        """Load the expert weights through vLLM's weight loader, then its post-load processing."""
+        rt = self.runtime
+        experts = self.experts
+        with rt.context():
+            for name, (shape, dtype, attrs) in self._created.items():
+                fresh = torch.nn.Parameter(torch.zeros(shape, dtype=dtype, device=rt.device), requires_grad=False)
+                for key, value in attrs.items():
+                    setattr(fresh, key, value)
+                setattr(experts, name, fresh)
+            n = self.moe.num_experts
+            for shard, group in (("w1", sources[:n]), ("w3", sources[n : 2 * n]), ("w2", sources[2 * n : 3 * n])):
+                param = experts.w2_weight if shard == "w2" else experts.w13_weight
+                for e, w in enumerate(group):
+                    ok = param.weight_loader(
+                        param=param,
+                        loaded_weight=w.to(rt.dtype),
+                        weight_name=f"{self.layer_name}.{e}.{shard}.weight",
+                        shard_id=shard,
+                        expert_id=e,
+                        return_success=True,
+                    )
+                    if not ok:
+                        raise RuntimeError(f"vLLM's MoE weight loader refused expert {e} {shard}")
+            if self._engine_bias is not None:
+                self._engine_bias.copy_(sources[3 * n].float())
+            # Each derivation is a first load (see reprocess_moe_as_first_load).
+            reprocess_moe_as_first_load(experts)
+            experts.quant_method.process_weights_after_loading(experts)
+        return self.runner
+
+    def kernel(self, hidden: torch.Tensor, router_logits: torch.Tensor):
+        """vLLM's MoE layer on (hidden [T, H], router logits [T, E]): (routed output, top-k ids)."""
+        from vllm.forward_context import set_forward_context
+
+        runner = self.derived.get()
+        self._captured = None
+        with self.runtime.context(), set_forward_context(
+            None, self.runtime.vllm_config, num_tokens=hidden.shape[0]
+        ):
+            out = runner.forward(hidden.clone(), router_logits.clone())
+        ids = self._captured
+        self._captured = None
+        if ids is None:
+            raise RuntimeError("vLLM's router did not report the experts it chose")
+        return out, ids.clone()
+
+    def __call__(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        return _MoEFn.apply(hidden, router_logits, self, *self.params)
+
+
+def experts_backward(x, g, ids, weights, gate, up, down):
+    """fp32 gradients of out[t] = sum_k weights[t, k] * down_e(silu(gate_e x_t) * up_e x_t),
+    e = ids[t, k]: returns (d x, d weights, [d gate_e], [d up_e], [d down_e])."""
+    x32, g32 = x.float(), g.float()
+    # One row per (token, slot): each is written once, then summed over the slots (a scatter-add
+    # into the tokens would serialise on this CPU).
+    gx_slots = x32.new_zeros(ids.shape[0], ids.shape[1], x32.shape[1])
+    gweights = torch.zeros_like(weights, dtype=torch.float32)
+    ggate, gup, gdown = [], [], []
+    for e in range(len(gate)):
+        tok, slot = (ids == e).nonzero(as_tuple=True)
+        wg, wu, wd = gate[e].detach().float(), up[e].detach().float(), down[e].detach().float()
+        if tok.numel() == 0:
+            ggate.append(torch.zeros_like(wg))
+            gup.append(torch.zeros_like(wu))
+            gdown.append(torch.zeros_like(wd))
+            continue
+        xe = x32.index_select(0, tok)
+        a, b = xe @ wg.t(), xe @ wu.t()
+        s = torch.sigmoid(a)
+        h = a * s * b
+        y = h @ wd.t()
+        ge = g32.index_select(0, tok)
+        gweights[tok, slot] = (ge * y).sum(-1)
+        gy = ge * weights[tok, slot].float().unsqueeze(-1)
+        gdown.append(gy.t() @ h)
+        gh = gy @ wd
+        ga = gh * b * s * (1 + a * (1 - s))
+        gb = gh * a * s
+        ggate.append(ga.t() @ xe)
+        gup.append(gb.t() @ xe)
+        gx_slots[tok, slot] = ga @ wg + gb @ wu
+    return gx_slots.sum(1), gweights, ggate, gup, gdown
+
+
+class _MoEFn(Function):
+    @staticmethod
+    def forward(ctx, hidden, router_logits, moe: AlignedMoE, *params):
+        out, ids = moe.kernel(hidden, router_logits)
+        ctx.save_for_backward(hidden, router_logits, ids)
+        ctx.moe = moe
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        hidden, router_logits, ids = ctx.saved_tensors
+        moe = ctx.moe
+        with torch.enable_grad():
+            logits = router_logits.detach().float().requires_grad_(True)
+            weights = routing_weights(logits, ids, moe.moe)
+        gx, gweights, ggate, gup, gdown = experts_backward(
+            hidden, g, ids.long(), weights.detach(), moe.gate, moe.up, moe.down
+        )
+        (glogits,) = torch.autograd.grad(weights, logits, gweights)
+        grads = [gw.to(p.dtype) for gw, p in zip(ggate + gup + gdown, moe.params)]
+        return (gx.to(hidden.dtype), glogits.to(router_logits.dtype), None, *grads)
