@@ -96,3 +96,16 @@ def test_other_recipes_launch_without_the_cpu_environment():
 
     command = recipes.launch_command("reinforce_zero", ["x=1"])
     assert command[0] != "env" and not any(arg.startswith("ZMRL_VERL_PLATFORM") for arg in command)
+
+
+def test_a_dry_run_prints_the_command_and_builds_nothing(tmp_path, monkeypatch, capsys):
+    from zero_mismatch_plugin import recipes
+
+    monkeypatch.chdir(tmp_path)
+    assert recipes.run_recipe("cpu_smoke", ["trainer.total_training_steps=3"], dry_run=True, err=lambda text: None) == 0
+    printed = capsys.readouterr().out
+    inputs = tmp_path / recipes.SMOKE_INPUTS_DIR
+    # The command names the paths a real run builds the inputs at, but nothing is built.
+    assert f"actor_rollout_ref.model.path={inputs / 'model'}" in printed
+    assert f"data.train_files={inputs / 'data' / 'train.parquet'}" in printed
+    assert not inputs.exists()

@@ -37,8 +37,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial, wraps
 
-import torch
-
 from zero_mismatch_plugin.runtime_patches import FunctionPatch
 from zero_mismatch_plugin.runtime_patches import apply as apply_patch
 from zero_mismatch_plugin.runtime_patches import is_applied, is_pending
@@ -79,6 +77,7 @@ class PackedMicroBatch:
 
 def packed_micro_batch(micro_batch) -> PackedMicroBatch:
     """verl's no-padding micro-batch (jagged ``input_ids`` / ``position_ids``) as one packed batch."""
+    import torch
     from verl.utils import tensordict_utils as tu
     from verl.utils.dataset.dataset_utils import DatasetPadMode
 
@@ -324,7 +323,7 @@ def check_engine_supported(engine) -> None:
                                      + f". Fix these or unset {ENABLE_ENV} (diff 0 then cannot hold).")
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
+def _dtype_name(dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
@@ -366,6 +365,8 @@ def _micro_batch_problems(micro_batch) -> list[str]:
 def aligned_forward_step(engine, micro_batch, loss_function, forward_only):
     """``FSDPEngineWithLMHead.forward_step`` with the logprobs (and entropy / sum pi^2 when verl
     asks for them) from the aligned forward; returns what verl's returns."""
+    import torch
+
     from verl.utils import tensordict_utils as tu
     from verl.utils.device import get_device_id, get_device_name
 
