@@ -357,7 +357,7 @@ def _micro_batch_problems(micro_batch) -> list[str]:
                       ("distillation_only", "no distillation-only forward")):
         if tu.get_non_tensor_data(data=micro_batch, key=key, default=False):
             problems.append(what)
-    if len(micro_batch.get("multi_modal_inputs", []) or []):
+    if "multi_modal_inputs" in micro_batch.keys():
         problems.append("text-only inputs (no multi_modal_inputs)")
     return problems
 
