@@ -358,7 +358,11 @@ def _micro_batch_problems(micro_batch) -> list[str]:
         if tu.get_non_tensor_data(data=micro_batch, key=key, default=False):
             problems.append(what)
     if "multi_modal_inputs" in micro_batch.keys():
-        problems.append("text-only inputs (no multi_modal_inputs)")
+        from verl.utils.model import extract_multi_modal_inputs
+
+        # verl carries the key for text-only batches too (one empty entry per sample).
+        if extract_multi_modal_inputs(micro_batch["multi_modal_inputs"]):
+            problems.append("text-only inputs (no multi_modal_inputs)")
     return problems
 
 
