@@ -332,9 +332,14 @@ def aligned_state(engine) -> AlignedFSDPForward:
     the dtype its forward computes in (the rollout must serve the same checkpoint in that dtype)."""
     state = getattr(engine, _STATE_ATTR, None)
     if state is None:
+        from zero_mismatch_plugin.aligned import numerics
         from zero_mismatch_plugin.aligned.runtime import VllmRuntime
 
         check_engine_supported(engine)
+        if numerics.is_consistent() and hasattr(numerics, "enable_consistent_numerics"):
+            # The trainer side of the switch in the actor's worker, kept for the worker's life
+            # (vLLM's batch-invariant mode on a GPU; on a CPU the trainer follows ZMRL_NUMERICS).
+            numerics.enable_consistent_numerics()
         root = _unwrapped(engine.module)
         dtype = getattr(engine, "_autocast_dtype", None) or next(root.parameters()).dtype
         runtime = VllmRuntime(engine.model_config.local_path, dtype=_dtype_name(dtype))
