@@ -336,7 +336,7 @@ def aligned_state(engine) -> AlignedFSDPForward:
         from zero_mismatch_plugin.aligned.runtime import VllmRuntime
 
         check_engine_supported(engine)
-        if numerics.is_consistent() and hasattr(numerics, "enable_consistent_numerics"):
+        if numerics.is_consistent():
             # The trainer side of the switch in the actor's worker, kept for the worker's life
             # (vLLM's batch-invariant mode on a GPU; on a CPU the trainer follows ZMRL_NUMERICS).
             numerics.enable_consistent_numerics()
@@ -439,7 +439,8 @@ def _new_weights_after(original):
     return method
 
 
-fsdp_patch = partial(FunctionPatch, package="verl", versions=SUPPORTED_VERL_VERSIONS, module=ENGINE_MODULE)
+fsdp_patch = partial(FunctionPatch, package="verl", versions=SUPPORTED_VERL_VERSIONS, module=ENGINE_MODULE,
+                     when=f"{ENABLE_ENV}=1")
 
 FORWARD_STEP = fsdp_patch(
     name="fsdp-aligned-forward-step",
