@@ -512,7 +512,7 @@ def test_list_names_every_recipe_and_whether_its_trainer_is_aligned(capsys):
         assert f"  {name}\n" in out
         trainer = out.split(f"  {name}\n", 1)[1].splitlines()[1].strip()
         expected = ("trainer: NOT aligned: missing a path for" if name in NOT_ALIGNED else
-                    "trainer: standard kernels" if name in (*STANDARD, *CPU_RECIPES) else
+                    "trainer: standard kernels" if name in STANDARD else
                     "trainer: aligned if the model is one of" if name in BASE_RECIPES else "trainer: aligned")
         assert trainer.startswith(expected), (name, trainer)
     assert str(RECIPES_DIR) in out

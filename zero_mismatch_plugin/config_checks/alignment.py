@@ -20,6 +20,7 @@ from omegaconf import DictConfig
 
 from zero_mismatch_plugin import architectures
 from zero_mismatch_plugin.megatron.verl_patch import ENABLE_ENV
+from zero_mismatch_plugin.verl_adapter.fsdp_aligned import ENABLE_ENV as FSDP_ENABLE_ENV
 
 from .cluster import MEGATRON, ROLLOUT, lora_rank, uses_megatron
 from .numerics import is_consistent, runtime_env_vars
@@ -30,6 +31,10 @@ ALIGNED_SWITCH_KEY = f"{ENV_VARS_KEY}.{ENABLE_ENV}"
 # Appended by `--allow-unaligned-trainer`: `++` sets the variable whether or not the config has it.
 UNALIGNED_OVERRIDE = f"++{ALIGNED_SWITCH_KEY}='0'"
 ARCHITECTURE_KEY = "zmrl.architecture"
+# verl's FSDP engine has its own switch (zero_mismatch_plugin.verl_adapter.fsdp_aligned); a config
+# that sets it with an FSDP actor is judged by it.
+FSDP_SWITCH_KEY = f"{ENV_VARS_KEY}.{FSDP_ENABLE_ENV}"
+FSDP_UNALIGNED_OVERRIDE = f"++{FSDP_SWITCH_KEY}='0'"
 OVERRIDE_HINT = (f"To train anyway with the trainer unaligned, pass --allow-unaligned-trainer (it adds "
                  f"{UNALIGNED_OVERRIDE}); diff 0 then cannot hold")
 
@@ -114,10 +119,33 @@ def _architecture_gaps(architecture: Architecture) -> list[str]:
     return gaps
 
 
+def uses_fsdp_switch(cfg: DictConfig) -> bool:
+    """An FSDP actor whose config sets the FSDP engine's aligned switch."""
+    return not uses_megatron(cfg) and FSDP_ENABLE_ENV in runtime_env_vars(cfg)
+
+
+def switch_key(cfg: DictConfig) -> str:
+    return FSDP_SWITCH_KEY if uses_fsdp_switch(cfg) else ALIGNED_SWITCH_KEY
+
+
+def _fsdp_engine_gaps(cfg: DictConfig) -> list[str]:
+    """The FSDP engine settings the aligned forward runs under (fsdp_aligned.check_engine_supported)."""
+    gaps = []
+    for key, wanted in (("actor_rollout_ref.actor.strategy", "fsdp2"),
+                        ("actor_rollout_ref.actor.ulysses_sequence_parallel_size", 1),
+                        ("actor_rollout_ref.model.use_fused_kernels", False)):
+        if read(cfg, key) != wanted:
+            gaps.append(f"{key}={str(wanted).lower() if isinstance(wanted, bool) else wanted}")
+    return gaps
+
+
 def _engine_gaps(cfg: DictConfig) -> list[str]:
-    """The Megatron engine settings the aligned forward is built into (docs/megatron.md)."""
+    """The Megatron engine settings the aligned forward is built into (docs/megatron.md), or the
+    FSDP engine's when the config uses that engine's switch."""
     from zero_mismatch_plugin.megatron.spec import unsupported_features
 
+    if uses_fsdp_switch(cfg):
+        return _fsdp_engine_gaps(cfg)
     if not uses_megatron(cfg):
         return [f"verl's Megatron engine (actor strategy is {read(cfg, 'actor_rollout_ref.actor.strategy')!r}; "
                 "the aligned forward patches that engine): add the zm_engine: megatron group or model_engine=megatron"]
@@ -178,7 +206,7 @@ def alignment_gaps(cfg: DictConfig, architecture: Architecture) -> list[str]:
 
 
 def aligned_switch(cfg: DictConfig) -> str | None:
-    return runtime_env_vars(cfg).get(ENABLE_ENV)
+    return runtime_env_vars(cfg).get(FSDP_ENABLE_ENV if uses_fsdp_switch(cfg) else ENABLE_ENV)
 
 
 def trainer_alignment(cfg: DictConfig) -> TrainerAlignment:
@@ -199,34 +227,40 @@ def trainer_alignment(cfg: DictConfig) -> TrainerAlignment:
     return TrainerAlignment(ALIGNED)
 
 
-def _unaligned_warning(gaps: tuple[str, ...]) -> Problem:
+def _unaligned_warning(gaps: tuple[str, ...], key: str) -> Problem:
     why = f" The aligned forward would also lack: {'; '.join(gaps)}." if gaps else ""
-    return Problem(ALIGNED_SWITCH_KEY,
+    return Problem(key,
                    "TRAINER NOT ALIGNED: \"0\" runs the trainer on its own kernels while ZMRL_NUMERICS=consistent; "
                    "its logprobs are not vLLM's bits, so diff 0 CANNOT hold (rollout_probs_diff will not read 0, "
                    f"bitwise_equal_fraction will not read 1).{why}", fatal=False)
 
 
+def _override_hint(cfg: DictConfig) -> str:
+    if uses_fsdp_switch(cfg):
+        return f"To train anyway with the trainer unaligned, pass {FSDP_UNALIGNED_OVERRIDE}; diff 0 then cannot hold"
+    return OVERRIDE_HINT
+
+
 def alignment_problems(cfg: DictConfig) -> list[Problem]:
     switch = aligned_switch(cfg)
     if switch not in (None, "0", "1"):
-        return [Problem(ALIGNED_SWITCH_KEY, f"must be \"1\" (aligned trainer forward) or \"0\" (off); now {switch!r}")]
+        return [Problem(switch_key(cfg), f"must be \"1\" (aligned trainer forward) or \"0\" (off); now {switch!r}")]
     alignment = trainer_alignment(cfg)
     if alignment.status == NOT_ENABLED:
-        return [Problem(ALIGNED_SWITCH_KEY, "ZMRL_NUMERICS=consistent promises diff 0, which needs the aligned "
+        return [Problem(switch_key(cfg), "ZMRL_NUMERICS=consistent promises diff 0, which needs the aligned "
                                             "trainer forward: set it to \"1\" (the zm_numerics: consistent group "
-                                            f"does). {OVERRIDE_HINT}")]
+                                            f"does). {_override_hint(cfg)}")]
     if alignment.status == NOT_ALIGNED:
-        return [Problem(ALIGNED_SWITCH_KEY, "the aligned trainer forward does not cover this run, so diff 0 cannot "
-                                            f"hold; missing: {'; '.join(alignment.gaps)}. {OVERRIDE_HINT}")]
+        return [Problem(switch_key(cfg), "the aligned trainer forward does not cover this run, so diff 0 cannot "
+                                            f"hold; missing: {'; '.join(alignment.gaps)}. {_override_hint(cfg)}")]
     if alignment.status == MODEL_UNKNOWN:
         return [Problem(ARCHITECTURE_KEY, f"cannot tell whether the aligned trainer forward covers the model: "
                                           f"{model_architecture(cfg).source}. Point model.path at a local "
                                           f"checkpoint, or set ++{ARCHITECTURE_KEY}=<its config.json architectures[0]>")]
     if alignment.status == TURNED_OFF:
-        return [_unaligned_warning(alignment.gaps)]
+        return [_unaligned_warning(alignment.gaps, switch_key(cfg))]
     if alignment.status == STANDARD and switch == "1":
-        return [Problem(ALIGNED_SWITCH_KEY, "the aligned trainer forward is on without ZMRL_NUMERICS=consistent: "
+        return [Problem(switch_key(cfg), "the aligned trainer forward is on without ZMRL_NUMERICS=consistent: "
                                             "the engine side is not batch-invariant, so parity is not expected",
                         fatal=False)]
     return []

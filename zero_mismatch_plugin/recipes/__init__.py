@@ -172,18 +172,18 @@ def launch_command(name: str, overrides: Sequence[str] = (), python: str | None 
 SMOKE_INPUT_KEYS = ("actor_rollout_ref.model.path", "data.train_files")
 
 
-def _with_smoke_inputs(overrides: Sequence[str], inputs_dir: Path) -> list[str]:
+def _with_smoke_inputs(overrides: Sequence[str], inputs_dir: Path, build: bool = True) -> list[str]:
     """A CPU recipe run without a model or data set gets the tiny local ones (built once in
-    ``inputs_dir``); paths the user gave are kept. (The recipe cannot mark them ``???``: a merged
-    ``???`` never replaces verl's default paths.)"""
+    ``inputs_dir``; ``build=False``: only pointed at, for a dry run); paths the user gave are kept.
+    (The recipe cannot mark them ``???``: a merged ``???`` never replaces verl's default paths.)"""
     given = {override.split("=", 1)[0].lstrip("+") for override in overrides}
     if all(key in given for key in SMOKE_INPUT_KEYS):
         return list(overrides)
     from zero_mismatch_plugin.verl_cpu.launch import input_overrides
-    from zero_mismatch_plugin.verl_cpu.smoke_assets import build_smoke_inputs
+    from zero_mismatch_plugin.verl_cpu.smoke_assets import build_smoke_inputs, smoke_input_overrides
 
-    built = {key: path for key, path in build_smoke_inputs(inputs_dir).items() if key not in given}
-    return [*input_overrides(built), *overrides]
+    inputs = build_smoke_inputs(inputs_dir) if build else smoke_input_overrides(inputs_dir)
+    return [*input_overrides({key: path for key, path in inputs.items() if key not in given}), *overrides]
 
 
 def validate_recipe(name: str, overrides: Sequence[str] = (),
@@ -244,7 +244,8 @@ def run_recipe(
     except RecipeError:
         platform = None  # validation says why it does not compose
     if platform == "cpu":
-        overrides = _with_smoke_inputs(overrides, Path(SMOKE_INPUTS_DIR).resolve())
+        # A dry run prints the command with the paths a real run builds the inputs at; it builds nothing.
+        overrides = _with_smoke_inputs(overrides, Path(SMOKE_INPUTS_DIR).resolve(), build=not dry_run)
     status = validate_recipe(name, overrides, err)
     if status:
         return status

@@ -67,5 +67,22 @@ def _apply_megatron_patch_if_enabled() -> None:
 
 _apply_megatron_patch_if_enabled()
 
+
+def _apply_fsdp_patch_if_enabled() -> None:
+    """ZMRL_FSDP_ALIGNED=1: make verl's FSDP engine compute vLLM's logprobs (lazily: the patch is
+    applied when verl imports its FSDP engine module)."""
+    from zero_mismatch_plugin.verl_adapter import fsdp_aligned
+
+    try:
+        fsdp_aligned.maybe_apply()
+    except Exception:
+        logger.error("zero_mismatch_plugin: %s=1 but the aligned FSDP patch could NOT be applied in process %d; "
+                     "the trainer will NOT match vLLM's logprobs.", fsdp_aligned.ENABLE_ENV, os.getpid(),
+                     exc_info=True)
+        raise
+
+
+_apply_fsdp_patch_if_enabled()
+
 # ZMRL_VERL_PLATFORM=cpu: verl's CPU platform (opt-in; otherwise this imports only os and logging).
 import zero_mismatch_plugin.verl_cpu  # noqa: E402,F401

@@ -65,16 +65,24 @@ def build_smoke_dataset(out_dir: str | Path, count: int = 32, seed: int = 0) -> 
     return path
 
 
-def build_smoke_inputs(out_dir: str | Path, count: int = 32, seed: int = 0) -> dict[str, str]:
-    """Model and dataset under ``out_dir``; the verl overrides that point a run at them."""
+def smoke_input_overrides(out_dir: str | Path) -> dict[str, str]:
+    """The verl overrides pointing a run at the inputs :func:`build_smoke_inputs` builds under
+    ``out_dir`` (nothing is built or read here)."""
     out = Path(out_dir)
-    model = build_smoke_model(out / "model", seed=seed)
-    data = build_smoke_dataset(out / "data", count=count, seed=seed)
+    data = out / "data" / "train.parquet"
     return {
-        "actor_rollout_ref.model.path": str(model),
+        "actor_rollout_ref.model.path": str(out / "model"),
         "data.train_files": str(data),
         "data.val_files": str(data),
     }
+
+
+def build_smoke_inputs(out_dir: str | Path, count: int = 32, seed: int = 0) -> dict[str, str]:
+    """Model and dataset under ``out_dir``; the verl overrides that point a run at them."""
+    out = Path(out_dir)
+    build_smoke_model(out / "model", seed=seed)
+    build_smoke_dataset(out / "data", count=count, seed=seed)
+    return smoke_input_overrides(out)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,181 @@
+"""verl on the CPU: seconds per verl step (sync vs async), and the aligned actor forward's cost
+inside verl's FSDP engine vs verl's stock forward.
+
+Two parts, either or both:
+
+* ``--part forward``: one verl ``FSDPEngineWithLMHead`` (fsdp2, fp32, the CPU platform, one gloo
+  rank) built in this process from the cpu_smoke model; the same micro-batch goes through verl's
+  ``forward_step`` with the aligned patch (``fsdp_aligned``) removed and applied, alternating, so
+  load from other processes hits both alike. Timed: the no-grad forward (verl's old-logprob
+  recompute) and forward + backward (the training micro-step). Medians and their ratio.
+* ``--part step``: ``zmrl recipes run cpu_smoke`` (real verl processes: Ray, vLLM rollout,
+  FSDP actor) in ``trainer.v1.trainer_mode=sync`` and ``colocate_async``, alternating; verl's own
+  ``timing_s/step`` of every step after the first (the first pays for warm-up), medians.
+
+    .venv/bin/python benchmarks/bench_verl_cpu_step.py [--part forward|step|both] [--repeats 5]
+        [--batch 4] [--steps 4] [--step-repeats 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+
+
+# ----- the actor forward inside verl's engine ---------------------------------------------------
+
+
+def _engine(model_dir: Path, work: Path):
+    """verl's FSDP actor engine as cpu_smoke configures it, in this process (one gloo rank)."""
+    import torch.distributed as dist
+
+    import zero_mismatch_plugin.verl_cpu  # noqa: F401  registers verl's CPU platform
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(work / "store"), 1), rank=0, world_size=1)
+    from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
+    from verl.workers.config.checkpoint import CheckpointConfig
+    from verl.workers.engine import EngineRegistry
+
+    model_config = HFModelConfig(path=str(model_dir), use_remove_padding=False, enable_gradient_checkpointing=False,
+                                 override_config={"attn_implementation": "sdpa"})
+    engine_config = FSDPEngineConfig(strategy="fsdp2", model_dtype="fp32", dtype="float32", use_torch_compile=False,
+                                     mixed_precision={"param_dtype": "fp32", "reduce_dtype": "fp32",
+                                                      "buffer_dtype": "fp32"})
+    engine_config.use_remove_padding = False
+    optimizer_config = FSDPOptimizerConfig(lr=1e-3, total_training_steps=10)
+    engine = EngineRegistry.new(model_type="language_model", backend="fsdp2", model_config=model_config,
+                                engine_config=engine_config, optimizer_config=optimizer_config,
+                                checkpoint_config=CheckpointConfig())
+    engine.initialize()
+    return engine
+
+
+def _micro_batch(batch: int, prompt_len: int, response_len: int, vocab: int):
+    import torch
+    from tensordict import TensorDict
+    from verl.utils import tensordict_utils as tu
+
+    generator = torch.Generator().manual_seed(0)
+    lengths = [prompt_len + response_len] * batch
+    ids = [torch.randint(0, vocab, (n,), generator=generator) for n in lengths]
+    micro_batch = TensorDict({
+        "input_ids": torch.nested.as_nested_tensor(ids, layout=torch.jagged),
+        "position_ids": torch.nested.as_nested_tensor([torch.arange(n) for n in lengths], layout=torch.jagged),
+        "temperature": torch.ones(batch),
+    }, batch_size=[batch])
+    tu.assign_non_tensor(micro_batch, use_remove_padding=False)
+    return micro_batch
+
+
+def _timed(function, repeats_inner: int = 3) -> float:
+    start = time.perf_counter()
+    for _ in range(repeats_inner):
+        function()
+    return (time.perf_counter() - start) / repeats_inner
+
+
+def bench_forward(args) -> None:
+    import torch
+
+    from zero_mismatch_plugin.verl_adapter import fsdp_aligned
+    from zero_mismatch_plugin.verl_cpu.smoke_assets import build_smoke_model
+
+    work = Path(tempfile.mkdtemp(prefix="zmrl-bench-verl-"))
+    model_dir = build_smoke_model(work / "model")
+    engine = _engine(model_dir, work)
+    micro_batch = _micro_batch(args.batch, args.prompt_len, args.response_len, engine.module.config.vocab_size)
+
+    def no_grad():
+        with torch.no_grad():
+            engine.forward_step(micro_batch, loss_function=None, forward_only=True)
+
+    def with_grad():
+        def loss_function(model_output, data, dp_group):
+            return model_output["log_probs"].values().sum(), {}
+
+        loss, _ = engine.forward_step(micro_batch, loss_function=loss_function, forward_only=False)
+        loss.backward()
+        engine.optimizer_zero_grad()
+
+    times = {(side, kind): [] for side in ("stock", "aligned") for kind in ("forward", "forward+backward")}
+    for side in ("stock", "aligned"):  # warm-up: the first aligned call builds the vLLM runtime and ops
+        (fsdp_aligned.apply if side == "aligned" else fsdp_aligned.remove)()
+        no_grad(), with_grad()
+    for _ in range(args.repeats):
+        for side in ("stock", "aligned"):
+            (fsdp_aligned.apply if side == "aligned" else fsdp_aligned.remove)()
+            times[(side, "forward")].append(_timed(no_grad))
+            times[(side, "forward+backward")].append(_timed(with_grad))
+    fsdp_aligned.remove()
+    tokens = args.batch * (args.prompt_len + args.response_len)
+    print(f"verl FSDPEngineWithLMHead.forward_step, fsdp2 fp32, 1 rank, cpu_smoke model, micro-batch "
+          f"{args.batch} x {args.prompt_len + args.response_len} tokens ({tokens}), "
+          f"torch threads {torch.get_num_threads()}, {args.repeats} alternating repeats (medians):")
+    for kind in ("forward", "forward+backward"):
+        stock = statistics.median(times[("stock", kind)])
+        aligned = statistics.median(times[("aligned", kind)])
+        print(f"  {kind:17s} stock {stock * 1e3:8.2f} ms   aligned {aligned * 1e3:8.2f} ms   "
+              f"aligned/stock {aligned / stock:5.2f}x")
+
+
+# ----- seconds per verl step ------------------------------------------------------------------
+
+
+def bench_step(args) -> None:
+    from zero_mismatch_plugin.verl_cpu.launch import run_smoke
+    from zero_mismatch_plugin.verl_cpu.smoke_assets import build_smoke_inputs
+
+    work = Path(tempfile.mkdtemp(prefix="zmrl-bench-verl-step-"))
+    inputs = build_smoke_inputs(work / "inputs", count=64)
+    modes = {
+        "sync": ["trainer.v1.trainer_mode=sync"],
+        # lag 1: the next batch is sampled with the old weights while the actor trains.
+        "colocate_async": ["trainer.v1.trainer_mode=colocate_async"],
+    }
+    seconds = {mode: [] for mode in modes}
+    for repeat in range(args.step_repeats):
+        for mode, overrides in modes.items():
+            run = run_smoke(work / f"{mode}-{repeat}", inputs, [
+                *overrides, f"trainer.total_training_steps={args.steps}",
+                f"trainer.default_local_dir={work / 'checkpoints' / f'{mode}-{repeat}'}"], timeout_s=3600)
+            if run.returncode != 0:
+                raise SystemExit(f"{mode} run failed; log: {work / f'{mode}-{repeat}' / 'log.txt'}")
+            seconds[mode] += run.metric("timing_s/step")[1:]
+    print(f"seconds per verl step (cpu_smoke, aligned FSDP actor, {args.steps} steps per run, first step "
+          f"excluded, {args.step_repeats} alternating run(s) per mode):")
+    for mode, values in seconds.items():
+        print(f"  {mode:15s} median {statistics.median(values):6.2f} s  ({', '.join(f'{v:.2f}' for v in values)})")
+    print(f"  async/sync {statistics.median(seconds['colocate_async']) / statistics.median(seconds['sync']):.2f}x")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--part", choices=("forward", "step", "both"), default="both")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--prompt-len", type=int, default=24)
+    parser.add_argument("--response-len", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--step-repeats", type=int, default=1)
+    args = parser.parse_args()
+    # verl's CPU platform for the engine built here: chosen before the plugin or verl is imported.
+    os.environ["ZMRL_VERL_PLATFORM"] = "cpu"
+    import torch
+
+    print(f"host ISA {torch.backends.cpu.get_cpu_capability()} (the figures depend on it), {os.cpu_count()} CPUs")
+    if args.part in ("step", "both"):
+        bench_step(args)  # subprocesses first: the forward part initializes a process group here
+    if args.part in ("forward", "both"):
+        bench_forward(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,174 @@
+"""The aligned forward inside verl's FSDP2 units (zero_mismatch_plugin.verl_adapter.fsdp_aligned).
+
+In-process, one gloo rank: an HF checkpoint wrapped by verl's own ``apply_fsdp2`` computes the
+same logits and the same parameter gradients, bit for bit, as the aligned model
+(``AlignedCausalLM``, whose logprobs the aligned tests compare against vLLM's engine), also after
+an optimizer step. The end-to-end check against vLLM's μ inside verl's trainer is
+``test_main_ppo_cpu.py``.
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from zero_mismatch_plugin.aligned.packing import pack
+from zero_mismatch_plugin.verl_adapter import fsdp_aligned
+from zero_mismatch_plugin.verl_adapter.fsdp_aligned import (AlignedFSDPForward, PackedMicroBatch,
+                                                            UnsupportedFSDPFeature)
+
+PROMPT_LENS = (5, 9, 3)
+RESPONSE_LENS = (4, 2, 6)
+
+
+@pytest.fixture(scope="module")
+def process_group(tmp_path_factory):
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        yield
+        return
+    store = dist.FileStore(str(tmp_path_factory.mktemp("gloo") / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _fsdp2_model(checkpoint):
+    """The checkpoint as verl's FSDP engine wraps it: every decoder layer (and embed/lm_head) a
+    fully_shard unit, then the root; fp32 parameters and reductions."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from transformers import AutoModelForCausalLM
+    from verl.utils.fsdp_utils import apply_fsdp2
+
+    mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("fsdp",))
+    model = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32)
+    policy = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+    apply_fsdp2(model, {"mesh": mesh, "mp_policy": policy, "reshard_after_forward": True}, {})
+    return model
+
+
+def _batch():
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 200, (n,), generator=generator).tolist() for n in PROMPT_LENS]
+    responses = [torch.randint(0, 200, (n,), generator=generator).tolist() for n in RESPONSE_LENS]
+    return pack(prompts, responses)
+
+
+def _packed(batch) -> PackedMicroBatch:
+    return PackedMicroBatch(batch.input_ids, batch.positions, batch.seq_lens, cu_seqlens=None, labels=None,
+                            temperature=None)
+
+
+def _target_logprob_sum(logits, batch):
+    return logits.log_softmax(-1).gather(-1, batch.target_ids[:, None]).sum()
+
+
+def _full(tensor):
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_fsdp2_units_give_the_aligned_models_logits_and_gradients(process_group, checkpoints, family):
+    from zero_mismatch_plugin.aligned import AlignedCausalLM
+    from zero_mismatch_plugin.aligned.runtime import VllmRuntime
+
+    model = _fsdp2_model(checkpoints[family])
+    aligned = AlignedFSDPForward(VllmRuntime(checkpoints[family], dtype="float32"), model.config)
+    reference = AlignedCausalLM.from_pretrained(checkpoints[family])
+    batch = _batch()
+
+    logits = aligned.logits(model, _packed(batch)).index_select(0, batch.target_rows)
+    expected = reference.logits(batch)
+    assert torch.equal(logits, expected), (logits - expected).abs().max().item()
+
+    _target_logprob_sum(logits, batch).backward()
+    _target_logprob_sum(expected, batch).backward()
+    reference_params = dict(reference.named_parameters())
+    fsdp_params = dict(model.named_parameters())
+    assert set(reference_params) <= set(fsdp_params)
+    for name, reference_param in reference_params.items():
+        gradient = _full(fsdp_params[name].grad)
+        assert torch.equal(gradient, reference_param.grad), (name, (gradient - reference_param.grad).abs().max())
+
+    # One optimizer step on both sides, then the engine's signal (mark_stale) that the shards changed.
+    for optimizer in (torch.optim.SGD(model.parameters(), lr=0.5), torch.optim.SGD(reference.parameters(), lr=0.5)):
+        optimizer.step()
+        optimizer.zero_grad()
+    with torch.no_grad():
+        aligned.mark_stale()
+        updated = aligned.logits(model, _packed(batch)).index_select(0, batch.target_rows)
+        expected = reference.logits(batch)
+    assert torch.equal(updated, expected), (updated - expected).abs().max().item()
+
+
+def test_packed_micro_batch_reads_verls_jagged_layout():
+    from tensordict import TensorDict
+    from verl.utils import tensordict_utils as tu
+
+    ids = [torch.tensor([5, 6, 7]), torch.tensor([8, 9])]
+    micro_batch = TensorDict({
+        "input_ids": torch.nested.as_nested_tensor(ids, layout=torch.jagged),
+        "position_ids": torch.nested.as_nested_tensor([torch.arange(3), torch.arange(2)], layout=torch.jagged),
+        "temperature": torch.tensor([0.5, 1.0]),
+    }, batch_size=[2])
+    tu.assign_non_tensor(micro_batch, use_remove_padding=False)
+    packed = fsdp_aligned.packed_micro_batch(micro_batch)
+    assert packed.seq_lens == [3, 2]
+    assert packed.input_ids.tolist() == [5, 6, 7, 8, 9]
+    assert packed.positions.tolist() == [0, 1, 2, 0, 1]
+    # verl's labels: the next token of the packed stream (a sequence's last row is never read).
+    assert packed.labels.tolist() == [6, 7, 8, 9, 5]
+    assert packed.temperature.tolist() == [0.5, 0.5, 0.5, 1.0, 1.0]
+
+
+def test_unsupported_engine_settings_are_refused_naming_the_fix():
+    engine = types.SimpleNamespace(_is_lora=True, ulysses_sequence_parallel_size=2, _qat_enabled=False,
+                                   engine_config=types.SimpleNamespace(strategy="fsdp2"))
+    with pytest.raises(UnsupportedFSDPFeature) as error:
+        fsdp_aligned.check_engine_supported(engine)
+    message = str(error.value)
+    assert "lora_rank=0" in message and "ulysses_sequence_parallel_size=1" in message
+    assert fsdp_aligned.ENABLE_ENV in message
+
+
+def test_unsupported_architecture_is_refused(tmp_path):
+    config = types.SimpleNamespace(architectures=["GPT2LMHeadModel"])
+    with pytest.raises(NotImplementedError, match="GPT2LMHeadModel"):
+        AlignedFSDPForward(runtime=None, hf_config=config)
+
+
+def test_patch_is_reversible_and_version_gated(monkeypatch):
+    import verl
+    from verl.workers.engine.fsdp import transformer_impl as ti
+
+    from zero_mismatch_plugin.runtime_patches import UnsupportedVersion, applied
+
+    originals = (ti.FSDPEngineWithLMHead.__dict__["forward_step"], ti.FSDPEngine.__dict__["optimizer_step"],
+                 ti.FSDPEngine.__dict__["load_checkpoint"])
+    fsdp_aligned.apply()
+    try:
+        assert {patch.name for patch in fsdp_aligned.PATCHES} <= set(applied())
+        assert ti.FSDPEngineWithLMHead.forward_step is not originals[0]
+        assert ti.FSDPEngineWithLMHead.forward_step.__wrapped__ is originals[0]
+    finally:
+        fsdp_aligned.remove()
+    assert (ti.FSDPEngineWithLMHead.__dict__["forward_step"], ti.FSDPEngine.__dict__["optimizer_step"],
+            ti.FSDPEngine.__dict__["load_checkpoint"]) == originals
+    monkeypatch.setattr(verl, "__version__", "0.9.0")
+    with pytest.raises(UnsupportedVersion, match="0.9.0"):
+        fsdp_aligned.apply()
+    assert not fsdp_aligned.is_active()
+
+
+def test_switch_reads_the_environment(monkeypatch):
+    monkeypatch.delenv(fsdp_aligned.ENABLE_ENV, raising=False)
+    assert not fsdp_aligned.maybe_apply()
+    monkeypatch.setenv(fsdp_aligned.ENABLE_ENV, "1")
+    try:
+        assert fsdp_aligned.maybe_apply() and fsdp_aligned.is_active()
+    finally:
+        fsdp_aligned.remove()

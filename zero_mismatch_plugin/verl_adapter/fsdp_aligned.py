@@ -1,0 +1,490 @@
+"""Runtime patch of verl's FSDP engine: the actor's logprobs from vLLM's kernels.
+
+Enabled by ``ZMRL_FSDP_ALIGNED=1`` in every verl process (:func:`maybe_apply`, called by the
+plugin's ``verl.plugins`` entry point) or by :func:`apply`; :func:`remove` puts verl's methods
+back. The patches are :class:`~zero_mismatch_plugin.runtime_patches.FunctionPatch` entries for
+the verl versions in :data:`SUPPORTED_VERL_VERSIONS` (any other is refused).
+
+What changes in ``verl.workers.engine.fsdp.transformer_impl``:
+
+* ``FSDPEngineWithLMHead.forward_step``: for an actor (not a value model) whose checkpoint is one
+  of :mod:`~zero_mismatch_plugin.architectures`' decoders, the HF module's own forward is not
+  called. The micro-batch's sequences are packed (``input_ids`` / ``position_ids`` of verl's
+  no-padding layout) and run through the op layer (:mod:`~zero_mismatch_plugin.aligned.ops`) in
+  vLLM's layer order, over the FSDP module's parameters, and the logprob tail
+  (:mod:`~zero_mismatch_plugin.aligned.sampling`) turns the logits into vLLM's sampled-token
+  logprob at each row's temperature. Both the no-grad recompute of old logprobs and the training
+  forward take this path; verl's loss function is then called exactly as verl calls it.
+* ``FSDPEngine.optimizer_step`` / ``load_checkpoint``: afterwards the engine-layout weight copies
+  (merged qkv, packed oneDNN handles) are marked stale and re-derived at the next forward. FSDP2
+  refills its gathered parameters without bumping their version counters (measured: version 0
+  throughout), in storage the allocator may hand out at the same address again, so
+  :class:`~zero_mismatch_plugin.aligned.derived.DerivedWeight`'s own check cannot be relied on.
+
+How the op layer meets FSDP2: the aligned forward runs *inside* the FSDP units' forwards. For the
+duration of one call, the root module, every decoder layer and (untied) ``lm_head`` get an
+instance ``forward`` that computes their part with the aligned ops; calling the root module then
+fires FSDP2's hooks unit by unit, so each unit's parameters are gathered while its ops run,
+gradients land on the gathered parameters and FSDP reduces them into the shards verl's optimizer
+steps, as for verl's own forward.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import partial, wraps
+
+from zero_mismatch_plugin.runtime_patches import FunctionPatch
+from zero_mismatch_plugin.runtime_patches import apply as apply_patch
+from zero_mismatch_plugin.runtime_patches import is_applied, is_pending
+from zero_mismatch_plugin.runtime_patches import remove as remove_patch
+
+logger = logging.getLogger("zero_mismatch_plugin")
+
+ENABLE_ENV = "ZMRL_FSDP_ALIGNED"
+SUPPORTED_VERL_VERSIONS = ("0.9.1",)
+ENGINE_MODULE = "verl.workers.engine.fsdp.transformer_impl"
+
+_STATE_ATTR = "_zmrl_fsdp_aligned"
+_GENERATION_ATTR = "_zmrl_weights_generation"
+
+
+class UnsupportedFSDPFeature(NotImplementedError):
+    """A setting of verl's FSDP engine under which the aligned forward cannot reproduce vLLM."""
+
+
+def enabled_by_env() -> bool:
+    return os.environ.get(ENABLE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+# ----- packed inputs from verl's micro-batch ------------------------------------------------
+
+
+@dataclass
+class PackedMicroBatch:
+    """One micro-batch in vLLM's packed layout, with verl's per-token labels and temperatures."""
+
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    seq_lens: list[int]
+    cu_seqlens: torch.Tensor  # [B + 1], verl's offsets of the jagged tensors
+    labels: torch.Tensor  # [T] the next token (verl's rolled input_ids; the last row of a sequence is unused)
+    temperature: torch.Tensor  # [T] fp32, the sampling temperature of each row's sequence
+
+
+def packed_micro_batch(micro_batch) -> PackedMicroBatch:
+    """verl's no-padding micro-batch (jagged ``input_ids`` / ``position_ids``) as one packed batch."""
+    import torch
+    from verl.utils import tensordict_utils as tu
+    from verl.utils.dataset.dataset_utils import DatasetPadMode
+
+    pad_mode = tu.get_non_tensor_data(data=micro_batch, key="pad_mode", default=DatasetPadMode.NO_PADDING)
+    if pad_mode != DatasetPadMode.NO_PADDING:
+        raise UnsupportedFSDPFeature(f"the aligned FSDP forward reads verl's no-padding batches; got pad_mode {pad_mode}")
+    input_ids = micro_batch["input_ids"]
+    position_ids = micro_batch["position_ids"]
+    if position_ids.dim() == 3:
+        raise UnsupportedFSDPFeature("multi-dimensional (mrope) position_ids: vision-language models are not covered")
+    ids = input_ids.values()
+    cu_seqlens = input_ids.offsets().to(torch.long)
+    seq_lens = [int(n) for n in cu_seqlens.diff().tolist()]
+    temperature = micro_batch["temperature"]
+    if not isinstance(temperature, torch.Tensor):
+        temperature = torch.full((len(seq_lens),), float(temperature))
+    temperature = temperature.to(device=ids.device, dtype=torch.float32).reshape(-1)
+    if temperature.numel() != len(seq_lens):
+        raise ValueError(f"one temperature per sequence expected, got {temperature.numel()} for {len(seq_lens)}")
+    # verl's guard for padding rows (temperature 0 would divide by zero).
+    temperature = temperature.clamp(min=1e-8)
+    return PackedMicroBatch(
+        input_ids=ids,
+        positions=position_ids.values().to(torch.long),
+        seq_lens=seq_lens,
+        cu_seqlens=cu_seqlens,
+        labels=torch.roll(ids, shifts=-1, dims=0),
+        temperature=temperature.repeat_interleave(torch.tensor(seq_lens, device=ids.device)),
+    )
+
+
+# ----- the aligned forward over an HF decoder's (FSDP) parameters ---------------------------
+
+
+def _param_key(tensors) -> tuple:
+    return tuple(id(t) for t in tensors if t is not None)
+
+
+class AlignedFSDPForward:
+    """The op layer over the parameters of one HF decoder (``model.layers``, ``model.norm``,
+    ``model.embed_tokens``, ``lm_head``: the checkpoint names the aligned model uses too).
+
+    The ops are built from the parameter objects the modules hold while their FSDP unit is
+    gathered, rebuilt if FSDP hands out other objects, and their engine-layout weights
+    re-derived when :meth:`mark_stale` was called (after optimizer steps and checkpoint loads).
+    """
+
+    def __init__(self, runtime, hf_config):
+        from zero_mismatch_plugin.aligned.ops import AlignedAttention, AlignedRotary, AlignedSiluAndMul
+        from zero_mismatch_plugin.architectures import describe
+
+        self.runtime = runtime
+        self.config = hf_config
+        self.blocks = describe(hf_config)
+        self.num_heads = hf_config.num_attention_heads
+        self.num_kv_heads = hf_config.num_key_value_heads
+        self.head_dim = self.blocks.head_dim
+        self.eps = hf_config.rms_norm_eps
+        max_pos = getattr(hf_config, "max_position_embeddings", 8192)
+        self.rotary = AlignedRotary(runtime, self.head_dim, max_pos, getattr(hf_config, "rope_parameters", None))
+        self.act = AlignedSiluAndMul(runtime)
+        self.attention = AlignedAttention(runtime, self.num_heads, self.num_kv_heads, self.head_dim,
+                                          self.head_dim**-0.5)
+        self._ops: dict[int, tuple[tuple, dict]] = {}  # id(module) -> (parameter key, ops)
+        self._stale: set[int] = set()
+        self._probed: set[tuple] = set()
+        self.generation = 0  # the engine's weights generation the ops were derived at
+
+    def mark_stale(self) -> None:
+        """The sharded weights changed: re-derive every engine-layout copy at its next use."""
+        self._stale = set(self._ops)
+
+    def _cached(self, module, params, build) -> dict:
+        key = _param_key(params)
+        entry = self._ops.get(id(module))
+        if entry is None or entry[0] != key:
+            entry = (key, build())
+            self._ops[id(module)] = entry
+            self._check_gemms(entry[1])
+        elif id(module) in self._stale:
+            for op in entry[1].values():
+                derived = getattr(op, "derived", None) or getattr(op, "engine_weight", None)
+                derived.refresh()
+        self._stale.discard(id(module))
+        return entry[1]
+
+    def _check_gemms(self, ops: dict) -> None:
+        """On CPU in consistent mode, refuse a GEMM whose rows depend on the row count (the engine
+        computes a row in batches of other sizes), as the aligned model does."""
+        from zero_mismatch_plugin.aligned import numerics
+        from zero_mismatch_plugin.aligned.cpu_gemm import probe_linear, require_invariant
+        from zero_mismatch_plugin.aligned.ops import AlignedLinear, AlignedLogits
+
+        if self.runtime.platform != "cpu" or not numerics.is_consistent():
+            return
+        for name, op in ops.items():
+            if isinstance(op, AlignedLinear):
+                _, weight = op.derived.get()
+                n, k = weight.shape
+                apply = op.kernel
+            elif isinstance(op, AlignedLogits):
+                n, k = op.padded_vocab, self.config.hidden_size
+                apply = op.kernel
+            else:
+                continue
+            if (type(op).__name__, n, k) in self._probed:
+                continue
+            require_invariant(probe_linear(apply, n=n, k=k, dtype=self.runtime.dtype), name)
+            self._probed.add((type(op).__name__, n, k))
+
+    def layer_ops(self, layer) -> dict:
+        from zero_mismatch_plugin.aligned.ops import AlignedLinear, AlignedRMSNorm
+
+        a, m = layer.self_attn, layer.mlp
+        qkv_bias = [a.q_proj.bias, a.k_proj.bias, a.v_proj.bias] if self.blocks.qkv_bias else None
+        o_bias = [a.o_proj.bias] if self.blocks.o_bias else None
+        params = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight, a.q_proj.weight,
+                  a.k_proj.weight, a.v_proj.weight, a.o_proj.weight, m.gate_proj.weight, m.up_proj.weight,
+                  m.down_proj.weight, *(qkv_bias or []), *(o_bias or [])]
+        if self.blocks.qk_norm:
+            params += [a.q_norm.weight, a.k_norm.weight]
+        rt, eps = self.runtime, self.eps
+
+        def build():
+            ops = dict(
+                input_norm=AlignedRMSNorm(rt, layer.input_layernorm.weight, eps),
+                post_norm=AlignedRMSNorm(rt, layer.post_attention_layernorm.weight, eps),
+                qkv=AlignedLinear(rt, [a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], qkv_bias),
+                o=AlignedLinear(rt, [a.o_proj.weight], o_bias),
+                gate_up=AlignedLinear(rt, [m.gate_proj.weight, m.up_proj.weight]),
+                down=AlignedLinear(rt, [m.down_proj.weight]),
+            )
+            if self.blocks.qk_norm:
+                ops["q_norm"] = AlignedRMSNorm(rt, a.q_norm.weight, eps)
+                ops["k_norm"] = AlignedRMSNorm(rt, a.k_norm.weight, eps)
+            return ops
+
+        return self._cached(layer, params, build)
+
+    def norm_ops(self, root) -> dict:
+        from zero_mismatch_plugin.aligned.ops import AlignedRMSNorm
+
+        weight = root.model.norm.weight
+        return self._cached(root.model.norm, [weight],
+                            lambda: dict(final_norm=AlignedRMSNorm(self.runtime, weight, self.eps)))
+
+    def head_ops(self, owner, weight) -> dict:
+        from zero_mismatch_plugin.aligned.ops import AlignedLogits
+
+        return self._cached(owner, [weight],
+                            lambda: dict(logits=AlignedLogits(self.runtime, weight, self.config.vocab_size)))
+
+    # ----- the unit forwards (installed as instance forwards for one call) -------------------
+
+    def decoder_layer_forward(self, layer, hidden, residual, positions, plan, seq_lens):
+        """One decoder layer in vLLM's order: [fused add] norm, qkv, [q/k norm], rotary,
+        attention, o, fused add norm, gate_up, SiluAndMul, down."""
+        ops = self.layer_ops(layer)
+        if residual is None:
+            residual = hidden
+            hidden = ops["input_norm"](hidden)
+        else:
+            hidden, residual = ops["input_norm"](hidden, residual)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = ops["qkv"](hidden).split([q_size, kv_size, kv_size], dim=-1)
+        if self.blocks.qk_norm:
+            t = q.shape[0]
+            q = ops["q_norm"](q.reshape(t, self.num_heads, self.head_dim)).reshape(t, q_size)
+            k = ops["k_norm"](k.reshape(t, self.num_kv_heads, self.head_dim)).reshape(t, kv_size)
+        q, k = self.rotary(positions, q, k)
+        hidden = ops["o"](self.attention(q, k, v.contiguous(), plan, seq_lens))
+        hidden, residual = ops["post_norm"](hidden, residual)
+        hidden = ops["down"](self.act(ops["gate_up"](hidden)))
+        return hidden, residual
+
+    def lm_head_forward(self, lm_head, hidden):
+        return self.head_ops(lm_head, lm_head.weight)["logits"](hidden)
+
+    def root_forward(self, root, input_ids, positions, seq_lens):
+        """Logits [T, vocab] of every packed row (the root's FSDP unit is gathered here)."""
+        embed = root.model.embed_tokens
+        hidden = embed(input_ids)
+        if hidden.dtype != self.runtime.dtype:
+            hidden = hidden.to(self.runtime.dtype)
+        plan = self.attention.plan(seq_lens)
+        residual = None
+        for layer in root.model.layers:
+            hidden, residual = layer(hidden, residual, positions, plan, seq_lens)
+        hidden, _ = self.norm_ops(root)["final_norm"](hidden, residual)
+        if self.blocks.tied_head:
+            return self.head_ops(root.lm_head, embed.weight)["logits"](hidden)
+        return root.lm_head(hidden)
+
+    @contextmanager
+    def installed(self, root):
+        """The unit forwards as instance attributes of the modules, for one call of ``root``."""
+        modules = [(root, partial(self.root_forward, root))]
+        modules += [(layer, partial(self.decoder_layer_forward, layer)) for layer in root.model.layers]
+        if not self.blocks.tied_head:
+            modules.append((root.lm_head, partial(self.lm_head_forward, root.lm_head)))
+        for module, forward in modules:
+            module.forward = forward
+        try:
+            yield
+        finally:
+            for module, _ in modules:
+                module.__dict__.pop("forward", None)
+
+    def logits(self, root, batch: PackedMicroBatch) -> torch.Tensor:
+        with self.installed(root):
+            return root(batch.input_ids, batch.positions, batch.seq_lens)
+
+
+def aligned_log_probs(logits: torch.Tensor, batch: PackedMicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(vLLM's logprob of each row's label at the row's temperature, the scaled logits)."""
+    from zero_mismatch_plugin.aligned.sampling import gather_labels, vllm_logprobs, vllm_scaled_logits
+
+    scaled = vllm_scaled_logits(logits, batch.temperature)
+    return gather_labels(vllm_logprobs(scaled), batch.labels), scaled
+
+
+# ----- the engine side ----------------------------------------------------------------------
+
+
+def _unwrapped(module):
+    return getattr(module, "_fsdp_wrapped_module", module)
+
+
+def check_engine_supported(engine) -> None:
+    """Refuse the engine settings the aligned forward does not reproduce, naming what to change."""
+    problems = []
+    if getattr(engine, "_is_lora", False):
+        problems.append("LoRA adapters (actor_rollout_ref.model.lora_rank > 0): set lora_rank=0")
+    if getattr(engine, "ulysses_sequence_parallel_size", 1) > 1:
+        problems.append("Ulysses sequence parallelism: set actor_rollout_ref.actor.ulysses_sequence_parallel_size=1")
+    if getattr(engine, "_qat_enabled", False):
+        problems.append("quantization-aware training: turn off actor_rollout_ref.actor.fsdp_config.qat.enable")
+    if getattr(engine.engine_config, "strategy", "fsdp2") not in ("fsdp2", None):
+        problems.append(f"strategy {engine.engine_config.strategy!r}: the aligned forward runs on FSDP2 "
+                        "(fully_shard) units; set actor_rollout_ref.actor.strategy=fsdp2")
+    if problems:
+        raise UnsupportedFSDPFeature(f"{ENABLE_ENV}=1 but verl's FSDP engine runs with " + "; ".join(problems)
+                                     + f". Fix these or unset {ENABLE_ENV} (diff 0 then cannot hold).")
+
+
+def _dtype_name(dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def aligned_state(engine) -> AlignedFSDPForward:
+    """The engine's aligned forward, built on first use from the checkpoint the actor loaded, in
+    the dtype its forward computes in (the rollout must serve the same checkpoint in that dtype)."""
+    state = getattr(engine, _STATE_ATTR, None)
+    if state is None:
+        from zero_mismatch_plugin.aligned import numerics
+        from zero_mismatch_plugin.aligned.runtime import VllmRuntime
+
+        check_engine_supported(engine)
+        if numerics.is_consistent():
+            # The trainer side of the switch in the actor's worker, kept for the worker's life
+            # (vLLM's batch-invariant mode on a GPU; on a CPU the trainer follows ZMRL_NUMERICS).
+            numerics.enable_consistent_numerics()
+        root = _unwrapped(engine.module)
+        dtype = getattr(engine, "_autocast_dtype", None) or next(root.parameters()).dtype
+        runtime = VllmRuntime(engine.model_config.local_path, dtype=_dtype_name(dtype))
+        state = AlignedFSDPForward(runtime, root.config)
+        setattr(engine, _STATE_ATTR, state)
+        logger.warning("zero-mismatch: verl FSDP actor (%s, %s): logprobs from vLLM's kernels (%s)",
+                       state.blocks.architecture, _dtype_name(dtype), runtime.platform)
+    if getattr(engine, _GENERATION_ATTR, 0) != state.generation:
+        state.mark_stale()
+        state.generation = getattr(engine, _GENERATION_ATTR, 0)
+    return state
+
+
+def _micro_batch_problems(micro_batch) -> list[str]:
+    from verl.utils import tensordict_utils as tu
+
+    problems = []
+    for key, what in (("use_fused_kernels", "actor_rollout_ref.model.use_fused_kernels=false"),
+                      ("distillation_use_topk", "no top-k distillation"),
+                      ("distillation_only", "no distillation-only forward")):
+        if tu.get_non_tensor_data(data=micro_batch, key=key, default=False):
+            problems.append(what)
+    if "multi_modal_inputs" in micro_batch.keys():
+        from verl.utils.model import extract_multi_modal_inputs
+
+        # verl carries the key for text-only batches too (one empty entry per sample).
+        if extract_multi_modal_inputs(micro_batch["multi_modal_inputs"]):
+            problems.append("text-only inputs (no multi_modal_inputs)")
+    return problems
+
+
+def aligned_forward_step(engine, micro_batch, loss_function, forward_only):
+    """``FSDPEngineWithLMHead.forward_step`` with the logprobs (and entropy / sum pi^2 when verl
+    asks for them) from the aligned forward; returns what verl's returns."""
+    import torch
+
+    from verl.utils import tensordict_utils as tu
+    from verl.utils.device import get_device_id, get_device_name
+
+    micro_batch = micro_batch.to(get_device_id())
+    problems = _micro_batch_problems(micro_batch)
+    if problems:
+        raise UnsupportedFSDPFeature(f"{ENABLE_ENV}=1: the aligned FSDP forward needs " + "; ".join(problems))
+    state = aligned_state(engine)
+    batch = packed_micro_batch(micro_batch)
+    logits = state.logits(engine.module, batch)
+    log_probs, scaled = aligned_log_probs(logits, batch)
+    nested = partial(torch.nested.nested_tensor_from_jagged, offsets=batch.cu_seqlens)
+    model_output = {"log_probs": nested(log_probs)}
+    if tu.get_non_tensor_data(data=micro_batch, key="calculate_entropy", default=False):
+        model_output["entropy"] = nested(engine.compute_entropy_from_logits(scaled))
+    if tu.get_non_tensor_data(data=micro_batch, key="calculate_sum_pi_squared", default=False):
+        from verl.utils import torch_functional as verl_F
+
+        model_output["sum_pi_squared"] = nested(verl_F.calculate_sum_pi_squared_from_logits(scaled))
+    if loss_function is not None:
+        loss, metrics = loss_function(model_output=model_output, data=micro_batch,
+                                      dp_group=engine.get_data_parallel_group())
+    else:
+        assert forward_only, "forward_only must be True when loss_function is None"
+        loss = torch.tensor(1.0, device=get_device_name())
+        metrics = {}
+    output = {"model_output": _detach_tree(model_output), "loss": loss.detach().item(), "metrics": metrics}
+    return loss, output
+
+
+def _detach_tree(model_output: dict) -> dict:
+    return {key: value.detach() for key, value in model_output.items()}
+
+
+# ----- the patches --------------------------------------------------------------------------
+
+
+def _is_actor_engine(engine) -> bool:
+    import importlib
+
+    return not isinstance(engine, importlib.import_module(ENGINE_MODULE).FSDPEngineWithValueHead)
+
+
+def _aligned_forward_step(original):
+    @wraps(original)
+    def forward_step(self, micro_batch, loss_function, forward_only):
+        if not _is_actor_engine(self):
+            return original(self, micro_batch, loss_function, forward_only)
+        return aligned_forward_step(self, micro_batch, loss_function, forward_only)
+
+    return forward_step
+
+
+def _new_weights_after(original):
+    @wraps(original)
+    def method(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        setattr(self, _GENERATION_ATTR, getattr(self, _GENERATION_ATTR, 0) + 1)
+        return result
+
+    return method
+
+
+fsdp_patch = partial(FunctionPatch, package="verl", versions=SUPPORTED_VERL_VERSIONS, module=ENGINE_MODULE,
+                     when=f"{ENABLE_ENV}=1")
+
+FORWARD_STEP = fsdp_patch(
+    name="fsdp-aligned-forward-step",
+    owner="FSDPEngineWithLMHead",
+    attribute="forward_step",
+    build=_aligned_forward_step,
+    why="the actor's logprobs from vLLM's kernels and logprob arithmetic instead of the HF forward",
+)
+OPTIMIZER_STEP = fsdp_patch(
+    name="fsdp-aligned-optimizer-step",
+    owner="FSDPEngine",
+    attribute="optimizer_step",
+    build=_new_weights_after,
+    why="re-derive the aligned forward's engine-layout weights after the optimizer changed the shards",
+)
+LOAD_CHECKPOINT = fsdp_patch(
+    name="fsdp-aligned-load-checkpoint",
+    owner="FSDPEngine",
+    attribute="load_checkpoint",
+    build=_new_weights_after,
+    why="re-derive the aligned forward's engine-layout weights after a checkpoint replaced the shards",
+)
+
+PATCHES = (FORWARD_STEP, OPTIMIZER_STEP, LOAD_CHECKPOINT)
+
+
+def apply() -> None:
+    """Install the patches (now, or when verl's FSDP engine module is imported). Idempotent."""
+    for patch in PATCHES:
+        apply_patch(patch)
+
+
+def remove() -> None:
+    for patch in reversed(PATCHES):
+        remove_patch(patch)
+
+
+def is_active() -> bool:
+    return all(is_applied(patch) or is_pending(patch) for patch in PATCHES)
+
+
+def maybe_apply() -> bool:
+    """Apply when ``ZMRL_FSDP_ALIGNED`` is set; for the plugin's verl entry point."""
+    if not enabled_by_env():
+        return False
+    apply()
+    return True
