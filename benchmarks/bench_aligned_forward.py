@@ -52,33 +52,23 @@ def median_times(fn_a, fn_b, repeats, warmup):
     return statistics.median(times_a), statistics.median(times_b)
 
 
-def main():
-    args = parse_args()
+def load_aligned_and_transformers(path, max_model_len: int):
+    """The same checkpoint as the aligned trainer model and as a transformers model (fp32)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    from zero_mismatch_plugin.aligned import AlignedCausalLM, pack
-    from zero_mismatch_plugin.tiny_models import build_tiny_model
+    from zero_mismatch_plugin.aligned import AlignedCausalLM
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    head_dim = args.hidden // args.heads
-    with tempfile.TemporaryDirectory() as tmp:
-        path = build_tiny_model(
-            tmp,
-            family=args.family,
-            hidden_size=args.hidden,
-            intermediate_size=args.intermediate,
-            num_hidden_layers=args.layers,
-            num_attention_heads=args.heads,
-            num_key_value_heads=args.kv_heads,
-            head_dim=head_dim,
-            vocab_size=args.vocab,
-            max_position_embeddings=max(512, args.prompt_len + args.response_len),
-        )
-        aligned = AlignedCausalLM.from_pretrained(path, max_model_len=args.prompt_len + args.response_len)
-        hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
-    hf.load_state_dict(aligned.state_dict(), strict=False)
+    aligned = AlignedCausalLM.from_pretrained(path, max_model_len=max_model_len)
+    return aligned, AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+
+
+def compare_with_transformers(args, aligned, hf, model_line: str) -> None:
+    """Time the response-token logprobs of one random batch, forward and forward+backward, on
+    both models alternately; print the medians and their ratio against the targets."""
+    import torch
+
+    from zero_mismatch_plugin.aligned import pack
 
     gen = torch.Generator().manual_seed(0)
     seq = args.prompt_len + args.response_len
@@ -126,9 +116,7 @@ def main():
         results[label] = median_times(a_fn, h_fn, args.repeats, args.warmup)
 
     print(
-        f"model: {args.family} layers={args.layers} hidden={args.hidden} "
-        f"intermediate={args.intermediate} heads={args.heads}/{args.kv_heads} vocab={args.vocab}; "
-        f"batch {args.batch} x {seq} tokens; torch threads {torch.get_num_threads()}; "
+        f"model: {model_line}; batch {args.batch} x {seq} tokens; torch threads {torch.get_num_threads()}; "
         f"median of {args.repeats}, timed alternately; "
         f"host ISA {torch.backends.cpu.get_cpu_capability()} (the figures depend on it)"
     )
@@ -137,6 +125,36 @@ def main():
     targets_ratio = {"forward": 1.05, "forward+backward": 1.15}
     for label, (a, h) in results.items():
         print(f"{label:18}{a:14.4f}{h:18.4f}{a / h:9.3f}{targets_ratio[label]:9.2f}")
+
+
+def main():
+    args = parse_args()
+    import torch
+
+    from zero_mismatch_plugin.tiny_models import build_tiny_model
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = build_tiny_model(
+            tmp,
+            family=args.family,
+            hidden_size=args.hidden,
+            intermediate_size=args.intermediate,
+            num_hidden_layers=args.layers,
+            num_attention_heads=args.heads,
+            num_key_value_heads=args.kv_heads,
+            head_dim=args.hidden // args.heads,
+            vocab_size=args.vocab,
+            max_position_embeddings=max(512, args.prompt_len + args.response_len),
+        )
+        aligned, hf = load_aligned_and_transformers(path, args.prompt_len + args.response_len)
+    hf.load_state_dict(aligned.state_dict(), strict=False)
+    compare_with_transformers(
+        args, aligned, hf,
+        f"{args.family} layers={args.layers} hidden={args.hidden} intermediate={args.intermediate} "
+        f"heads={args.heads}/{args.kv_heads} vocab={args.vocab}",
+    )
 
 
 if __name__ == "__main__":

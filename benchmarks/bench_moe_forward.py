@@ -15,7 +15,7 @@ import argparse
 import os
 import tempfile
 
-from bench_aligned_forward import median_times  # the same alternating timing
+from bench_aligned_forward import compare_with_transformers, load_aligned_and_transformers
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("ZMRL_NUMERICS", "consistent")
@@ -44,14 +44,11 @@ def parse_args():
 def main():
     args = parse_args()
     import torch
-    from transformers import AutoModelForCausalLM
 
-    from zero_mismatch_plugin.aligned import AlignedCausalLM, pack
     from zero_mismatch_plugin.tiny_models import build_tiny_model
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    head_dim = args.hidden // args.heads
     with tempfile.TemporaryDirectory() as tmp:
         path = build_tiny_model(
             tmp,
@@ -65,72 +62,17 @@ def main():
             num_hidden_layers=args.layers,
             num_attention_heads=args.heads,
             num_key_value_heads=args.kv_heads,
-            head_dim=head_dim,
+            head_dim=args.hidden // args.heads,
             vocab_size=args.vocab,
             max_position_embeddings=max(512, args.prompt_len + args.response_len),
         )
-        aligned = AlignedCausalLM.from_pretrained(path, max_model_len=args.prompt_len + args.response_len)
         # The checkpoint both load: the same weights (transformers fuses the experts itself).
-        hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
-
-    gen = torch.Generator().manual_seed(0)
-    seq = args.prompt_len + args.response_len
-    ids = torch.randint(0, args.vocab, (args.batch, seq), generator=gen)
-    prompts = [row[: args.prompt_len].tolist() for row in ids]
-    responses = [row[args.prompt_len :].tolist() for row in ids]
-    batch = pack(prompts, responses)
-    rows = torch.arange(args.prompt_len - 1, seq - 1)
-    targets = ids[:, args.prompt_len :]
-
-    def hf_logprobs():
-        logits = hf(input_ids=ids).logits[:, rows]
-        return logits.float().log_softmax(-1).gather(-1, targets[..., None])[..., 0]
-
-    def aligned_logprobs():
-        return aligned.token_logprobs(batch)
-
-    # Same model, same batch: the two agree to round-off (sanity check of the comparison).
-    with torch.no_grad():
-        max_diff = (aligned_logprobs().view(args.batch, -1) - hf_logprobs()).abs().max().item()
-
-    def forward(fn):
-        def run():
-            with torch.no_grad():
-                fn()
-
-        return run
-
-    def forward_backward(model, fn):
-        def run():
-            model.zero_grad(set_to_none=True)
-            fn().sum().backward()
-
-        return run
-
-    results = {}
-    for label, a_fn, h_fn in (
-        ("forward", forward(aligned_logprobs), forward(hf_logprobs)),
-        (
-            "forward+backward",
-            forward_backward(aligned, aligned_logprobs),
-            forward_backward(hf, hf_logprobs),
-        ),
-    ):
-        results[label] = median_times(a_fn, h_fn, args.repeats, args.warmup)
-
-    print(
-        f"model: {args.family} experts={args.experts} top-{args.top_k} layers={args.layers} "
-        f"hidden={args.hidden} expert width={args.intermediate} heads={args.heads}/{args.kv_heads} "
-        f"vocab={args.vocab}; "
-        f"batch {args.batch} x {seq} tokens; torch threads {torch.get_num_threads()}; "
-        f"median of {args.repeats}, timed alternately; "
-        f"host ISA {torch.backends.cpu.get_cpu_capability()} (the figures depend on it)"
+        aligned, hf = load_aligned_and_transformers(path, args.prompt_len + args.response_len)
+    compare_with_transformers(
+        args, aligned, hf,
+        f"{args.family} experts={args.experts} top-{args.top_k} layers={args.layers} hidden={args.hidden} "
+        f"expert width={args.intermediate} heads={args.heads}/{args.kv_heads} vocab={args.vocab}",
     )
-    print(f"max |aligned - transformers| logprob: {max_diff:.3g}")
-    print(f"{'':18}{'aligned (s)':>14}{'transformers (s)':>18}{'ratio':>9}{'target':>9}")
-    targets_ratio = {"forward": 1.05, "forward+backward": 1.15}
-    for label, (a, h) in results.items():
-        print(f"{label:18}{a:14.4f}{h:18.4f}{a / h:9.3f}{targets_ratio[label]:9.2f}")
 
 
 if __name__ == "__main__":
