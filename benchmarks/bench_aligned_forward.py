@@ -52,6 +52,25 @@ def median_times(fn_a, fn_b, repeats, warmup):
     return statistics.median(times_a), statistics.median(times_b)
 
 
+def build_model_from_args(out_dir, args, max_len: int = 0, **extra):
+    """The tiny checkpoint a benchmark's shape arguments (``--family --layers --hidden
+    --intermediate --heads --kv-heads --vocab``) describe; ``extra`` overrides or adds fields."""
+    from zero_mismatch_plugin.tiny_models import build_tiny_model
+
+    shape = dict(
+        family=getattr(args, "family", "llama"),
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        head_dim=args.hidden // args.heads,
+        vocab_size=args.vocab,
+        max_position_embeddings=max(512, max_len),
+    )
+    return build_tiny_model(out_dir, **{**shape, **extra})
+
+
 def load_aligned_and_transformers(path, max_model_len: int):
     """The same checkpoint as the aligned trainer model and as a transformers model (fp32)."""
     import torch
@@ -131,23 +150,10 @@ def main():
     args = parse_args()
     import torch
 
-    from zero_mismatch_plugin.tiny_models import build_tiny_model
-
     if args.threads:
         torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
-        path = build_tiny_model(
-            tmp,
-            family=args.family,
-            hidden_size=args.hidden,
-            intermediate_size=args.intermediate,
-            num_hidden_layers=args.layers,
-            num_attention_heads=args.heads,
-            num_key_value_heads=args.kv_heads,
-            head_dim=args.hidden // args.heads,
-            vocab_size=args.vocab,
-            max_position_embeddings=max(512, args.prompt_len + args.response_len),
-        )
+        path = build_model_from_args(tmp, args, args.prompt_len + args.response_len)
         aligned, hf = load_aligned_and_transformers(path, args.prompt_len + args.response_len)
     hf.load_state_dict(aligned.state_dict(), strict=False)
     compare_with_transformers(

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import tempfile
-import time
+
+from bench_aligned_forward import build_model_from_args, median_times
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("ZMRL_NUMERICS", "consistent")
@@ -45,20 +45,6 @@ def parse_args():
     return p.parse_args()
 
 
-def median_times(fn_a, fn_b, repeats, warmup):
-    """Medians of fn_a and fn_b, timed alternately so both see the same machine load."""
-    for _ in range(warmup):
-        fn_a()
-        fn_b()
-    times_a, times_b = [], []
-    for _ in range(repeats):
-        for fn, times in ((fn_a, times_a), (fn_b, times_b)):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times_a), statistics.median(times_b)
-
-
 def main():
     args = parse_args()
     import torch
@@ -67,22 +53,10 @@ def main():
 
     from zero_mismatch_plugin.aligned import AlignedCausalLM, pack
     from zero_mismatch_plugin.aligned.lora import build_adapter, lora_engine_args
-    from zero_mismatch_plugin.tiny_models import build_tiny_model
 
     seq = args.prompt_len + args.response_len
     with tempfile.TemporaryDirectory() as tmp:
-        path = build_tiny_model(
-            os.path.join(tmp, "model"),
-            family=args.family,
-            hidden_size=args.hidden,
-            intermediate_size=args.intermediate,
-            num_hidden_layers=args.layers,
-            num_attention_heads=args.heads,
-            num_key_value_heads=args.kv_heads,
-            head_dim=args.hidden // args.heads,
-            vocab_size=args.vocab,
-            max_position_embeddings=max(512, seq),
-        )
+        path = build_model_from_args(os.path.join(tmp, "model"), args, seq)
         adapter_dir = build_adapter(os.path.join(tmp, "adapter"), path, r=args.rank, lora_alpha=2 * args.rank)
         lora_args = lora_engine_args(adapter_dir)
         aligned = AlignedCausalLM.from_pretrained(path, lora_dir=adapter_dir, max_model_len=seq, **lora_args)

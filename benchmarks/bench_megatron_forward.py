@@ -16,6 +16,8 @@ import statistics
 import tempfile
 import time
 
+from bench_aligned_forward import build_model_from_args
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("ZMRL_NUMERICS", "consistent")
@@ -40,22 +42,10 @@ def main() -> None:
 
     from zero_mismatch_plugin.aligned.runtime import VllmRuntime
     from zero_mismatch_plugin.megatron.standalone import build_gpt_model, cpu_stock_megatron
-    from zero_mismatch_plugin.tiny_models import build_tiny_model
 
     torch.set_num_threads(args.threads)
     workdir = tempfile.mkdtemp(prefix="bench_megatron_")
-    model_dir = build_tiny_model(
-        os.path.join(workdir, "llama"),
-        family="llama",
-        seed=0,
-        hidden_size=args.hidden,
-        intermediate_size=args.intermediate,
-        num_hidden_layers=args.layers,
-        num_attention_heads=args.heads,
-        num_key_value_heads=args.kv_heads,
-        head_dim=args.hidden // args.heads,
-        vocab_size=args.vocab,
-    )
+    model_dir = build_model_from_args(os.path.join(workdir, "llama"), args, family="llama", seed=0)
     runtime = VllmRuntime(model_dir, max_model_len=max(args.seq, 256), seed=0)
     aligned = build_gpt_model(runtime, aligned=True)
     with cpu_stock_megatron():

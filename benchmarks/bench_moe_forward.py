@@ -15,7 +15,7 @@ import argparse
 import os
 import tempfile
 
-from bench_aligned_forward import compare_with_transformers, load_aligned_and_transformers
+from bench_aligned_forward import build_model_from_args, compare_with_transformers, load_aligned_and_transformers
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("ZMRL_NUMERICS", "consistent")
@@ -45,26 +45,12 @@ def main():
     args = parse_args()
     import torch
 
-    from zero_mismatch_plugin.tiny_models import build_tiny_model
-
     if args.threads:
         torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
-        path = build_tiny_model(
-            tmp,
-            family=args.family,
-            hidden_size=args.hidden,
-            intermediate_size=args.intermediate,
-            moe_intermediate_size=args.intermediate,
-            shared_expert_intermediate_size=args.intermediate,
-            num_experts=args.experts,
-            top_k=args.top_k,
-            num_hidden_layers=args.layers,
-            num_attention_heads=args.heads,
-            num_key_value_heads=args.kv_heads,
-            head_dim=args.hidden // args.heads,
-            vocab_size=args.vocab,
-            max_position_embeddings=max(512, args.prompt_len + args.response_len),
+        path = build_model_from_args(
+            tmp, args, args.prompt_len + args.response_len, moe_intermediate_size=args.intermediate,
+            shared_expert_intermediate_size=args.intermediate, num_experts=args.experts, top_k=args.top_k,
         )
         # The checkpoint both load: the same weights (transformers fuses the experts itself).
         aligned, hf = load_aligned_and_transformers(path, args.prompt_len + args.response_len)

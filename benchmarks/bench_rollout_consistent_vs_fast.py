@@ -23,6 +23,8 @@ import statistics
 import tempfile
 import time
 
+from bench_aligned_forward import build_model_from_args
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
@@ -120,23 +122,10 @@ def main():
     args = parse_args()
     import torch
 
-    from zero_mismatch_plugin.tiny_models import build_tiny_model
-
     gen = torch.Generator().manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
         max_model_len = args.prompt_len + args.turns * (args.max_tokens + args.user_len) + 16
-        path = build_tiny_model(
-            tmp,
-            family=args.family,
-            hidden_size=args.hidden,
-            intermediate_size=args.intermediate,
-            num_hidden_layers=args.layers,
-            num_attention_heads=args.heads,
-            num_key_value_heads=args.kv_heads,
-            head_dim=args.hidden // args.heads,
-            vocab_size=args.vocab,
-            max_position_embeddings=max(512, max_model_len),
-        )
+        path = build_model_from_args(tmp, args, max_model_len)
         low = 8  # past the tokenizer's special tokens
         prompts = torch.randint(low, args.vocab, (args.prompts, args.prompt_len), generator=gen).tolist()
         user_turns = [
