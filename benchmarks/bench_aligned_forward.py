@@ -20,15 +20,20 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("ZMRL_NUMERICS", "consistent")
 
 
-def parse_args():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--family", default="llama", choices=["llama", "qwen2", "qwen3"])
+def add_shape_arguments(p, families, intermediate: int = 1408, intermediate_help: str | None = None):
+    """The tiny model's shape options every benchmark takes (see :func:`build_model_from_args`)."""
+    p.add_argument("--family", default=families[0], choices=list(families))
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--intermediate", type=int, default=1408)
+    p.add_argument("--intermediate", type=int, default=intermediate, help=intermediate_help)
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--kv-heads", type=int, default=4)
     p.add_argument("--vocab", type=int, default=2048)
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_shape_arguments(p, ("llama", "qwen2", "qwen3"))
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--response-len", type=int, default=240)

@@ -15,7 +15,7 @@ import argparse
 import os
 import tempfile
 
-from bench_aligned_forward import build_model_from_args, compare_with_transformers, load_aligned_and_transformers
+from bench_aligned_forward import add_shape_arguments, build_model_from_args, compare_with_transformers, load_aligned_and_transformers
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("ZMRL_NUMERICS", "consistent")
@@ -23,15 +23,10 @@ os.environ.setdefault("ZMRL_NUMERICS", "consistent")
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--family", default="qwen3_moe", choices=["qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe"])
+    add_shape_arguments(p, ("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe"), intermediate=512,
+                        intermediate_help="expert width (moe_intermediate_size)")
     p.add_argument("--experts", type=int, default=8)
     p.add_argument("--top-k", type=int, default=2)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--intermediate", type=int, default=512, help="expert width (moe_intermediate_size)")
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--kv-heads", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=2048)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--response-len", type=int, default=240)

@@ -23,7 +23,7 @@ import statistics
 import tempfile
 import time
 
-from bench_aligned_forward import build_model_from_args
+from bench_aligned_forward import add_shape_arguments, build_model_from_args
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -31,13 +31,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--family", default="llama", choices=["llama", "mistral", "qwen2", "qwen3"])
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--intermediate", type=int, default=1408)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--kv-heads", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=2048)
+    add_shape_arguments(p, ("llama", "mistral", "qwen2", "qwen3"))
     p.add_argument("--prompts", type=int, default=32, help="prompts (conversations) per rollout")
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=64, help="tokens per response (each turn)")
