@@ -141,6 +141,15 @@ def test_unsupported_architecture_is_refused(tmp_path):
         AlignedFSDPForward(runtime=None, hf_config=config)
 
 
+@pytest.mark.parametrize("name", ["mistral_window", "qwen3_moe"])
+def test_windowed_and_moe_checkpoints_are_refused_naming_the_switch(checkpoints, name):
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(str(checkpoints[name]))
+    with pytest.raises(NotImplementedError, match=f"{fsdp_aligned.ENABLE_ENV}=0"):
+        AlignedFSDPForward(runtime=None, hf_config=config)
+
+
 def test_patch_is_reversible_and_version_gated(monkeypatch):
     import verl
     from verl.workers.engine.fsdp import transformer_impl as ti
