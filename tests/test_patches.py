@@ -1266,3 +1266,70 @@ def test_shared_rotary_on_rows_and_row_invariant_bmm_match_the_runtime_patches()
 
     assert vllm_cpu_mla.rotate_rows_in_place is shared.rotary_on_rows
     assert vllm_cpu_mla.row_invariant_bmm is shared.row_invariant_bmm
+
+
+VERL_CPU_SCRIPT = """
+    import json, sys, types
+    import torch
+    import verl
+    import verl.utils.distributed as distributed
+    from zero_mismatch_plugin.verl_cpu import vllm_metadata
+
+    vllm_metadata.install()  # verl's rollout package asks for a distribution named vllm
+    from verl.workers.rollout.vllm_rollout import utils as rollout_utils
+
+    result = {"verl_from": verl.__file__}
+
+    # The Ray process group's default backend on a cpu device.
+    backends = []
+    distributed.get_device_name = lambda: "cpu"
+    distributed.get_nccl_backend = lambda: "gloo"
+    torch.distributed.is_initialized = lambda: False
+    torch.distributed.init_process_group = lambda backend, **kwargs: backends.append(backend)
+    distributed.initialize_global_process_group_ray()
+    result["backend"] = backends[0]
+
+    # update_weights_from_ipc hands whole-model CPU updates to vLLM's reload before anything else.
+    calls = []
+    if hasattr(rollout_utils, "reload_plain_weights_on_cpu"):
+        rollout_utils.reload_plain_weights_on_cpu = lambda ext, peft, shm: calls.append((peft, shm)) or True
+    extension = types.SimpleNamespace(device=None, local_rank=0)
+    try:
+        rollout_utils.vLLMColocateWorkerExtension.update_weights_from_ipc(extension, peft_config=None, use_shm=True)
+        result["update"] = "returned"
+    except Exception as error:  # stock verl goes on into its CUDA/bucket path with the fake extension
+        result["update"] = type(error).__name__
+    result["reload_calls"] = calls
+    print("RESULT " + json.dumps(result))
+"""
+
+
+def _verl_cpu_result(*path_first) -> dict:
+    result = run_python(VERL_CPU_SCRIPT, *path_first)
+    assert result.returncode == 0, result.stdout + result.stderr[-4000:]
+    line = next(l for l in result.stdout.splitlines() if l.startswith("RESULT "))
+    return __import__("json").loads(line[len("RESULT "):])
+
+
+def test_verl_cpu_training_gloo_backend_cpu_weight_reload_and_logger(patched_verl):
+    patched = _verl_cpu_result(patched_verl)
+    assert patched["verl_from"].startswith(str(patched_verl))
+    assert patched["backend"] == "gloo"
+    assert patched["update"] == "returned" and patched["reload_calls"] == [[None, True]]
+    separate_async = (patched_verl / "verl/trainer/ppo/v1/trainer_separate_async.py").read_text(encoding="utf-8")
+    setup = separate_async[separate_async.index("def _setup"):separate_async.index("def _compute_old_log_prob")]
+    assert "flush=" not in setup
+    # Stock verl names the cpu device twice, never reaches vLLM's reload, and passes flush= to logger.info.
+    stock = _verl_cpu_result()
+    assert stock["backend"] == "cpu:gloo,cpu:gloo" and stock["reload_calls"] == [] and stock["update"] != "returned"
+    import verl.trainer.ppo.v1.trainer_separate_async as installed
+
+    assert "flush=True" in Path(installed.__file__).read_text(encoding="utf-8")
+
+
+def test_shared_cpu_weight_reload_is_what_the_runtime_patch_calls():
+    from zero_mismatch_plugin.aligned import weight_sync
+    from zero_mismatch_plugin.verl_cpu import patches as cpu_patches
+
+    assert cpu_patches.reload_plain_weights_on_cpu is shared.reload_plain_weights_on_cpu
+    assert weight_sync.repack_shared_cpu_weights is shared.repack_shared_cpu_weights

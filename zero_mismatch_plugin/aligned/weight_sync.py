@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from zero_mismatch_plugin.patching.shared import repack_shared_cpu_weights
+
 WORKER_EXTENSION = "zero_mismatch_plugin.aligned.weight_sync.WeightSyncExtension"
 
 _BYTE_VIEWS = {torch.bfloat16: torch.int16, torch.float16: torch.int16}
@@ -53,36 +55,6 @@ class WeightSyncExtension:
         self.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
         repack_shared_cpu_weights(self.model_runner.get_model())
         return len(weights)
-
-
-def repack_shared_cpu_weights(model) -> int:
-    """Re-derive CPU GEMM handles of layers whose weight another layer owns.
-
-    On CPU an embedding-method layer keeps its weight and a oneDNN handle packed from it. A tied
-    lm_head shares the embedding's weight but loads nothing itself, so vLLM's reload updates the
-    shared weight and leaves the lm_head's handle packed from the old values. Packing again from
-    the current weight (vLLM's own dispatch, weight kept) fixes that; for untied layers it
-    reproduces the handle the reload already built.
-    """
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu():
-        return 0
-    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
-    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
-
-    repacked = 0
-    for module in model.modules():
-        weight = getattr(module, "weight", None)
-        if (
-            isinstance(getattr(module, "quant_method", None), UnquantizedEmbeddingMethod)
-            and hasattr(module, "cpu_linear")
-            and isinstance(weight, torch.Tensor)
-            and weight.numel() > 0
-        ):
-            dispatch_cpu_unquantized_gemm(module, remove_weight=False)
-            repacked += 1
-    return repacked
 
 
 def load_named_weights(llm, named_weights) -> None:

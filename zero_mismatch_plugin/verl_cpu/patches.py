@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from functools import partial
 
+from zero_mismatch_plugin.patching.shared import reload_plain_weights_on_cpu
 from zero_mismatch_plugin.runtime_patches import (FunctionPatch, UnsupportedVersion, apply, installed_version,
                                                    is_applied, is_pending, remove)
 
@@ -61,42 +62,11 @@ PROCESS_GROUP_BACKEND = verl_patch(
 )
 
 
-def _plain_weights(extension, peft_config) -> bool:
-    """Whole-model weights without LoRA, QAT or quantization: the case the CPU reload handles."""
-    if peft_config or extension._is_qat_model or extension._is_modelopt_qat:
-        return False
-    from verl.utils.vllm.vllm_quant_utils import is_quantized_model
-
-    return not is_quantized_model(extension.model_runner.vllm_config)
-
-
 def _cpu_reload_weights(original):
     def update_weights_from_ipc(self, peft_config: dict = None, base_sync_done=False, use_shm: bool = False):
-        if not (_on_cpu() and _plain_weights(self, peft_config)):
-            return original(self, peft_config=peft_config, base_sync_done=base_sync_done, use_shm=use_shm)
-        import torch
-        from verl.workers.rollout.vllm_rollout.bucketed_weight_transfer import BucketedWeightReceiver
-        from verl.workers.rollout.vllm_rollout.weight_update_utils import split_buffer_updates
-
-        from zero_mismatch_plugin.aligned.weight_sync import repack_shared_cpu_weights
-
-        received: list = []
-
-        def keep(weights, is_last):
-            # The receiver reuses its buffer for the next bucket: copy out before it does.
-            received.extend((name, tensor.clone()) for name, tensor in weights)
-
-        receiver = BucketedWeightReceiver(zmq_handle=self._get_zmq_handle(), device=torch.device("cpu"),
-                                          use_shm=use_shm)
-        receiver.receive_weights(on_bucket_received=keep)
-        model = self.model_runner.model
-        param_updates, buffer_updates, named_buffers = split_buffer_updates(model, received)
-        # vLLM's own reload: restores each CPU linear's loadable weight, loads, then re-packs it
-        # for oneDNN. verl's load_weights + process_weights_after_loading fails on CPU, where the
-        # first packing dropped the weight parameters verl's loader writes into.
-        self.reload_weights(weights_iterator=param_updates, is_checkpoint_format=True)
-        self._apply_buffer_updates_all_models(buffer_updates, named_buffers)
-        repack_shared_cpu_weights(model)
+        if reload_plain_weights_on_cpu(self, peft_config, use_shm):
+            return None
+        return original(self, peft_config=peft_config, base_sync_done=base_sync_done, use_shm=use_shm)
 
     return update_weights_from_ipc
 
