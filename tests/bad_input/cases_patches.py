@@ -179,13 +179,13 @@ def _check_drift_report(value) -> None:
     assert "verl 0.9.0; the patches were made for 0.9.1" in outcome.out
     assert re.search(r"verl-reject-unknown-names +fails: verl/utils/config.py:112 \(hunk 2 does not match\)",
                      outcome.out), outcome.out
-    assert "3 of 4 patches apply or are already applied" in outcome.out
+    assert "4 of 5 patches apply or are already applied" in outcome.out
 
 
 def _check_all_apply_report(value) -> None:
     outcome, same = value
     assert outcome.code == 0 and same, outcome
-    assert "4 of 4 patches apply or are already applied" in outcome.out
+    assert "5 of 5 patches apply or are already applied" in outcome.out
 
 
 def check_to(*args: str):
