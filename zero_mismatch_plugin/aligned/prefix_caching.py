@@ -31,9 +31,12 @@ def unproven_reason(hf_config, platform: str) -> str | None:
     if platform not in PROVEN_PLATFORMS:
         return f"prefix-cache hits are not proven bitwise equal to misses on {platform} (only on {', '.join(PROVEN_PLATFORMS)})"
     try:
-        describe(hf_config)
+        blocks = describe(hf_config)
     except NotImplementedError as why:
         return f"prefix-cache hits are proven only for the aligned dense decoders; {why}"
+    if blocks.moe is not None:
+        return (f"prefix-cache hits are proven only for the aligned dense decoders; {blocks.architecture} is a "
+                "Mixture-of-Experts model")
     return None
 
 
