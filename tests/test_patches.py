@@ -7,6 +7,7 @@ imported in a subprocess ahead of the installed one (the installed files are nev
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -41,6 +42,14 @@ def run_python(script: str, *path_first: Path, env: dict | None = None) -> subpr
                                                  environment.get("PYTHONPATH", "")])
     return subprocess.run([sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True,
                           env=environment, timeout=300)
+
+
+def script_result(script: str, *path_first: Path) -> dict:
+    """Run ``script`` (see :func:`run_python`) and return the JSON it prints after ``RESULT ``."""
+    result = run_python(script, *path_first)
+    assert result.returncode == 0, result.stdout + result.stderr[-4000:]
+    line = next(l for l in result.stdout.splitlines() if l.startswith("RESULT "))
+    return json.loads(line[len("RESULT "):])
 
 
 def _installed_digests(manifest) -> dict[Path, str]:
@@ -1114,10 +1123,7 @@ print("RESULT " + json.dumps({"routes": routes, "impls": impls}), flush=True)
 
 
 def _gemm_result(root: str) -> dict:
-    result = run_python(GEMM_SCRIPT.replace("ROOT", repr(root)))
-    assert result.returncode == 0, result.stdout + result.stderr[-4000:]
-    line = next(l for l in result.stdout.splitlines() if l.startswith("RESULT "))
-    return __import__("json").loads(line[len("RESULT "):])
+    return script_result(GEMM_SCRIPT.replace("ROOT", repr(root)))
 
 
 def test_vllm_rocm_gemm_dispatch_does_not_depend_on_the_row_count(patched_vllm_files):
@@ -1181,10 +1187,7 @@ print("RESULT " + json.dumps({"finals": finals, "launched": launched,
 
 
 def _slot_result(root: str) -> dict:
-    result = run_python(SLOT_SCRIPT.replace("ROOT", repr(root)))
-    assert result.returncode == 0, result.stdout + result.stderr[-4000:]
-    line = next(l for l in result.stdout.splitlines() if l.startswith("RESULT "))
-    return __import__("json").loads(line[len("RESULT "):])
+    return script_result(SLOT_SCRIPT.replace("ROOT", repr(root)))
 
 
 def test_vllm_state_slot_copies_write_each_slot_once(patched_vllm_files):
@@ -1244,10 +1247,7 @@ print("RESULT " + json.dumps(dict(rotary_error=rotary_error, rows_equal=rows_equ
 
 
 def _cpu_mla_result(root: str) -> dict:
-    result = run_python(CPU_MLA_SCRIPT.replace("ROOT", repr(root)))
-    assert result.returncode == 0, result.stdout + result.stderr[-4000:]
-    line = next(l for l in result.stdout.splitlines() if l.startswith("RESULT "))
-    return __import__("json").loads(line[len("RESULT "):])
+    return script_result(CPU_MLA_SCRIPT.replace("ROOT", repr(root)))
 
 
 def test_vllm_cpu_mla_rotary_rows_gemm_dispatch_and_bmm(patched_vllm_files):
@@ -1306,10 +1306,7 @@ VERL_CPU_SCRIPT = """
 
 
 def _verl_cpu_result(*path_first) -> dict:
-    result = run_python(VERL_CPU_SCRIPT, *path_first)
-    assert result.returncode == 0, result.stdout + result.stderr[-4000:]
-    line = next(l for l in result.stdout.splitlines() if l.startswith("RESULT "))
-    return __import__("json").loads(line[len("RESULT "):])
+    return script_result(VERL_CPU_SCRIPT, *path_first)
 
 
 def test_verl_cpu_training_gloo_backend_cpu_weight_reload_and_logger(patched_verl):
