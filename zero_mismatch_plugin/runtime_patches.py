@@ -78,6 +78,16 @@ class FunctionPatch:
         _rebind_importers(self, replacement, original)
 
 
+def patch_at(target: str, build: Callable[[Callable], Callable], **fields) -> FunctionPatch:
+    """A :class:`FunctionPatch` of ``target``, written as :attr:`FunctionPatch.target` prints it:
+    ``"module:attribute"`` or ``"module:Owner.attribute"``."""
+    module, _, path = target.partition(":")
+    owner, _, attribute = path.rpartition(".")
+    if not module or not attribute:
+        raise ValueError(f"patch target {target!r}: write it as 'module:attribute' or 'module:Owner.attribute'")
+    return FunctionPatch(module=module, owner=owner or None, attribute=attribute, build=build, **fields)
+
+
 @dataclass(frozen=True)
 class HookRegistration:
     """Append ``function`` to the hook list ``module.attribute`` (or ``module.attribute[key]`` when

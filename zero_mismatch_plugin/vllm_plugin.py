@@ -31,7 +31,7 @@ import os
 from functools import partial
 
 from . import runtime_patches
-from .runtime_patches import FunctionPatch
+from .runtime_patches import FunctionPatch, patch_at
 from .vllm_cpu_mla import CONSISTENT_MODE_PATCHES as CPU_MLA_PATCHES
 
 logger = logging.getLogger(__name__)
@@ -42,7 +42,7 @@ PREFIX_CACHING_ENV = "ZMRL_ALLOW_PREFIX_CACHING"  # read by aligned.prefix_cachi
 # What register() found in os.environ before it set a variable for vLLM's processes (None: unset).
 _saved_env: dict[str, str | None] = {}
 
-vllm_patch = partial(FunctionPatch, package="vllm", versions=SUPPORTED_VLLM_VERSIONS)
+vllm_patch = partial(patch_at, package="vllm", versions=SUPPORTED_VLLM_VERSIONS)
 
 
 def register() -> None:
@@ -108,11 +108,8 @@ def _pad_single_row_gemms(original):
 
 
 CPU_GEMM = vllm_patch(
+    "vllm.model_executor.layers.utils:dispatch_cpu_unquantized_gemm", _pad_single_row_gemms,
     name="cpu-gemm",
-    module="vllm.model_executor.layers.utils",
-    owner=None,
-    attribute="dispatch_cpu_unquantized_gemm",
-    build=_pad_single_row_gemms,
     why="oneDNN's single-row GEMM rounds differently from the same row in a larger batch "
         "(K >= 2048): every CPU linear pads one-row inputs to two rows",
     when="ZMRL_NUMERICS=consistent on CPU",
@@ -187,11 +184,8 @@ def _engine_settings(original):
 
 
 ENGINE_ARGS = vllm_patch(
+    "vllm.engine.arg_utils:EngineArgs.create_engine_config", _engine_settings,
     name="engine-args",
-    module="vllm.engine.arg_utils",
-    owner="EngineArgs",
-    attribute="create_engine_config",
-    build=_engine_settings,
     why="the engine settings that decide which numbers are computed and recorded (fp32 lm_head, "
         "processed_logprobs, eager, seed, prefix caching only where proven) and the weight-sync worker extension",
     when="ZMRL_NUMERICS set (consistent: all settings; fast: the worker extension only)",
@@ -213,11 +207,8 @@ def _shrink_without_adapter_rows(original):
 # a base request batched with adapter requests ran the last slot's adapter whenever that slot was
 # loaded (always with max_loras=1). The GPU kernels skip index -1.
 LORA_BASE_ROWS = vllm_patch(
+    "vllm.lora.ops.torch_ops.lora_ops:bgmv_shrink", _shrink_without_adapter_rows,
     name="cpu-lora-base-rows",
-    module="vllm.lora.ops.torch_ops.lora_ops",
-    owner=None,
-    attribute="bgmv_shrink",
-    build=_shrink_without_adapter_rows,
     why="a base request batched with LoRA requests got the last adapter slot's update (slot index -1): "
         "its shrink rows are made 0, so its output is the base output",
     when="ZMRL_NUMERICS=consistent on CPU",

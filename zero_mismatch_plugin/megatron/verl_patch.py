@@ -224,24 +224,19 @@ def refresh_engine_weights(engine) -> None:
 # ----- apply / remove ----------------------------------------------------------------------
 
 
-def _patched_build_tf_config(original):
-    @wraps(original)
-    def _build_tf_config(self, *args, **kwargs):
-        result = original(self, *args, **kwargs)
-        inject_aligned_spec(self)
-        return result
+def _then(action):
+    """A patch builder: the original method, then ``action(engine)`` on its engine."""
 
-    return _build_tf_config
+    def build(original):
+        @wraps(original)
+        def method(self, *args, **kwargs):
+            result = original(self, *args, **kwargs)
+            action(self)
+            return result
 
+        return method
 
-def _refresh_after(original):
-    @wraps(original)
-    def method(self, *args, **kwargs):
-        result = original(self, *args, **kwargs)
-        refresh_engine_weights(self)
-        return result
-
-    return method
+    return build
 
 
 def _aligned_processor(original):
@@ -266,11 +261,11 @@ _LOGPROB_WHY = ("verl divides bf16 logits by the temperature in place and takes 
 
 METHOD_PATCHES: list[FunctionPatch] = [
     engine_patch(name="megatron-aligned-spec", owner="MegatronEngine", attribute="_build_tf_config",
-                 build=_patched_build_tf_config, why=_SPEC_WHY),
+                 build=_then(inject_aligned_spec), why=_SPEC_WHY),
     engine_patch(name="megatron-refresh-after-step", owner="MegatronEngine", attribute="optimizer_step",
-                 build=_refresh_after, why=_REFRESH_WHY),
+                 build=_then(refresh_engine_weights), why=_REFRESH_WHY),
     engine_patch(name="megatron-refresh-after-load", owner="MegatronEngine", attribute="load_checkpoint",
-                 build=_refresh_after, why=_REFRESH_WHY),
+                 build=_then(refresh_engine_weights), why=_REFRESH_WHY),
     engine_patch(name="megatron-vllm-logprobs", owner="MegatronEngineWithLMHead",
                  attribute="_lm_head_logits_processor", build=_aligned_processor, why=_LOGPROB_WHY),
 ]

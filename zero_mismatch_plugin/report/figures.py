@@ -62,22 +62,15 @@ BITWISE_EQUAL_SOURCES = (MetricSource("demo/own_version/bitwise_equal_fraction")
 REWARD_SOURCES = (MetricSource("critic/score/mean"), MetricSource("critic/rewards/mean"))
 # verl's V1 trainer: versions between a trajectory's freshest sampling weights and the weights
 # being trained (`trajectory_staleness`) and its oldest ones (`trajectory_staleness_worst`).
-LAG_MEAN_SOURCES = (
-    MetricSource("training/off_policy/trajectory_staleness/mean"),
-    MetricSource("off_policy/trajectory_staleness/mean"),
-)
-LAG_MAX_SOURCES = (
-    MetricSource("training/off_policy/trajectory_staleness/max"),
-    MetricSource("off_policy/trajectory_staleness/max"),
-)
-LAG_WORST_MAX_SOURCES = (
-    MetricSource("training/off_policy/trajectory_staleness_worst/max"),
-    MetricSource("off_policy/trajectory_staleness_worst/max"),
-)
-LAG_SPANS_MAX_SOURCES = (
-    MetricSource("training/off_policy/trajectory_spans/max"),
-    MetricSource("off_policy/trajectory_spans/max"),
-)
+def _off_policy_sources(name: str) -> tuple[MetricSource, ...]:
+    """verl's off-policy metric ``name``, under the trainer's ``training/`` prefix and without it."""
+    return (MetricSource(f"training/off_policy/{name}"), MetricSource(f"off_policy/{name}"))
+
+
+LAG_MEAN_SOURCES = _off_policy_sources("trajectory_staleness/mean")
+LAG_MAX_SOURCES = _off_policy_sources("trajectory_staleness/max")
+LAG_WORST_MAX_SOURCES = _off_policy_sources("trajectory_staleness_worst/max")
+LAG_SPANS_MAX_SOURCES = _off_policy_sources("trajectory_spans/max")
 
 SOURCES_BY_QUANTITY = {
     "d3": D3_SOURCES,
@@ -156,14 +149,22 @@ def _windowed(
     }
 
 
-def d3_figures(run: RunLog) -> dict:
-    series = select_series(run, D3_SOURCES)
-    empty = dict(median=None, peak=None, peak_step=None, peak_to_median=None)
+def _read(run: RunLog, sources: Sequence[MetricSource], **empty: None) -> tuple[Series | None, dict]:
+    """(series, figures) of the first of ``sources`` the run logged. Without a source or a finite
+    value the series is None and the figures are final (``empty``'s keys set to None); otherwise
+    they are the header for the caller to complete."""
+    series = select_series(run, sources)
     if series is None:
-        return _missing(D3_SOURCES, **empty)
-    result = _header(series)
+        return None, _missing(sources, **empty)
     if not series.values:
-        return {**result, **empty, "notes": []}
+        return None, {**_header(series), **empty, "notes": []}
+    return series, _header(series)
+
+
+def d3_figures(run: RunLog) -> dict:
+    series, result = _read(run, D3_SOURCES, median=None, peak=None, peak_step=None, peak_to_median=None)
+    if series is None:
+        return result
     peak_index = max(range(len(series.values)), key=series.values.__getitem__)
     median = stats.median(series.values)
     ratio = stats.peak_to_median(series.values)
@@ -179,15 +180,10 @@ def d3_figures(run: RunLog) -> dict:
 
 
 def kl_figures(run: RunLog, window: int) -> dict:
-    series = select_series(run, KL_SOURCES)
-    empty = dict(
-        window=None, first_window_median=None, last_window_median=None, last_over_first=None, median=None
-    )
+    series, result = _read(run, KL_SOURCES, window=None, first_window_median=None, last_window_median=None,
+                           last_over_first=None, median=None)
     if series is None:
-        return _missing(KL_SOURCES, **empty)
-    result = _header(series)
-    if not series.values:
-        return {**result, **empty, "notes": []}
+        return result
     windows = _windowed(series, window, stats.median, "_median")
     ratio = stats.safe_ratio(windows["last_window_median"], windows["first_window_median"])
     if ratio is None:
@@ -220,13 +216,10 @@ def grad_norm_figures(run: RunLog) -> dict:
 
 
 def rejection_figures(run: RunLog, window: int) -> dict:
-    series = select_series(run, REJECTION_SOURCES)
-    empty = dict(window=None, first_window=None, last_window=None, mean=None, max=None)
+    series, result = _read(run, REJECTION_SOURCES, window=None, first_window=None, last_window=None, mean=None,
+                           max=None)
     if series is None:
-        return _missing(REJECTION_SOURCES, **empty)
-    result = _header(series)
-    if not series.values:
-        return {**result, **empty, "notes": []}
+        return result
     return {
         **result,
         **_windowed(series, window, stats.mean, ""),
@@ -236,13 +229,9 @@ def rejection_figures(run: RunLog, window: int) -> dict:
 
 
 def bitwise_equal_figures(run: RunLog) -> dict:
-    series = select_series(run, BITWISE_EQUAL_SOURCES)
-    empty = dict(min=None, min_step=None, updates_fully_equal=None)
+    series, result = _read(run, BITWISE_EQUAL_SOURCES, min=None, min_step=None, updates_fully_equal=None)
     if series is None:
-        return _missing(BITWISE_EQUAL_SOURCES, **empty)
-    result = _header(series)
-    if not series.values:
-        return {**result, **empty, "notes": []}
+        return result
     low_index = min(range(len(series.values)), key=series.values.__getitem__)
     return {
         **result,
@@ -305,13 +294,9 @@ def lag_figures(run: RunLog) -> dict:
 
 
 def reward_figures(run: RunLog, window: int) -> dict:
-    series = select_series(run, REWARD_SOURCES)
-    empty = dict(window=None, first_window=None, last_window=None)
+    series, result = _read(run, REWARD_SOURCES, window=None, first_window=None, last_window=None)
     if series is None:
-        return _missing(REWARD_SOURCES, **empty)
-    result = _header(series)
-    if not series.values:
-        return {**result, **empty, "notes": []}
+        return result
     return {**result, **_windowed(series, window, stats.mean, "")}
 
 

@@ -37,7 +37,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial, wraps
 
-from zero_mismatch_plugin.runtime_patches import FunctionPatch
+from zero_mismatch_plugin.runtime_patches import patch_at
 from zero_mismatch_plugin.runtime_patches import apply as apply_patch
 from zero_mismatch_plugin.runtime_patches import is_applied, is_pending
 from zero_mismatch_plugin.runtime_patches import remove as remove_patch
@@ -446,30 +446,18 @@ def _new_weights_after(original):
     return method
 
 
-fsdp_patch = partial(FunctionPatch, package="verl", versions=SUPPORTED_VERL_VERSIONS, module=ENGINE_MODULE,
-                     when=f"{ENABLE_ENV}=1")
+fsdp_patch = partial(patch_at, package="verl", versions=SUPPORTED_VERL_VERSIONS, when=f"{ENABLE_ENV}=1")
 
 FORWARD_STEP = fsdp_patch(
-    name="fsdp-aligned-forward-step",
-    owner="FSDPEngineWithLMHead",
-    attribute="forward_step",
-    build=_aligned_forward_step,
-    why="the actor's logprobs from vLLM's kernels and logprob arithmetic instead of the HF forward",
-)
-OPTIMIZER_STEP = fsdp_patch(
-    name="fsdp-aligned-optimizer-step",
-    owner="FSDPEngine",
-    attribute="optimizer_step",
-    build=_new_weights_after,
-    why="re-derive the aligned forward's engine-layout weights after the optimizer changed the shards",
-)
-LOAD_CHECKPOINT = fsdp_patch(
-    name="fsdp-aligned-load-checkpoint",
-    owner="FSDPEngine",
-    attribute="load_checkpoint",
-    build=_new_weights_after,
-    why="re-derive the aligned forward's engine-layout weights after a checkpoint replaced the shards",
-)
+    f"{ENGINE_MODULE}:FSDPEngineWithLMHead.forward_step", _aligned_forward_step, name="fsdp-aligned-forward-step",
+    why="the actor's logprobs from vLLM's kernels and logprob arithmetic instead of the HF forward")
+# FSDP2 refills the gathered parameters in place: the engine-layout copies are re-derived after
+# every call that changes the shards.
+OPTIMIZER_STEP, LOAD_CHECKPOINT = (
+    fsdp_patch(f"{ENGINE_MODULE}:FSDPEngine.{method}", _new_weights_after,
+               name=f"fsdp-aligned-{method.replace('_', '-')}",
+               why=f"re-derive the aligned forward's engine-layout weights after {cause} changed the shards")
+    for method, cause in (("optimizer_step", "the optimizer"), ("load_checkpoint", "a checkpoint")))
 
 PATCHES = (FORWARD_STEP, OPTIMIZER_STEP, LOAD_CHECKPOINT)
 

