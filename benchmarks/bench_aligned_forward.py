@@ -20,7 +20,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("ZMRL_NUMERICS", "consistent")
 
 
-def add_shape_arguments(p, families, intermediate: int = 1408, intermediate_help: str | None = None):
+def add_shape_arguments(p, families, intermediate: int = 1408, intermediate_help: str | None = None,
+                        vocab: int = 2048):
     """The tiny model's shape options every benchmark takes (see :func:`build_model_from_args`)."""
     p.add_argument("--family", default=families[0], choices=list(families))
     p.add_argument("--layers", type=int, default=4)
@@ -28,18 +29,23 @@ def add_shape_arguments(p, families, intermediate: int = 1408, intermediate_help
     p.add_argument("--intermediate", type=int, default=intermediate, help=intermediate_help)
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--kv-heads", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=2048)
+    p.add_argument("--vocab", type=int, default=vocab)
+
+
+def add_run_arguments(p, *, batch=8, prompt_len=16, response_len=240, repeats=7, warmup=2, threads=0):
+    """The batch and timing options the rollout-shaped benchmarks take; None leaves one out."""
+    for flag, default in (("--batch", batch), ("--prompt-len", prompt_len), ("--response-len", response_len),
+                          ("--repeats", repeats), ("--warmup", warmup)):
+        if default is not None:
+            p.add_argument(flag, type=int, default=default)
+    if threads is not None:
+        p.add_argument("--threads", type=int, default=threads, help="torch threads (0: torch default)")
 
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_shape_arguments(p, ("llama", "qwen2", "qwen3"))
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--prompt-len", type=int, default=16)
-    p.add_argument("--response-len", type=int, default=240)
-    p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
+    add_run_arguments(p)
     return p.parse_args()
 
 

@@ -19,7 +19,7 @@ import argparse
 import os
 import tempfile
 
-from bench_aligned_forward import add_shape_arguments, build_model_from_args, median_times
+from bench_aligned_forward import add_run_arguments, add_shape_arguments, build_model_from_args, median_times
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("ZMRL_NUMERICS", "consistent")
@@ -30,11 +30,7 @@ def parse_args():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_shape_arguments(p, ("llama", "qwen2", "qwen3"))
     p.add_argument("--rank", type=int, default=32)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--prompt-len", type=int, default=16)
-    p.add_argument("--response-len", type=int, default=112)
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--warmup", type=int, default=1)
+    add_run_arguments(p, response_len=112, repeats=5, warmup=1, threads=None)
     p.add_argument("--skip-sync", action="store_true", help="only the forward+backward comparison")
     return p.parse_args()
 

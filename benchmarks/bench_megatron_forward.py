@@ -16,7 +16,7 @@ import statistics
 import tempfile
 import time
 
-from bench_aligned_forward import build_model_from_args
+from bench_aligned_forward import add_shape_arguments, build_model_from_args
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -25,12 +25,7 @@ os.environ.setdefault("ZMRL_NUMERICS", "consistent")
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--intermediate", type=int, default=1536)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--kv-heads", type=int, default=4)
-    parser.add_argument("--vocab", type=int, default=512)
+    add_shape_arguments(parser, ("llama",), intermediate=1536, vocab=512)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--iters", type=int, default=15)

@@ -159,12 +159,9 @@ def bench_step(args) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--part", choices=("forward", "step", "both"), default="both")
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--prompt-len", type=int, default=24)
-    parser.add_argument("--response-len", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--step-repeats", type=int, default=1)
+    for flag, default in (("--repeats", 5), ("--batch", 4), ("--prompt-len", 24), ("--response-len", 8),
+                          ("--steps", 4), ("--step-repeats", 1)):
+        parser.add_argument(flag, type=int, default=default)
     args = parser.parse_args()
     # verl's CPU platform for the engine built here: chosen before the plugin or verl is imported.
     os.environ["ZMRL_VERL_PLATFORM"] = "cpu"

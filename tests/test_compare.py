@@ -8,15 +8,12 @@ the gates are verl's (their metrics are logged), and the comparison is rebuilt f
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import torch
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-
-from zero_mismatch_plugin.demo.compare import VARIANT_NAMES, CompareConfig, run_compare, run_dir  # noqa: E402
+from vllm_session import demo_engine
+from zero_mismatch_plugin.demo.compare import VARIANT_NAMES, CompareConfig, run_compare, run_dir
 
 MAX_MODEL_LEN = 128
 UPDATES = 4
@@ -25,7 +22,6 @@ UPDATES = 4
 @pytest.fixture(scope="module")
 def compared(tmp_path_factory):
     """One seed of every variant, UPDATES updates each, against one engine; (config, comparison, out_dir)."""
-    from zero_mismatch_plugin.demo.engine import start_engine
     from zero_mismatch_plugin.tiny_models import build_tiny_model
 
     out_dir = tmp_path_factory.mktemp("compare")
@@ -36,11 +32,8 @@ def compared(tmp_path_factory):
     def progress(variant, seed, result):
         records[variant.name] = result.records
 
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("ZMRL_NUMERICS", "consistent")
-        mp.setenv("VLLM_CPU_ATTN_SPLIT_KV", "0")
-        with start_engine(model_dir, MAX_MODEL_LEN) as engine:
-            comparison = run_compare(config, out_dir, engine, lambda seed: model_dir, progress)
+    with demo_engine(model_dir, MAX_MODEL_LEN) as engine:
+        comparison = run_compare(config, out_dir, engine, lambda seed: model_dir, progress)
     return config, comparison, out_dir, records
 
 

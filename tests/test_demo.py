@@ -7,15 +7,12 @@ initial weights into it as version 0), so the file pays for a single engine star
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import torch
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-
-from zero_mismatch_plugin.demo import DemoConfig, run_demo  # noqa: E402
+from vllm_session import demo_llama_engine
+from zero_mismatch_plugin.demo import DemoConfig, run_demo
 
 MAX_MODEL_LEN = 128
 
@@ -23,16 +20,7 @@ MAX_MODEL_LEN = 128
 @pytest.fixture(scope="module")
 def demo_engine(tmp_path_factory):
     """(engine, model directory) in consistent numerics; the variables are restored afterwards."""
-    from zero_mismatch_plugin.demo.engine import start_engine
-    from zero_mismatch_plugin.tiny_models import build_tiny_model
-
-    model_dir = build_tiny_model(tmp_path_factory.mktemp("demo_model"), family="llama", seed=0)
-    with pytest.MonkeyPatch.context() as mp:
-        # start_engine sets these (consistent mode); registering them here restores them after.
-        mp.setenv("ZMRL_NUMERICS", "consistent")
-        mp.setenv("VLLM_CPU_ATTN_SPLIT_KV", "0")
-        with start_engine(model_dir, MAX_MODEL_LEN) as engine:
-            yield engine, model_dir
+    yield from demo_llama_engine(tmp_path_factory, "demo_model", MAX_MODEL_LEN)
 
 
 def _run(demo_engine, model_dir=None, **overrides):

@@ -3,14 +3,10 @@ and every token, scored with the weights that sampled it, still the engine's bit
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-
-from zero_mismatch_plugin.demo import DemoConfig, run_demo  # noqa: E402
+from vllm_session import demo_llama_engine
+from zero_mismatch_plugin.demo import DemoConfig, run_demo
 
 MAX_MODEL_LEN = 128
 TURNS = 3
@@ -18,15 +14,8 @@ TURNS = 3
 
 @pytest.fixture(scope="module")
 def demo_engine(tmp_path_factory):
-    from zero_mismatch_plugin.demo.engine import start_engine
-    from zero_mismatch_plugin.tiny_models import build_tiny_model
-
-    model_dir = build_tiny_model(tmp_path_factory.mktemp("demo_turns_model"), family="llama", seed=0)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("ZMRL_NUMERICS", "consistent")
-        mp.setenv("VLLM_CPU_ATTN_SPLIT_KV", "0")
-        with start_engine(model_dir, MAX_MODEL_LEN) as engine:
-            yield engine, model_dir
+    """(engine, model directory) in consistent numerics; the variables are restored afterwards."""
+    yield from demo_llama_engine(tmp_path_factory, "demo_turns_model", MAX_MODEL_LEN)
 
 
 def test_turns_hit_the_prefix_cache_and_every_token_stays_bitwise(demo_engine):

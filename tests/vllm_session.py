@@ -7,6 +7,8 @@ one down) to keep memory bounded.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from zero_mismatch_plugin.aligned.runtime import shutdown_engine
@@ -131,3 +133,28 @@ def hf_token_logprobs(model, prompts, responses):
         rows = torch.arange(len(prompt) - 1, len(prompt) - 1 + len(response))
         out.append(logprobs[rows].gather(-1, torch.tensor(response)[:, None])[:, 0])
     return torch.cat(out)
+
+
+@contextlib.contextmanager
+def demo_engine(model_dir, max_model_len: int):
+    """The demo's rollout engine (its own process) in consistent numerics; the variables
+    ``start_engine`` sets for that mode are restored afterwards."""
+    import pytest
+
+    from zero_mismatch_plugin.demo.engine import start_engine
+
+    with pytest.MonkeyPatch.context() as mp:
+        # Registered here so that leaving the context restores them.
+        mp.setenv("ZMRL_NUMERICS", "consistent")
+        mp.setenv("VLLM_CPU_ATTN_SPLIT_KV", "0")
+        with start_engine(model_dir, max_model_len) as engine:
+            yield engine
+
+
+def demo_llama_engine(tmp_path_factory, name: str, max_model_len: int):
+    """(engine, model directory) for a module's demo tests: the demo's tiny Llama in its own folder."""
+    from zero_mismatch_plugin.tiny_models import build_tiny_model
+
+    model_dir = build_tiny_model(tmp_path_factory.mktemp(name), family="llama", seed=0)
+    with demo_engine(model_dir, max_model_len) as engine:
+        yield engine, model_dir

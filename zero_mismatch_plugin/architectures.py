@@ -21,16 +21,17 @@ class MoeBlocks:
     top_k: int
     moe_intermediate_size: int
     norm_topk_prob: bool  # vLLM's ``renormalize``: the top-k weights sum to one
-    scoring_func: str  # "softmax" or "sigmoid" over the router logits
-    grouped_topk: bool  # DeepSeek-V3 style: experts in n_group groups, topk_group groups kept
-    n_group: int | None
-    topk_group: int | None
-    e_score_correction_bias: bool  # a per-expert bias steering the selection only
-    routed_scaling_factor: float
-    shared_expert_intermediate_size: int  # 0: no shared expert
-    shared_expert_gate: bool  # a sigmoid gate (a 1-row linear) on the shared expert's output
     moe_layers: tuple[int, ...]  # the layers whose MLP is the MoE; the others are dense SwiGLU
     names: str  # checkpoint naming: "qwen" (mlp.gate, experts.E.gate_proj) or "mixtral"
+    # The router; the defaults are the plain softmax top-k router.
+    scoring_func: str = "softmax"  # "softmax" or "sigmoid" over the router logits
+    grouped_topk: bool = False  # DeepSeek-V3 style: experts in n_group groups, topk_group groups kept
+    n_group: int | None = None
+    topk_group: int | None = None
+    e_score_correction_bias: bool = False  # a per-expert bias steering the selection only
+    routed_scaling_factor: float = 1.0
+    shared_expert_intermediate_size: int = 0  # 0: no shared expert
+    shared_expert_gate: bool = False  # a sigmoid gate (a 1-row linear) on the shared expert's output
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -113,12 +114,6 @@ def _qwen_moe(config, shared: bool) -> MoeBlocks:
         top_k=config.num_experts_per_tok,
         moe_intermediate_size=config.moe_intermediate_size,
         norm_topk_prob=bool(getattr(config, "norm_topk_prob", False)),
-        scoring_func="softmax",
-        grouped_topk=False,
-        n_group=None,
-        topk_group=None,
-        e_score_correction_bias=False,
-        routed_scaling_factor=1.0,
         shared_expert_intermediate_size=shared_size,
         # vLLM's Qwen2-MoE always builds the gate; Qwen3-MoE has no shared expert in practice.
         shared_expert_gate=shared_size > 0,
@@ -141,14 +136,6 @@ def _mixtral_moe(config) -> MoeBlocks:
         top_k=config.num_experts_per_tok,
         moe_intermediate_size=config.intermediate_size,
         norm_topk_prob=True,  # vLLM's Mixtral always renormalizes
-        scoring_func="softmax",
-        grouped_topk=False,
-        n_group=None,
-        topk_group=None,
-        e_score_correction_bias=False,
-        routed_scaling_factor=1.0,
-        shared_expert_intermediate_size=0,
-        shared_expert_gate=False,
         moe_layers=tuple(range(config.num_hidden_layers)),
         names="mixtral",
     )
@@ -169,7 +156,6 @@ def _glm4_moe(config) -> MoeBlocks:
         e_score_correction_bias=True,
         routed_scaling_factor=float(getattr(config, "routed_scaling_factor", 1.0)),
         shared_expert_intermediate_size=config.moe_intermediate_size * n_shared if n_shared else 0,
-        shared_expert_gate=False,
         moe_layers=tuple(
             i for i in range(config.num_hidden_layers) if config.n_routed_experts and i >= first_dense
         ),

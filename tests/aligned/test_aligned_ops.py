@@ -8,14 +8,8 @@ input; its forward (vLLM's kernel, fp32) must agree with the float64 formula to 
 import pytest
 import torch
 
-from zero_mismatch_plugin.aligned.ops import (
-    AlignedAttention,
-    AlignedLinear,
-    AlignedLogits,
-    AlignedRMSNorm,
-    AlignedRotary,
-    AlignedSiluAndMul,
-)
+from zero_mismatch_plugin.aligned.ops import AlignedAttention, AlignedLinear, AlignedLogits, AlignedRMSNorm
+from zero_mismatch_plugin.aligned.ops import AlignedRotary, AlignedSiluAndMul
 
 OP_GRAD_REL_TOL = 1e-5
 OP_FWD_REL_TOL = 1e-5

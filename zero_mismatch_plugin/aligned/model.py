@@ -10,6 +10,8 @@ sampled-token logprobs it returns are the engine's bits.
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
+import functools
 import json
 import os
 
@@ -107,6 +109,42 @@ class _Layer(nn.Module):
             self.mlp = _swiglu(h, inter)
         self.input_layernorm = _Weights((h,))
         self.post_attention_layernorm = _Weights((h,))
+
+
+@dataclass(frozen=True)
+class AttentionHeads:
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+    def split(self, qkv: torch.Tensor, norms: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v of the fused projection, q and k through the per-head norms when the layer has them."""
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        if "q_norm" in norms:
+            t = q.shape[0]
+            q = norms["q_norm"](q.reshape(t, self.num_heads, self.head_dim)).reshape(t, q_size)
+            k = norms["k_norm"](k.reshape(t, self.num_kv_heads, self.head_dim)).reshape(t, kv_size)
+        return q, k, v
+
+
+def decoder_layer(norms, hidden, residual, positions, heads: AttentionHeads, rotary, *, linear, attend, mlp):
+    """One decoder layer in vLLM's op order, for both trainer forwards that run it (this model and
+    verl's FSDP actor): [fused add] norm, qkv, [q/k norm], rotary, attention, o, fused add norm, MLP.
+
+    ``norms``: the layer's norm ops (``input_norm``, ``post_norm``, ``q_norm``/``k_norm`` where the
+    architecture has them); ``linear(name, x)``: its ``qkv`` and ``o`` projections; ``attend(q, k, v)``;
+    ``mlp(x)``. Returns (hidden, residual) for the next layer's fused add norm."""
+    if residual is None:
+        residual = hidden
+        hidden = norms["input_norm"](hidden)
+    else:
+        hidden, residual = norms["input_norm"](hidden, residual)
+    q, k, v = heads.split(linear("qkv", hidden), norms)
+    q, k = rotary(positions, q, k)
+    hidden = linear("o", attend(q, k, v.contiguous()))
+    hidden, residual = norms["post_norm"](hidden, residual)
+    return mlp(hidden), residual
 
 
 class AlignedCausalLM(nn.Module):
@@ -367,28 +405,17 @@ class AlignedCausalLM(nn.Module):
         embed = self.model.embed_tokens.weight
         hidden = nn.functional.embedding(ids, embed.to(self.runtime.dtype) if embed.dtype != self.runtime.dtype else embed)
         residual = None
-        q_size = self.num_heads * self.head_dim
-        kv_size = self.num_kv_heads * self.head_dim
+        heads = AttentionHeads(self.num_heads, self.num_kv_heads, self.head_dim)
         for i, ops in enumerate(self.layer_ops):
             attention = self._layer_attention(i)
-            if residual is None:
-                residual = hidden
-                hidden = ops["input_norm"](hidden)
-            else:
-                hidden, residual = ops["input_norm"](hidden, residual)
-            qkv = self._linear(i, "qkv", hidden)
-            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-            if self.blocks.qk_norm:
-                t = q.shape[0]
-                q = ops["q_norm"](q.reshape(t, self.num_heads, self.head_dim)).reshape(t, q_size)
-                k = ops["k_norm"](k.reshape(t, self.num_kv_heads, self.head_dim)).reshape(t, kv_size)
-            q, k = self.rotary(positions, q, k)
             if attention not in plans:
                 plans[attention] = attention.plan(batch.seq_lens)
-            attn = attention(q, k, v.contiguous(), plans[attention], batch.seq_lens)
-            hidden = self._linear(i, "o", attn)
-            hidden, residual = ops["post_norm"](hidden, residual)
-            hidden = self._mlp(i, hidden)
+            hidden, residual = decoder_layer(
+                ops, hidden, residual, positions, heads, self.rotary,
+                linear=functools.partial(self._linear, i),
+                attend=lambda q, k, v, a=attention: a(q, k, v, plans[a], batch.seq_lens),
+                mlp=functools.partial(self._mlp, i),
+            )
         hidden, _ = self.final_norm(hidden, residual)
         return hidden
 

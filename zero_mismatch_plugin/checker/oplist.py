@@ -12,7 +12,7 @@ blamed on the norm.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -110,17 +110,15 @@ class OpComparison:
     shape_mismatch: str | None = None
 
     def as_dict(self) -> dict:
-        out = dict(
-            op=self.name,
-            bitwise_equal=self.equal,
-            max_abs_diff=self.max_abs_diff,
-            equal_fraction=self.equal_fraction,
-            numel=self.numel,
-            num_differing=self.num_differing,
-        )
-        if self.shape_mismatch:
-            out["shape_mismatch"] = self.shape_mismatch
-        return out
+        """The report's JSON row (``name`` as ``op``, ``equal`` as ``bitwise_equal``; a shape
+        mismatch only when there is one)."""
+        row = {_REPORT_KEYS.get(key, key): value for key, value in asdict(self).items()}
+        if not self.shape_mismatch:
+            del row["shape_mismatch"]
+        return row
+
+
+_REPORT_KEYS = {"name": "op", "equal": "bitwise_equal"}
 
 
 def compare_op(name: str, reference, candidate) -> OpComparison:

@@ -47,6 +47,11 @@ def megatron_blocks(hf_config) -> Blocks:
     return blocks
 
 
+# vLLM runs none of megatron-core's fused kernels: each op is the op layer's, so every fusion is off.
+_UNFUSED = dict.fromkeys(("gradient_accumulation_fusion", "bias_activation_fusion", "bias_dropout_fusion",
+                          "masked_softmax_fusion", "apply_rope_fusion", "persist_layer_norm"), False)
+
+
 def transformer_config_from_hf(hf_config, params_dtype=torch.float32, **overrides):
     """A megatron-core ``TransformerConfig`` for a supported dense checkpoint (CPU-friendly)."""
     import torch.nn.functional as F
@@ -73,12 +78,7 @@ def transformer_config_from_hf(hf_config, params_dtype=torch.float32, **override
         bf16=params_dtype == torch.bfloat16,
         fp16=params_dtype == torch.float16,
         use_cpu_initialization=True,
-        gradient_accumulation_fusion=False,
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
-        apply_rope_fusion=False,
-        persist_layer_norm=False,
+        **_UNFUSED,
     )
     kwargs.update(megatron_windows(blocks))
     kwargs.update(overrides)

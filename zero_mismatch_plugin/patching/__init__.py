@@ -13,30 +13,10 @@ import sys
 from pathlib import Path
 
 from .checkout import checkout_version, detect_upstream, resolve_version
-from .manifest import (
-    DIFFS_DIR,
-    MANIFEST,
-    Manifest,
-    Patch,
-    PatchError,
-    Upstream,
-    diff_targets,
-    installed_root,
-    installed_version,
-    load_manifest,
-    touched_files,
-)
-from .series import (
-    ALREADY_APPLIED,
-    APPLIES,
-    APPLIES_WITH_OFFSETS,
-    FAILS,
-    apply_to,
-    apply_to_copy,
-    check_checkout,
-    copy_patched_package,
-    run_patch,
-)
+from .manifest import DIFFS_DIR, MANIFEST, Manifest, Patch, PatchError, Upstream, diff_targets, installed_root
+from .manifest import installed_version, load_manifest, touched_files
+from .series import ALREADY_APPLIED, APPLIES, APPLIES_WITH_OFFSETS, FAILS, apply_to, apply_to_copy
+from .series import check_checkout, copy_patched_package, run_patch
 from .verify import TOOLS, CheckResult, check_installed
 
 __all__ = [

@@ -112,14 +112,6 @@ VERL_POLICY_LOSS_ROLLOUT_LOGPROBS = [
         old="""\
     policy_loss_fn = get_policy_loss_fn(loss_mode)
     pg_loss, pg_metrics = policy_loss_fn(
-        old_log_prob=old_log_prob,
-        log_prob=log_prob,
-        advantages=advantages,
-        response_mask=response_mask,
-        loss_agg_mode=loss_agg_mode,
-        config=config,
-        rollout_is_weights=rollout_is_weights,
-    )
 """,
         new="""\
     policy_loss_fn = get_policy_loss_fn(loss_mode)
@@ -130,12 +122,15 @@ VERL_POLICY_LOSS_ROLLOUT_LOGPROBS = [
     if accepts_keyword(policy_loss_fn, "rollout_log_probs"):
         rollout_log_probs_kwarg["rollout_log_probs"] = data.get("rollout_log_probs", None)
     pg_loss, pg_metrics = policy_loss_fn(
-        old_log_prob=old_log_prob,
-        log_prob=log_prob,
-        advantages=advantages,
-        response_mask=response_mask,
-        loss_agg_mode=loss_agg_mode,
-        config=config,
+""",
+    ),
+    Edit(
+        "verl/workers/utils/losses.py",
+        old="""\
+        rollout_is_weights=rollout_is_weights,
+    )
+""",
+        new="""\
         rollout_is_weights=rollout_is_weights,
         **rollout_log_probs_kwarg,
     )

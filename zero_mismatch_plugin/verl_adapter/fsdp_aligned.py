@@ -126,6 +126,7 @@ class AlignedFSDPForward:
     """
 
     def __init__(self, runtime, hf_config):
+        from zero_mismatch_plugin.aligned.model import AttentionHeads, decoder_layer
         from zero_mismatch_plugin.aligned.ops import AlignedAttention, AlignedRotary, AlignedSiluAndMul
         from zero_mismatch_plugin.architectures import describe
 
@@ -142,6 +143,8 @@ class AlignedFSDPForward:
         self.num_heads = hf_config.num_attention_heads
         self.num_kv_heads = hf_config.num_key_value_heads
         self.head_dim = self.blocks.head_dim
+        self.heads = AttentionHeads(self.num_heads, self.num_kv_heads, self.head_dim)
+        self.decoder_layer = decoder_layer  # the aligned model's layer, op for op
         self.eps = hf_config.rms_norm_eps
         max_pos = getattr(hf_config, "max_position_embeddings", 8192)
         self.rotary = AlignedRotary(runtime, self.head_dim, max_pos, getattr(hf_config, "rope_parameters", None))
@@ -243,22 +246,12 @@ class AlignedFSDPForward:
         """One decoder layer in vLLM's order: [fused add] norm, qkv, [q/k norm], rotary,
         attention, o, fused add norm, gate_up, SiluAndMul, down."""
         ops = self.layer_ops(layer)
-        if residual is None:
-            residual = hidden
-            hidden = ops["input_norm"](hidden)
-        else:
-            hidden, residual = ops["input_norm"](hidden, residual)
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = ops["qkv"](hidden).split([q_size, kv_size, kv_size], dim=-1)
-        if self.blocks.qk_norm:
-            t = q.shape[0]
-            q = ops["q_norm"](q.reshape(t, self.num_heads, self.head_dim)).reshape(t, q_size)
-            k = ops["k_norm"](k.reshape(t, self.num_kv_heads, self.head_dim)).reshape(t, kv_size)
-        q, k = self.rotary(positions, q, k)
-        hidden = ops["o"](self.attention(q, k, v.contiguous(), plan, seq_lens))
-        hidden, residual = ops["post_norm"](hidden, residual)
-        hidden = ops["down"](self.act(ops["gate_up"](hidden)))
-        return hidden, residual
+        return self.decoder_layer(
+            ops, hidden, residual, positions, self.heads, self.rotary,
+            linear=lambda name, x: ops[name](x),
+            attend=lambda q, k, v: self.attention(q, k, v, plan, seq_lens),
+            mlp=lambda x: ops["down"](self.act(ops["gate_up"](x))),
+        )
 
     def lm_head_forward(self, lm_head, hidden):
         return self.head_ops(lm_head, lm_head.weight)["logits"](hidden)
