@@ -20,6 +20,7 @@ import torch
 from torch.autograd import Function
 
 from .derived import DerivedWeight
+from .ops import _observable
 from .runtime import VllmRuntime
 from ..architectures import MoeBlocks
 
@@ -156,6 +157,8 @@ class AlignedMoE:
             for name, p in self.experts.named_parameters(recurse=False)
         }
         self._captured = None
+        # The experts the last forward chose [T, K] (read by the bisect recorder).
+        self.last_topk_ids = None
         self.runner.router.set_capture_fn(self._capture)
         sources = self.params + ([correction_bias] if correction_bias is not None else [])
         self.derived = DerivedWeight(sources, self._build)
@@ -208,8 +211,10 @@ class AlignedMoE:
         self._captured = None
         if ids is None:
             raise RuntimeError("vLLM's router did not report the experts it chose")
+        self.last_topk_ids = ids.clone()
         return out, ids.clone()
 
+    @_observable
     def __call__(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         return _MoEFn.apply(hidden, router_logits, self, *self.params)
 

@@ -116,7 +116,7 @@ class AlignedBackend:
     def intermediates(self, batch, perturb: Perturb | None = None) -> dict:
         """The model's own forward with every op of the op layer recorded."""
         m = self.model
-        order = oplist.op_names(m.config.num_hidden_layers, m.blocks.qk_norm)
+        order = oplist.op_names(m.config.num_hidden_layers, m.blocks.qk_norm, m.blocks)
         with OpRecorder(perturb) as recorder:
             with recorder.op_layer(order):
                 hidden = m.hidden_states(batch)

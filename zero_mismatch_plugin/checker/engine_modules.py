@@ -15,8 +15,13 @@ import contextlib
 
 import torch
 
+from ..architectures import describe
 from . import oplist
 from .recording import OpRecorder, first_of_pair
+
+# vLLM versions whose ``MoERunner`` hands (shared output, routed output) through
+# ``_maybe_apply_routed_scale_to_output`` before adding them.
+ROUTED_OUTPUT_VERSIONS = ("0.31.0",)
 
 # vLLM module attribute -> canonical op name (per decoder layer). Linear layers return
 # (output, bias); norms of the residual stream return (normalised, residual sum).
@@ -36,6 +41,21 @@ _LAYER_MODULES = (
 
 _LINEARS = {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
 _NORMS = {"input_norm", "post_attention_norm"}
+
+# An MoE block's modules (relative to the block: ``mlp`` or Mixtral's ``block_sparse_moe``) ->
+# canonical name. The shared expert is ``shared_expert`` (Qwen2-MoE) or ``shared_experts`` (GLM-4.5).
+_MOE_BLOCKS = ("mlp", "block_sparse_moe")
+_MOE_MODULES = (
+    ("gate", "router"),
+    ("shared_expert.gate_up_proj", "shared_expert.gate_up_proj"),
+    ("shared_expert.act_fn", "shared_expert.act"),
+    ("shared_expert.down_proj", "shared_expert.down_proj"),
+    ("shared_experts.gate_up_proj", "shared_expert.gate_up_proj"),
+    ("shared_experts.act_fn", "shared_expert.act"),
+    ("shared_experts.down_proj", "shared_expert.down_proj"),
+    ("shared_expert_gate", "shared_expert_gate"),
+)
+_MOE_PAIRS = {"router", "shared_expert.gate_up_proj", "shared_expert.down_proj", "shared_expert_gate"}
 
 
 def _submodule(module, dotted: str):
@@ -141,9 +161,10 @@ class EngineModules:
         config = rt.hf_config
         self.num_layers = config.num_hidden_layers
         self.qk_norm = _submodule(self.model.model.layers[0], "self_attn.q_norm") is not None
+        self.blocks = describe(config)
 
     def op_names(self) -> list[str]:
-        return oplist.op_names(self.num_layers, self.qk_norm)
+        return oplist.op_names(self.num_layers, self.qk_norm, self.blocks)
 
     def _attach(self, recorder: OpRecorder) -> None:
         """Hooks on vLLM's modules recording every op into ``recorder``.
@@ -168,7 +189,28 @@ class EngineModules:
                     recorder.on_fused_norm(module, kind)
                 else:
                     recorder.on_output(module, kind)
+            self._attach_moe(recorder, layer)
         recorder.on_fused_norm(model.norm, oplist.FINAL_NORM)
+
+    @staticmethod
+    def _attach_moe(recorder: OpRecorder, layer) -> None:
+        """An MoE layer's router logits (the gate linear), the experts its router chose (vLLM's
+        capture callback) and its shared expert's ops; the routed output is recorded by
+        :func:`_recording_routed_output`."""
+        from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
+
+        block = next((b for b in (_submodule(layer, n) for n in _MOE_BLOCKS) if b is not None), None)
+        runner = getattr(block, "experts", None)
+        if not isinstance(runner, MoERunner):
+            return
+        for attr, kind in _MOE_MODULES:
+            module = _submodule(block, attr)
+            if module is not None:
+                recorder.on_output(module, kind, split=first_of_pair if kind in _MOE_PAIRS else None)
+        router = runner.router
+        previous = router.capture_fn
+        router.set_capture_fn(recorder.capture(oplist.TOPK_IDS))
+        recorder.on_exit(lambda: router.set_capture_fn(previous))
 
     @torch.no_grad()
     def forward(self, batch, record: dict | None = None) -> torch.Tensor:
@@ -192,7 +234,7 @@ class EngineModules:
                 device,
             )
         names = list(self.attention_layers)
-        with OpRecorder() as recorder:
+        with OpRecorder() as recorder, _recording_routed_output(recorder if record is not None else None):
             if record is not None:
                 self._attach(recorder)
             try:
@@ -214,3 +256,37 @@ class EngineModules:
         record.update(recorder.ops)
         return recorder.ops[oplist.LOGPROBS]
 
+
+
+@contextlib.contextmanager
+def _recording_routed_output(recorder: OpRecorder | None):
+    """vLLM's MoE layer adds its shared expert's output to the routed experts' inside one module:
+    a runtime patch of the step between (the routed scaling) records the routed output alone as
+    ``experts``, what the trainer's MoE op returns. Nothing is patched without a recorder."""
+    if recorder is None:
+        yield
+        return
+    from zero_mismatch_plugin import runtime_patches
+
+    def build(original):
+        def scaled_outputs(self, shared_output, fused_output):
+            shared_output, fused_output = original(self, shared_output, fused_output)
+            return shared_output, recorder.keep(recorder.name("experts"), fused_output)
+
+        return scaled_outputs
+
+    patch = runtime_patches.FunctionPatch(
+        name="bisect-record-moe-routed-output",
+        package="vllm",
+        versions=ROUTED_OUTPUT_VERSIONS,
+        module="vllm.model_executor.layers.fused_moe.runner.moe_runner",
+        owner="MoERunner",
+        attribute="_maybe_apply_routed_scale_to_output",
+        build=build,
+        why="zmrl bisect records the routed experts' output of vLLM's MoE layer, which no module returns",
+    )
+    runtime_patches.apply(patch)
+    try:
+        yield
+    finally:
+        runtime_patches.remove(patch)

@@ -1,4 +1,4 @@
-"""Canonical names of the ops of a dense decoder, in execution order, and bitwise comparison.
+"""Canonical names of the ops of a decoder, in execution order, and bitwise comparison.
 
 Both sides of a bisection (vLLM's own modules, and a trainer backend) report their intermediate
 outputs under these names, so the comparison does not depend on how either side groups its code.
@@ -7,6 +7,11 @@ dimensions are flattened before comparing; an op with two outputs (rotary: q and
 tuple. A fused residual-add + RMSNorm reports two entries: ``<norm>.input`` (the residual sum,
 what the norm reads) and ``<norm>`` (the normalised output), so an error in the addition is not
 blamed on the norm.
+
+A Mixture-of-Experts MLP reports the router logits (``router``), the experts the router chose
+(``topk_ids``: [tokens, top_k] expert ids in slot order), the routed experts' combined output as
+vLLM's MoE layer returns it (``experts``, after any routed scaling) and, if there is one, the
+shared expert's ops (``shared_expert.*``, ``shared_expert_gate``).
 """
 
 from __future__ import annotations
@@ -37,13 +42,37 @@ _KINDS = {
     "rotary": "rotary",
     "attn": "attn",
     "act": "act",
+    "router": "linear",
+    "shared_expert_gate": "linear",
+    "experts": "moe",
 }
+# What the router of an MoE layer chose, recorded with its ``experts`` op (no op computes it alone).
+TOPK_IDS = "topk_ids"
 # Norms of the residual stream (fused residual-add norms in vLLM).
 _RESIDUAL_NORMS = ("input_norm", "post_attention_norm", FINAL_NORM)
 
 
-def layer_op_names(index: int, qk_norm: bool) -> list[str]:
-    """Names of one decoder layer's ops, in the order vLLM's model code runs them."""
+def mlp_op_names(prefix: str, moe=None) -> list[str]:
+    """Names of one MLP's ops: dense SwiGLU, or (``moe``: the checkpoint's ``MoeBlocks``) the router,
+    its choice, the routed experts and any shared expert, in the trainer faces' order."""
+    if moe is None:
+        return [prefix + "gate_up_proj", prefix + "act", prefix + "down_proj"]
+    names = [prefix + "router", prefix + TOPK_IDS, prefix + "experts"]
+    if moe.shared_expert_intermediate_size:
+        names += [prefix + "shared_expert.gate_up_proj", prefix + "shared_expert.act", prefix + "shared_expert.down_proj"]
+        if moe.shared_expert_gate:
+            names.append(prefix + "shared_expert_gate")
+    return names
+
+
+def topk_ids_of(experts_name: str) -> str:
+    """The name of the choice recorded with the MoE op ``experts_name``."""
+    return experts_name.rsplit(".", 1)[0] + "." + TOPK_IDS
+
+
+def layer_op_names(index: int, qk_norm: bool, moe=None) -> list[str]:
+    """Names of one decoder layer's ops, in the order vLLM's model code runs them (``moe``: the
+    checkpoint's ``MoeBlocks`` when this layer's MLP is the Mixture-of-Experts)."""
     p = f"layers.{index}."
     names = [] if index == 0 else [p + "input_norm.input"]
     names += [p + "input_norm", p + "qkv_proj"]
@@ -55,16 +84,14 @@ def layer_op_names(index: int, qk_norm: bool) -> list[str]:
         p + "o_proj",
         p + "post_attention_norm.input",
         p + "post_attention_norm",
-        p + "gate_up_proj",
-        p + "act",
-        p + "down_proj",
     ]
-    return names
+    return names + mlp_op_names(p, moe)
 
 
 def op_kind(name: str) -> str | None:
-    """``norm``, ``linear``, ``rotary``, ``attn`` or ``act``: the op that computes ``name``;
-    None for what no op of the op layer computes (the embedding, a norm's input, the head)."""
+    """``norm``, ``linear``, ``rotary``, ``attn``, ``act`` or ``moe``: the op that computes ``name``;
+    None for what no op of the op layer computes alone (the embedding, a norm's input, the
+    router's choice, the head)."""
     return _KINDS.get(name.rsplit(".", 1)[-1])
 
 
@@ -79,11 +106,13 @@ def norm_input(name: str) -> str:
     return EMBED if name == "layers.0.input_norm" else name + ".input"
 
 
-def op_names(num_layers: int, qk_norm: bool) -> list[str]:
-    """Every op of the model, embedding to logprobs, in execution order."""
+def op_names(num_layers: int, qk_norm: bool, blocks=None) -> list[str]:
+    """Every op of the model, embedding to logprobs, in execution order (``blocks``: the
+    checkpoint's ``Blocks``, which says which layers' MLPs are MoE; None: every MLP is dense)."""
     names = [EMBED]
     for i in range(num_layers):
-        names += layer_op_names(i, qk_norm)
+        moe = blocks.moe if blocks is not None and blocks.mlp_kind(i) == "moe" else None
+        names += layer_op_names(i, qk_norm, moe)
     names += [FINAL_NORM + ".input", FINAL_NORM, LOGITS, LOGPROBS]
     return names
 

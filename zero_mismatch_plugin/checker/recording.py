@@ -88,6 +88,7 @@ class OpRecorder:
         canonical list, :func:`.oplist.op_names`). The lm_head is not recorded here: its rows
         differ between faces; the caller records the target rows with :meth:`keep_head`."""
         from zero_mismatch_plugin.aligned import ops
+        from zero_mismatch_plugin.aligned.moe import AlignedMoE
 
         kinds = {
             ops.AlignedRMSNorm: "norm",
@@ -95,6 +96,7 @@ class OpRecorder:
             ops.AlignedRotary: "rotary",
             ops.AlignedAttention: "attn",
             ops.AlignedSiluAndMul: "act",
+            AlignedMoE: "moe",
         }
         pending = [name for name in order if oplist.op_kind(name) is not None]
         cursor = 0
@@ -123,6 +125,10 @@ class OpRecorder:
                 layout = (lambda t: t.index_select(-1, rows.to(t.device)),
                           lambda t: t.index_select(-1, cols.to(t.device)))
                 return self.keep(name, run(*args), layout)
+            if kind == "moe":
+                out = run(*args)
+                self.keep(oplist.topk_ids_of(name), op.last_topk_ids)
+                return self.keep(name, out)
             return self.keep(name, run(*args))
 
         with ops.observed(observe):
@@ -168,6 +174,15 @@ class OpRecorder:
 
         self._handles.append(module.register_forward_hook(hook))
 
+    def capture(self, kind: str) -> Callable:
+        """A callback recording the value it is given as ``kind`` (how vLLM's MoE router reports
+        the experts it chose)."""
+        return lambda value: self.keep(self.name(kind), value)
+
+    def on_exit(self, undo: Callable[[], None]) -> None:
+        """Call ``undo`` when the recorder closes (with the module hooks)."""
+        self._handles.append(_Undo(undo))
+
     def on_input(self, module, kind: str, layout: Layout = None) -> None:
         """Record the first input of ``module`` as ``kind``."""
 
@@ -194,6 +209,11 @@ class OpRecorder:
             return normed_kept, summed_kept
 
         self._handles.append(module.register_forward_hook(hook))
+
+
+class _Undo:
+    def __init__(self, undo):
+        self.remove = undo
 
 
 def first_of_pair(output):
