@@ -201,6 +201,9 @@ class HFBackend:
             recorder.on_output(attn.o_proj, "o_proj", batch_row)
             recorder.on_input(layer.post_attention_layernorm, "post_attention_norm.input", batch_row)
             recorder.on_output(layer.post_attention_layernorm, "post_attention_norm", batch_row)
+            if not hasattr(mlp, "gate_proj"):
+                _trace_hf_router(recorder, mlp.gate)
+                continue
             for part in ("gate_proj", "up_proj"):
                 recorder.on_output(getattr(mlp, part), f"gate_up_proj.{part}", batch_row)
             recorder.on_input(mlp.down_proj, "act", batch_row)
@@ -214,8 +217,26 @@ class HFBackend:
         for i in range(len(inner.layers)):
             p = f"layers.{i}."
             ops[p + "qkv_proj"] = torch.cat([ops.pop(p + f"qkv_proj.{n}") for n in ("q_proj", "k_proj", "v_proj")], -1)
-            ops[p + "gate_up_proj"] = torch.cat([ops.pop(p + f"gate_up_proj.{n}") for n in ("gate_proj", "up_proj")], -1)
+            if p + "gate_up_proj.gate_proj" in ops:
+                ops[p + "gate_up_proj"] = torch.cat([ops.pop(p + f"gate_up_proj.{n}") for n in ("gate_proj", "up_proj")], -1)
         return logits
+
+
+def _trace_hf_router(recorder: OpRecorder, router) -> None:
+    """transformers' MoE router of one layer ([tokens, hidden] in): its logits, and the experts it
+    chose where it returns them ((logits, weights, ids): Qwen2-/Qwen3-MoE, Mixtral). Its experts
+    run fused over all of them at once: their output is not recorded (reported as not compared)."""
+
+    def hook(module, args, output):
+        logits = output[0] if isinstance(output, tuple) else output
+        kept = recorder.keep(recorder.name("router"), logits)
+        if isinstance(output, tuple) and len(output) == 3:
+            recorder.keep(recorder.name(oplist.TOPK_IDS), output[2])
+        if kept is logits:
+            return None
+        return (kept, *output[1:]) if isinstance(output, tuple) else kept
+
+    recorder.on_exit(router.register_forward_hook(hook).remove)
 
 
 # transformers versions whose modeling code applies rotary as ``apply_rotary_pos_emb(q, k, ...)``

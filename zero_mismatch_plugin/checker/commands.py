@@ -119,6 +119,8 @@ def check_command(args) -> int:
         full_vocab=args.full_vocab,
         max_model_len=max_model_len,
         prefix_caching=prefix_caching,
+        model_dir=str(args.model),
+        seed=args.seed,
     )
     with eng.open_engine(
         args.model, max_model_len, seed=args.seed, full_vocab=args.full_vocab, prefix_caching=prefix_caching, **lora
