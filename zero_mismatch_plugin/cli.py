@@ -120,13 +120,17 @@ def _demo(args: argparse.Namespace) -> int:
             print("ERROR: --turns chooses a single run's conversations; --compare runs single-turn variants",
                   file=sys.stderr)
             return 2
+        if args.model != "dense":
+            print("ERROR: --model moe chooses a single run's model; --compare runs the dense variants",
+                  file=sys.stderr)
+            return 2
         return run_compare_command(args.seeds, args.updates, args.lag, args.out)
     if args.seeds is not None:
         print("ERROR: --seeds is for --compare; a single run takes --seed", file=sys.stderr)
         return 2
     return run_demo_command(args.algo or "reinforce_zero", args.kernels or "aligned",
                             2 if args.lag is None else args.lag, 200 if args.updates is None else args.updates,
-                            args.seed or 0, args.out, args.turns)
+                            args.seed or 0, args.out, args.turns, args.model)
 
 
 def _seed_list(text: str) -> list[int]:
@@ -276,6 +280,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--turns", type=int, default=1, metavar="N",
         help="turns per conversation (default 1); each later turn re-sends the conversation with a new "
              "question, answered from the engine's prefix cache",
+    )
+    demo.add_argument(
+        "--model", choices=("dense", "moe"), default="dense",
+        help="the tiny model built locally: a dense Llama (default) or a Qwen3-MoE (8 experts, top-2)",
     )
     demo.add_argument("--out", metavar="DIR", help="output directory (default: a fresh ./zmrl-demo-out[-N])")
     demo.set_defaults(func=_demo)

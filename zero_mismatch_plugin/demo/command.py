@@ -54,7 +54,7 @@ def _quiet_defaults() -> None:
 
 
 def run_demo_command(algo: str, kernels: str, lag: int, updates: int, seed: int, out: str | None,
-                     turns: int = 1) -> int:
+                     turns: int = 1, model: str = "dense") -> int:
     _quiet_defaults()
     from tqdm import tqdm
 
@@ -62,7 +62,7 @@ def run_demo_command(algo: str, kernels: str, lag: int, updates: int, seed: int,
 
     from .engine import start_engine
     from .outputs import format_summary, write_outputs
-    from .runner import DemoConfig, DemoRun, conversation_tokens
+    from .runner import DEMO_MODELS, DemoConfig, DemoRun, conversation_tokens
 
     try:
         # Room for the whole conversation; 128 for one turn.
@@ -75,15 +75,16 @@ def run_demo_command(algo: str, kernels: str, lag: int, updates: int, seed: int,
             )
         max_model_len = max(DemoConfig.max_model_len, -(-needed // 32) * 32)
         config = DemoConfig(algo=algo, kernels=kernels, lag=lag, updates=updates, seed=seed, turns=turns,
-                            max_model_len=max_model_len)
+                            max_model_len=max_model_len, model=model)
         out_dir = prepare_out_dir(out)
     except ValueError as error:
         print(f"ERROR: {error}", file=sys.stderr)
         return 2
     started = time.perf_counter()
     print(f"zmrl demo -> {out_dir}/")
-    print(f"building a tiny Llama (2 layers, hidden 256, vocab 512) and its tokenizer, seed {seed}")
-    model_dir = build_tiny_model(out_dir / "model", family="llama", seed=seed)
+    family, description = DEMO_MODELS[model]
+    print(f"building {description} and its tokenizer, seed {seed}")
+    model_dir = build_tiny_model(out_dir / "model", family=family, seed=seed)
     print("starting the vLLM engine in its own process (CPU, fp32, consistent numerics; about 10 s)")
     with start_engine(model_dir, config.max_model_len) as engine:
         run = DemoRun(config, engine, model_dir)

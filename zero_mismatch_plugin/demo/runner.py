@@ -36,6 +36,11 @@ ALGORITHMS = ("reinforce_zero", "flash_reinforce")
 LOSS_AGG_MODE = "seq-mean-token-mean"
 # torch's and numpy's generators both accept seeds in [0, 2**32).
 MAX_SEED = 2**32 - 1
+# ``--model``: the tiny model the demo builds (a ``tiny_models`` family) and how it is described.
+DEMO_MODELS = {
+    "dense": ("llama", "a tiny Llama (2 layers, hidden 256, vocab 512)"),
+    "moe": ("qwen3_moe", "a tiny Qwen3-MoE (2 MoE layers of 8 experts, top-2, hidden 256, vocab 512)"),
+}
 
 
 def conversation_tokens(turns: int, response_tokens: int) -> int:
@@ -76,6 +81,7 @@ class DemoConfig:
     # Turns per conversation: each later turn re-sends the conversation (prompt, response, a new
     # question) and is answered from the engine's prefix cache; every turn's response is a sample.
     turns: int = 1
+    model: str = "dense"  # a key of DEMO_MODELS
 
     def __post_init__(self):
         if self.algo not in ALGORITHMS:
@@ -99,6 +105,14 @@ class DemoConfig:
             raise ValueError("prompts_per_update must be a multiple of chunks_per_update")
         if self.turns < 1:
             raise ValueError(f"--turns must be at least 1, got {self.turns}")
+        if self.model not in DEMO_MODELS:
+            raise ValueError(f"--model must be one of {tuple(DEMO_MODELS)}, got {self.model!r}")
+        if self.model == "moe" and self.turns > 1:
+            # Consistent mode keeps prefix caching on only where a hit is proven equal to a miss.
+            raise ValueError(
+                "--turns answers later turns from the engine's prefix cache, which consistent numerics "
+                "keeps off for Mixture-of-Experts models; use --model dense with --turns"
+            )
         if conversation_tokens(self.turns, self.response_tokens) > self.max_model_len:
             raise ValueError(
                 f"--turns {self.turns}: a conversation reaches {conversation_tokens(self.turns, self.response_tokens)} "
