@@ -17,6 +17,7 @@ import sys
 import pytest
 import torch
 
+from bisect_planting import assert_bisect_names_one_ulp_planted_in
 from zero_mismatch_plugin import cli
 from zero_mismatch_plugin.checker import CHECK_NAMES, KNOWN_TRAINERS, oplist
 from zero_mismatch_plugin.checker import engine as checker_engine
@@ -412,27 +413,7 @@ def test_hf_first_difference_is_where_the_records_first_differ(llama, vllm_modul
     ["embed", "layers.0.rotary", "layers.0.attn", "layers.1.post_attention_norm.input", "layers.1.down_proj", "final_norm", "logits"],
 )
 def test_bisect_names_a_planted_one_ulp_difference_exactly(planted, llama, vllm_modules, bisect_batch, aligned_backend):
-    from zero_mismatch_plugin.checker.bisect import run_bisect
-
-    moved = {}
-
-    def one_ulp(name, value):
-        if name != planted:
-            return value
-        out = value.clone()
-        flat = out.view(-1)
-        flat[0] = torch.nextafter(flat[0], torch.tensor(float("inf")))
-        moved["ulp"] = float((flat[0] - value.reshape(-1)[0]).abs())
-        return out
-
-    result = run_bisect(vllm_modules, aligned_backend, bisect_batch, perturb=one_ulp)
-    first = result.first
-    assert result.first_differing_op == planted
-    assert first.max_abs_diff == moved["ulp"] > 0.0
-    assert first.num_differing == 1  # exactly the one value moved
-    assert first.equal_fraction == (first.numel - 1) / first.numel
-    names = [op.name for op in result.ops]
-    assert all(op.equal for op in result.ops[: names.index(planted)])
+    assert_bisect_names_one_ulp_planted_in(planted, vllm_modules, aligned_backend, bisect_batch)
 
 
 @pytest.fixture(scope="module")

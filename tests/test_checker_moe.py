@@ -15,6 +15,7 @@ import os
 import pytest
 import torch
 
+from bisect_planting import assert_bisect_names_one_ulp_planted_in
 from zero_mismatch_plugin import cli
 from zero_mismatch_plugin.checker import oplist
 from zero_mismatch_plugin.checker.backends import load_backend
@@ -159,25 +160,6 @@ def qwen2_moe_side_by_side(checkpoints, consistent_environ):
      "layers.0.shared_expert_gate"],
 )
 def test_bisect_names_a_fault_planted_in_one_moe_op(planted, qwen2_moe_side_by_side):
-    from zero_mismatch_plugin.checker.bisect import run_bisect
-
     modules, backend, batch = qwen2_moe_side_by_side
-    moved = {}
-
-    def one_ulp(name, value):
-        if name != planted:
-            return value
-        out = value.clone()
-        flat = out.view(-1)
-        flat[0] = torch.nextafter(flat[0], torch.tensor(float("inf")))
-        moved["ulp"] = float((flat[0] - value.reshape(-1)[0]).abs())
-        return out
-
-    result = run_bisect(modules, backend, batch, perturb=one_ulp)
-    print(f"planted in {planted}: first differing op {result.first_differing_op}")
-    assert "ulp" in moved, f"the trainer ran no op named {planted}"
-    assert result.first_differing_op == planted
-    assert result.first.max_abs_diff == moved["ulp"] > 0.0 and result.first.num_differing == 1
-    names = [op.name for op in result.ops]
-    assert all(op.equal for op in result.ops[: names.index(planted)])
+    result = assert_bisect_names_one_ulp_planted_in(planted, modules, backend, batch)
     assert result.not_compared == []
