@@ -275,14 +275,12 @@ def _recording_routed_output(recorder: OpRecorder | None):
 
         return scaled_outputs
 
-    patch = runtime_patches.FunctionPatch(
+    patch = runtime_patches.patch_at(
+        "vllm.model_executor.layers.fused_moe.runner.moe_runner:MoERunner._maybe_apply_routed_scale_to_output",
+        build,
         name="bisect-record-moe-routed-output",
         package="vllm",
         versions=ROUTED_OUTPUT_VERSIONS,
-        module="vllm.model_executor.layers.fused_moe.runner.moe_runner",
-        owner="MoERunner",
-        attribute="_maybe_apply_routed_scale_to_output",
-        build=build,
         why="zmrl bisect records the routed experts' output of vLLM's MoE layer, which no module returns",
     )
     runtime_patches.apply(patch)
