@@ -12,38 +12,18 @@ import pytest
 import torch
 
 import aligned_checks as checks
-from vllm_session import hf_token_logprobs, multi_turn_rollout, prompts_for
+from vllm_session import hf_token_logprobs
 
 from zero_mismatch_plugin.aligned import pack
 
 NAME = "mistral_window"
 WINDOW = 12
-
-
-def _conversations(engines, checkpoints, seed):
-    """Three turns of 8 conversations; the first prompts are 110..145 tokens, so every later
-    prompt is longer than one 128-token block."""
-    llm = engines.get(NAME)
-    pieces = prompts_for(checkpoints[NAME], num_prompts=8, corpus_seed=41)
-    text = sum(pieces * 4, [])
-    first = [text[7 * i : 7 * i + 110 + 5 * i] for i in range(8)]
-    follow_ups = [prompts_for(checkpoints[NAME], num_prompts=8, corpus_seed=50 + t) for t in range(2)]
-    llm.reset_prefix_cache()
-    return llm, multi_turn_rollout(llm, first, follow_ups, seed=seed)
+SEED = 700
 
 
 @pytest.fixture(scope="module")
 def conversations(engines, checkpoints):
-    llm, turns = _conversations(engines, checkpoints, seed=700)
-    prompts = [p for t in turns for p in t[0]]
-    responses = [r for t in turns for r in t[1]]
-    mu = torch.cat([t[2] for t in turns])
-    return llm, turns, prompts, responses, mu
-
-
-def _report(name, logprobs, mu):
-    equal = (logprobs == mu).float().mean().item()
-    return f"{name}: {equal:.1%} of {mu.numel()} tokens bitwise equal, max |diff| {(logprobs - mu).abs().max().item():.3g}"
+    return checks.windowed_conversations(engines, checkpoints, NAME, seed=SEED)
 
 
 def test_every_layer_gets_the_window(engines, trainers):
@@ -70,44 +50,27 @@ def test_aligned_model_bitwise_equal_engine(conversations, trainers):
     _, _, prompts, responses, mu = conversations
     with torch.no_grad():
         logprobs = trainers(NAME).token_logprobs(pack(prompts, responses))
-    assert torch.equal(logprobs, mu), _report("aligned model", logprobs, mu)
+    assert torch.equal(logprobs, mu), checks.bitwise_report("aligned model", logprobs, mu)
 
 
 def test_megatron_face_bitwise_equal_engine(conversations, checkpoints):
-    from zero_mismatch_plugin.aligned.runtime import VllmRuntime
     from zero_mismatch_plugin.megatron.modules import AlignedCoreAttention
-    from zero_mismatch_plugin.megatron.standalone import (
-        build_gpt_model,
-        init_single_process,
-        packed_logits,
-        token_logprobs_from_logits,
-    )
+    from zero_mismatch_plugin.megatron.standalone import build_gpt_model
 
     _, _, prompts, responses, mu = conversations
-    init_single_process()
-    runtime = VllmRuntime(checkpoints[NAME], max_model_len=256, seed=0)
-    model = build_gpt_model(runtime, aligned=True).eval()
+    logprobs, model, runtime = checks.megatron_face_logprobs(checkpoints[NAME], prompts, responses)
     assert model.config.window_size == (WINDOW - 1, 0)
     cores = [m for m in model.modules() if isinstance(m, AlignedCoreAttention)]
     assert [c.sliding_window for c in cores] == [WINDOW] * len(cores) and cores
-    batch = pack(prompts, responses)
-    with torch.no_grad():
-        logprobs = token_logprobs_from_logits(packed_logits(model, batch), batch)
-    assert torch.equal(logprobs, mu), _report("megatron face", logprobs, mu)
+    assert torch.equal(logprobs, mu), checks.bitwise_report("megatron face", logprobs, mu)
     # A megatron config without the checkpoint's window (a provider that dropped it) is refused.
     with pytest.raises(NotImplementedError, match="sliding window None in megatron's config but 12"):
         build_gpt_model(runtime, aligned=True, load=False, window_size=None)
 
 
 def test_prefix_hit_equals_miss_across_the_window(conversations):
-    """The last turn again with an empty cache, same seeds: tokens and logprobs identical."""
     llm, turns, *_ = conversations
-    prompts, responses, mu, cached = turns[-1]
-    llm.reset_prefix_cache()
-    miss_prompts, miss_responses, miss_mu, miss_cached = multi_turn_rollout(llm, prompts, [], seed=700 + 2000)[0]
-    assert min(cached) > WINDOW and miss_cached == [0] * len(prompts)
-    assert miss_responses == responses
-    assert torch.equal(miss_mu, mu)
+    checks.check_prefix_hit_equals_miss(llm, turns, seed=SEED, min_cached=WINDOW)
 
 
 def test_transformers_is_close_but_not_the_engine_bits(conversations, trainers):
