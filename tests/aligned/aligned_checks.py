@@ -171,9 +171,28 @@ def bitwise_report(name, logprobs, mu):
     return f"{name}: {equal:.1%} of {mu.numel()} tokens bitwise equal, max |diff| {(logprobs - mu).abs().max().item():.3g}"
 
 
-def megatron_face_logprobs(checkpoint, prompts, responses, **config_overrides):
-    """The aligned Megatron face's logprobs of ``responses`` (and the model)."""
+def check_windows_crossed_and_hits_past_them(turns, window):
+    """The window is crossed inside every first prompt and inside every response, and most later
+    turns take whole 128-token blocks (far past the window) from the prefix cache."""
+    assert all(len(p) > window for p in turns[0][0])
+    assert all(len(r) > window for t in turns for r in t[1])
+    for _, _, _, cached in turns[1:]:
+        # (A block filled only by the previous turn's response was not hit on the next turn here.)
+        assert sum(c >= 128 for c in cached) >= len(cached) // 2, cached
+    print(f"cached prompt tokens per turn: {[sum(t[3]) for t in turns]} of {[sum(map(len, t[0])) for t in turns]}")
+
+
+def check_aligned_model_bitwise(trainer, prompts, responses, mu):
+    with torch.no_grad():
+        logprobs = trainer.token_logprobs(pack(prompts, responses))
+    assert torch.equal(logprobs, mu), bitwise_report("aligned model", logprobs, mu)
+
+
+def check_megatron_face_bitwise(checkpoint, prompts, responses, mu, layer_windows):
+    """The aligned Megatron face of ``checkpoint``: each core attention carries its layer's window
+    (``layer_windows``) and the logprobs are μ's bits. Returns (model, runtime)."""
     from zero_mismatch_plugin.aligned.runtime import VllmRuntime
+    from zero_mismatch_plugin.megatron.modules import AlignedCoreAttention
     from zero_mismatch_plugin.megatron.standalone import (
         build_gpt_model,
         init_single_process,
@@ -183,10 +202,14 @@ def megatron_face_logprobs(checkpoint, prompts, responses, **config_overrides):
 
     init_single_process()
     runtime = VllmRuntime(checkpoint, max_model_len=256, seed=0)
-    model = build_gpt_model(runtime, aligned=True, **config_overrides).eval()
+    model = build_gpt_model(runtime, aligned=True).eval()
+    cores = [m for m in model.modules() if isinstance(m, AlignedCoreAttention)]
+    assert tuple(c.sliding_window for c in cores) == tuple(layer_windows)
     batch = pack(prompts, responses)
     with torch.no_grad():
-        return token_logprobs_from_logits(packed_logits(model, batch), batch), model, runtime
+        logprobs = token_logprobs_from_logits(packed_logits(model, batch), batch)
+    assert torch.equal(logprobs, mu), bitwise_report("megatron face", logprobs, mu)
+    return model, runtime
 
 
 def check_prefix_hit_equals_miss(llm, turns, seed, min_cached):
