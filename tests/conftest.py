@@ -25,6 +25,8 @@ def checkpoints(tmp_path_factory):
         "mistral": build_tiny_model(root / "mistral", family="mistral", seed=4),
         # Every layer windowed; the window (12) is shorter than most prompts and every prompt + response.
         "mistral_window": build_tiny_model(root / "mistral_window", family="mistral", seed=5, sliding_window=12),
+        # Interleaved local/global layers (CWM): layers 0 and 2 windowed (12 tokens), 1 and 3 full.
+        "cwm_window": build_tiny_model(root / "cwm_window", family="cwm", seed=6, num_hidden_layers=4),
         # down_proj K = 2816: on some hosts vLLM's CPU GEMM rounds one-row calls differently at this K.
         "llama_wide": build_tiny_model(
             root / "llama_wide", family="llama", seed=3, intermediate_size=2816, num_hidden_layers=1

@@ -258,6 +258,16 @@ def test_a_window_counts_unless_the_config_switches_it_off(tmp_path):
         assert "sliding-window attention" in message
 
 
+def test_interleaved_windows_count_where_both_faces_follow_layer_types(tmp_path):
+    layers = ["sliding_attention", "full_attention"]
+    cwm = _model(tmp_path / "cwm", architectures=["CwmForCausalLM"], sliding_window=8192, layer_types=layers)
+    odd = _model(tmp_path / "cwm_odd", architectures=["CwmForCausalLM"], sliding_window=8192,
+                 layer_types=["chunked_attention", "full_attention"])
+    assert _all_problems("reinforce_zero", f"actor_rollout_ref.model.path={cwm}") == {}
+    message = _all_problems("reinforce_zero", f"actor_rollout_ref.model.path={odd}")[SWITCH]
+    assert "sliding-window attention" in message
+
+
 def test_without_a_local_checkpoint_or_a_declared_architecture_the_run_is_refused():
     cfg = compose_verl_config(RECIPES, "reinforce_zero", ["actor_rollout_ref.model.path=org/some-hub-model"])
     problems = {p.key: p.message for p in check_config(cfg) if p.fatal}

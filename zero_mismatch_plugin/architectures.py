@@ -77,6 +77,9 @@ class _Entry:
     # Whether a model-level ``sliding_window`` means the same thing to vLLM and transformers here
     # (every layer windowed); families without it keep refusing windowed configs.
     every_layer_window: bool = False
+    # Whether ``layer_types`` choose the windowed layers ("sliding_attention") for vLLM and
+    # transformers alike (interleaved local/global layers); the others are full causal attention.
+    layer_types_window: bool = False
     moe: Callable[[object], MoeBlocks] | None = None  # the MoE MLP, for MoE families
     partial_rotary: Callable[[object], float] = lambda config: 1.0
 
@@ -205,6 +208,8 @@ _ENTRIES: dict[str, _Entry] = {
     "MistralForCausalLM": _Entry(
         qk_norm=False, biases=_llama_biases, refuse=_mistral_extras, every_layer_window=True
     ),
+    # Meta's CWM: vLLM runs it as its Llama, whose attention windows the layers layer_types marks.
+    "CwmForCausalLM": _Entry(qk_norm=False, biases=_llama_biases, layer_types_window=True),
     "Qwen3MoeForCausalLM": _Entry(
         qk_norm=True,
         biases=lambda config: (bool(getattr(config, "attention_bias", False)), False),
@@ -248,17 +253,23 @@ def architecture_of(config) -> str:
     return arch
 
 
+_LAYER_TYPES = ("sliding_attention", "full_attention")
+
+
 def _layer_windows(config, entry: _Entry) -> tuple[tuple[int | None, ...], list[str]]:
     """(the window of every layer, what is refused). vLLM's Llama-family attention windows a
     layer by ``layer_types`` when the config has them, else every layer by ``sliding_window``."""
     window = getattr(config, "sliding_window", None)
     if not getattr(config, "use_sliding_window", True):
         window = None  # Qwen2-style configs keep a window value with use_sliding_window=false
-    layer_types = getattr(config, "layer_types", None) or []
+    layer_types = list(getattr(config, "layer_types", None) or [])
+    if entry.layer_types_window:
+        return _typed_layer_windows(window, layer_types, config.num_hidden_layers)
     if any(t != "full_attention" for t in layer_types):
         # transformers' Mistral ignores layer_types (it windows every layer) while vLLM follows
-        # them, and vLLM's Qwen2/Qwen3 refuse a mix: no family here reads them the same way.
-        return (), ["sliding-window layers (layer_types other than full_attention)"]
+        # them, and vLLM's Qwen2/Qwen3 refuse a mix: these families do not read them the same way.
+        covered = ", ".join(name for name, e in _ENTRIES.items() if e.layer_types_window)
+        return (), [f"sliding-window layers by layer_types (interleaved windows are covered for {covered} only)"]
     if window is None:
         return (), []
     if not entry.every_layer_window:
@@ -268,12 +279,32 @@ def _layer_windows(config, entry: _Entry) -> tuple[tuple[int | None, ...], list[
     return (window,) * config.num_hidden_layers, []
 
 
-def windows_every_layer(architecture: str | None, layer_types=None) -> bool:
-    """Whether a model-level ``sliding_window`` of ``architecture`` is a window on every layer that
-    both faces cover (no ``layer_types`` other than full_attention)."""
+def _typed_layer_windows(window, layer_types: list, num_layers: int) -> tuple[tuple[int | None, ...], list[str]]:
+    """Per-layer windows of a family whose ``layer_types`` mark the windowed layers: ``window`` on
+    every "sliding_attention" layer, full attention on every "full_attention" one."""
+    unknown = sorted(set(layer_types) - set(_LAYER_TYPES))
+    if unknown:
+        return (), [f"layer_types {unknown}: only {' / '.join(_LAYER_TYPES)}"]
+    if window is None or "sliding_attention" not in layer_types:
+        return (), []  # vLLM windows no layer without both
+    if len(layer_types) != num_layers:
+        return (), [f"{len(layer_types)} layer_types for {num_layers} layers: give one per layer"]
+    if not isinstance(window, int) or window < 1:
+        return (), [f"sliding_window={window!r}: a positive number of tokens (or null)"]
+    return tuple(window if t == "sliding_attention" else None for t in layer_types), []
+
+
+def windows_covered(architecture: str | None, layer_types=None) -> bool:
+    """Whether a model-level ``sliding_window`` of ``architecture`` is one both faces cover: on
+    every layer (no ``layer_types`` other than full_attention), or on the layers ``layer_types``
+    mark for the families that read them alike in vLLM and transformers."""
     entry = _ENTRIES.get(architecture or "")
+    if entry is None:
+        return False
+    if entry.layer_types_window:
+        return set(layer_types or []) <= set(_LAYER_TYPES)
     mixed = any(t != "full_attention" for t in (layer_types or []))
-    return bool(entry and entry.every_layer_window and not mixed)
+    return entry.every_layer_window and not mixed
 
 
 def _unsupported_features(config) -> list[str]:

@@ -1,5 +1,5 @@
-"""Tiny randomly initialised checkpoints with a local tokenizer: dense Llama, Mistral, Qwen2 and Qwen3,
-and Mixture-of-Experts Qwen3-MoE, Qwen2-MoE, Mixtral and GLM-4.5 shapes.
+"""Tiny randomly initialised checkpoints with a local tokenizer: dense Llama, Mistral, Qwen2, Qwen3 and
+CWM (interleaved sliding-window and full-attention layers), and Mixture-of-Experts Qwen3-MoE, Qwen2-MoE, Mixtral and GLM-4.5 shapes.
 
 Everything is built on the local machine (no hub access): a byte-level BPE tokenizer is trained
 on a small generated corpus, a model is randomly initialised from a transformers config, and both
@@ -14,7 +14,7 @@ import os
 import random
 from pathlib import Path
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "cwm", "qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe")
 MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe")
 
 # Shapes chosen so vLLM's CPU attention accepts them (head_dim in 32/64/80/96/112/128/...)
@@ -120,7 +120,7 @@ def _moe_config(family: str, common: dict, shape: dict):
 
 
 def _config(family: str, shape: dict, tokenizer):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import CwmConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     common = dict(
         vocab_size=shape["vocab_size"],
@@ -137,7 +137,7 @@ def _config(family: str, shape: dict, tokenizer):
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         # vLLM's GLM-4.5 never ties its head (as the real checkpoints): untied there.
-        tie_word_embeddings=shape.get("tie_word_embeddings", family not in ("llama", "mistral", "glm4_moe")),
+        tie_word_embeddings=shape.get("tie_word_embeddings", family not in ("llama", "mistral", "cwm", "glm4_moe")),
         torch_dtype="float32",
     )
     rope = {"rope_type": "default", "rope_theta": shape["rope_theta"]}
@@ -154,6 +154,14 @@ def _config(family: str, shape: dict, tokenizer):
     elif family == "mistral":
         # Full causal attention unless a window is given (then every layer is windowed).
         cfg = MistralConfig(**common, sliding_window=shape.get("sliding_window"))
+    elif family == "cwm":
+        # Local and global layers alternating (sliding first) unless ``layer_types`` is given.
+        layer_types = shape.get("layer_types") or [
+            "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(shape["num_hidden_layers"])
+        ]
+        cfg = CwmConfig(
+            **common, sliding_window=shape.get("sliding_window", 12), layer_types=layer_types, rope_parameters=dict(rope)
+        )
     elif family == "qwen2":
         cfg = Qwen2Config(**common)  # Qwen2 always has q/k/v bias and no o_proj bias
     elif family == "qwen3":
@@ -174,7 +182,7 @@ def build_tiny_model(
     """Build a random tiny causal LM of ``family`` with a local tokenizer; return its directory.
 
     ``shape`` overrides entries of :data:`DEFAULT_SHAPE` (plus ``tie_word_embeddings``,
-    ``attention_bias`` and, for Mistral, ``sliding_window``). The result is saved as float32 safetensors.
+    ``attention_bias``, for Mistral ``sliding_window``, for CWM ``sliding_window`` and ``layer_types``). The result is saved as float32 safetensors.
     """
     import torch
     from transformers import AutoModelForCausalLM

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_session import hf_token_logprobs, prompts_for, rollout
+from vllm_session import hf_token_logprobs, multi_turn_rollout, prompts_for, rollout
 
 from zero_mismatch_plugin.aligned import pack
 
@@ -148,3 +148,77 @@ def check_update_and_sync(engines, trainers, name):
     assert torch.equal(logprobs, after_mu), (
         f"after sync: {(logprobs == after_mu).float().mean().item():.1%} equal"
     )
+
+
+def windowed_conversations(engines, checkpoints, name, seed):
+    """Three turns of 8 conversations re-sent whole with the prefix cache on; the first prompts are
+    110..145 tokens, so every later prompt is longer than one 128-token block and a hit reaches
+    past a short window. Returns (engine, turns, all prompts, all responses, μ of all turns)."""
+    llm = engines.get(name)
+    pieces = prompts_for(checkpoints[name], num_prompts=8, corpus_seed=41)
+    text = sum(pieces * 4, [])
+    first = [text[7 * i : 7 * i + 110 + 5 * i] for i in range(8)]
+    follow_ups = [prompts_for(checkpoints[name], num_prompts=8, corpus_seed=50 + t) for t in range(2)]
+    llm.reset_prefix_cache()
+    turns = multi_turn_rollout(llm, first, follow_ups, seed=seed)
+    prompts = [p for t in turns for p in t[0]]
+    responses = [r for t in turns for r in t[1]]
+    return llm, turns, prompts, responses, torch.cat([t[2] for t in turns])
+
+
+def bitwise_report(name, logprobs, mu):
+    equal = (logprobs == mu).float().mean().item()
+    return f"{name}: {equal:.1%} of {mu.numel()} tokens bitwise equal, max |diff| {(logprobs - mu).abs().max().item():.3g}"
+
+
+def check_windows_crossed_and_hits_past_them(turns, window):
+    """The window is crossed inside every first prompt and inside every response, and most later
+    turns take whole 128-token blocks (far past the window) from the prefix cache."""
+    assert all(len(p) > window for p in turns[0][0])
+    assert all(len(r) > window for t in turns for r in t[1])
+    for _, _, _, cached in turns[1:]:
+        # (A block filled only by the previous turn's response was not hit on the next turn here.)
+        assert sum(c >= 128 for c in cached) >= len(cached) // 2, cached
+    print(f"cached prompt tokens per turn: {[sum(t[3]) for t in turns]} of {[sum(map(len, t[0])) for t in turns]}")
+
+
+def check_aligned_model_bitwise(trainer, prompts, responses, mu):
+    with torch.no_grad():
+        logprobs = trainer.token_logprobs(pack(prompts, responses))
+    assert torch.equal(logprobs, mu), bitwise_report("aligned model", logprobs, mu)
+
+
+def check_megatron_face_bitwise(checkpoint, prompts, responses, mu, layer_windows):
+    """The aligned Megatron face of ``checkpoint``: each core attention carries its layer's window
+    (``layer_windows``) and the logprobs are μ's bits. Returns (model, runtime)."""
+    from zero_mismatch_plugin.aligned.runtime import VllmRuntime
+    from zero_mismatch_plugin.megatron.modules import AlignedCoreAttention
+    from zero_mismatch_plugin.megatron.standalone import (
+        build_gpt_model,
+        init_single_process,
+        packed_logits,
+        token_logprobs_from_logits,
+    )
+
+    init_single_process()
+    runtime = VllmRuntime(checkpoint, max_model_len=256, seed=0)
+    model = build_gpt_model(runtime, aligned=True).eval()
+    cores = [m for m in model.modules() if isinstance(m, AlignedCoreAttention)]
+    assert tuple(c.sliding_window for c in cores) == tuple(layer_windows)
+    batch = pack(prompts, responses)
+    with torch.no_grad():
+        logprobs = token_logprobs_from_logits(packed_logits(model, batch), batch)
+    assert torch.equal(logprobs, mu), bitwise_report("megatron face", logprobs, mu)
+    return model, runtime
+
+
+def check_prefix_hit_equals_miss(llm, turns, seed, min_cached):
+    """The last turn again with an empty cache, same seeds (``seed``: the conversations'): tokens
+    and logprobs identical."""
+    prompts, responses, mu, cached = turns[-1]
+    llm.reset_prefix_cache()
+    last_seed = seed + 1000 * (len(turns) - 1)  # multi_turn_rollout's seed of the last turn
+    _, miss_responses, miss_mu, miss_cached = multi_turn_rollout(llm, prompts, [], seed=last_seed)[0]
+    assert min(cached) > min_cached and miss_cached == [0] * len(prompts)
+    assert miss_responses == responses
+    assert torch.equal(miss_mu, mu)

@@ -125,3 +125,43 @@ def test_megatron_window_is_read_per_layer_like_megatron_reads_it():
     assert [_layer_window(mixed, n) for n in (1, 2, 3)] == [12, None, 12]
     assert unsupported_features(SimpleNamespace(window_size=(11, 0))) == []
     assert "sliding-window attention" in unsupported_features(SimpleNamespace(window_size=(11, 5)))[0]
+
+
+def _cwm(layer_types, sliding_window=64):
+    from transformers import CwmConfig
+
+    shape = {**SHAPE, "num_hidden_layers": len(layer_types), "head_dim": 16}
+    return CwmConfig(architectures=["CwmForCausalLM"], **shape, sliding_window=sliding_window,
+                     layer_types=layer_types, rope_parameters={"rope_type": "default", "rope_theta": 1e4})
+
+
+def test_cwm_layer_types_choose_the_windowed_layers_of_both_faces():
+    from zero_mismatch_plugin.megatron.modules import _layer_window
+
+    config = _cwm(["sliding_attention", "full_attention", "full_attention", "sliding_attention"])
+    blocks = describe(config)
+    assert blocks.sliding_windows == (64, None, None, 64)
+    assert [blocks.window_of(i) for i in range(4)] == [64, None, None, 64]
+    assert megatron_blocks(config) == blocks
+    megatron = transformer_config_from_hf(config)
+    assert megatron.window_size == (63, 0) and megatron.window_attn_skip_freq == [1, 0, 0, 1]
+    assert [_layer_window(megatron, n) for n in (1, 2, 3, 4)] == [64, None, None, 64]
+    # Only full-attention layers: vLLM windows none of them, and neither does either face.
+    assert describe(_cwm(["full_attention"] * 2)).sliding_windows == ()
+
+
+def test_cwm_layer_types_vllm_does_not_read_as_windows_are_refused():
+    config = _cwm(["sliding_attention", "chunked_attention"])
+    for face in (describe, megatron_blocks):
+        with pytest.raises(NotImplementedError, match=r"layer_types \['chunked_attention'\]: only sliding_attention"):
+            face(config)
+    config = _cwm(["sliding_attention", "full_attention"])
+    config.layer_types = ["sliding_attention"]  # after transformers' own check
+    with pytest.raises(NotImplementedError, match="1 layer_types for 2 layers: give one per layer"):
+        describe(config)
+
+
+def test_interleaved_windows_of_other_families_name_the_covered_one():
+    config = _mistral(sliding_window=64, layer_types=["sliding_attention", "full_attention"], num_hidden_layers=2)
+    with pytest.raises(NotImplementedError, match="interleaved windows are covered for CwmForCausalLM only"):
+        describe(config)

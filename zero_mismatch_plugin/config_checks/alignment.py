@@ -78,8 +78,8 @@ def _features(hf_config: dict) -> dict:
     # Qwen2 configs carry a window with use_sliding_window=false; Mistral's has no switch: a window is on.
     sliding = hf_config.get("sliding_window") if hf_config.get("use_sliding_window", True) else None
     name = (hf_config.get("architectures") or [None])[0]
-    if isinstance(sliding, int) and architectures.windows_every_layer(name, hf_config.get("layer_types")):
-        sliding = (sliding - 1, 0)  # megatron-core's causal window for vLLM's every-layer window
+    if isinstance(sliding, int) and architectures.windows_covered(name, hf_config.get("layer_types")):
+        sliding = (sliding - 1, 0)  # megatron-core's causal window for vLLM's window
     return {"num_moe_experts": experts, "multi_latent_attention": bool(hf_config.get("kv_lora_rank")),
             "window_size": sliding}
 
