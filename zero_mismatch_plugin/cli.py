@@ -231,6 +231,12 @@ def build_parser() -> argparse.ArgumentParser:
         command.add_argument("--seed", type=int, default=0, help="engine seed (default 0)")
         command.add_argument("--json", metavar="OUT", help="also write the results as JSON to OUT ('-': stdout only)")
         command.add_argument("--quiet", action="store_true", help="no progress bar")
+        command.add_argument(
+            "--lora",
+            metavar="ADAPTER_DIR",
+            help="PEFT LoRA adapter: the engine side serves it (enable_lora, the adapter's LoRARequest), "
+            "the trainer is base + adapter",
+        )
     check.add_argument("--num-prompts", type=int, default=8, metavar="N", help="prompts to sample (default 8)")
     check.add_argument("--max-tokens", type=int, default=24, metavar="N", help="tokens per completion (default 24)")
     check.add_argument(
@@ -238,11 +244,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     check.add_argument(
         "--full-vocab", action="store_true", help="compare all vocabulary logprobs (default: the engine's top-20)"
-    )
-    check.add_argument(
-        "--lora",
-        metavar="ADAPTER_DIR",
-        help="PEFT LoRA adapter: the engine serves it (enable_lora, a LoRARequest per request), the trainer is base + adapter",
     )
     check.add_argument(
         "--prefix-caching", choices=("on", "off"), default="on",

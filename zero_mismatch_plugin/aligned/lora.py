@@ -31,6 +31,7 @@ from torch.autograd import Function
 
 from ..architectures import LORA_TARGETS as ALIGNED_LORA_TARGETS
 from .derived import DerivedWeight
+from .ops import _observable
 
 ATTENTION_TARGETS = ALIGNED_LORA_TARGETS[:4]
 MLP_TARGETS = ALIGNED_LORA_TARGETS[4:]
@@ -344,6 +345,60 @@ class _TokenMapping:
         return self.wrapper
 
 
+# The two steps of vLLM's LoRA linear, in order: ``buf = x A^T`` (fp32), then ``y += buf B'^T``.
+LORA_STEPS = ("lora_shrink", "lora_expand")
+
+
+class LoRAStep:
+    """One step of vLLM's LoRA linear (``lora_shrink`` or ``lora_expand``) as an op of its own:
+    the unit an observer of the op layer (``zmrl bisect``) sees and names."""
+
+    def __init__(self, kind: str):
+        self.kind = kind
+
+    @_observable
+    def __call__(self, run, out):
+        """``run()`` performs vLLM's step in place on ``out`` (a tensor, or shrink's tuple of buffers)."""
+        run()
+        return out
+
+
+def _copy_into(dst, src) -> None:
+    if src is dst:
+        return
+    for d, s in zip(dst, src) if isinstance(dst, (tuple, list)) else ((dst, src),):
+        if s is not d:
+            d.copy_(s)
+
+
+class SteppedPunica:
+    """vLLM's punica wrapper whose ``add_lora_linear`` (vLLM's own code, run on this object)
+    hands its two steps to ``step(kind, run, out)``.
+
+    ``add_lora_linear`` allocates the fp32 buffers and calls ``self.add_shrink`` then
+    ``self.add_expand``; here each runs as ``step("lora_shrink" | "lora_expand", run, out)``,
+    where ``run()`` is vLLM's step on ``out`` in place and ``step`` returns ``out`` or a replacement,
+    copied into vLLM's buffer so the rest of the computation uses it. Every other attribute is
+    the wrapper's (the token mapping the engine or the trainer set).
+    """
+
+    def __init__(self, wrapper, step):
+        self._wrapper = wrapper
+        self._step = step
+
+    def __getattr__(self, name):
+        return getattr(self._wrapper, name)
+
+    def add_lora_linear(self, *args, **kwargs):
+        return type(self._wrapper).add_lora_linear(self, *args, **kwargs)
+
+    def add_shrink(self, y, *args, **kwargs):
+        _copy_into(y, self._step("lora_shrink", lambda: self._wrapper.add_shrink(y, *args, **kwargs), y))
+
+    def add_expand(self, y, *args, **kwargs):
+        _copy_into(y, self._step("lora_expand", lambda: self._wrapper.add_expand(y, *args, **kwargs), y))
+
+
 class AlignedLoRALinear:
     """vLLM's LoRA-wrapped linear over a frozen :class:`~.ops.AlignedLinear` and trainable A, B.
 
@@ -372,6 +427,7 @@ class AlignedLoRALinear:
         self.mapping = mapping
         self.params = [t for p in self.pairs if p is not None for t in (p.lora_A, p.lora_B)]
         self.derived = DerivedWeight(self.params, self._build)
+        self.steps = {kind: LoRAStep(kind) for kind in LORA_STEPS}
 
     def _build(self, sources):
         """(lora_a_stacked, lora_b_stacked): vLLM's per-slice [1, 1, max_rank, in] and
@@ -396,13 +452,17 @@ class AlignedLoRALinear:
         return tuple(a_stacked), tuple(b_stacked)
 
     def kernel(self, x):
-        out = self.base.kernel(x)
+        # The base linear as its own (observable) op: what vLLM's LoRA layer adds the update to.
+        out = self.base(x)
         a_stacked, b_stacked = self.derived.get()
         x2 = x.reshape(-1, x.shape[-1])
-        wrapper = self.mapping.get(x2.shape[0])
+        wrapper = SteppedPunica(self.mapping.get(x2.shape[0]), self._step)
         y = out.view(-1, out.shape[-1])
         wrapper.add_lora_linear(y, x2, a_stacked, b_stacked, 1.0, tuple(self.base.out_sizes))
         return out
+
+    def _step(self, kind: str, run, out):
+        return self.steps[kind](run, out)
 
     def __call__(self, x):
         return _LoRALinearFn.apply(x, self, *self.params)

@@ -100,6 +100,8 @@ class AlignedBackend:
             lora = dict(lora_dir=lora_dir, **lora_engine_args(lora_dir))
         self.model = AlignedCausalLM.from_pretrained(model_dir, max_model_len=max_model_len, seed=seed, **lora)
         self.vocab_size = self.model.vocab_size
+        # The linears carrying the adapter: their LoRA steps are ops of their own in the op list.
+        self.lora_linears = oplist.lora_linears(self.model.lora.lora_config.targets) if lora else frozenset()
 
     @torch.no_grad()
     def token_logprobs(self, batch) -> torch.Tensor:
@@ -116,7 +118,7 @@ class AlignedBackend:
     def intermediates(self, batch, perturb: Perturb | None = None) -> dict:
         """The model's own forward with every op of the op layer recorded."""
         m = self.model
-        order = oplist.op_names(m.config.num_hidden_layers, m.blocks.qk_norm, m.blocks)
+        order = oplist.op_names(m.config.num_hidden_layers, m.blocks.qk_norm, m.blocks, lora=self.lora_linears)
         with OpRecorder(perturb) as recorder:
             with recorder.op_layer(order):
                 hidden = m.hidden_states(batch)

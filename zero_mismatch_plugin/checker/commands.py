@@ -192,15 +192,16 @@ def bisect_command(args) -> int:
 
     try:
         max_model_len, prompts = validated_inputs(args)
+        lora = lora_options(args)
         mode = apply_numerics(args.numerics)
-        backend = load_backend(args.trainer, args.model, max_model_len=max_model_len, seed=args.seed)
+        backend = load_backend(args.trainer, args.model, max_model_len=max_model_len, seed=args.seed, **lora)
     except (BackendUnavailable, ValueError, OSError) as error:
         print(f"ERROR: {error}", file=sys.stderr)
         return 2
     progress = _progress(2, args.quiet)
     try:
         progress.set_description("vLLM modules")
-        with EngineModules(args.model, max_model_len=max_model_len, seed=args.seed) as modules:
+        with EngineModules(args.model, max_model_len=max_model_len, seed=args.seed, **lora) as modules:
             progress.update(1)
             progress.set_description("forward, both sides")
             vocab = modules.runtime.hf_config.vocab_size
@@ -209,7 +210,10 @@ def bisect_command(args) -> int:
             progress.update(1)
     finally:
         progress.close()
-    header = f"zmrl bisect: {args.model} | vLLM modules vs trainer {args.trainer} | numerics {mode}"
+    header = (
+        f"zmrl bisect: {args.model}" + (f" + LoRA {lora['lora_dir']}" if lora else "")
+        + f" | vLLM modules vs trainer {args.trainer} | numerics {mode}"
+    )
     if args.json != "-":
         print(format_bisect_table(result, header))
     if args.json:

@@ -112,11 +112,21 @@ def single_process_group(runtime):
 class EngineModules:
     """vLLM's model for one checkpoint, outside the engine. Use as a context manager."""
 
-    def __init__(self, model_dir, max_model_len: int = 256, seed: int = 0, **engine_kwargs):
+    def __init__(self, model_dir, max_model_len: int = 256, seed: int = 0, lora_dir=None, **engine_kwargs):
+        """``lora_dir``: a PEFT adapter the model serves, as the engine does (``enable_lora``,
+        vLLM's LoRA manager wrapping the linears, every token mapped to the adapter)."""
         from zero_mismatch_plugin.aligned.runtime import VllmRuntime
 
+        self.lora_dir = lora_dir
+        self.lora_linears = frozenset()
+        if lora_dir is not None:
+            from zero_mismatch_plugin.aligned.lora import lora_engine_args, read_lora_config
+
+            engine_kwargs = {**engine_kwargs, **lora_engine_args(lora_dir)}
+            self.lora_linears = oplist.lora_linears(read_lora_config(lora_dir).targets)
         self.runtime = VllmRuntime(model_dir, max_model_len=max_model_len, seed=seed, **engine_kwargs)
         self.model = None
+        self.lora_manager = None
         self._stack = contextlib.ExitStack()
 
     def __enter__(self) -> "EngineModules":
@@ -141,6 +151,8 @@ class EngineModules:
         rt = self.runtime
         with rt.context():
             self.model = get_model(vllm_config=rt.vllm_config)
+            if self.lora_dir is not None:
+                self._load_lora()
         self.attention_layers = {
             m.layer_name: m for m in self.model.modules() if isinstance(m, Attention)
         }
@@ -163,8 +175,26 @@ class EngineModules:
         self.qk_norm = _submodule(self.model.model.layers[0], "self_attn.q_norm") is not None
         self.blocks = describe(config)
 
+    def _load_lora(self):
+        """What the engine's model runner does with ``enable_lora``: vLLM's LoRA manager replaces
+        the supported linears with their LoRA layers; the adapter is loaded when activated."""
+        from vllm.lora.request import LoRARequest
+        from vllm.v1.worker.lora_model_runner_mixin import LoRAModelRunnerMixin
+
+        runner = LoRAModelRunnerMixin()
+        self.model = runner.load_lora_model(self.model, self.runtime.vllm_config, self.runtime.device)
+        self.lora_manager = runner.lora_manager
+        self.lora_request = LoRARequest("bisect", 1, str(self.lora_dir))
+
+    def _activate_lora(self, num_tokens: int, num_rows: int) -> None:
+        """Every token and every scored row served by the adapter (one request's mapping)."""
+        from vllm.lora.layers import LoRAMapping
+
+        mapping = LoRAMapping((1,) * num_tokens, (1,) * num_rows, is_prefill=True)
+        self.lora_manager.set_active_adapters({self.lora_request}, mapping)
+
     def op_names(self) -> list[str]:
-        return oplist.op_names(self.num_layers, self.qk_norm, self.blocks)
+        return oplist.op_names(self.num_layers, self.qk_norm, self.blocks, lora=self.lora_linears)
 
     def _attach(self, recorder: OpRecorder) -> None:
         """Hooks on vLLM's modules recording every op into ``recorder``.
@@ -183,7 +213,9 @@ class EngineModules:
                 if module is None or id(module) in hooked:
                     continue
                 hooked.add(id(module))
-                if kind in _LINEARS:
+                if kind in _LINEARS and hasattr(module, "punica_wrapper"):
+                    recorder.on_lora_linear(module, kind)
+                elif kind in _LINEARS:
                     recorder.on_output(module, kind, split=first_of_pair)
                 elif kind in _NORMS:
                     recorder.on_fused_norm(module, kind)
@@ -234,6 +266,8 @@ class EngineModules:
                 device,
             )
         names = list(self.attention_layers)
+        if self.lora_manager is not None:
+            self._activate_lora(batch.num_tokens, int(batch.target_rows.numel()))
         with OpRecorder() as recorder, _recording_routed_output(recorder if record is not None else None):
             if record is not None:
                 self._attach(recorder)

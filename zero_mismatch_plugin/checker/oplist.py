@@ -45,6 +45,16 @@ _KINDS = {
     "router": "linear",
     "shared_expert_gate": "linear",
     "experts": "moe",
+    "lora_shrink": "lora_shrink",
+    "lora_expand": "lora_expand",
+}
+# The two steps of a LoRA-wrapped linear, recorded after its base output (``<linear>``):
+# ``<linear>.lora_shrink`` (x A^T per slice, fp32) and ``<linear>.lora_expand`` (base + update).
+LORA_STEPS = ("lora_shrink", "lora_expand")
+# The merged linear (canonical name) holding each LoRA target module.
+LORA_TARGET_LINEAR = {
+    "q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "o_proj": "o_proj",
+    "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "down_proj": "down_proj",
 }
 # What the router of an MoE layer chose, recorded with its ``experts`` op (no op computes it alone).
 TOPK_IDS = "topk_ids"
@@ -70,9 +80,18 @@ def topk_ids_of(experts_name: str) -> str:
     return experts_name.rsplit(".", 1)[0] + "." + TOPK_IDS
 
 
-def layer_op_names(index: int, qk_norm: bool, moe=None) -> list[str]:
+def lora_linears(targets) -> frozenset[str]:
+    """The canonical linears an adapter on ``targets`` (PEFT module names) wraps."""
+    unknown = [t for t in targets if t not in LORA_TARGET_LINEAR]
+    if unknown:
+        raise ValueError(f"LoRA targets {unknown} have no place in the op list (known: {list(LORA_TARGET_LINEAR)})")
+    return frozenset(LORA_TARGET_LINEAR[t] for t in targets)
+
+
+def layer_op_names(index: int, qk_norm: bool, moe=None, lora: frozenset[str] = frozenset()) -> list[str]:
     """Names of one decoder layer's ops, in the order vLLM's model code runs them (``moe``: the
-    checkpoint's ``MoeBlocks`` when this layer's MLP is the Mixture-of-Experts)."""
+    checkpoint's ``MoeBlocks`` when this layer's MLP is the Mixture-of-Experts); each of the
+    layer's own linears in ``lora`` (see :func:`lora_linears`) is followed by its LoRA steps."""
     p = f"layers.{index}."
     names = [] if index == 0 else [p + "input_norm.input"]
     names += [p + "input_norm", p + "qkv_proj"]
@@ -85,13 +104,23 @@ def layer_op_names(index: int, qk_norm: bool, moe=None) -> list[str]:
         p + "post_attention_norm.input",
         p + "post_attention_norm",
     ]
-    return names + mlp_op_names(p, moe)
+    names += mlp_op_names(p, moe)
+    if lora:
+        wrapped = {p + linear for linear in lora}
+        names = [step for name in names for step in _with_lora_steps(name, wrapped)]
+    return names
+
+
+def _with_lora_steps(name: str, wrapped: set[str]) -> list[str]:
+    if name not in wrapped:
+        return [name]
+    return [name, *(f"{name}.{step}" for step in LORA_STEPS)]
 
 
 def op_kind(name: str) -> str | None:
-    """``norm``, ``linear``, ``rotary``, ``attn``, ``act`` or ``moe``: the op that computes ``name``;
-    None for what no op of the op layer computes alone (the embedding, a norm's input, the
-    router's choice, the head)."""
+    """``norm``, ``linear``, ``rotary``, ``attn``, ``act``, ``moe``, ``lora_shrink`` or
+    ``lora_expand``: the op that computes ``name``; None for what no op of the op layer computes
+    alone (the embedding, a norm's input, the router's choice, the head)."""
     return _KINDS.get(name.rsplit(".", 1)[-1])
 
 
@@ -106,13 +135,14 @@ def norm_input(name: str) -> str:
     return EMBED if name == "layers.0.input_norm" else name + ".input"
 
 
-def op_names(num_layers: int, qk_norm: bool, blocks=None) -> list[str]:
+def op_names(num_layers: int, qk_norm: bool, blocks=None, lora: frozenset[str] = frozenset()) -> list[str]:
     """Every op of the model, embedding to logprobs, in execution order (``blocks``: the
-    checkpoint's ``Blocks``, which says which layers' MLPs are MoE; None: every MLP is dense)."""
+    checkpoint's ``Blocks``, which says which layers' MLPs are MoE; None: every MLP is dense;
+    ``lora``: the linears an adapter wraps, :func:`lora_linears`)."""
     names = [EMBED]
     for i in range(num_layers):
         moe = blocks.moe if blocks is not None and blocks.mlp_kind(i) == "moe" else None
-        names += layer_op_names(i, qk_norm, moe)
+        names += layer_op_names(i, qk_norm, moe, lora)
     names += [FINAL_NORM + ".input", FINAL_NORM, LOGITS, LOGPROBS]
     return names
 

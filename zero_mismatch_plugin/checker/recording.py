@@ -89,6 +89,7 @@ class OpRecorder:
         differ between faces; the caller records the target rows with :meth:`keep_head`."""
         from zero_mismatch_plugin.aligned import ops
         from zero_mismatch_plugin.aligned.moe import AlignedMoE
+        from zero_mismatch_plugin.aligned.lora import LoRAStep
 
         kinds = {
             ops.AlignedRMSNorm: "norm",
@@ -114,6 +115,8 @@ class OpRecorder:
 
         def observe(op, run, args):
             kind = next((k for cls, k in kinds.items() if isinstance(op, cls)), None)
+            if isinstance(op, LoRAStep):
+                kind = op.kind  # lora_shrink, lora_expand
             if kind is None:
                 return run(*args)
             name = next_name(kind)
@@ -191,6 +194,30 @@ class OpRecorder:
             return None if kept is args[0] else (kept, *args[1:])
 
         self._handles.append(module.register_forward_pre_hook(pre_hook))
+
+    def on_lora_linear(self, module, kind: str) -> None:
+        """A vLLM LoRA layer (``BaseLinearLayerWithLoRA``): its base output as ``kind``, then its
+        two punica steps as ``kind.lora_shrink`` and ``kind.lora_expand``. The layer is handed a
+        :class:`~zero_mismatch_plugin.aligned.lora.SteppedPunica` over its wrapper through its own
+        ``set_mapping``; the wrapper is put back on exit."""
+        from zero_mismatch_plugin.aligned.lora import SteppedPunica
+
+        recorder = self
+
+        class RecordingPunica(SteppedPunica):
+            def add_lora_linear(self, y, *args, **kwargs):
+                kept = recorder.keep(recorder.name(kind), y)
+                if kept is not y:
+                    y.copy_(kept)
+                return super().add_lora_linear(y, *args, **kwargs)
+
+        def step(step_kind, run, out):
+            run()
+            return self.keep(f"{self.name(kind)}.{step_kind}", out)
+
+        original = module.punica_wrapper
+        module.set_mapping(RecordingPunica(original, step))
+        self._handles.append(_Undo(lambda: module.set_mapping(original)))
 
     def on_fused_norm(self, module, kind: str) -> None:
         """vLLM's RMSNorm: with a residual it returns (normalised, sum), recorded as ``kind`` and
