@@ -124,13 +124,16 @@ def _demo(args: argparse.Namespace) -> int:
             print("ERROR: --model moe chooses a single run's model; --compare runs the dense variants",
                   file=sys.stderr)
             return 2
+        if args.lora is not None:
+            print("ERROR: --lora chooses a single LoRA run; --compare runs full-weight variants", file=sys.stderr)
+            return 2
         return run_compare_command(args.seeds, args.updates, args.lag, args.out)
     if args.seeds is not None:
         print("ERROR: --seeds is for --compare; a single run takes --seed", file=sys.stderr)
         return 2
     return run_demo_command(args.algo or "reinforce_zero", args.kernels or "aligned",
                             2 if args.lag is None else args.lag, 200 if args.updates is None else args.updates,
-                            args.seed or 0, args.out, args.turns, args.model)
+                            args.seed or 0, args.out, args.turns, args.model, args.lora)
 
 
 def _seed_list(text: str) -> list[int]:
@@ -285,6 +288,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--model", choices=("dense", "moe"), default="dense",
         help="the tiny model built locally: a dense Llama (default) or a Qwen3-MoE (8 experts, top-2)",
+    )
+    demo.add_argument(
+        "--lora", type=int, metavar="R",
+        help="freeze the base and train a rank-R LoRA adapter on every linear; the engine serves each new "
+             "adapter version (vLLM's LoRA loading) after every update",
     )
     demo.add_argument("--out", metavar="DIR", help="output directory (default: a fresh ./zmrl-demo-out[-N])")
     demo.set_defaults(func=_demo)

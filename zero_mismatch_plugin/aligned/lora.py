@@ -63,6 +63,14 @@ def peft_tensor_name(layer: int, target: str, which: str) -> str:
     return f"base_model.model.model.layers.{layer}.{_PARENT[target]}.{target}.lora_{which}.weight"
 
 
+def parse_peft_tensor_name(name: str) -> tuple[int, str, str]:
+    """(layer, target, "A" | "B") of a PEFT adapter tensor name; other names are refused."""
+    match = _TENSOR_NAME.match(name)
+    if match is None or match.group(3) not in _PARENT or _PARENT[match.group(3)] != match.group(2):
+        raise ValueError(f"{name}: not a decoder-layer LoRA tensor of {list(ALIGNED_LORA_TARGETS)}")
+    return int(match.group(1)), match.group(3), match.group(4)
+
+
 # ----- adapter config ----------------------------------------------------------------------
 
 
@@ -177,15 +185,34 @@ def lora_engine_args(adapter_dir: str | os.PathLike, max_loras: int = 2) -> dict
     ``max_lora_rank``: the smallest rank vLLM accepts that holds the adapter; ``max_loras`` 2: the
     adapter's current and next version can be served side by side during a sync.
     """
+    try:
+        return lora_engine_args_for_rank(read_lora_config(adapter_dir).r, max_loras)
+    except NotImplementedError as error:
+        raise NotImplementedError(f"{adapter_dir}: {error}") from None
+
+
+def lora_engine_args_for_rank(r: int, max_loras: int = 2) -> dict:
+    """Engine arguments serving adapters of rank ``r`` (see :func:`lora_engine_args`)."""
     from typing import get_args
 
     from vllm.config.lora import MaxLoRARanks
 
-    r = read_lora_config(adapter_dir).r
     ranks = sorted(get_args(MaxLoRARanks))
     if r > ranks[-1]:
-        raise NotImplementedError(f"{adapter_dir}: rank {r} exceeds vLLM's largest max_lora_rank {ranks[-1]}")
+        raise NotImplementedError(f"rank {r} exceeds vLLM's largest max_lora_rank {ranks[-1]}")
     return dict(enable_lora=True, max_lora_rank=min(x for x in ranks if x >= r), max_loras=max_loras)
+
+
+def write_peft_adapter(adapter_dir: str | os.PathLike, lora_config: LoRAConfig, tensors: dict[str, torch.Tensor]) -> Path:
+    """Write ``tensors`` (PEFT names) and ``lora_config`` in PEFT's format, what ``LoRARequest``
+    loads; return the directory."""
+    from safetensors.torch import save_file
+
+    out = Path(adapter_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / CONFIG_FILE).write_text(json.dumps(lora_config.as_peft_dict(), indent=1))
+    save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(out / WEIGHTS_FILE))
+    return out
 
 
 # ----- adapter parameters ------------------------------------------------------------------
@@ -266,13 +293,7 @@ class LoRAAdapter(nn.Module):
 
     def save(self, adapter_dir: str | os.PathLike) -> Path:
         """Write the adapter in PEFT's format (what ``LoRARequest`` loads); return the directory."""
-        from safetensors.torch import save_file
-
-        out = Path(adapter_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / CONFIG_FILE).write_text(json.dumps(self.lora_config.as_peft_dict(), indent=1))
-        save_file({k: v.cpu() for k, v in self.peft_state().items()}, str(out / WEIGHTS_FILE))
-        return out
+        return write_peft_adapter(adapter_dir, self.lora_config, self.peft_state())
 
     @classmethod
     def from_dir(cls, adapter_dir: str | os.PathLike, model_config, head_dim: int) -> "LoRAAdapter":
@@ -402,17 +423,17 @@ class SteppedPunica:
 class AlignedLoRALinear:
     """vLLM's LoRA-wrapped linear over a frozen :class:`~.ops.AlignedLinear` and trainable A, B.
 
-    ``pairs[i]`` is the adapter (``lora_A`` [r, in], ``lora_B`` [out_i, r]) of the i-th stacked
-    part of ``base`` or None (no adapter on that part: vLLM's slice stays zero).
+    ``pairs[i]`` is the adapter (``lora_A`` [r, in], ``lora_B`` [out_i, r]) of vLLM's i-th output
+    slice or None (no adapter on that part: vLLM's slice stays zero). ``out_sizes``: vLLM's slices
+    (q, k, v; gate, up), by default the base's stacked parts. A base whose rows are permuted
+    against vLLM's (megatron's grouped qkv, ``engine_rows``) gets the update in vLLM's row order,
+    as the engine adds it, and hands the sum back in its own order (a permutation, exact).
     """
 
-    def __init__(self, runtime, base, pairs, lora_config: LoRAConfig, mapping: _TokenMapping):
-        if len(pairs) != len(base.weights):
-            raise ValueError("one adapter pair (or None) per stacked part of the base linear")
-        if base.engine_rows is not None:
-            # vLLM adds each slice's update in its own row order; a permuted base (megatron's
-            # grouped qkv) would need the update added before the permutation.
-            raise NotImplementedError("LoRA on a linear whose rows are permuted against vLLM's (engine_rows)")
+    def __init__(self, runtime, base, pairs, lora_config: LoRAConfig, mapping: _TokenMapping, out_sizes=None):
+        self.out_sizes = list(out_sizes if out_sizes is not None else base.out_sizes)
+        if len(pairs) != len(self.out_sizes) or sum(self.out_sizes) != sum(base.out_sizes):
+            raise ValueError("one adapter pair (or None) per output slice of the base linear")
         lora = runtime.vllm_config.lora_config
         if lora is None:
             raise ValueError("the trainer's engine arguments need enable_lora=True (as the engine's)")
@@ -436,7 +457,7 @@ class AlignedLoRALinear:
         in_features = self.base.weights[0].shape[1]
         device = self.base.weights[0].device
         a_stacked, b_stacked = [], []
-        for pair, out_size in zip(self.pairs, self.base.out_sizes):
+        for pair, out_size in zip(self.pairs, self.out_sizes):
             a = torch.zeros(1, 1, self.max_rank, in_features, dtype=self.lora_dtype, device=device)
             b = torch.zeros(1, 1, out_size, self.max_rank, dtype=self.lora_dtype, device=device)
             if pair is not None:
@@ -454,11 +475,15 @@ class AlignedLoRALinear:
     def kernel(self, x):
         # The base linear as its own (observable) op: what vLLM's LoRA layer adds the update to.
         out = self.base(x)
+        if self.base.engine_rows is not None:
+            out = out.index_select(-1, self.base.engine_rows.to(out.device))
         a_stacked, b_stacked = self.derived.get()
         x2 = x.reshape(-1, x.shape[-1])
         wrapper = SteppedPunica(self.mapping.get(x2.shape[0]), self._step)
         y = out.view(-1, out.shape[-1])
-        wrapper.add_lora_linear(y, x2, a_stacked, b_stacked, 1.0, tuple(self.base.out_sizes))
+        wrapper.add_lora_linear(y, x2, a_stacked, b_stacked, 1.0, tuple(self.out_sizes))
+        if self.base.engine_rows is not None:
+            out = out.index_select(-1, self.base.trainer_cols.to(out.device))
         return out
 
     def _step(self, kind: str, run, out):
@@ -482,11 +507,13 @@ class _LoRALinearFn(Function):
         _, base_weight = op.base.derived.get()
         g2 = g.reshape(-1, g.shape[-1]).float()
         x2 = x.reshape(-1, x.shape[-1]).float()
-        gx = g2 @ base_weight.float()
+        gx = g2 @ base_weight.float()  # both in the trainer's row order
+        if op.base.engine_rows is not None:
+            g2 = g2.index_select(-1, op.base.engine_rows.to(g2.device))  # the slices are vLLM's
         grads = []
         it = iter(params)
         offset = 0
-        for pair, size in zip(op.pairs, op.base.out_sizes):
+        for pair, size in zip(op.pairs, op.out_sizes):
             gs = g2[:, offset : offset + size]
             offset += size
             if pair is None:

@@ -54,7 +54,8 @@ def _quiet_defaults() -> None:
 
 
 def run_demo_command(algo: str, kernels: str, lag: int, updates: int, seed: int, out: str | None,
-                     turns: int = 1, model: str = "dense") -> int:
+                     turns: int = 1, model: str = "dense",
+                     lora_rank: int | None = None) -> int:
     _quiet_defaults()
     from tqdm import tqdm
 
@@ -75,7 +76,8 @@ def run_demo_command(algo: str, kernels: str, lag: int, updates: int, seed: int,
             )
         max_model_len = max(DemoConfig.max_model_len, -(-needed // 32) * 32)
         config = DemoConfig(algo=algo, kernels=kernels, lag=lag, updates=updates, seed=seed, turns=turns,
-                            max_model_len=max_model_len, model=model)
+                            max_model_len=max_model_len, model=model,
+                            lora_rank=lora_rank)
         out_dir = prepare_out_dir(out)
     except ValueError as error:
         print(f"ERROR: {error}", file=sys.stderr)
@@ -86,7 +88,9 @@ def run_demo_command(algo: str, kernels: str, lag: int, updates: int, seed: int,
     print(f"building {description} and its tokenizer, seed {seed}")
     model_dir = build_tiny_model(out_dir / "model", family=family, seed=seed)
     print("starting the vLLM engine in its own process (CPU, fp32, consistent numerics; about 10 s)")
-    with start_engine(model_dir, config.max_model_len) as engine:
+    if lora_rank is not None:
+        print(f"LoRA: frozen base, rank-{lora_rank} adapter on every linear, a new adapter version served after every update")
+    with start_engine(model_dir, config.max_model_len, lora_rank=lora_rank) as engine:
         run = DemoRun(config, engine, model_dir)
         print(f"task: {run.task.describe(config.response_tokens)}; chance {run.task.chance_reward:.3f}")
         with tqdm(total=config.updates, desc="updates", unit="upd", dynamic_ncols=True) as bar:

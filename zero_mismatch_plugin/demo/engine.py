@@ -64,7 +64,8 @@ def _serve_run(llm, message, requests, replies, lock) -> list[tuple]:
     return inbox.pending
 
 
-def _engine_main(model_dir: str, max_model_len: int, seed: int, requests, replies, lock) -> None:
+def _engine_main(model_dir: str, max_model_len: int, seed: int, requests, replies, lock,
+                 engine_args: dict | None = None) -> None:
     """The child: start the engine, then serve runs until asked to close."""
     # Ctrl-C reaches the whole process group; the learner handles it and stops this process in
     # order (an interrupted child would turn the learner's clean stop into an error).
@@ -74,7 +75,7 @@ def _engine_main(model_dir: str, max_model_len: int, seed: int, requests, replie
     from vllm import LLM
 
     set_mode("consistent")
-    llm = LLM(**engine_args_for(model_dir, max_model_len=max_model_len, seed=seed, **ENGINE_ARGS))
+    llm = LLM(**engine_args_for(model_dir, max_model_len=max_model_len, seed=seed, **ENGINE_ARGS, **(engine_args or {})))
     replies.put(("ready",))
     pending: list[tuple] = []
     while True:
@@ -91,9 +92,10 @@ class EngineProcess:
 
     Serves one :meth:`rollout` at a time; each run loads its own initial weights as version 0,
     so one engine serves runs of different seeds and checkpoints of the same shape.
+    ``engine_args``: more engine arguments (LoRA serving, :func:`start_engine`).
     """
 
-    def __init__(self, model_dir, max_model_len: int, seed: int = 0):
+    def __init__(self, model_dir, max_model_len: int, seed: int = 0, engine_args: dict | None = None):
         context = multiprocessing.get_context("spawn")
         self._requests = context.Queue()
         self._replies = context.Queue()
@@ -101,7 +103,7 @@ class EngineProcess:
         self._run_ids = itertools.count()
         self._process = context.Process(
             target=_engine_main, name="zmrl-engine", daemon=True,
-            args=(str(model_dir), max_model_len, seed, self._requests, self._replies, self._lock),
+            args=(str(model_dir), max_model_len, seed, self._requests, self._replies, self._lock, engine_args),
         )
         with temporary_environment(CHILD_ENV):
             self._process.start()
@@ -202,12 +204,19 @@ class Rollout:
         self.stop()
 
 
-def start_engine(model_dir, max_model_len: int, seed: int = 0) -> EngineProcess:
+def start_engine(model_dir, max_model_len: int, seed: int = 0, lora_rank: int | None = None) -> EngineProcess:
     """A rollout engine for the demo's model in consistent numerics.
 
-    Consistent mode is also selected in this process: the aligned learner reads it.
+    Consistent mode is also selected in this process: the aligned learner reads it. With
+    ``lora_rank`` the engine serves LoRA adapters of that rank (``enable_lora``; the learner
+    mirrors the same arguments).
     """
     from zero_mismatch_plugin.aligned import set_mode
 
     set_mode("consistent")
-    return EngineProcess(model_dir, max_model_len, seed)
+    engine_args = None
+    if lora_rank is not None:
+        from zero_mismatch_plugin.aligned.lora import lora_engine_args_for_rank
+
+        engine_args = lora_engine_args_for_rank(lora_rank)
+    return EngineProcess(model_dir, max_model_len, seed, engine_args)

@@ -83,6 +83,42 @@ class AlignedLearner(Learner):
         return batch.split_per_sequence(self.module.token_logprobs(batch))
 
 
+class LoRALearner(AlignedLearner):
+    """The aligned forward over a frozen base with a trainable LoRA adapter on every linear.
+
+    Its weights (what the optimizer updates, snapshots hold and the engine receives) are the
+    adapter's A and B under PEFT's names; the engine serves each published version as a new
+    adapter (vLLM's LoRA path), the base weights never move.
+    """
+
+    def __init__(self, model_dir, max_model_len: int, engine_seed: int, lora_rank: int, seed: int = 0):
+        import tempfile
+        from pathlib import Path
+
+        from zero_mismatch_plugin.aligned import AlignedCausalLM
+        from zero_mismatch_plugin.aligned.lora import build_adapter, lora_engine_args_for_rank
+
+        from .engine import ENGINE_ARGS
+
+        with tempfile.TemporaryDirectory(prefix="zmrl-adapter-") as tmp:
+            # alpha = 2r, a common choice; A and B both random so the adapter acts from version 0.
+            adapter = build_adapter(Path(tmp) / "adapter", model_dir, r=lora_rank, lora_alpha=2 * lora_rank, seed=seed)
+            self.module = AlignedCausalLM.from_pretrained(
+                model_dir, max_model_len=max_model_len, seed=engine_seed, lora_dir=adapter,
+                **ENGINE_ARGS, **lora_engine_args_for_rank(lora_rank),
+            )
+        self.lora_config = self.module.lora.lora_config
+
+    def parameters(self):
+        return self.module.lora.parameters()
+
+    def named_weights(self):
+        return list(self.module.lora.peft_state().items())
+
+    def load_snapshot(self, snapshot):
+        self.module.lora.load_peft_state(snapshot, where="snapshot")
+
+
 class StandardLearner(Learner):
     """A plain transformers forward: same weights and math, PyTorch's own kernels."""
 
@@ -146,7 +182,12 @@ class MixedPrecisionLearner(StandardLearner):
         return logprobs_from_logits(logits, labels)
 
 
-def make_learner(kernels: str, model_dir, max_model_len: int, engine_seed: int) -> Learner:
+def make_learner(kernels: str, model_dir, max_model_len: int, engine_seed: int,
+                 lora_rank: int | None = None, seed: int = 0) -> Learner:
+    if lora_rank is not None:
+        if kernels != ALIGNED:
+            raise ValueError(f"a LoRA learner runs the aligned kernels, not {kernels!r}")
+        return LoRALearner(model_dir, max_model_len, engine_seed, lora_rank, seed)
     if kernels == ALIGNED:
         return AlignedLearner(model_dir, max_model_len, engine_seed)
     if kernels == STANDARD:

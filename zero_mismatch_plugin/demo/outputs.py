@@ -118,7 +118,9 @@ def format_summary(summary: dict, out_dir: Path) -> str:
         f"{s['older_samples_with_is_ratio_not_one']} with IS ratio != 1 (weight lag, corrected by IS)"
     )
     lines = [
-        f"zmrl demo: {s['algo']}, {s['kernels']} kernels, lag bound K={s['lag']}, seed {s['seed']}",
+        f"zmrl demo: {s['algo']}, {s['kernels']} kernels"
+        + (f", frozen base + rank-{s['lora_rank']} LoRA" if s.get("lora_rank") else "")
+        + f", lag bound K={s['lag']}, seed {s['seed']}",
         f"  updates            {s['updates']} in {s['loop_seconds']:.1f} s ({s['updates_per_second']:.2f} updates/s)",
         f"  reward             {_number(s['reward_first'])} (first {s['reward_window']} updates) -> "
         f"{_number(s['reward_last'])} (last {s['reward_window']})",

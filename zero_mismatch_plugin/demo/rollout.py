@@ -12,9 +12,12 @@ waits for the update, then samples with the fresh weights); with K >= 1 the engi
 
 from __future__ import annotations
 
+import itertools
 import queue
+import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -67,6 +70,9 @@ class RolloutPlan:
     lag: int
     total_chunks: int
     turns: int = 1  # >1: each conversation is re-sent with its response and a new question
+    # A LoRA run (``aligned.lora.LoRAConfig``): the published weights are the adapter's tensors,
+    # served as a new adapter version, never loaded into the base.
+    lora: object | None = None
 
 
 class WeightMailbox:
@@ -117,13 +123,13 @@ class WeightMailbox:
         return version, self._views(copy)
 
 
-def generate_chunk(llm, task: Task, plan: RolloutPlan, index: int, version: int) -> list[Sample]:
+def generate_chunk(llm, task: Task, plan: RolloutPlan, index: int, version: int, lora_request=None) -> list[Sample]:
     """The chunk's samples, all with the weights of ``version``.
 
     Turn 1 samples ``samples_per_prompt`` responses per prompt; every later turn re-sends each
     conversation whole (its prompt, its response, a follow-up question), as an agent does, so the
     engine takes the earlier turns from its prefix cache. The samples of one prompt in one turn
-    form one group.
+    form one group. ``lora_request``: the adapter version serving every request (LoRA runs).
     """
     from vllm import SamplingParams
 
@@ -143,7 +149,8 @@ def generate_chunk(llm, task: Task, plan: RolloutPlan, index: int, version: int)
             )
             for _, _, k, seed in requests
         ]
-        outputs = llm.generate([{"prompt_token_ids": r[1]} for r in requests], params, use_tqdm=False)
+        outputs = llm.generate([{"prompt_token_ids": r[1]} for r in requests], params, use_tqdm=False,
+                               lora_request=lora_request)
         follow_ups = []
         group_suffix = f":turn{turn + 1}" if turn else ""
         for (prompt_index, prompt, _, seed), output in zip(requests, outputs):
@@ -195,21 +202,43 @@ class Inbox:
             self._handle(self.receive())
 
 
+# Adapter ids are unique for the engine's life: a run's version 0 is not an earlier run's.
+_ADAPTER_IDS = itertools.count(1)
+
+
+def adapter_request(adapter_root, lora_config, version: int, weights):
+    """A new adapter version for the engine: the published tensors written in PEFT's format and a
+    ``LoRARequest`` of a fresh id, loaded by vLLM's own adapter loading when first requested."""
+    from vllm.lora.request import LoRARequest
+
+    from zero_mismatch_plugin.aligned.lora import write_peft_adapter
+
+    adapter_id = next(_ADAPTER_IDS)
+    path = write_peft_adapter(Path(adapter_root) / f"adapter-{adapter_id}", lora_config, dict(weights))
+    return LoRARequest(f"zmrl-demo-v{version}-{adapter_id}", adapter_id, str(path))
+
+
 def produce_chunks(llm, task: Task, plan: RolloutPlan, mailbox: WeightMailbox, inbox: Inbox,
                    send: Callable[[Chunk], None]) -> None:
-    """The rollout loop: every chunk of the plan, in order, each with the newest weights published."""
-    loaded: int | None = None  # the engine may hold another run's weights
-    for index in range(plan.total_chunks):
-        inbox.wait_until_allowed(index // plan.chunks_per_update, plan.lag)
-        if inbox.stopping:
-            return
-        load_s = 0.0
-        newer = mailbox.take_newer(loaded)
-        if newer is not None:
+    """The rollout loop: every chunk of the plan, in order, each with the newest weights published
+    (for a LoRA run, the newest adapter: the base weights stay as loaded)."""
+    with tempfile.TemporaryDirectory(prefix="zmrl-adapters-") as adapter_root:
+        loaded: int | None = None  # the engine may hold another run's weights
+        lora_request = None
+        for index in range(plan.total_chunks):
+            inbox.wait_until_allowed(index // plan.chunks_per_update, plan.lag)
+            if inbox.stopping:
+                return
+            load_s = 0.0
+            newer = mailbox.take_newer(loaded)
+            if newer is not None:
+                start = time.perf_counter()
+                loaded, weights = newer
+                if plan.lora is None:
+                    load_named_weights(llm, weights)
+                else:
+                    lora_request = adapter_request(adapter_root, plan.lora, loaded, weights)
+                load_s = time.perf_counter() - start
             start = time.perf_counter()
-            loaded, weights = newer
-            load_named_weights(llm, weights)
-            load_s = time.perf_counter() - start
-        start = time.perf_counter()
-        samples = generate_chunk(llm, task, plan, index, loaded)
-        send(Chunk(index, loaded, samples, time.perf_counter() - start, load_s))
+            samples = generate_chunk(llm, task, plan, index, loaded, lora_request)
+            send(Chunk(index, loaded, samples, time.perf_counter() - start, load_s))

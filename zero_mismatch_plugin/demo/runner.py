@@ -82,6 +82,9 @@ class DemoConfig:
     # question) and is answered from the engine's prefix cache; every turn's response is a sample.
     turns: int = 1
     model: str = "dense"  # a key of DEMO_MODELS
+    # LoRA: a frozen base and a rank-``lora_rank`` adapter on every linear, the adapter pushed to
+    # the engine (vLLM's LoRA serving) after every update. None: full-weight training.
+    lora_rank: int | None = None
 
     def __post_init__(self):
         if self.algo not in ALGORITHMS:
@@ -103,10 +106,19 @@ class DemoConfig:
             raise ValueError(f"--seed must be between 0 and {MAX_SEED}, got {self.seed}")
         if self.prompts_per_update % self.chunks_per_update:
             raise ValueError("prompts_per_update must be a multiple of chunks_per_update")
+        if self.lora_rank is not None:
+            if not isinstance(self.lora_rank, int) or self.lora_rank < 1:
+                raise ValueError(f"--lora must be a positive rank, got {self.lora_rank!r}")
+            if self.kernels != ALIGNED or self.correction is not None:
+                raise ValueError("--lora trains with the aligned kernels and the algorithm's own loss; "
+                                 "drop --kernels / the correction baseline")
         if self.turns < 1:
             raise ValueError(f"--turns must be at least 1, got {self.turns}")
         if self.model not in DEMO_MODELS:
             raise ValueError(f"--model must be one of {tuple(DEMO_MODELS)}, got {self.model!r}")
+        if self.model == "moe" and self.lora_rank is not None:
+            raise ValueError("--lora trains the dense linears; vLLM has no CPU LoRA path for MoE experts: "
+                             "use --model dense with --lora")
         if self.model == "moe" and self.turns > 1:
             # Consistent mode keeps prefix caching on only where a hit is proven equal to a miss.
             raise ValueError(
@@ -196,7 +208,8 @@ class DemoRun:
         self.engine = engine
         torch.manual_seed(config.seed)
         self.task = make_task(config.task, AutoTokenizer.from_pretrained(str(model_dir)), config.seed)
-        self.learner: Learner = make_learner(config.kernels, model_dir, config.max_model_len, engine_seed)
+        self.learner: Learner = make_learner(config.kernels, model_dir, config.max_model_len, engine_seed,
+                                             lora_rank=config.lora_rank, seed=config.seed)
         self.optimizer = torch.optim.AdamW(self.learner.parameters(), lr=config.learning_rate, weight_decay=0.0)
         if config.correction is None:
             self.advantage_fn = core_algos.get_adv_estimator_fn(config.algo)
@@ -221,6 +234,7 @@ class DemoRun:
             seed=cfg.seed, prompts_per_chunk=cfg.prompts_per_chunk, samples_per_prompt=cfg.group_size,
             response_tokens=cfg.response_tokens, chunks_per_update=cfg.chunks_per_update, lag=cfg.lag,
             total_chunks=cfg.updates * cfg.chunks_per_update, turns=cfg.turns,
+            lora=getattr(self.learner, "lora_config", None),
         )
         result = DemoResult(cfg)
         threads = torch.get_num_threads()
