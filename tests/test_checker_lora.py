@@ -57,6 +57,22 @@ def test_bisect_lora_finds_every_op_equal_lora_steps_included(checkpoints, llama
     assert all(op["bitwise_equal"] for op in report["ops"])
 
 
+def test_megatron_bisect_lora_finds_every_op_equal(checkpoints, llama_adapter, numerics_environ, tmp_path, capsys):
+    """The Megatron face with the adapter (megatron.lora): its LoRA linears run the same steps,
+    the update added in vLLM's row order before megatron's grouped-qkv permutation."""
+    out = tmp_path / "bisect.json"
+    code = cli.main([
+        "bisect", "--model", str(checkpoints["llama"]), "--lora", str(llama_adapter), "--trainer", "megatron",
+        "--max-model-len", str(MAX_MODEL_LEN), "--json", str(out), "--quiet",
+    ])
+    table = capsys.readouterr().out
+    report = json.loads(out.read_text())
+    assert code == 0 and report["pass"] is True, table
+    assert report["not_compared"] == []
+    assert [op["op"] for op in report["ops"]] == oplist.op_names(2, qk_norm=False, lora=ALL_LINEARS)
+    assert all(op["bitwise_equal"] for op in report["ops"])
+
+
 @pytest.fixture(scope="module")
 def lora_modules(checkpoints, llama_adapter, numerics_environ):
     from zero_mismatch_plugin.checker.engine_modules import EngineModules

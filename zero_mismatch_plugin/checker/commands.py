@@ -85,8 +85,8 @@ def lora_options(args) -> dict:
     lora_dir = getattr(args, "lora", None)
     if lora_dir is None:
         return {}
-    if args.trainer != "aligned":
-        raise inputs.CheckerInputError(f"--lora is supported with --trainer aligned, not {args.trainer!r}")
+    if args.trainer not in ("aligned", "megatron"):
+        raise inputs.CheckerInputError(f"--lora is supported with --trainer aligned or megatron, not {args.trainer!r}")
     from zero_mismatch_plugin.aligned.lora import read_lora_config
 
     try:

@@ -22,10 +22,20 @@ from .recording import OpRecorder
 class MegatronBackend:
     name = "megatron"
 
-    def __init__(self, model_dir: Path, max_model_len: int = 256, seed: int = 0):
-        self.scorer = MegatronScorer.from_model_dir(model_dir, max_model_len=max_model_len, seed=seed)
+    def __init__(self, model_dir: Path, max_model_len: int = 256, seed: int = 0, lora_dir=None):
+        lora = {}
+        if lora_dir is not None:
+            from ..aligned.lora import lora_engine_args
+
+            lora = lora_engine_args(lora_dir)
+        self.scorer = MegatronScorer.from_model_dir(model_dir, max_model_len=max_model_len, seed=seed, **lora)
         self.model = self.scorer.model.eval()
         self.runtime = self.scorer.runtime
+        self.lora_linears = frozenset()
+        if lora_dir is not None:
+            from ..megatron.lora import attach_lora
+
+            self.lora_linears = oplist.lora_linears(attach_lora(self.model, self.runtime, lora_dir).targets)
         self.vocab_size = self.runtime.hf_config.vocab_size
         self.qk_norm = describe(self.runtime.hf_config).qk_norm
 
@@ -43,7 +53,7 @@ class MegatronBackend:
     def intermediates(self, batch, perturb=None) -> dict:
         """The model's forward with every op of the op layer recorded (the Megatron modules call
         the same ops as the aligned model, in vLLM's order)."""
-        order = oplist.op_names(self.runtime.hf_config.num_hidden_layers, self.qk_norm)
+        order = oplist.op_names(self.runtime.hf_config.num_hidden_layers, self.qk_norm, self.lora_linears)
         with OpRecorder(perturb) as recorder:
             with recorder.op_layer(order):
                 logits = packed_logits(self.model, batch)

@@ -221,3 +221,51 @@ def sync_weights_to_engine(llm, model, hf_config, dtype) -> None:
     from ..aligned.weight_sync import load_named_weights
 
     load_named_weights(llm, engine_weights(model, hf_config, dtype))
+
+
+# ----- LoRA adapters -----------------------------------------------------------------------
+
+# The megatron linear holding each LoRA target, and vLLM's output slices of that linear in order.
+MEGATRON_LORA_SLICES = {
+    "self_attention.linear_qkv": ("q_proj", "k_proj", "v_proj"),
+    "self_attention.linear_proj": ("o_proj",),
+    "mlp.linear_fc1": ("gate_proj", "up_proj"),
+    "mlp.linear_fc2": ("down_proj",),
+}
+_LORA_MODULE = {target: module for module, targets in MEGATRON_LORA_SLICES.items() for target in targets}
+
+
+def megatron_lora_name(layer: int, target: str, which: str) -> str:
+    """The Megatron face's name of the A or B matrix of PEFT target ``target`` in ``layer``.
+
+    The adapter keeps vLLM's per-slice matrices (q, k, v each have their own A and B, in the
+    checkpoint's row order): vLLM applies them slice by slice, so a fused megatron-layout adapter
+    could not be served.
+    """
+    return f"decoder.layers.{layer}.{_LORA_MODULE[target]}.lora.{target}.lora_{which}"
+
+
+def peft_to_megatron_lora(state: dict) -> dict:
+    """PEFT adapter tensors (``base_model.model.model.layers.{i}...lora_A.weight``) -> the
+    Megatron face's adapter parameter names; the tensors themselves are unchanged."""
+    from ..aligned.lora import parse_peft_tensor_name
+
+    out = {}
+    for name, tensor in state.items():
+        layer, target, which = parse_peft_tensor_name(name)
+        out[megatron_lora_name(layer, target, which)] = tensor
+    return out
+
+
+def megatron_to_peft_lora(state: dict) -> dict:
+    """The Megatron face's adapter parameters (or their gradients) -> PEFT names."""
+    from ..aligned.lora import peft_tensor_name
+
+    out = {}
+    for name, tensor in state.items():
+        head, target, which = name.rsplit(".", 2)
+        layer = int(head.split(".")[2])
+        if _LORA_MODULE.get(target) is None or megatron_lora_name(layer, target, which[-1]) != name:
+            raise ValueError(f"{name}: not a Megatron-face LoRA parameter name")
+        out[peft_tensor_name(layer, target, which[-1])] = tensor
+    return out

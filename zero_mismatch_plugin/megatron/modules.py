@@ -125,6 +125,8 @@ class AlignedLinearModule(nn.Module):
         # engine_rows[i]: the megatron row computing vLLM's output i (None: same layout).
         self.register_buffer("engine_rows", None, persistent=False)
         self._op = None
+        # A LoRA adapter on this linear (``megatron.lora.attach_lora``): forward through vLLM's LoRA linear.
+        self.lora = None
 
     def _kernel(self) -> ops.AlignedLinear:
         # Rebuilt if a Parameter object was replaced (e.g. by a model conversion).
@@ -135,7 +137,8 @@ class AlignedLinearModule(nn.Module):
         return self._op
 
     def forward(self, x: torch.Tensor, *args, **kwargs):
-        out = self._kernel()(_flat(x))
+        op = self._kernel() if self.lora is None else self.lora.op(self.runtime, self._kernel())
+        out = op(_flat(x))
         return out.reshape(*x.shape[:-1], out.shape[-1]), None
 
     def refresh(self) -> None:
