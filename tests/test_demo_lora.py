@@ -7,17 +7,13 @@ engine is shut down.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-
-from test_demo import _assert_only_gap_is_lag  # noqa: E402
-
-from zero_mismatch_plugin.demo import DemoConfig, DemoRun, run_demo  # noqa: E402
+from test_demo import _assert_only_gap_is_lag, _run_recording
+from vllm_session import demo_llama_engine
+from zero_mismatch_plugin.aligned.checkpoint import read_checkpoint
+from zero_mismatch_plugin.demo import DemoConfig, run_demo
 
 MAX_MODEL_LEN = 128
 RANK = 8
@@ -25,40 +21,19 @@ RANK = 8
 
 @pytest.fixture(scope="module")
 def lora_demo_engine(tmp_path_factory, engines):
-    from zero_mismatch_plugin.demo.engine import start_engine
-    from zero_mismatch_plugin.tiny_models import build_tiny_model
-
     engines.close()  # at most one engine alive
-    model_dir = build_tiny_model(tmp_path_factory.mktemp("demo_lora_model"), family="llama", seed=0)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("ZMRL_NUMERICS", "consistent")
-        mp.setenv("VLLM_CPU_ATTN_SPLIT_KV", "0")
-        with start_engine(model_dir, MAX_MODEL_LEN, lora_rank=RANK) as engine:
-            yield engine, model_dir
+    yield from demo_llama_engine(tmp_path_factory, "demo_lora_model", MAX_MODEL_LEN, lora_rank=RANK)
 
 
 def test_lora_lag0_bitwise_adapter_served_base_frozen(lora_demo_engine):
-    engine, model_dir = lora_demo_engine
-    run = DemoRun(DemoConfig(max_model_len=MAX_MODEL_LEN, lag=0, updates=5, lora_rank=RANK,
-                             learning_rate=1e-3), engine, model_dir)
+    _, model_dir = lora_demo_engine
+    run, result, weights, samples = _run_recording(lora_demo_engine, lag=0, updates=5, lora_rank=RANK,
+                                                   learning_rate=1e-3)
     learner = run.learner
-    base = {n: p.detach().clone() for n, p in learner.module.named_parameters() if not n.startswith("lora.")}
-    initial = learner.snapshot()
+    initial = weights[0]
     assert initial and all(".lora_A." in n or ".lora_B." in n for n in initial)  # only the adapter is published
-    samples = []
-    update = run._update
-
-    def recording_update(step, chunks, waited):
-        samples.append([s for c in chunks for s in c.samples])
-        return update(step, chunks, waited)
-
-    run._update = recording_update
-    weights = {0: initial}
-
-    def after_update(record):  # the learner now holds (and has published) the next version
-        weights[record.learner_version + 1] = learner.snapshot()
-
-    result = run.run(after_update)
+    base = dict(learner.module.named_parameters())
+    checkpoint = read_checkpoint(model_dir)
     for r in result.records:
         assert r.sample_versions == [r.learner_version] * len(r.sample_versions)
         assert all(r.ratios_all_one) and all(r.own_version_bitwise), f"update {r.step}"
@@ -67,8 +42,11 @@ def test_lora_lag0_bitwise_adapter_served_base_frozen(lora_demo_engine):
     # The adapter moved, the base did not (it has no gradient and is not in the optimizer).
     final = learner.snapshot()
     assert any(not torch.equal(final[n], initial[n]) for n in initial)
-    assert all(torch.equal(p, base[n]) for n, p in learner.module.named_parameters() if n in base)
-    assert all(not p.requires_grad for n, p in learner.module.named_parameters() if n in base)
+    base = {n: p for n, p in base.items() if not n.startswith("lora.")}
+    in_checkpoint = [n for n in base if n in checkpoint]
+    assert len(in_checkpoint) == len(base), sorted(set(base) - set(in_checkpoint))
+    assert all(torch.equal(base[n], checkpoint[n].to(base[n].dtype)) for n in in_checkpoint)
+    assert all(not p.requires_grad for p in base.values())
     # The engine served the last pushed adapter: the last samples' μ are the learner's logprobs
     # under that version's adapter, not under the initial one.
     last = samples[-1]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_session import MAX_MODEL_LEN, prompts_for
+from vllm_session import MAX_MODEL_LEN, prompts_for, rollout
 
 from zero_mismatch_plugin.aligned import pack
 from zero_mismatch_plugin.aligned.lora import build_adapter, lora_engine_args
@@ -65,20 +65,9 @@ def model(runtime, adapter):
     return gpt
 
 
-def generate(llm, prompts, request, seed=0, max_tokens=16):
+def generate(llm, prompts, request, seed=0):
     """(prompts, responses, μ) of one batch, two samples per prompt, every request with ``request``."""
-    from vllm import SamplingParams
-
-    params = [SamplingParams(n=2, temperature=1.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0, seed=seed + i)
-              for i in range(len(prompts))]
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, lora_request=request, use_tqdm=False)
-    seq_prompts, responses, mu = [], [], []
-    for prompt, out in zip(prompts, outs):
-        for c in out.outputs:
-            seq_prompts.append(prompt)
-            responses.append(list(c.token_ids))
-            mu.extend(step[t].logprob for t, step in zip(c.token_ids, c.logprobs))
-    return seq_prompts, responses, torch.tensor(mu, dtype=torch.float32)
+    return rollout(llm, prompts, seed=seed, n=2, max_tokens=16, lora_request=request)
 
 
 def megatron_logprobs(model, prompts, responses):

@@ -64,8 +64,9 @@ def prompts_for(checkpoint, num_prompts=NUM_PROMPTS, corpus_seed=7):
     raise AssertionError("corpus too short for the requested prompts")
 
 
-def rollout(llm, prompts, seed=0, n=SAMPLES_PER_PROMPT, max_tokens=RESPONSE_TOKENS, **sampling):
-    """Sample n responses per prompt in one batch; return (prompts, responses, μ)."""
+def rollout(llm, prompts, seed=0, n=SAMPLES_PER_PROMPT, max_tokens=RESPONSE_TOKENS, lora_request=None, **sampling):
+    """Sample n responses per prompt in one batch (every request with ``lora_request``, if given);
+    return (prompts, responses, μ)."""
     from vllm import SamplingParams
 
     params = [
@@ -81,7 +82,7 @@ def rollout(llm, prompts, seed=0, n=SAMPLES_PER_PROMPT, max_tokens=RESPONSE_TOKE
         )
         for i in range(len(prompts))
     ]
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, lora_request=lora_request, use_tqdm=False)
     seq_prompts, responses, mu = [], [], []
     for prompt, out in zip(prompts, outs):
         for completion in out.outputs:
@@ -136,9 +137,10 @@ def hf_token_logprobs(model, prompts, responses):
 
 
 @contextlib.contextmanager
-def demo_engine(model_dir, max_model_len: int):
-    """The demo's rollout engine (its own process) in consistent numerics; the variables
-    ``start_engine`` sets for that mode are restored afterwards."""
+def demo_engine(model_dir, max_model_len: int, lora_rank: int | None = None):
+    """The demo's rollout engine (its own process) in consistent numerics, serving LoRA adapters
+    of ``lora_rank`` if given; the variables ``start_engine`` sets for that mode are restored
+    afterwards."""
     import pytest
 
     from zero_mismatch_plugin.demo.engine import start_engine
@@ -147,14 +149,14 @@ def demo_engine(model_dir, max_model_len: int):
         # Registered here so that leaving the context restores them.
         mp.setenv("ZMRL_NUMERICS", "consistent")
         mp.setenv("VLLM_CPU_ATTN_SPLIT_KV", "0")
-        with start_engine(model_dir, max_model_len) as engine:
+        with start_engine(model_dir, max_model_len, lora_rank=lora_rank) as engine:
             yield engine
 
 
-def demo_llama_engine(tmp_path_factory, name: str, max_model_len: int):
+def demo_llama_engine(tmp_path_factory, name: str, max_model_len: int, lora_rank: int | None = None):
     """(engine, model directory) for a module's demo tests: the demo's tiny Llama in its own folder."""
     from zero_mismatch_plugin.tiny_models import build_tiny_model
 
     model_dir = build_tiny_model(tmp_path_factory.mktemp(name), family="llama", seed=0)
-    with demo_engine(model_dir, max_model_len) as engine:
+    with demo_engine(model_dir, max_model_len, lora_rank) as engine:
         yield engine, model_dir

@@ -291,7 +291,9 @@ def test_lora_equal_again_after_optimizer_step_and_adapter_sync(model, lora_engi
 # ----- zmrl check --lora ------------------------------------------------------------------
 
 
-def test_zmrl_check_lora_passes_every_check(checkpoints, adapters, lora_engines, tmp_path, capsys):
+@pytest.mark.parametrize("trainer", ["aligned", "megatron"])
+def test_zmrl_check_lora_passes_every_check(trainer, checkpoints, adapters, lora_engines, tmp_path, capsys):
+    """Both trainer faces with the adapter (the Megatron face through ``megatron.lora``)."""
     import json
 
     from zero_mismatch_plugin import cli
@@ -299,7 +301,7 @@ def test_zmrl_check_lora_passes_every_check(checkpoints, adapters, lora_engines,
     lora_engines.close()  # the checker starts its own engine
     out = tmp_path / "check.json"
     code = cli.main([
-        "check", "--model", str(checkpoints["llama"]), "--lora", str(adapters["llama", "r32"]),
+        "check", "--model", str(checkpoints["llama"]), "--lora", str(adapters["llama", "r32"]), "--trainer", trainer,
         "--max-model-len", str(MAX_MODEL_LEN), "--num-prompts", "4", "--max-tokens", "12",
         "--batch-sizes", "1,4", "--full-vocab", "--json", str(out), "--quiet",
     ])
