@@ -53,7 +53,7 @@ class MegatronBackend:
     def intermediates(self, batch, perturb=None) -> dict:
         """The model's forward with every op of the op layer recorded (the Megatron modules call
         the same ops as the aligned model, in vLLM's order)."""
-        order = oplist.op_names(self.runtime.hf_config.num_hidden_layers, self.qk_norm, self.lora_linears)
+        order = oplist.op_names(self.runtime.hf_config.num_hidden_layers, self.qk_norm, lora=self.lora_linears)
         with OpRecorder(perturb) as recorder:
             with recorder.op_layer(order):
                 logits = packed_logits(self.model, batch)
