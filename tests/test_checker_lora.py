@@ -9,11 +9,11 @@ No engine is started.
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import torch
 
+from vllm_session import restored_environ
 from zero_mismatch_plugin import cli
 from zero_mismatch_plugin.aligned.lora import build_adapter
 from zero_mismatch_plugin.checker import oplist
@@ -25,12 +25,8 @@ ALL_LINEARS = frozenset({"qkv_proj", "o_proj", "gate_up_proj", "down_proj"})
 
 @pytest.fixture(scope="module")
 def numerics_environ():
-    """The bisect command sets ZMRL_NUMERICS (and vLLM variables) for its process; undo after."""
-    saved = dict(os.environ)
-    os.environ["ZMRL_NUMERICS"] = "consistent"
-    yield
-    os.environ.clear()
-    os.environ.update(saved)
+    with restored_environ(ZMRL_NUMERICS="consistent"):
+        yield
 
 
 @pytest.fixture(scope="module")

@@ -160,3 +160,18 @@ def demo_llama_engine(tmp_path_factory, name: str, max_model_len: int, lora_rank
     model_dir = build_tiny_model(tmp_path_factory.mktemp(name), family="llama", seed=0)
     with demo_engine(model_dir, max_model_len, lora_rank) as engine:
         yield engine, model_dir
+
+
+@contextlib.contextmanager
+def restored_environ(**values):
+    """``os.environ`` with ``values`` set inside; everything restored afterwards (the checker's
+    commands set ZMRL_NUMERICS and vLLM variables for their process)."""
+    import os
+
+    saved = dict(os.environ)
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
