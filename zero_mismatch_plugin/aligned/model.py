@@ -29,6 +29,7 @@ from .ops import (
     AlignedRotary,
     AlignedSiluAndMul,
 )
+from .mla import AlignedMLAAttention, plan_mla
 from .moe import AlignedMoE
 from .packing import PackedBatch
 from .runtime import VllmRuntime
@@ -85,6 +86,22 @@ def _moe_block(h: int, moe) -> tuple[str, nn.Module]:
     return block_name, block
 
 
+def _mla_attention(h: int, nh: int, mla) -> nn.Module:
+    """The projections of one multi-head latent attention (DeepSeek-V2/V3 checkpoint names)."""
+    attn = nn.Module()
+    if mla.q_lora_rank is None:
+        attn.q_proj = _Weights((nh * mla.qk_head_dim, h))
+    else:
+        attn.q_a_proj = _Weights((mla.q_lora_rank, h))
+        attn.q_a_layernorm = _Weights((mla.q_lora_rank,))
+        attn.q_b_proj = _Weights((nh * mla.qk_head_dim, mla.q_lora_rank))
+    attn.kv_a_proj_with_mqa = _Weights((mla.kv_lora_rank + mla.qk_rope_head_dim, h))
+    attn.kv_a_layernorm = _Weights((mla.kv_lora_rank,))
+    attn.kv_b_proj = _Weights((nh * (mla.qk_nope_head_dim + mla.v_head_dim), mla.kv_lora_rank))
+    attn.o_proj = _Weights((h, nh * mla.v_head_dim))
+    return attn
+
+
 class _Layer(nn.Module):
     def __init__(self, config, blocks: Blocks, index: int = 0):
         super().__init__()
@@ -93,11 +110,14 @@ class _Layer(nn.Module):
         inter = config.intermediate_size
         qb = nh * head_dim if blocks.qkv_bias else None
         kvb = nkv * head_dim if blocks.qkv_bias else None
-        attn = nn.Module()
-        attn.q_proj = _Weights((nh * head_dim, h), qb)
-        attn.k_proj = _Weights((nkv * head_dim, h), kvb)
-        attn.v_proj = _Weights((nkv * head_dim, h), kvb)
-        attn.o_proj = _Weights((h, nh * head_dim), h if blocks.o_bias else None)
+        if blocks.attention == "mla":
+            attn = _mla_attention(h, nh, blocks.mla)
+        else:
+            attn = nn.Module()
+            attn.q_proj = _Weights((nh * head_dim, h), qb)
+            attn.k_proj = _Weights((nkv * head_dim, h), kvb)
+            attn.v_proj = _Weights((nkv * head_dim, h), kvb)
+            attn.o_proj = _Weights((h, nh * head_dim), h if blocks.o_bias else None)
         if blocks.qk_norm:
             attn.q_norm = _Weights((head_dim,))
             attn.k_norm = _Weights((head_dim,))
@@ -128,6 +148,19 @@ class AttentionHeads:
         return q, k, v
 
 
+def residual_layer(norms, hidden, residual, attention, mlp):
+    """The residual frame of every decoder layer in vLLM's op order: [fused add] input norm, the
+    attention block ``attention(x)`` (projections through o_proj), fused add post norm, ``mlp(x)``.
+    Returns (hidden, residual) for the next layer's fused add norm."""
+    if residual is None:
+        residual = hidden
+        hidden = norms["input_norm"](hidden)
+    else:
+        hidden, residual = norms["input_norm"](hidden, residual)
+    hidden, residual = norms["post_norm"](attention(hidden), residual)
+    return mlp(hidden), residual
+
+
 def decoder_layer(norms, hidden, residual, positions, heads: AttentionHeads, rotary, *, linear, attend, mlp):
     """One decoder layer in vLLM's op order, for both trainer forwards that run it (this model and
     verl's FSDP actor): [fused add] norm, qkv, [q/k norm], rotary, attention, o, fused add norm, MLP.
@@ -135,16 +168,13 @@ def decoder_layer(norms, hidden, residual, positions, heads: AttentionHeads, rot
     ``norms``: the layer's norm ops (``input_norm``, ``post_norm``, ``q_norm``/``k_norm`` where the
     architecture has them); ``linear(name, x)``: its ``qkv`` and ``o`` projections; ``attend(q, k, v)``;
     ``mlp(x)``. Returns (hidden, residual) for the next layer's fused add norm."""
-    if residual is None:
-        residual = hidden
-        hidden = norms["input_norm"](hidden)
-    else:
-        hidden, residual = norms["input_norm"](hidden, residual)
-    q, k, v = heads.split(linear("qkv", hidden), norms)
-    q, k = rotary(positions, q, k)
-    hidden = linear("o", attend(q, k, v.contiguous()))
-    hidden, residual = norms["post_norm"](hidden, residual)
-    return mlp(hidden), residual
+
+    def attention(hidden):
+        q, k, v = heads.split(linear("qkv", hidden), norms)
+        q, k = rotary(positions, q, k)
+        return linear("o", attend(q, k, v.contiguous()))
+
+    return residual_layer(norms, hidden, residual, attention, mlp)
 
 
 class AlignedCausalLM(nn.Module):
@@ -218,8 +248,11 @@ class AlignedCausalLM(nn.Module):
         rope_parameters = getattr(cfg, "rope_parameters", None)
         if self.blocks.partial_rotary_factor != 1.0:
             rope_parameters = {**(rope_parameters or {}), "partial_rotary_factor": self.blocks.partial_rotary_factor}
-        self.rotary = AlignedRotary(rt, self.head_dim, max_pos, rope_parameters)
         self.act = AlignedSiluAndMul(rt)
+        if self.blocks.attention == "mla":
+            self._build_mla_ops(max_pos, rope_parameters)
+            return
+        self.rotary = AlignedRotary(rt, self.head_dim, max_pos, rope_parameters)
         # One backend per distinct window (vLLM's attention layer carries its window); ``attention``
         # is the first layer's, the others are looked up by window (see _layer_attention).
         windows = [self.blocks.window_of(i) for i in range(len(self.model.layers))]
@@ -251,13 +284,76 @@ class AlignedCausalLM(nn.Module):
                 ops["q_norm"] = AlignedRMSNorm(rt, a.q_norm.weight, eps)
                 ops["k_norm"] = AlignedRMSNorm(rt, a.k_norm.weight, eps)
             self.layer_ops.append(ops)
-        self.final_norm = AlignedRMSNorm(rt, self.model.norm.weight, eps)
+        self._build_head_ops()
+
+    def _build_head_ops(self) -> None:
+        rt = self.runtime
+        self.final_norm = AlignedRMSNorm(rt, self.model.norm.weight, self.config.rms_norm_eps)
         head_weight = self.model.embed_tokens.weight if self.tied else self.lm_head.weight
         self.logits_head = AlignedLogits(rt, head_weight, self.vocab_size)
         self._build_lora_ops()
         self._ops_built = True
         if rt.platform == "cpu" and numerics.is_consistent():
             self.check_cpu_gemm_invariance()
+
+    def _build_mla_ops(self, max_pos: int, rope_parameters) -> None:
+        """Multi-head latent attention layers (DeepSeek-V2/V3), as vLLM's ``DeepseekV2MLAAttention``
+        builds them: an interleaved (GPT-J style) rotary on the rope dims only, with the model's
+        renamed rope type, and yarn's mscale^2 in the softmax scale."""
+        from vllm.model_executor.models.deepseek_v2 import yarn_get_mscale
+
+        rt, cfg, mla = self.runtime, self.config, self.blocks.mla
+        eps = cfg.rms_norm_eps
+        rope_parameters = {**(rope_parameters or {}), "rope_type": mla.rope_type}
+        self.rotary = AlignedRotary(rt, mla.qk_rope_head_dim, max_pos, rope_parameters, is_neox_style=False)
+        scale = mla.qk_head_dim**-0.5
+        if mla.rope_type == "deepseek_yarn":
+            mscale = yarn_get_mscale(rope_parameters["factor"], float(rope_parameters.get("mscale_all_dim", False)))
+            scale = scale * mscale * mscale
+        self.layer_ops = []
+        for index, layer in enumerate(self.model.layers):
+            a = layer.self_attn
+            attention = AlignedMLAAttention(rt, mla, self.num_heads, scale, a.kv_b_proj.weight)
+            ops = dict(
+                input_norm=AlignedRMSNorm(rt, layer.input_layernorm.weight, eps),
+                post_norm=AlignedRMSNorm(rt, layer.post_attention_layernorm.weight, eps),
+                kv_a_norm=AlignedRMSNorm(rt, a.kv_a_layernorm.weight, eps),
+                mla=attention,
+                kv_b=attention.kv_b,
+                o=AlignedLinear(rt, [a.o_proj.weight]),
+                gate_up=AlignedLinear(rt, [layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight]),
+                down=AlignedLinear(rt, [layer.mlp.down_proj.weight]),
+            )
+            if mla.q_lora_rank is None:
+                ops.update(kv_a=AlignedLinear(rt, [a.kv_a_proj_with_mqa.weight]), q=AlignedLinear(rt, [a.q_proj.weight]))
+            else:
+                # vLLM's fused_qkv_a_proj: q_a_proj and kv_a_proj_with_mqa merged, one GEMM.
+                ops.update(qkv_a=AlignedLinear(rt, [a.q_a_proj.weight, a.kv_a_proj_with_mqa.weight]),
+                           q_a_norm=AlignedRMSNorm(rt, a.q_a_layernorm.weight, eps),
+                           q=AlignedLinear(rt, [a.q_b_proj.weight]))
+            self.layer_ops.append(ops)
+        self._build_head_ops()
+
+    def _mla_attention(self, layer: int, hidden: torch.Tensor, *, positions: torch.Tensor, plan) -> torch.Tensor:
+        """``MultiHeadLatentAttentionWrapper.forward``: projections, norms and rotary per row, then the
+        attention of :class:`.mla.AlignedMLAAttention` and o_proj."""
+        ops, mla = self.layer_ops[layer], self.blocks.mla
+        latent_size = mla.kv_lora_rank + mla.qk_rope_head_dim
+        if mla.q_lora_rank is None:
+            kv_lora = ops["kv_a"](hidden)
+            q_input = hidden
+        else:
+            q_c, kv_lora = ops["qkv_a"](hidden).split([mla.q_lora_rank, latent_size], dim=-1)
+            q_input = ops["q_a_norm"](q_c)
+        kv_c, k_pe = kv_lora.split([mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1)
+        kv_c_normed = ops["kv_a_norm"](kv_c)
+        t = hidden.shape[0]
+        q = ops["q"](q_input).view(t, self.num_heads, mla.qk_head_dim)
+        q_nope, q_pe = q.split([mla.qk_nope_head_dim, mla.qk_rope_head_dim], dim=-1)
+        # The plugin's patched engine hands its rotary kernel these rows: [T, heads * rope] and [T, rope].
+        q_pe, k_pe = self.rotary(positions, q_pe.reshape(t, -1), k_pe)
+        q = torch.cat([q_nope, q_pe.view(t, self.num_heads, mla.qk_rope_head_dim)], dim=-1)
+        return ops["o"](ops["mla"](q, kv_c_normed, k_pe, plan))
 
     # ----- LoRA ------------------------------------------------------------------------------
 
@@ -266,6 +362,8 @@ class AlignedCausalLM(nn.Module):
         targeted linears then run vLLM's LoRA arithmetic (:mod:`.lora`), never a merged weight."""
         from .lora import LoRAAdapter
 
+        if self.blocks.attention == "mla":
+            raise NotImplementedError(f"{self.architecture}: LoRA on multi-head latent attention is not covered yet")
         adapter = LoRAAdapter.from_dir(lora_dir, self.config, self.head_dim)
         for p in self.parameters():
             p.requires_grad_(False)
@@ -389,6 +487,8 @@ class AlignedCausalLM(nn.Module):
             for op in ops.values():
                 derived = getattr(op, "derived", None) or getattr(op, "engine_weight", None)
                 derived.refresh()
+            if "mla" in ops:
+                ops["mla"].absorbed.refresh()
         for ops in self.lora_ops:
             for op in ops.values():
                 op.derived.refresh()
@@ -406,7 +506,15 @@ class AlignedCausalLM(nn.Module):
         hidden = nn.functional.embedding(ids, embed.to(self.runtime.dtype) if embed.dtype != self.runtime.dtype else embed)
         residual = None
         heads = AttentionHeads(self.num_heads, self.num_kv_heads, self.head_dim)
+        mla_plan = None
+        if self.blocks.attention == "mla":
+            prompt_lens = [n - r for n, r in zip(batch.seq_lens, batch.response_lens)]
+            mla_plan = plan_mla(batch.seq_lens, prompt_lens, self.runtime.device)
         for i, ops in enumerate(self.layer_ops):
+            if mla_plan is not None:
+                attend_mla = functools.partial(self._mla_attention, i, positions=positions, plan=mla_plan)
+                hidden, residual = residual_layer(ops, hidden, residual, attend_mla, functools.partial(self._mlp, i))
+                continue
             attention = self._layer_attention(i)
             if attention not in plans:
                 plans[attention] = attention.plan(batch.seq_lens)

@@ -126,8 +126,9 @@ class _FusedAddRMSNormFn(Function):
 class AlignedRotary:
     """vLLM's rotary embedding (in-place kernel) applied to copies of q and k."""
 
-    def __init__(self, runtime: VllmRuntime, head_dim: int, max_position: int, rope_parameters):
-        self.module = runtime.rotary(head_dim, max_position, rope_parameters)
+    def __init__(self, runtime: VllmRuntime, head_dim: int, max_position: int, rope_parameters,
+                 is_neox_style: bool = True):
+        self.module = runtime.rotary(head_dim, max_position, rope_parameters, is_neox_style)
         self.head_dim = head_dim
         self.rotary_dim = self.module.rotary_dim
         self.is_neox_style = self.module.is_neox_style
@@ -161,7 +162,8 @@ class _RotaryFn(Function):
     def forward(ctx, positions, q, k, rotary: AlignedRotary):
         q_out = q.clone()
         k_out = k.clone()
-        rotary.module(positions, q_out, k_out)
+        # Most of vLLM's rotaries turn q/k in place; some (DeepSeek's yarn scaling) return new tensors.
+        q_out, k_out = rotary.module(positions, q_out, k_out)
         ctx.save_for_backward(positions)
         ctx.rotary = rotary
         return q_out, k_out

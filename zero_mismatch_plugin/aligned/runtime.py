@@ -112,7 +112,7 @@ class VllmRuntime:
         with self.context():
             return SiluAndMul()
 
-    def rotary(self, head_dim: int, max_position: int, rope_parameters: dict | None):
+    def rotary(self, head_dim: int, max_position: int, rope_parameters: dict | None, is_neox_style: bool = True):
         from vllm.model_executor.layers.rotary_embedding import get_rope
 
         with self.context():
@@ -120,7 +120,7 @@ class VllmRuntime:
                 head_dim,
                 max_position=max_position,
                 rope_parameters=rope_parameters,
-                is_neox_style=True,
+                is_neox_style=is_neox_style,
                 dtype=self.dtype,
             )
         return rope.to(self.device)
@@ -161,6 +161,19 @@ class VllmRuntime:
 
         with self.context(), set_default_torch_dtype(self.dtype), torch.device(self.device):
             return FusedMoEFactory(tp_size=1, dp_size=1, pcp_size=1, prefix=prefix, **moe_kwargs)
+
+    def mla_prefill(self, num_heads: int, scale: float, mla):
+        """The MLA prefill backend the engine selects for this config (``CPU_SDPA_MLA`` on CPU), built
+        as ``MLAAttention`` builds it; ``mla`` is the checkpoint's :class:`~..architectures.MlaBlocks`."""
+        from vllm.v1.attention.backends.mla.prefill import get_mla_prefill_backend
+
+        with self.context():
+            backend_cls = get_mla_prefill_backend(self.vllm_config)
+            return backend_cls(
+                num_heads=num_heads, scale=scale, kv_lora_rank=mla.kv_lora_rank,
+                qk_nope_head_dim=mla.qk_nope_head_dim, qk_rope_head_dim=mla.qk_rope_head_dim,
+                v_head_dim=mla.v_head_dim, vllm_config=self.vllm_config,
+            )
 
     def attention(
         self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, sliding_window: int | None = None
