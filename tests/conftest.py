@@ -13,10 +13,15 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 from vllm_session import MAX_MODEL_LEN, Engines, prompts_for, rollout  # noqa: E402
 
 
+# DeepSeek-V3's rope scaling, shrunk: yarn over 4x the 128 original positions, mscale in the softmax scale.
+MLA_YARN_ROPE = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128,
+                 "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
+
+
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory):
     """Tiny random checkpoints, built once: family -> directory."""
-    from zero_mismatch_plugin.tiny_models import MOE_FAMILIES, build_tiny_model
+    from zero_mismatch_plugin.tiny_models import MOE_FAMILIES, build_tiny_mla_model, build_tiny_model
 
     root = tmp_path_factory.mktemp("tiny_models")
     return {
@@ -35,6 +40,11 @@ def checkpoints(tmp_path_factory):
         **{f: build_tiny_model(root / f, family=f, seed=5) for f in MOE_FAMILIES},
         "qwen3_moe_padded": build_tiny_model(root / "qwen3_moe_padded", family="qwen3_moe", seed=6,
                                              moe_intermediate_size=80),
+        # Multi-head latent attention (dense MLPs): DeepSeek-V2 as is; DeepSeek-V3 with a query
+        # low-rank projection and yarn rope scaling (vLLM's deepseek_yarn, mscale in the softmax scale).
+        "deepseek_v2": build_tiny_mla_model(root / "deepseek_v2", seed=7),
+        "deepseek_v3_yarn": build_tiny_mla_model(root / "deepseek_v3_yarn", seed=8, architecture="deepseek_v3",
+                                                 q_lora_rank=96, rope_parameters=MLA_YARN_ROPE),
     }
 
 

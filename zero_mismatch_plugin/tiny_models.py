@@ -211,21 +211,29 @@ def build_tiny_model(
     return out
 
 
-def build_tiny_mla_model(out_dir: str | os.PathLike, seed: int = 0, num_hidden_layers: int = 2) -> Path:
-    """A tiny DeepSeek-V2 checkpoint with multi-head latent attention (MLA) and dense MLPs.
+def build_tiny_mla_model(out_dir: str | os.PathLike, seed: int = 0, num_hidden_layers: int = 2,
+                         architecture: str = "deepseek_v2", q_lora_rank: int | None = None,
+                         rope_parameters: dict | None = None) -> Path:
+    """A tiny DeepSeek-V2 (or ``architecture="deepseek_v3"``) checkpoint with multi-head latent
+    attention (MLA) and dense MLPs.
 
     vLLM's CPU MLA decode kernel runs only kv_lora_rank 512 + qk_rope_head_dim 64 (block size
-    16), so those two are the real model's; everything else is small.
+    16), so those two are the real model's; everything else is small. ``q_lora_rank`` gives the
+    query its own low-rank projection (q_a_proj, q_a_layernorm, q_b_proj); ``rope_parameters``
+    replaces the plain rotary (e.g. DeepSeek's yarn scaling).
     """
     import torch
-    from transformers import AutoModelForCausalLM, DeepseekV2Config
+    from transformers import AutoModelForCausalLM, DeepseekV2Config, DeepseekV3Config
 
+    configs = {"deepseek_v2": DeepseekV2Config, "deepseek_v3": DeepseekV3Config}
+    if architecture not in configs:
+        raise ValueError(f"unknown MLA architecture {architecture!r}; expected one of {sorted(configs)}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(out, vocab_size=DEFAULT_SHAPE["vocab_size"], seed=seed)
-    cfg = DeepseekV2Config(
+    cfg = configs[architecture](
         vocab_size=DEFAULT_SHAPE["vocab_size"], hidden_size=256, intermediate_size=512, num_hidden_layers=num_hidden_layers,
-        num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64,
+        num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=512, q_lora_rank=q_lora_rank, qk_rope_head_dim=64,
         qk_nope_head_dim=32, v_head_dim=32,
         # Every layer dense (first_k_dense_replace = all layers); the MoE fields must still be set.
         n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, moe_intermediate_size=128,
@@ -234,10 +242,10 @@ def build_tiny_mla_model(out_dir: str | os.PathLike, seed: int = 0, num_hidden_l
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False,
         torch_dtype="float32",
     )
-    cfg.rope_parameters = {"rope_type": "default", "rope_theta": DEFAULT_SHAPE["rope_theta"]}
+    cfg.rope_parameters = rope_parameters or {"rope_type": "default", "rope_theta": DEFAULT_SHAPE["rope_theta"]}
     cfg.initializer_range = 0.05
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     model.save_pretrained(str(out), safe_serialization=True)
-    (out / "zmrl_tiny.json").write_text(json.dumps({"family": "deepseek_v2_mla", "seed": seed}))
+    (out / "zmrl_tiny.json").write_text(json.dumps({"family": f"{architecture}_mla", "seed": seed}))
     return out

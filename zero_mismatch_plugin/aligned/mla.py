@@ -5,13 +5,13 @@ The engine computes a sequence's attention two ways. The prompt is one prefill s
 backend (``CPU_SDPA_MLA``: dense attention per request) attends them. Every later token (each
 response token, and a one-token prompt) is a decode step of one query: its no-rope query is
 absorbed into the latent space (``q_nope @ W_UK``), ``_C.mla_decode_kvcache`` attends the latent
-cache of its sequence (16-token blocks, read whole; slots not yet written are zero in a fresh
-block), and the result goes out through ``W_UV``. The trainer does both in one forward: prompt
-rows through the engine's prefill backend, response rows through the decode kernel over a cache
-it builds from all rows' latents, each decode row seeing its sequence up to itself. The two
-``bmm`` are computed as the plugin's patched engine computes them (a one-row batch as two rows,
-:func:`~zero_mismatch_plugin.patching.shared.row_invariant_bmm`, at most eight rows at a time) and ``kv_b_proj`` runs vLLM's
-CPU GEMM dispatch, as :mod:`zero_mismatch_plugin.vllm_cpu_mla` makes the engine do.
+cache of its sequence (16-token blocks), and the result goes out through ``W_UV``. The trainer
+does both in one forward: prompt rows through the engine's prefill backend, response rows through
+the decode kernel over a cache it builds from all rows' latents, each decode row attending its
+sequence up to itself. The two ``bmm`` are computed as the plugin's patched engine computes them
+(:func:`~zero_mismatch_plugin.patching.shared.row_invariant_bmm`: a one-row batch as two rows;
+here at most eight rows at a time) and ``kv_b_proj`` runs vLLM's CPU GEMM dispatch, as
+:mod:`zero_mismatch_plugin.vllm_cpu_mla` makes the engine do.
 
 The backward is that of the equivalent dense attention (the absorbed decode is the same function
 of its inputs), recomputed in fp32 with torch's autograd: :func:`mla_dense_attention`.
@@ -47,19 +47,16 @@ class MlaPlan:
     prefill_query_start: torch.Tensor  # [S_p + 1] int32 row offsets of each prefilled prompt in prefill_rows
     decode_rows: torch.Tensor  # [B] packed rows computed by decode steps
     decode_seq_lens: torch.Tensor  # [B] int32: position + 1, the tokens the decode step attends
-    cache_rows: torch.Tensor  # [T] slot of each packed row in the shared cache
-    num_shared_blocks: int
-    private_source: torch.Tensor  # [B] shared block copied into each decode row's own last block
-    private_unused: torch.Tensor  # [B, BLOCK_SIZE] bool: slots after the decode row (zero in the engine)
-    block_table: torch.Tensor  # [B, W] int32
+    cache_rows: torch.Tensor  # [T] slot of each packed row in the latent cache
+    num_blocks: int
+    block_table: torch.Tensor  # [B, W] int32: the blocks of the decode row's sequence
 
 
 def plan_mla(seq_lens: list[int], prompt_lens: list[int], device=None) -> MlaPlan:
     """The engine's split of a packed batch: a prompt of more than one token is one prefill step
     (vLLM's CPU platform turns chunked prefill and prefix caching off for MLA), every other token
     is a decode step (query length 1)."""
-    prefill_rows, prefill_starts, decode_rows, decode_lens = [], [0], [], []
-    cache_rows, private_source, private_unused, tables = [], [], [], []
+    prefill_rows, prefill_starts, decode_rows, decode_lens, cache_rows, tables = [], [0], [], [], [], []
     offset = block_offset = 0
     for n, prompt in zip(seq_lens, prompt_lens):
         if not 0 < prompt <= n:
@@ -68,21 +65,17 @@ def plan_mla(seq_lens: list[int], prompt_lens: list[int], device=None) -> MlaPla
         if first_decode:
             prefill_rows.extend(range(offset, offset + prompt))
             prefill_starts.append(prefill_starts[-1] + prompt)
+        num_blocks = (n + BLOCK_SIZE - 1) // BLOCK_SIZE
         for position in range(first_decode, n):
             decode_rows.append(offset + position)
             decode_lens.append(position + 1)
-            last = position // BLOCK_SIZE
-            private_source.append(block_offset + last)
-            private_unused.append([slot > position % BLOCK_SIZE for slot in range(BLOCK_SIZE)])
-            tables.append([block_offset + b for b in range(last)])  # the private block is appended below
+            tables.append(list(range(block_offset, block_offset + num_blocks)))
         cache_rows.extend(block_offset * BLOCK_SIZE + p for p in range(n))
-        block_offset += (n + BLOCK_SIZE - 1) // BLOCK_SIZE
+        block_offset += num_blocks
         offset += n
-    width = max((len(t) + 1 for t in tables), default=1)
-    table = torch.zeros(len(tables), width, dtype=torch.int32)
+    table = torch.zeros(len(tables), max((len(t) for t in tables), default=1), dtype=torch.int32)
     for i, t in enumerate(tables):
         table[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
-        table[i, len(t)] = block_offset + i  # the decode row's own copy of its last block
     as_long = lambda v: torch.tensor(v, dtype=torch.long, device=device)  # noqa: E731
     return MlaPlan(
         seq_lens=list(seq_lens),
@@ -91,9 +84,7 @@ def plan_mla(seq_lens: list[int], prompt_lens: list[int], device=None) -> MlaPla
         decode_rows=as_long(decode_rows),
         decode_seq_lens=torch.tensor(decode_lens, dtype=torch.int32, device=device),
         cache_rows=as_long(cache_rows),
-        num_shared_blocks=block_offset,
-        private_source=as_long(private_source),
-        private_unused=torch.tensor(private_unused, dtype=torch.bool, device=device).reshape(-1, BLOCK_SIZE),
+        num_blocks=block_offset,
         block_table=table.to(device),
     )
 
@@ -186,15 +177,14 @@ class AlignedMLAAttention:
         return out[..., : m.v_head_dim].flatten(start_dim=-2)
 
     def _latent_cache(self, kv_c_normed, k_pe, plan):
-        """The decode rows' latent cache: each sequence's rows in 16-token blocks, and every decode
-        row's own copy of its last block with the slots after it zero (what a fresh engine block
-        holds when that row is decoded)."""
+        """The latent cache [blocks, 16, kv_lora_rank + rope]: each sequence's rows in its own blocks,
+        the slots after its last row zero. Every decode row of a sequence reads the same blocks: the
+        kernel reads only the first ``seq_len`` slots (later ones, the sequence's later rows here
+        and stale data in the engine, do not change its bits: tests/aligned/test_aligned_mla.py)."""
         latent = torch.cat([kv_c_normed, k_pe], dim=-1)
-        shared = latent.new_zeros(plan.num_shared_blocks * BLOCK_SIZE, latent.shape[-1])
-        shared[plan.cache_rows] = latent
-        shared = shared.view(plan.num_shared_blocks, BLOCK_SIZE, -1)
-        private = shared.index_select(0, plan.private_source).masked_fill(plan.private_unused.unsqueeze(-1), 0)
-        return torch.cat([shared, private])
+        cache = latent.new_zeros(plan.num_blocks * BLOCK_SIZE, latent.shape[-1])
+        cache[plan.cache_rows] = latent
+        return cache.view(plan.num_blocks, BLOCK_SIZE, -1)
 
     def _decode(self, q, kv_c_normed, k_pe, plan):
         """``MLAAttention.forward_impl``'s MQA half: absorb W_UK, the CPU decode kernel, W_UV."""

@@ -111,8 +111,9 @@ def _architecture_gaps(architecture: Architecture) -> list[str]:
     if architecture.name is None:
         return []
     gaps = unsupported_features(SimpleNamespace(**architecture.features))
-    # Read at call time; the Megatron face (what verl runs) has no MoE layers yet.
-    supported = tuple(a for a in architectures.SUPPORTED_ARCHITECTURES if a not in architectures.MOE_ARCHITECTURES)
+    # Read at call time; the Megatron face (what verl runs) has no MoE layers and no MLA yet.
+    not_megatron = (*architectures.MOE_ARCHITECTURES, *architectures.MLA_ARCHITECTURES)
+    supported = tuple(a for a in architectures.SUPPORTED_ARCHITECTURES if a not in not_megatron)
     if architecture.name not in supported:
         gaps.insert(0, f"a path for {architecture.name} (from {architecture.source}: the aligned forward covers "
                        f"only the dense decoders {', '.join(supported)})")

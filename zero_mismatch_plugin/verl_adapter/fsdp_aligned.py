@@ -135,7 +135,8 @@ class AlignedFSDPForward:
         self.blocks = describe(hf_config)
         # The aligned model covers these; this face's layer forward does not run them yet.
         missing = (["Mixture-of-Experts MLPs"] if self.blocks.moe is not None else []) + (
-            ["sliding-window attention"] if self.blocks.sliding_windows else [])
+            ["sliding-window attention"] if self.blocks.sliding_windows else []) + (
+            ["multi-head latent attention"] if self.blocks.attention == "mla" else [])
         if missing:
             raise NotImplementedError(
                 f"{self.blocks.architecture}: the aligned FSDP actor forward does not cover "
