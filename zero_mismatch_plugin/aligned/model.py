@@ -305,7 +305,10 @@ class AlignedCausalLM(nn.Module):
         rt, cfg, mla = self.runtime, self.config, self.blocks.mla
         eps = cfg.rms_norm_eps
         rope_parameters = {**(rope_parameters or {}), "rope_type": mla.rope_type}
+        from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+
         self.rotary = AlignedRotary(rt, mla.qk_rope_head_dim, max_pos, rope_parameters, is_neox_style=False)
+        self.rotary_per_head = not isinstance(self.rotary.module, RotaryEmbedding)
         scale = mla.qk_head_dim**-0.5
         if mla.rope_type == "deepseek_yarn":
             mscale = yarn_get_mscale(rope_parameters["factor"], float(rope_parameters.get("mscale_all_dim", False)))
@@ -350,9 +353,14 @@ class AlignedCausalLM(nn.Module):
         t = hidden.shape[0]
         q = ops["q"](q_input).view(t, self.num_heads, mla.qk_head_dim)
         q_nope, q_pe = q.split([mla.qk_nope_head_dim, mla.qk_rope_head_dim], dim=-1)
-        # The plugin's patched engine hands its rotary kernel these rows: [T, heads * rope] and [T, rope].
-        q_pe, k_pe = self.rotary(positions, q_pe.reshape(t, -1), k_pe)
-        q = torch.cat([q_nope, q_pe.view(t, self.num_heads, mla.qk_rope_head_dim)], dim=-1)
+        if self.rotary_per_head:
+            # DeepSeek's scaled rotaries (forward_native) broadcast over the head axis MLA passes.
+            q_pe, k_pe = self.rotary(positions, q_pe.contiguous(), k_pe.unsqueeze(1))
+        else:
+            # The plugin's patched engine hands vLLM's rotary kernel these rows: [T, heads * rope], [T, rope].
+            q_pe, k_pe = self.rotary(positions, q_pe.reshape(t, -1), k_pe)
+        q = torch.cat([q_nope, q_pe.reshape(t, self.num_heads, mla.qk_rope_head_dim)], dim=-1)
+        k_pe = k_pe.reshape(t, mla.qk_rope_head_dim)
         return ops["o"](ops["mla"](q, kv_c_normed, k_pe, plan))
 
     # ----- LoRA ------------------------------------------------------------------------------

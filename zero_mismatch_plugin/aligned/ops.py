@@ -138,13 +138,13 @@ class AlignedRotary:
         return _RotaryFn.apply(positions, q, k, self)
 
     def rotate_back(self, positions, g, inverse: bool):
-        """Apply the rotation (or its inverse) to g: [T, heads*D], in fp32."""
+        """Apply the rotation (or its inverse) to g: [T, heads*D] or [T, heads, D], in fp32."""
         cos_sin = self.module.cos_sin_cache.index_select(0, positions).float()
         cos, sin = cos_sin.chunk(2, dim=-1)
         if inverse:
             sin = -sin
-        t = g.shape[0]
-        g = g.float().view(t, -1, self.head_dim)
+        t, shape = g.shape[0], g.shape
+        g = g.float().reshape(t, -1, self.head_dim)
         rot, rest = g[..., : self.rotary_dim], g[..., self.rotary_dim :]
         cos = cos.unsqueeze(1)
         sin = sin.unsqueeze(1)
@@ -154,7 +154,7 @@ class AlignedRotary:
         else:
             x1, x2 = rot[..., 0::2], rot[..., 1::2]
             out = torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).flatten(-2)
-        return torch.cat([out, rest], dim=-1).reshape(t, -1)
+        return torch.cat([out, rest], dim=-1).reshape(shape)
 
 
 class _RotaryFn(Function):
