@@ -86,7 +86,7 @@ def _moe_block(h: int, moe) -> tuple[str, nn.Module]:
     return block_name, block
 
 
-def _mla_attention(h: int, nh: int, mla) -> nn.Module:
+def _mla_projections(h: int, nh: int, mla) -> nn.Module:
     """The projections of one multi-head latent attention (DeepSeek-V2/V3 checkpoint names)."""
     attn = nn.Module()
     if mla.q_lora_rank is None:
@@ -111,7 +111,7 @@ class _Layer(nn.Module):
         qb = nh * head_dim if blocks.qkv_bias else None
         kvb = nkv * head_dim if blocks.qkv_bias else None
         if blocks.attention == "mla":
-            attn = _mla_attention(h, nh, blocks.mla)
+            attn = _mla_projections(h, nh, blocks.mla)
         else:
             attn = nn.Module()
             attn.q_proj = _Weights((nh * head_dim, h), qb)
