@@ -45,6 +45,9 @@ def checkpoints(tmp_path_factory):
         "deepseek_v2": build_tiny_mla_model(root / "deepseek_v2", seed=7),
         "deepseek_v3_yarn": build_tiny_mla_model(root / "deepseek_v3_yarn", seed=8, architecture="deepseek_v3",
                                                  q_lora_rank=96, rope_parameters=MLA_YARN_ROPE),
+        # DeepSeek-V3 MLA with its MoE from the second layer on (sigmoid routing in groups, a shared expert).
+        "deepseek_v3_moe": build_tiny_mla_model(root / "deepseek_v3_moe", seed=9, architecture="deepseek_v3",
+                                                first_k_dense_replace=1),
     }
 
 

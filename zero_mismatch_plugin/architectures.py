@@ -102,7 +102,7 @@ class _Entry:
     # Whether ``layer_types`` choose the windowed layers ("sliding_attention") for vLLM and
     # transformers alike (interleaved local/global layers); the others are full causal attention.
     layer_types_window: bool = False
-    moe: Callable[[object], MoeBlocks] | None = None  # the MoE MLP, for MoE families
+    moe: Callable[[object], MoeBlocks | None] | None = None  # the MoE MLP (None: every layer dense here)
     partial_rotary: Callable[[object], float] = lambda config: 1.0
     mla: Callable[[object], MlaBlocks] | None = None  # multi-head latent attention, for MLA families
 
@@ -255,7 +255,32 @@ def _deepseek_moe_layers(config) -> tuple[int, ...]:
     return tuple(i for i in range(config.num_hidden_layers) if experts is not None and i >= first_dense and i % freq == 0)
 
 
-def _deepseek_refusals(config) -> list[str]:
+def _deepseek_v3_moe(config) -> MoeBlocks | None:
+    # vLLM's DeepseekV2MoE: grouped top-k always, the correction bias with topk_method noaux_tc, the
+    # routed scale on the output (as GLM-4.5, whose layer it shares), a shared expert of n_shared_experts widths.
+    layers = _deepseek_moe_layers(config)
+    if not layers:
+        return None
+    n_shared = getattr(config, "n_shared_experts", None)
+    return MoeBlocks(
+        num_experts=config.n_routed_experts,
+        top_k=config.num_experts_per_tok,
+        moe_intermediate_size=config.moe_intermediate_size,
+        norm_topk_prob=bool(config.norm_topk_prob),
+        scoring_func=getattr(config, "scoring_func", "softmax"),
+        grouped_topk=True,
+        n_group=getattr(config, "n_group", 1),
+        topk_group=getattr(config, "topk_group", 1),
+        e_score_correction_bias=getattr(config, "topk_method", None) == "noaux_tc",
+        routed_scaling_factor=float(getattr(config, "routed_scaling_factor", 1.0)),
+        shared_expert_intermediate_size=config.moe_intermediate_size * n_shared if n_shared else 0,
+        shared_expert_gate=False,
+        moe_layers=layers,
+        names="glm",
+    )
+
+
+def _deepseek_refusals(config, moe_covered: bool = False) -> list[str]:
     out = _moe_refusals(config)
     rank, rope = getattr(config, "kv_lora_rank", None), getattr(config, "qk_rope_head_dim", None)
     if (rank, rope) != (CPU_MLA_KV_LORA_RANK, CPU_MLA_ROPE_HEAD_DIM):
@@ -266,7 +291,15 @@ def _deepseek_refusals(config) -> list[str]:
     if getattr(config, "model_type", "") == "deepseek":
         out.append("model_type 'deepseek' (DeepSeek-V1 multi-head attention, no MLA)")
     moe_layers = _deepseek_moe_layers(config)
-    if moe_layers:
+    if moe_layers and moe_covered:
+        n_group, topk_group, experts = getattr(config, "n_group", 1), getattr(config, "topk_group", 1), config.n_routed_experts
+        if not n_group or experts % n_group:
+            out.append(f"n_routed_experts={experts} not divisible by n_group={n_group}")
+        routing = (getattr(config, "topk_method", None), getattr(config, "scoring_func", None))
+        if routing != ("noaux_tc", "sigmoid"):
+            out.append(f"MoE routing topk_method={routing[0]!r}, scoring_func={routing[1]!r}: covered only as "
+                       "DeepSeek-V3 routes (topk_method 'noaux_tc', scoring_func 'sigmoid')")
+    elif moe_layers:
         out.append(f"Mixture-of-Experts MLPs in layers {list(moe_layers)} (MLA is covered with dense MLPs only): "
                    f"set first_k_dense_replace={config.num_hidden_layers}")
     return out
@@ -307,7 +340,11 @@ _ENTRIES: dict[str, _Entry] = {
         qk_norm=False, biases=lambda config: (False, False), refuse=_deepseek_refusals, mla=_deepseek_mla
     ),
     "DeepseekV3ForCausalLM": _Entry(
-        qk_norm=False, biases=lambda config: (False, False), refuse=_deepseek_refusals, mla=_deepseek_mla
+        qk_norm=False,
+        biases=lambda config: (False, False),
+        refuse=lambda config: _deepseek_refusals(config, moe_covered=True),
+        mla=_deepseek_mla,
+        moe=_deepseek_v3_moe,
     ),
 }
 
@@ -424,7 +461,7 @@ def describe(config) -> Blocks:
         norm="rms",
         attention="mla" if mla is not None else "causal",
         qk_norm=qk_norm,
-        mlp="moe" if entry.moe is not None else "swiglu",
+        mlp="moe" if moe is not None else "swiglu",
         rope_type=rope.get("rope_type") or "default",
         rope_theta=rope.get("rope_theta", getattr(config, "rope_theta", None)),
         qkv_bias=qkv_bias,

@@ -213,14 +213,16 @@ def build_tiny_model(
 
 def build_tiny_mla_model(out_dir: str | os.PathLike, seed: int = 0, num_hidden_layers: int = 2,
                          architecture: str = "deepseek_v2", q_lora_rank: int | None = None,
-                         rope_parameters: dict | None = None) -> Path:
+                         rope_parameters: dict | None = None, first_k_dense_replace: int | None = None) -> Path:
     """A tiny DeepSeek-V2 (or ``architecture="deepseek_v3"``) checkpoint with multi-head latent
     attention (MLA) and dense MLPs.
 
     vLLM's CPU MLA decode kernel runs only kv_lora_rank 512 + qk_rope_head_dim 64 (block size
     16), so those two are the real model's; everything else is small. ``q_lora_rank`` gives the
     query its own low-rank projection (q_a_proj, q_a_layernorm, q_b_proj); ``rope_parameters``
-    replaces the plain rotary (e.g. DeepSeek's yarn scaling).
+    replaces the plain rotary (e.g. DeepSeek's yarn scaling). ``first_k_dense_replace`` below the
+    layer count makes the later layers Mixture-of-Experts (4 experts, top-2, one shared expert; for
+    DeepSeek-V3 its sigmoid routing in 2 groups, 1 kept, with a selection bias).
     """
     import torch
     from transformers import AutoModelForCausalLM, DeepseekV2Config, DeepseekV3Config
@@ -231,13 +233,17 @@ def build_tiny_mla_model(out_dir: str | os.PathLike, seed: int = 0, num_hidden_l
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(out, vocab_size=DEFAULT_SHAPE["vocab_size"], seed=seed)
+    # DeepSeek-V3's routing as its config.json states it (transformers' config leaves the two names unset).
+    moe_routing = (dict(n_group=2, topk_group=1, topk_method="noaux_tc", scoring_func="sigmoid")
+                   if architecture == "deepseek_v3" else {})
     cfg = configs[architecture](
         vocab_size=DEFAULT_SHAPE["vocab_size"], hidden_size=256, intermediate_size=512, num_hidden_layers=num_hidden_layers,
         num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=512, q_lora_rank=q_lora_rank, qk_rope_head_dim=64,
         qk_nope_head_dim=32, v_head_dim=32,
-        # Every layer dense (first_k_dense_replace = all layers); the MoE fields must still be set.
+        # By default every layer dense (first_k_dense_replace = all layers); the MoE fields must still be set.
         n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, moe_intermediate_size=128,
-        first_k_dense_replace=num_hidden_layers, max_position_embeddings=DEFAULT_SHAPE["max_position_embeddings"],
+        first_k_dense_replace=num_hidden_layers if first_k_dense_replace is None else first_k_dense_replace,
+        **moe_routing, max_position_embeddings=DEFAULT_SHAPE["max_position_embeddings"],
         rms_norm_eps=DEFAULT_SHAPE["rms_norm_eps"], bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False,
         torch_dtype="float32",
@@ -246,6 +252,10 @@ def build_tiny_mla_model(out_dir: str | os.PathLike, seed: int = 0, num_hidden_l
     cfg.initializer_range = 0.05
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.05 * torch.randn_like(b))  # changes some expert choices, not all
     model.save_pretrained(str(out), safe_serialization=True)
     (out / "zmrl_tiny.json").write_text(json.dumps({"family": f"{architecture}_mla", "seed": seed}))
     return out

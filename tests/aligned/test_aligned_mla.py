@@ -64,6 +64,14 @@ def test_query_lora_and_yarn_rope_bitwise_equal_engine(engines, trainers):
     _bitwise(engines, trainers, "deepseek_v3_yarn", prompts_for(trainer.runtime.model_dir), seed=21)
 
 
+def test_moe_variant_bitwise_equal_engine(engines, trainers):
+    """DeepSeek-V3 MLA with an MoE second layer through the aligned MoE op (grouped sigmoid routing,
+    selection bias, shared expert), eight sequences in one engine batch."""
+    trainer = trainers("deepseek_v3_moe")
+    assert trainer.blocks.moe.moe_layers == (1,) and trainer.blocks.moe.e_score_correction_bias
+    _bitwise(engines, trainers, "deepseek_v3_moe", prompts_for(trainer.runtime.model_dir), seed=31)
+
+
 def test_custom_backward_matches_float64_autograd(engines, trainers):
     worst = checks.check_backward_matches_float64(trainers(NAME), engines, NAME)
     print(f"{NAME}: worst relative gradient error vs float64 {worst:.3g}")
@@ -132,3 +140,22 @@ def test_architecture_describes_mla_and_refuses_what_cpu_mla_does_not_run():
         describe(_deepseek_config(kv_lora_rank=256))
     with pytest.raises(NotImplementedError, match=r"Mixture-of-Experts MLPs in layers \[1\].*first_k_dense_replace=2"):
         describe(_deepseek_config(first_k_dense_replace=1))
+
+
+def test_deepseek_v3_moe_is_described_and_other_routings_refused():
+    from transformers import DeepseekV3Config
+
+    from zero_mismatch_plugin.architectures import describe
+
+    def config(**routing):
+        c = DeepseekV3Config(architectures=["DeepseekV3ForCausalLM"], vocab_size=32, hidden_size=64,
+                             intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, kv_lora_rank=512,
+                             qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32, n_routed_experts=4,
+                             n_group=2, topk_group=1, first_k_dense_replace=1, moe_intermediate_size=32, **routing)
+        c.rope_parameters = {"rope_type": "default", "rope_theta": 10000.0}
+        return c
+
+    blocks = describe(config(topk_method="noaux_tc", scoring_func="sigmoid"))
+    assert (blocks.mlp_kind(0), blocks.mlp_kind(1), blocks.moe.scoring_func) == ("dense", "moe", "sigmoid")
+    with pytest.raises(NotImplementedError, match="topk_method='greedy', scoring_func='softmax': covered only"):
+        describe(config(topk_method="greedy", scoring_func="softmax"))

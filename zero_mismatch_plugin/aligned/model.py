@@ -324,9 +324,12 @@ class AlignedCausalLM(nn.Module):
                 mla=attention,
                 kv_b=attention.kv_b,
                 o=AlignedLinear(rt, [a.o_proj.weight]),
-                gate_up=AlignedLinear(rt, [layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight]),
-                down=AlignedLinear(rt, [layer.mlp.down_proj.weight]),
             )
+            if self.blocks.mlp_kind(index) == "moe":
+                ops.update(self._moe_ops(layer))
+            else:
+                ops.update(gate_up=AlignedLinear(rt, [layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight]),
+                           down=AlignedLinear(rt, [layer.mlp.down_proj.weight]))
             if mla.q_lora_rank is None:
                 ops.update(kv_a=AlignedLinear(rt, [a.kv_a_proj_with_mqa.weight]), q=AlignedLinear(rt, [a.q_proj.weight]))
             else:
