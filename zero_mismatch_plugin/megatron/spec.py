@@ -3,6 +3,9 @@
 :func:`aligned_layer_spec` starts from megatron-core's ``get_gpt_layer_local_spec()`` and replaces
 the input / pre-MLP / q / k norms, ``linear_qkv``, ``linear_proj``, ``linear_fc1``, ``linear_fc2``,
 the core attention and the MLP (for its activation) with the modules of :mod:`.modules`.
+:func:`aligned_moe_layer_spec` is the same layer around megatron-core's local MoE spec, computed
+by the op layer's MoE op; :func:`aligned_layer_specs` places dense and MoE layers as
+``moe_layer_freq`` says.
 
 Stock megatron-core builds three more things outside the layer spec: the rotary embedding
 application, the final norm (``TransformerBlock`` uses a default norm class for a layer spec) and
