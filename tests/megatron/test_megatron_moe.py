@@ -53,6 +53,15 @@ def _random_batch(seed=5):
     return pack(prompts, [torch.randint(4, 500, (20,), generator=g).tolist() for _ in prompts])
 
 
+def _megatron_and_engine(engines, trainers, family):
+    """(megatron model, engine serving its weights, the family's prompts)."""
+    trainer = trainers(family)
+    model = _megatron_like(trainer)
+    llm = engines.get(family)
+    convert.sync_weights_to_engine(llm, model, trainer.config, trainer.runtime.dtype)
+    return model, llm, prompts_for(trainer.runtime.model_dir)
+
+
 @pytest.fixture(scope="module", params=ENGINE_FAMILIES)
 def engine_family(request):
     return request.param
@@ -64,11 +73,8 @@ def test_moe_megatron_logprobs_bitwise_equal_engine(engines, trainers, engine_fa
 
     from zero_mismatch_plugin.aligned.sampling import vllm_logprobs
 
-    trainer = trainers(engine_family)
-    model = _megatron_like(trainer).eval()
-    llm = engines.get(engine_family)
-    convert.sync_weights_to_engine(llm, model, trainer.config, trainer.runtime.dtype)
-    prompts = prompts_for(trainer.runtime.model_dir)
+    model, llm, prompts = _megatron_and_engine(engines, trainers, engine_family)
+    model.eval()
     seq_prompts, responses, mu = rollout(llm, prompts, seed=7)
     with torch.no_grad():
         logprobs = _logprobs(model, pack(seq_prompts, responses))
@@ -93,11 +99,9 @@ def test_moe_megatron_logprobs_bitwise_equal_engine(engines, trainers, engine_fa
 def test_moe_megatron_equal_engine_after_optimizer_step_and_weight_sync(engines, trainers, engine_family):
     """One AdamW step on the megatron model changes expert, router and attention weights; they
     reach the engine through the layout map and vLLM's loader; the next rollout is bitwise equal."""
-    trainer = trainers(engine_family)
-    model = _megatron_like(trainer).train()
-    llm = engines.get(engine_family)
-    convert.sync_weights_to_engine(llm, model, trainer.config, trainer.runtime.dtype)
-    prompts = prompts_for(trainer.runtime.model_dir)
+    model, llm, prompts = _megatron_and_engine(engines, trainers, engine_family)
+    model.train()
+    config, dtype = trainers(engine_family).config, trainers(engine_family).runtime.dtype
     before_prompts, before_responses, before_mu = rollout(llm, prompts, seed=200)
     before = {k: p.detach().clone() for k, p in model.named_parameters()}
     optimizer = torch.optim.AdamW(model.parameters(), lr=5e-3)
@@ -107,7 +111,7 @@ def test_moe_megatron_equal_engine_after_optimizer_step_and_weight_sync(engines,
     changed = [k for k, p in model.named_parameters() if not torch.equal(p.detach(), before[k])]
     assert any(".local_experts." in k for k in changed) and any("router.weight" in k for k in changed)
 
-    convert.sync_weights_to_engine(llm, model, trainer.config, trainer.runtime.dtype)
+    convert.sync_weights_to_engine(llm, model, config, dtype)
     after_prompts, after_responses, after_mu = rollout(llm, prompts, seed=200)
     assert after_responses != before_responses or not torch.equal(after_mu, before_mu)
     with torch.no_grad():

@@ -209,14 +209,18 @@ def _mlp_class():
     return AlignedMLP
 
 
-AlignedMLP = None  # resolved lazily (megatron-core import) by :func:`aligned_mlp_class`
+# Classes that subclass megatron-core's, defined on first use (megatron-core imported lazily).
+_DEFINED: dict = {}
+
+
+def _defined(define):
+    if define not in _DEFINED:
+        _DEFINED[define] = define()
+    return _DEFINED[define]
 
 
 def aligned_mlp_class():
-    global AlignedMLP
-    if AlignedMLP is None:
-        AlignedMLP = _mlp_class()
-    return AlignedMLP
+    return _defined(_mlp_class)
 
 
 # ----- Mixture of Experts -------------------------------------------------------------------
@@ -361,14 +365,8 @@ def _moe_layer_class():
     return AlignedMoELayer
 
 
-AlignedMoELayer = None  # resolved lazily (megatron-core import) by :func:`aligned_moe_layer_class`
-
-
 def aligned_moe_layer_class():
-    global AlignedMoELayer
-    if AlignedMoELayer is None:
-        AlignedMoELayer = _moe_layer_class()
-    return AlignedMoELayer
+    return _defined(_moe_layer_class)
 
 
 # ----- Rotary embedding and core attention ------------------------------------------------

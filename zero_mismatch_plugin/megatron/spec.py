@@ -106,29 +106,33 @@ def unsupported_features(config) -> list[str]:
     return problems
 
 
+def _any_nonzero(value) -> bool:
+    return any(value if isinstance(value, (list, tuple)) else [value])
+
+
+# (setting -> refused?, what to say): the MoE settings the aligned MoE layer (vLLM's one-process
+# router and experts, megatron's per-expert parameters) cannot run.
+_MOE_REFUSALS = (
+    (lambda get: (get("expert_model_parallel_size", 1) or 1) != 1,
+     "expert parallelism > 1 (expert_model_parallel_size: use 1)"),
+    (lambda get: (get("expert_tensor_parallel_size", 1) or 1) != 1,
+     "expert tensor parallelism > 1 (expert_tensor_parallel_size: use 1)"),
+    (lambda get: get("moe_grouped_gemm"),
+     "moe_grouped_gemm (the aligned MoE layer keeps megatron's per-expert local experts: set it false)"),
+    (lambda get: get("moe_latent_size"), "MoE latent projections (moe_latent_size)"),
+    (lambda get: get("moe_shared_expert_overlap"), "moe_shared_expert_overlap"),
+    (lambda get: get("moe_expert_capacity_factor") is not None,
+     "expert capacity / token dropping (moe_expert_capacity_factor: vLLM drops no tokens)"),
+    (lambda get: get("moe_router_enable_expert_bias") and get("moe_router_bias_update_rate", 0.0),
+     "moe_router_bias_update_rate > 0 (the expert bias vLLM routes with is a weight: set 0)"),
+    (lambda get: _any_nonzero(get("moe_aux_loss_coeff", 0.0)) or get("moe_z_loss_coeff"),
+     "MoE auxiliary losses (moe_aux_loss_coeff / moe_z_loss_coeff: set 0)"),
+    (lambda get: get("moe_input_jitter_eps"), "router input jitter (moe_input_jitter_eps)"),
+)
+
+
 def _moe_problems(get) -> list[str]:
-    """The MoE settings the aligned MoE layer (vLLM's one-process router and experts) cannot run."""
-    problems = []
-    if (get("expert_model_parallel_size", 1) or 1) != 1:
-        problems.append("expert parallelism > 1 (expert_model_parallel_size: use 1)")
-    if (get("expert_tensor_parallel_size", 1) or 1) != 1:
-        problems.append("expert tensor parallelism > 1 (expert_tensor_parallel_size: use 1)")
-    if get("moe_grouped_gemm"):
-        problems.append("moe_grouped_gemm (the aligned MoE layer keeps megatron's per-expert local experts: set it false)")
-    if get("moe_latent_size"):
-        problems.append("MoE latent projections (moe_latent_size)")
-    if get("moe_shared_expert_overlap"):
-        problems.append("moe_shared_expert_overlap")
-    if get("moe_expert_capacity_factor") is not None:
-        problems.append("expert capacity / token dropping (moe_expert_capacity_factor: vLLM drops no tokens)")
-    if get("moe_router_enable_expert_bias") and get("moe_router_bias_update_rate", 0.0):
-        problems.append("moe_router_bias_update_rate > 0 (the expert bias vLLM routes with is a weight: set 0)")
-    coeffs = get("moe_aux_loss_coeff", 0.0)
-    if any(coeffs if isinstance(coeffs, (list, tuple)) else [coeffs]) or get("moe_z_loss_coeff"):
-        problems.append("MoE auxiliary losses (moe_aux_loss_coeff / moe_z_loss_coeff: set 0)")
-    if get("moe_input_jitter_eps"):
-        problems.append("router input jitter (moe_input_jitter_eps)")
-    return problems
+    return [message for refused, message in _MOE_REFUSALS if refused(get)]
 
 
 def require_supported(config) -> None:
