@@ -234,4 +234,4 @@ def test_megatron_moe_config_that_differs_from_the_engine_checkpoint_is_refused(
 def test_megatron_moe_layer_refuses_a_mismatched_config(trainers):
     trainer = trainers("qwen3_moe")
     with pytest.raises(NotImplementedError, match="moe_router_topk=2"):
-        build_gpt_model(trainer.runtime, aligned=True, load=False, moe_router_topk=1)
+        build_gpt_model(trainer.runtime, aligned=True, load=False, moe_router_topk=4)
