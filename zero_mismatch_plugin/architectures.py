@@ -348,8 +348,16 @@ _ENTRIES: dict[str, _Entry] = {
     ),
 }
 
+# Checkpoint names of an MoE block, by ``MoeBlocks.names``: (block, router gate, experts' gate /
+# up / down, shared expert); both faces read and write the checkpoint under these.
+MOE_CHECKPOINT_NAMES = {
+    "qwen": ("mlp", "gate", ("gate_proj", "up_proj", "down_proj"), "shared_expert"),
+    "glm": ("mlp", "gate", ("gate_proj", "up_proj", "down_proj"), "shared_experts"),
+    "mixtral": ("block_sparse_moe", "gate", ("w1", "w3", "w2"), None),
+}
+
 SUPPORTED_ARCHITECTURES = tuple(_ENTRIES)
-# Covered by the aligned trainer model (AlignedCausalLM) but not yet by the Megatron face.
+# The Mixture-of-Experts architectures (both trainer faces; verl's recipes do not run them aligned yet).
 MOE_ARCHITECTURES = tuple(name for name, entry in _ENTRIES.items() if entry.moe is not None)
 # Multi-head latent attention: covered by the aligned trainer model, not by the Megatron face.
 MLA_ARCHITECTURES = tuple(name for name, entry in _ENTRIES.items() if entry.mla is not None)

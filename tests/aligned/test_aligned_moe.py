@@ -257,17 +257,6 @@ def test_moe_blocks_of_each_family(checkpoints):
     assert blocks["mixtral"].moe.names == "mixtral"
 
 
-def test_megatron_face_refuses_moe_checkpoints_clearly(checkpoints):
-    """The Megatron face has no MoE layers yet: it says so and points to the aligned model."""
-    from transformers import AutoConfig
-
-    from zero_mismatch_plugin.megatron.convert import megatron_blocks
-
-    for f in MOE_FAMILIES:
-        with pytest.raises(NotImplementedError, match="Mixture-of-Experts layers are not in the Megatron face"):
-            megatron_blocks(AutoConfig.from_pretrained(str(checkpoints[f])))
-
-
 # ----- padded expert width, re-derivation, Qwen2-MoE -----------------------------------------
 
 

@@ -137,7 +137,7 @@ def test_unsupported_configurations_fail_clearly():
     base = dict(normalization="RMSNorm", gated_linear_unit=True, hidden_dropout=0.0, attention_dropout=0.0)
     require_supported(SimpleNamespace(**base))
     for extra, word in [
-        (dict(num_moe_experts=8), "MoE"),
+        (dict(num_moe_experts=8, expert_model_parallel_size=2), "expert parallelism"),
         (dict(multi_latent_attention=True), "MLA"),
         (dict(tensor_model_parallel_size=2), "tensor parallelism"),
         (dict(use_transformer_engine_full_layer_spec=True), "Transformer Engine"),

@@ -30,11 +30,11 @@ from .ops import (
     AlignedSiluAndMul,
 )
 from .mla import AlignedMLAAttention, plan_mla
-from .moe import AlignedMoE
+from .moe import AlignedMoE, moe_mlp
 from .packing import PackedBatch
 from .runtime import VllmRuntime
 from .sampling import SamplingTransform, recorded_logprobs
-from ..architectures import Blocks, describe
+from ..architectures import MOE_CHECKPOINT_NAMES, Blocks, describe
 
 
 class _Weights(nn.Module):
@@ -55,12 +55,7 @@ def _swiglu(h: int, inter: int) -> nn.Module:
     return mlp
 
 
-# Checkpoint names of an MoE block: (block, router gate, experts' gate / up / down, shared expert).
-_MOE_NAMES = {
-    "qwen": ("mlp", "gate", ("gate_proj", "up_proj", "down_proj"), "shared_expert"),
-    "glm": ("mlp", "gate", ("gate_proj", "up_proj", "down_proj"), "shared_experts"),
-    "mixtral": ("block_sparse_moe", "gate", ("w1", "w3", "w2"), None),
-}
+_MOE_NAMES = MOE_CHECKPOINT_NAMES
 
 
 def _moe_block(h: int, moe) -> tuple[str, nn.Module]:
@@ -448,13 +443,10 @@ class AlignedCausalLM(nn.Module):
         ops = self.layer_ops[layer]
         if "experts" not in ops:
             return self._linear(layer, "down", self.act(self._linear(layer, "gate_up", hidden)))
-        routed = ops["experts"](hidden, ops["router"](hidden))
-        if "shared_down" not in ops:
-            return routed
-        shared = ops["shared_down"](self.act(ops["shared_gate_up"](hidden)))
-        if "shared_expert_gate" in ops:
-            shared = torch.sigmoid(ops["shared_expert_gate"](hidden)) * shared
-        return shared + routed
+        shared = None
+        if "shared_down" in ops:
+            shared = (ops["shared_gate_up"], self.act, ops["shared_down"], ops.get("shared_expert_gate"))
+        return moe_mlp(hidden, ops["router"], ops["experts"], shared)
 
     def all_linears(self) -> dict[str, AlignedLinear]:
         out = {}

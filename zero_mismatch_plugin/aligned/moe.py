@@ -98,10 +98,27 @@ def routing_weights(logits: torch.Tensor, ids: torch.Tensor, moe: MoeBlocks) -> 
     return w * moe.routed_scaling_factor
 
 
+def moe_mlp(hidden: torch.Tensor, router, experts, shared=None) -> torch.Tensor:
+    """An MoE block in vLLM's composition, on ``hidden`` [T, H]: the routed experts
+    ``experts(hidden, router(hidden))`` plus, where ``shared`` = (gate_up, act, down, gate or
+    None), the shared expert ``down(act(gate_up(hidden)))``, scaled by ``sigmoid(gate(hidden))``
+    where it has a gate (Qwen2-MoE). Each callable is an op of the op layer."""
+    routed = experts(hidden, router(hidden))
+    if shared is None:
+        return routed
+    gate_up, act, down, gate = shared
+    out = down(act(gate_up(hidden)))
+    if gate is not None:
+        out = torch.sigmoid(gate(hidden)) * out
+    return out + routed
+
+
 class AlignedMoE:
     """vLLM's MoE layer (router + routed experts) over the trainer's per-expert weights.
 
     ``gate``, ``up``, ``down``: per-expert parameters ([I, H], [I, H], [H, I]) in expert order.
+    ``gate_up``: instead of ``gate`` and ``up`` (pass None for both), per-expert ``[gate; up]``
+    parameters ([2I, H], megatron-core's ``linear_fc1`` layout, which is vLLM's ``w13``).
     ``correction_bias``: the per-expert selection bias (sigmoid routing), or None.
     """
 
@@ -114,15 +131,22 @@ class AlignedMoE:
         up: list,
         down: list,
         correction_bias: torch.nn.Parameter | None = None,
+        *,
+        gate_up: list | None = None,
     ):
         refuse_unsupported_engine(runtime)
-        if len(gate) != moe.num_experts or len(up) != moe.num_experts or len(down) != moe.num_experts:
+        if gate_up is not None and (gate is not None or up is not None):
+            raise ValueError("give either gate and up or gate_up, not both")
+        first = [gate_up] if gate_up is not None else [gate, up]
+        if any(len(w) != moe.num_experts for w in first + [down]):
             raise ValueError(f"expected {moe.num_experts} experts' gate/up/down weights")
         self.runtime = runtime
         self.moe = moe
-        self.gate, self.up, self.down = list(gate), list(up), list(down)
+        self.gate_up = None if gate_up is None else list(gate_up)
+        self.gate, self.up = (None, None) if gate_up is not None else (list(gate), list(up))
+        self.down = list(down)
         self.correction_bias = correction_bias
-        self.params = self.gate + self.up + self.down
+        self.params = (self.gate_up if gate_up is not None else self.gate + self.up) + self.down
         self.layer_name = f"zmrl_aligned_moe.{next(_layer_ids)}.experts"
         # vLLM's router keeps a reference to the bias tensor it was built with: the trainer's
         # values are copied into this one whenever they change.
@@ -166,6 +190,23 @@ class AlignedMoE:
     def _capture(self, topk_ids: torch.Tensor) -> None:
         self._captured = topk_ids
 
+    def expert_weights(self, sources: list) -> tuple[list, list, list]:
+        """(gate, up, down) per expert from tensors in the order of ``params``."""
+        n = self.moe.num_experts
+        if self.gate_up is None:
+            return sources[:n], sources[n : 2 * n], sources[2 * n : 3 * n]
+        width = self.moe.moe_intermediate_size
+        fused = sources[:n]
+        return [w[:width] for w in fused], [w[width:] for w in fused], sources[n : 2 * n]
+
+    def param_grads(self, ggate: list, gup: list, gdown: list) -> list:
+        """The gradients of ``params`` from the per-expert gate, up and down gradients."""
+        if self.gate_up is None:
+            first = ggate + gup
+        else:
+            first = [torch.cat([a, b]) for a, b in zip(ggate, gup)]
+        return [g.to(p.dtype) for g, p in zip(first + gdown, self.params)]
+
     def _build(self, sources):
         """Load the expert weights through vLLM's weight loader, then its post-load processing."""
         rt = self.runtime
@@ -176,8 +217,8 @@ class AlignedMoE:
                 for key, value in attrs.items():
                     setattr(fresh, key, value)
                 setattr(experts, name, fresh)
-            n = self.moe.num_experts
-            for shard, group in (("w1", sources[:n]), ("w3", sources[n : 2 * n]), ("w2", sources[2 * n : 3 * n])):
+            gate, up, down = self.expert_weights(sources)
+            for shard, group in (("w1", gate), ("w3", up), ("w2", down)):
                 param = experts.w2_weight if shard == "w2" else experts.w13_weight
                 for e, w in enumerate(group):
                     ok = param.weight_loader(
@@ -191,7 +232,7 @@ class AlignedMoE:
                     if not ok:
                         raise RuntimeError(f"vLLM's MoE weight loader refused expert {e} {shard}")
             if self._engine_bias is not None:
-                self._engine_bias.copy_(sources[3 * n].float())
+                self._engine_bias.copy_(sources[len(self.params)].float())
             # Each derivation is a first load (see reprocess_moe_as_first_load).
             reprocess_moe_as_first_load(experts)
             experts.quant_method.process_weights_after_loading(experts)
@@ -270,8 +311,8 @@ class _MoEFn(Function):
             logits = router_logits.detach().float().requires_grad_(True)
             weights = routing_weights(logits, ids, moe.moe)
         gx, gweights, ggate, gup, gdown = experts_backward(
-            hidden, g, ids.long(), weights.detach(), moe.gate, moe.up, moe.down
+            hidden, g, ids.long(), weights.detach(), *moe.expert_weights(moe.params)
         )
         (glogits,) = torch.autograd.grad(weights, logits, gweights)
-        grads = [gw.to(p.dtype) for gw, p in zip(ggate + gup + gdown, moe.params)]
+        grads = moe.param_grads(ggate, gup, gdown)
         return (gx.to(hidden.dtype), glogits.to(router_logits.dtype), None, *grads)

@@ -89,12 +89,16 @@ def _stdout_with_fileno():
 def single_process_group(runtime):
     """A world of one (gloo) and tensor/pipeline parallel groups of one, torn down afterwards.
 
-    Torn down so that an engine started later in this process does not inherit them.
+    Torn down so that an engine started later in this process does not inherit them. A world
+    this process already had (a megatron-core trainer's) is used and left in place: destroying it
+    would leave that trainer without its process group.
     """
+    import torch.distributed as dist
     from vllm.distributed import parallel_state as ps
     from vllm.utils.network_utils import get_distributed_init_method, get_open_port
 
     created = False
+    owns_world = not dist.is_initialized()
     if not ps.model_parallel_is_initialized():
         with runtime.context(), _stdout_with_fileno():
             init = get_distributed_init_method("127.0.0.1", get_open_port())
@@ -106,7 +110,8 @@ def single_process_group(runtime):
     finally:
         if created:
             ps.destroy_model_parallel()
-            ps.destroy_distributed_environment()
+            if owns_world:
+                ps.destroy_distributed_environment()
 
 
 class EngineModules:

@@ -37,7 +37,8 @@ class MegatronBackend:
 
             self.lora_linears = oplist.lora_linears(attach_lora(self.model, self.runtime, lora_dir).targets)
         self.vocab_size = self.runtime.hf_config.vocab_size
-        self.qk_norm = describe(self.runtime.hf_config).qk_norm
+        self.blocks = describe(self.runtime.hf_config)
+        self.qk_norm = self.blocks.qk_norm
 
     @torch.no_grad()
     def token_logprobs(self, batch) -> torch.Tensor:
@@ -52,8 +53,11 @@ class MegatronBackend:
     @torch.no_grad()
     def intermediates(self, batch, perturb=None) -> dict:
         """The model's forward with every op of the op layer recorded (the Megatron modules call
-        the same ops as the aligned model, in vLLM's order)."""
-        order = oplist.op_names(self.runtime.hf_config.num_hidden_layers, self.qk_norm, lora=self.lora_linears)
+        the same ops as the aligned model, in vLLM's order; an MoE layer's router, experts with
+        their choice, and shared expert too)."""
+        order = oplist.op_names(
+            self.runtime.hf_config.num_hidden_layers, self.qk_norm, self.blocks, lora=self.lora_linears
+        )
         with OpRecorder(perturb) as recorder:
             with recorder.op_layer(order):
                 logits = packed_logits(self.model, batch)

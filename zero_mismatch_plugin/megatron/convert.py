@@ -1,11 +1,15 @@
-"""Dense checkpoints of :mod:`zero_mismatch_plugin.architectures` <-> megatron-core GPTModel (TP=1).
+"""Checkpoints of :mod:`zero_mismatch_plugin.architectures` <-> megatron-core GPTModel (TP=1, EP=1).
 
 Layouts that differ between the Hugging Face / vLLM checkpoint and megatron-core:
 
 * ``linear_qkv``: megatron interleaves per query group ``[q heads of the group; k; v]``; the
   checkpoint has separate ``q_proj``, ``k_proj``, ``v_proj`` (vLLM stacks them ``[q; k; v]``).
-* ``linear_fc1``: ``[gate; up]`` in megatron, the same order as vLLM's ``gate_up_proj``.
+* ``linear_fc1``: ``[gate; up]`` in megatron, the same order as vLLM's ``gate_up_proj`` and as
+  its experts' ``w13``; so is each expert's and the shared expert's ``linear_fc1``.
 * separate norms (local spec): ``input_layernorm`` / ``pre_mlp_layernorm`` / ``final_layernorm``.
+* MoE layers (megatron's local MoE spec): ``mlp.router.weight`` (+ ``mlp.router.expert_bias``, a
+  buffer, for ``e_score_correction_bias``), ``mlp.experts.local_experts.E.linear_fc1/2``,
+  ``mlp.shared_experts.linear_fc1/2`` and ``gate_weight``.
 
 Used to load the checkpoint the engine serves into a megatron model (standalone use and tests;
 verl loads through Megatron-Bridge) and to send a megatron model's weights back to the engine.
@@ -18,22 +22,12 @@ import os
 import torch
 
 from ..aligned.checkpoint import copy_checkpoint, read_checkpoint
-from ..architectures import Blocks, describe
+from ..architectures import MOE_CHECKPOINT_NAMES, Blocks, describe
 
 
 def megatron_blocks(hf_config) -> Blocks:
-    """The checkpoint's blocks, refused where megatron-core's dense GPT layer cannot hold them."""
+    """The checkpoint's blocks, refused where megatron-core's GPT layer cannot hold them."""
     blocks = describe(hf_config)
-    if blocks.moe is not None:
-        raise NotImplementedError(
-            f"{blocks.architecture}: Mixture-of-Experts layers are not in the Megatron face yet; "
-            "use the aligned trainer model (AlignedCausalLM)"
-        )
-    if blocks.partial_rotary_factor != 1.0:
-        raise NotImplementedError(
-            f"{blocks.architecture}: partial rotary (factor {blocks.partial_rotary_factor}) is not "
-            "supported by the Megatron face"
-        )
     if blocks.o_bias:
         # megatron-core has one switch (add_bias_linear) for o_proj and both MLP linears.
         raise NotImplementedError(
@@ -81,6 +75,7 @@ def transformer_config_from_hf(hf_config, params_dtype=torch.float32, **override
         **_UNFUSED,
     )
     kwargs.update(megatron_windows(blocks))
+    kwargs.update(megatron_moe(blocks, hf_config.num_hidden_layers))
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
 
@@ -100,6 +95,38 @@ def megatron_windows(blocks: Blocks) -> dict:
     return out
 
 
+def megatron_moe(blocks: Blocks, num_layers: int) -> dict:
+    """megatron-core's MoE settings for the checkpoint's Mixture-of-Experts layers ({} if none).
+
+    They describe the layers; the aligned MoE layer computes them with vLLM's router and experts
+    (:class:`.modules.AlignedMoELayer`), so megatron's own load balancing, aux losses and
+    expert-bias updates are off.
+    """
+    moe = blocks.moe
+    if moe is None:
+        return {}
+    return dict(
+        num_moe_experts=moe.num_experts,
+        moe_router_topk=moe.top_k,
+        moe_ffn_hidden_size=moe.moe_intermediate_size,
+        moe_layer_freq=[int(blocks.mlp_kind(i) == "moe") for i in range(num_layers)],
+        moe_shared_expert_intermediate_size=moe.shared_expert_intermediate_size or None,
+        moe_shared_expert_gate=moe.shared_expert_gate,
+        moe_router_score_function=moe.scoring_func,
+        # Softmax routing without renormalization is megatron's softmax before the top-k.
+        moe_router_pre_softmax=moe.scoring_func == "softmax" and not moe.norm_topk_prob,
+        moe_router_num_groups=moe.n_group if moe.grouped_topk else None,
+        moe_router_group_topk=moe.topk_group if moe.grouped_topk else None,
+        moe_router_topk_scaling_factor=moe.routed_scaling_factor if moe.routed_scaling_factor != 1.0 else None,
+        moe_router_enable_expert_bias=moe.e_score_correction_bias,
+        moe_router_bias_update_rate=0.0,
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        moe_token_dispatcher_type="allgather",
+        moe_grouped_gemm=False,
+    )
+
+
 def gpt_model_kwargs(hf_config) -> dict:
     blocks = megatron_blocks(hf_config)
     return dict(
@@ -108,6 +135,7 @@ def gpt_model_kwargs(hf_config) -> dict:
         share_embeddings_and_output_weights=blocks.tied_head,
         position_embedding_type="rope",
         rotary_base=float(blocks.rope_theta),
+        rotary_percent=blocks.partial_rotary_factor,
     )
 
 
@@ -140,79 +168,108 @@ def split_qkv(qkv, hf_config):
     return q.reshape(nh * d, *rest), k.reshape(ng * d, *rest), v.reshape(ng * d, *rest)
 
 
+def _mlp_pairs(blocks: Blocks, layer: int, src: str, dst: str) -> list[tuple[str, tuple[str, ...]]]:
+    """(megatron name, checkpoint names) of one layer's MLP; several checkpoint names are stacked
+    along rows in megatron (``linear_fc1`` = [gate; up], equal halves)."""
+    if blocks.mlp_kind(layer) == "dense":
+        m = src + "mlp."
+        return [
+            (dst + "mlp.linear_fc1.weight", (m + "gate_proj.weight", m + "up_proj.weight")),
+            (dst + "mlp.linear_fc2.weight", (m + "down_proj.weight",)),
+        ]
+    moe = blocks.moe
+    block, gate, (g, u, d), shared = MOE_CHECKPOINT_NAMES[moe.names]
+    b, m = f"{src}{block}.", dst + "mlp."
+    pairs = [(m + "router.weight", (f"{b}{gate}.weight",))]
+    if moe.e_score_correction_bias:
+        pairs.append((m + "router.expert_bias", (f"{b}{gate}.e_score_correction_bias",)))
+    for e in range(moe.num_experts):
+        expert, local = f"{b}experts.{e}.", f"{m}experts.local_experts.{e}."
+        pairs.append((local + "linear_fc1.weight", (f"{expert}{g}.weight", f"{expert}{u}.weight")))
+        pairs.append((local + "linear_fc2.weight", (f"{expert}{d}.weight",)))
+    if moe.shared_expert_intermediate_size:
+        s = f"{b}{shared}."
+        pairs.append((m + "shared_experts.linear_fc1.weight", (s + "gate_proj.weight", s + "up_proj.weight")))
+        pairs.append((m + "shared_experts.linear_fc2.weight", (s + "down_proj.weight",)))
+        if moe.shared_expert_gate:
+            pairs.append((m + "shared_experts.gate_weight", (f"{b}shared_expert_gate.weight",)))
+    return pairs
+
+
+def _pairs(blocks: Blocks, num_layers: int) -> list[tuple[str, tuple[str, ...]]]:
+    """(megatron name, checkpoint names) of every tensor but the fused qkv."""
+    pairs = [("embedding.word_embeddings.weight", ("model.embed_tokens.weight",))]
+    for i in range(num_layers):
+        src, dst = f"model.layers.{i}.", f"decoder.layers.{i}."
+        a, sa = src + "self_attn.", dst + "self_attention."
+        pairs.append((dst + "input_layernorm.weight", (src + "input_layernorm.weight",)))
+        if blocks.qk_norm:
+            pairs.append((sa + "q_layernorm.weight", (a + "q_norm.weight",)))
+            pairs.append((sa + "k_layernorm.weight", (a + "k_norm.weight",)))
+        pairs.append((sa + "linear_proj.weight", (a + "o_proj.weight",)))
+        pairs.append((dst + "pre_mlp_layernorm.weight", (src + "post_attention_layernorm.weight",)))
+        pairs += _mlp_pairs(blocks, i, src, dst)
+    pairs.append(("decoder.final_layernorm.weight", ("model.norm.weight",)))
+    if not blocks.tied_head:
+        pairs.append(("output_layer.weight", ("lm_head.weight",)))
+    return pairs
+
+
+def _qkv_kinds(blocks: Blocks) -> tuple[str, ...]:
+    return ("weight", "bias") if blocks.qkv_bias else ("weight",)
+
+
 def hf_to_megatron(state: dict, hf_config) -> dict:
     """Checkpoint state dict (HF names) -> GPTModel state dict (megatron names)."""
-    out = {"embedding.word_embeddings.weight": state["model.embed_tokens.weight"]}
     blocks = megatron_blocks(hf_config)
-    has_bias, qk_norm = blocks.qkv_bias, blocks.qk_norm
+    out = {
+        dst: state[srcs[0]] if len(srcs) == 1 else torch.cat([state[n] for n in srcs], dim=0)
+        for dst, srcs in _pairs(blocks, hf_config.num_hidden_layers)
+    }
     for i in range(hf_config.num_hidden_layers):
-        src = f"model.layers.{i}."
-        dst = f"decoder.layers.{i}."
-        a = src + "self_attn."
-        out[dst + "input_layernorm.weight"] = state[src + "input_layernorm.weight"]
-        out[dst + "self_attention.linear_qkv.weight"] = fuse_qkv(
-            state[a + "q_proj.weight"], state[a + "k_proj.weight"], state[a + "v_proj.weight"], hf_config
-        )
-        if has_bias:
-            out[dst + "self_attention.linear_qkv.bias"] = fuse_qkv(
-                state[a + "q_proj.bias"], state[a + "k_proj.bias"], state[a + "v_proj.bias"], hf_config
+        a = f"model.layers.{i}.self_attn."
+        for kind in _qkv_kinds(blocks):
+            out[f"decoder.layers.{i}.self_attention.linear_qkv.{kind}"] = fuse_qkv(
+                state[f"{a}q_proj.{kind}"], state[f"{a}k_proj.{kind}"], state[f"{a}v_proj.{kind}"], hf_config
             )
-        if qk_norm:
-            out[dst + "self_attention.q_layernorm.weight"] = state[a + "q_norm.weight"]
-            out[dst + "self_attention.k_layernorm.weight"] = state[a + "k_norm.weight"]
-        out[dst + "self_attention.linear_proj.weight"] = state[a + "o_proj.weight"]
-        out[dst + "pre_mlp_layernorm.weight"] = state[src + "post_attention_layernorm.weight"]
-        m = src + "mlp."
-        out[dst + "mlp.linear_fc1.weight"] = torch.cat(
-            [state[m + "gate_proj.weight"], state[m + "up_proj.weight"]], dim=0
-        )
-        out[dst + "mlp.linear_fc2.weight"] = state[m + "down_proj.weight"]
-    out["decoder.final_layernorm.weight"] = state["model.norm.weight"]
-    if not blocks.tied_head:
-        out["output_layer.weight"] = state["lm_head.weight"]
     return out
 
 
 def megatron_to_hf(state: dict, hf_config) -> dict:
-    """GPTModel state dict (or gradients under the same names) -> checkpoint names/layouts."""
-    out = {"model.embed_tokens.weight": state["embedding.word_embeddings.weight"]}
+    """GPTModel state dict (or gradients under the same names) -> checkpoint names/layouts.
+
+    Names missing from ``state`` are skipped (a tied head has no ``output_layer.weight``; a
+    gradient dict has no buffer such as the router's ``expert_bias``)."""
     blocks = megatron_blocks(hf_config)
-    has_bias, qk_norm = blocks.qkv_bias, blocks.qk_norm
-    inter = hf_config.intermediate_size
+    out = {}
+    for src, dsts in _pairs(blocks, hf_config.num_hidden_layers):
+        if src in state:
+            out.update(zip(dsts, state[src].chunk(len(dsts), dim=0)))
     for i in range(hf_config.num_hidden_layers):
-        src = f"decoder.layers.{i}."
-        dst = f"model.layers.{i}."
-        a = dst + "self_attn."
-        out[dst + "input_layernorm.weight"] = state[src + "input_layernorm.weight"]
-        q, k, v = split_qkv(state[src + "self_attention.linear_qkv.weight"], hf_config)
-        out[a + "q_proj.weight"], out[a + "k_proj.weight"], out[a + "v_proj.weight"] = q, k, v
-        if has_bias:
-            q, k, v = split_qkv(state[src + "self_attention.linear_qkv.bias"], hf_config)
-            out[a + "q_proj.bias"], out[a + "k_proj.bias"], out[a + "v_proj.bias"] = q, k, v
-        if qk_norm:
-            out[a + "q_norm.weight"] = state[src + "self_attention.q_layernorm.weight"]
-            out[a + "k_norm.weight"] = state[src + "self_attention.k_layernorm.weight"]
-        out[a + "o_proj.weight"] = state[src + "self_attention.linear_proj.weight"]
-        out[dst + "post_attention_layernorm.weight"] = state[src + "pre_mlp_layernorm.weight"]
-        gate, up = state[src + "mlp.linear_fc1.weight"].split([inter, inter], dim=0)
-        out[dst + "mlp.gate_proj.weight"] = gate
-        out[dst + "mlp.up_proj.weight"] = up
-        out[dst + "mlp.down_proj.weight"] = state[src + "mlp.linear_fc2.weight"]
-    out["model.norm.weight"] = state["decoder.final_layernorm.weight"]
-    if "output_layer.weight" in state:
-        out["lm_head.weight"] = state["output_layer.weight"]
+        a = f"model.layers.{i}.self_attn."
+        for kind in _qkv_kinds(blocks):
+            q, k, v = split_qkv(state[f"decoder.layers.{i}.self_attention.linear_qkv.{kind}"], hf_config)
+            out[f"{a}q_proj.{kind}"], out[f"{a}k_proj.{kind}"], out[f"{a}v_proj.{kind}"] = q, k, v
     return out
+
+
+def model_tensors(model) -> dict:
+    """A GPTModel's parameters and the persistent buffers a checkpoint holds (the router's
+    ``expert_bias``), by megatron name."""
+    tensors = dict(model.named_parameters())
+    tensors.update((name, b) for name, b in model.named_buffers() if name.endswith("router.expert_bias"))
+    return tensors
 
 
 def load_hf_checkpoint(model, model_dir: str | os.PathLike, hf_config) -> None:
     """Copy the checkpoint in ``model_dir`` into a GPTModel (in place, exact names checked)."""
     mapped = hf_to_megatron(read_checkpoint(model_dir), hf_config)
-    copy_checkpoint(dict(model.named_parameters()), mapped)
+    copy_checkpoint(model_tensors(model), mapped)
 
 
 def engine_weights(model, hf_config, dtype) -> list[tuple[str, torch.Tensor]]:
     """(checkpoint name, tensor in the engine dtype) for every weight of a GPTModel."""
-    state = {k: p.detach() for k, p in model.named_parameters()}
+    state = {k: p.detach() for k, p in model_tensors(model).items()}
     return [(k, v.to(dtype)) for k, v in megatron_to_hf(state, hf_config).items()]
 
 

@@ -3,6 +3,9 @@
 :func:`aligned_layer_spec` starts from megatron-core's ``get_gpt_layer_local_spec()`` and replaces
 the input / pre-MLP / q / k norms, ``linear_qkv``, ``linear_proj``, ``linear_fc1``, ``linear_fc2``,
 the core attention and the MLP (for its activation) with the modules of :mod:`.modules`.
+:func:`aligned_moe_layer_spec` is the same layer around megatron-core's local MoE spec, computed
+by the op layer's MoE op; :func:`aligned_layer_specs` places dense and MoE layers as
+``moe_layer_freq`` says.
 
 Stock megatron-core builds three more things outside the layer spec: the rotary embedding
 application, the final norm (``TransformerBlock`` uses a default norm class for a layer spec) and
@@ -18,6 +21,7 @@ whichever the installed megatron-core supports.
 from __future__ import annotations
 
 import copy
+import functools
 
 from ..aligned.runtime import VllmRuntime
 from .modules import (
@@ -28,8 +32,10 @@ from .modules import (
     AlignedQKVLinearModule,
     AlignedRMSNormModule,
     AlignedRotaryApplication,
+    AlignedRouter,
     AlignedTokenLogprob,
     aligned_mlp_class,
+    aligned_moe_layer_class,
 )
 
 # GPTModel.position_embedding_type after the swap: megatron skips its own rotary for any value
@@ -61,7 +67,7 @@ def unsupported_features(config) -> list[str]:
 
     problems = []
     if get("num_moe_experts"):
-        problems.append("MoE (num_moe_experts)")
+        problems += _moe_problems(get)
     if get("multi_latent_attention"):
         problems.append("multi-latent attention (MLA)")
     if get("tensor_model_parallel_size", 1) != 1:
@@ -98,6 +104,35 @@ def unsupported_features(config) -> list[str]:
     if position not in ("rope", ALIGNED_ROPE):
         problems.append(f"position_embedding_type={position!r} (only rope)")
     return problems
+
+
+def _any_nonzero(value) -> bool:
+    return any(value if isinstance(value, (list, tuple)) else [value])
+
+
+# (setting -> refused?, what to say): the MoE settings the aligned MoE layer (vLLM's one-process
+# router and experts, megatron's per-expert parameters) cannot run.
+_MOE_REFUSALS = (
+    (lambda get: (get("expert_model_parallel_size", 1) or 1) != 1,
+     "expert parallelism > 1 (expert_model_parallel_size: use 1)"),
+    (lambda get: (get("expert_tensor_parallel_size", 1) or 1) != 1,
+     "expert tensor parallelism > 1 (expert_tensor_parallel_size: use 1)"),
+    (lambda get: get("moe_grouped_gemm"),
+     "moe_grouped_gemm (the aligned MoE layer keeps megatron's per-expert local experts: set it false)"),
+    (lambda get: get("moe_latent_size"), "MoE latent projections (moe_latent_size)"),
+    (lambda get: get("moe_shared_expert_overlap"), "moe_shared_expert_overlap"),
+    (lambda get: get("moe_expert_capacity_factor") is not None,
+     "expert capacity / token dropping (moe_expert_capacity_factor: vLLM drops no tokens)"),
+    (lambda get: get("moe_router_enable_expert_bias") and get("moe_router_bias_update_rate", 0.0),
+     "moe_router_bias_update_rate > 0 (the expert bias vLLM routes with is a weight: set 0)"),
+    (lambda get: _any_nonzero(get("moe_aux_loss_coeff", 0.0)) or get("moe_z_loss_coeff"),
+     "MoE auxiliary losses (moe_aux_loss_coeff / moe_z_loss_coeff: set 0)"),
+    (lambda get: get("moe_input_jitter_eps"), "router input jitter (moe_input_jitter_eps)"),
+)
+
+
+def _moe_problems(get) -> list[str]:
+    return [message for refused, message in _MOE_REFUSALS if refused(get)]
 
 
 def require_supported(config) -> None:
@@ -146,6 +181,63 @@ def aligned_layer_spec(config, runtime: VllmRuntime):
     return spec
 
 
+def aligned_moe_layer_spec(config, runtime: VllmRuntime):
+    """The aligned layer spec of an MoE layer: megatron-core's local MoE spec (``MoELayer`` with
+    ``SequentialMLP`` experts and ``SharedExpertMLP``) with the layer computed by
+    :class:`.modules.AlignedMoELayer`, the router :class:`.modules.AlignedRouter` and the shared
+    expert's linears vLLM's; attention and norms as :func:`aligned_layer_spec`."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    spec = aligned_layer_spec(config, runtime)
+    local = get_gpt_layer_local_spec(
+        num_experts=config.num_moe_experts, moe_grouped_gemm=False, normalization="RMSNorm"
+    )
+    mlp = copy.deepcopy(local.submodules.mlp)
+    mlp.module = aligned_moe_layer_class()
+    mlp.params = {**(mlp.params or {}), "runtime": runtime}
+    mlp.submodules.router = functools.partial(AlignedRouter, runtime=runtime)
+    shared = mlp.submodules.shared_experts.submodules
+    shared.linear_fc1 = ModuleSpec(module=AlignedLinearModule, params={"runtime": runtime})
+    shared.linear_fc2 = ModuleSpec(module=AlignedLinearModule, params={"runtime": runtime})
+    spec.submodules.mlp = mlp
+    return spec
+
+
+def moe_layer_pattern(config) -> list[bool]:
+    """Which layers megatron builds as MoE layers (``moe_layer_freq``), as megatron reads it."""
+    if not getattr(config, "num_moe_experts", None):
+        return [False] * config.num_layers
+    freq = config.moe_layer_freq
+    if isinstance(freq, int):
+        return [i % freq == 0 for i in range(config.num_layers)]
+    return [bool(f) for f in freq]
+
+
+def aligned_layer_specs(config, runtime: VllmRuntime) -> list:
+    """One aligned layer spec per decoder layer: dense or MoE, as ``moe_layer_freq`` says."""
+    dense = aligned_layer_spec(config, runtime)
+    if not getattr(config, "num_moe_experts", None):
+        return [dense] * config.num_layers
+    moe = aligned_moe_layer_spec(config, runtime)
+    return [moe if is_moe else dense for is_moe in moe_layer_pattern(config)]
+
+
+def aligned_block_spec(config, runtime: VllmRuntime):
+    """The decoder spec for stock megatron-core: the layer spec itself for a dense model
+    (``TransformerBlock`` repeats it), else a ``TransformerBlockSubmodules`` of the per-layer
+    specs with vLLM's RMSNorm as the final norm."""
+    if not getattr(config, "num_moe_experts", None):
+        return aligned_layer_spec(config, runtime)
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    return TransformerBlockSubmodules(
+        layer_specs=aligned_layer_specs(config, runtime),
+        layer_norm=ModuleSpec(module=AlignedRMSNormModule, params={"runtime": runtime}),
+    )
+
+
 def megatron_has_spec_hooks() -> bool:
     """Whether the installed megatron-core carries the spec hooks of the megatron-lm patch."""
     from megatron.core.models.gpt import gpt_model
@@ -175,14 +267,19 @@ def aligned_model_spec(config, runtime: VllmRuntime, temperature: float = 1.0, v
     from megatron.core.models.gpt.gpt_model import GPTModelSubmodules
 
     params = {"runtime": runtime}
-    layer = aligned_layer_spec(config, runtime)
-    attention = layer.submodules.self_attention.submodules
-    attention.core_attention = ModuleSpec(
-        module=AlignedCoreAttention, params={**params, "rotates_qk": False}
-    )
-    attention.rotary_application = ModuleSpec(module=AlignedRotaryApplication, params=params)
+    layers = []
+    for layer in aligned_layer_specs(config, runtime)[: get_num_layers_to_build(config, vp_stage=vp_stage)]:
+        layer = copy.copy(layer)
+        layer.submodules = copy.copy(layer.submodules)
+        layer.submodules.self_attention = copy.deepcopy(layer.submodules.self_attention)
+        attention = layer.submodules.self_attention.submodules
+        attention.core_attention = ModuleSpec(
+            module=AlignedCoreAttention, params={**params, "rotates_qk": False}
+        )
+        attention.rotary_application = ModuleSpec(module=AlignedRotaryApplication, params=params)
+        layers.append(layer)
     return GPTModelSubmodules(
-        layer_specs=[layer] * get_num_layers_to_build(config, vp_stage=vp_stage),
+        layer_specs=layers,
         layer_norm=ModuleSpec(module=AlignedRMSNormModule, params=params),
         output_layer=ModuleSpec(module=AlignedOutputLayerModule, params=params),
         token_logprob=ModuleSpec(module=AlignedTokenLogprob, params={"temperature": temperature}),
@@ -194,7 +291,7 @@ def aligned_gpt_spec(config, runtime: VllmRuntime, vp_stage=None):
     spec, after whose model :func:`apply_post_construction_swaps` must run."""
     if megatron_has_spec_hooks():
         return aligned_model_spec(config, runtime, vp_stage=vp_stage), False
-    return aligned_layer_spec(config, runtime), True
+    return aligned_block_spec(config, runtime), True
 
 
 def _unwrap(model):
@@ -250,11 +347,8 @@ def apply_post_construction_swaps(model, runtime: VllmRuntime):
 def aligned_modules(model):
     """All aligned modules of ``model`` (for refreshing their engine-layout weights)."""
     gpt = _unwrap(model)
-    return [
-        m
-        for m in gpt.modules()
-        if isinstance(m, (AlignedLinearModule, AlignedOutputLayer, AlignedRMSNormModule))
-    ]
+    kinds = (AlignedLinearModule, AlignedOutputLayer, AlignedRMSNormModule, AlignedRouter, aligned_moe_layer_class())
+    return [m for m in gpt.modules() if isinstance(m, kinds)]
 
 
 def refresh_aligned_weights(model) -> None:
