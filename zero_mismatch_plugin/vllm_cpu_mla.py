@@ -16,10 +16,10 @@ matches the model. Three causes, each fixed here by one runtime patch of
    AVX-512 Xeon). Fix (consistent mode): vLLM's own CPU GEMM dispatch, keeping the weight
    that MLA splits into W_UK / W_UV, and thereby the plugin's single-row padding.
 3. The absorbed decode multiplies by W_UK and W_UV with ``torch.bmm`` over (heads, tokens):
-   one decoding sequence (B=1) takes another kernel than B>=2. Fix (consistent mode): the
-   MLA module's ``torch`` is a view of torch whose ``bmm`` runs a one-row batch as two rows
-   (the row and a zero row) and keeps the first, as :func:`aligned.cpu_gemm.pad_single_row`
-   does for linears. The two calls are inline in vLLM's 300-line MLA forward, so wrapping
+   one decoding sequence (B=1) and 16 or more take other kernels than B in 2..15. Fix
+   (consistent mode): the MLA module's ``torch`` is a view of torch whose ``bmm`` runs in
+   chunks of eight rows, a one-row chunk as two rows (the row and a zero row) with the first
+   kept, as :func:`aligned.cpu_gemm.pad_single_row` does for linears. The two calls are inline in vLLM's 300-line MLA forward, so wrapping
    that forward would mean copying it.
 """
 
@@ -67,7 +67,7 @@ def gemm_dispatch_for_skipped_layers(original):
 
 
 class TorchWithRowInvariantBmm(types.ModuleType):
-    """torch, except that ``bmm`` of a one-row batch is computed as two rows."""
+    """torch, except that ``bmm`` is :func:`~zero_mismatch_plugin.patching.shared.row_invariant_bmm`."""
 
     def __init__(self, torch_module):
         super().__init__(torch_module.__name__)
@@ -99,7 +99,7 @@ CPU_MLA_KV_B_PROJ_GEMM = FunctionPatch(
 
 CPU_MLA_DECODE_BMM = FunctionPatch(
     name="vllm-cpu-mla-decode-bmm", module=MLA_MODULE, owner=None, attribute="torch", build=_row_invariant_bmm,
-    why="the absorbed MLA decode's torch.bmm takes another kernel for one decoding sequence than for two",
+    why="the absorbed MLA decode's torch.bmm takes other kernels for one and for 16+ decoding sequences than for 2-15",
     **_VLLM)
 
 CONSISTENT_MODE_PATCHES = (CPU_ROTARY_ON_ROWS, CPU_MLA_KV_B_PROJ_GEMM, CPU_MLA_DECODE_BMM)

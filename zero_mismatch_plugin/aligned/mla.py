@@ -9,8 +9,8 @@ cache of its sequence (16-token blocks), and the result goes out through ``W_UV`
 does both in one forward: prompt rows through the engine's prefill backend, response rows through
 the decode kernel over a cache it builds from all rows' latents, each decode row attending its
 sequence up to itself. The two ``bmm`` are computed as the plugin's patched engine computes them
-(:func:`~zero_mismatch_plugin.patching.shared.row_invariant_bmm`: a one-row batch as two rows;
-here at most eight rows at a time) and ``kv_b_proj`` runs vLLM's CPU GEMM dispatch, as
+(:func:`~zero_mismatch_plugin.patching.shared.row_invariant_bmm`: chunks of eight rows, a one-row
+chunk as two rows) and ``kv_b_proj`` runs vLLM's CPU GEMM dispatch, as
 :mod:`zero_mismatch_plugin.vllm_cpu_mla` makes the engine do.
 
 The backward is that of the equivalent dense attention (the absorbed decode is the same function
@@ -30,11 +30,6 @@ from .derived import DerivedWeight, cast_like_engine
 from .ops import AlignedLinear, _observable, masked_positions
 
 BLOCK_SIZE = 16  # vLLM's CPU MLA forces 16-token cache blocks; its decode kernel reads no other size
-# The engine's absorbed-decode bmm has one row per decoding sequence of the step. aten's CPU bmm gives
-# a row the same bits for 2..15 rows but not for 16 or more ((4, B, 512) x (4, 512, 32), AVX-512
-# Xeon), so the trainer's decode rows are multiplied in chunks of this many: the engine's bits
-# whenever it decodes at most this many sequences at once (see docs/vllm-cpu-mla.md).
-DECODE_ROWS_PER_BMM = 8
 
 
 @dataclass
@@ -112,15 +107,6 @@ def mla_dense_attention(q, kv_c_normed, k_pe, kv_b_weight, seq_lens, num_heads, 
     return torch.cat(out)
 
 
-def chunked_decode_bmm(batch1, batch2, out):
-    """``out[:, rows] = batch1[:, rows] @ batch2`` in chunks of :data:`DECODE_ROWS_PER_BMM` rows,
-    each as the plugin's patched engine computes a decode step's bmm (a one-row chunk as two rows)."""
-    for start in range(0, batch1.shape[1], DECODE_ROWS_PER_BMM):
-        rows = slice(start, start + DECODE_ROWS_PER_BMM)
-        row_invariant_bmm(batch1[:, rows], batch2, out=out[:, rows])
-    return out
-
-
 class AlignedMLAAttention:
     """The attention of one MLA layer: rotated q, latent and rotary key in, [T, H * v] out."""
 
@@ -194,13 +180,13 @@ class AlignedMLAAttention:
         q_nope, q_pe = q.split([m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
         b = q.shape[0]
         ql_nope = q.new_empty(b, h, m.kv_lora_rank)
-        chunked_decode_bmm(q_nope.transpose(0, 1), w_uk_t, out=ql_nope.transpose(0, 1))
+        row_invariant_bmm(q_nope.transpose(0, 1), w_uk_t, out=ql_nope.transpose(0, 1))
         query = torch.cat((ql_nope, q_pe), dim=-1).contiguous()
         latent_out = torch.zeros(b, h, m.kv_lora_rank, dtype=q.dtype, device=q.device)
         self.decode_kernel(latent_out, query, self._latent_cache(kv_c_normed, k_pe, plan), self.scale,
                            plan.block_table, plan.decode_seq_lens)
         out = q.new_empty(b, h * m.v_head_dim)
-        chunked_decode_bmm(latent_out.transpose(0, 1), w_uv, out=out.view(b, h, m.v_head_dim).transpose(0, 1))
+        row_invariant_bmm(latent_out.transpose(0, 1), w_uv, out=out.view(b, h, m.v_head_dim).transpose(0, 1))
         return out
 
     def kernel(self, q, kv_c_normed, k_pe, plan: MlaPlan):

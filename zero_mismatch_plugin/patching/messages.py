@@ -135,9 +135,10 @@ MESSAGES: dict[str, CommitMessage] = {
             "for a row depend on the number of rows in the call. It now goes through "
             "dispatch_cpu_unquantized_gemm and keeps its weight for the W_UK / W_UV split.",
             "The absorbed decode multiplies by W_UK and W_UV with torch.bmm over (heads, "
-            "tokens); with one decoding sequence aten takes a matrix-vector kernel whose bits "
-            "differ from the two-row one. A one-row CPU product is now computed as two rows "
-            "(the row and a zero row) and the first kept.",
+            "tokens); with one decoding sequence aten takes a matrix-vector kernel, and from 16 "
+            "on another blocking, whose bits differ from those of 2 to 15 rows. The CPU product "
+            "now runs in chunks of eight rows, a one-row chunk as two rows (the row and a zero "
+            "row) with the first kept.",
         ),
     ),
     "megatron-lm-spec-hooks": CommitMessage(
