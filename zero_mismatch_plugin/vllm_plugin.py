@@ -13,8 +13,9 @@ EngineCore and in every worker. It does nothing unless ``ZMRL_NUMERICS`` is set 
 * on CUDA/ROCm/XPU sets ``VLLM_BATCH_INVARIANT=1`` for every process;
 * on CPU, where vLLM's batch-invariant mode cannot run, disables split-KV decode attention,
   pads single-row GEMMs to two rows (see :mod:`zero_mismatch_plugin.aligned.cpu_gemm`) and
-  applies the CPU MLA fixes of :mod:`zero_mismatch_plugin.vllm_cpu_mla`, and gives a base request
-  batched with LoRA requests no adapter (``LORA_BASE_ROWS``).
+  applies the CPU MLA fixes of :mod:`zero_mismatch_plugin.vllm_cpu_mla` and the row-count-invariant
+  MoE sigmoids of :mod:`zero_mismatch_plugin.vllm_cpu_sigmoid`, and gives a base request batched
+  with LoRA requests no adapter (``LORA_BASE_ROWS``).
 
 ``ZMRL_NUMERICS=fast`` only adds the weight-sync worker extension. Safe to call repeatedly.
 
@@ -33,6 +34,7 @@ from functools import partial
 from . import runtime_patches
 from .runtime_patches import FunctionPatch, patch_at
 from .vllm_cpu_mla import CONSISTENT_MODE_PATCHES as CPU_MLA_PATCHES
+from .vllm_cpu_sigmoid import CONSISTENT_MODE_PATCHES as CPU_SIGMOID_PATCHES
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +65,7 @@ def register() -> None:
         return
     _set_engine_env(numerics.engine_env(mode, platform))
     if platform == "cpu":
-        for patch in (CPU_GEMM, *CPU_MLA_PATCHES, LORA_BASE_ROWS):
+        for patch in (CPU_GEMM, *CPU_MLA_PATCHES, *CPU_SIGMOID_PATCHES, LORA_BASE_ROWS):
             runtime_patches.apply(patch)
 
 
@@ -215,4 +217,4 @@ LORA_BASE_ROWS = vllm_patch(
     bound_in=("vllm.lora.ops.torch_ops", "vllm.lora.punica_wrapper.punica_cpu"),
 )
 
-PATCHES: list[FunctionPatch] = [ENGINE_ARGS, CPU_GEMM, *CPU_MLA_PATCHES, LORA_BASE_ROWS]
+PATCHES: list[FunctionPatch] = [ENGINE_ARGS, CPU_GEMM, *CPU_MLA_PATCHES, *CPU_SIGMOID_PATCHES, LORA_BASE_ROWS]

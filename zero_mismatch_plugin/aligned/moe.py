@@ -23,6 +23,7 @@ from .derived import DerivedWeight
 from .ops import _observable
 from .runtime import VllmRuntime
 from ..architectures import MoeBlocks
+from ..patching.shared import row_invariant_sigmoid
 
 _layer_ids = itertools.count()
 
@@ -82,7 +83,8 @@ def routing_weights(logits: torch.Tensor, ids: torch.Tensor, moe: MoeBlocks) -> 
 
     Softmax routing: the softmax over the chosen logits when renormalized, else the chosen entries
     of the full softmax. Sigmoid (DeepSeek-V3 / GLM-4.5) routing: the chosen sigmoid scores (the
-    correction bias steers the choice only), renormalized if asked, times routed_scaling_factor.
+    correction bias steers the choice only), renormalized if asked, times routed_scaling_factor;
+    the sigmoid is the row-count-invariant one the engine's router runs in consistent mode.
     """
     logits = logits.float()
     ids = ids.long()
@@ -91,7 +93,7 @@ def routing_weights(logits: torch.Tensor, ids: torch.Tensor, moe: MoeBlocks) -> 
         if moe.norm_topk_prob:
             return torch.softmax(chosen, dim=-1)
         return (chosen - torch.logsumexp(logits, dim=-1, keepdim=True)).exp()
-    scores = torch.sigmoid(logits) if moe.scoring_func == "sigmoid" else torch.softmax(logits, dim=-1)
+    scores = row_invariant_sigmoid(logits) if moe.scoring_func == "sigmoid" else torch.softmax(logits, dim=-1)
     w = scores.gather(1, ids)
     if moe.norm_topk_prob:
         w = w / w.sum(dim=-1, keepdim=True)
@@ -109,7 +111,8 @@ def moe_mlp(hidden: torch.Tensor, router, experts, shared=None) -> torch.Tensor:
     gate_up, act, down, gate = shared
     out = down(act(gate_up(hidden)))
     if gate is not None:
-        out = torch.sigmoid(gate(hidden)) * out
+        # The engine computes this [tokens, 1] sigmoid row-count-invariantly (vllm_cpu_sigmoid).
+        out = row_invariant_sigmoid(gate(hidden)) * out
     return out + routed
 
 

@@ -122,6 +122,30 @@ def row_invariant_bmm(batch1, batch2, out=None):
     return out
 
 
+def row_invariant_sigmoid(x):
+    """``torch.sigmoid`` whose bits for an element do not depend on the size of the call, on CPU.
+
+    torch's CPU elementwise loop computes a contiguous tensor in blocks of twice the vector width
+    with the vectorised formula and the last ``numel % (2 * width)`` elements with the scalar one,
+    which rounds differently (an AVX-512 host: 32-element blocks); a call of 32,768 elements or
+    more is also split across threads at offsets that depend on its size. So an [M, n] router or
+    gate output got other bits for a row depending on M. Here the flattened input is zero-padded
+    to a multiple of 64 elements (two vectors of 32 floats, the widest CPU vector torch uses) and
+    computed in pieces of 16,384 elements, so every element goes through the vectorised body of a
+    single-threaded loop, whatever the call holds. Elsewhere (GPU) it is ``torch.sigmoid``.
+    Differentiable (pad, split and slice are).
+    """
+    import torch
+
+    if x.device.type != "cpu" or x.numel() == 0:
+        return torch.sigmoid(x)
+    flat = x.reshape(-1)
+    padded = torch.nn.functional.pad(flat, (0, -flat.numel() % 64))
+    pieces = [torch.sigmoid(piece) for piece in padded.split(16384)]
+    out = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+    return out[: flat.numel()].reshape(x.shape)
+
+
 def repack_shared_cpu_weights(model):
     """Re-derive CPU GEMM handles of layers whose weight another layer owns; return how many.
 
