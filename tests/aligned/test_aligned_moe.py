@@ -286,12 +286,15 @@ def test_padded_expert_width_bitwise_equal_engine_before_and_after_sync(engines,
     checks.check_update_and_sync(engines, trainers, "qwen3_moe_padded")
 
 
-def test_qwen2_moe_trainer_equals_vllm_modules_teacher_forced(trainers, engines):
+def test_qwen2_moe_trainer_equals_vllm_modules_teacher_forced(checkpoints, engines):
     """Qwen2-MoE (gated shared expert, unrenormalized top-k, a dense layer): the trainer equals
-    vLLM's own model run teacher-forced on the same packed batch, bitwise, and the engine's μ."""
+    vLLM's own model run teacher-forced on the same packed batch, bitwise, and the engine's μ.
+    A fresh engine and trainer: the family tests above update the shared ones' weights."""
+    from zero_mismatch_plugin.aligned import AlignedCausalLM
     from zero_mismatch_plugin.checker.engine_modules import EngineModules
 
-    trainer = trainers("qwen2_moe")
+    engines.close()
+    trainer = AlignedCausalLM.from_pretrained(checkpoints["qwen2_moe"], max_model_len=256, seed=0)
     llm = engines.get("qwen2_moe")
     prompts, responses, mu = rollout(llm, prompts_for(trainer.runtime.model_dir))
     engines.close()  # one vLLM model at a time in memory

@@ -265,37 +265,63 @@ class AlignedMoE:
 
 def experts_backward(x, g, ids, weights, gate, up, down):
     """fp32 gradients of out[t] = sum_k weights[t, k] * down_e(silu(gate_e x_t) * up_e x_t),
-    e = ids[t, k]: returns (d x, d weights, [d gate_e], [d up_e], [d down_e])."""
+    e = ids[t, k]: returns (d x, d weights, [d gate_e], [d up_e], [d down_e]).
+
+    vLLM's fused kernel keeps none of its intermediates, so the gate and up products are
+    recomputed; the down product is not: d weights[t, k] = (g_t down_e) . h_t comes from the d h
+    product the backward needs anyway. The (token, slot) rows are sorted by expert once (one
+    gather of x and g), so each expert's rows are one contiguous block: its matmuls write into
+    row blocks of shared buffers and every elementwise step runs once over all rows.
+    """
     x32, g32 = x.float(), g.float()
-    # One row per (token, slot): each is written once, then summed over the slots (a scatter-add
-    # into the tokens would serialise on this CPU).
-    gx_slots = x32.new_zeros(ids.shape[0], ids.shape[1], x32.shape[1])
-    gweights = torch.zeros_like(weights, dtype=torch.float32)
+    tokens, k = ids.shape
+    width = gate[0].shape[0]
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=len(gate)).tolist()
+    rows_token = order // k
+    xs = x32.index_select(0, rows_token)  # [tokens * k, H], grouped by expert
+    gs = g32.index_select(0, rows_token)
+    ws = weights.reshape(-1).float().index_select(0, order).unsqueeze(-1)
+    blocks, start = [], 0
+    for n in counts:
+        blocks.append(slice(start, start + n))
+        start += n
+    weights_of = [(gate[e].detach().float(), up[e].detach().float(), down[e].detach().float())
+                  for e in range(len(gate))]
+
+    a, b, gh = (xs.new_empty(xs.shape[0], width) for _ in range(3))
+    for (wg, wu, wd), rows, n in zip(weights_of, blocks, counts):
+        if n:
+            torch.mm(xs[rows], wg.t(), out=a[rows])
+            torch.mm(xs[rows], wu.t(), out=b[rows])
+            torch.mm(gs[rows], wd, out=gh[rows])  # d out / d h before the routing weight
+    silu_a = torch.nn.functional.silu(a)
+    h = silu_a * b
+    gw_rows = torch.einsum("ni,ni->n", gh, h)
+    h.mul_(ws)  # h * weight: d down = g^T (h * weight)
+    gh.mul_(ws)
+    gb = silu_a.mul_(gh)
+    ga = torch.ops.aten.silu_backward(gh.mul_(b), a)
+
+    gx_rows = torch.empty_like(xs)
     ggate, gup, gdown = [], [], []
-    for e in range(len(gate)):
-        tok, slot = (ids == e).nonzero(as_tuple=True)
-        wg, wu, wd = gate[e].detach().float(), up[e].detach().float(), down[e].detach().float()
-        if tok.numel() == 0:
+    for (wg, wu, wd), rows, n in zip(weights_of, blocks, counts):
+        if n == 0:
             ggate.append(torch.zeros_like(wg))
             gup.append(torch.zeros_like(wu))
             gdown.append(torch.zeros_like(wd))
             continue
-        xe = x32.index_select(0, tok)
-        a, b = xe @ wg.t(), xe @ wu.t()
-        s = torch.sigmoid(a)
-        h = a * s * b
-        y = h @ wd.t()
-        ge = g32.index_select(0, tok)
-        gweights[tok, slot] = (ge * y).sum(-1)
-        gy = ge * weights[tok, slot].float().unsqueeze(-1)
-        gdown.append(gy.t() @ h)
-        gh = gy @ wd
-        ga = gh * b * s * (1 + a * (1 - s))
-        gb = gh * a * s
-        ggate.append(ga.t() @ xe)
-        gup.append(gb.t() @ xe)
-        gx_slots[tok, slot] = ga @ wg + gb @ wu
-    return gx_slots.sum(1), gweights, ggate, gup, gdown
+        xe = xs[rows]
+        gdown.append(gs[rows].t() @ h[rows])
+        ggate.append(ga[rows].t() @ xe)
+        gup.append(gb[rows].t() @ xe)
+        torch.mm(ga[rows], wg, out=gx_rows[rows]).addmm_(gb[rows], wu)
+    # Back to (token, slot) order: each row written once, then summed over the slots (a
+    # scatter-add into the tokens would serialise on this CPU).
+    gx_slots = torch.empty_like(gx_rows).index_copy_(0, order, gx_rows)
+    gweights = torch.empty_like(gw_rows).index_copy_(0, order, gw_rows).view(tokens, k)
+    return gx_slots.view(tokens, k, -1).sum(1), gweights, ggate, gup, gdown
 
 
 class _MoEFn(Function):
