@@ -1269,6 +1269,62 @@ def test_shared_rotary_on_rows_and_row_invariant_bmm_match_the_runtime_patches()
     assert vllm_cpu_mla.row_invariant_bmm is shared.row_invariant_bmm
 
 
+CPU_MOE_SIGMOID_SCRIPT = LOAD_PATCHED + """
+import json, types
+import torch
+
+root = ROOT
+router = load_patched("vllm.model_executor.layers.fused_moe.router.cpu_router", root)
+qwen2_moe = load_patched("vllm.model_executor.models.qwen2_moe", root)
+
+g = torch.Generator().manual_seed(0)
+logits, bias = torch.randn(2100, 8, generator=g), 0.1 * torch.randn(8, generator=g)
+gate_logits = torch.randn(2100, 1, generator=g)
+rows = list(range(1, 70)) + [100, 129, 257, 1000]
+
+def route(x):
+    return router._grouped_topk(x, topk=2, renormalize=True, num_expert_group=4, topk_group=2,
+                                scoring_func="sigmoid", routed_scaling_factor=1.5, e_score_correction_bias=bias)
+
+def gated(x):
+    # Qwen2MoeMLP.forward with identity projections and an all-ones activation: its output is the
+    # shared-expert gate's sigmoid of x.
+    mlp = types.SimpleNamespace(gate_up_proj=lambda t: (t, None), act_fn=torch.ones_like,
+                                down_proj=lambda t: (t, None), expert_gate=lambda t: (t, None))
+    return (qwen2_moe.Qwen2MoeMLP.forward(mlp, x),)
+
+def variant_rows(fn, x):
+    full = fn(x)
+    return [m for m in rows if not all(torch.equal(a, b[:m]) for a, b in zip(fn(x[:m].contiguous()), full))]
+
+result = dict(router=variant_rows(route, logits), gate=variant_rows(gated, gate_logits),
+              router_has_function=hasattr(router, "row_invariant_sigmoid"),
+              gate_has_function=hasattr(qwen2_moe, "row_invariant_sigmoid"))
+print("RESULT " + json.dumps(result))
+"""
+
+
+def test_vllm_cpu_moe_sigmoids_are_row_count_invariant(patched_vllm_files):
+    """Patched vLLM: the sigmoid router weights (grouped top-k with a correction bias) and the
+    Qwen2-MoE shared-expert gate give a token the same bits at every token count; stock vLLM's
+    count of variant token counts is printed (it depends on the host's vector width)."""
+    patched = script_result(CPU_MOE_SIGMOID_SCRIPT.replace("ROOT", repr(str(patched_vllm_files))))
+    assert patched["router_has_function"] and patched["gate_has_function"], patched
+    assert patched["router"] == [] and patched["gate"] == [], patched
+    stock = script_result(CPU_MOE_SIGMOID_SCRIPT.replace("ROOT", "''"))
+    assert not stock["router_has_function"] and not stock["gate_has_function"], stock
+    print(f"stock vLLM on this host: router weights vary at {len(stock['router'])} token counts, "
+          f"the shared-expert gate at {len(stock['gate'])}")
+
+
+def test_shared_row_invariant_sigmoid_is_the_runtime_patches_and_the_trainers():
+    from zero_mismatch_plugin import vllm_cpu_sigmoid
+    from zero_mismatch_plugin.aligned import model, moe
+
+    assert vllm_cpu_sigmoid.row_invariant_sigmoid is shared.row_invariant_sigmoid
+    assert moe.row_invariant_sigmoid is shared.row_invariant_sigmoid is model.row_invariant_sigmoid
+
+
 VERL_CPU_SCRIPT = """
     import json, sys, types
     import torch

@@ -360,14 +360,19 @@ def test_engine_router_sigmoid_patch_is_row_count_invariant_and_removable():
 
     gen = torch.Generator().manual_seed(0)
     logits, bias = torch.randn(2100, 8, generator=gen), 0.1 * torch.randn(8, generator=gen)
-    stock_function = cpu_router._grouped_topk
-    stock = variant_rows(logits)
-    runtime_patches.apply(ROUTER_SIGMOID)
+    # An engine started earlier in this process applied it already: taken out here, put back after.
+    was_applied = runtime_patches.is_applied(ROUTER_SIGMOID)
+    runtime_patches.remove(ROUTER_SIGMOID)
     try:
+        stock_function = cpu_router._grouped_topk
+        stock = variant_rows(logits)
+        runtime_patches.apply(ROUTER_SIGMOID)
         assert cpu_router._grouped_topk is not stock_function
         patched = variant_rows(logits)
-    finally:
         runtime_patches.remove(ROUTER_SIGMOID)
-    assert cpu_router._grouped_topk is stock_function
+        assert cpu_router._grouped_topk is stock_function
+    finally:
+        if was_applied:
+            runtime_patches.apply(ROUTER_SIGMOID)
     print(f"stock router: top-k weights depend on the token count at {len(stock)} of {len(SIGMOID_ROWS)} counts")
     assert patched == []

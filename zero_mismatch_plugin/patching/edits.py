@@ -690,6 +690,66 @@ def unified_mla_kv_cache_update(
     ),
 ]
 
+CPU_ROUTER = "vllm/model_executor/layers/fused_moe/router/cpu_router.py"
+QWEN2_MOE = "vllm/model_executor/models/qwen2_moe.py"
+
+VLLM_CPU_MOE_SIGMOID_ROW_INVARIANT = [
+    Edit(
+        CPU_ROUTER,
+        old="""\
+    elif scoring_func == "sigmoid":
+        scores = gating_output.sigmoid()
+""",
+        new="""\
+    elif scoring_func == "sigmoid":
+        # torch's CPU sigmoid rounds the tail of a call differently: per-token bits would
+        # depend on the number of tokens in the step.
+        scores = row_invariant_sigmoid(gating_output)
+""",
+    ),
+    Edit(
+        CPU_ROUTER,
+        old="""\
+
+
+def _grouped_topk(
+""",
+        new="""\
+
+
+""" + _source_of(shared.row_invariant_sigmoid) + """\
+
+
+def _grouped_topk(
+""",
+    ),
+    Edit(
+        QWEN2_MOE,
+        old="""\
+            out = F.sigmoid(self.expert_gate(x)[0]) * out
+""",
+        new="""\
+            out = row_invariant_sigmoid(self.expert_gate(x)[0]) * out
+""",
+    ),
+    Edit(
+        QWEN2_MOE,
+        old="""\
+
+
+class Qwen2MoeMLP(nn.Module):
+""",
+        new="""\
+
+
+""" + _source_of(shared.row_invariant_sigmoid) + """\
+
+
+class Qwen2MoeMLP(nn.Module):
+""",
+    ),
+]
+
 # Patch name (as in manifest.yaml) -> its edits.
 EDITS: dict[str, list[Edit]] = {
     "verl-plugin-load-warning": VERL_PLUGIN_LOAD_WARNING,
@@ -701,6 +761,7 @@ EDITS: dict[str, list[Edit]] = {
     "vllm-rocm-shape-independent-gemm": VLLM_ROCM_SHAPE_INDEPENDENT_GEMM,
     "vllm-mamba-state-slot-writes-once": VLLM_MAMBA_STATE_SLOT_WRITES_ONCE,
     "vllm-cpu-mla-batch-invariant": VLLM_CPU_MLA_BATCH_INVARIANT,
+    "vllm-cpu-moe-sigmoid-row-invariant": VLLM_CPU_MOE_SIGMOID_ROW_INVARIANT,
     "megatron-lm-spec-hooks": MEGATRON_SPEC_HOOKS,
 }
 

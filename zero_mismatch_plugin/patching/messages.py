@@ -141,6 +141,20 @@ MESSAGES: dict[str, CommitMessage] = {
             "row) with the first kept.",
         ),
     ),
+    "vllm-cpu-moe-sigmoid-row-invariant": CommitMessage(
+        "Give CPU MoE sigmoids the same bits for a token in any batch",
+        (
+            "torch's CPU elementwise loop computes the last numel % (2 * vector width) elements "
+            "of a call with the scalar formula and the rest with the vector one, and the two "
+            "round sigmoid differently (32-element blocks on AVX-512). In an [M, n] router or "
+            "gate output, which tokens fall in that tail depends on M, so a token's bits "
+            "depended on how many tokens the step held: GLM-4.5 / DeepSeek-V3 sigmoid router "
+            "scores in the CPU grouped top-k, and the Qwen2-MoE shared-expert gate ([M, 1]).",
+            "Both now call row_invariant_sigmoid: on CPU the flattened input is zero-padded to a "
+            "multiple of 64 elements and computed in single-threaded pieces of 16,384, so every "
+            "element goes through the vectorised body; on other devices it is torch.sigmoid.",
+        ),
+    ),
     "megatron-lm-spec-hooks": CommitMessage(
         "Add spec hooks for rotary application, output layer and per-token logprob",
         (
