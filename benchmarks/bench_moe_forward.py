@@ -15,7 +15,8 @@ import argparse
 import os
 import tempfile
 
-from bench_aligned_forward import add_shape_arguments, build_model_from_args, compare_with_transformers, load_aligned_and_transformers
+from bench_aligned_forward import (add_run_arguments, add_shape_arguments, build_model_from_args,
+                                   compare_with_transformers, load_aligned_and_transformers)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("ZMRL_NUMERICS", "consistent")
@@ -27,12 +28,7 @@ def parse_args():
                         intermediate_help="expert width (moe_intermediate_size)")
     p.add_argument("--experts", type=int, default=8)
     p.add_argument("--top-k", type=int, default=2)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--prompt-len", type=int, default=16)
-    p.add_argument("--response-len", type=int, default=240)
-    p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
+    add_run_arguments(p)
     return p.parse_args()
 
 
