@@ -620,3 +620,13 @@ def test_verls_launcher_hands_the_aligned_switch_to_every_ray_worker(monkeypatch
         env_vars = initialised["runtime_env"]["env_vars"]
         assert env_vars["ZMRL_MEGATRON_ALIGNED"] == switch, name
         assert env_vars["ZMRL_NUMERICS"] == ("consistent" if switch == "1" else "fast")
+
+
+def test_moe_recipes_name_what_keeps_their_trainer_unaligned(capsys):
+    """The MoE checkpoint runs aligned in the package's trainer faces, not in verl's engines; its
+    recipe's expert parallelism is a gap of its own (the aligned MoE layer is one process)."""
+    assert zmrl(["recipes", "list"]) == 0
+    out = capsys.readouterr().out
+    trainer = out.split("  reinforce_zero_qwen3_30b_a3b_python_tool_lag8\n", 1)[1].splitlines()[1]
+    assert "the aligned model face covers it, verl's engines do not yet" in trainer
+    assert "expert_model_parallel_size 8 in the trainer" in trainer
