@@ -97,6 +97,22 @@ def test_bmm_runs_in_chunks_of_eight_rows_a_one_row_chunk_as_two_and_writes_into
     assert proxy.cat is torch.cat and proxy.float32 is torch.float32
 
 
+def test_decode_kernel_runs_on_one_thread_and_the_count_is_restored():
+    from zero_mismatch_plugin.patching.shared import on_one_thread
+
+    seen = []
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert on_one_thread(lambda x: seen.append(torch.get_num_threads()) or x)(5) == 5
+        assert seen == [1] and torch.get_num_threads() == 2
+        with pytest.raises(ValueError):
+            on_one_thread(lambda: (_ for _ in ()).throw(ValueError("kernel failed")))()
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_patches_are_version_gated_named_and_reversible(monkeypatch):
     import vllm
     import vllm.model_executor.layers.attention.mla_attention as mla

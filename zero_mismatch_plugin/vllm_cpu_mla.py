@@ -19,8 +19,12 @@ matches the model. Three causes, each fixed here by one runtime patch of
    one decoding sequence (B=1) and 16 or more take other kernels than B in 2..15. Fix
    (consistent mode): the MLA module's ``torch`` is a view of torch whose ``bmm`` runs in
    chunks of eight rows, a one-row chunk as two rows (the row and a zero row) with the first
-   kept, as :func:`aligned.cpu_gemm.pad_single_row` does for linears. The two calls are inline in vLLM's 300-line MLA forward, so wrapping
-   that forward would mean copying it.
+   kept, as :func:`aligned.cpu_gemm.pad_single_row` does for linears. The two calls are
+   inline in vLLM's 300-line MLA forward, so wrapping that forward would mean copying it.
+
+Beyond the batch: the decode kernel ``_C.mla_decode_kvcache`` gives other bits on one OpenMP
+thread than on two, so in consistent mode it runs on one thread (as the aligned trainer runs it),
+whatever thread count the engine's worker has.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from __future__ import annotations
 import types
 
 from zero_mismatch_plugin.patching.shared import rotary_on_rows as rotate_rows_in_place
-from zero_mismatch_plugin.patching.shared import row_invariant_bmm
+from zero_mismatch_plugin.patching.shared import on_one_thread, row_invariant_bmm
 from zero_mismatch_plugin.runtime_patches import FunctionPatch
 
 SUPPORTED_VLLM_VERSIONS = ("0.31.0",)
@@ -102,4 +106,10 @@ CPU_MLA_DECODE_BMM = FunctionPatch(
     why="the absorbed MLA decode's torch.bmm takes other kernels for one and for 16+ decoding sequences than for 2-15",
     **_VLLM)
 
-CONSISTENT_MODE_PATCHES = (CPU_ROTARY_ON_ROWS, CPU_MLA_KV_B_PROJ_GEMM, CPU_MLA_DECODE_BMM)
+CPU_MLA_DECODE_ONE_THREAD = FunctionPatch(
+    name="vllm-cpu-mla-decode-one-thread", module="vllm._custom_ops", owner=None,
+    attribute="mla_decode_kvcache_cpu", build=on_one_thread,
+    why="_C.mla_decode_kvcache's output bits depend on the OpenMP thread count, so the trainer's "
+        "bits depended on how many threads its process and the engine's worker had", **_VLLM)
+
+CONSISTENT_MODE_PATCHES = (CPU_ROTARY_ON_ROWS, CPU_MLA_KV_B_PROJ_GEMM, CPU_MLA_DECODE_BMM, CPU_MLA_DECODE_ONE_THREAD)

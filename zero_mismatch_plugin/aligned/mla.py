@@ -25,7 +25,7 @@ from types import SimpleNamespace
 import torch
 from torch.autograd import Function
 
-from ..patching.shared import row_invariant_bmm
+from ..patching.shared import on_one_thread, row_invariant_bmm
 from .derived import DerivedWeight, cast_like_engine
 from .ops import AlignedLinear, _observable, masked_positions
 
@@ -125,7 +125,8 @@ class AlignedMLAAttention:
         self.mla = mla
         self.num_heads = num_heads
         self.scale = scale
-        self.decode_kernel = _custom_ops.mla_decode_kvcache_cpu
+        # One thread, as the patched engine runs it: the kernel's bits depend on the thread count.
+        self.decode_kernel = on_one_thread(_custom_ops.mla_decode_kvcache_cpu)
         self.prefill = runtime.mla_prefill(num_heads, scale, mla)
         self.kv_b = AlignedLinear(runtime, [kv_b_weight])  # vLLM's CPU GEMM dispatch, as the patched engine
         self.kv_b_weight = kv_b_weight

@@ -570,6 +570,7 @@ def do_mamba_copy_block(copy_bufs: MambaCopyBuffers):
 ROTARY_BASE = "vllm/model_executor/layers/rotary_embedding/base.py"
 LINEAR = "vllm/model_executor/layers/linear.py"
 MLA_ATTENTION = "vllm/model_executor/layers/attention/mla_attention.py"
+CUSTOM_OPS = "vllm/_custom_ops.py"
 
 VLLM_CPU_MLA_BATCH_INVARIANT = [
     Edit(
@@ -686,6 +687,24 @@ def unified_mla_kv_cache_update(
 
 
 def unified_mla_kv_cache_update(
+""",
+    ),
+    Edit(
+        CUSTOM_OPS,
+        old="""\
+    torch.ops._C.mla_decode_kvcache(out, query, kv_cache, scale, block_tables, seq_lens)
+
+
+""",
+        new="""\
+    # The kernel's output bits depend on the OpenMP thread count: one thread gives every
+    # process the same bits.
+    on_one_thread(torch.ops._C.mla_decode_kvcache)(out, query, kv_cache, scale, block_tables, seq_lens)
+
+
+""" + _source_of(shared.on_one_thread) + """\
+
+
 """,
     ),
 ]

@@ -138,7 +138,9 @@ MESSAGES: dict[str, CommitMessage] = {
             "tokens); with one decoding sequence aten takes a matrix-vector kernel, and from 16 "
             "on another blocking, whose bits differ from those of 2 to 15 rows. The CPU product "
             "now runs in chunks of eight rows, a one-row chunk as two rows (the row and a zero "
-            "row) with the first kept.",
+            "row) with the first kept."
+            "_C.mla_decode_kvcache gives other bits depending on the OpenMP thread count; "
+            "mla_decode_kvcache_cpu runs it on one thread.",
         ),
     ),
     "vllm-cpu-moe-sigmoid-row-invariant": CommitMessage(

@@ -146,6 +146,31 @@ def row_invariant_sigmoid(x):
     return out[: flat.numel()].reshape(x.shape)
 
 
+def on_one_thread(kernel):
+    """``kernel`` run with torch's intra-op thread count set to one, then restored.
+
+    For vLLM's CPU MLA decode kernel (``_C.mla_decode_kvcache``), whose output bits depend on
+    the OpenMP thread count (1 vs 2 threads: up to 1.2e-7 apart, measured on an AVX-512 Xeon):
+    on one thread every process computes the same bits, whatever its own thread count.
+    """
+    import functools
+
+    import torch
+
+    @functools.wraps(kernel)
+    def run(*args, **kwargs):
+        threads = torch.get_num_threads()
+        if threads == 1:
+            return kernel(*args, **kwargs)
+        torch.set_num_threads(1)
+        try:
+            return kernel(*args, **kwargs)
+        finally:
+            torch.set_num_threads(threads)
+
+    return run
+
+
 def repack_shared_cpu_weights(model):
     """Re-derive CPU GEMM handles of layers whose weight another layer owns; return how many.
 
