@@ -101,7 +101,8 @@ def test_unproven_architectures_and_platforms_turn_prefix_caching_off():
     keep, why = keep_prefix_caching(moe, "cpu", {})
     assert not keep and "Qwen3MoeForCausalLM" in why and "dense decoders" in why
     mla = DeepseekV3Config(architectures=["DeepseekV3ForCausalLM"], num_hidden_layers=2)
-    assert not keep_prefix_caching(mla, "cpu", {})[0]
+    keep, why = keep_prefix_caching(mla, "cpu", {})
+    assert not keep and "multi-head latent attention" in why
     assert not keep_prefix_caching(None, "cpu", {})[0]
     keep, why = keep_prefix_caching(llama, "cpu", {}, lora=True)
     assert not keep and "not proven with LoRA adapters" in why

@@ -37,6 +37,9 @@ def unproven_reason(hf_config, platform: str) -> str | None:
     if blocks.moe is not None:
         return (f"prefix-cache hits are proven only for the aligned dense decoders; {blocks.architecture} is a "
                 "Mixture-of-Experts model")
+    if blocks.mla is not None:
+        return (f"prefix-cache hits are proven only for the aligned dense decoders; {blocks.architecture} has "
+                "multi-head latent attention (vLLM's CPU platform turns prefix caching off for it too)")
     return None
 
 
