@@ -65,12 +65,15 @@ def test_query_lora_and_yarn_rope_bitwise_equal_engine(engines, trainers):
     _bitwise(engines, trainers, "deepseek_v3_yarn", prompts_for(trainer.runtime.model_dir), seed=21)
 
 
-def test_moe_variant_bitwise_equal_engine(engines, trainers):
+@pytest.mark.parametrize("batch_size", [1, 8])
+def test_moe_variant_bitwise_equal_engine(engines, trainers, batch_size):
     """DeepSeek-V3 MLA with an MoE second layer through the aligned MoE op (grouped sigmoid routing,
-    selection bias, shared expert), eight sequences in one engine batch."""
+    selection bias, shared expert), one and eight sequences in one engine batch (the router's
+    sigmoid is row-count-invariant on both sides: vllm_cpu_sigmoid)."""
     trainer = trainers("deepseek_v3_moe")
     assert trainer.blocks.moe.moe_layers == (1,) and trainer.blocks.moe.e_score_correction_bias
-    _bitwise(engines, trainers, "deepseek_v3_moe", prompts_for(trainer.runtime.model_dir), seed=31)
+    prompts = prompts_for(trainer.runtime.model_dir)[:batch_size]
+    _bitwise(engines, trainers, "deepseek_v3_moe", prompts, seed=31 + batch_size)
 
 
 def test_custom_backward_matches_float64_autograd(engines, trainers):
