@@ -5,8 +5,12 @@ from __future__ import annotations
 
 from omegaconf import OmegaConf
 
-from zero_mismatch_plugin.aligned.lora import unsupported_lora_settings
-from zero_mismatch_plugin.config_checks.alignment import _lora_gaps, lora_targets
+from types import SimpleNamespace
+
+from zero_mismatch_plugin.aligned.lora import supported_lora_targets, unsupported_lora_settings
+from zero_mismatch_plugin.aligned.numerics import CONSISTENT, MODE_ENV
+from zero_mismatch_plugin.config_checks import check_config
+from zero_mismatch_plugin.config_checks.lora import TARGETS_KEY, lora_gaps, lora_problems, lora_targets
 
 DENSE = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -35,16 +39,52 @@ def test_each_unsupported_setting_is_named_with_its_fix():
         assert len(problems) == 1 and needle in problems[0], (needle, problems)
 
 
-def _cfg(rank, targets=None):
+def _cfg(rank, targets=None, mode=None):
     lora = {"rank": rank, **({"target_modules": targets} if targets is not None else {})}
-    return OmegaConf.create({"actor_rollout_ref": {"model": {"lora": lora, "lora_rank": 0}}})
+    env = {"ray_kwargs": {"ray_init": {"runtime_env": {"env_vars": {MODE_ENV: mode}}}}} if mode else {}
+    return OmegaConf.create({"actor_rollout_ref": {"model": {"lora": lora, "lora_rank": 0}}, **env})
 
 
 def test_verl_lora_gap_names_the_face_and_the_uncovered_targets():
-    assert _lora_gaps(_cfg(0, DENSE)) == []
-    (dense,) = _lora_gaps(_cfg(32, ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]))
+    assert lora_gaps(_cfg(0, DENSE)) == []
+    (dense,) = lora_gaps(_cfg(32, ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]))
     assert "LoRA adapters (rank 32) in verl's Megatron engine" in dense and "outside" not in dense
-    kimi = ["linear_q_down_proj", "linear_kv_up_proj", "linear_proj", "linear_fc1", "router"]
-    assert lora_targets(_cfg(32, kimi)) == kimi
-    (gap,) = _lora_gaps(_cfg(32, kimi))
-    assert gap.endswith(": linear_q_down_proj, linear_kv_up_proj, router"), gap
+    assert "Megatron-Bridge PEFT" in dense
+    mla = ["linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj", "linear_proj", "linear_fc1"]
+    assert "outside" not in lora_gaps(_cfg(32, mla))[0]
+    seed = mla + ["linear_kv_up_proj", "router"]
+    assert lora_targets(_cfg(32, seed)) == seed
+    (gap,) = lora_gaps(_cfg(32, seed))
+    assert gap.endswith(": linear_kv_up_proj, router"), gap
+
+
+def _mla_config(q_lora_rank):
+    return SimpleNamespace(kv_lora_rank=512, q_lora_rank=q_lora_rank)
+
+
+def test_mla_targets_are_the_projections_vllm_adapts_on_every_token():
+    v2 = ["q_proj", "kv_a_proj_with_mqa", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    assert list(supported_lora_targets(_mla_config(None))) == v2
+    v3 = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    assert list(supported_lora_targets(_mla_config(96))) == v3
+    assert list(supported_lora_targets(SimpleNamespace(q_lora_rank=None))) == DENSE  # no latent: dense
+    config = dict(r=8, lora_alpha=16)
+    assert unsupported_lora_settings({**config, "target_modules": v3}, supported_lora_targets(_mla_config(96))) == []
+    # Each refused target alone, with vLLM's reason; a name of the other query form is not covered.
+    cases = {"kv_b_proj": "never applies an adapter on kv_b_proj", "gate": "router", "embed_tokens": "embedding_modules",
+             "lm_head": "embedding_modules", "q_b_proj": "covers"}
+    for target, needle in cases.items():
+        problems = unsupported_lora_settings({**config, "target_modules": v2 + [target]}, supported_lora_targets(_mla_config(None)))
+        assert len(problems) == 1 and target in problems[0] and needle in problems[0], (target, problems)
+
+
+def test_consistent_config_with_a_target_vllm_ignores_is_an_error():
+    seed = ["linear_q_down_proj", "linear_kv_up_proj", "linear_proj", "router"]
+    problems = lora_problems(_cfg(32, seed, mode=CONSISTENT))
+    assert [p.key for p in problems] == [TARGETS_KEY] * 2 and all(p.fatal for p in problems)
+    assert "linear_kv_up_proj: vLLM never applies an adapter on kv_b_proj" in problems[0].message
+    assert problems[1].message.startswith("router: the aligned path adapts no MoE router")
+    assert lora_problems(_cfg(32, seed)) == []  # standard numerics: no parity claimed
+    assert lora_problems(_cfg(32, seed[:1] + seed[2:3], mode=CONSISTENT)) == []
+    # It is one of the checks validate-config runs.
+    assert any(p.key == TARGETS_KEY for p in check_config(_cfg(32, seed, mode=CONSISTENT)))

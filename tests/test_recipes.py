@@ -332,15 +332,23 @@ def test_standard_kernel_ablations_use_verls_rollout_correction(name, vllm_lora_
 
 
 @pytest.mark.parametrize("name", [n for n in NAMED if SPEC[n].get("lora")])
-def test_lora_recipes_target_every_module_including_experts(name):
+def test_lora_recipes_target_every_module_the_aligned_path_adapts(name):
+    """The seed adapts every module; a recipe keeps those the aligned LoRA path adapts (experts share
+    megatron's linear_fc1/fc2 names with the dense MLPs) and drops, saying so in its header, those
+    vLLM never applies to a response token (kv_b_proj) or cannot serve on CPU (the MoE router)."""
+    from zero_mismatch_plugin.config_checks.lora import COVERED, lora_problems
+
     cfg = composed(name)
     lora = cfg.actor_rollout_ref.model.lora
     assert lora_rank(cfg) == SPEC[name]["lora"]
     targets = set(lora.target_modules)
-    attention = {"linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj", "linear_kv_up_proj"}
-    assert attention <= targets, "every attention projection"
+    assert targets <= set(COVERED), targets - set(COVERED)
+    assert lora_problems(cfg) == []
+    attention = {"linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj"}
+    assert attention <= targets, "every MLA projection vLLM adapts on every token"
     assert {"linear_proj", "linear_fc1", "linear_fc2"} <= targets, "attention output and (expert) MLPs"
-    assert "router" in targets, "Megatron-Bridge leaves the MoE router out unless it is named"
+    header = (TOP_LEVEL_RECIPES / f"{name}.yaml").read_text().split("hydra:")[0]
+    assert "drops linear_kv_up_proj" in header and "router" in header
     assert list(lora.exclude_modules) == []  # target mode and exclude mode are exclusive
     assert lora.merge is False, "a merged adapter would rewrite the frozen base"
     assert sel(cfg, "actor_rollout_ref.rollout.load_format") != "dummy", "the base stays the release weights"

@@ -366,6 +366,27 @@ MLA_ARCHITECTURES = tuple(name for name, entry in _ENTRIES.items() if entry.mla 
 # and, for a verl Megatron config, under megatron-core's names of the same (merged) linears.
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 MEGATRON_LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+# The linears of a multi-head latent attention checkpoint (dense MLPs) the aligned LoRA path adapts:
+# those vLLM wraps with a LoRA layer and applies on every token (q_a_proj and kv_a_proj_with_mqa as
+# the two slices of its fused_qkv_a_proj), and megatron-core's names of the MLA ones.
+MLA_LORA_TARGETS = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj",
+                    "gate_proj", "up_proj", "down_proj")
+MEGATRON_MLA_LORA_TARGETS = ("linear_q_proj", "linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj")
+# Targets the aligned LoRA path refuses because vLLM (0.31, CPU) does not apply them to every token,
+# under the checkpoint's and megatron-core's names, with the reason.
+_KV_B = ("vLLM never applies an adapter on kv_b_proj: it wraps the module, but its MLA attention "
+         "runs the prefill through the unwrapped layer and the absorbed decode through W_UK / W_UV "
+         "derived from the base weight at load")
+_ROUTER = ("the aligned path adapts no MoE router, and vLLM's CPU engine serves no LoRA on a "
+           "Mixture-of-Experts checkpoint (its fused-MoE LoRA has no CPU path)")
+_EMBEDDING = ("vLLM serves embedding / lm_head adapters only for models that list embedding_modules "
+              "(DeepSeek-V2/V3 list none); the aligned path adapts neither")
+REFUSED_LORA_TARGETS = {
+    "kv_b_proj": _KV_B, "linear_kv_up_proj": _KV_B,
+    "gate": _ROUTER, "router": _ROUTER,
+    "embed_tokens": _EMBEDDING, "lm_head": _EMBEDDING,
+    "embedding": _EMBEDDING, "output_layer": _EMBEDDING,
+}
 
 
 def architecture_of(config) -> str:

@@ -12,8 +12,11 @@ is plain fp32 torch.
 An adapter is read from and written to PEFT's format (``adapter_config.json`` +
 ``adapter_model.safetensors``), the format ``vllm.lora.request.LoRARequest`` loads; vLLM's own
 ``PEFTHelper`` reads the config and computes the scaling. Targets are the dense linears vLLM
-wraps (``ALIGNED_LORA_TARGETS``); DoRA, adapter biases, ``modules_to_save``, per-module rank or
-alpha patterns, embedding / lm_head targets and ``fan_in_fan_out`` are refused.
+wraps (``ALIGNED_LORA_TARGETS``), and on multi-head latent attention the projections vLLM applies
+an adapter to on every token (``supported_lora_targets``: q / q_a / q_b, kv_a, o). DoRA, adapter
+biases, ``modules_to_save``, per-module rank or alpha patterns, ``fan_in_fan_out``, and the
+targets vLLM does not apply to every token (``REFUSED_LORA_TARGETS``: MLA's kv_b_proj, whose
+adapter the absorbed decode never sees; the MoE router; embedding / lm_head) are refused.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from torch import nn
 from torch.autograd import Function
 
 from ..architectures import LORA_TARGETS as ALIGNED_LORA_TARGETS
+from ..architectures import MLA_LORA_TARGETS, REFUSED_LORA_TARGETS
 from .derived import DerivedWeight
 from .ops import _observable
 
@@ -49,7 +53,28 @@ WEIGHTS_FILE = "adapter_model.safetensors"
 _TENSOR_NAME = re.compile(
     r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_(A|B)\.weight$"
 )
-_PARENT = {**{t: "self_attn" for t in ATTENTION_TARGETS}, **{t: "mlp" for t in MLP_TARGETS}}
+# Multi-head latent attention (DeepSeek-V2/V3): the linears of the aligned model's MLA layer and the
+# checkpoint modules vLLM adapts in each (its fused_qkv_a_proj: q_a_proj and kv_a_proj_with_mqa).
+MLA_ATTENTION_TARGETS = tuple(t for t in MLA_LORA_TARGETS if t not in MLP_TARGETS)
+_MLA_COMMON = {"o": ("o_proj",), "gate_up": ("gate_proj", "up_proj"), "down": ("down_proj",)}
+MLA_MERGED_TARGETS = {"q": ("q_proj",), "kv_a": ("kv_a_proj_with_mqa",), **_MLA_COMMON}
+MLA_Q_LORA_MERGED_TARGETS = {"qkv_a": ("q_a_proj", "kv_a_proj_with_mqa"), "q": ("q_b_proj",), **_MLA_COMMON}
+
+_PARENT = {
+    **{t: "self_attn" for t in ATTENTION_TARGETS + MLA_ATTENTION_TARGETS},
+    **{t: "mlp" for t in MLP_TARGETS},
+}
+
+
+def supported_lora_targets(model_config) -> tuple[str, ...]:
+    """The checkpoint modules the aligned LoRA path adapts for this model: the dense linears, or
+    for multi-head latent attention the projections vLLM applies an adapter to on every token
+    (``q_proj`` without, ``q_a_proj`` / ``q_b_proj`` with a query low-rank projection)."""
+    if getattr(model_config, "kv_lora_rank", None) is None:
+        return ALIGNED_LORA_TARGETS
+    has_q_lora = getattr(model_config, "q_lora_rank", None) is not None
+    unused = ("q_proj",) if has_q_lora else ("q_a_proj", "q_b_proj")
+    return tuple(t for t in MLA_LORA_TARGETS if t not in unused)
 
 
 def lora_scaling(alpha: float, r: int, use_rslora: bool = False) -> float:
@@ -103,9 +128,9 @@ class LoRAConfig:
         )
 
 
-def unsupported_lora_settings(config: dict) -> list[str]:
+def unsupported_lora_settings(config: dict, supported: tuple[str, ...] = ALIGNED_LORA_TARGETS) -> list[str]:
     """Every setting of a PEFT adapter config the aligned LoRA path does not run, with the change
-    that fixes it. Framework-free: ``validate-config`` uses it too."""
+    that fixes it; ``supported``: the model's targets (:func:`supported_lora_targets`)."""
     out = []
     peft_type = config.get("peft_type", "LORA")
     if str(peft_type).upper() != "LORA":
@@ -131,17 +156,19 @@ def unsupported_lora_settings(config: dict) -> list[str]:
         out.append("lora_bias / QA-LoRA: not supported; train a plain LoRA")
     targets = config.get("target_modules")
     if isinstance(targets, str):
-        targets = [targets] if targets in ALIGNED_LORA_TARGETS else None
+        targets = [targets] if targets in supported else None
         if targets is None:
             out.append(
                 f"target_modules={config['target_modules']!r}: give the target modules as a list "
-                f"of names from {list(ALIGNED_LORA_TARGETS)}"
+                f"of names from {list(supported)}"
             )
     if isinstance(targets, (list, tuple)):
-        bad = [t for t in targets if t not in ALIGNED_LORA_TARGETS]
+        refused = [t for t in targets if t in REFUSED_LORA_TARGETS]
+        out.extend(f"target_modules {t!r}: {REFUSED_LORA_TARGETS[t]}; remove it" for t in refused)
+        bad = [t for t in targets if t not in supported and t not in refused]
         if bad:
             out.append(
-                f"target_modules {bad}: the aligned LoRA path covers {list(ALIGNED_LORA_TARGETS)} "
+                f"target_modules {bad}: the aligned LoRA path covers {list(supported)} "
                 "(embeddings, lm_head and MoE experts are not aligned)"
             )
         if not targets:
@@ -154,16 +181,16 @@ def unsupported_lora_settings(config: dict) -> list[str]:
     return out
 
 
-def read_lora_config(adapter_dir: str | os.PathLike) -> LoRAConfig:
+def read_lora_config(adapter_dir: str | os.PathLike, supported: tuple[str, ...] = ALIGNED_LORA_TARGETS) -> LoRAConfig:
     """Read and check ``adapter_config.json`` with vLLM's ``PEFTHelper``; refuse what the aligned
-    path does not run, naming each setting."""
+    path does not run for a model adapting ``supported``, naming each setting."""
     from vllm.lora.peft_helper import PEFTHelper
 
     path = Path(adapter_dir) / CONFIG_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{path}: a PEFT adapter directory needs {CONFIG_FILE} and {WEIGHTS_FILE}")
     raw = json.loads(path.read_text())
-    problems = unsupported_lora_settings(raw)
+    problems = unsupported_lora_settings(raw, supported)
     if problems:
         raise NotImplementedError(f"{adapter_dir}: LoRA adapter not supported: " + "; ".join(problems))
     helper = PEFTHelper.from_dict({**raw, "vllm_max_position_embeddings": None})
@@ -228,12 +255,31 @@ class _LoRAPair(nn.Module):
 def _target_shapes(config, head_dim: int) -> dict[str, tuple[int, int]]:
     """(out_features, in_features) of every LoRA target of a dense decoder layer."""
     h, inter = config.hidden_size, config.intermediate_size
+    if getattr(config, "kv_lora_rank", None) is not None:
+        return _mla_target_shapes(config)
     q = config.num_attention_heads * head_dim
     kv = config.num_key_value_heads * head_dim
     return dict(
         q_proj=(q, h), k_proj=(kv, h), v_proj=(kv, h), o_proj=(h, q),
         gate_proj=(inter, h), up_proj=(inter, h), down_proj=(h, inter),
     )
+
+
+def _mla_target_shapes(config) -> dict[str, tuple[int, int]]:
+    """(out_features, in_features) of every LoRA target of an MLA decoder layer with a dense MLP."""
+    h, heads = config.hidden_size, config.num_attention_heads
+    q = heads * (config.qk_nope_head_dim + config.qk_rope_head_dim)
+    shapes = dict(
+        kv_a_proj_with_mqa=(config.kv_lora_rank + config.qk_rope_head_dim, h),
+        o_proj=(h, heads * config.v_head_dim),
+        gate_proj=(config.intermediate_size, h), up_proj=(config.intermediate_size, h),
+        down_proj=(h, config.intermediate_size),
+    )
+    if getattr(config, "q_lora_rank", None) is None:
+        shapes.update(q_proj=(q, h))
+    else:
+        shapes.update(q_a_proj=(config.q_lora_rank, h), q_b_proj=(q, config.q_lora_rank))
+    return shapes
 
 
 class LoRAAdapter(nn.Module):
@@ -299,7 +345,7 @@ class LoRAAdapter(nn.Module):
     def from_dir(cls, adapter_dir: str | os.PathLike, model_config, head_dim: int) -> "LoRAAdapter":
         from safetensors.torch import load_file
 
-        lora_config = read_lora_config(adapter_dir)
+        lora_config = read_lora_config(adapter_dir, supported_lora_targets(model_config))
         path = Path(adapter_dir) / WEIGHTS_FILE
         if not path.is_file():
             raise FileNotFoundError(f"{path}: the adapter's weights ({WEIGHTS_FILE}) are missing")
@@ -313,20 +359,23 @@ def build_adapter(
     model_dir: str | os.PathLike,
     r: int = 8,
     lora_alpha: float = 16,
-    targets=ALIGNED_LORA_TARGETS,
+    targets=None,
     use_rslora: bool = False,
     seed: int = 0,
     std: float = 0.05,
 ) -> Path:
     """Write a random PEFT adapter for the checkpoint in ``model_dir`` (A and B both non-zero, so
-    the adapter changes the logits from the first step; PEFT's own init has B = 0)."""
+    the adapter changes the logits from the first step; PEFT's own init has B = 0). ``targets``:
+    by default every module the aligned path adapts for that model."""
     from transformers import AutoConfig
 
     from ..architectures import describe
 
     model_config = AutoConfig.from_pretrained(str(model_dir))
+    supported = supported_lora_targets(model_config)
+    targets = supported if targets is None else targets
     config = LoRAConfig(r=r, lora_alpha=lora_alpha, targets=tuple(targets), use_rslora=use_rslora)
-    problems = unsupported_lora_settings(config.as_peft_dict())
+    problems = unsupported_lora_settings(config.as_peft_dict(), supported)
     if problems:
         raise ValueError("; ".join(problems))
     adapter = LoRAAdapter(config, model_config, describe(model_config).head_dim)
@@ -527,16 +576,20 @@ class _LoRALinearFn(Function):
         return (gx.reshape(x.shape).to(x.dtype), None, *grads)
 
 
-def lora_linears(runtime, adapter: LoRAAdapter, base_ops: list[dict]) -> list[dict]:
-    """The LoRA op of every merged linear an adapter targets, per layer: ``{"qkv": op, ...}``."""
+def lora_linears(runtime, adapter: LoRAAdapter, base_ops: list[dict], merged=MERGED_TARGETS) -> list[dict]:
+    """The LoRA op of every merged linear an adapter targets, per layer: ``{"qkv": op, ...}``;
+    ``merged``: the model's linears (key of its op) and the checkpoint modules stacked in each."""
     mapping = _TokenMapping(runtime)
     out = []
     for i, ops in enumerate(base_ops):
         layer = {}
-        for key, parts in MERGED_TARGETS.items():
+        for key, parts in merged.items():
             pairs = [adapter.pair(i, part) for part in parts]
-            if any(p is not None for p in pairs):
-                layer[key] = AlignedLoRALinear(runtime, ops[key], pairs, adapter.lora_config, mapping)
+            if all(p is None for p in pairs):
+                continue
+            if key not in ops:
+                raise NotImplementedError(f"layer {i} has no {key} linear for the adapter's {list(parts)}")
+            layer[key] = AlignedLoRALinear(runtime, ops[key], pairs, adapter.lora_config, mapping)
         out.append(layer)
     return out
 

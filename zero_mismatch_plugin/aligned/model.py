@@ -340,16 +340,17 @@ class AlignedCausalLM(nn.Module):
         attention of :class:`.mla.AlignedMLAAttention` and o_proj."""
         ops, mla = self.layer_ops[layer], self.blocks.mla
         latent_size = mla.kv_lora_rank + mla.qk_rope_head_dim
+        linear = functools.partial(self._linear, layer)  # the adapter's op where it targets the linear
         if mla.q_lora_rank is None:
-            kv_lora = ops["kv_a"](hidden)
+            kv_lora = linear("kv_a", hidden)
             q_input = hidden
         else:
-            q_c, kv_lora = ops["qkv_a"](hidden).split([mla.q_lora_rank, latent_size], dim=-1)
+            q_c, kv_lora = linear("qkv_a", hidden).split([mla.q_lora_rank, latent_size], dim=-1)
             q_input = ops["q_a_norm"](q_c)
         kv_c, k_pe = kv_lora.split([mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1)
         kv_c_normed = ops["kv_a_norm"](kv_c)
         t = hidden.shape[0]
-        q = ops["q"](q_input).view(t, self.num_heads, mla.qk_head_dim)
+        q = linear("q", q_input).view(t, self.num_heads, mla.qk_head_dim)
         q_nope, q_pe = q.split([mla.qk_nope_head_dim, mla.qk_rope_head_dim], dim=-1)
         if self.rotary_per_head:
             # DeepSeek's scaled rotaries (forward_native) broadcast over the head axis MLA passes.
@@ -359,7 +360,7 @@ class AlignedCausalLM(nn.Module):
             q_pe, k_pe = self.rotary(positions, q_pe.reshape(t, -1), k_pe)
         q = torch.cat([q_nope, q_pe.reshape(t, self.num_heads, mla.qk_rope_head_dim)], dim=-1)
         k_pe = k_pe.reshape(t, mla.qk_rope_head_dim)
-        return ops["o"](ops["mla"](q, kv_c_normed, k_pe, plan))
+        return linear("o", ops["mla"](q, kv_c_normed, k_pe, plan))
 
     # ----- LoRA ------------------------------------------------------------------------------
 
@@ -368,8 +369,11 @@ class AlignedCausalLM(nn.Module):
         targeted linears then run vLLM's LoRA arithmetic (:mod:`.lora`), never a merged weight."""
         from .lora import LoRAAdapter
 
-        if self.blocks.attention == "mla":
-            raise NotImplementedError(f"{self.architecture}: LoRA on multi-head latent attention is not covered yet")
+        if self.blocks.attention == "mla" and self.blocks.moe is not None:
+            raise NotImplementedError(
+                f"{self.architecture}: LoRA on an MLA checkpoint with Mixture-of-Experts layers is not aligned "
+                "(vLLM's CPU engine serves no LoRA on MoE layers); use a checkpoint with dense MLPs"
+            )
         adapter = LoRAAdapter.from_dir(lora_dir, self.config, self.head_dim)
         for p in self.parameters():
             p.requires_grad_(False)
@@ -380,9 +384,12 @@ class AlignedCausalLM(nn.Module):
         self.lora_enabled = getattr(self, "lora", None) is not None
         self.lora_ops = [{} for _ in self.layer_ops]
         if self.lora_enabled:
-            from .lora import lora_linears
+            from .lora import MERGED_TARGETS, MLA_MERGED_TARGETS, MLA_Q_LORA_MERGED_TARGETS, lora_linears
 
-            self.lora_ops = lora_linears(self.runtime, self.lora, self.layer_ops)
+            merged = MERGED_TARGETS
+            if self.blocks.attention == "mla":
+                merged = MLA_MERGED_TARGETS if self.blocks.mla.q_lora_rank is None else MLA_Q_LORA_MERGED_TARGETS
+            self.lora_ops = lora_linears(self.runtime, self.lora, self.layer_ops, merged)
 
     @contextlib.contextmanager
     def adapter_disabled(self):

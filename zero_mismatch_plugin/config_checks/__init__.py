@@ -42,9 +42,10 @@ def algorithm_checks() -> tuple[Check, ...]:
 def run_checks() -> tuple[Check, ...]:
     from .alignment import alignment_problems
     from .cluster import cluster_problems
+    from .lora import lora_problems
     from .numerics import numerics_problems
 
-    return cluster_problems, numerics_problems, alignment_problems
+    return cluster_problems, numerics_problems, lora_problems, alignment_problems
 
 
 def check_config(cfg: DictConfig) -> list[Problem]:

@@ -22,7 +22,9 @@ from zero_mismatch_plugin import architectures
 from zero_mismatch_plugin.megatron.verl_patch import ENABLE_ENV
 from zero_mismatch_plugin.verl_adapter.fsdp_aligned import ENABLE_ENV as FSDP_ENABLE_ENV
 
-from .cluster import MEGATRON, ROLLOUT, lora_rank, uses_megatron
+from .cluster import MEGATRON, ROLLOUT, uses_megatron
+from .lora import lora_gaps as _lora_gaps
+from .lora import lora_targets  # noqa: F401 - the config checks' public name
 from .numerics import is_consistent, runtime_env_vars
 from .problems import Problem
 from .values import ENV_VARS_KEY, ConfigValueError, read
@@ -178,33 +180,6 @@ def _rollout_gaps(cfg: DictConfig) -> list[str]:
         if size != 1:
             gaps.append(f"rollout {name} parallelism {size} (the aligned forward reproduces a 1-GPU vLLM replica)")
     return gaps
-
-
-def lora_targets(cfg: DictConfig) -> list[str]:
-    """The LoRA target modules the config names (verl reads ``model.lora.target_modules``, older
-    configs ``model.target_modules``); empty when it names none."""
-    from omegaconf import OmegaConf
-
-    for key in ("actor_rollout_ref.model.lora.target_modules", "actor_rollout_ref.model.target_modules"):
-        value = OmegaConf.select(cfg, key, default=None)
-        if value is not None:
-            return [value] if isinstance(value, str) else [str(t) for t in value]
-    return []
-
-
-def _lora_gaps(cfg: DictConfig) -> list[str]:
-    """LoRA is aligned in the aligned model face (vLLM's dense LoRA arithmetic on q/k/v/o and
-    gate/up/down), not yet in verl's Megatron engine; targets outside those linears never are."""
-    rank = lora_rank(cfg)
-    if rank <= 0:
-        return []
-    covered = architectures.LORA_TARGETS + architectures.MEGATRON_LORA_TARGETS
-    uncovered = [t for t in lora_targets(cfg) if t not in covered]
-    gap = f"LoRA adapters (rank {rank}) in verl's Megatron engine (the aligned LoRA path runs in the aligned model face)"
-    if uncovered:
-        gap += (f"; LoRA targets outside the dense linears the aligned LoRA path adapts "
-                f"({', '.join(architectures.MEGATRON_LORA_TARGETS)}): {', '.join(uncovered)}")
-    return [gap]
 
 
 def alignment_gaps(cfg: DictConfig, architecture: Architecture) -> list[str]:

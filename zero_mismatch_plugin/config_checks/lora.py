@@ -1,0 +1,55 @@
+"""The LoRA part of a verl config's checks: which targets the aligned LoRA path adapts, which it
+refuses (vLLM does not apply them to every token), and what stays unaligned."""
+
+from __future__ import annotations
+
+from omegaconf import DictConfig
+
+from zero_mismatch_plugin import architectures
+
+from .cluster import lora_rank
+from .numerics import is_consistent
+from .problems import Problem
+
+TARGETS_KEY = "actor_rollout_ref.model.lora.target_modules"
+# Every name the aligned LoRA path adapts, under the checkpoint's and megatron-core's names.
+COVERED = tuple(dict.fromkeys(architectures.LORA_TARGETS + architectures.MEGATRON_LORA_TARGETS
+                              + architectures.MLA_LORA_TARGETS + architectures.MEGATRON_MLA_LORA_TARGETS))
+
+
+def lora_targets(cfg: DictConfig) -> list[str]:
+    """The LoRA target modules the config names (verl reads ``model.lora.target_modules``, older
+    configs ``model.target_modules``); empty when it names none."""
+    from omegaconf import OmegaConf
+
+    for key in (TARGETS_KEY, "actor_rollout_ref.model.target_modules"):
+        value = OmegaConf.select(cfg, key, default=None)
+        if value is not None:
+            return [value] if isinstance(value, str) else [str(t) for t in value]
+    return []
+
+
+def lora_gaps(cfg: DictConfig) -> list[str]:
+    """LoRA is aligned in the aligned model face (vLLM's LoRA arithmetic on the dense linears and
+    on the MLA projections vLLM adapts), not in verl's Megatron engine, whose LoRA wiring
+    (Megatron-Bridge PEFT) is not installed here; targets outside those linears never are."""
+    rank = lora_rank(cfg)
+    if rank <= 0:
+        return []
+    uncovered = [t for t in lora_targets(cfg) if t not in COVERED]
+    gap = (f"LoRA adapters (rank {rank}) in verl's Megatron engine (its Megatron-Bridge PEFT wiring is "
+           "not installed; the aligned LoRA path runs in the aligned model face)")
+    if uncovered:
+        gap += (f"; LoRA targets outside the linears the aligned LoRA path adapts "
+                f"({', '.join(architectures.MEGATRON_LORA_TARGETS + architectures.MEGATRON_MLA_LORA_TARGETS)}): "
+                f"{', '.join(uncovered)}")
+    return [gap]
+
+
+def lora_problems(cfg: DictConfig) -> list[Problem]:
+    """With consistent numerics, a LoRA target vLLM does not apply to every token is an error:
+    trained in the trainer, it would be (partly) missing from the rollout's logprobs."""
+    if lora_rank(cfg) <= 0 or not is_consistent(cfg):
+        return []
+    return [Problem(TARGETS_KEY, f"{t}: {architectures.REFUSED_LORA_TARGETS[t]}; remove {t} from the targets")
+            for t in lora_targets(cfg) if t in architectures.REFUSED_LORA_TARGETS]
