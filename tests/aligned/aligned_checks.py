@@ -222,3 +222,34 @@ def check_prefix_hit_equals_miss(llm, turns, seed, min_cached):
     assert min(cached) > min_cached and miss_cached == [0] * len(prompts)
     assert miss_responses == responses
     assert torch.equal(miss_mu, mu)
+
+
+def check_lora_backward_matches_float64(trainer, rows, reference):
+    """The adapter's aligned gradient vs float64 autograd, per A and B; the frozen base gets none.
+
+    ``rows``: engine rollouts (prompt, response, μ, ...) with the trainer's adapter; ``reference(trainer)``:
+    a float64 model carrying the same base and adapter, and ``{trainer adapter parameter name:
+    its reference parameter}``. Returns the worst relative error."""
+    batch = pack([r[0] for r in rows], [r[1] for r in rows])
+    coeffs = torch.randn(batch.target_ids.numel(), generator=torch.Generator().manual_seed(0))
+
+    trainer.zero_grad(set_to_none=True)
+    (trainer.token_logprobs(batch) * coeffs).sum().backward()
+    base = {n: p for n, p in trainer.named_parameters() if not n.startswith("lora.")}
+    assert base and all(p.grad is None and not p.requires_grad for p in base.values())
+    aligned = {n: p.grad.detach().clone() for n, p in trainer.lora.named_parameters()}
+    trainer.zero_grad(set_to_none=True)
+
+    model, params = reference(trainer)
+    lp = hf_token_logprobs(model, [r[0] for r in rows], [r[1] for r in rows])
+    # The reference reads the same adapter: its forward agrees with the engine to round-off.
+    assert (lp - torch.cat([r[2] for r in rows]).double()).abs().max().item() < 1e-4
+    (lp * coeffs.double()).sum().backward()
+    assert set(params) == set(aligned)
+    worst = 0.0
+    for name, g in aligned.items():
+        ref = params[name].grad
+        rel = ((g.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+        worst = max(worst, rel)
+        assert rel < GRAD_REL_TOL, f"{name}: relative gradient error {rel:.3g}"
+    return worst

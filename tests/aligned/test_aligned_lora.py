@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import time
 
+import aligned_checks as checks
 import pytest
 import torch
 
-from vllm_session import MAX_MODEL_LEN, hf_token_logprobs, prompts_for
+from vllm_session import MAX_MODEL_LEN, prompts_for
 
 from zero_mismatch_plugin.aligned import SamplingTransform, pack
 from zero_mismatch_plugin.aligned.lora import build_adapter, merged_lora_weight
@@ -31,7 +32,6 @@ ADAPTERS = {
     "qv16": dict(r=16, lora_alpha=32, targets=("q_proj", "v_proj"), seed=13),
 }
 ADAPTER_IDS = {"r8": 1, "r32": 2, "qv16": 3}
-GRAD_REL_TOL = 1e-4
 
 
 class LoRAEngines:
@@ -219,40 +219,29 @@ def _peft_reference(trainer, adapter_dir, dtype):
     return model.eval()
 
 
+def _peft_parameters(adapter_dir):
+    """``reference(trainer)`` for the gradient check: transformers + PEFT in float64 and its A / B
+    under the trainer's adapter parameter names."""
+
+    def reference(trainer):
+        model = _peft_reference(trainer, adapter_dir, torch.float64)
+        params = {}
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                # base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight
+                parts = name.split(".")
+                params[f"layers.{parts[4]}.{parts[6]}.{parts[7]}"] = p
+        return model, params
+
+    return reference
+
+
 def test_lora_backward_matches_float64_and_base_gets_no_gradient(model, lora_engines, lora_trainers, adapters):
     llm = lora_engines.get(model)
     trainer = lora_trainers(model, "r32")
     prompts = prompts_for(trainer.runtime.model_dir)
     rows = generate(llm, prompts, [lora_request(adapters, model, "r32")] * len(prompts), seed=400)
-    batch = pack([r[0] for r in rows], [r[1] for r in rows])
-    coeffs = torch.randn(batch.target_ids.numel(), generator=torch.Generator().manual_seed(0))
-
-    trainer.zero_grad(set_to_none=True)
-    (trainer.token_logprobs(batch) * coeffs).sum().backward()
-    base = {n: p for n, p in trainer.named_parameters() if not n.startswith("lora.")}
-    assert base and all(p.grad is None and not p.requires_grad for p in base.values())
-    aligned = {n: p.grad.detach().clone() for n, p in trainer.lora.named_parameters()}
-    trainer.zero_grad(set_to_none=True)
-
-    reference = _peft_reference(trainer, adapters[model, "r32"], torch.float64)
-    lp = hf_token_logprobs(reference, [r[0] for r in rows], [r[1] for r in rows])
-    # The reference reads the same adapter file: its forward agrees with the engine to round-off.
-    assert (lp - torch.cat([r[2] for r in rows]).double()).abs().max().item() < 1e-4
-    (lp * coeffs.double()).sum().backward()
-    ref_grads = {}
-    for name, p in reference.named_parameters():
-        if "lora_" in name:
-            # base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight
-            parts = name.split(".")
-            layer, target, which = parts[4], parts[6], parts[7]
-            ref_grads[f"layers.{layer}.{target}.{which}"] = p.grad
-    assert set(ref_grads) == set(aligned)
-    worst = 0.0
-    for name, g in aligned.items():
-        ref = ref_grads[name]
-        rel = ((g.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
-        worst = max(worst, rel)
-        assert rel < GRAD_REL_TOL, f"{name}: relative gradient error {rel:.3g}"
+    worst = checks.check_lora_backward_matches_float64(trainer, rows, _peft_parameters(adapters[model, "r32"]))
     print(f"{model}: worst relative LoRA gradient error vs float64 {worst:.3g}")
 
 

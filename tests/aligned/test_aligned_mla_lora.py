@@ -13,11 +13,11 @@ import json
 
 import pytest
 import torch
-from test_aligned_lora import GRAD_REL_TOL, LORA_ENGINE, LoRAEngines, assert_bitwise, generate, score
+import aligned_checks as checks
+from test_aligned_lora import LORA_ENGINE, assert_bitwise, generate, lora_engines, score  # noqa: F401 - a fixture
 from torch import nn
-from vllm_session import MAX_MODEL_LEN, hf_token_logprobs, prompts_for
+from vllm_session import prompts_for
 
-from zero_mismatch_plugin.aligned import pack
 from zero_mismatch_plugin.aligned.lora import (
     LoRAConfig,
     build_adapter,
@@ -39,14 +39,13 @@ def model(request):
     return request.param
 
 
-@pytest.fixture(scope="module")
-def lora_engines(engines, checkpoints):
-    # Lets collective_rpc carry a function to the engine's worker (read when engines (de)serialize).
+@pytest.fixture(scope="module", autouse=True)
+def engine_accepts_functions():
+    """Lets ``collective_rpc`` carry a function to the engine's worker; set before this module's
+    engines start and kept until they are closed (``lora_engines`` is torn down first)."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
-        holder = LoRAEngines(engines, checkpoints)
-        yield holder
-        holder.close()
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -212,29 +211,7 @@ def test_mla_lora_backward_matches_float64_and_base_gets_no_gradient(model, lora
     trainer = lora_trainers(model)
     prompts = prompts_for(trainer.runtime.model_dir)[:4]
     rows = generate(llm, prompts, [_request(adapters, model)] * len(prompts), seed=60)
-    batch = pack([r[0] for r in rows], [r[1] for r in rows])
-    coeffs = torch.randn(batch.target_ids.numel(), generator=torch.Generator().manual_seed(0))
-
-    trainer.zero_grad(set_to_none=True)
-    (trainer.token_logprobs(batch) * coeffs).sum().backward()
-    base = {n: p for n, p in trainer.named_parameters() if not n.startswith("lora.")}
-    assert base and all(p.grad is None and not p.requires_grad for p in base.values())
-    aligned = {n: p.grad.detach().clone() for n, p in trainer.lora.named_parameters()}
-    trainer.zero_grad(set_to_none=True)
-
-    reference, ref_params = _float64_reference(trainer)
-    lp = hf_token_logprobs(reference, [r[0] for r in rows], [r[1] for r in rows])
-    # The reference carries the same adapter: its forward agrees with the engine to round-off.
-    assert (lp - torch.cat([r[2] for r in rows]).double()).abs().max().item() < 1e-4
-    (lp * coeffs.double()).sum().backward()
-    assert set(ref_params) == set(aligned)
-    ref_grads = {n: p.grad for n, p in ref_params.items()}
-    worst = 0.0
-    for name, g in aligned.items():
-        ref = ref_grads[name]
-        rel = ((g.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
-        worst = max(worst, rel)
-        assert rel < GRAD_REL_TOL, f"{name}: relative gradient error {rel:.3g}"
+    worst = checks.check_lora_backward_matches_float64(trainer, rows, _float64_reference)
     print(f"{model}: worst relative LoRA gradient error vs float64 {worst:.3g}")
 
 
@@ -248,3 +225,29 @@ def test_mla_adapter_targets_the_engine_ignores_are_refused(checkpoints, tmp_pat
         config_path.write_text(json.dumps({**config, "target_modules": ["q_proj", target]}))
         with pytest.raises(NotImplementedError, match=f"{target}.*{reason}"):
             AlignedCausalLM.from_pretrained(checkpoints["deepseek_v2"], lora_dir=path, **LORA_ENGINE)
+
+
+def _engine_embedding_lora_layers(worker):
+    """In the engine's worker: the LoRA layer classes on the embedding and the logits (lm_head) side."""
+    from vllm.lora.layers import BaseLayerWithLoRA
+
+    model = worker.model_runner.model
+    return sorted(type(m).__name__ for n, m in model.named_modules()
+                  if isinstance(m, BaseLayerWithLoRA) and ".layers." not in n)
+
+
+def test_engine_serves_embedding_and_lm_head_adapters_for_llama_only(lora_engines, tmp_path):
+    """vLLM 0.31 adapts embed_tokens and lm_head for models that list ``embedding_modules`` (Llama:
+    VocabParallelEmbeddingWithLoRA, LogitsProcessorWithLoRA), not for DeepSeek-V2/V3 (the first
+    test). The aligned path adapts neither and refuses both targets, naming why."""
+    from zero_mismatch_plugin.aligned import AlignedCausalLM
+
+    llm = lora_engines.get("llama")
+    layers = llm.collective_rpc(_engine_embedding_lora_layers)[0]
+    print(f"llama: engine LoRA layers outside the decoder layers: {layers}")
+    assert layers == ["LogitsProcessorWithLoRA", "VocabParallelEmbeddingWithLoRA"]
+    path = build_adapter(tmp_path / "llama", lora_engines.checkpoints["llama"], r=8, targets=("q_proj",))
+    config = json.loads((path / "adapter_config.json").read_text())
+    (path / "adapter_config.json").write_text(json.dumps({**config, "target_modules": ["q_proj", "embed_tokens", "lm_head"]}))
+    with pytest.raises(NotImplementedError, match="embed_tokens.*embedding_modules.*lm_head.*embedding_modules"):
+        AlignedCausalLM.from_pretrained(lora_engines.checkpoints["llama"], lora_dir=path, **LORA_ENGINE)
