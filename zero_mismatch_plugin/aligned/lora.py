@@ -15,8 +15,8 @@ An adapter is read from and written to PEFT's format (``adapter_config.json`` +
 wraps (``ALIGNED_LORA_TARGETS``), and on multi-head latent attention the projections vLLM applies
 an adapter to on every token (``supported_lora_targets``: q / q_a / q_b, kv_a, o). DoRA, adapter
 biases, ``modules_to_save``, per-module rank or alpha patterns, ``fan_in_fan_out``, and the
-targets vLLM does not apply to every token (``REFUSED_LORA_TARGETS``: MLA's kv_b_proj, whose
-adapter the absorbed decode never sees; the MoE router; embedding / lm_head) are refused.
+targets vLLM does not apply (``REFUSED_LORA_TARGETS``: MLA's kv_b_proj, which vLLM wraps but
+never applies; the MoE router; embedding / lm_head) are refused.
 """
 
 from __future__ import annotations
@@ -253,7 +253,7 @@ class _LoRAPair(nn.Module):
 
 
 def _target_shapes(config, head_dim: int) -> dict[str, tuple[int, int]]:
-    """(out_features, in_features) of every LoRA target of a dense decoder layer."""
+    """(out_features, in_features) of every LoRA target of a decoder layer (dense or MLA attention)."""
     h, inter = config.hidden_size, config.intermediate_size
     if getattr(config, "kv_lora_rank", None) is not None:
         return _mla_target_shapes(config)

@@ -369,11 +369,6 @@ class AlignedCausalLM(nn.Module):
         targeted linears then run vLLM's LoRA arithmetic (:mod:`.lora`), never a merged weight."""
         from .lora import LoRAAdapter
 
-        if self.blocks.attention == "mla" and self.blocks.moe is not None:
-            raise NotImplementedError(
-                f"{self.architecture}: LoRA on an MLA checkpoint with Mixture-of-Experts layers is not aligned "
-                "(vLLM's CPU engine serves no LoRA on MoE layers); use a checkpoint with dense MLPs"
-            )
         adapter = LoRAAdapter.from_dir(lora_dir, self.config, self.head_dim)
         for p in self.parameters():
             p.requires_grad_(False)
