@@ -237,7 +237,7 @@ def test_the_local_config_json_decides_the_architecture(tmp_path):
     # config.json wins over a declared dense architecture.
     message = _all_problems("reinforce_zero", f"actor_rollout_ref.model.path={moe}")[SWITCH]
     assert f"a path for Qwen3MoeForCausalLM (from {moe}/config.json" in message
-    assert "the aligned model face covers it, verl's engines do not yet" in message
+    assert "verl's FSDP engine covers it (zm_engine: fsdp_aligned), its Megatron engine does not yet" in message
     assert "--allow-unaligned-trainer" in message
 
 

@@ -247,7 +247,7 @@ ALIGNMENT = [
           says(f"{ENV}.ZMRL_MEGATRON_ALIGNED", r"the aligned trainer forward does not cover this run.*"
                                                r"missing: a path for Qwen3MoeForCausalLM")),
     error("local-moe-checkpoint", lambda: validate(f"actor_rollout_ref.model.path={model_dir(MOE_CONFIG)}"),
-          r"a path for Qwen3MoeForCausalLM \(from .*config.json: the aligned model face covers it, verl's engines do not yet"),
+          r"a path for Qwen3MoeForCausalLM \(from .*config.json: verl's FSDP engine covers it \(zm_engine: fsdp_aligned\), its Megatron engine does not yet"),
     error("local-qwen2-with-sliding-window",
           lambda: validate("actor_rollout_ref.model.path=" + model_dir(
               {"architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True, "sliding_window": 4096})),

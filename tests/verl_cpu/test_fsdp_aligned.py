@@ -1,9 +1,9 @@
 """The aligned forward inside verl's FSDP2 units (zero_mismatch_plugin.verl_adapter.fsdp_aligned).
 
-In-process, one gloo rank: an HF checkpoint wrapped by verl's own ``apply_fsdp2`` computes the
-same logits and the same parameter gradients, bit for bit, as the aligned model
-(``AlignedCausalLM``, whose logprobs the aligned tests compare against vLLM's engine), also after
-an optimizer step. The end-to-end check against vLLM's μ inside verl's trainer is
+In-process, one gloo rank: an HF checkpoint (dense, or Mixture-of-Experts with transformers'
+stacked experts) wrapped by verl's own ``apply_fsdp2`` computes the same logits and the same
+parameter gradients, bit for bit, as the aligned model (``AlignedCausalLM``, whose logprobs the
+aligned tests compare against vLLM's engine), also after an optimizer step. The end-to-end check against vLLM's μ inside verl's trainer is
 ``test_main_ppo_cpu.py``.
 """
 
@@ -71,7 +71,48 @@ def _full(tensor):
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def _reference_grads(reference) -> dict:
+    """The aligned model's gradients under the names of transformers' module tree: per-expert
+    gate/up/down (checkpoint names) stacked as transformers' ``experts.gate_up_proj`` ([gate; up]
+    per expert) and ``experts.down_proj``, Mixtral's ``block_sparse_moe`` as ``mlp``."""
+    import re
+
+    from zero_mismatch_plugin.architectures import MOE_CHECKPOINT_NAMES
+
+    grads, experts = {}, {}
+    for name, param in reference.named_parameters():
+        if param.grad is None:  # the selection bias of sigmoid routing steers, it is not trained
+            continue
+        name = name.replace(".block_sparse_moe.", ".mlp.")
+        match = re.fullmatch(r"(.*\.mlp\.experts)\.(\d+)\.(\w+)\.weight", name)
+        if match:
+            experts.setdefault(match[1], {}).setdefault(match[3], {})[int(match[2])] = param.grad
+        else:
+            grads[name] = param.grad
+    gate, up, down = MOE_CHECKPOINT_NAMES[reference.blocks.moe.names][2] if experts else (None, None, None)
+    for prefix, by_kind in experts.items():
+        count = len(by_kind[down])
+        grads[f"{prefix}.gate_up_proj"] = torch.stack(
+            [torch.cat([by_kind[gate][e], by_kind[up][e]]) for e in range(count)])
+        grads[f"{prefix}.down_proj"] = torch.stack([by_kind[down][e] for e in range(count)])
+    return grads
+
+
+def _assert_same_gradients(model, reference):
+    expected = _reference_grads(reference)
+    fsdp_params = dict(model.named_parameters())
+    assert set(expected) <= set(fsdp_params), set(expected) - set(fsdp_params)
+    for name, reference_grad in expected.items():
+        assert fsdp_params[name].grad is not None, f"{name} got no gradient"
+        gradient = _full(fsdp_params[name].grad)
+        assert torch.equal(gradient, reference_grad), (name, (gradient - reference_grad).abs().max())
+
+
+# Dense decoders, and the Mixture-of-Experts families (transformers' stacked experts; Qwen2-MoE's
+# gated shared expert; GLM-4.5's sigmoid routing in groups, shared experts, a dense first layer and
+# partial rotary).
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_moe", "qwen3_moe_padded", "qwen2_moe", "mixtral",
+                                    "glm4_moe"])
 def test_fsdp2_units_give_the_aligned_models_logits_and_gradients(process_group, checkpoints, family):
     from zero_mismatch_plugin.aligned import AlignedCausalLM
     from zero_mismatch_plugin.aligned.runtime import VllmRuntime
@@ -80,29 +121,26 @@ def test_fsdp2_units_give_the_aligned_models_logits_and_gradients(process_group,
     aligned = AlignedFSDPForward(VllmRuntime(checkpoints[family], dtype="float32"), model.config)
     reference = AlignedCausalLM.from_pretrained(checkpoints[family])
     batch = _batch()
+    optimizers = (torch.optim.SGD(model.parameters(), lr=0.5), torch.optim.SGD(reference.parameters(), lr=0.5))
 
-    logits = aligned.logits(model, _packed(batch)).index_select(0, batch.target_rows)
-    expected = reference.logits(batch)
-    assert torch.equal(logits, expected), (logits - expected).abs().max().item()
-
-    _target_logprob_sum(logits, batch).backward()
-    _target_logprob_sum(expected, batch).backward()
-    reference_params = dict(reference.named_parameters())
-    fsdp_params = dict(model.named_parameters())
-    assert set(reference_params) <= set(fsdp_params)
-    for name, reference_param in reference_params.items():
-        gradient = _full(fsdp_params[name].grad)
-        assert torch.equal(gradient, reference_param.grad), (name, (gradient - reference_param.grad).abs().max())
-
-    # One optimizer step on both sides, then the engine's signal (mark_stale) that the shards changed.
-    for optimizer in (torch.optim.SGD(model.parameters(), lr=0.5), torch.optim.SGD(reference.parameters(), lr=0.5)):
-        optimizer.step()
-        optimizer.zero_grad()
-    with torch.no_grad():
-        aligned.mark_stale()
-        updated = aligned.logits(model, _packed(batch)).index_select(0, batch.target_rows)
+    for step in range(2):
+        # verl's order: the no-grad old-logprob pass first (it builds the ops), then the training forward.
+        with torch.no_grad():
+            before = aligned.logits(model, _packed(batch)).index_select(0, batch.target_rows)
+        logits = aligned.logits(model, _packed(batch)).index_select(0, batch.target_rows)
         expected = reference.logits(batch)
-    assert torch.equal(updated, expected), (updated - expected).abs().max().item()
+        assert torch.equal(before, expected), (step, (before - expected).abs().max().item())
+        assert torch.equal(logits, expected), (step, (logits - expected).abs().max().item())
+
+        _target_logprob_sum(logits, batch).backward()
+        _target_logprob_sum(expected, batch).backward()
+        _assert_same_gradients(model, reference)
+
+        # One optimizer step on both sides, then the engine's signal (mark_stale) that the shards changed.
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+        aligned.mark_stale()
 
 
 def test_packed_micro_batch_reads_verls_jagged_layout():
@@ -141,8 +179,8 @@ def test_unsupported_architecture_is_refused(tmp_path):
         AlignedFSDPForward(runtime=None, hf_config=config)
 
 
-@pytest.mark.parametrize("name", ["mistral_window", "qwen3_moe"])
-def test_windowed_and_moe_checkpoints_are_refused_naming_the_switch(checkpoints, name):
+@pytest.mark.parametrize("name", ["mistral_window", "deepseek_v3_moe"])
+def test_windowed_and_latent_attention_checkpoints_are_refused_naming_the_switch(checkpoints, name):
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(str(checkpoints[name]))

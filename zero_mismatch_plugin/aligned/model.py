@@ -172,6 +172,40 @@ def decoder_layer(norms, hidden, residual, positions, heads: AttentionHeads, rot
     return residual_layer(norms, hidden, residual, attention, mlp)
 
 
+def rotary_parameters(config, blocks: Blocks) -> dict | None:
+    """The rope parameters vLLM builds the rotary from: the config's, with the architecture's
+    partial rotary factor where it turns only part of each head."""
+    rope_parameters = getattr(config, "rope_parameters", None)
+    if blocks.partial_rotary_factor != 1.0:
+        rope_parameters = {**(rope_parameters or {}), "partial_rotary_factor": blocks.partial_rotary_factor}
+    return rope_parameters
+
+
+def moe_block_ops(runtime: VllmRuntime, moe, block, router, experts: AlignedMoE) -> dict:
+    """The ops of one MoE block (both trainer forwards that run it: this model and verl's FSDP
+    actor): the ``router`` gate linear, the routed ``experts`` op, and the shared expert of
+    ``block`` (and its gate) where the architecture has one, under the checkpoint's names."""
+    ops = dict(router=AlignedLinear(runtime, [router.weight]), experts=experts)
+    if moe.shared_expert_intermediate_size:
+        shared = getattr(block, _MOE_NAMES[moe.names][3])
+        ops["shared_gate_up"] = AlignedLinear(runtime, [shared.gate_proj.weight, shared.up_proj.weight])
+        ops["shared_down"] = AlignedLinear(runtime, [shared.down_proj.weight])
+        if moe.shared_expert_gate:
+            ops["shared_expert_gate"] = AlignedLinear(runtime, [block.shared_expert_gate.weight])
+    return ops
+
+
+def layer_mlp(ops: dict, act, linear, hidden: torch.Tensor) -> torch.Tensor:
+    """A layer's MLP in vLLM's order: dense SwiGLU (``linear("gate_up" | "down", x)``), or shared
+    expert + routed experts (the ops of :func:`moe_block_ops`)."""
+    if "experts" not in ops:
+        return linear("down", act(linear("gate_up", hidden)))
+    shared = None
+    if "shared_down" in ops:
+        shared = (ops["shared_gate_up"], act, ops["shared_down"], ops.get("shared_expert_gate"))
+    return moe_mlp(hidden, ops["router"], ops["experts"], shared)
+
+
 class AlignedCausalLM(nn.Module):
     """A trainable decoder whose per-token logprobs equal vLLM's, bit for bit."""
 
@@ -240,9 +274,7 @@ class AlignedCausalLM(nn.Module):
         cfg = self.config
         eps = cfg.rms_norm_eps
         max_pos = getattr(cfg, "max_position_embeddings", 8192)
-        rope_parameters = getattr(cfg, "rope_parameters", None)
-        if self.blocks.partial_rotary_factor != 1.0:
-            rope_parameters = {**(rope_parameters or {}), "partial_rotary_factor": self.blocks.partial_rotary_factor}
+        rope_parameters = rotary_parameters(cfg, self.blocks)
         self.act = AlignedSiluAndMul(rt)
         if self.blocks.attention == "mla":
             self._build_mla_ops(max_pos, rope_parameters)
@@ -415,40 +447,23 @@ class AlignedCausalLM(nn.Module):
 
     def _moe_ops(self, layer) -> dict:
         """The router gate, vLLM's MoE layer and any shared expert of one MoE layer."""
-        rt, moe = self.runtime, self.blocks.moe
-        block_name, gate_name, (g, u, d), shared_name = _MOE_NAMES[moe.names]
+        moe = self.blocks.moe
+        block_name, gate_name, (g, u, d), _ = _MOE_NAMES[moe.names]
         block = getattr(layer, block_name)
         gate = getattr(block, gate_name)
-        experts = block.experts
-        ops = dict(
-            router=AlignedLinear(rt, [gate.weight]),
-            experts=AlignedMoE(
-                rt,
-                moe,
-                self.config.hidden_size,
-                [getattr(e, g).weight for e in experts],
-                [getattr(e, u).weight for e in experts],
-                [getattr(e, d).weight for e in experts],
-                getattr(gate, "e_score_correction_bias", None),
-            ),
+        experts = AlignedMoE(
+            self.runtime,
+            moe,
+            self.config.hidden_size,
+            [getattr(e, g).weight for e in block.experts],
+            [getattr(e, u).weight for e in block.experts],
+            [getattr(e, d).weight for e in block.experts],
+            getattr(gate, "e_score_correction_bias", None),
         )
-        if moe.shared_expert_intermediate_size:
-            shared = getattr(block, shared_name)
-            ops["shared_gate_up"] = AlignedLinear(rt, [shared.gate_proj.weight, shared.up_proj.weight])
-            ops["shared_down"] = AlignedLinear(rt, [shared.down_proj.weight])
-            if moe.shared_expert_gate:
-                ops["shared_expert_gate"] = AlignedLinear(rt, [block.shared_expert_gate.weight])
-        return ops
+        return moe_block_ops(self.runtime, moe, block, gate, experts)
 
     def _mlp(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
-        """The layer's MLP in vLLM's order: dense SwiGLU, or shared expert + routed experts."""
-        ops = self.layer_ops[layer]
-        if "experts" not in ops:
-            return self._linear(layer, "down", self.act(self._linear(layer, "gate_up", hidden)))
-        shared = None
-        if "shared_down" in ops:
-            shared = (ops["shared_gate_up"], self.act, ops["shared_down"], ops.get("shared_expert_gate"))
-        return moe_mlp(hidden, ops["router"], ops["experts"], shared)
+        return layer_mlp(self.layer_ops[layer], self.act, functools.partial(self._linear, layer), hidden)
 
     def all_linears(self) -> dict[str, AlignedLinear]:
         out = {}

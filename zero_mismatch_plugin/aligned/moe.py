@@ -259,8 +259,11 @@ class AlignedMoE:
         return out, ids.clone()
 
     @_observable
-    def __call__(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        return _MoEFn.apply(hidden, router_logits, self, *self.params)
+    def __call__(self, hidden: torch.Tensor, router_logits: torch.Tensor, params: list | None = None) -> torch.Tensor:
+        """``params``: tensors with the values of ``params`` to take the gradients instead (views
+        of stacked expert weights taken in this forward, so that autograd runs their backward with
+        this forward's other nodes)."""
+        return _MoEFn.apply(hidden, router_logits, self, *(self.params if params is None else params))
 
 
 def experts_backward(x, g, ids, weights, gate, up, down):

@@ -1,12 +1,17 @@
 """Whether the trainer side of a run is aligned: consistent numerics promise diff 0, and only the
-aligned trainer forward (``ZMRL_MEGATRON_ALIGNED=1``: vLLM's kernels inside verl's Megatron engine,
-docs/megatron.md) can keep that promise, for the models and layouts it covers.
+aligned trainer forward can keep that promise, for the models and layouts it covers. verl has two
+engines it runs in: Megatron (``ZMRL_MEGATRON_ALIGNED=1``: vLLM's kernels inside verl's Megatron
+engine, docs/megatron.md) and FSDP (``ZMRL_FSDP_ALIGNED=1``: the op layer inside verl's FSDP2
+units, :mod:`zero_mismatch_plugin.verl_adapter.fsdp_aligned`); a config with an FSDP actor that
+sets the FSDP switch is judged by the FSDP engine.
 
-The architectures it covers are the aligned Megatron path's own list
-(:data:`zero_mismatch_plugin.architectures.SUPPORTED_ARCHITECTURES`, shared by both faces); the model features and
-parallel layouts it refuses are its own check
-(:func:`zero_mismatch_plugin.megatron.spec.unsupported_features`), fed from the verl config and
-the model's ``config.json``.
+The architectures they cover come from one list
+(:data:`zero_mismatch_plugin.architectures.SUPPORTED_ARCHITECTURES`, shared by both faces): verl's
+Megatron engine runs the dense decoders (its MoE and MLA models need Megatron-Bridge), the FSDP
+engine also the Mixture-of-Experts ones (every expert in one process inside a layer's FSDP unit),
+neither MLA. The model features and parallel layouts the Megatron engine refuses are the aligned
+spec's own check (:func:`zero_mismatch_plugin.megatron.spec.unsupported_features`), fed from the
+verl config and the model's ``config.json``.
 """
 
 from __future__ import annotations
@@ -107,21 +112,42 @@ def model_architecture(cfg: DictConfig) -> Architecture:
     return Architecture(None, f"{key} {str(directory)!r} has no local config.json and {ARCHITECTURE_KEY} is not set")
 
 
-def _architecture_gaps(architecture: Architecture) -> list[str]:
+def _fsdp_feature_gaps(features: dict) -> list[str]:
+    """The model features the FSDP actor's layer forward does not run (fsdp_aligned.AlignedFSDPForward)."""
+    gaps = []
+    if features.get("multi_latent_attention"):
+        gaps.append("multi-head latent attention in verl's FSDP actor")
+    if features.get("window_size") is not None:
+        gaps.append("sliding-window attention in verl's FSDP actor")
+    return gaps
+
+
+def _architecture_gaps(architecture: Architecture, fsdp: bool) -> list[str]:
+    """What keeps the model off the aligned forward of the engine the config trains with (verl's
+    FSDP engine when ``fsdp``, else its Megatron engine)."""
     from zero_mismatch_plugin.megatron.spec import unsupported_features
 
     if architecture.name is None:
         return []
-    gaps = unsupported_features(SimpleNamespace(**architecture.features))
-    # Read at call time. verl runs the dense decoders aligned; MoE and MLA checkpoints run
-    # aligned in the package's own trainer faces but in neither verl engine yet.
-    not_in_verl = (*architectures.MOE_ARCHITECTURES, *architectures.MLA_ARCHITECTURES)
-    supported = tuple(a for a in architectures.SUPPORTED_ARCHITECTURES if a not in not_in_verl)
+    # Read at call time. MoE checkpoints run aligned in verl's FSDP engine, not in its Megatron
+    # engine; MLA ones only in the package's own aligned model.
+    if fsdp:
+        gaps = _fsdp_feature_gaps(architecture.features)
+        not_in_engine, engine = architectures.MLA_ARCHITECTURES, "verl's FSDP engine"
+    else:
+        gaps = unsupported_features(SimpleNamespace(**architecture.features))
+        not_in_engine = (*architectures.MOE_ARCHITECTURES, *architectures.MLA_ARCHITECTURES)
+        engine = "verl's Megatron engine"
+    supported = tuple(a for a in architectures.SUPPORTED_ARCHITECTURES if a not in not_in_engine)
     if architecture.name not in supported:
-        where = ("the aligned model face covers it, verl's engines do not yet: "
-                 if architecture.name in not_in_verl else "")
+        where = ""
+        if architecture.name in architectures.MOE_ARCHITECTURES and not fsdp:
+            where = ("verl's FSDP engine covers it (zm_engine: fsdp_aligned), its Megatron engine does not "
+                     "yet: ")
+        elif architecture.name in not_in_engine:
+            where = f"the aligned model face covers it, {engine} does not yet: "
         gaps.insert(0, f"a path for {architecture.name} (from {architecture.source}: {where}the aligned forward "
-                       f"in verl covers only the dense decoders {', '.join(supported)})")
+                       f"in {engine} covers {', '.join(supported)})")
     return gaps
 
 
@@ -172,20 +198,28 @@ def _engine_gaps(cfg: DictConfig) -> list[str]:
     return gaps
 
 
-def _rollout_gaps(cfg: DictConfig) -> list[str]:
-    """The aligned forward reproduces one single-GPU vLLM replica's arithmetic."""
+def _rollout_gaps(cfg: DictConfig, architecture: Architecture) -> list[str]:
+    """The aligned forward reproduces one single-GPU vLLM replica's arithmetic; for a
+    Mixture-of-Experts model that includes vLLM's one-process MoE layer (no data or expert
+    parallelism spreading its experts or tokens over processes)."""
     gaps = []
     for key, name in (("tensor_model_parallel_size", "tensor"), ("pipeline_model_parallel_size", "pipeline")):
         size = read(cfg, f"{ROLLOUT}.{key}")
         if size != 1:
             gaps.append(f"rollout {name} parallelism {size} (the aligned forward reproduces a 1-GPU vLLM replica)")
+    if architecture.features.get("num_moe_experts") or architecture.name in architectures.MOE_ARCHITECTURES:
+        for key in ("data_parallel_size", "expert_parallel_size"):
+            size = read(cfg, f"{ROLLOUT}.{key}")
+            if size not in (None, 1):
+                gaps.append(f"rollout {key} {size} (vLLM's MoE layer then spans processes; the aligned MoE op is "
+                            "its one-process layer)")
     return gaps
 
 
 def alignment_gaps(cfg: DictConfig, architecture: Architecture) -> list[str]:
     """What the aligned trainer forward lacks to reproduce this config's rollout bit for bit."""
-    gaps = _architecture_gaps(architecture) + _engine_gaps(cfg) + _lora_gaps(cfg)
-    return gaps + _rollout_gaps(cfg)
+    gaps = _architecture_gaps(architecture, uses_fsdp_switch(cfg)) + _engine_gaps(cfg) + _lora_gaps(cfg)
+    return gaps + _rollout_gaps(cfg, architecture)
 
 
 def aligned_switch(cfg: DictConfig) -> str | None:

@@ -15,6 +15,10 @@ What changes in ``verl.workers.engine.fsdp.transformer_impl``:
   (:mod:`~zero_mismatch_plugin.aligned.sampling`) turns the logits into vLLM's sampled-token
   logprob at each row's temperature. Both the no-grad recompute of old logprobs and the training
   forward take this path; verl's loss function is then called exactly as verl calls it.
+  Mixture-of-Experts layers run the op layer's MoE op (vLLM's router and fused-experts layer) on
+  the layer's gathered expert weights: an FSDP unit holds every expert of its layer while it runs,
+  so the experts compute in one process as vLLM's one-process MoE layer does (no expert
+  parallelism).
 * ``FSDPEngine.optimizer_step`` / ``load_checkpoint``: afterwards the engine-layout weight copies
   (merged qkv, packed oneDNN handles) are marked stale and re-derived at the next forward. FSDP2
   refills its gathered parameters without bumping their version counters (measured: version 0
@@ -126,7 +130,7 @@ class AlignedFSDPForward:
     """
 
     def __init__(self, runtime, hf_config):
-        from zero_mismatch_plugin.aligned.model import AttentionHeads, decoder_layer
+        from zero_mismatch_plugin.aligned.model import AttentionHeads, decoder_layer, layer_mlp, rotary_parameters
         from zero_mismatch_plugin.aligned.ops import AlignedAttention, AlignedRotary, AlignedSiluAndMul
         from zero_mismatch_plugin.architectures import describe
 
@@ -134,8 +138,7 @@ class AlignedFSDPForward:
         self.config = hf_config
         self.blocks = describe(hf_config)
         # The aligned model covers these; this face's layer forward does not run them yet.
-        missing = (["Mixture-of-Experts MLPs"] if self.blocks.moe is not None else []) + (
-            ["sliding-window attention"] if self.blocks.sliding_windows else []) + (
+        missing = (["sliding-window attention"] if self.blocks.sliding_windows else []) + (
             ["multi-head latent attention"] if self.blocks.attention == "mla" else [])
         if missing:
             raise NotImplementedError(
@@ -146,9 +149,10 @@ class AlignedFSDPForward:
         self.head_dim = self.blocks.head_dim
         self.heads = AttentionHeads(self.num_heads, self.num_kv_heads, self.head_dim)
         self.decoder_layer = decoder_layer  # the aligned model's layer, op for op
+        self.layer_mlp = layer_mlp  # ... and its MLP
         self.eps = hf_config.rms_norm_eps
         max_pos = getattr(hf_config, "max_position_embeddings", 8192)
-        self.rotary = AlignedRotary(runtime, self.head_dim, max_pos, getattr(hf_config, "rope_parameters", None))
+        self.rotary = AlignedRotary(runtime, self.head_dim, max_pos, rotary_parameters(hf_config, self.blocks))
         self.act = AlignedSiluAndMul(runtime)
         self.attention = AlignedAttention(runtime, self.num_heads, self.num_kv_heads, self.head_dim,
                                           self.head_dim**-0.5)
@@ -199,15 +203,16 @@ class AlignedFSDPForward:
             require_invariant(probe_linear(apply, n=n, k=k, dtype=self.runtime.dtype), name)
             self._probed.add((type(op).__name__, n, k))
 
-    def layer_ops(self, layer) -> dict:
+    def layer_ops(self, index: int, layer) -> dict:
         from zero_mismatch_plugin.aligned.ops import AlignedLinear, AlignedRMSNorm
 
         a, m = layer.self_attn, layer.mlp
         qkv_bias = [a.q_proj.bias, a.k_proj.bias, a.v_proj.bias] if self.blocks.qkv_bias else None
         o_bias = [a.o_proj.bias] if self.blocks.o_bias else None
+        moe = self.blocks.mlp_kind(index) == "moe"
+        mlp_params = self._moe_params(m) if moe else [m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight]
         params = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight, a.q_proj.weight,
-                  a.k_proj.weight, a.v_proj.weight, a.o_proj.weight, m.gate_proj.weight, m.up_proj.weight,
-                  m.down_proj.weight, *(qkv_bias or []), *(o_bias or [])]
+                  a.k_proj.weight, a.v_proj.weight, a.o_proj.weight, *mlp_params, *(qkv_bias or []), *(o_bias or [])]
         if self.blocks.qk_norm:
             params += [a.q_norm.weight, a.k_norm.weight]
         rt, eps = self.runtime, self.eps
@@ -218,15 +223,66 @@ class AlignedFSDPForward:
                 post_norm=AlignedRMSNorm(rt, layer.post_attention_layernorm.weight, eps),
                 qkv=AlignedLinear(rt, [a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], qkv_bias),
                 o=AlignedLinear(rt, [a.o_proj.weight], o_bias),
-                gate_up=AlignedLinear(rt, [m.gate_proj.weight, m.up_proj.weight]),
-                down=AlignedLinear(rt, [m.down_proj.weight]),
             )
+            if moe:
+                ops.update(self._moe_ops(m))
+            else:
+                ops.update(gate_up=AlignedLinear(rt, [m.gate_proj.weight, m.up_proj.weight]),
+                           down=AlignedLinear(rt, [m.down_proj.weight]))
             if self.blocks.qk_norm:
                 ops["q_norm"] = AlignedRMSNorm(rt, a.q_norm.weight, eps)
                 ops["k_norm"] = AlignedRMSNorm(rt, a.k_norm.weight, eps)
             return ops
 
         return self._cached(layer, params, build)
+
+    def _moe_params(self, block) -> list:
+        """The tensors an HF MoE block computes from: router, stacked experts, correction bias,
+        shared expert and its gate (transformers' names: ``mlp.gate``, ``mlp.experts``)."""
+        import torch
+
+        experts = block.experts
+        stacked = [getattr(experts, name, None) for name in ("gate_up_proj", "down_proj")]
+        if any(not isinstance(w, torch.Tensor) or w.dim() != 3 for w in stacked):
+            raise UnsupportedFSDPFeature(
+                f"{self.blocks.architecture}: the aligned FSDP actor forward reads transformers' stacked expert "
+                f"weights (mlp.experts.gate_up_proj [experts, 2 x width, hidden], mlp.experts.down_proj); this "
+                f"model's experts are a {type(experts).__name__}: use transformers >= 5, or set {ENABLE_ENV}=0")
+        params = [block.gate.weight, *stacked, getattr(block.gate, "e_score_correction_bias", None)]
+        moe = self.blocks.moe
+        if moe.shared_expert_intermediate_size:
+            from zero_mismatch_plugin.architectures import MOE_CHECKPOINT_NAMES
+
+            shared = getattr(block, MOE_CHECKPOINT_NAMES[moe.names][3])
+            params += [shared.gate_proj.weight, shared.up_proj.weight, shared.down_proj.weight]
+            if moe.shared_expert_gate:
+                params.append(block.shared_expert_gate.weight)
+        return params
+
+    def _moe_ops(self, block) -> dict:
+        """The op layer's MoE op over one HF MoE block's gathered parameters (transformers'
+        stacked experts, handed to the op as one view per expert)."""
+        from zero_mismatch_plugin.aligned.model import moe_block_ops
+        from zero_mismatch_plugin.aligned.moe import AlignedMoE
+
+        gate_up, down = self._expert_views(block.experts)
+        experts = AlignedMoE(self.runtime, self.blocks.moe, self.config.hidden_size, None, None, down,
+                             getattr(block.gate, "e_score_correction_bias", None), gate_up=gate_up)
+        return moe_block_ops(self.runtime, self.blocks.moe, block, block.gate, experts)
+
+    @staticmethod
+    def _expert_views(experts) -> tuple[list, list]:
+        """Per-expert views ([gate; up] and down) of transformers' stacked expert parameters."""
+        return list(experts.gate_up_proj.unbind(0)), list(experts.down_proj.unbind(0))
+
+    def _moe_call(self, op, experts):
+        """``op`` differentiating into views of ``experts``' stacked parameters taken now. Views
+        kept from an earlier forward would put their backward behind FSDP2's post-backward
+        reduction of the layer (autograd runs ready nodes newest first), and the expert gradients
+        would arrive after the reduce-scatter: lost (measured: no gradient on the shards)."""
+        gate_up, down = self._expert_views(experts)
+        params = gate_up + down
+        return lambda hidden, router_logits: op(hidden, router_logits, params)
 
     def norm_ops(self, root) -> dict:
         from zero_mismatch_plugin.aligned.ops import AlignedRMSNorm
@@ -243,15 +299,22 @@ class AlignedFSDPForward:
 
     # ----- the unit forwards (installed as instance forwards for one call) -------------------
 
-    def decoder_layer_forward(self, layer, hidden, residual, positions, plan, seq_lens):
+    def decoder_layer_forward(self, index, layer, hidden, residual, positions, plan, seq_lens):
         """One decoder layer in vLLM's order: [fused add] norm, qkv, [q/k norm], rotary,
-        attention, o, fused add norm, gate_up, SiluAndMul, down."""
-        ops = self.layer_ops(layer)
+        attention, o, fused add norm, then the MLP (gate_up, SiluAndMul, down; or router, routed
+        experts and any shared expert)."""
+        ops = self.layer_ops(index, layer)
+        if "experts" in ops:
+            ops = {**ops, "experts": self._moe_call(ops["experts"], layer.mlp.experts)}
+
+        def linear(name, x):
+            return ops[name](x)
+
         return self.decoder_layer(
             ops, hidden, residual, positions, self.heads, self.rotary,
-            linear=lambda name, x: ops[name](x),
+            linear=linear,
             attend=lambda q, k, v: self.attention(q, k, v, plan, seq_lens),
-            mlp=lambda x: ops["down"](self.act(ops["gate_up"](x))),
+            mlp=partial(self.layer_mlp, ops, self.act, linear),
         )
 
     def lm_head_forward(self, lm_head, hidden):
@@ -276,7 +339,7 @@ class AlignedFSDPForward:
     def installed(self, root):
         """The unit forwards as instance attributes of the modules, for one call of ``root``."""
         modules = [(root, partial(self.root_forward, root))]
-        modules += [(layer, partial(self.decoder_layer_forward, layer)) for layer in root.model.layers]
+        modules += [(layer, partial(self.decoder_layer_forward, i, layer)) for i, layer in enumerate(root.model.layers)]
         if not self.blocks.tied_head:
             modules.append((root.lm_head, partial(self.lm_head_forward, root.lm_head)))
         for module, forward in modules:
