@@ -36,9 +36,10 @@ def process_group(tmp_path_factory):
     dist.destroy_process_group()
 
 
-def _fsdp2_model(checkpoint):
+def _fsdp2_model(checkpoint, gradient_checkpointing=False):
     """The checkpoint as verl's FSDP engine wraps it: every decoder layer (and embed/lm_head) a
-    fully_shard unit, then the root; fp32 parameters and reductions."""
+    fully_shard unit, then the root; fp32 parameters and reductions; with verl's
+    ``enable_gradient_checkpointing``, transformers' non-reentrant checkpointing as verl enables it."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy
     from transformers import AutoModelForCausalLM
@@ -46,6 +47,9 @@ def _fsdp2_model(checkpoint):
 
     mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("fsdp",))
     model = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32)
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()  # transformers' layers recompute only in training mode, as verl's engine trains
     policy = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
     apply_fsdp2(model, {"mesh": mesh, "mp_policy": policy, "reshard_after_forward": True}, {})
     return model
@@ -110,14 +114,17 @@ def _assert_same_gradients(model, reference):
 
 # Dense decoders, and the Mixture-of-Experts families (transformers' stacked experts; Qwen2-MoE's
 # gated shared expert; GLM-4.5's sigmoid routing in groups, shared experts, a dense first layer and
-# partial rotary).
-@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_moe", "qwen3_moe_padded", "qwen2_moe", "mixtral",
-                                    "glm4_moe"])
-def test_fsdp2_units_give_the_aligned_models_logits_and_gradients(process_group, checkpoints, family):
+# partial rotary). With gradient checkpointing (verl's default) the backward calls each layer again.
+@pytest.mark.parametrize("family,gradient_checkpointing", [
+    *[(family, False) for family in ("llama", "qwen3", "qwen3_moe", "qwen3_moe_padded", "qwen2_moe", "mixtral",
+                                     "glm4_moe")],
+    ("llama", True), ("qwen3_moe", True)])
+def test_fsdp2_units_give_the_aligned_models_logits_and_gradients(process_group, checkpoints, family,
+                                                                  gradient_checkpointing):
     from zero_mismatch_plugin.aligned import AlignedCausalLM
     from zero_mismatch_plugin.aligned.runtime import VllmRuntime
 
-    model = _fsdp2_model(checkpoints[family])
+    model = _fsdp2_model(checkpoints[family], gradient_checkpointing)
     aligned = AlignedFSDPForward(VllmRuntime(checkpoints[family], dtype="float32"), model.config)
     reference = AlignedCausalLM.from_pretrained(checkpoints[family])
     batch = _batch()
@@ -141,6 +148,9 @@ def test_fsdp2_units_give_the_aligned_models_logits_and_gradients(process_group,
             optimizer.step()
             optimizer.zero_grad()
         aligned.mark_stale()
+
+    fsdp_aligned.uninstall(model)
+    assert all("forward" not in vars(module) for module in model.modules()), "the HF forwards are back"
 
 
 def test_packed_micro_batch_reads_verls_jagged_layout():

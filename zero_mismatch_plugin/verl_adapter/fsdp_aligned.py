@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import logging
 import os
-from contextlib import contextmanager
+import weakref
 from dataclasses import dataclass
 from functools import partial, wraps
 
@@ -335,24 +335,34 @@ class AlignedFSDPForward:
             return self.head_ops(root.lm_head, embed.weight)["logits"](hidden)
         return root.lm_head(hidden)
 
-    @contextmanager
-    def installed(self, root):
-        """The unit forwards as instance attributes of the modules, for one call of ``root``."""
+    def install(self, root) -> None:
+        """The unit forwards as instance attributes of the modules, from now until :func:`uninstall`.
+
+        They stay after the call: with gradient checkpointing (verl's default,
+        ``enable_gradient_checkpointing``) the backward calls each decoder layer again to
+        recompute its activations, and must reach the aligned forward then too."""
         modules = [(root, partial(self.root_forward, root))]
         modules += [(layer, partial(self.decoder_layer_forward, i, layer)) for i, layer in enumerate(root.model.layers)]
         if not self.blocks.tied_head:
             modules.append((root.lm_head, partial(self.lm_head_forward, root.lm_head)))
         for module, forward in modules:
             module.forward = forward
-        try:
-            yield
-        finally:
-            for module, _ in modules:
-                module.__dict__.pop("forward", None)
+        _installed[root] = [module for module, _ in modules]
 
     def logits(self, root, batch: PackedMicroBatch) -> torch.Tensor:
-        with self.installed(root):
-            return root(batch.input_ids, batch.positions, batch.seq_lens)
+        if root not in _installed:
+            self.install(root)
+        return root(batch.input_ids, batch.positions, batch.seq_lens)
+
+
+# root module -> the modules that carry an aligned unit forward (removed again by uninstall / remove)
+_installed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def uninstall(root) -> None:
+    """Give ``root``'s units their own (HF) forwards back."""
+    for module in _installed.pop(root, ()):
+        module.__dict__.pop("forward", None)
 
 
 def aligned_log_probs(logits: torch.Tensor, batch: PackedMicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -526,8 +536,11 @@ def apply() -> None:
 
 
 def remove() -> None:
+    """Put verl's methods back, and the HF forwards of every module the aligned forward ran on."""
     for patch in reversed(PATCHES):
         remove_patch(patch)
+    for root in list(_installed):
+        uninstall(root)
 
 
 def is_active() -> bool:
