@@ -81,7 +81,7 @@ SPEC = {
         model="Qwen3-4B", nodes=2, gpus=8, engine="megatron", numerics="consistent", algorithm="reinforce_zero", tools=True, context=16384,
         expect={"trainer.total_training_steps": 5000}),
     "reinforce_zero_qwen3_30b_a3b_python_tool_lag8": dict(
-        model="Qwen3-30B-A3B", nodes=4, gpus=8, engine="megatron", numerics="consistent", algorithm="reinforce_zero",
+        model="Qwen3-30B-A3B", nodes=4, gpus=8, engine="fsdp", numerics="consistent", algorithm="reinforce_zero",
         tools=True, expect={"trainer.total_training_steps": 3000}),
     "ablation_sync_aligned_kernels_r1_distill_1_5b_sync": dict(
         model="DeepSeek-R1-Distill-Qwen-1.5B", nodes=2, gpus=8, engine="megatron", numerics="consistent", algorithm="reinforce_zero",
@@ -102,7 +102,7 @@ SPEC = {
         model="Qwen2.5-7B-Instruct", nodes=4, gpus=8, engine="megatron", numerics="consistent", algorithm="flash_reinforce", tools=True,
         expect={"trainer.total_training_steps": 600}),
     "flash_reinforce_qwen3_30b_a3b_python_tool_lag8": dict(
-        model="Qwen3-30B-A3B", nodes=4, gpus=8, engine="megatron", numerics="consistent", algorithm="flash_reinforce",
+        model="Qwen3-30B-A3B", nodes=4, gpus=8, engine="fsdp", numerics="consistent", algorithm="flash_reinforce",
         tools=True),
     "flash_reinforce_qwen2_5_7b_alfworld_lag4": dict(
         model="Qwen2.5-7B-Instruct", nodes=2, gpus=8, engine="megatron", numerics="consistent", algorithm="flash_reinforce",
@@ -110,15 +110,17 @@ SPEC = {
 }
 NAMED = sorted(SPEC)
 ALL = sorted(SPEC) + list(BASE_RECIPES)
-# The trainer side of each recipe today (config_checks.alignment): the dense consistent recipes are
-# aligned, the MoE / MLA / LoRA flagships are not, the standard-kernel ablations are not meant to be.
+# The trainer side of each recipe today (config_checks.alignment): the dense consistent recipes
+# (verl's Megatron engine) and the Qwen3-30B-A3B MoE ones (verl's FSDP engine) are aligned, the MLA /
+# KDA / LoRA flagships are not, the standard-kernel ablations are not meant to be.
 NOT_ALIGNED = ("deepseek_v4_1_flash_swe_bench_pro_sync", "deepseek_v4_1_flash_dapo_math_sync",
                "kimi_k3_1_lora_r32_dapo_gb300_sync", "mi355x_deepseek_v4_flash_grpo_sync",
-               "mi355x_kimi_k3_1_lora_r32_dapo_sync", "reinforce_zero_qwen3_30b_a3b_python_tool_lag8",
-               "flash_reinforce_qwen3_30b_a3b_python_tool_lag8")
+               "mi355x_kimi_k3_1_lora_r32_dapo_sync")
+MOE_FSDP = ("reinforce_zero_qwen3_30b_a3b_python_tool_lag8", "flash_reinforce_qwen3_30b_a3b_python_tool_lag8")
 STANDARD = tuple(n for n in NAMED if SPEC[n]["numerics"] == "standard")
 ALIGNED = tuple(n for n in NAMED if n not in NOT_ALIGNED + STANDARD)
 SWITCH = f"{ENV}.ZMRL_MEGATRON_ALIGNED"
+FSDP_SWITCH = f"{ENV}.ZMRL_FSDP_ALIGNED"
 # The base recipes leave the model open: declared here, as a user with a hub id would.
 DENSE = "zmrl.architecture=Qwen2ForCausalLM"
 
@@ -302,6 +304,8 @@ def test_zero_mismatch_recipes_turn_the_consistent_switch_on(name):
     env = runtime_env_vars(cfg)
     assert env["ZMRL_NUMERICS"] == "consistent" and env["VLLM_BATCH_INVARIANT"] == "1"
     assert env["ZMRL_MEGATRON_ALIGNED"] == "1", "consistent numerics enable the aligned trainer forward"
+    if sel(cfg, "actor_rollout_ref.actor.strategy") != "megatron" and name not in BASE_RECIPES:
+        assert env["ZMRL_FSDP_ALIGNED"] == "1", "... in the engine the recipe trains with"
     # Prefix caching only where the seed's run had it, and then the plugin is told to keep it.
     caching = sel(cfg, "actor_rollout_ref.rollout.enable_prefix_caching")
     assert caching == (env.get("ZMRL_ALLOW_PREFIX_CACHING") == "1")
@@ -490,7 +494,8 @@ def test_the_printed_command_composes_in_verls_own_launcher(tmp_path, capsys):
     # starting the trainer; run from another directory, as a user would. The command is the one
     # `--allow-unaligned-trainer` prints for a flagship the aligned forward does not cover.
     name = "flash_reinforce_qwen3_30b_a3b_python_tool_lag8"
-    assert run_recipe(name, ["trainer.total_training_steps=5"], dry_run=True, allow_unaligned_trainer=True) == 0
+    overrides = ["trainer.total_training_steps=5", "zm_engine=megatron"]  # MoE in Megatron: not aligned
+    assert run_recipe(name, overrides, dry_run=True, allow_unaligned_trainer=True) == 0
     command = shlex.split(capsys.readouterr().out.strip())
     result = subprocess.run([*command, "--cfg", "job"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
@@ -540,7 +545,7 @@ def test_each_recipe_header_says_what_its_trainer_side_is(name):
                       "standard kernels": ALIGNMENT_STANDARD, "aligned if the model is a dense": MODEL_UNKNOWN}[matching[0]]
 
 
-@pytest.mark.parametrize("name", ALIGNED)
+@pytest.mark.parametrize("name", [n for n in ALIGNED if SPEC[n]["engine"] == "megatron"])
 def test_aligned_recipes_enable_the_aligned_megatron_forward(name):
     cfg = composed(name)
     assert runtime_env_vars(cfg)["ZMRL_MEGATRON_ALIGNED"] == "1"
@@ -630,11 +635,51 @@ def test_verls_launcher_hands_the_aligned_switch_to_every_ray_worker(monkeypatch
         assert env_vars["ZMRL_NUMERICS"] == ("consistent" if switch == "1" else "fast")
 
 
-def test_moe_recipes_name_what_keeps_their_trainer_unaligned(capsys):
-    """The MoE checkpoint runs aligned in the package's trainer faces, not in verl's engines; its
-    recipe's expert parallelism is a gap of its own (the aligned MoE layer is one process)."""
+@pytest.mark.parametrize("name", MOE_FSDP)
+def test_moe_recipes_train_aligned_in_verls_fsdp_engine(name, capsys):
+    """The Qwen3-30B-A3B recipes train with verl's FSDP2 engine and its aligned forward
+    (zm_engine: fsdp_aligned), which runs MoE layers through the op layer's MoE op; `zmrl recipes
+    list` says aligned. Would the FSDP engine stop covering MoE, the status would name the gap."""
+    cfg = composed(name)
+    assert trainer_alignment(cfg).status == ALIGNMENT_ALIGNED, trainer_alignment(cfg).describe()
+    assert sel(cfg, "zmrl.architecture") == "Qwen3MoeForCausalLM"
+    assert runtime_env_vars(cfg)["ZMRL_FSDP_ALIGNED"] == "1"
+    assert sel(cfg, "actor_rollout_ref.actor.strategy") == "fsdp2"
+    assert sel(cfg, "actor_rollout_ref.actor.ulysses_sequence_parallel_size") == 1
+    assert sel(cfg, "actor_rollout_ref.model.use_fused_kernels") is False
+    assert lora_rank(cfg) == 0
+    # The forward computes in FSDP's param_dtype: the dtype the rollout serves the checkpoint in.
+    assert sel(cfg, "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype") == "bf16"
+    assert sel(cfg, "actor_rollout_ref.rollout.dtype") == "bfloat16"
+    rollout = rollout_layout(cfg)
+    assert (rollout.tp, rollout.dp, rollout.pp, rollout.ep) == (1, 1, 1, 1), "1-GPU replicas, one-process experts"
     assert zmrl(["recipes", "list"]) == 0
-    out = capsys.readouterr().out
-    trainer = out.split("  reinforce_zero_qwen3_30b_a3b_python_tool_lag8\n", 1)[1].splitlines()[1]
-    assert "the aligned model face covers it, verl's engines do not yet" in trainer
-    assert "expert_model_parallel_size 8 in the trainer" in trainer
+    listed = capsys.readouterr().out.split(f"  {name}\n", 1)[1].splitlines()[1].strip()
+    assert listed == "trainer: aligned", listed
+
+
+def test_moe_in_verls_megatron_engine_with_expert_parallelism_is_still_a_gap():
+    """The same recipe on verl's Megatron engine at EP 8: the architecture (verl's Megatron engine
+    runs MoE only through Megatron-Bridge) and the expert parallelism are both named."""
+    cfg = compose_verl_config(TOP_LEVEL_RECIPES, "reinforce_zero_qwen3_30b_a3b_python_tool_lag8",
+                              ["zm_engine=megatron", "actor_rollout_ref.actor.megatron.expert_model_parallel_size=8"])
+    alignment = trainer_alignment(cfg)
+    assert alignment.status == ALIGNMENT_NOT_ALIGNED
+    said = alignment.describe()
+    assert "a path for Qwen3MoeForCausalLM" in said and "its Megatron engine does not yet" in said
+    assert "expert_model_parallel_size 8 in the trainer" in said
+
+
+@pytest.mark.parametrize("override,gap", [
+    # Multi-head latent attention stays outside verl's FSDP engine (the aligned model face covers it).
+    ("zmrl.architecture=DeepseekV3ForCausalLM", "the aligned model face covers it, verl's FSDP engine does not yet"),
+    # vLLM's MoE layer across data-parallel ranks is not the one-process layer the op runs.
+    ("actor_rollout_ref.rollout.data_parallel_size=2", "rollout data_parallel_size 2"),
+    ("actor_rollout_ref.rollout.tensor_model_parallel_size=2", "rollout tensor parallelism 2"),
+])
+def test_what_the_fsdp_engine_does_not_cover_is_named_for_the_moe_recipe(override, gap):
+    cfg = compose_verl_config(TOP_LEVEL_RECIPES, "reinforce_zero_qwen3_30b_a3b_python_tool_lag8", [override])
+    alignment = trainer_alignment(cfg)
+    assert alignment.status == ALIGNMENT_NOT_ALIGNED and gap in alignment.describe(), alignment.describe()
+    problems = [p for p in recipe_problems(cfg) if p.fatal]
+    assert [p.key for p in problems] == [FSDP_SWITCH], problems
