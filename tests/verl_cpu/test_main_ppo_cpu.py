@@ -70,6 +70,29 @@ def test_reinforce_zero_two_sync_steps_then_resume_from_verls_checkpoint(tmp_pat
     assert resumed.metric(BITWISE) == [1.0], resumed.metric(BITWISE)
 
 
+def test_moe_model_two_sync_steps_bitwise(tmp_path, inputs):
+    """A tiny Qwen3-MoE (8 experts, top-2) in the same run: the FSDP actor's MoE layers run vLLM's
+    router and fused-MoE layer on the gathered experts, and the rollout receives the updated
+    experts through vLLM's reload (CPU MoE layers re-padded and re-packed as at the first load);
+    every sampled token's logprob is μ, bit for bit, before and after an update."""
+    from transformers import AutoTokenizer
+
+    from zero_mismatch_plugin.tiny_models import build_tiny_model
+    from zero_mismatch_plugin.verl_cpu.smoke_assets import PLAIN_CHAT_TEMPLATE, SMOKE_SHAPE
+
+    model = build_tiny_model(tmp_path / "qwen3_moe", family="qwen3_moe", seed=0,
+                             **{**SMOKE_SHAPE, "moe_intermediate_size": 64})
+    tokenizer = AutoTokenizer.from_pretrained(str(model))
+    tokenizer.chat_template = PLAIN_CHAT_TEMPLATE
+    tokenizer.save_pretrained(str(model))
+    run = run_smoke(tmp_path / "moe", {**inputs, "actor_rollout_ref.model.path": str(model)},
+                    [f"trainer.default_local_dir={tmp_path / 'checkpoints'}"])
+    _assert_ran(run, [1, 2])
+    assert "zero-mismatch: verl FSDP actor (Qwen3MoeForCausalLM" in run.log
+    assert run.metric(BITWISE) == [1.0, 1.0], run.metric(BITWISE)
+    assert run.metric(DIFF) == [0.0, 0.0]
+
+
 def test_stock_fsdp_forward_is_close_but_not_bitwise(tmp_path, inputs):
     # Negative control: the same run with the aligned forward off (verl's HF forward in fp32).
     run = run_smoke(tmp_path / "stock", inputs, ["++ray_kwargs.ray_init.runtime_env.env_vars.ZMRL_FSDP_ALIGNED='0'",

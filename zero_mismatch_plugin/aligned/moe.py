@@ -24,6 +24,8 @@ from .ops import _observable
 from .runtime import VllmRuntime
 from ..architectures import MoeBlocks
 from ..patching.shared import row_invariant_sigmoid
+# Shared with verl's rollout weight reload (the verl fork patch carries its source): re-exported here.
+from ..patching.shared import reprocess_moe_as_first_load  # noqa: F401
 
 _layer_ids = itertools.count()
 
@@ -50,31 +52,6 @@ def refuse_unsupported_engine(runtime: VllmRuntime) -> None:
             "the aligned Mixture-of-Experts forward runs vLLM's one-process MoE layer; not with "
             + "; ".join(problems)
         )
-
-
-def reprocess_moe_as_first_load(model: torch.nn.Module) -> int:
-    """Make the next post-load processing of every CPU MoE layer in ``model`` a first load.
-
-    vLLM treats a second ``process_weights_after_loading`` of an unquantized MoE layer as a
-    weight update: it copies the new checkpoint-layout weights into the processed storage and
-    skips the experts' own processing. On CPU that processing zero-pads the expert width to a
-    multiple of 32 and pre-packs both weights, so an update would feed the kernel unpadded,
-    unpacked weights (a shape error when the width is padded, wrong numbers otherwise). Dropping
-    the built kernel sends the next processing through the first-load path: pad, pack, rebuild.
-    Returns how many layers were reset.
-    """
-    from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu():
-        return 0
-    reset = 0
-    for module in model.modules():
-        method = getattr(module, "quant_method", None)
-        if isinstance(method, FusedMoEMethodBase) and getattr(method, "moe_kernel", None) is not None:
-            method.moe_kernel = None
-            reset += 1
-    return reset
 
 
 def routing_weights(logits: torch.Tensor, ids: torch.Tensor, moe: MoeBlocks) -> torch.Tensor:

@@ -206,6 +206,9 @@ class vLLMColocateWorkerExtension:
 """ + _source_of(shared.repack_shared_cpu_weights) + """\
 
 
+""" + _source_of(shared.reprocess_moe_as_first_load) + """\
+
+
 """ + _source_of(shared.reload_plain_weights_on_cpu) + """\
 
 

