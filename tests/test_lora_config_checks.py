@@ -88,3 +88,29 @@ def test_consistent_config_with_a_target_vllm_ignores_is_an_error():
     assert lora_problems(_cfg(32, seed[:1] + seed[2:3], mode=CONSISTENT)) == []
     # It is one of the checks validate-config runs.
     assert any(p.key == TARGETS_KEY for p in check_config(_cfg(32, seed, mode=CONSISTENT)))
+
+
+def test_embedding_and_lm_head_targets_are_aligned_only_where_vllm_adapts_them(tmp_path):
+    import json
+
+    llama = SimpleNamespace(architectures=["LlamaForCausalLM"], q_lora_rank=None)
+    vocab = ["embed_tokens", "lm_head"]
+    # The aligned model face (vocab=True) adapts them for Llama; readers of the linears only do not.
+    assert list(supported_lora_targets(llama, vocab=True)) == DENSE + vocab
+    assert list(supported_lora_targets(llama)) == DENSE
+    config = dict(r=8, lora_alpha=16, target_modules=DENSE + vocab)
+    assert unsupported_lora_settings(config, supported_lora_targets(llama, vocab=True)) == []
+    assert len(unsupported_lora_settings(config, supported_lora_targets(llama))) == 2
+    # DeepSeek (MLA): vLLM wraps neither, refused even by the aligned model face.
+    mla = SimpleNamespace(architectures=["DeepseekV2ForCausalLM"], kv_lora_rank=512, q_lora_rank=None)
+    assert "embed_tokens" not in supported_lora_targets(mla, vocab=True)
+    # validate-config: an error under consistent numerics unless the model is one vLLM adapts them for.
+    for arch, errors in (("LlamaForCausalLM", []), ("DeepseekV3ForCausalLM", vocab)):
+        model = tmp_path / arch
+        model.mkdir()
+        (model / "config.json").write_text(json.dumps({"architectures": [arch]}))
+        cfg = _cfg(32, ["linear_qkv"] + vocab, mode=CONSISTENT)
+        cfg.actor_rollout_ref.model.path = str(model)
+        assert [p.message.split(":")[0] for p in lora_problems(cfg)] == errors, arch
+        assert ("outside" in lora_gaps(cfg)[0]) == bool(errors), arch
+    assert [p.message.split(":")[0] for p in lora_problems(_cfg(32, vocab, mode=CONSISTENT))] == vocab  # model unknown

@@ -372,6 +372,11 @@ MEGATRON_LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"
 MLA_LORA_TARGETS = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj",
                     "gate_proj", "up_proj", "down_proj")
 MEGATRON_MLA_LORA_TARGETS = ("linear_q_proj", "linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj")
+# The vocabulary modules vLLM (0.31, CPU) adapts for models listing ``embedding_modules``
+# (VocabParallelEmbeddingWithLoRA, LogitsProcessorWithLoRA), and the architectures whose engine
+# was measured to wrap both, where the aligned model face adapts them too.
+VOCAB_LORA_TARGETS = ("embed_tokens", "lm_head")
+VOCAB_LORA_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM")
 # Targets the aligned LoRA path refuses because vLLM (0.31, CPU) does not apply them to every token,
 # under the checkpoint's and megatron-core's names, with the reason.
 _KV_B = ("vLLM never applies an adapter on kv_b_proj: it wraps the module, but its MLA attention "
@@ -380,7 +385,8 @@ _KV_B = ("vLLM never applies an adapter on kv_b_proj: it wraps the module, but i
 _ROUTER = ("the aligned path adapts no MoE router, and vLLM's CPU engine serves no LoRA on a "
            "Mixture-of-Experts checkpoint (its fused-MoE LoRA has no CPU path)")
 _EMBEDDING = ("vLLM serves embedding / lm_head adapters only for models that list embedding_modules "
-              "(DeepSeek-V2/V3 list none); the aligned path adapts neither")
+              "(DeepSeek-V2/V3 list none); the aligned path adapts them in the aligned model face for "
+              f"{', '.join(VOCAB_LORA_ARCHITECTURES)} only (not in the Megatron face, zmrl check or bisect)")
 REFUSED_LORA_TARGETS = {
     "kv_b_proj": _KV_B, "linear_kv_up_proj": _KV_B,
     "gate": _ROUTER, "router": _ROUTER,

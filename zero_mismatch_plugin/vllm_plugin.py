@@ -15,7 +15,7 @@ EngineCore and in every worker. It does nothing unless ``ZMRL_NUMERICS`` is set 
   pads single-row GEMMs to two rows (see :mod:`zero_mismatch_plugin.aligned.cpu_gemm`) and
   applies the CPU MLA fixes of :mod:`zero_mismatch_plugin.vllm_cpu_mla` and the row-count-invariant
   MoE sigmoids of :mod:`zero_mismatch_plugin.vllm_cpu_sigmoid`, and gives a base request batched
-  with LoRA requests no adapter (``LORA_BASE_ROWS``).
+  with LoRA requests no adapter (``LORA_BASE_ROWS``, ``LORA_BASE_EMBEDDING_ROWS``).
 
 ``ZMRL_NUMERICS=fast`` only adds the weight-sync worker extension. Safe to call repeatedly.
 
@@ -65,7 +65,7 @@ def register() -> None:
         return
     _set_engine_env(numerics.engine_env(mode, platform))
     if platform == "cpu":
-        for patch in (CPU_GEMM, *CPU_MLA_PATCHES, *CPU_SIGMOID_PATCHES, LORA_BASE_ROWS):
+        for patch in (CPU_GEMM, *CPU_MLA_PATCHES, *CPU_SIGMOID_PATCHES, LORA_BASE_ROWS, LORA_BASE_EMBEDDING_ROWS):
             runtime_patches.apply(patch)
 
 
@@ -217,4 +217,30 @@ LORA_BASE_ROWS = vllm_patch(
     bound_in=("vllm.lora.ops.torch_ops", "vllm.lora.punica_wrapper.punica_cpu"),
 )
 
-PATCHES: list[FunctionPatch] = [ENGINE_ARGS, CPU_GEMM, *CPU_MLA_PATCHES, *CPU_SIGMOID_PATCHES, LORA_BASE_ROWS]
+
+
+def _expand_without_adapter_rows(original):
+    def bgmv_expand(inputs, lora_b_weights, output_tensor, lora_indices_tensor, add_inputs=True):
+        rows = (lora_indices_tensor[: output_tensor.shape[0]] < 0).nonzero()[:, 0]
+        kept = output_tensor.index_select(0, rows) if rows.numel() else None
+        original(inputs, lora_b_weights, output_tensor, lora_indices_tensor, add_inputs)
+        if kept is not None:
+            output_tensor.index_copy_(0, rows, kept)  # a token without adapter keeps its output
+
+    return bgmv_expand
+
+
+# The LoRA embedding has no shrink: its A rows are looked up with offset 0 (slot 0's rows) for a
+# token without adapter and the expand then indexes B with -1 (the last slot), so with both slots
+# loaded a base request got an embedding update made of two adapters' halves.
+LORA_BASE_EMBEDDING_ROWS = vllm_patch(
+    "vllm.lora.ops.torch_ops.lora_ops:bgmv_expand", _expand_without_adapter_rows,
+    name="cpu-lora-base-embedding-rows",
+    why="a base request batched with LoRA requests got an embedding adapter update (slot 0's A rows, the "
+        "last slot's B): the expand leaves rows of slot index -1 unchanged, as the GPU kernels skip them",
+    when="ZMRL_NUMERICS=consistent on CPU",
+    bound_in=("vllm.lora.ops.torch_ops", "vllm.lora.punica_wrapper.punica_cpu"),
+)
+
+PATCHES: list[FunctionPatch] = [ENGINE_ARGS, CPU_GEMM, *CPU_MLA_PATCHES, *CPU_SIGMOID_PATCHES, LORA_BASE_ROWS,
+                                LORA_BASE_EMBEDDING_ROWS]

@@ -243,15 +243,20 @@ def _engine_embedding_lora_layers(worker):
 def test_engine_serves_embedding_and_lm_head_adapters_for_llama_only(lora_engines, tmp_path):
     """vLLM 0.31 adapts embed_tokens and lm_head for models that list ``embedding_modules`` (Llama:
     VocabParallelEmbeddingWithLoRA, LogitsProcessorWithLoRA), not for DeepSeek-V2/V3 (the first
-    test). The aligned path adapts neither and refuses both targets, naming why."""
+    test). The aligned model face adapts both for Llama (``test_aligned_vocab_lora.py``); readers
+    of the decoder linears only (the Megatron face, ``zmrl check``) refuse them, naming why."""
     from zero_mismatch_plugin.aligned import AlignedCausalLM
+    from zero_mismatch_plugin.aligned.lora import LoRAAdapter, read_lora_config
 
     llm = lora_engines.get("llama")
     layers = llm.collective_rpc(_engine_embedding_lora_layers)[0]
     print(f"llama: engine LoRA layers outside the decoder layers: {layers}")
     assert layers == ["LogitsProcessorWithLoRA", "VocabParallelEmbeddingWithLoRA"]
-    path = build_adapter(tmp_path / "llama", lora_engines.checkpoints["llama"], r=8, targets=("q_proj",))
-    config = json.loads((path / "adapter_config.json").read_text())
-    (path / "adapter_config.json").write_text(json.dumps({**config, "target_modules": ["q_proj", "embed_tokens", "lm_head"]}))
+    path = build_adapter(tmp_path / "llama", lora_engines.checkpoints["llama"], r=8,
+                         targets=("q_proj", "embed_tokens", "lm_head"))
+    trainer = AlignedCausalLM.from_pretrained(lora_engines.checkpoints["llama"], lora_dir=path, **LORA_ENGINE)
+    assert set(trainer.lora_vocab_ops) == {"embed_tokens", "lm_head"}
     with pytest.raises(NotImplementedError, match="embed_tokens.*embedding_modules.*lm_head.*embedding_modules"):
-        AlignedCausalLM.from_pretrained(lora_engines.checkpoints["llama"], lora_dir=path, **LORA_ENGINE)
+        read_lora_config(path)
+    with pytest.raises(NotImplementedError, match="embed_tokens.*Megatron face"):
+        LoRAAdapter.from_dir(path, trainer.config, trainer.head_dim)

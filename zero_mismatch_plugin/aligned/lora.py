@@ -33,7 +33,7 @@ from torch import nn
 from torch.autograd import Function
 
 from ..architectures import LORA_TARGETS as ALIGNED_LORA_TARGETS
-from ..architectures import MLA_LORA_TARGETS, REFUSED_LORA_TARGETS
+from ..architectures import MLA_LORA_TARGETS, REFUSED_LORA_TARGETS, VOCAB_LORA_ARCHITECTURES, VOCAB_LORA_TARGETS
 from .derived import DerivedWeight
 from .ops import _observable
 
@@ -60,17 +60,30 @@ _MLA_COMMON = {"o": ("o_proj",), "gate_up": ("gate_proj", "up_proj"), "down": ("
 MLA_MERGED_TARGETS = {"q": ("q_proj",), "kv_a": ("kv_a_proj_with_mqa",), **_MLA_COMMON}
 MLA_Q_LORA_MERGED_TARGETS = {"qkv_a": ("q_a_proj", "kv_a_proj_with_mqa"), "q": ("q_b_proj",), **_MLA_COMMON}
 
+# PEFT's names of the vocabulary adapters (an embedding's A and B are PEFT parameters, not Linears).
+PEFT_VOCAB_NAMES = {
+    "embed_tokens": ("base_model.model.model.embed_tokens.lora_embedding_A",
+                     "base_model.model.model.embed_tokens.lora_embedding_B"),
+    "lm_head": ("base_model.model.lm_head.lora_A.weight", "base_model.model.lm_head.lora_B.weight"),
+}
+_PEFT_VOCAB_TENSORS = {n for names in PEFT_VOCAB_NAMES.values() for n in names}
+
 _PARENT = {
     **{t: "self_attn" for t in ATTENTION_TARGETS + MLA_ATTENTION_TARGETS},
     **{t: "mlp" for t in MLP_TARGETS},
 }
 
 
-def supported_lora_targets(model_config) -> tuple[str, ...]:
+def supported_lora_targets(model_config, vocab: bool = False) -> tuple[str, ...]:
     """The checkpoint modules the aligned LoRA path adapts for this model: the dense linears, or
     for multi-head latent attention the projections vLLM applies an adapter to on every token
-    (``q_proj`` without, ``q_a_proj`` / ``q_b_proj`` with a query low-rank projection)."""
+    (``q_proj`` without, ``q_a_proj`` / ``q_b_proj`` with a query low-rank projection). With
+    ``vocab`` (the aligned model face) also ``embed_tokens`` / ``lm_head`` for the architectures
+    whose engine adapts them (``VOCAB_LORA_ARCHITECTURES``)."""
     if getattr(model_config, "kv_lora_rank", None) is None:
+        architecture = (getattr(model_config, "architectures", None) or [None])[0]
+        if vocab and architecture in VOCAB_LORA_ARCHITECTURES:
+            return ALIGNED_LORA_TARGETS + VOCAB_LORA_TARGETS
         return ALIGNED_LORA_TARGETS
     has_q_lora = getattr(model_config, "q_lora_rank", None) is not None
     unused = ("q_proj",) if has_q_lora else ("q_a_proj", "q_b_proj")
@@ -163,7 +176,7 @@ def unsupported_lora_settings(config: dict, supported: tuple[str, ...] = ALIGNED
                 f"of names from {list(supported)}"
             )
     if isinstance(targets, (list, tuple)):
-        refused = [t for t in targets if t in REFUSED_LORA_TARGETS]
+        refused = [t for t in targets if t in REFUSED_LORA_TARGETS and t not in supported]
         out.extend(f"target_modules {t!r}: {REFUSED_LORA_TARGETS[t]}; remove it" for t in refused)
         bad = [t for t in targets if t not in supported and t not in refused]
         if bad:
@@ -285,46 +298,63 @@ def _mla_target_shapes(config) -> dict[str, tuple[int, int]]:
 class LoRAAdapter(nn.Module):
     """The trainable A [r, in] and B [out, r] of every target of every layer (fp32, PEFT layout).
 
-    Parameters are named ``layers.{i}.{target}.lora_A`` / ``lora_B``; :meth:`save` writes them
-    under PEFT's names.
+    Parameters are named ``layers.{i}.{target}.lora_A`` / ``lora_B``, and ``embed_tokens.lora_A``
+    [r, vocab] / ``lora_B`` [hidden, r] (PEFT's ``lora_embedding_A`` / ``_B``), ``lm_head.lora_A``
+    [r, hidden] / ``lora_B`` [vocab, r]; :meth:`save` writes them under PEFT's names.
     """
 
     def __init__(self, lora_config: LoRAConfig, model_config, head_dim: int):
         super().__init__()
         self.lora_config = lora_config
         shapes = _target_shapes(model_config, head_dim)
+        self.layer_targets = tuple(t for t in lora_config.targets if t not in VOCAB_LORA_TARGETS)
         self.layers = nn.ModuleList()
         for _ in range(model_config.num_hidden_layers):
             layer = nn.Module()
-            for target in lora_config.targets:
+            for target in self.layer_targets:
                 out_f, in_f = shapes[target]
                 setattr(layer, target, _LoRAPair(lora_config.r, in_f, out_f))
             self.layers.append(layer)
+        vocab, hidden = model_config.vocab_size, model_config.hidden_size
+        vocab_shapes = {"embed_tokens": (hidden, vocab), "lm_head": (vocab, hidden)}
+        for target in lora_config.targets:
+            if target in VOCAB_LORA_TARGETS:
+                out_f, in_f = vocab_shapes[target]
+                setattr(self, target, _LoRAPair(lora_config.r, in_f, out_f))
+
+    def vocab_pair(self, target: str) -> _LoRAPair | None:
+        """The adapter of ``embed_tokens`` or ``lm_head``, or None."""
+        return getattr(self, target, None) if target in self.lora_config.targets else None
+
+    def _named_matrices(self):
+        """(PEFT name, parameter) of every A and B."""
+        for i, target, pair in self.pairs():
+            yield peft_tensor_name(i, target, "A"), pair.lora_A
+            yield peft_tensor_name(i, target, "B"), pair.lora_B
+        for target in VOCAB_LORA_TARGETS:
+            pair = self.vocab_pair(target)
+            if pair is not None:
+                yield PEFT_VOCAB_NAMES[target][0], pair.lora_A
+                yield PEFT_VOCAB_NAMES[target][1], pair.lora_B
 
     def pair(self, layer: int, target: str) -> _LoRAPair | None:
         return getattr(self.layers[layer], target, None)
 
     def pairs(self):
+        """(layer, target, pair) of every decoder-layer target."""
         for i, layer in enumerate(self.layers):
-            for target in self.lora_config.targets:
+            for target in self.layer_targets:
                 yield i, target, getattr(layer, target)
 
     def peft_state(self) -> dict[str, torch.Tensor]:
-        out = {}
-        for i, target, pair in self.pairs():
-            out[peft_tensor_name(i, target, "A")] = pair.lora_A.detach().contiguous()
-            out[peft_tensor_name(i, target, "B")] = pair.lora_B.detach().contiguous()
-        return out
+        return {name: p.detach().contiguous() for name, p in self._named_matrices()}
 
     def load_peft_state(self, state: dict[str, torch.Tensor], where: str = "adapter") -> None:
-        expected = {}
-        for i, target, pair in self.pairs():
-            expected[peft_tensor_name(i, target, "A")] = pair.lora_A
-            expected[peft_tensor_name(i, target, "B")] = pair.lora_B
+        expected = dict(self._named_matrices())
         unexpected = sorted(set(state) - set(expected))
         missing = sorted(set(expected) - set(state))
         if unexpected or missing:
-            hint = [n for n in unexpected if not _TENSOR_NAME.match(n)]
+            hint = [n for n in unexpected if not _TENSOR_NAME.match(n) and n not in _PEFT_VOCAB_TENSORS]
             raise ValueError(
                 f"{where}: tensors do not match the config's targets: missing {missing[:4]}"
                 f"{'...' if len(missing) > 4 else ''}, unexpected {unexpected[:4]}"
@@ -342,10 +372,11 @@ class LoRAAdapter(nn.Module):
         return write_peft_adapter(adapter_dir, self.lora_config, self.peft_state())
 
     @classmethod
-    def from_dir(cls, adapter_dir: str | os.PathLike, model_config, head_dim: int) -> "LoRAAdapter":
+    def from_dir(cls, adapter_dir: str | os.PathLike, model_config, head_dim: int, vocab: bool = False) -> "LoRAAdapter":
+        """``vocab``: the reader adapts ``embed_tokens`` / ``lm_head`` too (the aligned model face)."""
         from safetensors.torch import load_file
 
-        lora_config = read_lora_config(adapter_dir, supported_lora_targets(model_config))
+        lora_config = read_lora_config(adapter_dir, supported_lora_targets(model_config, vocab))
         path = Path(adapter_dir) / WEIGHTS_FILE
         if not path.is_file():
             raise FileNotFoundError(f"{path}: the adapter's weights ({WEIGHTS_FILE}) are missing")
@@ -366,14 +397,15 @@ def build_adapter(
 ) -> Path:
     """Write a random PEFT adapter for the checkpoint in ``model_dir`` (A and B both non-zero, so
     the adapter changes the logits from the first step; PEFT's own init has B = 0). ``targets``:
-    by default every module the aligned path adapts for that model."""
+    by default every decoder-layer module the aligned path adapts for that model (``embed_tokens``
+    and ``lm_head`` only when named)."""
     from transformers import AutoConfig
 
     from ..architectures import describe
 
     model_config = AutoConfig.from_pretrained(str(model_dir))
-    supported = supported_lora_targets(model_config)
-    targets = supported if targets is None else targets
+    targets = supported_lora_targets(model_config) if targets is None else targets
+    supported = supported_lora_targets(model_config, vocab=True)
     config = LoRAConfig(r=r, lora_alpha=lora_alpha, targets=tuple(targets), use_rslora=use_rslora)
     problems = unsupported_lora_settings(config.as_peft_dict(), supported)
     if problems:
@@ -391,10 +423,12 @@ def build_adapter(
 
 class _TokenMapping:
     """vLLM's punica wrapper with every token of the batch mapped to adapter slot 0 (prefill
-    metadata, as the engine sets it for a prompt)."""
+    metadata, as the engine sets it for a prompt). ``sampled_rows``: every row is also a sampled
+    row (the logits' ``sampler_indices``, one per row, as the engine maps each request's row)."""
 
-    def __init__(self, runtime):
+    def __init__(self, runtime, sampled_rows: bool = False):
         self.runtime = runtime
+        self.sampled_rows = sampled_rows
         self.capacity = 0
         self.wrapper = None
         self.tokens = None
@@ -409,7 +443,7 @@ class _TokenMapping:
                 self.wrapper = get_punica_wrapper(self.capacity, 1, self.runtime.device)
             self.tokens = None
         if self.tokens != num_tokens:
-            mapping = LoRAMapping((1,) * num_tokens, (1,), is_prefill=True)
+            mapping = LoRAMapping((1,) * num_tokens, (1,) * (num_tokens if self.sampled_rows else 1), is_prefill=True)
             self.wrapper.update_metadata(mapping, [1], 2, self.runtime.hf_config.vocab_size)
             self.tokens = num_tokens
         return self.wrapper
@@ -598,3 +632,177 @@ def merged_lora_weight(weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch
     """PEFT's merged weight W + s·BA (what ``merge_and_unload`` computes): the forward vLLM does
     not run. Used as the negative control."""
     return weight + scaling * (lora_b @ lora_a)
+
+
+# ----- embed_tokens and lm_head ------------------------------------------------------------
+
+
+def _stacked_pair(lora_a, lora_b, max_rank: int, lora_dtype, scaling: float):
+    """(A [max_rank, in], B [out, max_rank]) zero-padded to the engine's rank, in the LoRA dtype,
+    B cast then scaled (the order of vLLM's ``LoRALayerWeights.optimize``)."""
+    a = torch.zeros(max_rank, lora_a.shape[1], dtype=lora_dtype, device=lora_a.device)
+    b = torch.zeros(lora_b.shape[0], max_rank, dtype=lora_dtype, device=lora_b.device)
+    r = lora_a.shape[0]
+    a[:r] = lora_a.to(lora_dtype)
+    scaled = lora_b.to(lora_dtype, copy=True)  # never scale the parameter itself
+    if scaling != 1:
+        scaled *= scaling
+    b[:, :r] = scaled
+    return a, b
+
+
+class _VocabLoRA:
+    """What the embedding and the logits LoRA ops share: the engine's LoRA settings and the
+    trainer's (A, B), re-derived into vLLM's buffers by :meth:`_stacked` after every step."""
+
+    def __init__(self, runtime, pair, lora_config: LoRAConfig, mapping: _TokenMapping):
+        lora = runtime.vllm_config.lora_config
+        if lora is None:
+            raise ValueError("the trainer's engine arguments need enable_lora=True (as the engine's)")
+        if lora_config.r > lora.max_lora_rank:
+            raise ValueError(f"adapter rank {lora_config.r} > max_lora_rank {lora.max_lora_rank}: raise max_lora_rank")
+        self.runtime = runtime
+        self.scaling = lora_config.scaling
+        self.max_rank = lora.max_lora_rank
+        self.lora_dtype = lora.lora_dtype
+        self.mapping = mapping
+        self.params = [pair.lora_A, pair.lora_B]
+        self.derived = DerivedWeight(self.params, self._build)
+
+    def _stacked(self, sources):
+        return _stacked_pair(sources[0], sources[1], self.max_rank, self.lora_dtype, self.scaling)
+
+
+class _BaseEmbedding(nn.Module):
+    """The frozen embedding lookup as the base layer vLLM's LoRA embedding wraps."""
+
+    def __init__(self, lookup):
+        super().__init__()
+        self.lookup = lookup
+
+    def forward(self, ids):
+        return self.lookup(ids)
+
+
+class AlignedLoRAEmbedding(_VocabLoRA):
+    """vLLM's ``VocabParallelEmbeddingWithLoRA`` (its own forward) over the frozen embedding and
+    trainable A [r, vocab], B [hidden, r] (PEFT's ``lora_embedding_A`` / ``_B``): the base rows, plus
+    the rows of Aᵀ times B' added by the punica wrapper's ``add_lora_embedding`` in the model dtype.
+    Backward in fp32 for A and B only."""
+
+    def __init__(self, runtime, weight, pair, lora_config: LoRAConfig, mapping: _TokenMapping):
+        from vllm.lora.layers import VocabParallelEmbeddingWithLoRA
+
+        super().__init__(runtime, pair, lora_config, mapping)
+        self.weight = weight
+        self.layer = VocabParallelEmbeddingWithLoRA(_BaseEmbedding(self._base))
+
+    def _base(self, ids):
+        w = self.weight
+        return nn.functional.embedding(ids, w.to(self.runtime.dtype) if w.dtype != self.runtime.dtype else w)
+
+    def _build(self, sources):
+        # vLLM's buffers: A transposed, one row per token id ([vocab, max_rank]), B [1, 1, hidden, max_rank].
+        a, b = self._stacked(sources)
+        return a.t().contiguous(), b[None, None]
+
+    def kernel(self, ids):
+        self.layer.lora_a_stacked_2d, self.layer.lora_b_stacked = self.derived.get()
+        self.layer.punica_wrapper = self.mapping.get(ids.shape[0])
+        return self.layer(ids)
+
+    def __call__(self, ids):
+        return _LoRAEmbeddingFn.apply(ids, self, *self.params)
+
+
+class _LoRAEmbeddingFn(Function):
+    @staticmethod
+    def forward(ctx, ids, op: AlignedLoRAEmbedding, lora_a, lora_b):
+        ctx.save_for_backward(ids, lora_a, lora_b)
+        ctx.op = op
+        return op.kernel(ids)
+
+    @staticmethod
+    def backward(ctx, g):
+        ids, lora_a, lora_b = ctx.saved_tensors
+        s = ctx.op.scaling
+        g2 = g.reshape(-1, g.shape[-1]).float()
+        rows = lora_a.float().t().index_select(0, ids)  # [T, r]: the A rows of the tokens
+        grad_b = (g2.t() @ rows) * s
+        grad_rows = (g2 @ lora_b.float()) * s  # [T, r]
+        grad_a = torch.zeros(lora_a.shape, dtype=torch.float32, device=g.device).index_add_(1, ids, grad_rows.t())
+        return None, None, grad_a.to(lora_a.dtype), grad_b.to(lora_b.dtype)
+
+
+class AlignedLoRALogits(_VocabLoRA):
+    """vLLM's ``LogitsProcessorWithLoRA`` (its own forward) over the frozen head of
+    :class:`~.ops.AlignedLogits` and trainable A [r, hidden], B [vocab, r]: the head's logits, then
+    ``add_lora_logits`` (buf = h Aᵀ in fp32, logits += buf B'ᵀ), then soft-cap and scale. Backward
+    in fp32 for A and B (and the hidden states), none for the frozen head."""
+
+    def __init__(self, runtime, head, pair, lora_config: LoRAConfig, mapping: _TokenMapping):
+        from vllm.lora.layers import LogitsProcessorWithLoRA
+
+        super().__init__(runtime, pair, lora_config, mapping)
+        self.head = head
+        # The trainer is one process with no tensor-parallel group: vLLM's layer, built without its
+        # __init__ (which asks that group for its size), holds what that __init__ sets for a world
+        # of 1, and its processor's gather is the identity (what vLLM's gather does at world size 1).
+        processor = runtime.logits_processor(head.vocab_size)
+        processor._gather_logits = lambda logits: logits
+        layer = LogitsProcessorWithLoRA.__new__(LogitsProcessorWithLoRA)
+        nn.Module.__init__(layer)
+        layer.base_layer = processor
+        layer.hidden_size, layer.dtype, layer.device = head.weight.shape[1], runtime.dtype, head.weight.device
+        layer.tp_size, layer.tp_rank = 1, 0
+        layer.sharded_to_full_mapping = layer.sharded_to_full_mapping_gpu = None
+        self.layer = layer
+
+    def _build(self, sources):
+        # vLLM's buffers: A [1, 1, max_rank, hidden], B [1, 1, vocab, max_rank].
+        return tuple(t[None, None] for t in self._stacked(sources))
+
+    def kernel(self, hidden):
+        self.layer.lora_a_stacked, self.layer.lora_b_stacked = self.derived.get()
+        self.layer.punica_wrapper = self.mapping.get(hidden.shape[0])
+        return self.layer(self.head.derived.get(), hidden)
+
+    def __call__(self, hidden):
+        return _LoRALogitsFn.apply(hidden, self, *self.params)
+
+
+class _LoRALogitsFn(Function):
+    @staticmethod
+    def forward(ctx, hidden, op: AlignedLoRALogits, lora_a, lora_b):
+        ctx.save_for_backward(hidden, lora_a, lora_b)
+        ctx.op = op
+        return op.kernel(hidden)
+
+    @staticmethod
+    def backward(ctx, g):
+        hidden, lora_a, lora_b = ctx.saved_tensors
+        op = ctx.op
+        if op.layer.soft_cap is not None or op.layer.scale != 1.0:
+            raise NotImplementedError("logit soft-capping / scaling has no aligned backward yet")
+        s = op.scaling
+        g32, h32 = g.float(), hidden.float()
+        a, b = lora_a.float(), lora_b.float()
+        w32 = op.head.weight.detach().to(op.runtime.dtype).float()
+        gbuf = (g32 @ b) * s  # [R, r]
+        grad_hidden = g32 @ w32 + gbuf @ a
+        grad_a = gbuf.t() @ h32
+        grad_b = (g32.t() @ (h32 @ a.t())) * s
+        return grad_hidden.to(hidden.dtype), None, grad_a.to(lora_a.dtype), grad_b.to(lora_b.dtype)
+
+
+def lora_vocab_ops(runtime, adapter: LoRAAdapter, embed_weight, head) -> dict:
+    """``{"embed_tokens": AlignedLoRAEmbedding, "lm_head": AlignedLoRALogits}`` for the vocabulary
+    targets the adapter has (none: empty)."""
+    ops = {}
+    pair = adapter.vocab_pair("embed_tokens")
+    if pair is not None:
+        ops["embed_tokens"] = AlignedLoRAEmbedding(runtime, embed_weight, pair, adapter.lora_config, _TokenMapping(runtime))
+    pair = adapter.vocab_pair("lm_head")
+    if pair is not None:
+        ops["lm_head"] = AlignedLoRALogits(runtime, head, pair, adapter.lora_config, _TokenMapping(runtime, sampled_rows=True))
+    return ops

@@ -401,7 +401,7 @@ class AlignedCausalLM(nn.Module):
         targeted linears then run vLLM's LoRA arithmetic (:mod:`.lora`), never a merged weight."""
         from .lora import LoRAAdapter
 
-        adapter = LoRAAdapter.from_dir(lora_dir, self.config, self.head_dim)
+        adapter = LoRAAdapter.from_dir(lora_dir, self.config, self.head_dim, vocab=True)
         for p in self.parameters():
             p.requires_grad_(False)
         self.lora = adapter.to(self.runtime.device)
@@ -417,6 +417,19 @@ class AlignedCausalLM(nn.Module):
             if self.blocks.attention == "mla":
                 merged = MLA_MERGED_TARGETS if self.blocks.mla.q_lora_rank is None else MLA_Q_LORA_MERGED_TARGETS
             self.lora_ops = lora_linears(self.runtime, self.lora, self.layer_ops, merged)
+        self._build_lora_vocab_ops()
+
+    def _build_lora_vocab_ops(self) -> None:
+        # embed_tokens / lm_head adapters: vLLM's LoRA embedding and logits layers on the trainer's A, B.
+        self.lora_vocab_ops = {}
+        if self.lora_enabled:
+            from .lora import lora_vocab_ops
+
+            self.lora_vocab_ops = lora_vocab_ops(self.runtime, self.lora, self.model.embed_tokens.weight, self.logits_head)
+
+    def _vocab_op(self, target: str, base):
+        op = self.lora_vocab_ops.get(target) if self.lora_enabled else None
+        return op or base
 
     @contextlib.contextmanager
     def adapter_disabled(self):
@@ -512,6 +525,8 @@ class AlignedCausalLM(nn.Module):
         for ops in self.lora_ops:
             for op in ops.values():
                 op.derived.refresh()
+        for op in self.lora_vocab_ops.values():
+            op.derived.refresh()
         self.final_norm.engine_weight.refresh()
         self.logits_head.derived.refresh()
 
@@ -523,7 +538,11 @@ class AlignedCausalLM(nn.Module):
         positions = batch.positions.to(self.runtime.device)
         plans = {}  # one backend plan per attention (window) per forward
         embed = self.model.embed_tokens.weight
-        hidden = nn.functional.embedding(ids, embed.to(self.runtime.dtype) if embed.dtype != self.runtime.dtype else embed)
+        lora_embed = self._vocab_op("embed_tokens", None)
+        if lora_embed is not None:
+            hidden = lora_embed(ids)
+        else:
+            hidden = nn.functional.embedding(ids, embed.to(self.runtime.dtype) if embed.dtype != self.runtime.dtype else embed)
         residual = None
         heads = AttentionHeads(self.num_heads, self.num_kv_heads, self.head_dim)
         mla_plan = None
@@ -551,7 +570,7 @@ class AlignedCausalLM(nn.Module):
         """Logits [R, vocab] at the rows that predict the response tokens."""
         hidden = self.hidden_states(batch)
         rows = batch.target_rows.to(hidden.device)
-        return self.logits_head(hidden.index_select(0, rows))
+        return self._vocab_op("lm_head", self.logits_head)(hidden.index_select(0, rows))
 
     def token_logprobs(
         self, batch: PackedBatch, transform: SamplingTransform | None = None, strict: bool = True

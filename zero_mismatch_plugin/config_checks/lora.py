@@ -29,6 +29,22 @@ def lora_targets(cfg: DictConfig) -> list[str]:
     return []
 
 
+def _vocab_targets_aligned(cfg: DictConfig) -> bool:
+    """The model (from its local config.json or ``zmrl.architecture``) is one whose engine adapts
+    embed_tokens / lm_head and whose aligned model face adapts them too."""
+    from .alignment import model_architecture
+    from .values import ConfigValueError
+
+    try:
+        return model_architecture(cfg).name in architectures.VOCAB_LORA_ARCHITECTURES
+    except (ConfigValueError, TypeError):
+        return False
+
+
+def _covered(cfg: DictConfig) -> tuple[str, ...]:
+    return COVERED + (architectures.VOCAB_LORA_TARGETS if _vocab_targets_aligned(cfg) else ())
+
+
 def lora_gaps(cfg: DictConfig) -> list[str]:
     """LoRA is aligned in the aligned model face (vLLM's LoRA arithmetic on the dense linears and
     on the MLA projections vLLM adapts), not in verl's Megatron engine, whose LoRA wiring
@@ -36,7 +52,7 @@ def lora_gaps(cfg: DictConfig) -> list[str]:
     rank = lora_rank(cfg)
     if rank <= 0:
         return []
-    uncovered = [t for t in lora_targets(cfg) if t not in COVERED]
+    uncovered = [t for t in lora_targets(cfg) if t not in _covered(cfg)]
     gap = (f"LoRA adapters (rank {rank}) in verl's Megatron engine (its Megatron-Bridge PEFT wiring is "
            "not installed; the aligned LoRA path runs in the aligned model face)")
     if uncovered:
@@ -48,8 +64,10 @@ def lora_gaps(cfg: DictConfig) -> list[str]:
 
 def lora_problems(cfg: DictConfig) -> list[Problem]:
     """With consistent numerics, a LoRA target vLLM does not apply to every token is an error:
-    trained in the trainer, it would be (partly) missing from the rollout's logprobs."""
+    trained in the trainer, it would be (partly) missing from the rollout's logprobs.
+    ``embed_tokens`` / ``lm_head`` are not, for a model whose engine adapts them (Llama, Qwen3)."""
     if lora_rank(cfg) <= 0 or not is_consistent(cfg):
         return []
+    covered = _covered(cfg)
     return [Problem(TARGETS_KEY, f"{t}: {architectures.REFUSED_LORA_TARGETS[t]}; remove {t} from the targets")
-            for t in lora_targets(cfg) if t in architectures.REFUSED_LORA_TARGETS]
+            for t in lora_targets(cfg) if t in architectures.REFUSED_LORA_TARGETS and t not in covered]
