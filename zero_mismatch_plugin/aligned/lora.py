@@ -13,10 +13,12 @@ An adapter is read from and written to PEFT's format (``adapter_config.json`` +
 ``adapter_model.safetensors``), the format ``vllm.lora.request.LoRARequest`` loads; vLLM's own
 ``PEFTHelper`` reads the config and computes the scaling. Targets are the dense linears vLLM
 wraps (``ALIGNED_LORA_TARGETS``), and on multi-head latent attention the projections vLLM applies
-an adapter to on every token (``supported_lora_targets``: q / q_a / q_b, kv_a, o). DoRA, adapter
-biases, ``modules_to_save``, per-module rank or alpha patterns, ``fan_in_fan_out``, and the
-targets vLLM does not apply (``REFUSED_LORA_TARGETS``: MLA's kv_b_proj, which vLLM wraps but
-never applies; the MoE router; embedding / lm_head) are refused.
+an adapter to on every token (``supported_lora_targets``: q / q_a / q_b, kv_a, o), and in the
+aligned model face ``embed_tokens`` / ``lm_head`` for the models whose engine adapts them
+(:class:`AlignedLoRAEmbedding`, :class:`AlignedLoRALogits`: vLLM's LoRA embedding and logits
+layers). DoRA, adapter biases, ``modules_to_save``, per-module rank or alpha patterns,
+``fan_in_fan_out``, and the targets vLLM does not apply (``REFUSED_LORA_TARGETS``: MLA's kv_b_proj,
+which vLLM wraps but never applies; the MoE router; embedding / lm_head elsewhere) are refused.
 """
 
 from __future__ import annotations
