@@ -208,13 +208,17 @@ def _shrink_without_adapter_rows(original):
 # slots with its slot index; a token without adapter has index -1, which selects the LAST slot, so
 # a base request batched with adapter requests ran the last slot's adapter whenever that slot was
 # loaded (always with max_loras=1). The GPU kernels skip index -1.
-LORA_BASE_ROWS = vllm_patch(
-    "vllm.lora.ops.torch_ops.lora_ops:bgmv_shrink", _shrink_without_adapter_rows,
-    name="cpu-lora-base-rows",
-    why="a base request batched with LoRA requests got the last adapter slot's update (slot index -1): "
-        "its shrink rows are made 0, so its output is the base output",
-    when="ZMRL_NUMERICS=consistent on CPU",
-    bound_in=("vllm.lora.ops.torch_ops", "vllm.lora.punica_wrapper.punica_cpu"),
+def _cpu_lora_op_patch(op: str, wrapper, name: str, why: str) -> FunctionPatch:
+    """A patch of one of vLLM's torch LoRA ops, also where the CPU punica wrapper imported it."""
+    return vllm_patch(f"vllm.lora.ops.torch_ops.lora_ops:{op}", wrapper, name=name, why=why,
+                      when="ZMRL_NUMERICS=consistent on CPU",
+                      bound_in=("vllm.lora.ops.torch_ops", "vllm.lora.punica_wrapper.punica_cpu"))
+
+
+LORA_BASE_ROWS = _cpu_lora_op_patch(
+    "bgmv_shrink", _shrink_without_adapter_rows, "cpu-lora-base-rows",
+    "a base request batched with LoRA requests got the last adapter slot's update (slot index -1): "
+    "its shrink rows are made 0, so its output is the base output",
 )
 
 
@@ -233,13 +237,10 @@ def _expand_without_adapter_rows(original):
 # The LoRA embedding has no shrink: its A rows are looked up with offset 0 (slot 0's rows) for a
 # token without adapter and the expand then indexes B with -1 (the last slot), so with both slots
 # loaded a base request got an embedding update made of two adapters' halves.
-LORA_BASE_EMBEDDING_ROWS = vllm_patch(
-    "vllm.lora.ops.torch_ops.lora_ops:bgmv_expand", _expand_without_adapter_rows,
-    name="cpu-lora-base-embedding-rows",
-    why="a base request batched with LoRA requests got an embedding adapter update (slot 0's A rows, the "
-        "last slot's B): the expand leaves rows of slot index -1 unchanged, as the GPU kernels skip them",
-    when="ZMRL_NUMERICS=consistent on CPU",
-    bound_in=("vllm.lora.ops.torch_ops", "vllm.lora.punica_wrapper.punica_cpu"),
+LORA_BASE_EMBEDDING_ROWS = _cpu_lora_op_patch(
+    "bgmv_expand", _expand_without_adapter_rows, "cpu-lora-base-embedding-rows",
+    "a base request batched with LoRA requests got an embedding adapter update (slot 0's A rows, the "
+    "last slot's B): the expand leaves rows of slot index -1 unchanged, as the GPU kernels skip them",
 )
 
 PATCHES: list[FunctionPatch] = [ENGINE_ARGS, CPU_GEMM, *CPU_MLA_PATCHES, *CPU_SIGMOID_PATCHES, LORA_BASE_ROWS,

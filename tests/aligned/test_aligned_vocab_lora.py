@@ -13,6 +13,7 @@ import aligned_checks as checks
 import pytest
 import torch
 from test_aligned_lora import LORA_ENGINE, _peft_reference, assert_bitwise, generate, lora_engines, score  # noqa: F401 - a fixture
+from test_aligned_mla_lora import lora_trainers  # noqa: F401 - a fixture (one trainer per model, of `adapters`)
 from vllm_session import prompts_for
 
 from zero_mismatch_plugin.aligned import SamplingTransform, pack
@@ -36,20 +37,6 @@ def adapters(checkpoints, tmp_path_factory):
     return {m: build_adapter(root / m, checkpoints[m], r=8, lora_alpha=16, targets=TARGETS, seed=31) for m in MODELS}
 
 
-@pytest.fixture(scope="module")
-def trainers(checkpoints, adapters):
-    from zero_mismatch_plugin.aligned import AlignedCausalLM
-
-    cache = {}
-
-    def get(model):
-        if model not in cache:
-            cache[model] = AlignedCausalLM.from_pretrained(checkpoints[model], lora_dir=adapters[model], **LORA_ENGINE)
-        return cache[model]
-
-    return get
-
-
 def _request(adapters, model):
     from vllm.lora.request import LoRARequest
 
@@ -65,9 +52,9 @@ def _full_distribution(trainer, rows):
     return full, engine
 
 
-def test_embedding_and_lm_head_lora_bitwise_equal_engine(model, lora_engines, trainers, adapters):
+def test_embedding_and_lm_head_lora_bitwise_equal_engine(model, lora_engines, lora_trainers, adapters):
     llm = lora_engines.get(model)
-    trainer = trainers(model)
+    trainer = lora_trainers(model)
     assert set(trainer.lora_vocab_ops) == {"embed_tokens", "lm_head"}
     prompts = prompts_for(trainer.runtime.model_dir)
     request = _request(adapters, model)
@@ -89,13 +76,13 @@ def test_embedding_and_lm_head_lora_bitwise_equal_engine(model, lora_engines, tr
         trainer.lora_vocab_ops = vocab_ops
 
 
-def test_embedding_and_lm_head_lora_in_a_mixed_batch(model, lora_engines, trainers, adapters, tmp_path):
+def test_embedding_and_lm_head_lora_in_a_mixed_batch(model, lora_engines, lora_trainers, adapters, tmp_path):
     """Adapter, base and another adapter's requests in one batch (both slots loaded): each row
     gets its own model."""
     from vllm.lora.request import LoRARequest
 
     llm = lora_engines.get(model)
-    trainer = trainers(model)
+    trainer = lora_trainers(model)
     prompts = prompts_for(trainer.runtime.model_dir)
     request = _request(adapters, model)
     other_dir = build_adapter(tmp_path / "other", trainer.runtime.model_dir, r=8, lora_alpha=16, targets=TARGETS, seed=32)
@@ -133,9 +120,9 @@ def _peft_vocab_parameters(adapter_dir):
     return reference
 
 
-def test_embedding_and_lm_head_lora_backward_matches_float64(model, lora_engines, trainers, adapters):
+def test_embedding_and_lm_head_lora_backward_matches_float64(model, lora_engines, lora_trainers, adapters):
     llm = lora_engines.get(model)
-    trainer = trainers(model)
+    trainer = lora_trainers(model)
     prompts = prompts_for(trainer.runtime.model_dir)
     rows = generate(llm, prompts, [_request(adapters, model)] * len(prompts), seed=900)
     worst = checks.check_lora_backward_matches_float64(trainer, rows, _peft_vocab_parameters(adapters[model]))

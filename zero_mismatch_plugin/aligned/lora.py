@@ -184,7 +184,7 @@ def unsupported_lora_settings(config: dict, supported: tuple[str, ...] = ALIGNED
         if bad:
             out.append(
                 f"target_modules {bad}: the aligned LoRA path covers {list(supported)} "
-                "(embeddings, lm_head and MoE experts are not aligned)"
+                "(MoE experts are not aligned)"
             )
         if not targets:
             out.append("target_modules is empty")
@@ -505,6 +505,16 @@ class SteppedPunica:
         _copy_into(y, self._step("lora_expand", lambda: self._wrapper.add_expand(y, *args, **kwargs), y))
 
 
+def _engine_lora_config(runtime, r: int):
+    """The engine's LoRA settings (``enable_lora``, ``max_lora_rank``), checked to serve rank ``r``."""
+    lora = runtime.vllm_config.lora_config
+    if lora is None:
+        raise ValueError("the trainer's engine arguments need enable_lora=True (as the engine's)")
+    if r > lora.max_lora_rank:
+        raise ValueError(f"adapter rank {r} > max_lora_rank {lora.max_lora_rank}: raise max_lora_rank")
+    return lora
+
+
 class AlignedLoRALinear:
     """vLLM's LoRA-wrapped linear over a frozen :class:`~.ops.AlignedLinear` and trainable A, B.
 
@@ -519,11 +529,7 @@ class AlignedLoRALinear:
         self.out_sizes = list(out_sizes if out_sizes is not None else base.out_sizes)
         if len(pairs) != len(self.out_sizes) or sum(self.out_sizes) != sum(base.out_sizes):
             raise ValueError("one adapter pair (or None) per output slice of the base linear")
-        lora = runtime.vllm_config.lora_config
-        if lora is None:
-            raise ValueError("the trainer's engine arguments need enable_lora=True (as the engine's)")
-        if lora_config.r > lora.max_lora_rank:
-            raise ValueError(f"adapter rank {lora_config.r} > max_lora_rank {lora.max_lora_rank}: raise max_lora_rank")
+        lora = _engine_lora_config(runtime, lora_config.r)
         self.runtime = runtime
         self.base = base
         self.pairs = list(pairs)
@@ -658,11 +664,7 @@ class _VocabLoRA:
     trainer's (A, B), re-derived into vLLM's buffers by :meth:`_stacked` after every step."""
 
     def __init__(self, runtime, pair, lora_config: LoRAConfig, mapping: _TokenMapping):
-        lora = runtime.vllm_config.lora_config
-        if lora is None:
-            raise ValueError("the trainer's engine arguments need enable_lora=True (as the engine's)")
-        if lora_config.r > lora.max_lora_rank:
-            raise ValueError(f"adapter rank {lora_config.r} > max_lora_rank {lora.max_lora_rank}: raise max_lora_rank")
+        lora = _engine_lora_config(runtime, lora_config.r)
         self.runtime = runtime
         self.scaling = lora_config.scaling
         self.max_rank = lora.max_lora_rank
@@ -673,6 +675,25 @@ class _VocabLoRA:
 
     def _stacked(self, sources):
         return _stacked_pair(sources[0], sources[1], self.max_rank, self.lora_dtype, self.scaling)
+
+    def __call__(self, x):
+        return _VocabLoRAFn.apply(x, self, *self.params)
+
+
+class _VocabLoRAFn(Function):
+    """The op's forward (vLLM's layer); its ``grads(x, A, B, g)`` (fp32) for the backward."""
+
+    @staticmethod
+    def forward(ctx, x, op: _VocabLoRA, lora_a, lora_b):
+        ctx.save_for_backward(x, lora_a, lora_b)
+        ctx.op = op
+        return op.kernel(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, lora_a, lora_b = ctx.saved_tensors
+        grad_x, grad_a, grad_b = ctx.op.grads(x, lora_a.float(), lora_b.float(), g.float())
+        return grad_x, None, grad_a.to(lora_a.dtype), grad_b.to(lora_b.dtype)
 
 
 class _BaseEmbedding(nn.Module):
@@ -713,27 +734,13 @@ class AlignedLoRAEmbedding(_VocabLoRA):
         self.layer.punica_wrapper = self.mapping.get(ids.shape[0])
         return self.layer(ids)
 
-    def __call__(self, ids):
-        return _LoRAEmbeddingFn.apply(ids, self, *self.params)
-
-
-class _LoRAEmbeddingFn(Function):
-    @staticmethod
-    def forward(ctx, ids, op: AlignedLoRAEmbedding, lora_a, lora_b):
-        ctx.save_for_backward(ids, lora_a, lora_b)
-        ctx.op = op
-        return op.kernel(ids)
-
-    @staticmethod
-    def backward(ctx, g):
-        ids, lora_a, lora_b = ctx.saved_tensors
-        s = ctx.op.scaling
-        g2 = g.reshape(-1, g.shape[-1]).float()
-        rows = lora_a.float().t().index_select(0, ids)  # [T, r]: the A rows of the tokens
-        grad_b = (g2.t() @ rows) * s
-        grad_rows = (g2 @ lora_b.float()) * s  # [T, r]
-        grad_a = torch.zeros(lora_a.shape, dtype=torch.float32, device=g.device).index_add_(1, ids, grad_rows.t())
-        return None, None, grad_a.to(lora_a.dtype), grad_b.to(lora_b.dtype)
+    def grads(self, ids, a, b, g):
+        """out = base[ids] + s (Aᵀ[ids]) Bᵀ: no gradient for the ids, A's columns at the ids."""
+        g2 = g.reshape(-1, g.shape[-1])
+        rows = a.t().index_select(0, ids)  # [T, r]: the A rows of the tokens
+        grad_rows = (g2 @ b) * self.scaling  # [T, r]
+        grad_a = torch.zeros_like(a).index_add_(1, ids, grad_rows.t())
+        return None, grad_a, (g2.t() @ rows) * self.scaling
 
 
 class AlignedLoRALogits(_VocabLoRA):
@@ -769,32 +776,15 @@ class AlignedLoRALogits(_VocabLoRA):
         self.layer.punica_wrapper = self.mapping.get(hidden.shape[0])
         return self.layer(self.head.derived.get(), hidden)
 
-    def __call__(self, hidden):
-        return _LoRALogitsFn.apply(hidden, self, *self.params)
-
-
-class _LoRALogitsFn(Function):
-    @staticmethod
-    def forward(ctx, hidden, op: AlignedLoRALogits, lora_a, lora_b):
-        ctx.save_for_backward(hidden, lora_a, lora_b)
-        ctx.op = op
-        return op.kernel(hidden)
-
-    @staticmethod
-    def backward(ctx, g):
-        hidden, lora_a, lora_b = ctx.saved_tensors
-        op = ctx.op
-        if op.layer.soft_cap is not None or op.layer.scale != 1.0:
+    def grads(self, hidden, a, b, g):
+        """logits = h Wᵀ + s (h Aᵀ) Bᵀ (no soft-cap, no scale): the hidden states' gradient too."""
+        if self.layer.soft_cap is not None or self.layer.scale != 1.0:
             raise NotImplementedError("logit soft-capping / scaling has no aligned backward yet")
-        s = op.scaling
-        g32, h32 = g.float(), hidden.float()
-        a, b = lora_a.float(), lora_b.float()
-        w32 = op.head.weight.detach().to(op.runtime.dtype).float()
-        gbuf = (g32 @ b) * s  # [R, r]
-        grad_hidden = g32 @ w32 + gbuf @ a
-        grad_a = gbuf.t() @ h32
-        grad_b = (g32.t() @ (h32 @ a.t())) * s
-        return grad_hidden.to(hidden.dtype), None, grad_a.to(lora_a.dtype), grad_b.to(lora_b.dtype)
+        h32 = hidden.float()
+        w32 = self.head.weight.detach().to(self.runtime.dtype).float()
+        gbuf = (g @ b) * self.scaling  # [R, r]
+        grad_hidden = g @ w32 + gbuf @ a
+        return grad_hidden.to(hidden.dtype), gbuf.t() @ h32, (g.t() @ (h32 @ a.t())) * self.scaling
 
 
 def lora_vocab_ops(runtime, adapter: LoRAAdapter, embed_weight, head) -> dict:
