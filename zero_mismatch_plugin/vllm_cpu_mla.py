@@ -25,6 +25,12 @@ matches the model. Three causes, each fixed here by one runtime patch of
 Beyond the batch: the decode kernel ``_C.mla_decode_kvcache`` gives other bits on one OpenMP
 thread than on two, so in consistent mode it runs on one thread (as the aligned trainer runs it),
 whatever thread count the engine's worker has.
+
+Where a request stands in the step: vLLM orders a one-token prompt with the prefills, and the MLA
+builder decodes it only when no longer prompt precedes it in the step (decoded alone, prefilled
+after a longer prompt, with other bits). In consistent mode, when every attention layer runs
+``CPU_MLA``, the model runner's reorder counts a short first step as computed, so it is always
+decoded, as the aligned trainer computes it.
 """
 
 from __future__ import annotations
@@ -32,8 +38,13 @@ from __future__ import annotations
 import types
 
 from zero_mismatch_plugin.patching.shared import rotary_on_rows as rotate_rows_in_place
-from zero_mismatch_plugin.patching.shared import on_one_thread, row_invariant_bmm
-from zero_mismatch_plugin.runtime_patches import FunctionPatch
+from zero_mismatch_plugin.patching.shared import (
+    first_steps_counted_as_computed,
+    on_one_thread,
+    only_cpu_mla_attention,
+    row_invariant_bmm,
+)
+from zero_mismatch_plugin.runtime_patches import FunctionPatch, patch_at
 
 SUPPORTED_VLLM_VERSIONS = ("0.31.0",)
 ROTARY_MODULE = "vllm.model_executor.layers.rotary_embedding.base"
@@ -88,6 +99,39 @@ def _row_invariant_bmm(original):
     return original if isinstance(original, TorchWithRowInvariantBmm) else TorchWithRowInvariantBmm(original)
 
 
+class BatchWithComputedCounts:
+    """A model runner's input batch as vLLM's decode/prefill reorder reads it, with other
+    computed-token counts (read once, before any swap); every swap goes to the batch itself."""
+
+    def __init__(self, input_batch, num_computed_tokens):
+        self._input_batch = input_batch
+        self.num_computed_tokens_cpu = num_computed_tokens
+
+    def __getattr__(self, name):
+        return getattr(self._input_batch, name)
+
+
+def short_first_steps_decoded(original):
+    """``GPUModelRunner._may_reorder_batch`` that, when every attention layer runs ``CPU_MLA``,
+    orders a request's first step of at most the decode threshold (a one-token prompt) with the
+    decodes, wherever it stands in the step."""
+
+    def _may_reorder_batch(self, scheduler_output):
+        threshold = self.reorder_batch_threshold
+        if threshold is None or not only_cpu_mla_attention(self.attn_groups):
+            return original(self, scheduler_output)
+        from vllm.v1.attention.backends.utils import reorder_batch_to_split_decodes_and_prefills
+
+        batch = self.input_batch
+        scheduled = [scheduler_output.num_scheduled_tokens[req_id] for req_id in batch.req_ids]
+        counted = first_steps_counted_as_computed(batch.num_computed_tokens_cpu[: len(scheduled)], scheduled,
+                                                  threshold)
+        reorder_batch_to_split_decodes_and_prefills(BatchWithComputedCounts(batch, counted), scheduler_output,
+                                                    decode_threshold=threshold)
+
+    return _may_reorder_batch
+
+
 _VLLM = dict(package="vllm", versions=SUPPORTED_VLLM_VERSIONS, when="ZMRL_NUMERICS=consistent on CPU")
 
 CPU_ROTARY_ON_ROWS = FunctionPatch(
@@ -112,4 +156,11 @@ CPU_MLA_DECODE_ONE_THREAD = FunctionPatch(
     why="_C.mla_decode_kvcache's output bits depend on the OpenMP thread count, so the trainer's "
         "bits depended on how many threads its process and the engine's worker had", **_VLLM)
 
-CONSISTENT_MODE_PATCHES = (CPU_ROTARY_ON_ROWS, CPU_MLA_KV_B_PROJ_GEMM, CPU_MLA_DECODE_BMM, CPU_MLA_DECODE_ONE_THREAD)
+CPU_MLA_ONE_TOKEN_PROMPT_DECODED = patch_at(
+    "vllm.v1.worker.gpu_model_runner:GPUModelRunner._may_reorder_batch", short_first_steps_decoded,
+    name="vllm-cpu-mla-one-token-prompt-decoded",
+    why="a one-token prompt was decoded alone or first among the step's new requests and prefilled after a "
+        "longer prompt (other bits): 7 of 24 greedy logprobs equal to the prompt alone", **_VLLM)
+
+CONSISTENT_MODE_PATCHES = (CPU_ROTARY_ON_ROWS, CPU_MLA_KV_B_PROJ_GEMM, CPU_MLA_DECODE_BMM, CPU_MLA_DECODE_ONE_THREAD,
+                           CPU_MLA_ONE_TOKEN_PROMPT_DECODED)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import aligned_checks as checks
 import pytest
 import torch
-from vllm_session import prompts_for, rollout
+from vllm_session import RESPONSE_TOKENS, prompts_for, rollout
 
 from zero_mismatch_plugin.aligned import pack
 from zero_mismatch_plugin.aligned.mla import BLOCK_SIZE, plan_mla
@@ -18,12 +18,29 @@ from zero_mismatch_plugin.aligned.mla import BLOCK_SIZE, plan_mla
 NAME = "deepseek_v2"
 
 
-def _bitwise(engines, trainers, name, prompts, seed):
+@pytest.fixture(scope="module", autouse=True)
+def engine_accepts_functions(engines):
+    """Lets ``collective_rpc`` carry a function to the engine's worker (to take one runtime patch
+    out there). Engine and client read the switch when they (de)serialize, so the module's engines
+    start with it set and are closed when the module ends."""
+    engines.close()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+        yield
+        engines.close()
+
+
+def _engine_and_trainer_logprobs(engines, trainers, name, prompts, seed):
     llm = engines.get(name)
     trainer = trainers(name)
     prompts, responses, mu = rollout(llm, prompts, seed=seed, n=1)
     with torch.no_grad():
         logprobs = trainer.token_logprobs(pack(prompts, responses))
+    return logprobs, mu
+
+
+def _bitwise(engines, trainers, name, prompts, seed):
+    logprobs, mu = _engine_and_trainer_logprobs(engines, trainers, name, prompts, seed)
     equal = (logprobs == mu).float().mean().item()
     assert torch.equal(logprobs, mu), (
         f"{name}: {equal:.1%} of {mu.numel()} tokens bitwise equal, max |diff| {(logprobs - mu).abs().max().item():.3g}"
@@ -48,13 +65,41 @@ def test_trainer_logprobs_bitwise_equal_engine(engines, trainers, batch_size):
     print(f"{NAME}: batch {batch_size}: {tokens} response tokens bitwise equal")
 
 
+def _set_one_token_prompt_patch(worker, applied):
+    from zero_mismatch_plugin import runtime_patches, vllm_cpu_mla
+
+    patch = vllm_cpu_mla.CPU_MLA_ONE_TOKEN_PROMPT_DECODED
+    (runtime_patches.apply if applied else runtime_patches.remove)(patch)
+    return runtime_patches.is_applied(patch)
+
+
 def test_one_token_prompt_is_a_decode_step_in_both(engines, trainers):
-    """A one-token prompt is a query of length 1: the engine decodes it (absorbed kernel), not
-    prefill, when it comes first among the step's new requests (vLLM splits decodes from prefills
-    at the first longer query; after a longer prompt it is prefilled: docs/vllm-cpu-mla.md)."""
+    """A one-token prompt is a query of length 1: the trainer decodes it (absorbed kernel), and so
+    does the consistent-mode engine, alone, before or after a longer prompt in one step (stock
+    vLLM prefills it after a longer prompt: docs/vllm-cpu-mla.md)."""
     prompts = prompts_for(trainers(NAME).runtime.model_dir)
     _bitwise(engines, trainers, NAME, [prompts[0][:1]], seed=11)
     _bitwise(engines, trainers, NAME, [prompts[0][:1], prompts[1]], seed=12)
+    _bitwise(engines, trainers, NAME, [prompts[1], prompts[0][:1]], seed=13)
+
+
+def test_stock_order_prefills_a_one_token_prompt_after_a_longer_one(engines, trainers):
+    """Negative control: the same engine with vLLM's own decode/prefill order (the plugin's
+    reorder patch taken out in its worker) prefills the one-token prompt after the longer one,
+    and the trainer, which decodes it, no longer matches it bit for bit."""
+    prompts = prompts_for(trainers(NAME).runtime.model_dir)
+    llm = engines.get(NAME)
+    assert llm.collective_rpc(_set_one_token_prompt_patch, args=(False,)) == [False]
+    try:
+        logprobs, mu = _engine_and_trainer_logprobs(engines, trainers, NAME, [prompts[1], prompts[0][:1]], seed=13)
+    finally:
+        assert llm.collective_rpc(_set_one_token_prompt_patch, args=(True,)) == [True]
+    one_token = slice(-RESPONSE_TOKENS, None)  # the one-token prompt's response
+    equal = (logprobs[one_token] == mu[one_token]).float().mean().item()
+    print(f"{NAME}, vLLM's own order: one-token prompt after a longer one, {equal:.1%} of {RESPONSE_TOKENS} "
+          f"response logprobs bitwise equal to the trainer, max |diff| "
+          f"{(logprobs[one_token] - mu[one_token]).abs().max().item():.3g}")
+    assert not torch.equal(logprobs[one_token], mu[one_token])
 
 
 def test_query_lora_and_yarn_rope_bitwise_equal_engine(engines, trainers):

@@ -171,6 +171,33 @@ def on_one_thread(kernel):
     return run
 
 
+def first_steps_counted_as_computed(num_computed_tokens, num_scheduled_tokens, decode_threshold):
+    """Computed-token counts under which vLLM's decode/prefill reorder places a request's first
+    step of at most ``decode_threshold`` tokens (a one-token prompt) with the later steps.
+
+    ``reorder_batch_to_split_decodes_and_prefills`` puts every request with nothing computed at
+    the back, among the prefills, and the MLA metadata builder counts decodes only up to the
+    first query of another length: a one-token prompt was decoded alone or first among the new
+    requests, prefilled after a longer prompt, with other bits. Counting such a step's own tokens
+    as computed orders it as a decode (or, for a short first chunk of a longer prompt, a short
+    extend) wherever it stands in the step. Other counts are returned unchanged.
+    """
+    import numpy as np
+
+    computed = np.asarray(num_computed_tokens)
+    scheduled = np.asarray(num_scheduled_tokens, dtype=computed.dtype)
+    short_first_step = (computed == 0) & (scheduled <= decode_threshold)
+    return np.where(short_first_step, scheduled, computed)
+
+
+def only_cpu_mla_attention(attn_groups):
+    """Whether every attention group of a model runner (``attn_groups``: one list per KV cache
+    group) runs vLLM's CPU MLA backend, whose decode kernel computes a one-token prompt as it
+    computes any later step."""
+    groups = [group for kv_cache_group in attn_groups for group in kv_cache_group]
+    return bool(groups) and all(group.backend.get_name() == "CPU_MLA" for group in groups)
+
+
 def repack_shared_cpu_weights(model):
     """Re-derive CPU GEMM handles of layers whose weight another layer owns; return how many.
 
