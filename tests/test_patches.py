@@ -92,7 +92,9 @@ def test_code_shared_with_the_plugin_is_in_the_diffs_verbatim(manifest):
     for patch_name, fn in (("verl-reject-unknown-names", shared.require_registered_name),
                            ("verl-policy-loss-rollout-logprobs", shared.accepts_keyword),
                            ("vllm-ep-combine-rank-order", shared.reduce_scatterv_in_rank_order),
-                           ("vllm-mamba-state-slot-writes-once", shared.last_write_per_slot)):
+                           ("vllm-mamba-state-slot-writes-once", shared.last_write_per_slot),
+                           ("vllm-cpu-mla-one-token-prompt-decoded", shared.first_steps_counted_as_computed),
+                           ("vllm-cpu-mla-one-token-prompt-decoded", shared.only_cpu_mla_attention)):
         added = "".join(line[1:] + "\n" for line in diffs[patch_name].splitlines()
                         if line.startswith("+") and not line.startswith("+++"))
         assert textwrap.dedent(__import__("inspect").getsource(fn)) in added
@@ -1267,6 +1269,70 @@ def test_shared_rotary_on_rows_and_row_invariant_bmm_match_the_runtime_patches()
 
     assert vllm_cpu_mla.rotate_rows_in_place is shared.rotary_on_rows
     assert vllm_cpu_mla.row_invariant_bmm is shared.row_invariant_bmm
+
+
+CPU_MLA_ONE_TOKEN_PROMPT_SCRIPT = LOAD_PATCHED + """
+import json, types
+import numpy as np
+import torch
+
+root = ROOT
+utils = load_patched("vllm.v1.attention.backends.utils", root)
+runner_module = load_patched("vllm.v1.worker.gpu_model_runner", root)
+from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend
+
+class Batch:
+    # What the reorder reads of vLLM's InputBatch: (name, computed tokens, prompt tokens) per request.
+    def __init__(self, requests):
+        self.req_ids = [r[0] for r in requests]
+        self.num_computed_tokens_cpu = np.array([r[1] for r in requests], dtype=np.int32)
+        self.num_prompt_tokens = np.array([r[2] for r in requests], dtype=np.int32)
+
+    def swap_states(self, i, j):
+        for values in (self.req_ids, self.num_computed_tokens_cpu, self.num_prompt_tokens):
+            values[i], values[j] = values[j], values[i]
+
+scheduled = {"longer_prompt": 7, "one_token_prompt": 1, "decoding": 1}
+
+def decoded(backend, requests):
+    # One step through the model runner's reorder, then split as CPU MLA's builder does.
+    batch = Batch(requests)
+    runner = types.SimpleNamespace(input_batch=batch, reorder_batch_threshold=1,
+                                   kv_cache_config=types.SimpleNamespace(kv_cache_groups=[object()]),
+                                   attn_groups=[[types.SimpleNamespace(backend=backend)]])
+    runner_module.GPUModelRunner._may_reorder_batch(runner, types.SimpleNamespace(num_scheduled_tokens=scheduled))
+    lens = torch.tensor([scheduled[name] for name in batch.req_ids])
+    starts = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)])
+    metadata = types.SimpleNamespace(max_query_len=int(lens.max()), num_reqs=len(lens),
+                                     num_actual_tokens=int(starts[-1]), query_start_loc_cpu=starts)
+    return batch.req_ids[:utils.split_decodes_and_prefills(metadata, 1, require_uniform=True)[0]]
+
+after_longer = [("longer_prompt", 0, 7), ("decoding", 9, 5), ("one_token_prompt", 0, 1)]
+print("RESULT " + json.dumps(dict(mla=decoded(CPUMLABackend, after_longer),
+                                   dense=decoded(CPUAttentionBackend, after_longer),
+                                   alone=decoded(CPUMLABackend, [("one_token_prompt", 0, 1)]))))
+"""
+
+
+def test_vllm_cpu_mla_one_token_prompt_is_a_decode_wherever_it_stands(patched_vllm_files):
+    """Patched vLLM: with CPU MLA the model runner's reorder puts a one-token prompt that came
+    after a longer prompt with the decodes, so the builder decodes it as it does alone; with any
+    other backend the order is vLLM's. Stock vLLM prefills it there."""
+    patched = script_result(CPU_MLA_ONE_TOKEN_PROMPT_SCRIPT.replace("ROOT", repr(str(patched_vllm_files))))
+    assert sorted(patched["mla"]) == ["decoding", "one_token_prompt"], patched
+    assert patched["dense"] == ["decoding"] and patched["alone"] == ["one_token_prompt"], patched
+    stock = script_result(CPU_MLA_ONE_TOKEN_PROMPT_SCRIPT.replace("ROOT", "''"))
+    assert stock["mla"] == stock["dense"] == ["decoding"] and stock["alone"] == ["one_token_prompt"], stock
+
+
+def test_shared_one_token_prompt_functions_are_the_runtime_patches():
+    from zero_mismatch_plugin import vllm_cpu_mla
+
+    assert vllm_cpu_mla.first_steps_counted_as_computed is shared.first_steps_counted_as_computed
+    assert vllm_cpu_mla.only_cpu_mla_attention is shared.only_cpu_mla_attention
+    counted = shared.first_steps_counted_as_computed([0, 0, 5, 0], [1, 7, 1, 2], 1)
+    assert counted.tolist() == [1, 0, 5, 0]
 
 
 CPU_MOE_SIGMOID_SCRIPT = LOAD_PATCHED + """

@@ -116,20 +116,21 @@ def test_decode_kernel_runs_on_one_thread_and_the_count_is_restored():
         torch.set_num_threads(threads)
 
 
-def test_patches_are_version_gated_named_and_reversible(monkeypatch):
+def _assert_version_gated_and_reversible(patch, read_target, monkeypatch):
+    """Apply and remove ``patch`` (``read_target()`` reads what it replaces), then plant another
+    vLLM version; return the stock and the patched object."""
     import vllm
-    import vllm.model_executor.layers.attention.mla_attention as mla
 
-    patch = vllm_cpu_mla.CPU_MLA_DECODE_BMM
     applied_before = runtime_patches.is_applied(patch)  # by an engine started earlier in this process
     if applied_before:
         runtime_patches.remove(patch)
     try:
-        stock = mla.torch
+        stock = read_target()
         runtime_patches.apply(patch)
-        assert isinstance(mla.torch, vllm_cpu_mla.TorchWithRowInvariantBmm) and patch.name in runtime_patches.applied()
+        patched = read_target()
+        assert patched is not stock and patch.name in runtime_patches.applied()
         runtime_patches.remove(patch)
-        assert mla.torch is stock and patch.name not in runtime_patches.applied()
+        assert read_target() is stock and patch.name not in runtime_patches.applied()
         monkeypatch.setattr(vllm, "__version__", "0.32.0")
         with pytest.raises(runtime_patches.UnsupportedVersion, match="supports vllm 0.31.0; found vllm 0.32.0"):
             runtime_patches.apply(patch)
@@ -137,6 +138,14 @@ def test_patches_are_version_gated_named_and_reversible(monkeypatch):
         monkeypatch.undo()
         if applied_before:
             runtime_patches.apply(patch)
+    return stock, patched
+
+
+def test_patches_are_version_gated_named_and_reversible(monkeypatch):
+    import vllm.model_executor.layers.attention.mla_attention as mla
+
+    _, patched = _assert_version_gated_and_reversible(vllm_cpu_mla.CPU_MLA_DECODE_BMM, lambda: mla.torch, monkeypatch)
+    assert isinstance(patched, vllm_cpu_mla.TorchWithRowInvariantBmm)
 
 
 class _InputBatch:
@@ -240,26 +249,11 @@ def test_one_token_prompt_patch_leaves_other_attention_backends_to_vllm():
 
 
 def test_one_token_prompt_patch_is_version_gated_and_reversible(monkeypatch):
-    import vllm
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    patch = vllm_cpu_mla.CPU_MLA_ONE_TOKEN_PROMPT_DECODED
-    applied_before = runtime_patches.is_applied(patch)
-    if applied_before:
-        runtime_patches.remove(patch)
-    try:
-        stock = GPUModelRunner._may_reorder_batch
-        runtime_patches.apply(patch)
-        assert GPUModelRunner._may_reorder_batch.__wrapped__ is stock
-        runtime_patches.remove(patch)
-        assert GPUModelRunner._may_reorder_batch is stock
-        monkeypatch.setattr(vllm, "__version__", "0.32.0")
-        with pytest.raises(runtime_patches.UnsupportedVersion, match="supports vllm 0.31.0; found vllm 0.32.0"):
-            runtime_patches.apply(patch)
-    finally:
-        monkeypatch.undo()
-        if applied_before:
-            runtime_patches.apply(patch)
+    stock, patched = _assert_version_gated_and_reversible(vllm_cpu_mla.CPU_MLA_ONE_TOKEN_PROMPT_DECODED,
+                                                          lambda: GPUModelRunner._may_reorder_batch, monkeypatch)
+    assert patched.__wrapped__ is stock
 
 
 @pytest.fixture(scope="module")

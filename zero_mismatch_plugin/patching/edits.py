@@ -712,6 +712,103 @@ def unified_mla_kv_cache_update(
     ),
 ]
 
+ATTENTION_UTILS = "vllm/v1/attention/backends/utils.py"
+GPU_MODEL_RUNNER = "vllm/v1/worker/gpu_model_runner.py"
+
+VLLM_CPU_MLA_ONE_TOKEN_PROMPT_DECODED = [
+    Edit(
+        ATTENTION_UTILS,
+        old="""\
+    decode_threshold: int = 1,
+) -> bool:
+    \"\"\"Reorders the batch to split into prefill and decode requests; places all
+""",
+        new="""\
+    decode_threshold: int = 1,
+    short_first_steps_as_decodes: bool = False,
+) -> bool:
+    \"\"\"Reorders the batch to split into prefill and decode requests; places all
+""",
+    ),
+    Edit(
+        ATTENTION_UTILS,
+        old="""\
+        prefill:       (num_computed == 0)   # First chunks
+
+""",
+        new="""\
+        prefill:       (num_computed == 0)   # First chunks
+
+    With short_first_steps_as_decodes, a first step of <= threshold tokens (a
+    one-token prompt) is ordered as a later step would be: a decode wherever it
+    stands in the batch (see first_steps_counted_as_computed).
+
+""",
+    ),
+    Edit(
+        ATTENTION_UTILS,
+        old="""\
+    num_computed_tokens_np = input_batch.num_computed_tokens_cpu[:num_reqs]
+    num_prompt_tokens_np = input_batch.num_prompt_tokens[:num_reqs]
+""",
+        new="""\
+    num_computed_tokens_np = input_batch.num_computed_tokens_cpu[:num_reqs]
+    if short_first_steps_as_decodes:
+        num_computed_tokens_np = first_steps_counted_as_computed(
+            num_computed_tokens_np, num_scheduled_tokens_np, decode_threshold
+        )
+    num_prompt_tokens_np = input_batch.num_prompt_tokens[:num_reqs]
+""",
+    ),
+    Edit(
+        ATTENTION_UTILS,
+        old="""\
+
+
+def reorder_batch_to_split_decodes_and_prefills(
+""",
+        new="""\
+
+
+""" + _source_of(shared.first_steps_counted_as_computed) + """\
+
+
+""" + _source_of(shared.only_cpu_mla_attention) + """\
+
+
+def reorder_batch_to_split_decodes_and_prefills(
+""",
+    ),
+    Edit(
+        GPU_MODEL_RUNNER,
+        old="""\
+    get_dcp_local_seq_lens,
+    reorder_batch_to_split_decodes_and_prefills,
+)
+""",
+        new="""\
+    get_dcp_local_seq_lens,
+    only_cpu_mla_attention,
+    reorder_batch_to_split_decodes_and_prefills,
+)
+""",
+    ),
+    Edit(
+        GPU_MODEL_RUNNER,
+        old="""\
+                decode_threshold=self.reorder_batch_threshold,
+            )
+""",
+        new="""\
+                decode_threshold=self.reorder_batch_threshold,
+                # CPU MLA decodes a one-token prompt alone; ordered with the prefills it
+                # was prefilled after a longer prompt, with other bits.
+                short_first_steps_as_decodes=only_cpu_mla_attention(self.attn_groups),
+            )
+""",
+    ),
+]
+
 CPU_ROUTER = "vllm/model_executor/layers/fused_moe/router/cpu_router.py"
 QWEN2_MOE = "vllm/model_executor/models/qwen2_moe.py"
 
@@ -784,6 +881,7 @@ EDITS: dict[str, list[Edit]] = {
     "vllm-mamba-state-slot-writes-once": VLLM_MAMBA_STATE_SLOT_WRITES_ONCE,
     "vllm-cpu-mla-batch-invariant": VLLM_CPU_MLA_BATCH_INVARIANT,
     "vllm-cpu-moe-sigmoid-row-invariant": VLLM_CPU_MOE_SIGMOID_ROW_INVARIANT,
+    "vllm-cpu-mla-one-token-prompt-decoded": VLLM_CPU_MLA_ONE_TOKEN_PROMPT_DECODED,
     "megatron-lm-spec-hooks": MEGATRON_SPEC_HOOKS,
 }
 

@@ -138,7 +138,7 @@ MESSAGES: dict[str, CommitMessage] = {
             "tokens); with one decoding sequence aten takes a matrix-vector kernel, and from 16 "
             "on another blocking, whose bits differ from those of 2 to 15 rows. The CPU product "
             "now runs in chunks of eight rows, a one-row chunk as two rows (the row and a zero "
-            "row) with the first kept."
+            "row) with the first kept.",
             "_C.mla_decode_kvcache gives other bits depending on the OpenMP thread count; "
             "mla_decode_kvcache_cpu runs it on one thread.",
         ),
@@ -155,6 +155,22 @@ MESSAGES: dict[str, CommitMessage] = {
             "Both now call row_invariant_sigmoid: on CPU the flattened input is zero-padded to a "
             "multiple of 64 elements and computed in single-threaded pieces of 16,384, so every "
             "element goes through the vectorised body; on other devices it is torch.sigmoid.",
+        ),
+    ),
+    "vllm-cpu-mla-one-token-prompt-decoded": CommitMessage(
+        "Decode a one-token prompt on CPU MLA wherever it stands in the step",
+        (
+            "reorder_batch_to_split_decodes_and_prefills puts every request with nothing "
+            "computed yet among the prefills, and the MLA metadata builder counts decodes only "
+            "up to the first query of another length. A one-token prompt was therefore decoded "
+            "alone or when no longer prompt preceded it after the reorder, and prefilled "
+            "otherwise: on a tiny DeepSeek-V2, greedy, 7 of 24 response logprobs of a one-token "
+            "prompt after a 7-token prompt had the bits it gets alone.",
+            "When every attention group runs CPU_MLA, the model runner now asks the reorder to "
+            "count the tokens of a first step of at most decode_threshold tokens as computed, "
+            "so the step is ordered as a later one would be: a one-token prompt is always a "
+            "decode. Other backends (dense CPU attention sets no reorder threshold) keep the "
+            "current order.",
         ),
     ),
     "megatron-lm-spec-hooks": CommitMessage(

@@ -177,8 +177,8 @@ def first_steps_counted_as_computed(num_computed_tokens, num_scheduled_tokens, d
 
     ``reorder_batch_to_split_decodes_and_prefills`` puts every request with nothing computed at
     the back, among the prefills, and the MLA metadata builder counts decodes only up to the
-    first query of another length: a one-token prompt was decoded alone or first among the new
-    requests, prefilled after a longer prompt, with other bits. Counting such a step's own tokens
+    first query of another length: a one-token prompt was decoded alone, but prefilled, with
+    other bits, when the reorder left a longer prompt before it. Counting such a step's own tokens
     as computed orders it as a decode (or, for a short first chunk of a longer prompt, a short
     extend) wherever it stands in the step. Other counts are returned unchanged.
     """
