@@ -9,6 +9,7 @@ import types
 import numpy as np
 import pytest
 import torch
+from vllm_session import new_requests_in_one_step
 
 from zero_mismatch_plugin import runtime_patches, vllm_cpu_mla
 
@@ -273,7 +274,8 @@ def _logprobs_alone_paired_and_mixed(checkpoint):
         params = SamplingParams(temperature=0, max_tokens=RESPONSE_TOKENS, logprobs=0, ignore_eos=True)
 
         def run(prompts):
-            outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+            with new_requests_in_one_step(llm):  # where a prompt stands in the step is what is tested
+                outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
             return [([next(iter(d.values())).logprob for d in o.outputs[0].logprobs], list(o.outputs[0].token_ids))
                     for o in outputs]
 

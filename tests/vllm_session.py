@@ -93,6 +93,29 @@ def rollout(llm, prompts, seed=0, n=SAMPLES_PER_PROMPT, max_tokens=RESPONSE_TOKE
     return seq_prompts, responses, torch.tensor(mu, dtype=torch.float32)
 
 
+@contextlib.contextmanager
+def new_requests_in_one_step(llm):
+    """The requests a ``generate`` call inside adds reach vLLM's scheduler together, so their first
+    tokens are computed in one engine step (the engine's loop may otherwise run a step as soon as
+    the first request arrives). The scheduler is paused ("keep": adds wait, nothing is scheduled)
+    until the call first asks the engine for outputs."""
+    core = llm.llm_engine.engine_core
+    get_output = core.get_output
+    core.call_utility("pause_scheduler", "keep", False)
+
+    def resume_then_get_output():
+        vars(core).pop("get_output", None)
+        core.call_utility("resume_scheduler")
+        return get_output()
+
+    core.get_output = resume_then_get_output
+    try:
+        yield
+    finally:
+        if vars(core).pop("get_output", None) is not None:
+            core.call_utility("resume_scheduler")
+
+
 def multi_turn_rollout(llm, first_prompts, user_turns, seed=0, max_tokens=RESPONSE_TOKENS):
     """Conversations re-sent whole every turn, as an agent does: the prompt of turn t + 1 is the
     prompt of turn t, its response and the new user tokens ``user_turns[t][i]``. One batch per

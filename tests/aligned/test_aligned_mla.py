@@ -10,7 +10,7 @@ from __future__ import annotations
 import aligned_checks as checks
 import pytest
 import torch
-from vllm_session import RESPONSE_TOKENS, prompts_for, rollout
+from vllm_session import RESPONSE_TOKENS, new_requests_in_one_step, prompts_for, rollout
 
 from zero_mismatch_plugin.aligned import pack
 from zero_mismatch_plugin.aligned.mla import BLOCK_SIZE, plan_mla
@@ -33,7 +33,8 @@ def engine_accepts_functions(engines):
 def _engine_and_trainer_logprobs(engines, trainers, name, prompts, seed):
     llm = engines.get(name)
     trainer = trainers(name)
-    prompts, responses, mu = rollout(llm, prompts, seed=seed, n=1)
+    with new_requests_in_one_step(llm):  # a prompt's place in the step is what is tested
+        prompts, responses, mu = rollout(llm, prompts, seed=seed, n=1)
     with torch.no_grad():
         logprobs = trainer.token_logprobs(pack(prompts, responses))
     return logprobs, mu
