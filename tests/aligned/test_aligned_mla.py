@@ -111,10 +111,10 @@ def test_query_lora_and_yarn_rope_bitwise_equal_engine(engines, trainers):
     _bitwise(engines, trainers, "deepseek_v3_yarn", prompts_for(trainer.runtime.model_dir), seed=21)
 
 
-@pytest.mark.parametrize("batch_size", [1, 8])
+@pytest.mark.parametrize("batch_size", [1, 2, 8])
 def test_moe_variant_bitwise_equal_engine(engines, trainers, batch_size):
     """DeepSeek-V3 MLA with an MoE second layer through the aligned MoE op (grouped sigmoid routing,
-    selection bias, shared expert), one and eight sequences in one engine batch (the router's
+    selection bias, shared expert), one, two and eight sequences in one engine batch (the router's
     sigmoid is row-count-invariant on both sides: vllm_cpu_sigmoid)."""
     trainer = trainers("deepseek_v3_moe")
     assert trainer.blocks.moe.moe_layers == (1,) and trainer.blocks.moe.e_score_correction_bias
