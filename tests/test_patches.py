@@ -1383,6 +1383,98 @@ def test_vllm_cpu_moe_sigmoids_are_row_count_invariant(patched_vllm_files):
           f"the shared-expert gate at {len(stock['gate'])}")
 
 
+CPU_MOE_LORA_SCRIPT = LOAD_PATCHED + """
+import json, types
+import torch
+
+root = ROOT
+NAMES = ("vllm.model_executor.layers.fused_moe.experts.cpu_moe",
+         "vllm.model_executor.layers.fused_moe.oracle.unquantized", "vllm.lora.punica_wrapper.punica_cpu")
+if root:  # the three import each other: every patched copy is served before the first import
+    PATCHED_FILES.update({name: root + "/" + name.replace(".", "/") + ".py" for name in NAMES})
+cpu_moe, oracle, punica_cpu = (importlib.import_module(name) for name in NAMES)
+assert all(m.__file__.startswith(root) for m in (cpu_moe, oracle, punica_cpu)) if root else True
+from vllm.model_executor.layers.fused_moe.experts.lora_context import MoELoRAContext
+
+result = {"has_experts": hasattr(cpu_moe, "CPUUnquantizedLoRAExperts"),
+          "has_w13": "add_lora_w13" in vars(punica_cpu.PunicaWrapperCPU)}
+try:
+    backend, cls = oracle.select_unquantized_moe_backend(types.SimpleNamespace(is_lora_enabled=True))
+    result["selected"] = [backend.value, getattr(cls, "__name__", None)]
+except Exception as error:  # stock: the Triton / TRT-LLM checks on a namespace config
+    result["selected"] = [type(error).__name__]
+if result["has_experts"]:
+    g = torch.Generator().manual_seed(0)
+    T, H, I, E, K, R = 12, 64, 32, 4, 2, 8
+    x = torch.randn(T, H, generator=g)
+    w13, w2 = 0.1 * torch.randn(E, 2 * I, H, generator=g), 0.1 * torch.randn(E, H, I, generator=g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).int()
+    weights = torch.softmax(torch.randn(T, K, generator=g), -1)
+    a13 = tuple(0.1 * torch.randn(2, E, R, H, generator=g) for _ in range(2))
+    b13 = tuple(0.1 * torch.randn(2, E, I, R, generator=g) for _ in range(2))
+    a2, b2 = (0.1 * torch.randn(2, E, R, I, generator=g),), (0.1 * torch.randn(2, E, H, R, generator=g),)
+    slots = torch.tensor([0, 1, -1] * (T // 3))
+    experts = cpu_moe.CPUUnquantizedLoRAExperts.__new__(cpu_moe.CPUUnquantizedLoRAExperts)
+    experts.quant_config = types.SimpleNamespace(w1_bias=None, w2_bias=None)
+    wrapper = punica_cpu.PunicaWrapperCPU.__new__(punica_cpu.PunicaWrapperCPU)
+
+    def run(rows, lora=True):
+        experts._lora_context = None if not lora else MoELoRAContext(
+            w13_lora_a_stacked=a13, w13_lora_b_stacked=b13, w2_lora_a_stacked=a2, w2_lora_b_stacked=b2,
+            adapter_enabled=torch.tensor([1, 1, 0]), max_loras=2, top_k=K, w13_num_slices=2, fully_sharded=False,
+            tp_rank=0, tp_size=1, local_num_experts=E, punica_wrapper=wrapper, use_tuned_config=False,
+            local_token_lora_mapping=slots[rows])
+        out = torch.empty(len(rows), H)
+        experts.apply(out, x[rows], w13, w2, weights[rows], ids[rows], None, E, None, None, None, None, None,
+                      None, False)
+        return out
+
+    every = list(range(T))
+    batched, base = run(every), run(every, lora=False)
+    result["alone_differs"] = [t for t in every if not torch.equal(run([t])[0], batched[t])]
+    result["no_adapter_is_base"] = torch.equal(batched[slots < 0], base[slots < 0])
+    # float64 reference of the expert-LoRA semantics: updates before SiLU and on down, weighted.
+    ref = torch.zeros(T, H, dtype=torch.float64)
+    d = lambda t: t.double()
+    for t in every:
+        for k in range(K):
+            e, l = int(ids[t, k]), int(slots[t])
+            gu = d(w13[e]) @ d(x[t])
+            if l >= 0:
+                gu = gu + torch.cat([d(b13[i][l, e]) @ (d(a13[i][l, e]) @ d(x[t])) for i in range(2)])
+            h = torch.nn.functional.silu(gu[:I]) * gu[I:]
+            y = d(w2[e]) @ h + (d(b2[0][l, e]) @ (d(a2[0][l, e]) @ h) if l >= 0 else 0)
+            ref[t] += d(weights[t, k]) * y
+    result["max_err"] = (batched.double() - ref).abs().max().item()
+    result["adapter_effect"] = (batched - base).abs().max().item()
+print("RESULT " + json.dumps(result))
+"""
+
+
+def test_vllm_cpu_moe_lora_experts_select_apply_and_update(patched_vllm_files):
+    """Patched vLLM: with LoRA enabled on CPU the backend is the CPU LoRA experts; their apply()
+    with a LoRA context (two adapter slots and tokens without adapter, through the CPU punica
+    wrapper's add_lora_w13 / add_lora_w2) matches a float64 reference of the expert-LoRA
+    semantics, leaves tokens without adapter at the base output, and gives a token the same bits
+    alone as in the batch. Stock vLLM has neither the experts nor the punica methods."""
+    patched = script_result(CPU_MOE_LORA_SCRIPT.replace("ROOT", repr(str(patched_vllm_files))))
+    assert patched["has_experts"] and patched["has_w13"], patched
+    assert patched["selected"] == ["CPU", "CPUUnquantizedLoRAExperts"], patched
+    assert patched["alone_differs"] == [] and patched["no_adapter_is_base"], patched
+    assert patched["max_err"] < 1e-4 < patched["adapter_effect"], patched
+    stock = script_result(CPU_MOE_LORA_SCRIPT.replace("ROOT", "''"))
+    assert not stock["has_experts"] and not stock["has_w13"], stock
+    print(f"patched: max |error| vs float64 {patched['max_err']:.3g}, adapter effect {patched['adapter_effect']:.3g}; "
+          f"stock selection with LoRA: {stock['selected']}")
+
+
+def test_shared_moe_lora_functions_are_the_runtime_patches_and_the_trainers():
+    from zero_mismatch_plugin import vllm_cpu_moe_lora
+
+    assert vllm_cpu_moe_lora.add_moe_lora is shared.add_moe_lora
+    assert vllm_cpu_moe_lora.cpu_lora_experts_apply is shared.cpu_lora_experts_apply
+
+
 def test_shared_row_invariant_sigmoid_is_the_runtime_patches_and_the_trainers():
     from zero_mismatch_plugin import vllm_cpu_sigmoid
     from zero_mismatch_plugin.aligned import moe

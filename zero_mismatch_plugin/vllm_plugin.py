@@ -15,7 +15,8 @@ EngineCore and in every worker. It does nothing unless ``ZMRL_NUMERICS`` is set 
   pads single-row GEMMs to two rows (see :mod:`zero_mismatch_plugin.aligned.cpu_gemm`) and
   applies the CPU MLA fixes of :mod:`zero_mismatch_plugin.vllm_cpu_mla` and the row-count-invariant
   MoE sigmoids of :mod:`zero_mismatch_plugin.vllm_cpu_sigmoid`, and gives a base request batched
-  with LoRA requests no adapter (``LORA_BASE_ROWS``, ``LORA_BASE_EMBEDDING_ROWS``).
+  with LoRA requests no adapter (``LORA_BASE_ROWS``, ``LORA_BASE_EMBEDDING_ROWS``), and serves LoRA
+  on MoE experts (:mod:`zero_mismatch_plugin.vllm_cpu_moe_lora`).
 
 ``ZMRL_NUMERICS=fast`` only adds the weight-sync worker extension. Safe to call repeatedly.
 
@@ -34,6 +35,7 @@ from functools import partial
 from . import runtime_patches
 from .runtime_patches import FunctionPatch, patch_at
 from .vllm_cpu_mla import CONSISTENT_MODE_PATCHES as CPU_MLA_PATCHES
+from .vllm_cpu_moe_lora import PATCHES as CPU_MOE_LORA_PATCHES
 from .vllm_cpu_sigmoid import CONSISTENT_MODE_PATCHES as CPU_SIGMOID_PATCHES
 
 logger = logging.getLogger(__name__)
@@ -65,7 +67,8 @@ def register() -> None:
         return
     _set_engine_env(numerics.engine_env(mode, platform))
     if platform == "cpu":
-        for patch in (CPU_GEMM, *CPU_MLA_PATCHES, *CPU_SIGMOID_PATCHES, LORA_BASE_ROWS, LORA_BASE_EMBEDDING_ROWS):
+        for patch in (CPU_GEMM, *CPU_MLA_PATCHES, *CPU_SIGMOID_PATCHES, LORA_BASE_ROWS, LORA_BASE_EMBEDDING_ROWS,
+                      *CPU_MOE_LORA_PATCHES):
             runtime_patches.apply(patch)
 
 
@@ -244,4 +247,4 @@ LORA_BASE_EMBEDDING_ROWS = _cpu_lora_op_patch(
 )
 
 PATCHES: list[FunctionPatch] = [ENGINE_ARGS, CPU_GEMM, *CPU_MLA_PATCHES, *CPU_SIGMOID_PATCHES, LORA_BASE_ROWS,
-                                LORA_BASE_EMBEDDING_ROWS]
+                                LORA_BASE_EMBEDDING_ROWS, *CPU_MOE_LORA_PATCHES]

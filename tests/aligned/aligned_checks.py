@@ -253,3 +253,54 @@ def check_lora_backward_matches_float64(trainer, rows, reference):
         worst = max(worst, rel)
         assert rel < GRAD_REL_TOL, f"{name}: relative gradient error {rel:.3g}"
     return worst
+
+
+def lora_score(trainer, rows, adapter=True):
+    """The trainer's logprobs of (prompt, response, ...) rows, with its adapter or without."""
+    batch = pack([r[0] for r in rows], [r[1] for r in rows])
+    with torch.no_grad():
+        if adapter:
+            return trainer.token_logprobs(batch)
+        with trainer.adapter_disabled():
+            return trainer.token_logprobs(batch)
+
+
+def assert_lora_bitwise(trainer_lp, rows, what):
+    """The trainer's logprobs equal the engine's μ (``row[2]``) of ``rows`` bit for bit."""
+    mu = torch.cat([r[2] for r in rows])
+    assert trainer_lp.shape == mu.shape
+    assert torch.equal(trainer_lp, mu), (
+        f"{what}: {(trainer_lp == mu).float().mean().item():.1%} of {mu.numel()} tokens bitwise equal, "
+        f"max |diff| {(trainer_lp - mu).abs().max().item():.3g}"
+    )
+
+
+class LoRAEngines:
+    """One LoRA-enabled engine (``engine_kwargs``) alive at a time, the session's shared engine
+    shut first."""
+
+    def __init__(self, shared, checkpoints, engine_kwargs):
+        self.shared = shared
+        self.checkpoints = checkpoints
+        self.engine_kwargs = engine_kwargs
+        self.name = None
+        self.llm = None
+
+    def get(self, name):
+        if self.name != name:
+            self.close()
+            self.shared.close()
+            from vllm import LLM
+
+            from zero_mismatch_plugin.aligned.runtime import engine_args_for
+
+            self.llm = LLM(**engine_args_for(self.checkpoints[name], **self.engine_kwargs))
+            self.name = name
+        return self.llm
+
+    def close(self):
+        if self.llm is not None:
+            from zero_mismatch_plugin.aligned.runtime import shutdown_engine
+
+            shutdown_engine(self.llm)
+            self.llm, self.name = None, None

@@ -15,6 +15,9 @@ import aligned_checks as checks
 import pytest
 import torch
 
+from aligned_checks import assert_lora_bitwise as assert_bitwise
+from aligned_checks import LoRAEngines
+from aligned_checks import lora_score as score
 from vllm_session import MAX_MODEL_LEN, prompts_for
 
 from zero_mismatch_plugin.aligned import SamplingTransform, pack
@@ -34,31 +37,6 @@ ADAPTERS = {
 ADAPTER_IDS = {"r8": 1, "r32": 2, "qv16": 3}
 
 
-class LoRAEngines:
-    """One LoRA-enabled engine alive at a time, with the session's shared engine shut first."""
-
-    def __init__(self, shared, checkpoints):
-        self.shared = shared
-        self.checkpoints = checkpoints
-        self.name = None
-        self.llm = None
-
-    def get(self, name):
-        if self.name != name:
-            self.close()
-            self.shared.close()
-            from vllm import LLM
-
-            self.llm = LLM(**engine_args_for(self.checkpoints[name], max_logprobs=-1, **LORA_ENGINE))
-            self.name = name
-        return self.llm
-
-    def close(self):
-        if self.llm is not None:
-            shutdown_engine(self.llm)
-            self.llm, self.name = None, None
-
-
 @pytest.fixture(scope="module", params=MODELS)
 def model(request):
     """Module-scoped, so pytest runs every test of one model before the next (one engine start each)."""
@@ -67,7 +45,7 @@ def model(request):
 
 @pytest.fixture(scope="module")
 def lora_engines(engines, checkpoints):
-    holder = LoRAEngines(engines, checkpoints)
+    holder = LoRAEngines(engines, checkpoints, dict(max_logprobs=-1, **LORA_ENGINE))
     yield holder
     holder.close()
 
@@ -121,24 +99,6 @@ def generate(llm, prompts, requests, seed=0, n=1, logprobs=0, max_tokens=16):
             dists = [{t: lp.logprob for t, lp in step.items()} for step in c.logprobs]
             rows.append((prompt, ids, mu, dists, request))
     return rows
-
-
-def score(trainer, rows, adapter=True):
-    batch = pack([r[0] for r in rows], [r[1] for r in rows])
-    with torch.no_grad():
-        if adapter:
-            return trainer.token_logprobs(batch)
-        with trainer.adapter_disabled():
-            return trainer.token_logprobs(batch)
-
-
-def assert_bitwise(trainer_lp, rows, what):
-    mu = torch.cat([r[2] for r in rows])
-    assert trainer_lp.shape == mu.shape
-    assert torch.equal(trainer_lp, mu), (
-        f"{what}: {(trainer_lp == mu).float().mean().item():.1%} of {mu.numel()} tokens bitwise equal, "
-        f"max |diff| {(trainer_lp - mu).abs().max().item():.3g}"
-    )
 
 
 def test_lora_sampled_and_full_distribution_bitwise_equal_engine(model, lora_engines, lora_trainers, adapters):

@@ -184,7 +184,7 @@ def unsupported_lora_settings(config: dict, supported: tuple[str, ...] = ALIGNED
         if bad:
             out.append(
                 f"target_modules {bad}: the aligned LoRA path covers {list(supported)} "
-                "(MoE experts are not aligned)"
+                "(the MoE router and 3-D expert parameters are not aligned)"
             )
         if not targets:
             out.append("target_modules is empty")
@@ -297,12 +297,59 @@ def _mla_target_shapes(config) -> dict[str, tuple[int, int]]:
     return shapes
 
 
+# ----- LoRA on routed MoE experts ------------------------------------------------------------
+
+# The MLP targets, in a Mixture-of-Experts layer those of each routed expert: vLLM loads them as
+# per-expert modules (``mlp.experts.{e}.gate_proj`` ...) and serves the three together; and of the
+# shared expert, if the layer has one (a dense SwiGLU: vLLM's dense LoRA layers).
+EXPERT_TARGETS = MLP_TARGETS
+_EXPERT_MODULE_NAME = re.compile(
+    r"^base_model\.model\.model\.layers\.(\d+)\.mlp\.(experts\.\d+|shared_experts?)\.(gate_proj|up_proj|down_proj)\.lora_(A|B)\.weight$"
+)
+
+
+def peft_expert_module_name(layer: int, expert: int, target: str) -> str:
+    """PEFT's (and vLLM's loader's) name of routed expert ``expert``'s ``target`` in layer ``layer``."""
+    return f"base_model.model.model.layers.{layer}.mlp.experts.{expert}.{target}"
+
+
+def _routed_expert_layers(model_config, with_experts: bool) -> tuple[dict[int, int], dict[str, tuple[int, int]], str | None, dict]:
+    """({MoE layer: number of routed experts}, {target: (out, in)} of one routed expert, the
+    checkpoint's name of the shared expert module or None, {target: (out, in)} of the shared
+    expert); empty for a dense model."""
+    from ..architectures import MOE_CHECKPOINT_NAMES, describe
+
+    blocks = describe(model_config)
+    if blocks.moe is None:
+        return {}, {}, None, {}
+    moe, h = blocks.moe, model_config.hidden_size
+    if with_experts and MOE_CHECKPOINT_NAMES[moe.names][2] != EXPERT_TARGETS:
+        raise NotImplementedError(
+            f"LoRA on the experts of {model_config.architectures}: only experts named {EXPERT_TARGETS} "
+            "(Qwen-style MoE checkpoints) are covered"
+        )
+    layers = {i: moe.num_experts for i in range(model_config.num_hidden_layers) if blocks.mlp_kind(i) == "moe"}
+    shared_name = MOE_CHECKPOINT_NAMES[moe.names][3] if moe.shared_expert_intermediate_size else None
+    width, shared = moe.moe_intermediate_size, moe.shared_expert_intermediate_size
+    return (layers, dict(gate_proj=(width, h), up_proj=(width, h), down_proj=(h, width)), shared_name,
+            dict(gate_proj=(shared, h), up_proj=(shared, h), down_proj=(h, shared)) if shared_name else {})
+
+
+def _expert_module(r: int, shapes: dict[str, tuple[int, int]]) -> nn.Module:
+    expert = nn.Module()
+    for target, (out_f, in_f) in shapes.items():
+        setattr(expert, target, _LoRAPair(r, in_f, out_f))
+    return expert
+
+
 class LoRAAdapter(nn.Module):
     """The trainable A [r, in] and B [out, r] of every target of every layer (fp32, PEFT layout).
 
     Parameters are named ``layers.{i}.{target}.lora_A`` / ``lora_B``, and ``embed_tokens.lora_A``
     [r, vocab] / ``lora_B`` [hidden, r] (PEFT's ``lora_embedding_A`` / ``_B``), ``lm_head.lora_A``
-    [r, hidden] / ``lora_B`` [vocab, r]; :meth:`save` writes them under PEFT's names.
+    [r, hidden] / ``lora_B`` [vocab, r]; :meth:`save` writes them under PEFT's names. In a
+    Mixture-of-Experts layer the MLP targets are those of every routed expert
+    (``layers.{i}.experts.{e}.{target}``, see :data:`EXPERT_TARGETS`) and of the shared expert.
     """
 
     def __init__(self, lora_config: LoRAConfig, model_config, head_dim: int):
@@ -310,12 +357,27 @@ class LoRAAdapter(nn.Module):
         self.lora_config = lora_config
         shapes = _target_shapes(model_config, head_dim)
         self.layer_targets = tuple(t for t in lora_config.targets if t not in VOCAB_LORA_TARGETS)
+        expert_targets = [t for t in lora_config.targets if t in EXPERT_TARGETS]
+        moe_layers, expert_shapes, self.shared_name, shared_shapes = _routed_expert_layers(
+            model_config, with_experts=bool(expert_targets)
+        )
+        if moe_layers and expert_targets and len(expert_targets) != len(EXPERT_TARGETS):
+            raise NotImplementedError(
+                f"target_modules {expert_targets}: on routed experts vLLM serves gate_proj, up_proj and "
+                "down_proj together; target all three or none"
+            )
         self.layers = nn.ModuleList()
-        for _ in range(model_config.num_hidden_layers):
+        for index in range(model_config.num_hidden_layers):
             layer = nn.Module()
             for target in self.layer_targets:
+                if index in moe_layers and target in EXPERT_TARGETS:
+                    continue
                 out_f, in_f = shapes[target]
                 setattr(layer, target, _LoRAPair(lora_config.r, in_f, out_f))
+            if index in moe_layers and expert_targets:
+                layer.experts = nn.ModuleList(_expert_module(lora_config.r, expert_shapes) for _ in range(moe_layers[index]))
+                if self.shared_name:
+                    layer.shared_expert = _expert_module(lora_config.r, shared_shapes)
             self.layers.append(layer)
         vocab, hidden = model_config.vocab_size, model_config.hidden_size
         vocab_shapes = {"embed_tokens": (hidden, vocab), "lm_head": (vocab, hidden)}
@@ -333,6 +395,14 @@ class LoRAAdapter(nn.Module):
         for i, target, pair in self.pairs():
             yield peft_tensor_name(i, target, "A"), pair.lora_A
             yield peft_tensor_name(i, target, "B"), pair.lora_B
+        for i in range(len(self.layers)):
+            modules = [(peft_expert_module_name(i, e, t), pair)
+                       for e, targets in enumerate(self.expert_pairs(i) or []) for t, pair in targets.items()]
+            modules += [(f"base_model.model.model.layers.{i}.mlp.{self.shared_name}.{t}", pair)
+                        for t, pair in (self.shared_expert_pairs(i) or {}).items()]
+            for module, pair in modules:
+                yield f"{module}.lora_A.weight", pair.lora_A
+                yield f"{module}.lora_B.weight", pair.lora_B
         for target in VOCAB_LORA_TARGETS:
             pair = self.vocab_pair(target)
             if pair is not None:
@@ -346,7 +416,19 @@ class LoRAAdapter(nn.Module):
         """(layer, target, pair) of every decoder-layer target."""
         for i, layer in enumerate(self.layers):
             for target in self.layer_targets:
-                yield i, target, getattr(layer, target)
+                pair = getattr(layer, target, None)
+                if pair is not None:
+                    yield i, target, pair
+
+    def expert_pairs(self, layer: int) -> list[dict[str, _LoRAPair]] | None:
+        """The adapter of each routed expert of MoE layer ``layer`` ({target: pair}), or None."""
+        experts = getattr(self.layers[layer], "experts", None)
+        return None if experts is None else [{t: getattr(m, t) for t in EXPERT_TARGETS} for m in experts]
+
+    def shared_expert_pairs(self, layer: int) -> dict[str, _LoRAPair] | None:
+        """The adapter of MoE layer ``layer``'s shared expert ({target: pair}), or None."""
+        shared = getattr(self.layers[layer], "shared_expert", None)
+        return None if shared is None else {t: getattr(shared, t) for t in EXPERT_TARGETS}
 
     def peft_state(self) -> dict[str, torch.Tensor]:
         return {name: p.detach().contiguous() for name, p in self._named_matrices()}
@@ -356,7 +438,8 @@ class LoRAAdapter(nn.Module):
         unexpected = sorted(set(state) - set(expected))
         missing = sorted(set(expected) - set(state))
         if unexpected or missing:
-            hint = [n for n in unexpected if not _TENSOR_NAME.match(n) and n not in _PEFT_VOCAB_TENSORS]
+            hint = [n for n in unexpected
+                    if not (_TENSOR_NAME.match(n) or _EXPERT_MODULE_NAME.match(n)) and n not in _PEFT_VOCAB_TENSORS]
             raise ValueError(
                 f"{where}: tensors do not match the config's targets: missing {missing[:4]}"
                 f"{'...' if len(missing) > 4 else ''}, unexpected {unexpected[:4]}"
@@ -619,8 +702,10 @@ class _LoRALinearFn(Function):
 
 
 def lora_linears(runtime, adapter: LoRAAdapter, base_ops: list[dict], merged=MERGED_TARGETS) -> list[dict]:
-    """The LoRA op of every merged linear an adapter targets, per layer: ``{"qkv": op, ...}``;
-    ``merged``: the model's linears (key of its op) and the checkpoint modules stacked in each."""
+    """The LoRA op of every merged linear an adapter targets, per layer: ``{"qkv": op, ...}``, and
+    of the routed experts and shared expert of an MoE layer (``"experts"``, ``"shared_gate_up"``,
+    ``"shared_down"``); ``merged``: the model's linears (key of its op) and the checkpoint modules
+    stacked in each."""
     mapping = _TokenMapping(runtime)
     out = []
     for i, ops in enumerate(base_ops):
@@ -632,6 +717,19 @@ def lora_linears(runtime, adapter: LoRAAdapter, base_ops: list[dict], merged=MER
             if key not in ops:
                 raise NotImplementedError(f"layer {i} has no {key} linear for the adapter's {list(parts)}")
             layer[key] = AlignedLoRALinear(runtime, ops[key], pairs, adapter.lora_config, mapping)
+        shared = adapter.shared_expert_pairs(i)
+        if shared is not None:
+            layer["shared_gate_up"] = AlignedLoRALinear(
+                runtime, ops["shared_gate_up"], [shared["gate_proj"], shared["up_proj"]], adapter.lora_config, mapping
+            )
+            layer["shared_down"] = AlignedLoRALinear(
+                runtime, ops["shared_down"], [shared["down_proj"]], adapter.lora_config, mapping
+            )
+        experts = adapter.expert_pairs(i)
+        if experts is not None:
+            from .moe import AlignedMoELoRA
+
+            layer["experts"] = AlignedMoELoRA(runtime, ops["experts"], experts, adapter.lora_config, mapping)
         out.append(layer)
     return out
 

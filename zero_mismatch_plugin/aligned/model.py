@@ -445,8 +445,7 @@ class AlignedCausalLM(nn.Module):
         return self.lora.save(adapter_dir)
 
     def _linear(self, layer: int, key: str, x: torch.Tensor) -> torch.Tensor:
-        op = self.lora_ops[layer].get(key) if self.lora_enabled else None
-        return (op or self.layer_ops[layer][key])(x)
+        return self._lora_or_base(layer, key)(x)
 
     @property
     def layer_attention(self) -> list[AlignedAttention]:
@@ -476,7 +475,14 @@ class AlignedCausalLM(nn.Module):
         return moe_block_ops(self.runtime, moe, block, gate, experts)
 
     def _mlp(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
-        return layer_mlp(self.layer_ops[layer], self.act, functools.partial(self._linear, layer), hidden)
+        # With the adapter on, its ops (routed experts, shared expert, linears) replace the base ones.
+        ops = {**self.layer_ops[layer], **self.lora_ops[layer]} if self.lora_enabled else self.layer_ops[layer]
+        return layer_mlp(ops, self.act, functools.partial(self._linear, layer), hidden)
+
+    def _lora_or_base(self, layer: int, key: str):
+        """The layer's op ``key`` with the adapter where it has one and it is enabled, else the base op."""
+        op = self.lora_ops[layer].get(key) if self.lora_enabled else None
+        return op or self.layer_ops[layer][key]
 
     def all_linears(self) -> dict[str, AlignedLinear]:
         out = {}

@@ -30,8 +30,9 @@ from ..patching.shared import reprocess_moe_as_first_load  # noqa: F401
 _layer_ids = itertools.count()
 
 
-def refuse_unsupported_engine(runtime: VllmRuntime) -> None:
-    """Engine settings under which vLLM's MoE layer would not be this one-process layer."""
+def refuse_unsupported_engine(runtime: VllmRuntime, moe: MoeBlocks | None = None) -> None:
+    """Engine settings under which vLLM's MoE layer would not be this one-process layer (or, for
+    ``moe``, not one whose LoRA path is covered)."""
     cfg = runtime.vllm_config
     par = cfg.parallel_config
     problems = []
@@ -45,8 +46,10 @@ def refuse_unsupported_engine(runtime: VllmRuntime) -> None:
         problems.append("enable_eplb (redundant experts): leave it off")
     if cfg.model_config.quantization is not None:
         problems.append(f"quantization={cfg.model_config.quantization!r}: use unquantized experts")
-    if cfg.lora_config is not None:
-        problems.append("enable_lora (vLLM has no CPU path for LoRA on experts): leave it off")
+    if cfg.lora_config is not None and moe is not None and (moe.names != "qwen" or moe.grouped_topk):
+        # Expert LoRA is checked against the engine for Qwen2-MoE / Qwen3-MoE routing only.
+        problems.append("enable_lora on this MoE routing (LoRA on MoE layers is covered for Qwen2-MoE / "
+                        "Qwen3-MoE): leave it off")
     if problems:
         raise NotImplementedError(
             "the aligned Mixture-of-Experts forward runs vLLM's one-process MoE layer; not with "
@@ -114,7 +117,7 @@ class AlignedMoE:
         *,
         gate_up: list | None = None,
     ):
-        refuse_unsupported_engine(runtime)
+        refuse_unsupported_engine(runtime, moe)
         if gate_up is not None and (gate is not None or up is not None):
             raise ValueError("give either gate and up or gate_up, not both")
         first = [gate_up] if gate_up is not None else [gate, up]
@@ -154,6 +157,20 @@ class AlignedMoE:
             router_logits_dtype=torch.float32 if moe.grouped_topk else None,
         )
         self.experts = self.runner.routed_experts
+        # With LoRA enabled on CPU the engine runs the plugin's LoRA-capable CPU experts
+        # (vllm_cpu_moe_lora, consistent mode); this layer is given the same class. Elsewhere
+        # vLLM's own choice (a LoRA-capable GPU kernel) stands.
+        self.lora_capable = runtime.vllm_config.lora_config is not None
+        if self.lora_capable:
+            from ..vllm_cpu_moe_lora import use_cpu_lora_experts
+
+            use_cpu_lora_experts(self.experts.quant_method)
+            experts_cls = getattr(self.experts.quant_method, "experts_cls", None)
+            if experts_cls is None or not experts_cls.supports_lora():
+                raise NotImplementedError(
+                    f"enable_lora on an MoE model: vLLM's experts {getattr(experts_cls, '__name__', experts_cls)} "
+                    "take no LoRA updates; serve the model without enable_lora"
+                )
         # The created (unprocessed) parameters: each re-derivation starts from their shape and
         # loader attributes, as a fresh checkpoint load would.
         self._created = {
@@ -218,16 +235,24 @@ class AlignedMoE:
             experts.quant_method.process_weights_after_loading(experts)
         return self.runner
 
-    def kernel(self, hidden: torch.Tensor, router_logits: torch.Tensor):
-        """vLLM's MoE layer on (hidden [T, H], router logits [T, E]): (routed output, top-k ids)."""
+    def kernel(self, hidden: torch.Tensor, router_logits: torch.Tensor, lora_context=None):
+        """vLLM's MoE layer on (hidden [T, H], router logits [T, E]): (routed output, top-k ids).
+        ``lora_context``: vLLM's ``MoELoRAContext`` the experts consume (None: no adapter)."""
         from vllm.forward_context import set_forward_context
 
         runner = self.derived.get()
         self._captured = None
-        with self.runtime.context(), set_forward_context(
-            None, self.runtime.vllm_config, num_tokens=hidden.shape[0]
-        ):
-            out = runner.forward(hidden.clone(), router_logits.clone())
+        fused = runner.routed_experts.quant_method.moe_kernel.fused_experts if self.lora_capable else None
+        if fused is not None:
+            fused.set_lora_context(lora_context)
+        try:
+            with self.runtime.context(), set_forward_context(
+                None, self.runtime.vllm_config, num_tokens=hidden.shape[0]
+            ):
+                out = runner.forward(hidden.clone(), router_logits.clone())
+        finally:
+            if fused is not None:
+                fused.set_lora_context(None)
         ids = self._captured
         self._captured = None
         if ids is None:
@@ -325,3 +350,144 @@ class _MoEFn(Function):
         (glogits,) = torch.autograd.grad(weights, logits, gweights)
         grads = moe.param_grads(ggate, gup, gdown)
         return (gx.to(hidden.dtype), glogits.to(router_logits.dtype), None, *grads)
+
+
+# ----- LoRA on the routed experts ------------------------------------------------------------
+
+EXPERT_SLICES = ("gate_proj", "up_proj", "down_proj")
+
+
+class AlignedMoELoRA:
+    """vLLM's MoE layer over a frozen :class:`AlignedMoE` with a trainable adapter on every routed
+    expert (gate, up and down), in vLLM's expert-LoRA arithmetic.
+
+    ``experts[e]`` maps ``gate_proj`` / ``up_proj`` / ``down_proj`` to the expert's adapter
+    (``lora_A`` [r, in], ``lora_B`` [out, r]). The forward is the base layer's with vLLM's
+    ``MoELoRAContext`` built from them as the engine's ``FusedMoEWithLoRA`` builds it (one slot,
+    A and B zero-padded to ``max_lora_rank``, B cast to the LoRA dtype then scaled); the experts
+    (on CPU the plugin's ``vllm_cpu_moe_lora`` ones) add the updates exactly as in the engine. The
+    backward, for the input, the router logits and A and B (the base is frozen), is fp32 torch.
+    """
+
+    def __init__(self, runtime, base: AlignedMoE, experts: list[dict], lora_config, mapping):
+        lora = runtime.vllm_config.lora_config
+        if lora is None or not base.lora_capable:
+            raise ValueError("the trainer's engine arguments need enable_lora=True (as the engine's)")
+        if lora_config.r > lora.max_lora_rank:
+            raise ValueError(f"adapter rank {lora_config.r} > max_lora_rank {lora.max_lora_rank}: raise max_lora_rank")
+        if len(experts) != base.moe.num_experts:
+            raise ValueError(f"expected an adapter for each of the {base.moe.num_experts} routed experts")
+        self.runtime = runtime
+        self.base = base
+        self.moe = base.moe
+        self.experts = experts
+        self.scaling = lora_config.scaling
+        self.max_rank = lora.max_lora_rank
+        self.lora_dtype = lora.lora_dtype
+        self.mapping = mapping
+        self.params = [t for target in EXPERT_SLICES for e in experts for t in (e[target].lora_A, e[target].lora_B)]
+        self.derived = DerivedWeight(self.params, self._build)
+
+    def lora_weights(self, sources: list) -> dict[str, tuple[list, list]]:
+        """{target: ([A_e], [B_e])} from tensors in the order of ``params``."""
+        n = len(self.experts)
+        out = {}
+        for i, target in enumerate(EXPERT_SLICES):
+            block = sources[2 * n * i : 2 * n * (i + 1)]
+            out[target] = (block[0::2], block[1::2])
+        return out
+
+    def _build(self, sources):
+        """(w13 A, w13 B, w2 A, w2 B) stacked as vLLM's ``FusedMoEWithLoRA`` holds them: per slice
+        [1, E, max_rank, in] and [1, E, out, max_rank]."""
+        stacked = {}
+        for target, (a_list, b_list) in self.lora_weights(sources).items():
+            r = a_list[0].shape[0]
+            a = torch.zeros(1, len(a_list), self.max_rank, a_list[0].shape[1], dtype=self.lora_dtype)
+            b = torch.zeros(1, len(b_list), b_list[0].shape[0], self.max_rank, dtype=self.lora_dtype)
+            for e, (lora_a, lora_b) in enumerate(zip(a_list, b_list)):
+                a[0, e, :r] = lora_a.to(self.lora_dtype)
+                scaled = lora_b.to(self.lora_dtype, copy=True)  # never scale the parameter itself
+                if self.scaling != 1:
+                    scaled *= self.scaling
+                b[0, e, :, :r] = scaled
+            stacked[target] = (a.to(self.runtime.device), b.to(self.runtime.device))
+        return (
+            (stacked["gate_proj"][0], stacked["up_proj"][0]),
+            (stacked["gate_proj"][1], stacked["up_proj"][1]),
+            (stacked["down_proj"][0],),
+            (stacked["down_proj"][1],),
+        )
+
+    def lora_context(self, num_tokens: int):
+        """vLLM's ``MoELoRAContext`` over the trainer's adapter, every token in slot 0."""
+        from vllm.model_executor.layers.fused_moe.experts.lora_context import MoELoRAContext
+
+        w13_a, w13_b, w2_a, w2_b = self.derived.get()
+        return MoELoRAContext(
+            w13_lora_a_stacked=w13_a, w13_lora_b_stacked=w13_b, w2_lora_a_stacked=w2_a, w2_lora_b_stacked=w2_b,
+            adapter_enabled=torch.tensor([1, 0], dtype=torch.int, device=self.runtime.device), max_loras=1,
+            top_k=self.moe.top_k, w13_num_slices=2, fully_sharded=False, tp_rank=0, tp_size=1,
+            local_num_experts=self.moe.num_experts, punica_wrapper=self._punica(num_tokens),
+            use_tuned_config=False,
+        )
+
+    def _punica(self, num_tokens: int):
+        wrapper = self.mapping.get(num_tokens)
+        if self.runtime.platform == "cpu":
+            from ..vllm_cpu_moe_lora import with_torch_moe_lora
+
+            with_torch_moe_lora(wrapper)  # the CPU wrapper has no expert-LoRA methods of its own
+        return wrapper
+
+    def kernel(self, hidden: torch.Tensor, router_logits: torch.Tensor):
+        return self.base.kernel(hidden, router_logits, self.lora_context(hidden.shape[0]))
+
+    @_observable
+    def __call__(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        return _MoELoRAFn.apply(hidden, router_logits, self, *self.params)
+
+
+def experts_with_lora(x, weights, ids, gate, up, down, lora, scaling):
+    """out[t] = sum_k weights[t, k] * down'_e(silu(gate'_e x_t) * up'_e x_t), e = ids[t, k], where
+    each linear' is W x + scaling * B (A x): the routed experts with a LoRA adapter, in plain
+    differentiable torch (the backward's graph). ``lora``: {target: ([A_e], [B_e])}."""
+    out = x.new_zeros(x.shape[0], down[0].shape[0])
+    (ag, bg), (au, bu), (ad, bd) = (lora[t] for t in EXPERT_SLICES)
+    for e in torch.unique(ids).tolist():
+        tokens, slots = (ids == e).nonzero(as_tuple=True)
+        xe = x.index_select(0, tokens)
+        g = xe @ gate[e].t() + scaling * ((xe @ ag[e].t()) @ bg[e].t())
+        u = xe @ up[e].t() + scaling * ((xe @ au[e].t()) @ bu[e].t())
+        h = torch.nn.functional.silu(g) * u
+        d = h @ down[e].t() + scaling * ((h @ ad[e].t()) @ bd[e].t())
+        out = out.index_add(0, tokens, d * weights[tokens, slots].unsqueeze(-1))
+    return out
+
+
+class _MoELoRAFn(Function):
+    @staticmethod
+    def forward(ctx, hidden, router_logits, op: AlignedMoELoRA, *params):
+        out, ids = op.kernel(hidden, router_logits)
+        ctx.save_for_backward(hidden, router_logits, ids, *params)
+        ctx.op = op
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        hidden, router_logits, ids, *params = ctx.saved_tensors
+        op = ctx.op
+        base = op.base
+        with torch.enable_grad():
+            x = hidden.detach().float().requires_grad_(True)
+            logits = router_logits.detach().float().requires_grad_(True)
+            lora_params = [p.detach().float().requires_grad_(True) for p in params]
+            weights = routing_weights(logits, ids, op.moe)
+            gate, up, down = (
+                [w.detach().float() for w in group] for group in base.expert_weights(base.params)
+            )
+            out = experts_with_lora(x, weights, ids.long(), gate, up, down, op.lora_weights(lora_params), op.scaling)
+            grads = torch.autograd.grad(out, [x, logits, *lora_params], g.float())
+        gx, glogits, *gparams = grads
+        return (gx.to(hidden.dtype), glogits.to(router_logits.dtype), None,
+                *(gp.to(p.dtype) for gp, p in zip(gparams, params)))

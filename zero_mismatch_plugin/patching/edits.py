@@ -869,6 +869,196 @@ class Qwen2MoeMLP(nn.Module):
     ),
 ]
 
+CPU_MOE = "vllm/model_executor/layers/fused_moe/experts/cpu_moe.py"
+MOE_ORACLE = "vllm/model_executor/layers/fused_moe/oracle/unquantized.py"
+PUNICA_CPU = "vllm/lora/punica_wrapper/punica_cpu.py"
+
+VLLM_CPU_MOE_LORA_EXPERTS = [
+    Edit(
+        CPU_MOE,
+        old="""\
+from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+""",
+        new="""\
+from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+from vllm.model_executor.layers.fused_moe.experts.lora_experts_mixin import (
+    LoRAExpertsMixin,
+)
+""",
+    ),
+    Edit(
+        CPU_MOE,
+        old="""\
+
+
+class X86CPUUnquantizedExperts(CPUUnquantizedExperts):
+""",
+        new="""\
+
+
+""" + _source_of(shared.row_invariant_bmm) + """\
+
+
+""" + _source_of(shared.row_invariant_sigmoid) + """\
+
+
+""" + _source_of(shared.cpu_moe_experts) + """\
+
+
+""" + _source_of(shared.cpu_lora_experts_apply) + """\
+
+
+class CPUUnquantizedLoRAExperts(LoRAExpertsMixin, CPUUnquantizedExperts):
+    \"\"\"CPU unquantized SwiGLU experts that take LoRA updates.
+
+    _C.cpu_fused_moe runs gate/up, the activation and down in one kernel, with no point where a
+    LoRA update can enter; these experts keep the weights plain (no padding, no packing) and run
+    cpu_moe_experts, with the updates added by the punica wrapper's add_lora_w13 / add_lora_w2.
+    \"\"\"
+
+    isa = "torch"
+
+    @staticmethod
+    def is_supported_config(
+        cls: type[mk.FusedMoEExperts],
+        moe_config: FusedMoEConfig,
+        weight_key: QuantKey | None,
+        activation_key: QuantKey | None,
+        activation_format: mk.FusedMoEActivationFormat,
+    ) -> tuple[bool, str | None]:
+        # No grouped-GEMM alignment: the weights are not packed for cpu_fused_moe.
+        return mk.FusedMoEExperts.is_supported_config(
+            cls, moe_config, weight_key, activation_key, activation_format
+        )
+
+    @staticmethod
+    def _supports_activation(activation: MoEActivation) -> bool:
+        return activation == MoEActivation.SILU
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        self._use_zentorch = False
+
+    def apply(
+        self,
+        output: torch.Tensor,
+        hidden_states: torch.Tensor,
+        w1: torch.Tensor,
+        w2: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        activation: MoEActivation,
+        global_num_experts: int,
+        expert_map: torch.Tensor | None,
+        a1q_scale: torch.Tensor | None,
+        a2_scale: torch.Tensor | None,
+        workspace13: torch.Tensor,
+        workspace2: torch.Tensor,
+        expert_tokens_meta: mk.ExpertTokensMetadata | None,
+        apply_router_weight_on_input: bool,
+    ) -> None:
+        cpu_lora_experts_apply(
+            self,
+            output,
+            hidden_states,
+            w1,
+            w2,
+            topk_weights,
+            topk_ids,
+            expert_map,
+            apply_router_weight_on_input,
+        )
+
+
+class X86CPUUnquantizedExperts(CPUUnquantizedExperts):
+""",
+    ),
+    Edit(
+        MOE_ORACLE,
+        old="""\
+    if moe_config.is_lora_enabled:
+        if _trtllm_bf16_lora_supported(moe_config):
+""",
+        new="""\
+    if moe_config.is_lora_enabled:
+        if current_platform.is_cpu():
+            # Triton has no CPU backend: the CPU experts that take LoRA updates.
+            from vllm.model_executor.layers.fused_moe.experts.cpu_moe import (
+                CPUUnquantizedLoRAExperts,
+            )
+
+            logger.info_once("Using CPU Unquantized MoE LoRA backend")
+            return UnquantizedMoeBackend.CPU, CPUUnquantizedLoRAExperts
+        if _trtllm_bf16_lora_supported(moe_config):
+""",
+    ),
+    Edit(
+        PUNICA_CPU,
+        old="""\
+from .punica_base import PunicaWrapperBase
+""",
+        new="""\
+from .punica_base import PunicaWrapperBase
+
+
+""" + _source_of(shared.row_invariant_bmm) + """\
+
+
+""" + _source_of(shared.add_moe_lora),
+    ),
+    Edit(
+        PUNICA_CPU,
+        old="""\
+        y.copy_(result)
+""",
+        new="""\
+        y.copy_(result)
+
+    def _moe_token_lora(self, unsupported, token_lora_mapping, num_tokens):
+        # Each token's adapter slot for the expert updates (-1: none).
+        if unsupported:
+            raise NotImplementedError(
+                "CPU MoE LoRA: no expert parallelism, fully sharded LoRA or add_inputs=False"
+            )
+        if token_lora_mapping is None:
+            return self.token_lora_indices[:num_tokens]
+        return token_lora_mapping
+
+    def add_lora_w13(self, y, x, lora_a_stacked, lora_b_stacked, topk_ids, topk_weights,
+                     expert_map, w1, w2, num_tokens, top_k_num, max_loras, adapter_enabled,
+                     local_num_experts, top_k, num_slices, fully_sharded, use_tuned_config,
+                     add_inputs=True, token_lora_mapping=None):
+        token_lora_mapping = self._moe_token_lora(
+            expert_map is not None or fully_sharded or not add_inputs,
+            token_lora_mapping,
+            num_tokens,
+        )
+        add_moe_lora(y, x, topk_ids, token_lora_mapping, lora_a_stacked, lora_b_stacked)
+        # add_lora_w2 gets the experts of every row back as expert_ids_lora.
+        return None, topk_ids, None, token_lora_mapping
+
+    def add_lora_w2(self, y, x, lora_a_stacked, lora_b_stacked, topk_weights,
+                    sorted_token_ids_lora, expert_ids_lora, num_tokens_post_padded_lora,
+                    token_lora_mapping, num_tokens, w1, w2, top_k_num, max_loras,
+                    adapter_enabled, top_k, fully_sharded, tp_rank, use_tuned_config,
+                    add_inputs=True) -> None:
+        token_lora_mapping = self._moe_token_lora(
+            sorted_token_ids_lora is not None or fully_sharded or not add_inputs,
+            token_lora_mapping,
+            num_tokens,
+        )
+        add_moe_lora(
+            y,
+            x,
+            expert_ids_lora,
+            token_lora_mapping,
+            lora_a_stacked,
+            lora_b_stacked,
+            topk_weights,
+        )
+""",
+    ),
+]
+
 # Patch name (as in manifest.yaml) -> its edits.
 EDITS: dict[str, list[Edit]] = {
     "verl-plugin-load-warning": VERL_PLUGIN_LOAD_WARNING,
@@ -882,6 +1072,7 @@ EDITS: dict[str, list[Edit]] = {
     "vllm-cpu-mla-batch-invariant": VLLM_CPU_MLA_BATCH_INVARIANT,
     "vllm-cpu-moe-sigmoid-row-invariant": VLLM_CPU_MOE_SIGMOID_ROW_INVARIANT,
     "vllm-cpu-mla-one-token-prompt-decoded": VLLM_CPU_MLA_ONE_TOKEN_PROMPT_DECODED,
+    "vllm-cpu-moe-lora-experts": VLLM_CPU_MOE_LORA_EXPERTS,
     "megatron-lm-spec-hooks": MEGATRON_SPEC_HOOKS,
 }
 

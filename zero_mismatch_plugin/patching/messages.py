@@ -173,6 +173,26 @@ MESSAGES: dict[str, CommitMessage] = {
             "current order.",
         ),
     ),
+    "vllm-cpu-moe-lora-experts": CommitMessage(
+        "Serve LoRA on MoE experts on CPU",
+        (
+            "With LoRA enabled, select_unquantized_moe_backend picks the Triton experts, which "
+            "fail on a CPU at the first forward (module 'triton.language' has no attribute "
+            "'float32'), even for a request without adapter; the CPU punica wrapper has no "
+            "add_lora_w13 / add_lora_w2. So no MoE model could run with enable_lora on CPU.",
+            "On CPU with LoRA enabled the backend is now CPUUnquantizedLoRAExperts: "
+            "LoRAExpertsMixin over the CPU unquantized experts, with plain (unpacked) weights, "
+            "because _C.cpu_fused_moe runs gate/up, the activation and down in one kernel with "
+            "no point where an update can enter. It computes cpu_moe_experts: per routed row "
+            "gate_up = x W13^T, then the gate/up update, silu(gate) * up, down = (h W2^T) times "
+            "the routing weight, then the down update (also weighted), and the top-k rows summed "
+            "in slot order. PunicaWrapperCPU gets add_lora_w13 / add_lora_w2 in torch "
+            "(add_moe_lora: buf = x A^T, y += buf B'^T per slice, rows grouped by adapter and "
+            "expert, no update for a token without adapter). Every product is a bmm in chunks of "
+            "eight rows against a contiguous weight and the sigmoid is padded, so a token gets "
+            "the same bits alone or in any batch. Without LoRA the experts stay cpu_fused_moe.",
+        ),
+    ),
     "megatron-lm-spec-hooks": CommitMessage(
         "Add spec hooks for rotary application, output layer and per-token logprob",
         (

@@ -291,3 +291,124 @@ def reload_plain_weights_on_cpu(extension, peft_config, use_shm):
     extension._apply_buffer_updates_all_models(buffer_updates, named_buffers)
     repack_shared_cpu_weights(model)
     return True
+
+
+def add_moe_lora(y, x, topk_ids, token_lora, lora_a_stacked, lora_b_stacked, topk_weights=None):
+    """Add each routed row's LoRA update to the expert outputs ``y`` [T, K, N] in place, on CPU.
+
+    Row (t, k) runs expert e = ``topk_ids[t, k]`` under the adapter in slot l = ``token_lora[t]``
+    (l < 0: no adapter, the row is left as it is). ``x`` is the input of the expert linear, one row
+    per token ([T, in]: gate/up) or per routed row ([T * K, in]: down). For each output slice i
+    (gate, up; or down) ``buf = x A_i[l, e]^T`` and ``y[t, k, slice_i] += buf B_i[l, e]^T``, times
+    ``topk_weights[t, k]`` when given (the down projection's update is weighted as its base
+    output is): the semantics of vLLM's fused MoE LoRA kernels, whose B carries the adapter
+    scaling (folded in at load). Rows are grouped by (adapter, expert) and every product goes
+    through :func:`row_invariant_bmm` with the weight as a contiguous [in, out] matrix (aten's CPU
+    bmm gave a row other bits from 5 rows on when the weight was a transposed view), so a row's
+    bits do not depend on the other rows of the step.
+    """
+    import torch
+
+    tokens, top_k = topk_ids.shape
+    rows = tokens * top_k
+    num_experts = lora_a_stacked[0].shape[1]
+    experts = topk_ids.reshape(-1).long()
+    row_token = torch.arange(tokens, device=x.device).repeat_interleave(top_k)
+    adapters = token_lora[:tokens].long().index_select(0, row_token)
+    x_rows = x.index_select(0, row_token) if x.shape[0] != rows else x
+    y_rows = y.view(rows, -1)
+    weights = None if topk_weights is None else topk_weights.reshape(-1, 1)
+    keys = torch.where(adapters >= 0, adapters * num_experts + experts, -1)
+    for key in torch.unique(keys[keys >= 0]).tolist():
+        idx = (keys == key).nonzero().squeeze(1)
+        adapter, expert = divmod(key, num_experts)
+        offset = 0
+        for a, b in zip(lora_a_stacked, lora_b_stacked):
+            lora_a, lora_b = a[adapter, expert], b[adapter, expert]
+            xs = x_rows.index_select(0, idx)[:, : lora_a.shape[-1]].to(lora_a.dtype)
+            buf = row_invariant_bmm(xs[None], lora_a.t().contiguous()[None])[0]
+            delta = row_invariant_bmm(buf[None], lora_b.t().contiguous()[None])[0].to(y.dtype)
+            if weights is not None:
+                delta = delta * weights.index_select(0, idx).to(y.dtype)
+            width = lora_b.shape[0]
+            y_rows[idx, offset : offset + width] = y_rows[idx, offset : offset + width] + delta
+            offset += width
+    return y
+
+
+def cpu_moe_experts(hidden, w13, w2, topk_weights, topk_ids, add_w13_lora=None, add_w2_lora=None):
+    """Routed SwiGLU experts with LoRA hooks, on CPU: ``out[t] = sum_k w[t,k] down_e(h)``, e = ``topk_ids[t, k]``.
+
+    The unquantized experts' computation split at the two points a LoRA update enters (vLLM's
+    fused ``_C.cpu_fused_moe`` keeps gate/up, the activation and down in one kernel with no hook
+    between them): ``gate_up = x W13_e^T`` for every routed row, then ``add_w13_lora(gate_up
+    [T, K, 2I])``; ``h = silu(gate) * up``; ``down = (h W2_e^T) * w[t, k]``, then
+    ``add_w2_lora(down [T, K, H], h [T * K, I])``; the K rows of a token summed in slot order
+    (fp32). ``w13`` [E, 2I, H] ([gate; up]) and ``w2`` [E, H, I] are the plain (unpacked)
+    weights. Rows are grouped by expert, products go through :func:`row_invariant_bmm` (weights
+    as contiguous [in, out] matrices, see :func:`add_moe_lora`) and the
+    sigmoid through :func:`row_invariant_sigmoid`, so a row's bits do not depend on the step's
+    other rows: the engine's experts and the trainer call this one function.
+    """
+    import torch
+
+    tokens, top_k = topk_ids.shape
+    rows = tokens * top_k
+    width = w13.shape[1] // 2
+    experts = topk_ids.reshape(-1).long()
+    row_token = torch.arange(tokens, device=hidden.device).repeat_interleave(top_k)
+    groups = [(e, (experts == e).nonzero().squeeze(1)) for e in torch.unique(experts).tolist()]
+    gate_up = hidden.new_empty(rows, w13.shape[1])
+    for e, idx in groups:
+        xs = hidden.index_select(0, row_token.index_select(0, idx))
+        gate_up[idx] = row_invariant_bmm(xs[None], w13[e].t().contiguous()[None])[0]
+    if add_w13_lora is not None:
+        add_w13_lora(gate_up.view(tokens, top_k, -1))
+    gate, up = gate_up[:, :width], gate_up[:, width:]
+    h = gate * row_invariant_sigmoid(gate) * up
+    down = hidden.new_empty(rows, w2.shape[1])
+    for e, idx in groups:
+        down[idx] = row_invariant_bmm(h.index_select(0, idx)[None], w2[e].t().contiguous()[None])[0]
+    down = down * topk_weights.reshape(-1, 1).to(down.dtype)
+    if add_w2_lora is not None:
+        add_w2_lora(down.view(tokens, top_k, -1), h)
+    slots = down.view(tokens, top_k, -1)
+    out = slots[:, 0].clone()
+    for k in range(1, top_k):
+        out += slots[:, k]
+    return out
+
+
+def cpu_lora_experts_apply(experts, output, hidden_states, w1, w2, topk_weights, topk_ids, expert_map,
+                           apply_router_weight_on_input):
+    """``apply()`` of CPU unquantized experts that take LoRA updates (``LoRAExpertsMixin``):
+    :func:`cpu_moe_experts` on the plain weights, the gate/up and down updates entering through the
+    mixin's ``apply_w13_lora`` / ``apply_w2_lora`` (the punica wrapper's ``add_lora_w13`` /
+    ``add_lora_w2``) when ``experts._lora_context`` is set; written into ``output``."""
+    if expert_map is not None or apply_router_weight_on_input or experts.w1_bias is not None \
+            or experts.w2_bias is not None:
+        raise NotImplementedError(
+            "CPU MoE LoRA experts: expert parallelism, router weights on the input and expert biases "
+            "are not supported; serve this model without enable_lora on CPU"
+        )
+    lora = experts._lora_context
+    add_w13 = add_w2 = None
+    if lora is not None:
+        num_tokens, top_k = topk_ids.shape
+        routing = {}
+
+        def add_w13(y):
+            routing["meta"] = experts.apply_w13_lora(
+                lora, y=y, x=hidden_states, topk_ids=topk_ids, topk_weights=topk_weights, expert_map=None,
+                w1=w1, w2=w2, num_tokens=num_tokens, top_k_num=top_k,
+            )
+
+        def add_w2(y, h):
+            sorted_ids, expert_ids, padded, token_lora = routing["meta"]
+            experts.apply_w2_lora(
+                lora, y=y, x=h, topk_weights=topk_weights, sorted_token_ids_lora=sorted_ids,
+                expert_ids_lora=expert_ids, num_tokens_post_padded_lora=padded, token_lora_mapping=token_lora,
+                num_tokens=num_tokens, w1=w1, w2=w2, top_k_num=top_k,
+            )
+
+    output.copy_(cpu_moe_experts(hidden_states, w1, w2, topk_weights, topk_ids, add_w13, add_w2))
