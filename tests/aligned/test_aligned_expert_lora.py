@@ -263,8 +263,9 @@ def test_runtime_patches_select_the_cpu_lora_experts_and_removal_restores_stock(
                                        token_lora_mapping=torch.tensor([0, -1]))
         return y
 
+    # The plugin may have applied them already in this process (an engine started earlier in
+    # consistent mode): the test puts back whichever state it found.
     was_applied = [runtime_patches.is_applied(p) for p in PATCHES]
-    originals = (unquantized.select_unquantized_moe_backend, vars(PunicaWrapperBase)["add_lora_w13"])
     for patch in PATCHES:
         runtime_patches.remove(patch)
     try:
@@ -285,4 +286,4 @@ def test_runtime_patches_select_the_cpu_lora_experts_and_removal_restores_stock(
         for patch, applied in zip(PATCHES, was_applied):
             if applied:
                 runtime_patches.apply(patch)
-    assert (unquantized.select_unquantized_moe_backend, vars(PunicaWrapperBase)["add_lora_w13"]) == originals
+    assert [runtime_patches.is_applied(p) for p in PATCHES] == was_applied
