@@ -67,8 +67,7 @@ def register() -> None:
         return
     _set_engine_env(numerics.engine_env(mode, platform))
     if platform == "cpu":
-        for patch in (CPU_GEMM, *CPU_MLA_PATCHES, *CPU_SIGMOID_PATCHES, LORA_BASE_ROWS, LORA_BASE_EMBEDDING_ROWS,
-                      *CPU_MOE_LORA_PATCHES):
+        for patch in CPU_CONSISTENT_MODE_PATCHES:
             runtime_patches.apply(patch)
 
 
@@ -225,7 +224,6 @@ LORA_BASE_ROWS = _cpu_lora_op_patch(
 )
 
 
-
 def _expand_without_adapter_rows(original):
     def bgmv_expand(inputs, lora_b_weights, output_tensor, lora_indices_tensor, add_inputs=True):
         rows = (lora_indices_tensor[: output_tensor.shape[0]] < 0).nonzero()[:, 0]
@@ -246,5 +244,7 @@ LORA_BASE_EMBEDDING_ROWS = _cpu_lora_op_patch(
     "last slot's B): the expand leaves rows of slot index -1 unchanged, as the GPU kernels skip them",
 )
 
-PATCHES: list[FunctionPatch] = [ENGINE_ARGS, CPU_GEMM, *CPU_MLA_PATCHES, *CPU_SIGMOID_PATCHES, LORA_BASE_ROWS,
-                                LORA_BASE_EMBEDDING_ROWS, *CPU_MOE_LORA_PATCHES]
+# What register() applies on CPU in consistent mode; PATCHES adds the engine settings.
+CPU_CONSISTENT_MODE_PATCHES = (CPU_GEMM, *CPU_MLA_PATCHES, *CPU_SIGMOID_PATCHES, LORA_BASE_ROWS,
+                               LORA_BASE_EMBEDDING_ROWS, *CPU_MOE_LORA_PATCHES)
+PATCHES: list[FunctionPatch] = [ENGINE_ARGS, *CPU_CONSISTENT_MODE_PATCHES]
