@@ -382,8 +382,8 @@ VOCAB_LORA_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM")
 _KV_B = ("vLLM never applies an adapter on kv_b_proj: it wraps the module, but its MLA attention "
          "runs the prefill through the unwrapped layer and the absorbed decode through W_UK / W_UV "
          "derived from the base weight at load")
-_ROUTER = ("the aligned path adapts no MoE router, and vLLM's CPU engine serves no LoRA on a "
-           "Mixture-of-Experts checkpoint (its fused-MoE LoRA has no CPU path)")
+_ROUTER = ("the aligned path adapts no MoE router: its logits come from the base gate linear "
+           "(adapters on the routed and shared experts are covered)")
 _EMBEDDING = ("vLLM serves embedding / lm_head adapters only for models that list embedding_modules "
               "(DeepSeek-V2/V3 list none); the aligned path adapts them in the aligned model face for "
               f"{', '.join(VOCAB_LORA_ARCHITECTURES)} only (not in the Megatron face, zmrl check or bisect)")

