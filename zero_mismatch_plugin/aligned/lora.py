@@ -339,6 +339,26 @@ def peft_expert_module_name(layer: int, expert: int, target: str, model_config) 
     return f"base_model.model.model.layers.{layer}.{names[0]}.experts.{expert}.{checkpoint_target}"
 
 
+_CHECKPOINT_EXPERT_TARGET = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}  # Mixtral's names
+
+
+def parse_peft_expert_tensor_name(name: str) -> tuple[int, int | None, str, str] | None:
+    """(layer, routed expert or None for the shared expert, target in :data:`EXPERT_TARGETS`,
+    "A" | "B") of a PEFT expert adapter tensor name, or None for any other name."""
+    match = _EXPERT_MODULE_NAME.match(name)
+    if match is None:
+        return None
+    layer, _, owner, target, which = match.groups()
+    expert = None if owner.startswith("shared_expert") else int(owner.split(".")[1])
+    return int(layer), expert, _CHECKPOINT_EXPERT_TARGET.get(target, target), which
+
+
+def peft_shared_expert_module_name(layer: int, shared_name: str, target: str) -> str:
+    """PEFT's name of the shared expert's ``target`` in layer ``layer``; ``shared_name``: the
+    checkpoint's module name (Qwen2-MoE's ``shared_expert``, GLM-4.5's ``shared_experts``)."""
+    return f"base_model.model.model.layers.{layer}.mlp.{shared_name}.{target}"
+
+
 def _routed_expert_layers(model_config) -> tuple[dict[int, int], dict[str, tuple[int, int]], str | None, dict]:
     """({MoE layer: number of routed experts}, {target: (out, in)} of one routed expert, the
     checkpoint's name of the shared expert module or None, {target: (out, in)} of the shared
@@ -420,7 +440,7 @@ class LoRAAdapter(nn.Module):
         for i in range(len(self.layers)):
             modules = [(peft_expert_module_name(i, e, t, self.model_config), pair)
                        for e, targets in enumerate(self.expert_pairs(i) or []) for t, pair in targets.items()]
-            modules += [(f"base_model.model.model.layers.{i}.mlp.{self.shared_name}.{t}", pair)
+            modules += [(peft_shared_expert_module_name(i, self.shared_name, t), pair)
                         for t, pair in (self.shared_expert_pairs(i) or {}).items()]
             for module, pair in modules:
                 yield f"{module}.lora_A.weight", pair.lora_A

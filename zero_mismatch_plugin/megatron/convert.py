@@ -18,6 +18,7 @@ verl loads through Megatron-Bridge) and to send a megatron model's weights back 
 from __future__ import annotations
 
 import os
+import re
 
 import torch
 
@@ -290,39 +291,92 @@ MEGATRON_LORA_SLICES = {
     "mlp.linear_fc2": ("down_proj",),
 }
 _LORA_MODULE = {target: module for module, targets in MEGATRON_LORA_SLICES.items() for target in targets}
+# In an MoE layer the MLP targets are those of each routed expert (``expert`` its index) and of
+# the shared expert (``expert`` = SHARED_EXPERT), each an MLP of megatron's fc1 / fc2 layout.
+SHARED_EXPERT = "shared"
+_MEGATRON_LORA_NAME = re.compile(
+    r"^decoder\.layers\.(\d+)\.(?:self_attention|mlp)\.(?:experts\.local_experts\.(\d+)\.|(shared_experts)\.)?"
+    r"linear_\w+\.lora\.(\w+)\.lora_(A|B)$"
+)
 
 
-def megatron_lora_name(layer: int, target: str, which: str) -> str:
-    """The Megatron face's name of the A or B matrix of PEFT target ``target`` in ``layer``.
+def lora_slices(target: str) -> tuple[str, ...]:
+    """vLLM's output slices (PEFT targets, in order) of the megatron linear holding ``target``."""
+    return MEGATRON_LORA_SLICES[_LORA_MODULE[target]]
+
+
+def lora_linear_name(layer: int, target: str, expert: int | str | None = None) -> str:
+    """The megatron linear holding PEFT target ``target`` of ``layer``: the layer's own, or with
+    ``expert`` that of routed expert ``expert`` (or of the shared expert, ``SHARED_EXPERT``)."""
+    module = _LORA_MODULE[target]
+    if expert is None:
+        return f"decoder.layers.{layer}.{module}"
+    if module not in ("mlp.linear_fc1", "mlp.linear_fc2"):
+        raise ValueError(f"{target}: not an MLP target, an expert has none")
+    owner = "shared_experts" if expert == SHARED_EXPERT else f"experts.local_experts.{int(expert)}"
+    return f"decoder.layers.{layer}.mlp.{owner}.{module.split('.')[1]}"
+
+
+def megatron_lora_name(layer: int, target: str, which: str, expert: int | str | None = None) -> str:
+    """The Megatron face's name of the A or B matrix of PEFT target ``target`` in ``layer`` (of
+    routed expert ``expert``, or of the shared expert: see :func:`lora_linear_name`).
 
     The adapter keeps vLLM's per-slice matrices (q, k, v each have their own A and B, in the
     checkpoint's row order): vLLM applies them slice by slice, so a fused megatron-layout adapter
     could not be served.
     """
-    return f"decoder.layers.{layer}.{_LORA_MODULE[target]}.lora.{target}.lora_{which}"
+    return f"{lora_linear_name(layer, target, expert)}.lora.{target}.lora_{which}"
+
+
+def parse_megatron_lora_name(name: str) -> tuple[int, str, str, int | str | None]:
+    """(layer, target, "A" | "B", expert) of a Megatron-face adapter parameter name (the inverse
+    of :func:`megatron_lora_name`); other names are refused."""
+    match = _MEGATRON_LORA_NAME.match(name)
+    parsed = None
+    if match is not None and match.group(4) in _LORA_MODULE:
+        expert = SHARED_EXPERT if match.group(3) else None if match.group(2) is None else int(match.group(2))
+        parsed = int(match.group(1)), match.group(4), match.group(5), expert
+    if parsed is None or megatron_lora_name(parsed[0], parsed[1], parsed[2], parsed[3]) != name:
+        raise ValueError(f"{name}: not a Megatron-face LoRA parameter name")
+    return parsed
 
 
 def peft_to_megatron_lora(state: dict) -> dict:
-    """PEFT adapter tensors (``base_model.model.model.layers.{i}...lora_A.weight``) -> the
-    Megatron face's adapter parameter names; the tensors themselves are unchanged."""
-    from ..aligned.lora import parse_peft_tensor_name
+    """PEFT adapter tensors (``base_model.model.model.layers.{i}...lora_A.weight``, routed experts'
+    ``mlp.experts.{e}.gate_proj`` ..., the shared expert's) -> the Megatron face's adapter
+    parameter names; the tensors themselves are unchanged."""
+    from ..aligned.lora import parse_peft_expert_tensor_name, parse_peft_tensor_name
 
     out = {}
     for name, tensor in state.items():
-        layer, target, which = parse_peft_tensor_name(name)
-        out[megatron_lora_name(layer, target, which)] = tensor
+        parsed = parse_peft_expert_tensor_name(name)
+        if parsed is None:
+            layer, target, which = parse_peft_tensor_name(name)
+            expert = None
+        else:
+            layer, expert, target, which = parsed
+            expert = SHARED_EXPERT if expert is None else expert
+        out[megatron_lora_name(layer, target, which, expert)] = tensor
     return out
 
 
-def megatron_to_peft_lora(state: dict) -> dict:
-    """The Megatron face's adapter parameters (or their gradients) -> PEFT names."""
-    from ..aligned.lora import peft_tensor_name
+def megatron_to_peft_lora(state: dict, hf_config=None) -> dict:
+    """The Megatron face's adapter parameters (or their gradients) -> PEFT names. ``hf_config``:
+    the checkpoint's config, which names the experts' modules (needed only for an adapter on
+    experts)."""
+    from ..aligned.lora import peft_expert_module_name, peft_shared_expert_module_name, peft_tensor_name
 
     out = {}
     for name, tensor in state.items():
-        head, target, which = name.rsplit(".", 2)
-        layer = int(head.split(".")[2])
-        if _LORA_MODULE.get(target) is None or megatron_lora_name(layer, target, which[-1]) != name:
-            raise ValueError(f"{name}: not a Megatron-face LoRA parameter name")
-        out[peft_tensor_name(layer, target, which[-1])] = tensor
+        layer, target, which, expert = parse_megatron_lora_name(name)
+        if expert is None:
+            out[peft_tensor_name(layer, target, which)] = tensor
+            continue
+        if hf_config is None:
+            raise ValueError(f"{name}: pass the checkpoint's hf_config to name its experts' modules")
+        if expert == SHARED_EXPERT:
+            module = peft_shared_expert_module_name(layer, MOE_CHECKPOINT_NAMES[describe(hf_config).moe.names][3], target)
+        else:
+            module = peft_expert_module_name(layer, expert, target, hf_config)
+        out[f"{module}.lora_{which}.weight"] = tensor
     return out

@@ -5,7 +5,11 @@ carries a :class:`MegatronLoRA` holding the adapter's A and B per vLLM output sl
 mapped to and from PEFT's by :mod:`.convert`); its forward is the op layer's
 :class:`~zero_mismatch_plugin.aligned.lora.AlignedLoRALinear` over the module's own base op, so
 the update is added in vLLM's row order (before megatron's grouped-qkv permutation) and the
-backward reaches A and B only. Nothing here defines an autograd op.
+backward reaches A and B only. In an MoE layer the MLP targets sit on every routed expert's
+``linear_fc1`` / ``linear_fc2`` (``mlp.experts.local_experts.{e}``), which the MoE layer runs as
+:class:`~zero_mismatch_plugin.aligned.moe.AlignedMoELoRA` (vLLM's MoE layer with the experts'
+LoRA context) over its base MoE op, and on the shared expert's linears (``mlp.shared_experts``:
+dense LoRA as above). Nothing here defines an autograd op.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import os
 
 from torch import nn
 
-from ..aligned.lora import LoRAAdapter, _LoRAPair, _target_shapes, _TokenMapping, AlignedLoRALinear, write_peft_adapter
+from ..aligned.lora import LoRAAdapter, _LoRAPair, _routed_expert_layers, _target_shapes, _TokenMapping, AlignedLoRALinear, write_peft_adapter
 from . import convert
 
 
@@ -41,52 +45,50 @@ class MegatronLoRA(nn.Module):
         return self._op
 
 
-def _linear_modules(model):
-    from .modules import AlignedLinearModule
-
-    for name, module in model.named_modules():
-        if isinstance(module, AlignedLinearModule):
-            yield name, module
-
-
 def attach_lora(model, runtime, adapter_dir: str | os.PathLike):
     """Freeze ``model`` (a GPTModel with the aligned spec) and attach the PEFT adapter in
-    ``adapter_dir`` to its linears; returns the adapter's :class:`~..aligned.lora.LoRAConfig`.
+    ``adapter_dir`` to its linears (routed experts and shared experts included); returns the
+    adapter's :class:`~..aligned.lora.LoRAConfig`.
 
     ``runtime`` must be built with the engine's LoRA arguments (``lora_engine_args``).
     """
     hf = runtime.hf_config
-    head_dim = convert.megatron_blocks(hf).head_dim
-    adapter = LoRAAdapter.from_dir(adapter_dir, hf, head_dim)
+    adapter = LoRAAdapter.from_dir(adapter_dir, hf, convert.megatron_blocks(hf).head_dim)
     lora_config = adapter.lora_config
     tensors = convert.peft_to_megatron_lora(adapter.peft_state())
-    shapes = _target_shapes(hf, head_dim)
+    out_features = _out_features(hf)
     mapping = _TokenMapping(runtime)
     for p in model.parameters():
         p.requires_grad_(False)
-    attached = set()
-    for name, module in _linear_modules(model):
-        prefix = name.split("decoder.", 1)[-1]
-        suffix = prefix.split(".", 2)[-1]  # layers.{i}.<suffix>
-        slices = convert.MEGATRON_LORA_SLICES.get(suffix)
-        if slices is None:
-            continue
-        layer = int(prefix.split(".")[1])
-        pairs = {}
-        for target in slices:
-            if target in lora_config.targets:
-                out_f, in_f = shapes[target]
-                pair = _LoRAPair(lora_config.r, in_f, out_f).to(module.weight.device)
-                pair.lora_A.data.copy_(tensors[convert.megatron_lora_name(layer, target, "A")])
-                pair.lora_B.data.copy_(tensors[convert.megatron_lora_name(layer, target, "B")])
-                pairs[target] = pair
-                attached.add((layer, target))
-        if pairs:
-            module.lora = MegatronLoRA(slices, [shapes[t][0] for t in slices], pairs, lora_config, mapping)
-    expected = {(i, t) for i in range(hf.num_hidden_layers) for t in lora_config.targets}
-    if attached != expected:
-        raise ValueError(f"{adapter_dir}: no megatron linear for the adapter's {sorted(expected - attached)[:4]}")
+    linears = {}  # megatron linear -> (expert, {target: pair})
+    for name, tensor in tensors.items():
+        layer, target, which, expert = convert.parse_megatron_lora_name(name)
+        if which == "A":
+            pair = _LoRAPair(lora_config.r, tensor.shape[1], out_features[expert][target])
+            pair.lora_A.data.copy_(tensor)
+            pair.lora_B.data.copy_(tensors[convert.megatron_lora_name(layer, target, "B", expert)])
+            linears.setdefault(convert.lora_linear_name(layer, target, expert), (expert, {}))[1][target] = pair
+    modules = dict(model.named_modules())
+    missing = sorted(name for name in linears if name not in modules)
+    if missing:
+        raise ValueError(f"{adapter_dir}: the model has no megatron linear {missing[:4]} for the adapter")
+    for name, (expert, pairs) in linears.items():
+        module = modules[name]
+        slices = convert.lora_slices(next(iter(pairs)))
+        sizes = [out_features[expert][t] for t in slices]
+        module.lora = MegatronLoRA(slices, sizes, {t: p.to(module.weight.device) for t, p in pairs.items()},
+                                   lora_config, mapping)
     return lora_config
+
+
+def _out_features(hf_config) -> dict:
+    """{expert: {target: output features}} of the linears an adapter can target: ``None`` a
+    layer's own, each routed expert's index, ``convert.SHARED_EXPERT`` the shared expert's."""
+    blocks = convert.megatron_blocks(hf_config)
+    _, routed, _, shared = _routed_expert_layers(hf_config)
+    out = {None: _target_shapes(hf_config, blocks.head_dim), convert.SHARED_EXPERT: shared}
+    out.update(dict.fromkeys(range(blocks.moe.num_experts if blocks.moe else 0), routed))
+    return {expert: {target: out_f for target, (out_f, _) in shapes.items()} for expert, shapes in out.items()}
 
 
 def lora_parameters(model):
@@ -96,7 +98,8 @@ def lora_parameters(model):
 
 def adapter_state(model) -> dict:
     """The model's adapter under PEFT's names (detached), what the engine loads."""
-    return convert.megatron_to_peft_lora({n: p.detach() for n, p in lora_parameters(model)})
+    hf_config = next(m.mapping.runtime.hf_config for m in model.modules() if isinstance(m, MegatronLoRA))
+    return convert.megatron_to_peft_lora({n: p.detach() for n, p in lora_parameters(model)}, hf_config)
 
 
 def save_adapter(model, lora_config, adapter_dir: str | os.PathLike):

@@ -136,9 +136,12 @@ class AlignedLinearModule(nn.Module):
             self._op = ops.AlignedLinear(self.runtime, [self.weight], biases, engine_rows=self.engine_rows)
         return self._op
 
+    def op(self):
+        """vLLM's linear, or with an adapter attached vLLM's LoRA linear over it."""
+        return self._kernel() if self.lora is None else self.lora.op(self.runtime, self._kernel())
+
     def forward(self, x: torch.Tensor, *args, **kwargs):
-        op = self._kernel() if self.lora is None else self.lora.op(self.runtime, self._kernel())
-        out = op(_flat(x))
+        out = self.op()(_flat(x))
         return out.reshape(*x.shape[:-1], out.shape[-1]), None
 
     def refresh(self) -> None:
@@ -301,7 +304,7 @@ def moe_config_mismatches(config, blocks) -> list[str]:
 def _moe_layer_class():
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
-    from ..aligned.moe import AlignedMoE, moe_mlp
+    from ..aligned.moe import AlignedMoE, AlignedMoELoRA, moe_mlp
 
     class AlignedMoELayer(MoELayer):
         """megatron-core's MoE layer (router, experts, shared experts: megatron's modules and
@@ -338,6 +341,28 @@ def _moe_layer_class():
                 lambda: AlignedMoE(self.runtime, self.moe, self.config.hidden_size, None, None, fc2, bias, gate_up=fc1),
             )
 
+        def _routed_op(self):
+            """The experts' op, with an adapter on the routed experts (``lora`` on every local
+            expert's ``linear_fc1`` and ``linear_fc2``, :func:`..lora.attach_lora`) vLLM's MoE
+            layer with their LoRA updates over it."""
+            base = self._experts_op()
+            local = self.experts.local_experts
+            adapters = [(getattr(e.linear_fc1, "lora", None), getattr(e.linear_fc2, "lora", None)) for e in local]
+            if all(a is None and b is None for a, b in adapters):
+                return base
+            if any(a is None or b is None for a, b in adapters):
+                raise ValueError("aligned megatron MoE layer: an adapter on some routed experts' linears only; "
+                                 "attach it to linear_fc1 and linear_fc2 of every expert (megatron.lora.attach_lora)")
+            experts = [{t: getattr(lora, t) for lora in pair for t in lora.targets} for pair in adapters]
+            params = [p for e in experts for pair in e.values() for p in (pair.lora_A, pair.lora_B)]
+            first = adapters[0][0]
+            return _op_over(
+                self,
+                "_routed_lora",
+                [base] + params,
+                lambda: AlignedMoELoRA(self.runtime, base, experts, first.lora_config, first.mapping),
+            )
+
         def _shared_ops(self):
             shared = self.shared_experts
             if shared is None:
@@ -346,12 +371,12 @@ def _moe_layer_class():
             if shared.gate_weight is not None:
                 weight = shared.gate_weight
                 gate = _op_over(shared, "_gate", [weight], lambda: ops.AlignedLinear(self.runtime, [weight]))
-            return (shared.linear_fc1._kernel(), self.act, shared.linear_fc2._kernel(), gate)
+            return (shared.linear_fc1.op(), self.act, shared.linear_fc2.op(), gate)
 
         def forward(self, hidden_states, intermediate_tensors=None, padding_mask=None):
             if intermediate_tensors is not None:
                 raise NotImplementedError("aligned megatron MoE layer: partial (CUDA-graph) MoE forwards")
-            out = moe_mlp(_flat(hidden_states), self.router, self._experts_op(), self._shared_ops())
+            out = moe_mlp(_flat(hidden_states), self.router, self._routed_op(), self._shared_ops())
             return out.reshape(hidden_states.shape), None
 
         def refresh(self) -> None:
