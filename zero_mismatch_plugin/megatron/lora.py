@@ -98,7 +98,7 @@ def lora_parameters(model):
 
 def adapter_state(model) -> dict:
     """The model's adapter under PEFT's names (detached), what the engine loads."""
-    hf_config = next(m.mapping.runtime.hf_config for m in model.modules() if isinstance(m, MegatronLoRA))
+    hf_config = next((m.mapping.runtime.hf_config for m in model.modules() if isinstance(m, MegatronLoRA)), None)
     return convert.megatron_to_peft_lora({n: p.detach() for n, p in lora_parameters(model)}, hf_config)
 
 
