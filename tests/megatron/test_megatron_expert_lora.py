@@ -10,6 +10,8 @@ because it changes the adapter on both sides.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -100,6 +102,25 @@ def _expert_parts(runtime):
     return [".local_experts."] + ([".shared_experts."] if shared else [])
 
 
+@contextlib.contextmanager
+def _zeroed_b(model, part):
+    """The adapter's B matrices whose names contain ``part`` are zero inside, restored after."""
+    from zero_mismatch_plugin.megatron.lora import lora_parameters
+
+    b_matrices = [p for n, p in lora_parameters(model) if part in n and n.endswith("lora_B")]
+    assert b_matrices, part
+    saved = [p.detach().clone() for p in b_matrices]
+    with torch.no_grad():
+        for p in b_matrices:
+            p.zero_()
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for p, value in zip(b_matrices, saved):
+                p.copy_(value)
+
+
 def test_expert_adapter_names_map_to_peft_and_back(model, runtime, adapter):
     """Every routed expert's and the shared expert's A and B are Megatron-face parameters next to
     the expert's own weights, and come back under PEFT's names unchanged (what save_adapter writes)."""
@@ -139,18 +160,9 @@ def test_megatron_expert_lora_bitwise_equal_engine_at_batch_1_and_8(lora_llm, mo
             _assert_bitwise(megatron_logprobs(model, seq_prompts, responses), mu, f"engine batch of {size}")
     # Each expert part of the adapter is in the forward: without it (its B zeroed) the logprobs
     # differ from μ; restored, they are μ again.
-    params = dict(model.named_parameters())
     for part in _expert_parts(runtime):
-        saved = {n: p.detach().clone() for n, p in params.items() if part in n and n.endswith("lora_B")}
-        assert saved, part
-        with torch.no_grad():
-            try:
-                for name in saved:
-                    params[name].zero_()
-                assert not torch.equal(megatron_logprobs(model, seq_prompts, responses), mu), part
-            finally:
-                for name, value in saved.items():
-                    params[name].copy_(value)
+        with _zeroed_b(model, part), torch.no_grad():
+            assert not torch.equal(megatron_logprobs(model, seq_prompts, responses), mu), part
     with torch.no_grad():
         _assert_bitwise(megatron_logprobs(model, seq_prompts, responses), mu, "adapter restored")
 
