@@ -2,8 +2,9 @@
 attention, every routed expert (gate, up, down) and the shared expert, against a LoRA-enabled
 vLLM engine serving the same adapter (CPU, gloo, world size 1).
 
-Qwen3-MoE (softmax routing), Qwen2-MoE (a gated shared expert, a dense last layer) and GLM-4.5
-(sigmoid routing in expert groups, a shared expert, a dense first layer). One LoRA engine per
+Qwen3-MoE (softmax routing), Qwen2-MoE (a gated shared expert, a dense last layer), GLM-4.5
+(sigmoid routing in expert groups, a shared expert, a dense first layer) and Mixtral (experts'
+linears named w1, w3, w2 in the adapter). One LoRA engine per
 checkpoint, started after the session's shared engine is shut; the sync test goes last in each
 because it changes the adapter on both sides.
 """
@@ -21,7 +22,7 @@ from zero_mismatch_plugin.aligned import pack
 from zero_mismatch_plugin.aligned.lora import WEIGHTS_FILE, build_adapter
 from zero_mismatch_plugin.megatron import convert
 
-MODELS = ("qwen3_moe", "qwen2_moe", "glm4_moe")
+MODELS = ("qwen3_moe", "qwen2_moe", "glm4_moe", "mixtral")
 # max_lora_rank above the adapter's rank: engine and trainer both zero-pad A and B to it.
 LORA_ENGINE = dict(enable_lora=True, max_lora_rank=16, max_loras=2, max_model_len=MAX_MODEL_LEN, seed=0)
 # Relative L2 difference allowed between the Megatron face's and the aligned face's fp32 adapter
