@@ -899,6 +899,9 @@ class X86CPUUnquantizedExperts(CPUUnquantizedExperts):
 """ + _source_of(shared.row_invariant_bmm) + """\
 
 
+""" + _source_of(shared.row_invariant_linear) + """\
+
+
 """ + _source_of(shared.row_invariant_sigmoid) + """\
 
 
@@ -1001,6 +1004,9 @@ from .punica_base import PunicaWrapperBase
 
 
 """ + _source_of(shared.row_invariant_bmm) + """\
+
+
+""" + _source_of(shared.row_invariant_linear) + """\
 
 
 """ + _source_of(shared.add_moe_lora),

@@ -122,6 +122,13 @@ def row_invariant_bmm(batch1, batch2, out=None):
     return out
 
 
+def row_invariant_linear(x, weight):
+    """``x [n, in] @ weight [out, in]^T`` whose rows do not depend on how many there are, on CPU:
+    :func:`row_invariant_bmm` with the weight as a contiguous [in, out] matrix (aten's CPU bmm
+    gave a row other bits from 5 rows on when the weight was a transposed view)."""
+    return row_invariant_bmm(x[None], weight.t().contiguous()[None])[0]
+
+
 def row_invariant_sigmoid(x):
     """``torch.sigmoid`` whose bits for an element do not depend on the size of the call, on CPU.
 
@@ -303,9 +310,8 @@ def add_moe_lora(y, x, topk_ids, token_lora, lora_a_stacked, lora_b_stacked, top
     ``topk_weights[t, k]`` when given (the down projection's update is weighted as its base
     output is): the semantics of vLLM's fused MoE LoRA kernels, whose B carries the adapter
     scaling (folded in at load). Rows are grouped by (adapter, expert) and every product goes
-    through :func:`row_invariant_bmm` with the weight as a contiguous [in, out] matrix (aten's CPU
-    bmm gave a row other bits from 5 rows on when the weight was a transposed view), so a row's
-    bits do not depend on the other rows of the step.
+    through :func:`row_invariant_linear`, so a row's bits do not depend on the other rows of the
+    step.
     """
     import torch
 
@@ -326,8 +332,7 @@ def add_moe_lora(y, x, topk_ids, token_lora, lora_a_stacked, lora_b_stacked, top
         for a, b in zip(lora_a_stacked, lora_b_stacked):
             lora_a, lora_b = a[adapter, expert], b[adapter, expert]
             xs = x_rows.index_select(0, idx)[:, : lora_a.shape[-1]].to(lora_a.dtype)
-            buf = row_invariant_bmm(xs[None], lora_a.t().contiguous()[None])[0]
-            delta = row_invariant_bmm(buf[None], lora_b.t().contiguous()[None])[0].to(y.dtype)
+            delta = row_invariant_linear(row_invariant_linear(xs, lora_a), lora_b).to(y.dtype)
             if weights is not None:
                 delta = delta * weights.index_select(0, idx).to(y.dtype)
             width = lora_b.shape[0]
@@ -345,8 +350,7 @@ def cpu_moe_experts(hidden, w13, w2, topk_weights, topk_ids, add_w13_lora=None, 
     [T, K, 2I])``; ``h = silu(gate) * up``; ``down = (h W2_e^T) * w[t, k]``, then
     ``add_w2_lora(down [T, K, H], h [T * K, I])``; the K rows of a token summed in slot order
     (fp32). ``w13`` [E, 2I, H] ([gate; up]) and ``w2`` [E, H, I] are the plain (unpacked)
-    weights. Rows are grouped by expert, products go through :func:`row_invariant_bmm` (weights
-    as contiguous [in, out] matrices, see :func:`add_moe_lora`) and the
+    weights. Rows are grouped by expert, products go through :func:`row_invariant_linear` and the
     sigmoid through :func:`row_invariant_sigmoid`, so a row's bits do not depend on the step's
     other rows: the engine's experts and the trainer call this one function.
     """
@@ -361,14 +365,14 @@ def cpu_moe_experts(hidden, w13, w2, topk_weights, topk_ids, add_w13_lora=None, 
     gate_up = hidden.new_empty(rows, w13.shape[1])
     for e, idx in groups:
         xs = hidden.index_select(0, row_token.index_select(0, idx))
-        gate_up[idx] = row_invariant_bmm(xs[None], w13[e].t().contiguous()[None])[0]
+        gate_up[idx] = row_invariant_linear(xs, w13[e])
     if add_w13_lora is not None:
         add_w13_lora(gate_up.view(tokens, top_k, -1))
     gate, up = gate_up[:, :width], gate_up[:, width:]
     h = gate * row_invariant_sigmoid(gate) * up
     down = hidden.new_empty(rows, w2.shape[1])
     for e, idx in groups:
-        down[idx] = row_invariant_bmm(h.index_select(0, idx)[None], w2[e].t().contiguous()[None])[0]
+        down[idx] = row_invariant_linear(h.index_select(0, idx), w2[e])
     down = down * topk_weights.reshape(-1, 1).to(down.dtype)
     if add_w2_lora is not None:
         add_w2_lora(down.view(tokens, top_k, -1), h)
