@@ -95,9 +95,9 @@ class AlignedBackend:
 
         lora = {}
         if lora_dir is not None:
-            from zero_mismatch_plugin.aligned.lora import lora_engine_args
+            from .engine import served_adapter
 
-            lora = dict(lora_dir=lora_dir, **lora_engine_args(lora_dir))
+            lora = dict(lora_dir=lora_dir, **served_adapter(model_dir, lora_dir)[1])
         self.model = AlignedCausalLM.from_pretrained(model_dir, max_model_len=max_model_len, seed=seed, **lora)
         self.vocab_size = self.model.vocab_size
         # The linears carrying the adapter: their LoRA steps are ops of their own in the op list.
@@ -123,7 +123,9 @@ class AlignedBackend:
             with recorder.op_layer(order):
                 hidden = m.hidden_states(batch)
             rows = batch.target_rows.to(hidden.device)
-            recorder.keep_head(m.logits_head(hidden.index_select(0, rows)))
+            # The head with the adapter's lm_head update where it has one.
+            head = m.lora_vocab_ops.get("lm_head", m.logits_head) if m.lora_enabled else m.logits_head
+            recorder.keep_head(head(hidden.index_select(0, rows)))
         return recorder.ops
 
 

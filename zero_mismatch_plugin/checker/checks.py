@@ -53,6 +53,8 @@ class CheckOptions:
     # None: read from the engine's config.
     model_dir: str | None = None
     seed: int = 0
+    # The PEFT adapter the engine serves (None: the base model); vLLM's own modules serve it too.
+    lora_dir: str | None = None
 
 
 @dataclass
@@ -214,20 +216,22 @@ def expert_selection_check(backend, completions, engine_modules) -> CheckResult:
     return CheckResult(EXPERT_SELECTION, passed, figures, summary)
 
 
-def _engine_is_moe(llm) -> bool:
+def _run_expert_selection(llm, backend, completions, options: CheckOptions) -> CheckResult:
     from zero_mismatch_plugin.architectures import describe
 
-    return describe(llm.llm_engine.vllm_config.model_config.hf_config).moe is not None
-
-
-def _run_expert_selection(llm, backend, completions, options: CheckOptions) -> CheckResult:
     from .engine_modules import EngineModules
 
-    if not _engine_is_moe(llm):
-        raise CheckSkipped("a dense model: no experts to choose")
     model_config = llm.llm_engine.vllm_config.model_config
+    blocks = describe(model_config.hf_config)
+    if blocks.moe is None:
+        raise CheckSkipped("a dense model: no experts to choose")
+    if blocks.attention == "mla":
+        raise CheckSkipped(
+            "vLLM's modules are not run outside the engine for multi-head latent attention: the "
+            "expert choice is not recorded (the sampled-token and distribution checks cover the experts)"
+        )
     model_dir = options.model_dir or model_config.model
-    with EngineModules(model_dir, max_model_len=options.max_model_len, seed=options.seed) as modules:
+    with EngineModules(model_dir, max_model_len=options.max_model_len, seed=options.seed, lora_dir=options.lora_dir) as modules:
         return expert_selection_check(backend, completions, modules)
 
 

@@ -87,13 +87,34 @@ def lora_options(args) -> dict:
         return {}
     if args.trainer not in ("aligned", "megatron"):
         raise inputs.CheckerInputError(f"--lora is supported with --trainer aligned or megatron, not {args.trainer!r}")
-    from zero_mismatch_plugin.aligned.lora import read_lora_config
-
     try:
-        read_lora_config(lora_dir)
+        lora_config, _ = eng.served_adapter(args.model, lora_dir)
     except NotImplementedError as error:
         raise inputs.CheckerInputError(str(error)) from None
+    if args.trainer == "megatron":
+        _refuse_megatron_adapter(args.model, lora_config.targets)
     return {"lora_dir": lora_dir}
+
+
+def _refuse_megatron_adapter(model_dir, targets) -> None:
+    """The Megatron face adapts the dense decoder linears only: not MLA projections, MoE experts
+    or the vocabulary (the aligned face runs those)."""
+    from transformers import AutoConfig
+
+    from zero_mismatch_plugin.aligned.lora import EXPERT_TARGETS
+    from zero_mismatch_plugin.architectures import LORA_TARGETS, describe
+
+    blocks = describe(AutoConfig.from_pretrained(str(model_dir)))
+    refused = [
+        t for t in targets
+        if t not in LORA_TARGETS or blocks.attention == "mla" or (blocks.moe is not None and t in EXPERT_TARGETS)
+    ]
+    if refused:
+        raise inputs.CheckerInputError(
+            f"--trainer megatron serves LoRA on the dense decoder linears only; this adapter targets "
+            f"{refused} on {'an MLA' if blocks.attention == 'mla' else 'an MoE' if blocks.moe else 'this'} model. "
+            "Use --trainer aligned, which runs adapters on MLA projections, MoE experts and embed_tokens / lm_head."
+        )
 
 
 def check_command(args) -> int:
@@ -121,6 +142,7 @@ def check_command(args) -> int:
         prefix_caching=prefix_caching,
         model_dir=str(args.model),
         seed=args.seed,
+        lora_dir=lora.get("lora_dir"),
     )
     with eng.open_engine(
         args.model, max_model_len, seed=args.seed, full_vocab=args.full_vocab, prefix_caching=prefix_caching, **lora
@@ -186,12 +208,27 @@ def format_bisect_table(result, header: str) -> str:
     return "\n".join(lines)
 
 
+def _refuse_mla_bisect(model_dir) -> None:
+    """vLLM's MLA attention splits a batch into prefill and decode steps from the engine's
+    scheduler metadata, which vLLM's modules run outside the engine do not have."""
+    from transformers import AutoConfig
+
+    from zero_mismatch_plugin.architectures import describe
+
+    if describe(AutoConfig.from_pretrained(str(model_dir))).attention == "mla":
+        raise inputs.CheckerInputError(
+            f"{model_dir}: zmrl bisect does not run multi-head latent attention (DeepSeek-V2/V3) models yet; "
+            "use zmrl check, which compares the trainer with a live engine on them (with --lora too)"
+        )
+
+
 def bisect_command(args) -> int:
     from .bisect import bisect_input, run_bisect
     from .engine_modules import EngineModules
 
     try:
         max_model_len, prompts = validated_inputs(args)
+        _refuse_mla_bisect(args.model)
         lora = lora_options(args)
         mode = apply_numerics(args.numerics)
         backend = load_backend(args.trainer, args.model, max_model_len=max_model_len, seed=args.seed, **lora)

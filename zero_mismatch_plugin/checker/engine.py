@@ -49,11 +49,7 @@ def engine_kwargs(
     sized for that adapter)."""
     from zero_mismatch_plugin.aligned.runtime import engine_args_for
 
-    extra = {}
-    if lora_dir is not None:
-        from zero_mismatch_plugin.aligned.lora import lora_engine_args
-
-        extra = lora_engine_args(lora_dir)
+    extra = served_adapter(model_dir, lora_dir)[1] if lora_dir is not None else {}
     return engine_args_for(
         model_dir,
         max_model_len=max_model_len,
@@ -62,6 +58,20 @@ def engine_kwargs(
         max_logprobs=-1 if full_vocab else DEFAULT_TOP_K,
         **extra,
     )
+
+
+def served_adapter(model_dir, lora_dir):
+    """(the adapter's ``LoRAConfig``, the engine arguments serving it) for the checkpoint in
+    ``model_dir``: its targets checked against what the aligned path adapts on that model (dense
+    or MLA projections, routed and shared experts, embed_tokens / lm_head where the engine adapts
+    them), the engine's ``max_lora_rank`` sized for its rank."""
+    from transformers import AutoConfig
+
+    from zero_mismatch_plugin.aligned.lora import lora_engine_args_for_rank, read_lora_config, supported_lora_targets
+
+    model_config = AutoConfig.from_pretrained(str(model_dir))
+    config = read_lora_config(lora_dir, supported_lora_targets(model_config, vocab=True))
+    return config, lora_engine_args_for_rank(config.r)
 
 
 class AdapterEngine:

@@ -56,6 +56,8 @@ _MOE_MODULES = (
     ("shared_expert_gate", "shared_expert_gate"),
 )
 _MOE_PAIRS = {"router", "shared_expert.gate_up_proj", "shared_expert.down_proj", "shared_expert_gate"}
+# The shared expert's linears, LoRA layers of vLLM's when the engine serves adapters.
+_LORA_SHARED_LINEARS = {"shared_expert.gate_up_proj", "shared_expert.down_proj"}
 
 
 def _submodule(module, dotted: str):
@@ -125,10 +127,11 @@ class EngineModules:
         self.lora_dir = lora_dir
         self.lora_linears = frozenset()
         if lora_dir is not None:
-            from zero_mismatch_plugin.aligned.lora import lora_engine_args, read_lora_config
+            from .engine import served_adapter
 
-            engine_kwargs = {**engine_kwargs, **lora_engine_args(lora_dir)}
-            self.lora_linears = oplist.lora_linears(read_lora_config(lora_dir).targets)
+            lora_config, lora_args = served_adapter(model_dir, lora_dir)
+            engine_kwargs = {**engine_kwargs, **lora_args}
+            self.lora_linears = oplist.lora_linears(lora_config.targets)
         self.runtime = VllmRuntime(model_dir, max_model_len=max_model_len, seed=seed, **engine_kwargs)
         self.model = None
         self.lora_manager = None
@@ -238,12 +241,22 @@ class EngineModules:
 
         block = next((b for b in (_submodule(layer, n) for n in _MOE_BLOCKS) if b is not None), None)
         runner = getattr(block, "experts", None)
+        # With enable_lora, vLLM's LoRA manager wraps the layer (``FusedMoEWithLoRA``) around it.
+        runner = getattr(runner, "base_layer", runner)
         if not isinstance(runner, MoERunner):
             return
         for attr, kind in _MOE_MODULES:
             module = _submodule(block, attr)
-            if module is not None:
-                recorder.on_output(module, kind, split=first_of_pair if kind in _MOE_PAIRS else None)
+            if module is None:
+                continue
+            if kind in _LORA_SHARED_LINEARS and hasattr(module, "punica_wrapper"):
+                recorder.on_lora_linear(module, kind)
+                continue
+            # A LoRA layer the adapter does not target (the router, the shared expert's gate) may
+            # be run as the wrapper or through another reference to its base (vLLM's MoE runner
+            # calls its own ``gate``): both are hooked, one of them runs.
+            for hooked in dict.fromkeys((module, getattr(module, "base_layer", module))):
+                recorder.on_output(hooked, kind, split=first_of_pair if kind in _MOE_PAIRS else None)
         router = runner.router
         previous = router.capture_fn
         router.set_capture_fn(recorder.capture(oplist.TOPK_IDS))

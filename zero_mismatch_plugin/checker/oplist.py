@@ -21,6 +21,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from ..architectures import VOCAB_LORA_TARGETS
+
 EMBED = "embed"
 FINAL_NORM = "final_norm"
 LOGITS = "logits"
@@ -56,6 +58,8 @@ LORA_TARGET_LINEAR = {
     "q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "o_proj": "o_proj",
     "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "down_proj": "down_proj",
 }
+# The linears of a SwiGLU MLP (of a shared expert too).
+_MLP_LINEARS = frozenset({"gate_up_proj", "down_proj"})
 # What the router of an MoE layer chose, recorded with its ``experts`` op (no op computes it alone).
 TOPK_IDS = "topk_ids"
 # Norms of the residual stream (fused residual-add norms in vLLM).
@@ -81,11 +85,14 @@ def topk_ids_of(experts_name: str) -> str:
 
 
 def lora_linears(targets) -> frozenset[str]:
-    """The canonical linears an adapter on ``targets`` (PEFT module names) wraps."""
-    unknown = [t for t in targets if t not in LORA_TARGET_LINEAR]
+    """The canonical linears an adapter on ``targets`` (PEFT module names) wraps. The vocabulary
+    targets have no steps of their own: ``embed`` and ``logits`` are compared with the adapter's
+    update in them."""
+    layer_targets = [t for t in targets if t not in VOCAB_LORA_TARGETS]
+    unknown = [t for t in layer_targets if t not in LORA_TARGET_LINEAR]
     if unknown:
         raise ValueError(f"LoRA targets {unknown} have no place in the op list (known: {list(LORA_TARGET_LINEAR)})")
-    return frozenset(LORA_TARGET_LINEAR[t] for t in targets)
+    return frozenset(LORA_TARGET_LINEAR[t] for t in layer_targets)
 
 
 def layer_op_names(index: int, qk_norm: bool, moe=None, lora: frozenset[str] = frozenset()) -> list[str]:
@@ -106,7 +113,9 @@ def layer_op_names(index: int, qk_norm: bool, moe=None, lora: frozenset[str] = f
     ]
     names += mlp_op_names(p, moe)
     if lora:
-        wrapped = {p + linear for linear in lora}
+        # An adapter on the MLP's linears is, in an MoE layer, on each routed expert (inside the
+        # ``experts`` op) and on the shared expert's linears.
+        wrapped = {p + linear for linear in lora} | {p + "shared_expert." + linear for linear in lora & _MLP_LINEARS}
         names = [step for name in names for step in _with_lora_steps(name, wrapped)]
     return names
 

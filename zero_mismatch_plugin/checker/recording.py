@@ -88,7 +88,7 @@ class OpRecorder:
         canonical list, :func:`.oplist.op_names`). The lm_head is not recorded here: its rows
         differ between faces; the caller records the target rows with :meth:`keep_head`."""
         from zero_mismatch_plugin.aligned import ops
-        from zero_mismatch_plugin.aligned.moe import AlignedMoE
+        from zero_mismatch_plugin.aligned.moe import AlignedMoE, AlignedMoELoRA
         from zero_mismatch_plugin.aligned.lora import LoRAStep
 
         kinds = {
@@ -98,6 +98,7 @@ class OpRecorder:
             ops.AlignedAttention: "attn",
             ops.AlignedSiluAndMul: "act",
             AlignedMoE: "moe",
+            AlignedMoELoRA: "moe",  # the routed experts with their adapter: one op, as vLLM's layer
         }
         pending = [name for name in order if oplist.op_kind(name) is not None]
         cursor = 0
@@ -130,7 +131,8 @@ class OpRecorder:
                 return self.keep(name, run(*args), layout)
             if kind == "moe":
                 out = run(*args)
-                self.keep(oplist.topk_ids_of(name), op.last_topk_ids)
+                layer = op.base if isinstance(op, AlignedMoELoRA) else op
+                self.keep(oplist.topk_ids_of(name), layer.last_topk_ids)
                 return self.keep(name, out)
             return self.keep(name, run(*args))
 
