@@ -100,8 +100,6 @@ class AlignedBackend:
             lora = dict(lora_dir=lora_dir, **served_adapter(model_dir, lora_dir)[1])
         self.model = AlignedCausalLM.from_pretrained(model_dir, max_model_len=max_model_len, seed=seed, **lora)
         self.vocab_size = self.model.vocab_size
-        # The linears carrying the adapter: their LoRA steps are ops of their own in the op list.
-        self.lora_linears = oplist.lora_linears(self.model.lora.lora_config.targets) if lora else frozenset()
 
     @torch.no_grad()
     def token_logprobs(self, batch) -> torch.Tensor:
@@ -118,7 +116,9 @@ class AlignedBackend:
     def intermediates(self, batch, perturb: Perturb | None = None) -> dict:
         """The model's own forward with every op of the op layer recorded."""
         m = self.model
-        order = oplist.op_names(m.config.num_hidden_layers, m.blocks.qk_norm, m.blocks, lora=self.lora_linears)
+        # The linears carrying the adapter: their LoRA steps are ops of their own in the op list.
+        lora = oplist.lora_linears(m.lora.lora_config.targets) if m.lora_enabled else frozenset()
+        order = oplist.op_names(m.config.num_hidden_layers, m.blocks.qk_norm, m.blocks, lora=lora)
         with OpRecorder(perturb) as recorder:
             with recorder.op_layer(order):
                 hidden = m.hidden_states(batch)

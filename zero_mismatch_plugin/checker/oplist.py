@@ -12,6 +12,11 @@ A Mixture-of-Experts MLP reports the router logits (``router``), the experts the
 (``topk_ids``: [tokens, top_k] expert ids in slot order), the routed experts' combined output as
 vLLM's MoE layer returns it (``experts``, after any routed scaling) and, if there is one, the
 shared expert's ops (``shared_expert.*``, ``shared_expert_gate``).
+
+With a LoRA adapter each wrapped linear is followed by its two LoRA steps (``<linear>.lora_shrink``,
+``<linear>.lora_expand``), the shared expert's linears included. An adapter on the routed experts
+is inside ``experts`` (vLLM's MoE layer adds it within its fused computation), one on
+embed_tokens / lm_head inside ``embed`` / ``logits``.
 """
 
 from __future__ import annotations
