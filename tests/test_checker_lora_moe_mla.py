@@ -16,7 +16,7 @@ import json
 import pytest
 import torch
 
-from vllm_session import restored_environ
+from test_checker_lora import numerics_environ  # noqa: F401 - a fixture
 from zero_mismatch_plugin import cli
 from zero_mismatch_plugin.aligned.lora import build_adapter
 from zero_mismatch_plugin.architectures import LORA_TARGETS, VOCAB_LORA_TARGETS
@@ -28,12 +28,6 @@ ALL_LINEARS = frozenset({"qkv_proj", "o_proj", "gate_up_proj", "down_proj"})
 # Each checkpoint's adapter: by default every module the aligned path adapts on it.
 ADAPTER_TARGETS = {"qwen3_moe": None, "qwen2_moe": None, "deepseek_v3_moe": None, "deepseek_v3_yarn": None,
                    "llama": LORA_TARGETS + VOCAB_LORA_TARGETS}
-
-
-@pytest.fixture(scope="module")
-def numerics_environ():
-    with restored_environ(ZMRL_NUMERICS="consistent"):
-        yield
 
 
 @pytest.fixture(scope="module")
@@ -75,6 +69,26 @@ def test_check_lora_passes_on_experts_mla_and_vocabulary_adapters(
         assert report["expert_selection"]["per_layer"] == {"0": 1.0, "1": 1.0}
     else:
         assert "expert_selection" not in report
+
+
+def test_expert_selection_agrees_only_when_vllms_modules_serve_the_adapter(checkpoints, adapters, numerics_environ):
+    """The expert-selection check's engine side serves the adapter: against vLLM's modules without
+    it (negative control) the trainer's choices differ, the adapter having moved the router's input."""
+    from zero_mismatch_plugin.checker.checks import expert_selection_check
+    from zero_mismatch_plugin.checker.engine import Completion, load_prompts
+    from zero_mismatch_plugin.checker.engine_modules import EngineModules
+
+    model_dir, adapter = checkpoints["qwen3_moe"], adapters["qwen3_moe"]
+    backend = load_backend("aligned", model_dir, max_model_len=MAX_MODEL_LEN, lora_dir=adapter)
+    gen = torch.Generator().manual_seed(0)
+    completions = [Completion(p, torch.randint(0, 512, (12,), generator=gen).tolist(), [])
+                   for p in load_prompts(model_dir, None, 4)]
+    agreement = {}
+    for served in (adapter, None):
+        with EngineModules(model_dir, max_model_len=MAX_MODEL_LEN, seed=0, lora_dir=served) as modules:
+            agreement[served] = expert_selection_check(backend, completions, modules).figures["min_agreement"]
+    print(f"expert-set agreement: with the adapter served {agreement[adapter]}, without {agreement[None]}")
+    assert agreement[adapter] == 1.0 and agreement[None] < 1.0
 
 
 def test_megatron_face_refuses_adapters_beyond_the_dense_linears(checkpoints, adapters, tmp_path, capsys):
