@@ -5,7 +5,8 @@ and attention of Qwen3-MoE; DeepSeek-V3's MLA projections, routed experts and sh
 MLA projections of DeepSeek-V3 with a query low-rank projection; embed_tokens and lm_head of Llama.
 ``bisect`` (vLLM's modules, wrapped by vLLM's LoRA manager, against the trainer) compares the MoE
 op with its adapter and the shared expert's LoRA linears as ops of their own, and names a fault
-planted in one adapter matrix on the trainer side. The Megatron face and MLA bisection are refused.
+planted in one adapter matrix on the trainer side; the Megatron face's expert adapters too. MLA
+and vocabulary adapters on the Megatron face, and MLA bisection, are refused.
 One engine or one set of vLLM's modules per checkpoint.
 """
 
@@ -91,18 +92,36 @@ def test_expert_selection_agrees_only_when_vllms_modules_serve_the_adapter(check
     assert agreement[adapter] == 1.0 and agreement[None] < 1.0
 
 
-def test_megatron_face_refuses_adapters_beyond_the_dense_linears(checkpoints, adapters, tmp_path, capsys):
+def test_megatron_face_refuses_mla_and_vocabulary_adapters(checkpoints, adapters, tmp_path, capsys):
     """Refused while the inputs are checked: no engine is started."""
-    for model, named in (("qwen3_moe", "an MoE"), ("deepseek_v3_yarn", "an MLA"), ("llama", "this")):
+    for model, refused in (("deepseek_v3_yarn", "'q_a_proj', 'q_b_proj', 'kv_a_proj_with_mqa'"),
+                           ("llama", "['embed_tokens', 'lm_head']")):
         code, report, text = _cli_json(
             ["check", "--model", str(checkpoints[model]), "--lora", str(adapters[model]), "--trainer", "megatron"],
             tmp_path,
             capsys,
         )
         assert code == 2 and report is None, text
-        assert "--trainer megatron serves LoRA on the dense decoder linears only" in text
-        assert f"on {named} model" in text and "Use --trainer aligned" in text
-    assert "'embed_tokens', 'lm_head'" in text  # llama: only the vocabulary targets are refused
+        assert "--trainer megatron serves LoRA on the decoder linears and MoE experts only" in text
+        assert refused in text and "Use --trainer aligned" in text
+    assert "multi-head latent attention" not in text  # llama: only the vocabulary targets are refused
+
+
+@pytest.mark.parametrize("model", ["qwen3_moe", "qwen2_moe"])
+def test_megatron_bisect_lora_on_moe_experts_compares_every_op(model, checkpoints, adapters, numerics_environ,
+                                                               tmp_path, capsys):
+    """The Megatron face with an adapter on attention, every routed expert and the shared expert."""
+    code, report, table = _cli_json(
+        ["bisect", "--model", str(checkpoints[model]), "--lora", str(adapters[model]), "--trainer", "megatron"],
+        tmp_path,
+        capsys,
+    )
+    assert code == 0 and report["pass"] is True, table
+    assert report["not_compared"] == []
+    names = {op["op"] for op in report["ops"]}
+    assert {"layers.0.router", "layers.0.experts", "layers.1.qkv_proj.lora_expand"} <= names
+    if model == "qwen2_moe":
+        assert {"layers.0.shared_expert.gate_up_proj.lora_shrink", "layers.0.shared_expert.down_proj.lora_expand"} <= names
 
 
 def test_bisect_refuses_mla_models_before_starting_anything(checkpoints, adapters, tmp_path, capsys):

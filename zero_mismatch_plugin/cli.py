@@ -240,7 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
             help="PEFT LoRA adapter: the engine side serves it (enable_lora, the adapter's LoRARequest), "
             "the trainer is base + adapter. --trainer aligned: on the decoder linears, MLA projections, MoE "
             "experts and shared experts, embed_tokens / lm_head where vLLM adapts them; --trainer megatron: "
-            "the dense decoder linears",
+            "the decoder linears, MoE experts and shared experts",
         )
     check.add_argument("--num-prompts", type=int, default=8, metavar="N", help="prompts to sample (default 8)")
     check.add_argument("--max-tokens", type=int, default=24, metavar="N", help="tokens per completion (default 24)")

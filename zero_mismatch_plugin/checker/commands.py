@@ -97,23 +97,19 @@ def lora_options(args) -> dict:
 
 
 def _refuse_megatron_adapter(model_dir, targets) -> None:
-    """The Megatron face adapts the dense decoder linears only: not MLA projections, MoE experts
-    or the vocabulary (the aligned face runs those)."""
+    """The Megatron face adapts the decoder linears, routed experts and shared experts: not
+    multi-head latent attention or the vocabulary (the aligned face runs those)."""
     from transformers import AutoConfig
 
-    from zero_mismatch_plugin.aligned.lora import EXPERT_TARGETS
     from zero_mismatch_plugin.architectures import LORA_TARGETS, describe
 
-    blocks = describe(AutoConfig.from_pretrained(str(model_dir)))
-    refused = [
-        t for t in targets
-        if t not in LORA_TARGETS or blocks.attention == "mla" or (blocks.moe is not None and t in EXPERT_TARGETS)
-    ]
+    mla = describe(AutoConfig.from_pretrained(str(model_dir))).attention == "mla"
+    refused = [t for t in targets if t not in LORA_TARGETS or mla]
     if refused:
         raise inputs.CheckerInputError(
-            f"--trainer megatron serves LoRA on the dense decoder linears only; this adapter targets "
-            f"{refused} on {'an MLA' if blocks.attention == 'mla' else 'an MoE' if blocks.moe else 'this'} model. "
-            "Use --trainer aligned, which runs adapters on MLA projections, MoE experts and embed_tokens / lm_head."
+            f"--trainer megatron serves LoRA on the decoder linears and MoE experts only; this adapter targets "
+            f"{refused}{' on a multi-head latent attention model' if mla else ''}. Use --trainer aligned, "
+            "which runs adapters on MLA projections and embed_tokens / lm_head too."
         )
 
 
