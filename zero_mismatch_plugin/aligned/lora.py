@@ -125,6 +125,8 @@ class LoRAConfig:
     lora_alpha: float
     targets: tuple[str, ...]
     use_rslora: bool = False
+    # PEFT's ``target_parameters``: the routed experts' 3-D gate_up_proj / down_proj (:mod:`.lora_formats`).
+    target_parameters: tuple[str, ...] = ()
 
     @property
     def scaling(self) -> float:
@@ -137,6 +139,7 @@ class LoRAConfig:
             r=self.r,
             lora_alpha=self.lora_alpha,
             target_modules=list(self.targets),
+            target_parameters=list(self.target_parameters) or None,
             use_rslora=self.use_rslora,
             use_dora=False,
             bias="none",
@@ -149,7 +152,9 @@ class LoRAConfig:
 def unsupported_lora_settings(config: dict, supported: tuple[str, ...] = ALIGNED_LORA_TARGETS) -> list[str]:
     """Every setting of a PEFT adapter config the aligned LoRA path does not run, with the change
     that fixes it; ``supported``: the model's targets (:func:`supported_lora_targets`)."""
-    out = []
+    from .lora_formats import unsupported_target_parameters
+
+    out = unsupported_target_parameters(config)
     peft_type = config.get("peft_type", "LORA")
     if str(peft_type).upper() != "LORA":
         out.append(f"peft_type={peft_type!r}: only LORA adapters")
@@ -187,11 +192,11 @@ def unsupported_lora_settings(config: dict, supported: tuple[str, ...] = ALIGNED
         if bad:
             out.append(
                 f"target_modules {bad}: the aligned LoRA path covers {list(supported)} "
-                "(the MoE router and 3-D expert parameters are not aligned)"
+                "(the MoE router is not aligned)"
             )
-        if not targets:
+        if not targets and not config.get("target_parameters"):
             out.append("target_modules is empty")
-    elif targets is None and not out:
+    elif targets is None and not out and not config.get("target_parameters"):
         out.append("target_modules is missing")
     r = config.get("r")
     if not isinstance(r, int) or r <= 0:
@@ -212,10 +217,12 @@ def read_lora_config(adapter_dir: str | os.PathLike, supported: tuple[str, ...] 
     if problems:
         raise NotImplementedError(f"{adapter_dir}: LoRA adapter not supported: " + "; ".join(problems))
     helper = PEFTHelper.from_dict({**raw, "vllm_max_position_embeddings": None})
-    targets = raw["target_modules"]
+    targets = raw.get("target_modules") or ()
     targets = (targets,) if isinstance(targets, str) else tuple(targets)
+    parameters = raw.get("target_parameters") or ()
     config = LoRAConfig(
-        r=helper.r, lora_alpha=helper.lora_alpha, targets=targets, use_rslora=bool(helper.use_rslora)
+        r=helper.r, lora_alpha=helper.lora_alpha, targets=targets, use_rslora=bool(helper.use_rslora),
+        target_parameters=(parameters,) if isinstance(parameters, str) else tuple(parameters),
     )
     if config.scaling != helper.vllm_lora_scaling_factor:
         raise AssertionError(
@@ -228,12 +235,17 @@ def lora_engine_args(adapter_dir: str | os.PathLike, max_loras: int = 2) -> dict
     """Engine arguments serving the adapter in ``adapter_dir`` (engine and trainer both take them).
 
     ``max_lora_rank``: the smallest rank vLLM accepts that holds the adapter; ``max_loras`` 2: the
-    adapter's current and next version can be served side by side during a sync.
+    adapter's current and next version can be served side by side during a sync;
+    ``enable_mixed_moe_lora_format`` for a 3-D expert adapter (:mod:`.lora_formats`).
     """
     try:
-        return lora_engine_args_for_rank(read_lora_config(adapter_dir).r, max_loras)
+        config = read_lora_config(adapter_dir)
+        args = lora_engine_args_for_rank(config.r, max_loras)
     except NotImplementedError as error:
         raise NotImplementedError(f"{adapter_dir}: {error}") from None
+    if config.target_parameters:
+        args["enable_mixed_moe_lora_format"] = True
+    return args
 
 
 def lora_engine_args_for_rank(r: int, max_loras: int = 2) -> dict:
@@ -402,7 +414,15 @@ class LoRAAdapter(nn.Module):
         self.model_config = model_config
         self.layer_targets = tuple(canonical.get(t, t) for t in lora_config.targets if t not in VOCAB_LORA_TARGETS)
         expert_targets = [t for t in self.layer_targets if t in EXPERT_TARGETS]
+        fused_experts = bool(lora_config.target_parameters)
         moe_layers, expert_shapes, self.shared_name, shared_shapes = _routed_expert_layers(model_config)
+        block = (_moe_checkpoint_names(model_config) or [None])[0] if moe_layers else None
+        if fused_experts and block != "mlp":
+            raise NotImplementedError(
+                f"target_parameters {list(lora_config.target_parameters)}: 3-D expert adapters are covered on "
+                f"routed experts under mlp.experts (Qwen-style MoE); the model has "
+                f"{'no routed experts' if block is None else f'them under {block}'}"
+            )
         if moe_layers and expert_targets and len(expert_targets) != len(EXPERT_TARGETS):
             raise NotImplementedError(
                 f"target_modules {[t for t in lora_config.targets if canonical.get(t, t) in EXPERT_TARGETS]}: "
@@ -420,6 +440,10 @@ class LoRAAdapter(nn.Module):
                 layer.experts = nn.ModuleList(_expert_module(lora_config.r, expert_shapes) for _ in range(moe_layers[index]))
                 if self.shared_name:
                     layer.shared_expert = _expert_module(lora_config.r, shared_shapes)
+            elif index in moe_layers and fused_experts:
+                from .lora_formats import FusedExpertLoRA
+
+                layer.experts = FusedExpertLoRA(lora_config.r, moe_layers[index], expert_shapes)
             self.layers.append(layer)
         vocab, hidden = model_config.vocab_size, model_config.hidden_size
         vocab_shapes = {"embed_tokens": (hidden, vocab), "lm_head": (vocab, hidden)}
@@ -437,9 +461,15 @@ class LoRAAdapter(nn.Module):
         for i, target, pair in self.pairs():
             yield peft_tensor_name(i, target, "A"), pair.lora_A
             yield peft_tensor_name(i, target, "B"), pair.lora_B
+        from .lora_formats import FusedExpertLoRA
+
         for i in range(len(self.layers)):
+            experts = getattr(self.layers[i], "experts", None)
+            if isinstance(experts, FusedExpertLoRA):  # a 3-D expert adapter: PEFT's fused tensors
+                yield from experts.named_matrices(i)
+            routed = [] if isinstance(experts, FusedExpertLoRA) else self.expert_pairs(i) or []
             modules = [(peft_expert_module_name(i, e, t, self.model_config), pair)
-                       for e, targets in enumerate(self.expert_pairs(i) or []) for t, pair in targets.items()]
+                       for e, targets in enumerate(routed) for t, pair in targets.items()]
             modules += [(peft_shared_expert_module_name(i, self.shared_name, t), pair)
                         for t, pair in (self.shared_expert_pairs(i) or {}).items()]
             for module, pair in modules:
@@ -464,7 +494,11 @@ class LoRAAdapter(nn.Module):
 
     def expert_pairs(self, layer: int) -> list[dict[str, _LoRAPair]] | None:
         """The adapter of each routed expert of MoE layer ``layer`` ({target: pair}), or None."""
+        from .lora_formats import FusedExpertLoRA
+
         experts = getattr(self.layers[layer], "experts", None)
+        if isinstance(experts, FusedExpertLoRA):  # a 3-D expert adapter: views of its fused tensors
+            return experts.expert_pairs()
         return None if experts is None else [{t: getattr(m, t) for t in EXPERT_TARGETS} for m in experts]
 
     def shared_expert_pairs(self, layer: int) -> dict[str, _LoRAPair] | None:
@@ -749,6 +783,10 @@ def lora_linears(runtime, adapter: LoRAAdapter, base_ops: list[dict], merged=MER
     ``"shared_down"``); ``merged``: the model's linears (key of its op) and the checkpoint modules
     stacked in each."""
     mapping = _TokenMapping(runtime)
+    if adapter.lora_config.target_parameters:
+        from .lora_formats import check_engine_serves_fused_experts
+
+        check_engine_serves_fused_experts(runtime)
     out = []
     for i, ops in enumerate(base_ops):
         layer = {}
