@@ -249,6 +249,34 @@ def test_trainer_refuses_an_engine_without_the_mixed_moe_format(checkpoints, ada
         AlignedCausalLM.from_pretrained(checkpoints[MODEL], lora_dir=adapter, **args)
 
 
+@pytest.mark.parametrize("change,says", [
+    (dict(target_parameters=FUSED_PARAMETERS[:1]), "gate_up_proj and down_proj together; target both"),
+    (dict(target_parameters=[*FUSED_PARAMETERS, "mlp.gate.weight"]), r"\['mlp.gate.weight'\]: only the routed experts'"),
+    (dict(target_modules=[*ATTENTION, "gate_proj", "up_proj", "down_proj"]), "give the experts' adapter in one format"),
+], ids=["gate_up_only", "router", "both_formats"])
+def test_unsupported_3d_settings_are_refused_naming_the_fix(adapter, tmp_path, change, says):
+    import json
+    import shutil
+
+    from zero_mismatch_plugin.aligned.lora import read_lora_config
+
+    changed = shutil.copytree(adapter, tmp_path / "changed")
+    config = json.loads((changed / "adapter_config.json").read_text())
+    (changed / "adapter_config.json").write_text(json.dumps({**config, **change}))
+    with pytest.raises(NotImplementedError, match=says):
+        read_lora_config(changed)
+
+
+def test_3d_adapter_on_a_model_without_experts_is_refused(adapter, checkpoints):
+    from transformers import AutoConfig
+
+    from zero_mismatch_plugin.aligned.lora import LoRAAdapter
+
+    dense = AutoConfig.from_pretrained(str(checkpoints["qwen3"]))
+    with pytest.raises(NotImplementedError, match="the model has no routed experts"):
+        LoRAAdapter.from_dir(adapter, dense, dense.head_dim)
+
+
 def test_request_without_is_3d_lora_weight_fails_the_engine(engine, checkpoints, adapter):
     """Negative control: the 3-D adapter in a plain ``LoRARequest`` is read as 2-D; vLLM's
     ``FusedMoEWithLoRA.set_lora`` fails an assertion and the engine dies (so ``lora_request``)."""
