@@ -255,6 +255,22 @@ def check_lora_backward_matches_float64(trainer, rows, reference):
     return worst
 
 
+def lora_generate(llm, prompts, requests, seed=0, max_tokens=12):
+    """One batch; per sequence (prompt, response, μ, request). The seed is the prompt's own, so a
+    sequence is sampled alike alone or in any batch."""
+    from vllm import SamplingParams
+
+    params = [SamplingParams(temperature=1.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0,
+                             seed=seed + hash(tuple(p)) % 10_000) for p in prompts]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, lora_request=requests, use_tqdm=False)
+    rows = []
+    for prompt, out, request in zip(prompts, outs, requests):
+        ids = list(out.outputs[0].token_ids)
+        mu = torch.tensor([step[t].logprob for t, step in zip(ids, out.outputs[0].logprobs)])
+        rows.append((prompt, ids, mu, request))
+    return rows
+
+
 def lora_score(trainer, rows, adapter=True):
     """The trainer's logprobs of (prompt, response, ...) rows, with its adapter or without."""
     batch = pack([r[0] for r in rows], [r[1] for r in rows])

@@ -17,6 +17,7 @@ import torch
 
 from aligned_checks import assert_lora_bitwise as assert_bitwise
 from aligned_checks import GRAD_REL_TOL, LoRAEngines
+from aligned_checks import lora_generate as generate
 from aligned_checks import lora_score as score
 from vllm_session import MAX_MODEL_LEN, prompts_for
 
@@ -69,22 +70,6 @@ def request_for(path, lora_id=1):
     from vllm.lora.request import LoRARequest
 
     return LoRARequest(f"experts-{lora_id}", lora_id, str(path))
-
-
-def generate(llm, prompts, requests, seed=0, max_tokens=12):
-    """One batch; per sequence (prompt, response, μ, request). The seed is the prompt's own, so a
-    sequence is sampled alike alone or in any batch."""
-    from vllm import SamplingParams
-
-    params = [SamplingParams(temperature=1.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0,
-                             seed=seed + hash(tuple(p)) % 10_000) for p in prompts]
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, lora_request=requests, use_tqdm=False)
-    rows = []
-    for prompt, out, request in zip(prompts, outs, requests):
-        ids = list(out.outputs[0].token_ids)
-        mu = torch.tensor([step[t].logprob for t, step in zip(ids, out.outputs[0].logprobs)])
-        rows.append((prompt, ids, mu, request))
-    return rows
 
 
 def test_stock_engine_cannot_serve_lora_on_an_moe_model(engines, checkpoints, monkeypatch, tmp_path):

@@ -7,6 +7,7 @@ session's shared engine is shut first.
 
 from __future__ import annotations
 
+import contextlib
 import types
 
 import pytest
@@ -14,6 +15,7 @@ import torch
 
 from aligned_checks import assert_lora_bitwise as assert_bitwise
 from aligned_checks import GRAD_REL_TOL, LoRAEngines
+from aligned_checks import lora_generate as generate
 from aligned_checks import lora_score as score
 from vllm_session import MAX_MODEL_LEN, prompts_for
 
@@ -61,9 +63,8 @@ def engine_args(adapter):
 
 @pytest.fixture(scope="module")
 def engine(engines, checkpoints, engine_args):
-    holder = LoRAEngines(engines, checkpoints, engine_args)
-    yield holder
-    holder.close()
+    with contextlib.closing(LoRAEngines(engines, checkpoints, engine_args)) as holder:
+        yield holder
 
 
 @pytest.fixture(scope="module")
@@ -71,21 +72,6 @@ def trainer(checkpoints, adapter, engine_args):
     from zero_mismatch_plugin.aligned import AlignedCausalLM
 
     return AlignedCausalLM.from_pretrained(checkpoints[MODEL], lora_dir=adapter, **engine_args)
-
-
-def generate(llm, prompts, requests, seed=0, max_tokens=12):
-    """One batch; per sequence (prompt, response, μ, request), each sampled with its own seed."""
-    from vllm import SamplingParams
-
-    params = [SamplingParams(temperature=1.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0,
-                             seed=seed + hash(tuple(p)) % 10_000) for p in prompts]
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, lora_request=requests, use_tqdm=False)
-    rows = []
-    for prompt, out, request in zip(prompts, outs, requests):
-        ids = list(out.outputs[0].token_ids)
-        mu = torch.tensor([step[t].logprob for t, step in zip(ids, out.outputs[0].logprobs)])
-        rows.append((prompt, ids, mu, request))
-    return rows
 
 
 def peft_logprobs(model, rows):

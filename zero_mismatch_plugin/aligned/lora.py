@@ -402,7 +402,9 @@ class LoRAAdapter(nn.Module):
     [r, vocab] / ``lora_B`` [hidden, r] (PEFT's ``lora_embedding_A`` / ``_B``), ``lm_head.lora_A``
     [r, hidden] / ``lora_B`` [vocab, r]; :meth:`save` writes them under PEFT's names. In a
     Mixture-of-Experts layer the MLP targets are those of every routed expert
-    (``layers.{i}.experts.{e}.{target}``, see :data:`EXPERT_TARGETS`) and of the shared expert.
+    (``layers.{i}.experts.{e}.{target}``, see :data:`EXPERT_TARGETS`) and of the shared expert; for a
+    3-D expert adapter (``target_parameters``) PEFT's fused tensors of the layer's routed experts
+    (``layers.{i}.experts.gate_up_proj`` / ``down_proj``, :class:`~.lora_formats.FusedExpertLoRA`).
     """
 
     def __init__(self, lora_config: LoRAConfig, model_config, head_dim: int):
