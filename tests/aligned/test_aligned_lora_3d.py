@@ -217,7 +217,8 @@ def test_bitwise_again_after_optimizer_step_and_3d_adapter_sync(engine, trainer,
     # Written back in PEFT's 3-D format: its names and shapes, target_parameters in the config.
     written = {n: t.shape for n, t in load_file(str(synced / "adapter_model.safetensors")).items()}
     assert written == {n: t.shape for n, t in load_file(str(adapter / "adapter_model.safetensors")).items()}
-    assert json.loads((synced / "adapter_config.json").read_text())["target_parameters"] == FUSED_PARAMETERS
+    written_config = json.loads((synced / "adapter_config.json").read_text())
+    assert sorted(written_config["target_parameters"]) == sorted(FUSED_PARAMETERS)  # a set to PEFT
     after = generate(llm, prompts, [lora_request("v2", 12, synced)] * len(prompts), seed=300)
     assert not torch.equal(torch.cat([r[2] for r in after]), torch.cat([r[2] for r in rows])) or [
         r[1] for r in after] != [r[1] for r in rows]

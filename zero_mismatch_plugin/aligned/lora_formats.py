@@ -34,8 +34,9 @@ from torch import nn
 from .lora import CONFIG_FILE, EXPERT_TARGETS, _LoRAPair
 
 # The fused expert parameters PEFT adapts and the module of each one's A and B in the adapter's
-# tensor names (PEFT nests gate_up_proj's inside, for either order of target_parameters; vLLM reads
-# ``base_layer`` as gate_up_proj's).
+# tensor names: PEFT nests gate_up_proj's inside whatever the order of target_parameters (a set to
+# PEFT: its written order changes with the hash seed, the nesting does not); vLLM reads
+# ``base_layer`` as gate_up_proj's.
 FUSED_EXPERT_MODULES = {"gate_up_proj": "mlp.experts.base_layer", "down_proj": "mlp.experts"}
 
 
