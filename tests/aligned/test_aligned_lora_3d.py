@@ -264,6 +264,16 @@ def test_3d_adapter_on_a_model_without_experts_is_refused(adapter, checkpoints):
         LoRAAdapter.from_dir(adapter, dense, dense.head_dim)
 
 
+def test_megatron_face_refuses_a_3d_adapter(adapter, checkpoints):
+    from transformers import AutoConfig
+
+    from zero_mismatch_plugin.megatron.lora import attach_lora
+
+    runtime = types.SimpleNamespace(hf_config=AutoConfig.from_pretrained(str(checkpoints[MODEL])))
+    with pytest.raises(NotImplementedError, match="runs in the aligned model face only"):
+        attach_lora(None, runtime, adapter)
+
+
 def test_request_without_is_3d_lora_weight_fails_the_engine(engine, checkpoints, adapter):
     """Negative control: the 3-D adapter in a plain ``LoRARequest`` is read as 2-D; vLLM's
     ``FusedMoEWithLoRA.set_lora`` fails an assertion and the engine dies (so ``lora_request``)."""

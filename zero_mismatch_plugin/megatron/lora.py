@@ -55,6 +55,11 @@ def attach_lora(model, runtime, adapter_dir: str | os.PathLike):
     hf = runtime.hf_config
     adapter = LoRAAdapter.from_dir(adapter_dir, hf, convert.megatron_blocks(hf).head_dim)
     lora_config = adapter.lora_config
+    if lora_config.target_parameters:
+        raise NotImplementedError(
+            f"{adapter_dir}: a 3-D expert adapter (target_parameters) runs in the aligned model face only; the "
+            "Megatron face reads per-expert adapters (target_modules gate_proj, up_proj, down_proj)"
+        )
     tensors = convert.peft_to_megatron_lora(adapter.peft_state())
     out_features = _out_features(hf)
     mapping = _TokenMapping(runtime)
