@@ -44,9 +44,8 @@ from zero_mismatch_plugin.patching.shared import (
     only_cpu_mla_attention,
     row_invariant_bmm,
 )
-from zero_mismatch_plugin.runtime_patches import FunctionPatch, patch_at
+from zero_mismatch_plugin.vllm_versions import consistent_cpu_vllm_patch
 
-SUPPORTED_VLLM_VERSIONS = ("0.31.0",)
 ROTARY_MODULE = "vllm.model_executor.layers.rotary_embedding.base"
 LINEAR_MODULE = "vllm.model_executor.layers.linear"
 MLA_MODULE = "vllm.model_executor.layers.attention.mla_attention"
@@ -132,35 +131,30 @@ def short_first_steps_decoded(original):
     return _may_reorder_batch
 
 
-_VLLM = dict(package="vllm", versions=SUPPORTED_VLLM_VERSIONS, when="ZMRL_NUMERICS=consistent on CPU")
-
-CPU_ROTARY_ON_ROWS = FunctionPatch(
-    name="vllm-cpu-rotary-on-rows", module=ROTARY_MODULE, owner="RotaryEmbedding", attribute="forward_cpu",
-    build=rotary_on_rows,
+CPU_ROTARY_ON_ROWS = consistent_cpu_vllm_patch(
+    f"{ROTARY_MODULE}:RotaryEmbedding.forward_cpu", rotary_on_rows, name="vllm-cpu-rotary-on-rows",
     why="_C.rotary_embedding reads q/k as [tokens, heads * head_size]; MLA's 3-D q[..., nope:] view is "
-        "rotated with the wrong elements and positions, so rows depend on the batch", **_VLLM)
+        "rotated with the wrong elements and positions, so rows depend on the batch")
 
-CPU_MLA_KV_B_PROJ_GEMM = FunctionPatch(
-    name="vllm-cpu-mla-kv-b-proj-gemm", module=LINEAR_MODULE, owner="UnquantizedLinearMethod",
-    attribute="process_weights_after_loading", build=gemm_dispatch_for_skipped_layers,
-    why="MLA's kv_b_proj runs aten F.linear on CPU, whose row bits depend on the row count", **_VLLM)
+CPU_MLA_KV_B_PROJ_GEMM = consistent_cpu_vllm_patch(
+    f"{LINEAR_MODULE}:UnquantizedLinearMethod.process_weights_after_loading", gemm_dispatch_for_skipped_layers,
+    name="vllm-cpu-mla-kv-b-proj-gemm",
+    why="MLA's kv_b_proj runs aten F.linear on CPU, whose row bits depend on the row count")
 
-CPU_MLA_DECODE_BMM = FunctionPatch(
-    name="vllm-cpu-mla-decode-bmm", module=MLA_MODULE, owner=None, attribute="torch", build=_row_invariant_bmm,
-    why="the absorbed MLA decode's torch.bmm takes other kernels for one and for 16+ decoding sequences than for 2-15",
-    **_VLLM)
+CPU_MLA_DECODE_BMM = consistent_cpu_vllm_patch(
+    f"{MLA_MODULE}:torch", _row_invariant_bmm, name="vllm-cpu-mla-decode-bmm",
+    why="the absorbed MLA decode's torch.bmm takes other kernels for one and for 16+ decoding sequences than for 2-15")
 
-CPU_MLA_DECODE_ONE_THREAD = FunctionPatch(
-    name="vllm-cpu-mla-decode-one-thread", module="vllm._custom_ops", owner=None,
-    attribute="mla_decode_kvcache_cpu", build=on_one_thread,
+CPU_MLA_DECODE_ONE_THREAD = consistent_cpu_vllm_patch(
+    "vllm._custom_ops:mla_decode_kvcache_cpu", on_one_thread, name="vllm-cpu-mla-decode-one-thread",
     why="_C.mla_decode_kvcache's output bits depend on the OpenMP thread count, so the trainer's "
-        "bits depended on how many threads its process and the engine's worker had", **_VLLM)
+        "bits depended on how many threads its process and the engine's worker had")
 
-CPU_MLA_ONE_TOKEN_PROMPT_DECODED = patch_at(
+CPU_MLA_ONE_TOKEN_PROMPT_DECODED = consistent_cpu_vllm_patch(
     "vllm.v1.worker.gpu_model_runner:GPUModelRunner._may_reorder_batch", short_first_steps_decoded,
     name="vllm-cpu-mla-one-token-prompt-decoded",
     why="a one-token prompt was decoded alone or first among the step's new requests and prefilled after a "
-        "longer prompt (other bits): 7 of 24 greedy logprobs equal to the prompt alone", **_VLLM)
+        "longer prompt (other bits): 7 of 24 greedy logprobs equal to the prompt alone")
 
 CONSISTENT_MODE_PATCHES = (CPU_ROTARY_ON_ROWS, CPU_MLA_KV_B_PROJ_GEMM, CPU_MLA_DECODE_BMM, CPU_MLA_DECODE_ONE_THREAD,
                            CPU_MLA_ONE_TOKEN_PROMPT_DECODED)

@@ -30,9 +30,8 @@ from __future__ import annotations
 import functools
 
 from zero_mismatch_plugin.patching.shared import add_moe_lora, cpu_lora_experts_apply
-from zero_mismatch_plugin.runtime_patches import patch_at
+from zero_mismatch_plugin.vllm_versions import consistent_cpu_vllm_patch
 
-SUPPORTED_VLLM_VERSIONS = ("0.31.0",)
 ORACLE_MODULE = "vllm.model_executor.layers.fused_moe.oracle.unquantized"
 PUNICA_BASE_MODULE = "vllm.lora.punica_wrapper.punica_base"
 
@@ -151,10 +150,7 @@ def _add_lora_w2_in_torch(original):
     return add_lora_w2
 
 
-vllm_patch = functools.partial(patch_at, package="vllm", versions=SUPPORTED_VLLM_VERSIONS,
-                               when="ZMRL_NUMERICS=consistent on CPU")
-
-LORA_EXPERTS_BACKEND = vllm_patch(
+LORA_EXPERTS_BACKEND = consistent_cpu_vllm_patch(
     f"{ORACLE_MODULE}:select_unquantized_moe_backend", _select_cpu_lora_experts,
     name="cpu-moe-lora-experts",
     why="with LoRA enabled vLLM picks the Triton MoE experts, which fail on a CPU even for a request "
@@ -162,14 +158,14 @@ LORA_EXPERTS_BACKEND = vllm_patch(
     bound_in=("vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method",),
 )
 
-LORA_W13 = vllm_patch(
+LORA_W13 = consistent_cpu_vllm_patch(
     f"{PUNICA_BASE_MODULE}:PunicaWrapperBase.add_lora_w13", _add_lora_w13_in_torch,
     name="cpu-moe-lora-w13",
     why="the CPU punica wrapper has no add_lora_w13 (a stub that raises): the gate/up update of routed "
         "experts in torch (add_moe_lora)",
 )
 
-LORA_W2 = vllm_patch(
+LORA_W2 = consistent_cpu_vllm_patch(
     f"{PUNICA_BASE_MODULE}:PunicaWrapperBase.add_lora_w2", _add_lora_w2_in_torch,
     name="cpu-moe-lora-w2",
     why="the CPU punica wrapper has no add_lora_w2 (a stub that raises): the down update of routed "

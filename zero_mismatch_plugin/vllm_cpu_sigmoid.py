@@ -20,9 +20,8 @@ from __future__ import annotations
 import functools
 
 from zero_mismatch_plugin.patching.shared import row_invariant_sigmoid
-from zero_mismatch_plugin.runtime_patches import patch_at
+from zero_mismatch_plugin.vllm_versions import consistent_cpu_vllm_patch
 
-SUPPORTED_VLLM_VERSIONS = ("0.31.0",)
 ROUTER_MODULE = "vllm.model_executor.layers.fused_moe.router.cpu_router"
 QWEN2_MOE_MODULE = "vllm.model_executor.models.qwen2_moe"
 
@@ -57,17 +56,16 @@ def with_row_invariant_sigmoids(original):
     return run
 
 
-vllm_patch = functools.partial(patch_at, build=with_row_invariant_sigmoids, package="vllm",
-                               versions=SUPPORTED_VLLM_VERSIONS, when="ZMRL_NUMERICS=consistent on CPU")
+sigmoid_patch = functools.partial(consistent_cpu_vllm_patch, build=with_row_invariant_sigmoids)
 
-ROUTER_SIGMOID = vllm_patch(
+ROUTER_SIGMOID = sigmoid_patch(
     f"{ROUTER_MODULE}:_grouped_topk",
     name="cpu-moe-router-sigmoid",
     why="GLM-4.5 / DeepSeek-V3 sigmoid router scores ([tokens, experts]) got other bits in the "
         "scalar tail of torch's CPU sigmoid depending on the token count: computed row-count-invariantly",
 )
 
-SHARED_EXPERT_GATE_SIGMOID = vllm_patch(
+SHARED_EXPERT_GATE_SIGMOID = sigmoid_patch(
     f"{QWEN2_MOE_MODULE}:Qwen2MoeMLP.forward",
     name="cpu-qwen2-moe-shared-gate-sigmoid",
     why="Qwen2-MoE's shared-expert gate sigmoid ([tokens, 1]) got other bits in the scalar tail "

@@ -21,7 +21,7 @@ EngineCore and in every worker. It does nothing unless ``ZMRL_NUMERICS`` is set 
 ``ZMRL_NUMERICS=fast`` only adds the weight-sync worker extension. Safe to call repeatedly.
 
 Each change to a vLLM function is a :class:`~zero_mismatch_plugin.runtime_patches.FunctionPatch`
-of the plugin's one patch mechanism (:data:`PATCHES`, for vLLM :data:`SUPPORTED_VLLM_VERSIONS`;
+of the plugin's one patch mechanism (:data:`PATCHES`, for vLLM :data:`~zero_mismatch_plugin.vllm_versions.SUPPORTED_VLLM_VERSIONS`;
 any other version is refused): :func:`applied` lists them, and :func:`remove` puts the originals
 back and restores the environment variables :func:`register` set.
 """
@@ -30,24 +30,20 @@ from __future__ import annotations
 
 import logging
 import os
-from functools import partial
 
 from . import runtime_patches
-from .runtime_patches import FunctionPatch, patch_at
+from .runtime_patches import FunctionPatch
 from .vllm_cpu_mla import CONSISTENT_MODE_PATCHES as CPU_MLA_PATCHES
 from .vllm_cpu_moe_lora import PATCHES as CPU_MOE_LORA_PATCHES
 from .vllm_cpu_sigmoid import CONSISTENT_MODE_PATCHES as CPU_SIGMOID_PATCHES
+from .vllm_versions import consistent_cpu_vllm_patch, vllm_patch
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_VLLM_VERSIONS = ("0.31.0",)
 PREFIX_CACHING_ENV = "ZMRL_ALLOW_PREFIX_CACHING"  # read by aligned.prefix_caching
 
 # What register() found in os.environ before it set a variable for vLLM's processes (None: unset).
 _saved_env: dict[str, str | None] = {}
-
-vllm_patch = partial(patch_at, package="vllm", versions=SUPPORTED_VLLM_VERSIONS)
-
 
 def register() -> None:
     from .aligned import numerics
@@ -111,12 +107,11 @@ def _pad_single_row_gemms(original):
     return dispatch_cpu_unquantized_gemm
 
 
-CPU_GEMM = vllm_patch(
+CPU_GEMM = consistent_cpu_vllm_patch(
     "vllm.model_executor.layers.utils:dispatch_cpu_unquantized_gemm", _pad_single_row_gemms,
     name="cpu-gemm",
     why="oneDNN's single-row GEMM rounds differently from the same row in a larger batch "
         "(K >= 2048): every CPU linear pads one-row inputs to two rows",
-    when="ZMRL_NUMERICS=consistent on CPU",
 )
 
 
@@ -212,9 +207,8 @@ def _shrink_without_adapter_rows(original):
 # loaded (always with max_loras=1). The GPU kernels skip index -1.
 def _cpu_lora_op_patch(op: str, wrapper, name: str, why: str) -> FunctionPatch:
     """A patch of one of vLLM's torch LoRA ops, also where the CPU punica wrapper imported it."""
-    return vllm_patch(f"vllm.lora.ops.torch_ops.lora_ops:{op}", wrapper, name=name, why=why,
-                      when="ZMRL_NUMERICS=consistent on CPU",
-                      bound_in=("vllm.lora.ops.torch_ops", "vllm.lora.punica_wrapper.punica_cpu"))
+    return consistent_cpu_vllm_patch(f"vllm.lora.ops.torch_ops.lora_ops:{op}", wrapper, name=name, why=why,
+                                     bound_in=("vllm.lora.ops.torch_ops", "vllm.lora.punica_wrapper.punica_cpu"))
 
 
 LORA_BASE_ROWS = _cpu_lora_op_patch(
