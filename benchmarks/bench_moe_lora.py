@@ -25,7 +25,7 @@ import argparse
 import os
 import tempfile
 
-from bench_aligned_forward import median_times
+from bench_aligned_forward import add_run_arguments, median_times
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("ZMRL_NUMERICS", "consistent")
@@ -39,9 +39,7 @@ def parse_args():
     p.add_argument("--experts", type=int, default=8)
     p.add_argument("--top-k", type=int, default=2)
     p.add_argument("--rank", type=int, default=32)
-    p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
+    add_run_arguments(p, batch=None, prompt_len=None, response_len=None)
     return p.parse_args()
 
 
@@ -50,12 +48,11 @@ def main():
     import torch
 
     from zero_mismatch_plugin.aligned import AlignedCausalLM
-    from zero_mismatch_plugin.aligned.lora import build_adapter, lora_engine_args, EXPERT_TARGETS
+    from zero_mismatch_plugin.aligned.lora import EXPERT_TARGETS, build_adapter, lora_engine_args
     from zero_mismatch_plugin.aligned.moe import experts_with_lora, routing_weights
     from zero_mismatch_plugin.tiny_models import build_tiny_model
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads or torch.get_num_threads())
     with tempfile.TemporaryDirectory() as tmp:
         path = build_tiny_model(
             os.path.join(tmp, "model"), family="qwen3_moe", seed=0, hidden_size=args.hidden,
