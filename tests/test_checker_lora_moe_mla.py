@@ -155,6 +155,27 @@ def test_bisect_lora_on_moe_experts_compares_every_op(checkpoints, adapters, num
     assert not any(".gate_up_proj" in n or ".down_proj" in n for n in names)
 
 
+def test_check_and_bisect_lora_serve_a_peft_3d_expert_adapter(checkpoints, engines, numerics_environ, tmp_path,
+                                                              capsys):
+    """A PEFT-written 3-D expert adapter (transformers 5's fused experts): the check's engine is
+    started with enable_mixed_moe_lora_format and its requests carry is_3d_lora_weight (a plain
+    LoRARequest kills the engine), bisect's LoRA manager likewise; both bitwise."""
+    from zero_mismatch_plugin.aligned.lora_formats import build_fused_expert_adapter
+
+    engines.close()
+    adapter = build_fused_expert_adapter(tmp_path / "peft_3d", checkpoints["qwen3_moe"], r=8, seed=17)
+    code, report, table = _cli_json(
+        ["check", "--model", str(checkpoints["qwen3_moe"]), "--lora", str(adapter), "--trainer", "aligned",
+         "--num-prompts", "4", "--max-tokens", "12", "--batch-sizes", "1,2"],
+        tmp_path, capsys,
+    )
+    assert code == 0 and all(entry["pass"] is True for entry in report.values()), table
+    assert report["sampled_token"]["bitwise_equal_fraction"] == 1.0
+    code, report, table = _cli_json(["bisect", "--model", str(checkpoints["qwen3_moe"]), "--lora", str(adapter)],
+                                    tmp_path, capsys)
+    assert code == 0 and report["pass"] is True and report["not_compared"] == [], table
+
+
 def _side_by_side(model_dir, adapter):
     from zero_mismatch_plugin.checker.bisect import bisect_input
     from zero_mismatch_plugin.checker.engine import load_prompts

@@ -21,7 +21,7 @@ from vllm_session import MAX_MODEL_LEN, prompts_for
 
 from zero_mismatch_plugin.aligned import pack
 from zero_mismatch_plugin.aligned.lora import lora_engine_args
-from zero_mismatch_plugin.aligned.lora_formats import FUSED_EXPERT_MODULES, lora_request
+from zero_mismatch_plugin.aligned.lora_formats import FUSED_EXPERT_MODULES, build_fused_expert_adapter, lora_request
 
 MODEL = "qwen3_moe"
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
@@ -29,31 +29,21 @@ FUSED_PARAMETERS = [f"mlp.experts.{p}" for p in FUSED_EXPERT_MODULES]
 RANK = 8
 
 
-def peft_model(model_dir, adapter_dir=None):
-    """transformers + PEFT on the checkpoint (fp32): a fresh 3-D adapter, or the one in ``adapter_dir``.
-    The experts run transformers' eager loop (its grouped GEMM has no float64)."""
-    from peft import LoraConfig, PeftModel, get_peft_model
+def peft_model(model_dir, adapter_dir):
+    """transformers + PEFT on the checkpoint (fp32) with the adapter in ``adapter_dir``. The experts
+    run transformers' eager loop (its grouped GEMM has no float64)."""
+    from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, experts_implementation="eager")
-    if adapter_dir is not None:
-        return PeftModel.from_pretrained(base, str(adapter_dir))
-    config = LoraConfig(r=RANK, lora_alpha=16, target_modules=ATTENTION, target_parameters=FUSED_PARAMETERS)
-    return get_peft_model(base, config)
+    return PeftModel.from_pretrained(base, str(adapter_dir))
 
 
 @pytest.fixture(scope="module")
 def adapter(checkpoints, tmp_path_factory):
-    """A PEFT-written 3-D adapter; A and B random (PEFT's own init has B = 0, no update)."""
-    model = peft_model(checkpoints[MODEL])
-    gen = torch.Generator().manual_seed(21)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                p.copy_(0.05 * torch.randn(p.shape, generator=gen))
-    out = tmp_path_factory.mktemp("lora_3d") / "peft"
-    model.save_pretrained(str(out))
-    return out
+    """A PEFT-written 3-D adapter; A and B random."""
+    return build_fused_expert_adapter(tmp_path_factory.mktemp("lora_3d") / "peft", checkpoints[MODEL], r=RANK,
+                                      attention=ATTENTION, seed=21)
 
 
 @pytest.fixture(scope="module")

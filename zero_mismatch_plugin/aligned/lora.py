@@ -239,10 +239,14 @@ def lora_engine_args(adapter_dir: str | os.PathLike, max_loras: int = 2) -> dict
     ``enable_mixed_moe_lora_format`` for a 3-D expert adapter (:mod:`.lora_formats`).
     """
     try:
-        config = read_lora_config(adapter_dir)
-        args = lora_engine_args_for_rank(config.r, max_loras)
+        return lora_engine_args_for_config(read_lora_config(adapter_dir), max_loras)
     except NotImplementedError as error:
         raise NotImplementedError(f"{adapter_dir}: {error}") from None
+
+
+def lora_engine_args_for_config(config: LoRAConfig, max_loras: int = 2) -> dict:
+    """Engine arguments serving an adapter of this config (see :func:`lora_engine_args`)."""
+    args = lora_engine_args_for_rank(config.r, max_loras)
     if config.target_parameters:
         args["enable_mixed_moe_lora_format"] = True
     return args

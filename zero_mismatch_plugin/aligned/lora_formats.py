@@ -141,3 +141,25 @@ class FusedExpertLoRA(nn.Module):
             pair = getattr(self, parameter)
             yield f"base_model.model.model.layers.{layer}.{module}.lora_A.weight", pair.lora_A
             yield f"base_model.model.model.layers.{layer}.{module}.lora_B.weight", pair.lora_B
+
+
+def build_fused_expert_adapter(adapter_dir: str | os.PathLike, model_dir: str | os.PathLike, r: int = 8,
+                               lora_alpha: float = 16, attention=("q_proj", "k_proj", "v_proj", "o_proj"),
+                               seed: int = 0, std: float = 0.05) -> Path:
+    """Write a random 3-D expert adapter for the MoE checkpoint in ``model_dir`` with PEFT itself
+    (``target_parameters`` on the fused experts, ``attention`` as ``target_modules``), A and B
+    both non-zero (PEFT's own init has B = 0, no update): what a PEFT user on transformers 5 writes."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    config = LoraConfig(r=r, lora_alpha=lora_alpha, target_modules=list(attention),
+                        target_parameters=[f"mlp.experts.{p}" for p in FUSED_EXPERT_MODULES])
+    model = get_peft_model(base, config)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(std * torch.randn(p.shape, generator=gen))
+    model.save_pretrained(str(adapter_dir))
+    return Path(adapter_dir)

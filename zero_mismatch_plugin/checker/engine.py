@@ -67,11 +67,11 @@ def served_adapter(model_dir, lora_dir):
     them), the engine's ``max_lora_rank`` sized for its rank."""
     from transformers import AutoConfig
 
-    from zero_mismatch_plugin.aligned.lora import lora_engine_args_for_rank, read_lora_config, supported_lora_targets
+    from zero_mismatch_plugin.aligned.lora import lora_engine_args_for_config, read_lora_config, supported_lora_targets
 
     model_config = AutoConfig.from_pretrained(str(model_dir))
     config = read_lora_config(lora_dir, supported_lora_targets(model_config, vocab=True))
-    return config, lora_engine_args_for_rank(config.r)
+    return config, lora_engine_args_for_config(config)
 
 
 class AdapterEngine:
@@ -79,10 +79,10 @@ class AdapterEngine:
     runs against the adapter without knowing about it."""
 
     def __init__(self, llm, lora_dir):
-        from vllm.lora.request import LoRARequest
+        from zero_mismatch_plugin.aligned.lora_formats import lora_request
 
         self.llm = llm
-        self.lora_request = LoRARequest("zmrl-check", 1, str(lora_dir))
+        self.lora_request = lora_request("zmrl-check", 1, lora_dir)
 
     def generate(self, *args, **kwargs):
         kwargs.setdefault("lora_request", self.lora_request)

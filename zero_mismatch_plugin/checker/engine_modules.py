@@ -186,13 +186,14 @@ class EngineModules:
     def _load_lora(self):
         """What the engine's model runner does with ``enable_lora``: vLLM's LoRA manager replaces
         the supported linears with their LoRA layers; the adapter is loaded when activated."""
-        from vllm.lora.request import LoRARequest
         from vllm.v1.worker.lora_model_runner_mixin import LoRAModelRunnerMixin
+
+        from ..aligned.lora_formats import lora_request
 
         runner = LoRAModelRunnerMixin()
         self.model = runner.load_lora_model(self.model, self.runtime.vllm_config, self.runtime.device)
         self.lora_manager = runner.lora_manager
-        self.lora_request = LoRARequest("bisect", 1, str(self.lora_dir))
+        self.lora_request = lora_request("bisect", 1, self.lora_dir)
 
     def _activate_lora(self, num_tokens: int, num_rows: int) -> None:
         """Every token and every scored row served by the adapter (one request's mapping)."""
