@@ -6,7 +6,7 @@ MLA projections of DeepSeek-V3 with a query low-rank projection; embed_tokens an
 ``bisect`` (vLLM's modules, wrapped by vLLM's LoRA manager, against the trainer) compares the MoE
 op with its adapter and the shared expert's LoRA linears as ops of their own, and names a fault
 planted in one adapter matrix on the trainer side; the Megatron face's expert adapters too. MLA
-and vocabulary adapters on the Megatron face, and MLA bisection, are refused.
+and tied lm_head adapters on the Megatron face, and MLA bisection, are refused.
 One engine or one set of vLLM's modules per checkpoint.
 """
 
@@ -92,19 +92,31 @@ def test_expert_selection_agrees_only_when_vllms_modules_serve_the_adapter(check
     assert agreement[adapter] == 1.0 and agreement[None] < 1.0
 
 
-def test_megatron_face_refuses_mla_and_vocabulary_adapters(checkpoints, adapters, tmp_path, capsys):
-    """Refused while the inputs are checked: no engine is started."""
-    for model, refused in (("deepseek_v3_yarn", "'q_a_proj', 'q_b_proj', 'kv_a_proj_with_mqa'"),
-                           ("llama", "['embed_tokens', 'lm_head']")):
+def test_megatron_face_refuses_mla_and_tied_lm_head_adapters(checkpoints, adapters, tmp_path, capsys):
+    """Refused while the inputs are checked: no engine is started. Llama's vocabulary adapter and
+    Mixtral's expert adapter (w1, w2, w3) pass the same check."""
+    import argparse
+
+    from zero_mismatch_plugin.checker.commands import lora_options
+
+    qwen3 = build_adapter(tmp_path / "qwen3", checkpoints["qwen3"], r=8, targets=("q_proj", "embed_tokens", "lm_head"))
+    for model, adapter, refused, why in (
+        ("deepseek_v3_yarn", adapters["deepseek_v3_yarn"], "'q_a_proj', 'q_b_proj', 'kv_a_proj_with_mqa'",
+         "on a multi-head latent attention model"),
+        ("qwen3", qwen3, "['lm_head'] with lm_head tied to embed_tokens", "tied"),
+    ):
         code, report, text = _cli_json(
-            ["check", "--model", str(checkpoints[model]), "--lora", str(adapters[model]), "--trainer", "megatron"],
+            ["check", "--model", str(checkpoints[model]), "--lora", str(adapter), "--trainer", "megatron"],
             tmp_path,
             capsys,
         )
         assert code == 2 and report is None, text
-        assert "--trainer megatron serves LoRA on the decoder linears and MoE experts only" in text
-        assert refused in text and "Use --trainer aligned" in text
-    assert "multi-head latent attention" not in text  # llama: only the vocabulary targets are refused
+        assert "--trainer megatron serves LoRA on the decoder linears, MoE experts and embed_tokens / lm_head" in text
+        assert refused in text and why in text and "Use --trainer aligned" in text
+    mixtral = build_adapter(tmp_path / "mixtral", checkpoints["mixtral"], r=8)
+    for model, adapter in (("llama", adapters["llama"]), ("mixtral", mixtral)):
+        args = argparse.Namespace(model=str(checkpoints[model]), lora=str(adapter), trainer="megatron")
+        assert lora_options(args) == {"lora_dir": str(adapter)}, model
 
 
 @pytest.mark.parametrize("model", ["qwen3_moe", "qwen2_moe"])

@@ -97,19 +97,22 @@ def lora_options(args) -> dict:
 
 
 def _refuse_megatron_adapter(model_dir, targets) -> None:
-    """The Megatron face adapts the decoder linears, routed experts and shared experts: not
-    multi-head latent attention or the vocabulary (the aligned face runs those)."""
+    """The Megatron face adapts what the aligned face does (the targets ``served_adapter`` checked:
+    decoder linears, routed and shared experts, embed_tokens / lm_head where the engine adapts them)
+    except on multi-head latent attention models and an lm_head tied to the embedding."""
     from transformers import AutoConfig
 
-    from zero_mismatch_plugin.architectures import LORA_TARGETS, describe
+    from zero_mismatch_plugin.architectures import describe
 
-    mla = describe(AutoConfig.from_pretrained(str(model_dir))).attention == "mla"
-    refused = [t for t in targets if t not in LORA_TARGETS or mla]
+    blocks = describe(AutoConfig.from_pretrained(str(model_dir)))
+    mla = blocks.attention == "mla"
+    refused = [t for t in targets if mla or (t == "lm_head" and blocks.tied_head)]
     if refused:
+        why = "on a multi-head latent attention model" if mla else "with lm_head tied to embed_tokens"
         raise inputs.CheckerInputError(
-            f"--trainer megatron serves LoRA on the decoder linears and MoE experts only; this adapter targets "
-            f"{refused}{' on a multi-head latent attention model' if mla else ''}. Use --trainer aligned, "
-            "which runs adapters on MLA projections and embed_tokens / lm_head too."
+            f"--trainer megatron serves LoRA on the decoder linears, MoE experts and embed_tokens / lm_head, but "
+            f"not on multi-head latent attention models or a tied lm_head; this adapter targets {refused} {why}. "
+            "Use --trainer aligned, which runs those adapters too."
         )
 
 
