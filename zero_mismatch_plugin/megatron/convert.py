@@ -298,6 +298,8 @@ _MEGATRON_LORA_NAME = re.compile(
     r"^decoder\.layers\.(\d+)\.(?:self_attention|mlp)\.(?:experts\.local_experts\.(\d+)\.|(shared_experts)\.)?"
     r"linear_\w+\.lora\.(\w+)\.lora_(A|B)$"
 )
+# The megatron module holding each vocabulary adapter (PEFT's embed_tokens / lm_head).
+MEGATRON_VOCAB_LORA_MODULES = {"embed_tokens": "embedding.word_embeddings", "lm_head": "output_layer"}
 
 
 def lora_slices(target: str) -> tuple[str, ...]:
@@ -328,6 +330,20 @@ def megatron_lora_name(layer: int, target: str, which: str, expert: int | str | 
     return f"{lora_linear_name(layer, target, expert)}.lora.{target}.lora_{which}"
 
 
+def megatron_vocab_lora_name(target: str, which: str) -> str:
+    """The Megatron face's name of the A or B matrix of vocabulary target ``target``
+    (``embed_tokens`` / ``lm_head``), on the megatron module that computes it."""
+    return f"{MEGATRON_VOCAB_LORA_MODULES[target]}.lora.{target}.lora_{which}"
+
+
+def _vocab_lora_names() -> dict[str, str]:
+    """{PEFT name: Megatron-face name} of the vocabulary adapters' A and B."""
+    from ..aligned.lora import PEFT_VOCAB_NAMES
+
+    return {peft: megatron_vocab_lora_name(target, which)
+            for target, names in PEFT_VOCAB_NAMES.items() for peft, which in zip(names, "AB")}
+
+
 def parse_megatron_lora_name(name: str) -> tuple[int, str, str, int | str | None]:
     """(layer, target, "A" | "B", expert) of a Megatron-face adapter parameter name (the inverse
     of :func:`megatron_lora_name`); other names are refused."""
@@ -343,12 +359,16 @@ def parse_megatron_lora_name(name: str) -> tuple[int, str, str, int | str | None
 
 def peft_to_megatron_lora(state: dict) -> dict:
     """PEFT adapter tensors (``base_model.model.model.layers.{i}...lora_A.weight``, routed experts'
-    ``mlp.experts.{e}.gate_proj`` ..., the shared expert's) -> the Megatron face's adapter
+    ``mlp.experts.{e}.gate_proj`` ..., the shared expert's, embed_tokens' and lm_head's) -> the Megatron face's adapter
     parameter names; the tensors themselves are unchanged."""
     from ..aligned.lora import parse_peft_expert_tensor_name, parse_peft_tensor_name
 
+    vocab = _vocab_lora_names()
     out = {}
     for name, tensor in state.items():
+        if name in vocab:
+            out[vocab[name]] = tensor
+            continue
         parsed = parse_peft_expert_tensor_name(name)
         if parsed is None:
             layer, target, which = parse_peft_tensor_name(name)
@@ -366,8 +386,12 @@ def megatron_to_peft_lora(state: dict, hf_config=None) -> dict:
     experts)."""
     from ..aligned.lora import peft_expert_module_name, peft_shared_expert_module_name, peft_tensor_name
 
+    vocab = {megatron: peft for peft, megatron in _vocab_lora_names().items()}
     out = {}
     for name, tensor in state.items():
+        if name in vocab:
+            out[vocab[name]] = tensor
+            continue
         layer, target, which, expert = parse_megatron_lora_name(name)
         if expert is None:
             out[peft_tensor_name(layer, target, which)] = tensor

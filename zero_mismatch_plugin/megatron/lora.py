@@ -9,7 +9,12 @@ backward reaches A and B only. In an MoE layer the MLP targets sit on every rout
 ``linear_fc1`` / ``linear_fc2`` (``mlp.experts.local_experts.{e}``), which the MoE layer runs as
 :class:`~zero_mismatch_plugin.aligned.moe.AlignedMoELoRA` (vLLM's MoE layer with the experts'
 LoRA context) over its base MoE op, and on the shared expert's linears (``mlp.shared_experts``:
-dense LoRA as above). Nothing here defines an autograd op.
+dense LoRA as above). For Llama and Qwen3 (``VOCAB_LORA_ARCHITECTURES``) an ``embed_tokens``
+adapter sits on ``embedding.word_embeddings`` (megatron-core's embedding, whose output is replaced
+by the op layer's :class:`~zero_mismatch_plugin.aligned.lora.AlignedLoRAEmbedding` over the same
+weight: the same lookup plus vLLM's LoRA rows) and an ``lm_head`` adapter on ``output_layer``
+(:class:`~zero_mismatch_plugin.aligned.lora.AlignedLoRALogits` over the output layer's head).
+Nothing here defines an autograd op.
 """
 
 from __future__ import annotations
@@ -18,8 +23,20 @@ import os
 
 from torch import nn
 
-from ..aligned.lora import LoRAAdapter, _LoRAPair, _routed_expert_layers, _target_shapes, _TokenMapping, AlignedLoRALinear, write_peft_adapter
+from ..aligned.lora import (
+    LoRAAdapter,
+    _LoRAPair,
+    _routed_expert_layers,
+    _target_shapes,
+    _TokenMapping,
+    AlignedLoRAEmbedding,
+    AlignedLoRALinear,
+    AlignedLoRALogits,
+    write_peft_adapter,
+)
+from ..architectures import VOCAB_LORA_TARGETS
 from . import convert
+from .modules import AlignedOutputLayer
 
 
 class MegatronLoRA(nn.Module):
@@ -45,22 +62,62 @@ class MegatronLoRA(nn.Module):
         return self._op
 
 
+class MegatronVocabLoRA(nn.Module):
+    """The adapter of megatron's word embedding (``embed_tokens``: A [r, vocab], B [hidden, r]) or
+    output layer (``lm_head``: A [r, hidden], B [vocab, r]), PEFT's layout."""
+
+    def __init__(self, target: str, pair: _LoRAPair, lora_config, runtime):
+        super().__init__()
+        self.add_module(target, pair)  # parameters named <module>.lora.<target>.lora_A / _B
+        self.target = target
+        self.lora_config = lora_config
+        # Every logits row is a sampled row of the adapter (as in the aligned face's lora_vocab_ops).
+        self.mapping = _TokenMapping(runtime, sampled_rows=target == "lm_head")
+        self._op = None
+
+    def op(self, runtime, base):
+        """vLLM's LoRA embedding over the embedding weight ``base``, or its LoRA logits layer over
+        the output layer's head ``base`` (rebuilt when the base is)."""
+        built = None if self._op is None else self._op.weight if self.target == "embed_tokens" else self._op.head
+        if built is not base:
+            kind = AlignedLoRAEmbedding if self.target == "embed_tokens" else AlignedLoRALogits
+            self._op = kind(runtime, base, getattr(self, self.target), self.lora_config, self.mapping)
+        return self._op
+
+
+def _embedding_with_lora(word_embeddings, args, output):
+    """Forward hook of megatron's word embedding carrying an adapter: its output becomes that of
+    vLLM's LoRA embedding over the same weight (token ids [b, s] -> [b, s, hidden])."""
+    ids = args[0]
+    lora = word_embeddings.lora
+    out = lora.op(lora.mapping.runtime, word_embeddings.weight)(ids.reshape(-1))
+    return out.view(*ids.shape, out.shape[-1])
+
+
 def attach_lora(model, runtime, adapter_dir: str | os.PathLike):
     """Freeze ``model`` (a GPTModel with the aligned spec) and attach the PEFT adapter in
-    ``adapter_dir`` to its linears (routed experts and shared experts included); returns the
-    adapter's :class:`~..aligned.lora.LoRAConfig`.
+    ``adapter_dir`` to its linears (routed experts and shared experts included), word embedding and
+    output layer; returns the adapter's :class:`~..aligned.lora.LoRAConfig`.
 
     ``runtime`` must be built with the engine's LoRA arguments (``lora_engine_args``).
     """
     hf = runtime.hf_config
-    adapter = LoRAAdapter.from_dir(adapter_dir, hf, convert.megatron_blocks(hf).head_dim)
+    adapter = LoRAAdapter.from_dir(adapter_dir, hf, convert.megatron_blocks(hf).head_dim, vocab=True)
     lora_config = adapter.lora_config
     if lora_config.target_parameters:
         raise NotImplementedError(
             f"{adapter_dir}: a 3-D expert adapter (target_parameters) runs in the aligned model face only; the "
             "Megatron face reads per-expert adapters (target_modules gate_proj, up_proj, down_proj)"
         )
-    tensors = convert.peft_to_megatron_lora(adapter.peft_state())
+    vocab_pairs = {t: adapter.vocab_pair(t) for t in VOCAB_LORA_TARGETS if adapter.vocab_pair(t) is not None}
+    if "lm_head" in vocab_pairs and getattr(model, "share_embeddings_and_output_weights", False):
+        raise NotImplementedError(
+            f"{adapter_dir}: an lm_head adapter on a model whose output layer is tied to the embedding "
+            "(tie_word_embeddings) is not covered in the Megatron face; drop lm_head from target_modules "
+            "or use the aligned model face"
+        )
+    vocab_names = {convert.megatron_vocab_lora_name(t, which) for t in VOCAB_LORA_TARGETS for which in "AB"}
+    tensors = {n: t for n, t in convert.peft_to_megatron_lora(adapter.peft_state()).items() if n not in vocab_names}
     out_features = _out_features(hf)
     mapping = _TokenMapping(runtime)
     for p in model.parameters():
@@ -83,7 +140,21 @@ def attach_lora(model, runtime, adapter_dir: str | os.PathLike):
         sizes = [out_features[expert][t] for t in slices]
         module.lora = MegatronLoRA(slices, sizes, {t: p.to(module.weight.device) for t, p in pairs.items()},
                                    lora_config, mapping)
+    _attach_vocab_lora(model, runtime, vocab_pairs, lora_config)
     return lora_config
+
+
+def _attach_vocab_lora(model, runtime, pairs: dict, lora_config) -> None:
+    """Put the ``embed_tokens`` / ``lm_head`` adapters ``pairs`` on megatron's word embedding and
+    output layer (which must be the aligned one)."""
+    modules = dict(model.named_modules())
+    for target, pair in pairs.items():
+        module = modules[convert.MEGATRON_VOCAB_LORA_MODULES[target]]
+        if target == "lm_head" and not isinstance(module, AlignedOutputLayer):
+            raise ValueError(f"an lm_head adapter needs the aligned output layer, the model has {type(module).__name__}")
+        module.lora = MegatronVocabLoRA(target, pair.to(module.weight.device), lora_config, runtime)
+        if target == "embed_tokens":
+            module.register_forward_hook(_embedding_with_lora)
 
 
 def _out_features(hf_config) -> dict:

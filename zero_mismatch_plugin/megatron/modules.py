@@ -630,6 +630,8 @@ class AlignedOutputLayer(nn.Module):
         self.weight = weight  # None when tied: GPTModel passes the embedding weight
         self.sequence_parallel = False
         self._head = None
+        # An lm_head adapter (``megatron.lora.attach_lora``): logits through vLLM's LoRA logits layer.
+        self.lora = None
 
     def _kernel(self, weight: torch.Tensor) -> ops.AlignedLogits:
         if weight.shape[0] != self.vocab_size:
@@ -649,7 +651,8 @@ class AlignedOutputLayer(nn.Module):
         s, b, h = hidden_states.shape
         # vLLM computes logits for tokens in sequence order; megatron's rows are [s, b].
         tokens = hidden_states.transpose(0, 1).reshape(b * s, h)
-        logits = self._kernel(weight)(tokens)
+        head = self._kernel(weight)
+        logits = (head if self.lora is None else self.lora.op(self.runtime, head))(tokens)
         return logits.view(b, s, -1).transpose(0, 1), None
 
     def refresh(self) -> None:
