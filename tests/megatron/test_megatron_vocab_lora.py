@@ -129,6 +129,17 @@ def test_megatron_vocab_lora_gradients_equal_aligned_face(lora_llm, model, runti
     print(f"megatron vs aligned vocab LoRA gradients: worst relative difference {worst:.3g}")
 
 
+def test_megatron_checker_backend_serves_vocab_adapter(lora_llm, runtime, adapter, checkpoints):
+    """``zmrl check --trainer megatron --lora``'s trainer side: the engine arguments of the adapter
+    served (vocabulary targets included) and its logprobs the engine's."""
+    from zero_mismatch_plugin.checker.backends import load_backend
+
+    backend = load_backend("megatron", checkpoints["llama"], max_model_len=MAX_MODEL_LEN, lora_dir=adapter)
+    assert VOCAB_PARAMETERS <= {n for n, _ in backend.model.named_parameters()}
+    prompts, responses, mu = _rollout(lora_llm, prompts_for(runtime.model_dir), adapter, seed=704)
+    _assert_bitwise(backend.token_logprobs(pack(prompts, responses)), mu, "checker's megatron backend + vocab LoRA")
+
+
 def test_megatron_vocab_lora_equal_again_after_optimizer_step_and_adapter_sync(lora_llm, model, runtime, tmp_path):
     from zero_mismatch_plugin.megatron.lora import lora_parameters, save_adapter
 

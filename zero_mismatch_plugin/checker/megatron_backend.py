@@ -25,9 +25,9 @@ class MegatronBackend:
     def __init__(self, model_dir: Path, max_model_len: int = 256, seed: int = 0, lora_dir=None):
         lora = {}
         if lora_dir is not None:
-            from ..aligned.lora import lora_engine_args
+            from .engine import served_adapter
 
-            lora = lora_engine_args(lora_dir)
+            lora = served_adapter(model_dir, lora_dir)[1]
         self.scorer = MegatronScorer.from_model_dir(model_dir, max_model_len=max_model_len, seed=seed, **lora)
         self.model = self.scorer.model.eval()
         self.runtime = self.scorer.runtime

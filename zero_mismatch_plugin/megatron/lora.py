@@ -152,9 +152,9 @@ def _attach_vocab_lora(model, runtime, pairs: dict, lora_config) -> None:
         module = modules[convert.MEGATRON_VOCAB_LORA_MODULES[target]]
         if target == "lm_head" and not isinstance(module, AlignedOutputLayer):
             raise ValueError(f"an lm_head adapter needs the aligned output layer, the model has {type(module).__name__}")
-        module.lora = MegatronVocabLoRA(target, pair.to(module.weight.device), lora_config, runtime)
-        if target == "embed_tokens":
+        if target == "embed_tokens" and getattr(module, "lora", None) is None:  # one hook, however often attached
             module.register_forward_hook(_embedding_with_lora)
+        module.lora = MegatronVocabLoRA(target, pair.to(module.weight.device), lora_config, runtime)
 
 
 def _out_features(hf_config) -> dict:
