@@ -385,8 +385,9 @@ _KV_B = ("vLLM never applies an adapter on kv_b_proj: it wraps the module, but i
 _ROUTER = ("the aligned path adapts no MoE router: its logits come from the base gate linear "
            "(adapters on the routed and shared experts are covered)")
 _EMBEDDING = ("vLLM serves embedding / lm_head adapters only for models that list embedding_modules "
-              "(DeepSeek-V2/V3 list none); the aligned path adapts them in the aligned model face for "
-              f"{', '.join(VOCAB_LORA_ARCHITECTURES)} only (not in the Megatron face, zmrl check or bisect)")
+              "(DeepSeek-V2/V3 list none); the aligned path adapts them for "
+              f"{', '.join(VOCAB_LORA_ARCHITECTURES)} only (the aligned model face, zmrl check / bisect, and "
+              "the Megatron face with an lm_head not tied to the embedding)")
 REFUSED_LORA_TARGETS = {
     "kv_b_proj": _KV_B, "linear_kv_up_proj": _KV_B,
     "gate": _ROUTER, "router": _ROUTER,
