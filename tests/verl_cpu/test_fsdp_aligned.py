@@ -36,10 +36,11 @@ def process_group(tmp_path_factory):
     dist.destroy_process_group()
 
 
-def _fsdp2_model(checkpoint, gradient_checkpointing=False):
+def _fsdp2_model(checkpoint, gradient_checkpointing=False, prepare=None):
     """The checkpoint as verl's FSDP engine wraps it: every decoder layer (and embed/lm_head) a
     fully_shard unit, then the root; fp32 parameters and reductions; with verl's
-    ``enable_gradient_checkpointing``, transformers' non-reentrant checkpointing as verl enables it."""
+    ``enable_gradient_checkpointing``, transformers' non-reentrant checkpointing as verl enables it;
+    ``prepare(model)``: what verl does to the HF module before wrapping it (its PEFT adapter)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy
     from transformers import AutoModelForCausalLM
@@ -50,6 +51,8 @@ def _fsdp2_model(checkpoint, gradient_checkpointing=False):
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.train()  # transformers' layers recompute only in training mode, as verl's engine trains
+    if prepare is not None:
+        model = prepare(model)
     policy = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
     apply_fsdp2(model, {"mesh": mesh, "mp_policy": policy, "reshard_after_forward": True}, {})
     return model
@@ -175,11 +178,12 @@ def test_packed_micro_batch_reads_verls_jagged_layout():
 
 def test_unsupported_engine_settings_are_refused_naming_the_fix():
     engine = types.SimpleNamespace(_is_lora=True, ulysses_sequence_parallel_size=2, _qat_enabled=False,
-                                   engine_config=types.SimpleNamespace(strategy="fsdp2"))
+                                   engine_config=types.SimpleNamespace(strategy="fsdp2"),
+                                   model_config=types.SimpleNamespace(lora={"merge": True}))
     with pytest.raises(UnsupportedFSDPFeature) as error:
         fsdp_aligned.check_engine_supported(engine)
     message = str(error.value)
-    assert "lora_rank=0" in message and "ulysses_sequence_parallel_size=1" in message
+    assert "lora.merge=false" in message and "ulysses_sequence_parallel_size=1" in message
     assert fsdp_aligned.ENABLE_ENV in message
 
 

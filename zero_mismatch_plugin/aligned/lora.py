@@ -783,12 +783,13 @@ class _LoRALinearFn(Function):
         return (gx.reshape(x.shape).to(x.dtype), None, *grads)
 
 
-def lora_linears(runtime, adapter: LoRAAdapter, base_ops: list[dict], merged=MERGED_TARGETS) -> list[dict]:
+def lora_linears(runtime, adapter: LoRAAdapter, base_ops: list[dict], merged=MERGED_TARGETS,
+                 mapping: _TokenMapping | None = None) -> list[dict]:
     """The LoRA op of every merged linear an adapter targets, per layer: ``{"qkv": op, ...}``, and
     of the routed experts and shared expert of an MoE layer (``"experts"``, ``"shared_gate_up"``,
     ``"shared_down"``); ``merged``: the model's linears (key of its op) and the checkpoint modules
-    stacked in each."""
-    mapping = _TokenMapping(runtime)
+    stacked in each; ``mapping``: the token mapping to share with other calls (a new one by default)."""
+    mapping = mapping or _TokenMapping(runtime)
     if adapter.lora_config.target_parameters:
         from .lora_formats import check_engine_serves_fused_experts
 

@@ -25,6 +25,15 @@ What changes in ``verl.workers.engine.fsdp.transformer_impl``:
   throughout), in storage the allocator may hand out at the same address again, so
   :class:`~zero_mismatch_plugin.aligned.derived.DerivedWeight`'s own check cannot be relied on.
 
+With a LoRA adapter (``actor_rollout_ref.model.lora_rank > 0``: verl wraps the HF model with
+PEFT before FSDP), each targeted linear runs as vLLM's LoRA linear
+(:class:`~zero_mismatch_plugin.aligned.lora.AlignedLoRALinear`) over the PEFT module's own
+parameters: the frozen ``base_layer.weight`` and the trainable ``lora_A.default.weight`` /
+``lora_B.default.weight``, B scaled by PEFT's ``alpha / r`` (or ``alpha / sqrt(r)``), which is
+vLLM's scaling of the adapter verl syncs to the rollout unmerged. Dense decoders only; adapter
+settings vLLM does not serve as trained (dropout, DoRA, biases, ``modules_to_save``, other
+targets) and ``lora.merge=true`` (the rollout then serves merged weights) are refused.
+
 How the op layer meets FSDP2: the aligned forward runs *inside* the FSDP units' forwards. For the
 duration of one call, the root module, every decoder layer and (untied) ``lm_head`` get an
 instance ``forward`` that computes their part with the aligned ops; calling the root module then
@@ -51,6 +60,7 @@ logger = logging.getLogger("zero_mismatch_plugin")
 ENABLE_ENV = "ZMRL_FSDP_ALIGNED"
 SUPPORTED_VERL_VERSIONS = ("0.9.1",)
 ENGINE_MODULE = "verl.workers.engine.fsdp.transformer_impl"
+PEFT_ADAPTER = "default"  # the adapter name verl's get_peft_model / PeftModel.from_pretrained give
 
 _STATE_ATTR = "_zmrl_fsdp_aligned"
 _GENERATION_ATTR = "_zmrl_weights_generation"
@@ -129,7 +139,8 @@ class AlignedFSDPForward:
     re-derived when :meth:`mark_stale` was called (after optimizer steps and checkpoint loads).
     """
 
-    def __init__(self, runtime, hf_config):
+    def __init__(self, runtime, hf_config, lora_config=None):
+        from zero_mismatch_plugin.aligned.lora import _TokenMapping
         from zero_mismatch_plugin.aligned.model import AttentionHeads, decoder_layer, layer_mlp, rotary_parameters
         from zero_mismatch_plugin.aligned.ops import AlignedAttention, AlignedRotary, AlignedSiluAndMul
         from zero_mismatch_plugin.architectures import describe
@@ -140,6 +151,9 @@ class AlignedFSDPForward:
         # The aligned model covers these; this face's layer forward does not run them yet.
         missing = (["sliding-window attention"] if self.blocks.sliding_windows else []) + (
             ["multi-head latent attention"] if self.blocks.attention == "mla" else [])
+        if lora_config is not None and any(
+                self.blocks.mlp_kind(i) == "moe" for i in range(hf_config.num_hidden_layers)):
+            missing.append("LoRA adapters on Mixture-of-Experts layers")
         if missing:
             raise NotImplementedError(
                 f"{self.blocks.architecture}: the aligned FSDP actor forward does not cover "
@@ -156,6 +170,8 @@ class AlignedFSDPForward:
         self.act = AlignedSiluAndMul(runtime)
         self.attention = AlignedAttention(runtime, self.num_heads, self.num_kv_heads, self.head_dim,
                                           self.head_dim**-0.5)
+        self.lora_config = lora_config  # the PEFT adapter's (LoRAConfig), None without one
+        self.lora_mapping = _TokenMapping(runtime) if lora_config is not None else None
         self._ops: dict[int, tuple[tuple, dict]] = {}  # id(module) -> (parameter key, ops)
         self._stale: set[int] = set()
         self._probed: set[tuple] = set()
@@ -174,8 +190,10 @@ class AlignedFSDPForward:
             self._check_gemms(entry[1])
         elif id(module) in self._stale:
             for op in entry[1].values():
-                derived = getattr(op, "derived", None) or getattr(op, "engine_weight", None)
-                derived.refresh()
+                for part in (op, getattr(op, "base", None)):  # a LoRA op's adapter, then its base
+                    derived = getattr(part, "derived", None) or getattr(part, "engine_weight", None)
+                    if derived is not None:
+                        derived.refresh()
         self._stale.discard(id(module))
         return entry[1]
 
@@ -189,6 +207,7 @@ class AlignedFSDPForward:
         if self.runtime.platform != "cpu" or not numerics.is_consistent():
             return
         for name, op in ops.items():
+            op = getattr(op, "base", op)  # a LoRA op's base GEMM
             if isinstance(op, AlignedLinear):
                 _, weight = op.derived.get()
                 n, k = weight.shape
@@ -215,6 +234,9 @@ class AlignedFSDPForward:
                   a.k_proj.weight, a.v_proj.weight, a.o_proj.weight, *mlp_params, *(qkv_bias or []), *(o_bias or [])]
         if self.blocks.qk_norm:
             params += [a.q_norm.weight, a.k_norm.weight]
+        adapter = _PeftLayerAdapter(layer, self.lora_config) if self.lora_config is not None else None
+        if adapter is not None:
+            params += adapter.parameters()
         rt, eps = self.runtime, self.eps
 
         def build():
@@ -232,6 +254,10 @@ class AlignedFSDPForward:
             if self.blocks.qk_norm:
                 ops["q_norm"] = AlignedRMSNorm(rt, a.q_norm.weight, eps)
                 ops["k_norm"] = AlignedRMSNorm(rt, a.k_norm.weight, eps)
+            if adapter is not None:
+                from zero_mismatch_plugin.aligned.lora import lora_linears
+
+                ops.update(lora_linears(rt, adapter, [ops], mapping=self.lora_mapping)[0])
             return ops
 
         return self._cached(layer, params, build)
@@ -322,6 +348,7 @@ class AlignedFSDPForward:
 
     def root_forward(self, root, input_ids, positions, seq_lens):
         """Logits [T, vocab] of every packed row (the root's FSDP unit is gathered here)."""
+        root = causal_lm(root)
         embed = root.model.embed_tokens
         hidden = embed(input_ids)
         if hidden.dtype != self.runtime.dtype:
@@ -341,10 +368,11 @@ class AlignedFSDPForward:
         They stay after the call: with gradient checkpointing (verl's default,
         ``enable_gradient_checkpointing``) the backward calls each decoder layer again to
         recompute its activations, and must reach the aligned forward then too."""
+        model = causal_lm(root)
         modules = [(root, partial(self.root_forward, root))]
-        modules += [(layer, partial(self.decoder_layer_forward, i, layer)) for i, layer in enumerate(root.model.layers)]
+        modules += [(layer, partial(self.decoder_layer_forward, i, layer)) for i, layer in enumerate(model.model.layers)]
         if not self.blocks.tied_head:
-            modules.append((root.lm_head, partial(self.lm_head_forward, root.lm_head)))
+            modules.append((model.lm_head, partial(self.lm_head_forward, model.lm_head)))
         for module, forward in modules:
             module.forward = forward
         _installed[root] = [module for module, _ in modules]
@@ -353,6 +381,78 @@ class AlignedFSDPForward:
         if root not in _installed:
             self.install(root)
         return root(batch.input_ids, batch.positions, batch.seq_lens)
+
+
+def causal_lm(root):
+    """The HF causal LM of verl's root module: the module itself, or the one PEFT wraps."""
+    get_base_model = getattr(root, "get_base_model", None)
+    return get_base_model() if get_base_model is not None else root
+
+
+class _PeftLayerAdapter:
+    """One decoder layer's PEFT LoRA modules as the adapter :func:`~zero_mismatch_plugin.aligned.lora.lora_linears`
+    reads: ``pair(layer, target)`` with ``lora_A`` / ``lora_B`` the module's own (gathered) parameters."""
+
+    def __init__(self, layer, lora_config):
+        self.layer = layer
+        self.lora_config = lora_config
+
+    def pair(self, _layer_index: int, target: str):
+        from types import SimpleNamespace
+
+        from zero_mismatch_plugin.aligned.lora import ATTENTION_TARGETS
+
+        module = getattr(self.layer.self_attn if target in ATTENTION_TARGETS else self.layer.mlp, target, None)
+        lora_a = getattr(module, "lora_A", {})
+        if PEFT_ADAPTER not in lora_a:
+            return None
+        scaling = module.scaling[PEFT_ADAPTER]
+        if scaling != self.lora_config.scaling:
+            raise UnsupportedFSDPFeature(f"{target}: PEFT scales the adapter by {scaling}, vLLM by "
+                                         f"{self.lora_config.scaling}; use one lora_alpha and rank for every module")
+        return SimpleNamespace(lora_A=lora_a[PEFT_ADAPTER].weight, lora_B=module.lora_B[PEFT_ADAPTER].weight)
+
+    def parameters(self) -> list:
+        from zero_mismatch_plugin.aligned.lora import ALIGNED_LORA_TARGETS
+
+        pairs = [self.pair(0, target) for target in ALIGNED_LORA_TARGETS]
+        return [t for p in pairs if p is not None for t in (p.lora_A, p.lora_B)]
+
+    def shared_expert_pairs(self, _layer_index: int):
+        return None
+
+    def expert_pairs(self, _layer_index: int):
+        return None
+
+
+def peft_lora_config(root):
+    """The :class:`~zero_mismatch_plugin.aligned.lora.LoRAConfig` of the PEFT adapter verl put on
+    ``root`` (None without one); refuses what vLLM would not serve as the trainer computes it."""
+    from zero_mismatch_plugin.aligned.lora import LoRAConfig, supported_lora_targets, unsupported_lora_settings
+
+    peft_config = getattr(root, "peft_config", {}).get(PEFT_ADAPTER)
+    if peft_config is None:
+        return None
+    raw = peft_config.to_dict()
+    raw["peft_type"] = getattr(raw.get("peft_type"), "value", raw.get("peft_type"))
+    targets = raw.get("target_modules")
+    if isinstance(targets, (set, frozenset, list, tuple)):
+        # PEFT resolves "all-linear" to module paths (model.layers.0.mlp.down_proj): the names they end in.
+        raw["target_modules"] = sorted({name.rsplit(".", 1)[-1] for name in targets})
+    problems = unsupported_lora_settings(raw, supported_lora_targets(causal_lm(root).config))
+    if raw.get("target_parameters"):
+        problems.append(f"target_parameters={raw['target_parameters']}: LoRA on fused expert tensors is not "
+                        "covered by the aligned FSDP forward; set actor_rollout_ref.model.target_parameters=null")
+    if raw.get("lora_dropout"):
+        problems.append(f"lora_dropout={raw['lora_dropout']}: the training forward would drop adapter inputs the "
+                        "rollout never drops; train with lora_dropout=0")
+    if len(root.peft_config) != 1:
+        problems.append(f"adapters {sorted(root.peft_config)}: one adapter ({PEFT_ADAPTER!r}) only")
+    if problems:
+        raise UnsupportedFSDPFeature(f"{ENABLE_ENV}=1 but the actor's LoRA adapter has " + "; ".join(problems)
+                                     + f". Fix these or unset {ENABLE_ENV} (diff 0 then cannot hold).")
+    return LoRAConfig(r=raw["r"], lora_alpha=raw["lora_alpha"], targets=tuple(raw["target_modules"]),
+                      use_rslora=bool(raw.get("use_rslora")))
 
 
 # root module -> the modules that carry an aligned unit forward (removed again by uninstall / remove)
@@ -383,8 +483,10 @@ def _unwrapped(module):
 def check_engine_supported(engine) -> None:
     """Refuse the engine settings the aligned forward does not reproduce, naming what to change."""
     problems = []
-    if getattr(engine, "_is_lora", False):
-        problems.append("LoRA adapters (actor_rollout_ref.model.lora_rank > 0): set lora_rank=0")
+    lora_sync = getattr(getattr(engine, "model_config", None), "lora", None) or {}
+    if getattr(engine, "_is_lora", False) and lora_sync.get("merge", False):
+        problems.append("LoRA synced merged (the rollout serves W + s BA, not the adapter the aligned forward "
+                        "runs): set actor_rollout_ref.model.lora.merge=false")
     if getattr(engine, "ulysses_sequence_parallel_size", 1) > 1:
         problems.append("Ulysses sequence parallelism: set actor_rollout_ref.actor.ulysses_sequence_parallel_size=1")
     if getattr(engine, "_qat_enabled", False):
@@ -416,8 +518,14 @@ def aligned_state(engine) -> AlignedFSDPForward:
             numerics.enable_consistent_numerics()
         root = _unwrapped(engine.module)
         dtype = getattr(engine, "_autocast_dtype", None) or next(root.parameters()).dtype
-        runtime = VllmRuntime(engine.model_config.local_path, dtype=_dtype_name(dtype))
-        state = AlignedFSDPForward(runtime, root.config)
+        lora_config = peft_lora_config(root)
+        lora_args = {}
+        if lora_config is not None:
+            from zero_mismatch_plugin.aligned.lora import lora_engine_args_for_rank
+
+            lora_args = lora_engine_args_for_rank(lora_config.r)  # the rollout's max_lora_rank (verl's rule)
+        runtime = VllmRuntime(engine.model_config.local_path, dtype=_dtype_name(dtype), **lora_args)
+        state = AlignedFSDPForward(runtime, causal_lm(root).config, lora_config)
         setattr(engine, _STATE_ATTR, state)
         logger.warning("zero-mismatch: verl FSDP actor (%s, %s): logprobs from vLLM's kernels (%s)",
                        state.blocks.architecture, _dtype_name(dtype), runtime.platform)
