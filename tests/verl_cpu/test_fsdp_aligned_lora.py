@@ -101,14 +101,15 @@ def _verl_forward_logprobs(model, rows):
     return torch.cat(out)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
+# With gradient checkpointing (verl's default) the backward calls each layer again.
+@pytest.mark.parametrize("family,gradient_checkpointing", [("llama", False), ("qwen3", True)])
 def test_lora_actor_logprobs_equal_the_lora_engine_and_gradients_reach_the_adapter(
-        process_group, checkpoints, engines, family, tmp_path):
+        process_group, checkpoints, engines, family, gradient_checkpointing, tmp_path):
     from zero_mismatch_plugin.aligned import AlignedCausalLM
     from zero_mismatch_plugin.aligned.runtime import VllmRuntime
 
     checkpoint = checkpoints[family]
-    model = _fsdp2_model(checkpoint, prepare=_verl_lora)
+    model = _fsdp2_model(checkpoint, gradient_checkpointing, prepare=_verl_lora)
     lora_config = fsdp_aligned.peft_lora_config(model)
     assert lora_config.scaling == LORA_ALPHA / LORA_RANK
     aligned = AlignedFSDPForward(VllmRuntime(checkpoint, dtype="float32", **ENGINE_LORA),
@@ -126,7 +127,14 @@ def test_lora_actor_logprobs_equal_the_lora_engine_and_gradients_reach_the_adapt
     log_probs = _actor_logprobs(aligned, model, batch)
     assert torch.equal(log_probs, mu), (log_probs - mu).abs().max().item()
 
-    # Gradients: on the adapter only, equal to the aligned model face's with the same adapter.
+    # Negative control: verl's own forward of the same PEFT model is not vLLM's.
+    fsdp_aligned.uninstall(model)  # the aligned forward is installed again below
+    with torch.no_grad():
+        unpatched = _verl_forward_logprobs(model, rows)
+    assert not torch.equal(unpatched, mu)
+    torch.testing.assert_close(unpatched, mu, rtol=0, atol=1e-3)  # ... though the same model
+
+    # Gradients: on the adapter only, equal to the aligned model face's with the same adapter, bit for bit.
     _target_logprob_sum(aligned.logits(model, _packed(batch)).index_select(0, batch.target_rows), batch).backward()
     reference = AlignedCausalLM.from_pretrained(checkpoint, lora_dir=adapter_dir, **ENGINE_LORA)
     _target_logprob_sum(reference.logits(batch), batch).backward()
@@ -139,14 +147,19 @@ def test_lora_actor_logprobs_equal_the_lora_engine_and_gradients_reach_the_adapt
     for name, reference_grad in expected.items():
         gradient = _full(lora[name].grad)
         assert gradient.abs().max() > 0, name
-        torch.testing.assert_close(gradient, reference_grad, rtol=1e-5, atol=1e-6, msg=name)
+        assert torch.equal(gradient, reference_grad), (name, (gradient - reference_grad).abs().max())
 
-    # Negative control: verl's own forward of the same PEFT model is not vLLM's.
-    fsdp_aligned.uninstall(model)
+    # After an optimizer step (FSDP2 refills the adapter in place; the engine marks the ops stale)
+    # both faces still compute the same logits.
+    for optimizer in (torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5),
+                      torch.optim.SGD(reference.lora.parameters(), lr=0.5)):
+        optimizer.step()
+        optimizer.zero_grad()
+    aligned.mark_stale()
     with torch.no_grad():
-        unpatched = _verl_forward_logprobs(model, rows)
-    assert not torch.equal(unpatched, mu)
-    torch.testing.assert_close(unpatched, mu, rtol=0, atol=1e-3)  # ... though the same model
+        stepped = aligned.logits(model, _packed(batch)).index_select(0, batch.target_rows)
+        assert torch.equal(stepped, reference.logits(batch))
+        assert not torch.equal(_actor_logprobs(aligned, model, batch), mu), "the step changed the adapter"
 
 
 @pytest.mark.parametrize("settings,fix", [
