@@ -185,3 +185,34 @@ def test_lora_on_moe_layers_is_refused_naming_the_switch(checkpoints):
     lora_config = LoRAConfig(r=LORA_RANK, lora_alpha=LORA_ALPHA, targets=("q_proj",))
     with pytest.raises(NotImplementedError, match=f"Mixture-of-Experts.*{fsdp_aligned.ENABLE_ENV}=0"):
         AlignedFSDPForward(runtime=None, hf_config=config, lora_config=lora_config)
+
+
+def _fsdp_lora_config(checkpoint, **model):
+    """A verl config of an FSDP actor with the aligned switch and a rank-8 adapter (verl's defaults:
+    all-linear, unmerged sync)."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.create({
+        "actor_rollout_ref": {"actor": {"strategy": "fsdp2"},
+                              "model": {"path": str(checkpoint), "lora_rank": LORA_RANK, "target_modules": "all-linear",
+                                        "lora": {"rank": 0, "merge": False}, **model}},
+        "ray_kwargs": {"ray_init": {"runtime_env": {"env_vars": {fsdp_aligned.ENABLE_ENV: "1"}}}},
+    })
+
+
+def test_config_check_accepts_fsdp_lora_on_dense_decoders_and_names_what_it_does_not_cover(checkpoints):
+    from omegaconf import OmegaConf
+
+    from zero_mismatch_plugin.config_checks.lora import lora_gaps
+
+    assert lora_gaps(_fsdp_lora_config(checkpoints["llama"])) == []
+    (merged,) = lora_gaps(_fsdp_lora_config(checkpoints["llama"], lora={"rank": 0, "merge": True}))
+    assert "lora.merge=false" in merged
+    (moe,) = lora_gaps(_fsdp_lora_config(checkpoints["qwen3_moe"]))
+    assert "Mixture-of-Experts" in moe
+    (router,) = lora_gaps(_fsdp_lora_config(checkpoints["llama"], target_modules=["q_proj", "router"]))
+    assert router.endswith(": router"), router
+    # Without the FSDP switch (verl's Megatron engine) LoRA stays a gap.
+    megatron = _fsdp_lora_config(checkpoints["llama"])
+    OmegaConf.update(megatron, "actor_rollout_ref.actor.strategy", "megatron")
+    assert "Megatron engine" in lora_gaps(megatron)[0]

@@ -45,21 +45,52 @@ def _covered(cfg: DictConfig) -> tuple[str, ...]:
     return COVERED + (architectures.VOCAB_LORA_TARGETS if _vocab_targets_aligned(cfg) else ())
 
 
+# PEFT's name for every linear of a decoder but the output head: the dense linears of the decoders
+# whose LoRA verl's FSDP actor runs aligned.
+PEFT_ALL_LINEAR = "all-linear"
+
+
+def _fsdp_lora_gap(cfg: DictConfig, rank: int) -> str | None:
+    """What verl's FSDP actor (fsdp_aligned) lacks to run this config's adapter as vLLM serves it."""
+    from omegaconf import OmegaConf
+
+    from .alignment import model_architecture
+    from .values import ConfigValueError
+
+    if OmegaConf.select(cfg, "actor_rollout_ref.model.lora.merge", default=False):
+        return (f"LoRA adapters (rank {rank}) synced merged (the rollout then serves W + s BA, not the adapter "
+                "the aligned forward runs): set actor_rollout_ref.model.lora.merge=false")
+    try:
+        moe = model_architecture(cfg).name in architectures.MOE_ARCHITECTURES
+    except (ConfigValueError, TypeError):
+        moe = False
+    if moe:
+        return f"LoRA adapters (rank {rank}) on Mixture-of-Experts layers in verl's FSDP engine"
+    return None
+
+
 def lora_gaps(cfg: DictConfig) -> list[str]:
     """LoRA is aligned in the aligned model face (vLLM's LoRA arithmetic on the dense linears and
-    on the MLA projections vLLM adapts), not in verl's Megatron engine, whose LoRA wiring
-    (Megatron-Bridge PEFT) is not installed here; targets outside those linears never are."""
+    on the MLA projections vLLM adapts) and in verl's FSDP actor on dense decoders (unmerged sync),
+    not in verl's Megatron engine, whose LoRA wiring (Megatron-Bridge PEFT) is not installed here;
+    targets outside those linears never are."""
+    from .alignment import uses_fsdp_switch
+
     rank = lora_rank(cfg)
     if rank <= 0:
         return []
-    uncovered = [t for t in lora_targets(cfg) if t not in _covered(cfg)]
-    gap = (f"LoRA adapters (rank {rank}) in verl's Megatron engine (its Megatron-Bridge PEFT wiring is "
-           "not installed; the aligned LoRA path runs in the aligned model face)")
+    fsdp = uses_fsdp_switch(cfg)
+    covered = _covered(cfg) + ((PEFT_ALL_LINEAR,) if fsdp else ())
+    uncovered = [t for t in lora_targets(cfg) if t not in covered]
+    gap = _fsdp_lora_gap(cfg, rank) if fsdp else (
+        f"LoRA adapters (rank {rank}) in verl's Megatron engine (its Megatron-Bridge PEFT wiring is "
+        "not installed; the aligned LoRA path runs in the aligned model face)")
     if uncovered:
+        gap = gap or f"LoRA adapters (rank {rank})"
         gap += (f"; LoRA targets outside the linears the aligned LoRA path adapts "
                 f"({', '.join(architectures.MEGATRON_LORA_TARGETS + architectures.MEGATRON_MLA_LORA_TARGETS)}): "
                 f"{', '.join(uncovered)}")
-    return [gap]
+    return [gap] if gap else []
 
 
 def lora_problems(cfg: DictConfig) -> list[Problem]:
