@@ -106,14 +106,17 @@ def _verl_forward_logprobs(model, rows):
 def test_lora_actor_logprobs_equal_the_lora_engine_and_gradients_reach_the_adapter(
         process_group, checkpoints, engines, family, gradient_checkpointing, tmp_path):
     from zero_mismatch_plugin.aligned import AlignedCausalLM
-    from zero_mismatch_plugin.aligned.runtime import VllmRuntime
 
     checkpoint = checkpoints[family]
     model = _fsdp2_model(checkpoint, gradient_checkpointing, prepare=_verl_lora)
-    lora_config = fsdp_aligned.peft_lora_config(model)
-    assert lora_config.scaling == LORA_ALPHA / LORA_RANK
-    aligned = AlignedFSDPForward(VllmRuntime(checkpoint, dtype="float32", **ENGINE_LORA),
-                                 fsdp_aligned.causal_lm(model).config, lora_config)
+    # The engine's aligned forward as the patched forward_step builds it (the engine's attributes it reads).
+    engine = types.SimpleNamespace(
+        module=model, _is_lora=True, ulysses_sequence_parallel_size=1, _qat_enabled=False,
+        engine_config=types.SimpleNamespace(strategy="fsdp2"),
+        model_config=types.SimpleNamespace(local_path=str(checkpoint), lora={"merge": False}))
+    aligned = fsdp_aligned.aligned_state(engine)
+    assert aligned.lora_config.scaling == LORA_ALPHA / LORA_RANK
+    assert aligned.runtime.vllm_config.lora_config.max_lora_rank == ENGINE_LORA["max_lora_rank"]
     adapter_dir = _write_adapter(model, tmp_path / "adapter")
 
     engines.close()  # one engine alive at a time
