@@ -1507,7 +1507,7 @@ VERL_CPU_SCRIPT = """
     # update_weights_from_ipc hands whole-model CPU updates to vLLM's reload before anything else.
     calls = []
     if hasattr(rollout_utils, "reload_plain_weights_on_cpu"):
-        rollout_utils.reload_plain_weights_on_cpu = lambda ext, peft, shm: calls.append((peft, shm)) or True
+        rollout_utils.reload_plain_weights_on_cpu = lambda ext, peft, shm, base_done: calls.append((peft, shm)) or True
     extension = types.SimpleNamespace(device=None, local_rank=0)
     try:
         rollout_utils.vLLMColocateWorkerExtension.update_weights_from_ipc(extension, peft_config=None, use_shm=True)

