@@ -275,11 +275,11 @@ def test_zmrl_check_lora_refuses_unsupported_adapters_before_starting(checkpoint
     dora = tmp_path / "dora"
     shutil.copytree(adapters["llama", "r8"], dora)
     config = json.loads((dora / "adapter_config.json").read_text())
-    (dora / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True, "target_modules": ["q_proj", "embed_tokens"]}))
+    (dora / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True, "target_modules": ["q_proj", "kv_b_proj"]}))
     base = ["check", "--model", str(checkpoints["llama"]), "--max-model-len", str(MAX_MODEL_LEN), "--quiet"]
     assert cli.main([*base, "--lora", str(dora)]) == 2
     err = capsys.readouterr().err
-    assert "use_dora" in err and "embed_tokens" in err
+    assert "use_dora" in err and "kv_b_proj" in err
     assert cli.main([*base, "--lora", str(adapters["llama", "r8"]), "--trainer", "hf"]) == 2
     assert "--trainer aligned" in capsys.readouterr().err
 
