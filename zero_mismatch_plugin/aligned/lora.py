@@ -35,7 +35,8 @@ from torch import nn
 from torch.autograd import Function
 
 from ..architectures import LORA_TARGETS as ALIGNED_LORA_TARGETS
-from ..architectures import MLA_LORA_TARGETS, REFUSED_LORA_TARGETS, VOCAB_LORA_ARCHITECTURES, VOCAB_LORA_TARGETS
+from ..architectures import MLA_LORA_TARGETS, MOE_CHECKPOINT_NAMES, REFUSED_LORA_TARGETS
+from ..architectures import VOCAB_LORA_ARCHITECTURES, VOCAB_LORA_TARGETS
 from .derived import DerivedWeight
 from .ops import _observable
 
@@ -331,7 +332,7 @@ _EXPERT_MODULE_NAME = re.compile(
 def _moe_checkpoint_names(model_config):
     """The checkpoint's MoE module names (block, gate, (gate, up, down) of an expert, shared), or
     None for a dense model (or a config that names no architecture)."""
-    from ..architectures import MOE_ARCHITECTURES, MOE_CHECKPOINT_NAMES, describe
+    from ..architectures import MOE_ARCHITECTURES, describe
 
     if (getattr(model_config, "architectures", None) or [None])[0] not in MOE_ARCHITECTURES:
         return None
@@ -355,7 +356,9 @@ def peft_expert_module_name(layer: int, expert: int, target: str, model_config) 
     return f"base_model.model.model.layers.{layer}.{names[0]}.experts.{expert}.{checkpoint_target}"
 
 
-_CHECKPOINT_EXPERT_TARGET = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}  # Mixtral's names
+# Every checkpoint's name of an expert linear -> its EXPERT_TARGETS name (Mixtral's w1 -> gate_proj ...).
+_CHECKPOINT_EXPERT_TARGET = {name: target for names in MOE_CHECKPOINT_NAMES.values()
+                             for name, target in zip(names[2], EXPERT_TARGETS)}
 
 
 def parse_peft_expert_tensor_name(name: str) -> tuple[int, int | None, str, str] | None:
@@ -379,7 +382,7 @@ def _routed_expert_layers(model_config) -> tuple[dict[int, int], dict[str, tuple
     """({MoE layer: number of routed experts}, {target: (out, in)} of one routed expert, the
     checkpoint's name of the shared expert module or None, {target: (out, in)} of the shared
     expert); empty for a dense model."""
-    from ..architectures import MOE_CHECKPOINT_NAMES, describe
+    from ..architectures import describe
 
     blocks = describe(model_config)
     if blocks.moe is None:

@@ -29,20 +29,22 @@ def lora_targets(cfg: DictConfig) -> list[str]:
     return []
 
 
-def _vocab_targets_aligned(cfg: DictConfig) -> bool:
-    """The model (from its local config.json or ``zmrl.architecture``) is one whose engine adapts
-    embed_tokens / lm_head and whose aligned model face adapts them too."""
+def _architecture_in(cfg: DictConfig, names) -> bool:
+    """The model (from its local config.json or ``zmrl.architecture``) is one of ``names``; False
+    when the config names none."""
     from .alignment import model_architecture
     from .values import ConfigValueError
 
     try:
-        return model_architecture(cfg).name in architectures.VOCAB_LORA_ARCHITECTURES
+        return model_architecture(cfg).name in names
     except (ConfigValueError, TypeError):
         return False
 
 
 def _covered(cfg: DictConfig) -> tuple[str, ...]:
-    return COVERED + (architectures.VOCAB_LORA_TARGETS if _vocab_targets_aligned(cfg) else ())
+    # embed_tokens / lm_head: where the engine adapts them and the aligned model face does too.
+    vocab = _architecture_in(cfg, architectures.VOCAB_LORA_ARCHITECTURES)
+    return COVERED + (architectures.VOCAB_LORA_TARGETS if vocab else ())
 
 
 # PEFT's name for every linear of a decoder but the output head: the dense linears of the decoders
@@ -54,17 +56,10 @@ def _fsdp_lora_gap(cfg: DictConfig, rank: int) -> str | None:
     """What verl's FSDP actor (fsdp_aligned) lacks to run this config's adapter as vLLM serves it."""
     from omegaconf import OmegaConf
 
-    from .alignment import model_architecture
-    from .values import ConfigValueError
-
     if OmegaConf.select(cfg, "actor_rollout_ref.model.lora.merge", default=False):
         return (f"LoRA adapters (rank {rank}) synced merged (the rollout then serves W + s BA, not the adapter "
                 "the aligned forward runs): set actor_rollout_ref.model.lora.merge=false")
-    try:
-        moe = model_architecture(cfg).name in architectures.MOE_ARCHITECTURES
-    except (ConfigValueError, TypeError):
-        moe = False
-    if moe:
+    if _architecture_in(cfg, architectures.MOE_ARCHITECTURES):
         return f"LoRA adapters (rank {rank}) on Mixture-of-Experts layers in verl's FSDP engine"
     return None
 
