@@ -79,24 +79,25 @@ def test_patched_rotary_leaves_2d_inputs_to_the_kernel_unchanged(rotary):
     assert torch.equal(stock[0], fixed[0]) and torch.equal(stock[1], fixed[1])
 
 
-def test_bmm_runs_in_chunks_of_eight_rows_a_one_row_chunk_as_two_and_writes_into_out():
+def test_bmm_runs_every_call_as_eight_rows_and_writes_into_out():
     proxy = vllm_cpu_mla.TorchWithRowInvariantBmm(torch)
     generator = torch.Generator().manual_seed(2)
     x, w = torch.randn(4, 1, 32, generator=generator), torch.randn(4, 32, 512, generator=generator)
-    def two_row_first(one_row, weight):
-        return torch.bmm(torch.cat([one_row, torch.zeros_like(one_row)], dim=1), weight)[:, :1]
 
-    two_rows = two_row_first(x, w)
-    assert torch.equal(proxy.bmm(x, w), two_rows)
+    def as_eight_rows(rows, weight):
+        padding = rows.new_zeros(rows.shape[0], 8 - rows.shape[1], rows.shape[2])
+        return torch.bmm(torch.cat([rows, padding], dim=1), weight)[:, : rows.shape[1]]
+
+    one_row = as_eight_rows(x, w)
+    assert torch.equal(proxy.bmm(x, w), one_row)
     out = torch.empty(1, 4, 512)  # MLA writes the (heads, B, L) product into a (B, heads, L) buffer
     proxy.bmm(x, w, out=out.transpose(0, 1))
-    assert torch.equal(out.transpose(0, 1), two_rows)
+    assert torch.equal(out.transpose(0, 1), one_row)
     many = torch.randn(4, 3, 32, generator=generator)
-    assert torch.equal(proxy.bmm(many, w), torch.bmm(many, w))
-    # 16 rows and more take another aten blocking: the product runs in chunks of eight rows, a
-    # one-row chunk padded like a one-row batch (17 rows: 8, 8, then 1).
+    assert torch.equal(proxy.bmm(many, w), as_eight_rows(many, w))
+    # aten picks its kernel by the row count: every call has eight rows (17 rows: 8, 8, then 1 padded to 8).
     rows = torch.randn(4, 17, 32, generator=generator)
-    chunks = [torch.bmm(rows[:, :8], w), torch.bmm(rows[:, 8:16], w), two_row_first(rows[:, 16:], w)]
+    chunks = [torch.bmm(rows[:, :8], w), torch.bmm(rows[:, 8:16], w), as_eight_rows(rows[:, 16:], w)]
     assert torch.equal(proxy.bmm(rows, w), torch.cat(chunks, dim=1))
     assert proxy.cat is torch.cat and proxy.float32 is torch.float32
 

@@ -16,10 +16,9 @@ matches the model. Three causes, each fixed here by one runtime patch of
    AVX-512 Xeon). Fix (consistent mode): vLLM's own CPU GEMM dispatch, keeping the weight
    that MLA splits into W_UK / W_UV, and thereby the plugin's single-row padding.
 3. The absorbed decode multiplies by W_UK and W_UV with ``torch.bmm`` over (heads, tokens):
-   one decoding sequence (B=1) and 16 or more take other kernels than B in 2..15. Fix
-   (consistent mode): the MLA module's ``torch`` is a view of torch whose ``bmm`` runs in
-   chunks of eight rows, a one-row chunk as two rows (the row and a zero row) with the first
-   kept, as :func:`aligned.cpu_gemm.pad_single_row` does for linears. The two calls are
+   aten picks its kernel by B, and kernels round a row differently (hosts: docs/hosts.md). Fix
+   (consistent mode): the MLA module's ``torch`` is a view of torch whose ``bmm`` runs every
+   call as eight rows (the last chunk zero-padded), so a row's bits do not depend on B. The two calls are
    inline in vLLM's 300-line MLA forward, so wrapping that forward would mean copying it.
 
 Beyond the batch: the decode kernel ``_C.mla_decode_kvcache`` gives other bits on one OpenMP

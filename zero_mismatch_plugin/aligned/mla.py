@@ -9,8 +9,8 @@ cache of its sequence (16-token blocks), and the result goes out through ``W_UV`
 does both in one forward: prompt rows through the engine's prefill backend, response rows through
 the decode kernel over a cache it builds from all rows' latents, each decode row attending its
 sequence up to itself. The two ``bmm`` are computed as the plugin's patched engine computes them
-(:func:`~zero_mismatch_plugin.patching.shared.row_invariant_bmm`: chunks of eight rows, a one-row
-chunk as two rows) and ``kv_b_proj`` runs vLLM's CPU GEMM dispatch, as
+(:func:`~zero_mismatch_plugin.patching.shared.row_invariant_bmm`: every call eight rows, the last
+chunk zero-padded) and ``kv_b_proj`` runs vLLM's CPU GEMM dispatch, as
 :mod:`zero_mismatch_plugin.vllm_cpu_mla` makes the engine do.
 
 The backward is that of the equivalent dense attention (the absorbed decode is the same function

@@ -135,10 +135,10 @@ MESSAGES: dict[str, CommitMessage] = {
             "for a row depend on the number of rows in the call. It now goes through "
             "dispatch_cpu_unquantized_gemm and keeps its weight for the W_UK / W_UV split.",
             "The absorbed decode multiplies by W_UK and W_UV with torch.bmm over (heads, "
-            "tokens); with one decoding sequence aten takes a matrix-vector kernel, and from 16 "
-            "on another blocking, whose bits differ from those of 2 to 15 rows. The CPU product "
-            "now runs in chunks of eight rows, a one-row chunk as two rows (the row and a zero "
-            "row) with the first kept.",
+            "tokens); aten picks its kernel by the row count, and its kernels round a row "
+            "differently (1-3 rows on an AVX2 EPYC, 1 and 16+ on an AVX-512 Xeon). Every CPU "
+            "call now has eight rows, the last chunk zero-padded, so a row's bits do not depend "
+            "on how many sequences decode.",
             "_C.mla_decode_kvcache gives other bits depending on the OpenMP thread count; "
             "mla_decode_kvcache_cpu runs it on one thread.",
         ),

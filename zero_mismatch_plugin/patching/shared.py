@@ -100,11 +100,10 @@ def rotary_on_rows(rotate_in_place, positions, query, key):
 def row_invariant_bmm(batch1, batch2, out=None):
     """``torch.bmm`` whose rows do not depend on how many there are, on CPU.
 
-    In MLA's absorbed decode ``batch1`` has one row per decoding sequence of the step. aten's CPU
-    bmm takes a matrix-vector kernel for one row, and another blocking from 16 rows on, and each
-    gives a row other bits than 2 to 15 rows do (measured on an AVX-512 Xeon: up to 3.6e-5 at
-    16 rows). So a CPU product runs in chunks of eight rows, a one-row chunk as
-    two rows (the row and a zero row) with the first kept; other devices call ``torch.bmm``.
+    aten's CPU bmm picks its kernel by the row count, and kernels round a row differently (an
+    AVX2 EPYC: 1-3 rows differ from 4+; an AVX-512 Xeon: 1 row and 16+ rows differ from 2-15).
+    So every CPU call here has the same shape: eight rows, the last chunk zero-padded to eight,
+    which makes a row's bits independent of the other rows; other devices call ``torch.bmm``.
     """
     import torch
 
@@ -115,10 +114,10 @@ def row_invariant_bmm(batch1, batch2, out=None):
         out = batch1.new_empty(batch1.shape[0], batch1.shape[1], batch2.shape[2])
     for start in range(0, batch1.shape[1], rows_per_call):
         chunk = batch1[:, start:start + rows_per_call]
-        if chunk.shape[1] == 1:
-            out[:, start:start + 1] = torch.bmm(torch.cat([chunk, torch.zeros_like(chunk)], dim=1), batch2)[:, :1]
-        else:
-            out[:, start:start + chunk.shape[1]] = torch.bmm(chunk, batch2)
+        rows = chunk.shape[1]
+        if rows < rows_per_call:
+            chunk = torch.cat([chunk, chunk.new_zeros(chunk.shape[0], rows_per_call - rows, chunk.shape[2])], dim=1)
+        out[:, start:start + rows] = torch.bmm(chunk, batch2)[:, :rows]
     return out
 
 

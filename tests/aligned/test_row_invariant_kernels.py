@@ -1,0 +1,101 @@
+"""The row-invariant CPU products under planted kernels whose rounding depends on the call's row count.
+
+Which row counts a host's bmm rounds differently is the host's (an AVX2 EPYC: 1-3 rows; an AVX-512
+Xeon: 1 row and 16 or more), so the logic is tested on a planted ``torch.bmm`` whose row dependence
+is known by construction; what this host's own bmm does is printed, never asserted.
+"""
+
+from unittest import mock
+
+import pytest
+import torch
+
+from zero_mismatch_plugin.patching.shared import row_invariant_bmm, row_invariant_linear
+
+_real_bmm = torch.bmm
+
+# Row counts at which the planted kernel moves every output one ulp: the two patterns measured on hosts.
+AVX2_EPYC_PATTERN = frozenset({1, 2, 3})
+AVX512_XEON_PATTERN = frozenset({1, *range(16, 65)})  # 16+ rows: reached by the 24-row reference
+
+
+def _planted_bmm(variant_rows=frozenset(), variant_positions=frozenset()):
+    """A bmm computing each row alone (so only the plant depends on the call), one ulp up for a call of
+    ``variant_rows`` rows, or for the rows at ``variant_positions`` within the call."""
+
+    def bmm(batch1, batch2, out=None):
+        rows = [(_real_bmm(batch1[:, m:m + 1].repeat(1, 8, 1), batch2)[:, :1]) for m in range(batch1.shape[1])]
+        result = torch.cat(rows, dim=1)
+        nudged = torch.nextafter(result, torch.full_like(result, float("inf")))
+        if batch1.shape[1] in variant_rows:
+            result = nudged
+        for position in variant_positions:
+            if position < result.shape[1]:
+                result[:, position] = nudged[:, position]
+        if out is not None:
+            out.copy_(result)
+            return out
+        return result
+
+    return bmm
+
+
+def _row_dependence(product, heads=2, k=24, n=16, total=24):
+    """(rows, start) pairs at which ``product`` gives rows other bits than in one call of ``total`` rows."""
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(heads, total, k, generator=gen), torch.randn(heads, k, n, generator=gen)
+    reference = product(x, w)
+    return [(rows, start) for rows in range(1, total + 1) for start in range(0, total - rows + 1, 7)
+            if not torch.equal(product(x[:, start:start + rows], w), reference[:, start:start + rows])]
+
+
+@pytest.mark.parametrize("pattern", [AVX2_EPYC_PATTERN, AVX512_XEON_PATTERN], ids=["avx2-epyc", "avx512-xeon"])
+def test_row_invariant_bmm_holds_under_a_row_count_dependent_kernel(pattern):
+    with mock.patch("torch.bmm", _planted_bmm(variant_rows=pattern)):
+        assert _row_dependence(row_invariant_bmm) == []
+        # Negative control: the same check catches the planted kernel itself.
+        assert _row_dependence(torch.bmm)
+
+
+def test_row_invariant_linear_holds_under_a_row_count_dependent_kernel():
+    gen = torch.Generator().manual_seed(1)
+    x, weight = torch.randn(30, 24, generator=gen), torch.randn(16, 24, generator=gen)
+    with mock.patch("torch.bmm", _planted_bmm(variant_rows=AVX2_EPYC_PATTERN | AVX512_XEON_PATTERN)):
+        reference = row_invariant_linear(x, weight)
+        for rows in (1, 2, 3, 7, 8, 9, 17):
+            assert torch.equal(row_invariant_linear(x[:rows], weight), reference[:rows])
+
+
+def test_a_kernel_that_rounds_by_row_position_is_caught():
+    """Fixed-shape calls assume a row's bits do not depend on its place in the call; a kernel that
+    breaks that is detected by the same check (and would fail the bitwise engine tests)."""
+    with mock.patch("torch.bmm", _planted_bmm(variant_positions={3})):
+        assert _row_dependence(row_invariant_bmm)
+
+
+def test_the_previous_chunking_fails_on_the_avx2_pattern():
+    """Chunks of up to eight rows (a one-row chunk run as two), as before: the 1-3 row remainders that
+    an AVX2 EPYC rounds differently break it, which the fixed eight-row shape does not."""
+
+    def variable_chunks(batch1, batch2):
+        out = batch1.new_empty(batch1.shape[0], batch1.shape[1], batch2.shape[2])
+        for start in range(0, batch1.shape[1], 8):
+            chunk = batch1[:, start:start + 8]
+            if chunk.shape[1] == 1:
+                out[:, start:start + 1] = torch.bmm(torch.cat([chunk, torch.zeros_like(chunk)], 1), batch2)[:, :1]
+            else:
+                out[:, start:start + chunk.shape[1]] = torch.bmm(chunk, batch2)
+        return out
+
+    with mock.patch("torch.bmm", _planted_bmm(variant_rows=AVX2_EPYC_PATTERN)):
+        assert _row_dependence(variable_chunks)
+
+
+def test_this_hosts_bmm_row_dependence_is_reported(capsys):
+    """What this host's own bmm does (printed for the host matrix in docs/hosts.md), and that the
+    row-invariant product removes it here."""
+    dependent = sorted({rows for rows, _ in _row_dependence(torch.bmm, heads=1, k=96, n=256, total=40)})
+    with capsys.disabled():
+        print(f"\nthis host's torch.bmm (K=96, N=256, fp32): row counts rounding a row differently from 40 rows: "
+              f"{dependent or 'none'}")
+    assert _row_dependence(row_invariant_bmm, heads=1, k=96, n=256, total=40) == []
