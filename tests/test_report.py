@@ -216,8 +216,9 @@ def test_missing_metrics_are_reported_missing_never_zero(tmp_path, capsys):
     assert rejection_row.split()[-1] == "missing"
 
 
-def test_non_finite_values_are_counted_and_excluded(tmp_path):
-    # Python's json writes NaN/Infinity literals; verl's orjson writes null. Both mean "not finite".
+def test_non_finite_values_are_counted_and_shown(tmp_path):
+    # Python's json writes NaN/Infinity literals; verl's orjson writes null. All three are counted
+    # by kind and left out of the median; an Infinity is the max, never hidden behind a finite one.
     path = tmp_path / "nan.jsonl"
     path.write_text(
         '{"step": 1, "actor/grad_norm": 2.0}\n'
@@ -227,7 +228,9 @@ def test_non_finite_values_are_counted_and_excluded(tmp_path):
         '{"step": 5, "actor/grad_norm": 1.0, "note": "text values are ignored"}\n'
     )
     grad = build_report([read_metric_log(path)])["runs"]["nan"]["grad_norm"]
-    assert (grad["max"], grad["max_step"], grad["updates"], grad["non_finite"]) == (2.0, 1, 2, 3)
+    assert (grad["max"], grad["max_step"], grad["updates"], grad["non_finite"]) == (math.inf, 3, 2, 3)
+    assert grad["median"] == 1.5 and grad["non_finite_counts"] == {"null": 1, "NaN": 1, "inf": 1}
+    assert any("NaN at step 2" in note and "inf at step 3" in note for note in grad["notes"])
 
 
 def test_a_quantity_logged_only_as_non_finite_is_not_a_number(tmp_path):
@@ -269,6 +272,31 @@ def test_empty_file_and_ambiguous_directory_are_errors(tmp_path):
     (tmp_path / "other.jsonl").write_text('{"step": 1}\n')
     with pytest.raises(MetricLogError, match="exactly one"):
         read_metric_log(tmp_path)
+
+
+def test_a_file_holding_two_runs_is_read_per_run_and_said_so(tmp_path):
+    path = _write_plain_jsonl(tmp_path / "both.jsonl",
+                              [{"step": s, "actor/grad_norm": 1.0} for s in (1, 2, 3)]
+                              + [{"step": s, "actor/grad_norm": 2.0} for s in (2, 3)])
+    with pytest.raises(MetricLogError, match=rf"{path}:4: step 2 follows step 3 \(line 3\)"):
+        read_metric_log(path)
+    first, second = load_runs([f"run={path}"])
+    assert (first.label, first.lines, first.steps) == ("run[1]", (1, 3), [1, 2, 3])
+    assert (second.label, second.lines, second.steps) == ("run[2]", (4, 5), [2, 3])
+    report = build_report([first, second])
+    assert report["runs"]["run[2]"]["segment"] == {"index": 2, "of": 2}
+    text = format_report(report)
+    assert text.splitlines()[2].startswith("WARNING: ") and "lines 4-5: run 2 of 2" in text
+
+
+def test_an_overlong_line_is_refused_before_parsing(tmp_path, monkeypatch):
+    from zero_mismatch_plugin.report import logs
+
+    monkeypatch.setattr(logs, "MAX_LINE_BYTES", 64)
+    path = tmp_path / "long.jsonl"
+    path.write_text('{"step": 1}\n{"step": 2, "a": "' + "x" * 100 + '"}\n')
+    with pytest.raises(MetricLogError, match=rf"{path}:2: not a metric log: a line longer than"):
+        read_metric_log(path)
 
 
 # ---------------------------------------------------------------- verl's own file logger

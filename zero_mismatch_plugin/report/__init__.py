@@ -11,21 +11,22 @@ from __future__ import annotations
 from typing import Sequence
 
 from zero_mismatch_plugin.report.figures import DEFAULT_WINDOW, build_report
-from zero_mismatch_plugin.report.logs import MetricLogError, RunLog, parse_run_argument, read_metric_log
+from zero_mismatch_plugin.report.logs import MetricLogError, RunLog, parse_run_argument, read_run_segments
 
 __all__ = ["DEFAULT_WINDOW", "MetricLogError", "RunLog", "build_report", "load_runs"]
 
 
 def load_runs(arguments: Sequence[str]) -> list[RunLog]:
-    """Read every ``PATH`` or ``LABEL=PATH``; labels are made unique so columns stay distinct."""
+    """Read every ``PATH`` or ``LABEL=PATH``, one run per segment of a file holding several;
+    labels are made unique so columns stay distinct."""
     runs: list[RunLog] = []
     seen: dict[str, int] = {}
     for argument in arguments:
         label, path = parse_run_argument(argument)
-        run = read_metric_log(path, label)
-        count = seen.get(run.label, 0)
-        seen[run.label] = count + 1
-        if count:
-            run.label = f"{run.label}#{count + 1}"
-        runs.append(run)
+        for run in read_run_segments(path, label):
+            count = seen.get(run.label, 0)
+            seen[run.label] = count + 1
+            if count:
+                run.label = f"{run.label}#{count + 1}"
+            runs.append(run)
     return runs

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from zero_mismatch_plugin.report import build_report, load_runs, stats
+from zero_mismatch_plugin.report import MetricLogError, build_report, load_runs, stats
 from zero_mismatch_plugin.report.figures import MetricSource, select_series
 from zero_mismatch_plugin.report.render import format_report
 
@@ -249,6 +249,10 @@ def write_comparison(logs: Mapping[int, Mapping[str, Path]], variants: Sequence,
     plot_files: dict[str, str] = {}
     for seed in seeds:
         runs = load_runs([f"{v.name}={logs[seed][v.name]}" for v in variants])
+        if [run.label for run in runs] != [v.name for v in variants]:
+            # A log holding several runs is read as several columns; a variant is one run.
+            raise MetricLogError("; ".join(w for run in runs for w in run.warnings) or "a variant's log holds "
+                                 "more than one run")
         report = build_report(runs, window=window)
         seed_dir = out_dir / f"seed-{seed}"
         seed_dir.mkdir(parents=True, exist_ok=True)

@@ -9,7 +9,8 @@ logged are listed, never mixed in.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from zero_mismatch_plugin.report import stats
@@ -19,6 +20,7 @@ DEFAULT_WINDOW = 1000
 OK = "ok"
 MISSING = "missing"
 NO_FINITE_VALUES = "no finite values"
+NOT_A_NUMBER = "not a number"
 
 
 @dataclass(frozen=True)
@@ -83,37 +85,110 @@ SOURCES_BY_QUANTITY = {
 }
 
 
+NON_FINITE_KINDS = ("null", "NaN", "inf", "-inf")
+STEPS_NAMED = 5  # steps listed per kind of non-finite value in a note
+
+
 @dataclass
 class Series:
-    """The finite values of one source, in step order, and how many logged values were not finite."""
+    """The finite values of one source, in step order, and the steps of the values that were not.
+
+    ``non_finite_steps`` maps ``null`` / ``NaN`` / ``inf`` / ``-inf`` to the steps that logged
+    one (after ``1 - value`` for a complement source); ``problems`` are notes on values of the
+    candidate keys that are not numbers or were logged twice at one step.
+    """
 
     source: MetricSource
     steps: list[int]
     values: list[float]
     non_finite: int
     also_present: list[str]
+    non_finite_steps: dict[str, list[int]] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)
+
+    def highest(self) -> tuple[float, int] | None:
+        """(largest value, its first step), +inf where one was logged; None without any."""
+        if self.non_finite_steps.get("inf"):
+            return math.inf, self.non_finite_steps["inf"][0]
+        if not self.values:
+            return None
+        index = max(range(len(self.values)), key=self.values.__getitem__)
+        return self.values[index], self.steps[index]
+
+    def lowest(self) -> tuple[float, int] | None:
+        """(smallest value, its first step), -inf where one was logged; None without any."""
+        if self.non_finite_steps.get("-inf"):
+            return -math.inf, self.non_finite_steps["-inf"][0]
+        if not self.values:
+            return None
+        index = min(range(len(self.values)), key=self.values.__getitem__)
+        return self.values[index], self.steps[index]
+
+    def non_finite_counts(self) -> dict[str, int]:
+        return {kind: len(self.non_finite_steps[kind]) for kind in NON_FINITE_KINDS if self.non_finite_steps.get(kind)}
+
+    def non_finite_note(self) -> list[str]:
+        if not self.non_finite:
+            return []
+        parts = []
+        for kind in NON_FINITE_KINDS:
+            steps = self.non_finite_steps.get(kind, [])
+            if steps:
+                named = ", ".join(str(step) for step in steps[:STEPS_NAMED])
+                more = f" and {len(steps) - STEPS_NAMED} more" if len(steps) > STEPS_NAMED else ""
+                parts.append(f"{kind} at step{'s' if len(steps) > 1 else ''} {named}{more}")
+        return [f"{self.non_finite} update(s) logged a non-finite value ({'; '.join(parts)}): counted, "
+                "left out of medians and means; an infinite value is the max/min where one occurs"]
+
+
+def _value_problems(run: RunLog, key: str) -> list[str]:
+    notes = []
+    if key in run.not_numbers:
+        found = run.not_numbers[key]
+        notes.append(f"{key} is present but not a number on {found.count} line(s), left out: {found.describe()}")
+    if key in run.conflicts:
+        found = run.conflicts[key]
+        notes.append(f"{key} is logged twice at one step with different values on {found.count} line(s), the "
+                     f"later value used: {found.describe()}")
+    return notes
 
 
 def select_series(run: RunLog, sources: Sequence[MetricSource]) -> Series | None:
-    """The first source the run logged, or None when it logged none of them."""
+    """The first source the run logged as a number (or null), or None when it logged none of them."""
     logged = [source for source in sources if run.has(source.key)]
     if not logged:
         return None
     chosen = logged[0]
     steps: list[int] = []
     values: list[float] = []
-    non_finite = 0
+    non_finite_steps: dict[str, list[int]] = {}
     for step, value in run.series(chosen.key):
-        if value is None:
-            non_finite += 1
+        if value is not None:
+            value = chosen.read(value)
+        if value is None or not math.isfinite(value):
+            kind = "null" if value is None else "NaN" if math.isnan(value) else "inf" if value > 0 else "-inf"
+            non_finite_steps.setdefault(kind, []).append(step)
         else:
             steps.append(step)
-            values.append(chosen.read(value))
-    return Series(chosen, steps, values, non_finite, [s.describe() for s in logged[1:]])
+            values.append(value)
+    problems = _value_problems(run, chosen.key)
+    for source in sources:
+        if source is not chosen and source.key in run.not_numbers:
+            problems += _value_problems(run, source.key)[:1]
+    return Series(chosen, steps, values, sum(map(len, non_finite_steps.values())),
+                  [s.describe() for s in logged[1:]], non_finite_steps, problems)
 
 
-def _missing(sources: Sequence[MetricSource], **figures: None) -> dict:
-    return {"status": MISSING, "looked_for": [s.describe() for s in sources], **figures, "notes": []}
+def _not_numbers(run: RunLog, sources: Sequence[MetricSource]) -> list[str]:
+    """Notes on candidate keys the run logged, but never as a number."""
+    return [note for source in sources if source.key in run.not_numbers
+            for note in _value_problems(run, source.key)[:1]]
+
+
+def _missing(run: RunLog, sources: Sequence[MetricSource], **figures: None) -> dict:
+    not_numbers = _not_numbers(run, sources)
+    status = NOT_A_NUMBER if not_numbers else MISSING
+    return {"status": status, "looked_for": [s.describe() for s in sources], **figures, "notes": not_numbers}
 
 
 def _header(series: Series) -> dict:
@@ -124,7 +199,12 @@ def _header(series: Series) -> dict:
         "also_present": series.also_present,
         "updates": len(series.values),
         "non_finite": series.non_finite,
+        "non_finite_counts": series.non_finite_counts(),
     }
+
+
+def _notes(series: Series, *more: str) -> list[str]:
+    return [*series.non_finite_note(), *series.problems, *more]
 
 
 def _windowed(
@@ -150,39 +230,34 @@ def _windowed(
 
 
 def _read(run: RunLog, sources: Sequence[MetricSource], **empty: None) -> tuple[Series | None, dict]:
-    """(series, figures) of the first of ``sources`` the run logged. Without a source or a finite
-    value the series is None and the figures are final (``empty``'s keys set to None); otherwise
-    they are the header for the caller to complete."""
+    """(series, figures) of the first of ``sources`` the run logged: the header, ``empty``'s keys
+    set to None and the notes, for the caller to complete. Without a source the series is None
+    and the figures are final."""
     series = select_series(run, sources)
     if series is None:
-        return None, _missing(sources, **empty)
-    if not series.values:
-        return None, {**_header(series), **empty, "notes": []}
-    return series, _header(series)
+        return None, _missing(run, sources, **empty)
+    return series, {**_header(series), **empty, "notes": _notes(series)}
 
 
 def d3_figures(run: RunLog) -> dict:
     series, result = _read(run, D3_SOURCES, median=None, peak=None, peak_step=None, peak_to_median=None)
     if series is None:
         return result
-    peak_index = max(range(len(series.values)), key=series.values.__getitem__)
-    median = stats.median(series.values)
-    ratio = stats.peak_to_median(series.values)
-    notes = [] if ratio is not None else [f"peak/median undefined: the median D3 is {median!r}"]
-    return {
-        **result,
-        "median": median,
-        "peak": series.values[peak_index],
-        "peak_step": series.steps[peak_index],
-        "peak_to_median": ratio,
-        "notes": notes,
-    }
+    high = series.highest()
+    if high is not None:
+        result["peak"], result["peak_step"] = high
+    if series.values:
+        median = result["median"] = stats.median(series.values)
+        result["peak_to_median"] = stats.safe_ratio(result["peak"], median)
+        if result["peak_to_median"] is None:
+            result["notes"].append(f"peak/median undefined: the median D3 is {median!r}")
+    return result
 
 
 def kl_figures(run: RunLog, window: int) -> dict:
     series, result = _read(run, KL_SOURCES, window=None, first_window_median=None, last_window_median=None,
                            last_over_first=None, median=None)
-    if series is None:
+    if series is None or not series.values:
         return result
     windows = _windowed(series, window, stats.median, "_median")
     ratio = stats.safe_ratio(windows["last_window_median"], windows["first_window_median"])
@@ -191,28 +266,22 @@ def kl_figures(run: RunLog, window: int) -> dict:
             "last/first undefined: the window medians are "
             f"{windows['first_window_median']!r} and {windows['last_window_median']!r} (k1 KL can be <= 0)"
         )
-    return {**result, **windows, "last_over_first": ratio, "median": stats.median(series.values)}
+    return {**result, **windows, "notes": result["notes"] + windows["notes"], "last_over_first": ratio,
+            "median": stats.median(series.values)}
 
 
 def grad_norm_figures(run: RunLog) -> dict:
-    series = select_series(run, GRAD_NORM_SOURCES)
-    empty = dict(max=None, max_step=None, median=None)
+    series, result = _read(run, GRAD_NORM_SOURCES, max=None, max_step=None, median=None)
     if series is None:
-        return _missing(GRAD_NORM_SOURCES, **empty)
-    result = _header(series)
-    notes = []
+        return result
     if series.non_finite:
-        notes.append(f"{series.non_finite} update(s) logged a non-finite norm (verl skips those optimizer steps)")
-    if not series.values:
-        return {**result, **empty, "notes": notes}
-    peak_index = max(range(len(series.values)), key=series.values.__getitem__)
-    return {
-        **result,
-        "max": series.values[peak_index],
-        "max_step": series.steps[peak_index],
-        "median": stats.median(series.values),
-        "notes": notes,
-    }
+        result["notes"].append("a non-finite grad norm makes verl skip that optimizer step")
+    high = series.highest()
+    if high is not None:
+        result["max"], result["max_step"] = high
+    if series.values:
+        result["median"] = stats.median(series.values)
+    return result
 
 
 def rejection_figures(run: RunLog, window: int) -> dict:
@@ -220,26 +289,29 @@ def rejection_figures(run: RunLog, window: int) -> dict:
                            max=None)
     if series is None:
         return result
-    return {
-        **result,
-        **_windowed(series, window, stats.mean, ""),
-        "mean": stats.mean(series.values),
-        "max": max(series.values),
-    }
+    high = series.highest()
+    result["max"] = None if high is None else high[0]
+    if not series.values:
+        return result
+    windows = _windowed(series, window, stats.mean, "")
+    return {**result, **windows, "notes": result["notes"] + windows["notes"], "mean": stats.mean(series.values)}
 
 
 def bitwise_equal_figures(run: RunLog) -> dict:
     series, result = _read(run, BITWISE_EQUAL_SOURCES, min=None, min_step=None, updates_fully_equal=None)
     if series is None:
         return result
-    low_index = min(range(len(series.values)), key=series.values.__getitem__)
-    return {
-        **result,
-        "min": series.values[low_index],
-        "min_step": series.steps[low_index],
-        "updates_fully_equal": sum(1 for value in series.values if value == 1.0),
-        "notes": [],
-    }
+    low = series.lowest()
+    if low is not None:
+        result["min"], result["min_step"] = low
+    if series.values:
+        result["updates_fully_equal"] = sum(1 for value in series.values if value == 1.0)
+    return result
+
+
+def _highest_value(series: Series | None) -> float | None:
+    high = None if series is None else series.highest()
+    return None if high is None else high[0]
 
 
 def lag_figures(run: RunLog) -> dict:
@@ -250,8 +322,8 @@ def lag_figures(run: RunLog) -> dict:
     result: dict = {
         "mean_per_update": None,
         "max_per_update": None,
-        "worst_case_max": None,
-        "spans_max": None,
+        "worst_case_max": _highest_value(worst_series),
+        "spans_max": _highest_value(spans_series),
     }
     found = {
         name: series
@@ -264,40 +336,41 @@ def lag_figures(run: RunLog) -> dict:
         if series is not None
     }
     if not found:
-        return {**_missing(SOURCES_BY_QUANTITY["lag"]), **result}
+        return {**_missing(run, SOURCES_BY_QUANTITY["lag"]), **result}
     if mean_series is not None and mean_series.values:
         values = mean_series.values
         result["mean_per_update"] = {
             "median": stats.median(values),
             "p90": stats.quantile(values, 0.9),
-            "max": max(values),
+            "max": _highest_value(mean_series),
         }
     if max_series is not None and max_series.values:
         # Lags are whole versions, so the per-update maxima form a small histogram.
         result["max_per_update"] = {
-            "max": max(max_series.values),
+            "max": _highest_value(max_series),
             "median": stats.median(max_series.values),
             "counts": stats.integer_counts(max_series.values),
         }
-    if worst_series is not None and worst_series.values:
-        result["worst_case_max"] = max(worst_series.values)
-    if spans_series is not None and spans_series.values:
-        result["spans_max"] = max(spans_series.values)
     any_values = any(series.values for series in found.values())
+    notes = []
+    for name, series in found.items():
+        notes += [f"{name}: {note}" for note in _notes(series)]
     return {
         "status": OK if any_values else NO_FINITE_VALUES,
         "source": {name: series.source.describe() for name, series in found.items()},
         "updates": max(len(series.values) for series in found.values()),
+        "non_finite": max(series.non_finite for series in found.values()),
         **result,
-        "notes": [],
+        "notes": notes,
     }
 
 
 def reward_figures(run: RunLog, window: int) -> dict:
     series, result = _read(run, REWARD_SOURCES, window=None, first_window=None, last_window=None)
-    if series is None:
+    if series is None or not series.values:
         return result
-    return {**result, **_windowed(series, window, stats.mean, "")}
+    windows = _windowed(series, window, stats.mean, "")
+    return {**result, **windows, "notes": result["notes"] + windows["notes"]}
 
 
 def run_figures(run: RunLog, window: int = DEFAULT_WINDOW) -> dict:
@@ -305,6 +378,8 @@ def run_figures(run: RunLog, window: int = DEFAULT_WINDOW) -> dict:
     steps = run.steps
     return {
         "path": str(run.path),
+        "lines": list(run.lines) if run.lines else None,
+        "segment": None if run.segment is None else {"index": run.segment[0], "of": run.segment[1]},
         "format": sorted(run.formats),
         "steps_logged": len(steps),
         "first_step": steps[0],
@@ -323,4 +398,8 @@ def build_report(runs: Sequence[RunLog], window: int = DEFAULT_WINDOW) -> dict:
     """The whole report: the requested window and one entry per run, keyed by its label."""
     if window < 1:
         raise ValueError(f"window must be at least 1, got {window}")
-    return {"window_requested": window, "runs": {run.label: run_figures(run, window) for run in runs}}
+    return {
+        "window_requested": window,
+        "warnings": [warning for run in runs for warning in run.warnings],
+        "runs": {run.label: run_figures(run, window) for run in runs},
+    }

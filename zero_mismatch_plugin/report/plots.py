@@ -79,12 +79,20 @@ def draw_quantity(runs: Sequence[RunLog], spec: PlotSpec):
         color = colors[index % len(colors)]
         if series is None or not series.values:
             # Keep the run in the legend so its absence reads as "not logged", not as a hidden curve.
-            reason = "not logged" if series is None else "no finite values"
+            if series is not None:
+                reason = "no finite values"
+            elif any(source.key in run.not_numbers for source in spec.sources):
+                reason = "logged, but not as a number"
+            else:
+                reason = "not logged"
             axes.plot([], [], color=color, linestyle=":", label=f"{run.label}: {reason}")
             continue
         logged += 1
         steps, values = series.steps, series.values
         label = f"{run.label}  [{series.source.describe()}]"
+        if series.non_finite:
+            kinds = ", ".join(f"{n} {kind}" for kind, n in series.non_finite_counts().items())
+            label += f" ({kinds} not drawn)"
         if spec.log_scale:
             kept = [(s, v) for s, v in zip(steps, values) if v > 0]
             if not kept:

@@ -2,24 +2,35 @@
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
-from zero_mismatch_plugin.report.figures import MISSING, OK
+from zero_mismatch_plugin.report.figures import MISSING, NOT_A_NUMBER, OK
 
 
 MAX_LAG_ENTRIES = 8
 
 
-def _number(value: float) -> str:
-    return f"{value:.4g}"
+def _finite_or(fmt: Callable[[float], str]) -> Callable[[float], str]:
+    """``fmt`` for a finite value; ``inf``, ``-inf`` or ``nan`` as such, never as a number."""
+    def format_value(value: float) -> str:
+        return fmt(value) if math.isfinite(value) else str(value)
+
+    return format_value
 
 
-def _times(value: float) -> str:
-    return f"{value:.2f}x"
+_number = _finite_or(lambda value: f"{value:.4g}")
+_times = _finite_or(lambda value: f"{value:.2f}x")
+_percent = _finite_or(lambda value: f"{100 * value:.2f}%")
 
 
-def _percent(value: float) -> str:
-    return f"{100 * value:.2f}%"
+def _non_finite(figures: dict) -> str | None:
+    """``0``, or the count and its kinds: ``3 (2 NaN, 1 inf)``."""
+    count = figures.get("non_finite")
+    if count is None:
+        return None
+    kinds = figures.get("non_finite_counts") or {}
+    return str(count) + (" (" + ", ".join(f"{n} {kind}" for kind, n in kinds.items()) + ")" if kinds else "")
 
 
 def _at_step(value_key: str, step_key: str, fmt: Callable[[float], str] = _number) -> Callable[[dict], str | None]:
@@ -74,6 +85,7 @@ ROWS: list[tuple[str, str, Callable[[dict], str | None]]] = [
     ("D3 median", "d3", _plain("median")),
     ("D3 peak @step", "d3", _at_step("peak", "peak_step")),
     ("D3 peak / median", "d3", _plain("peak_to_median", _times)),
+    ("D3 non-finite updates", "d3", _non_finite),
     ("KL median, first window", "kl", _plain("first_window_median")),
     ("KL median, last window", "kl", _plain("last_window_median")),
     ("KL last / first", "kl", _plain("last_over_first", _times)),
@@ -81,7 +93,7 @@ ROWS: list[tuple[str, str, Callable[[dict], str | None]]] = [
     ("KL window: last", "kl", _window_steps("last")),
     ("grad norm max @step", "grad_norm", _at_step("max", "max_step")),
     ("grad norm median", "grad_norm", _plain("median")),
-    ("grad norm non-finite updates", "grad_norm", _plain("non_finite", str)),
+    ("grad norm non-finite updates", "grad_norm", _non_finite),
     ("rejected seqs, first window", "rejection", _plain("first_window", _percent)),
     ("rejected seqs, last window", "rejection", _plain("last_window", _percent)),
     ("rejection window", "rejection", _plain("window", str)),
@@ -109,17 +121,20 @@ QUANTITY_TITLES = {
 
 
 def _cell(figures: dict, format_cell: Callable[[dict], str | None]) -> str:
-    if figures["status"] == MISSING:
-        return "missing"
-    if figures["status"] != OK:
+    if figures["status"] in (MISSING, NOT_A_NUMBER):
         return figures["status"]
     text = format_cell(figures)
+    if figures["status"] != OK:
+        # No finite value: a figure that still exists (an infinite peak, the non-finite count) is shown.
+        return figures["status"] if text is None else text
     return "undefined" if text is None else text
 
 
 def _source_text(figures: dict) -> str:
     if figures["status"] == MISSING:
         return "missing (looked for: " + ", ".join(figures["looked_for"]) + ")"
+    if figures["status"] == NOT_A_NUMBER:
+        return "present but not a number (looked for: " + ", ".join(figures["looked_for"]) + ")"
     source = figures["source"]
     if isinstance(source, dict):
         text = ", ".join(f"{name} <- {key}" for name, key in source.items())
@@ -139,11 +154,17 @@ def format_report(report: dict) -> str:
         table.append([title, *(_cell(runs[label][quantity], format_cell) for label in labels)])
     widths = [max(len(row[column]) for row in table) for column in range(len(header))]
     lines = [f"Run diagnostics (window: {report['window_requested']} updates requested)", ""]
+    for warning in report.get("warnings", []):
+        lines += [f"WARNING: {warning}", ""]
     for row in table:
         lines.append("  ".join(text.ljust(width) for text, width in zip(row, widths)).rstrip())
     lines += ["", "Keys each figure was read from:"]
     for label in labels:
-        lines.append(f"  {label} ({runs[label]['path']})")
+        where = runs[label]["path"]
+        if runs[label].get("segment"):
+            where += ", lines {}-{}: run {index} of {of} in that file".format(*runs[label]["lines"],
+                                                                               **runs[label]["segment"])
+        lines.append(f"  {label} ({where})")
         for quantity, title in QUANTITY_TITLES.items():
             figures = runs[label][quantity]
             lines.append(f"    {title:<14} {_source_text(figures)}")
