@@ -495,5 +495,21 @@ TOKEN_METRICS = [
 ]
 
 
+def _global_batch_info_error(loss_mode: str, says: str, **info):
+    return error(f"{loss_mode}-{'-'.join(f'{k}-{v}' for k, v in info.items())}", _changed(
+        loss_mode, lambda _: None, config=_global_batch_info(loss_mode, **info)), says, InvalidBatchError)
+
+
+SETTINGS += [
+    # an infinite count gives loss 0, a fractional one rescales every gradient
+    _global_batch_info_error(loss_mode, "global_batch_size .* is not a count of at least the 5 responses",
+                             dp_size=1, global_batch_size=size)
+    for loss_mode in LOSS_MODES for size in (math.inf, 7.5)
+] + [
+    _global_batch_info_error(loss_mode, "dp_size .* must be a number >= 1 .*finite whole number",
+                             dp_size=dp_size, global_batch_size=8)
+    for loss_mode in LOSS_MODES for dp_size in (1.5, math.inf)
+]
+
 CASES = [*PADDING, *LOW_PRECISION, *MIXED, *EMPTY, *POSITIVE, *AT_TOLERANCE, *NON_FINITE, *HUGE_FINITE,
          *OVERFLOW, *MASKS, *SHAPES, *DTYPES, *SETTINGS, *FORMULAS, *TOKEN_METRICS]
