@@ -283,6 +283,15 @@ SETTINGS += [
                           ("object", SimpleNamespace(rollout_correction=SimpleNamespace(bypass_mode=True))))
 ]
 
+SETTINGS += [
+    # bool("false") is True: a string or a number would switch bypass on without a word
+    error(f"{name}-bypass_mode-{label}", lambda name=name, value=value: _with_config(
+        name, {"rollout_correction": {"bypass_mode": value}}),
+        r"algorithm.rollout_correction.bypass_mode must be true or false \(a boolean\)", InvalidBatchError)
+    for name in NAMES for label, value in (("text-false", "false"), ("text-true", "true"), ("1", 1))
+]
+
+
 # The framework-free formulas the estimators are built from (zero_mismatch_plugin/formulas.py):
 # tensors of one shape, never broadcast; group ids an index >= 0.
 _REWARDS, _VALID = torch.tensor([1.0, 0.0, 3.0]), torch.tensor([True, True, True])
