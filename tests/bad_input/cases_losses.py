@@ -431,14 +431,14 @@ FORMULAS += [
         ("reinforce_zero_token_loss-1-D", lambda: formulas.reinforce_zero_token_loss(_PI[0], _MU[0], torch.ones(4)),
          r"reinforce_zero_token_loss: log_prob must be 2-D \(batch, response length\)"),
         ("flash_reinforce_token_loss-one-gate", lambda: formulas.flash_reinforce_token_loss(
-            _PI, _MU, _ADV, torch.tensor([True])), rf"admitted has shape \(1,\), but log_prob's rows has \(3,\)"),
+            _PI, _MU, _ADV, torch.tensor([True])), r"admitted has shape \(1,\), but log_prob's rows has \(3,\)"),
         ("flash_reinforce_token_loss-float-gate", lambda: formulas.flash_reinforce_token_loss(
             _PI, _MU, _ADV, torch.ones(3)), r"admitted must be a bool tensor"),
         ("flash_reinforce_token_loss-mu-per-column", lambda: formulas.flash_reinforce_token_loss(
             _PI, _MU[0], _ADV, torch.ones(3, dtype=torch.bool)),
          r"flash_reinforce_token_loss: behaviour_log_prob has shape \(4,\)"),
         ("token_log_importance_ratio-mu-per-column", lambda: formulas.token_log_importance_ratio(_PI, _MU[0]),
-         rf"token_log_importance_ratio: behaviour_log_prob has shape \(4,\), but log_prob has \(3, 4\)"),
+         r"token_log_importance_ratio: behaviour_log_prob has shape \(4,\), but log_prob has \(3, 4\)"),
         ("bernoulli_kl-one-log_p", lambda: formulas.bernoulli_kl(_MU, torch.tensor([-1.0])),
          rf"bernoulli_kl: log_p has shape \(1,\), but log_q has \(3, 4\).*{BROADCAST}"),
         ("sequence_trust_region-mask-per-row", lambda: formulas.sequence_trust_region(
@@ -466,10 +466,9 @@ FORMULAS += [
         formulas.unclipped_importance_ratio(torch.tensor([[100.0, 0.0]], dtype=dtype), value)),
         rf"max_log_ratio must be a number > 0 and <= {bound}, so that e\^cap fits torch.{str(dtype)[6:]}",
         ValueError)
-    for label, value, dtype, bound in (("nan", math.nan, torch.float32, "88.72"), ("inf", math.inf, torch.float32,
-                                                                                   "88.72"),
-                                       ("0", 0.0, torch.float32, "88.72"), ("50-for-float16", 50.0, torch.float16,
-                                                                            "11.09"))
+    for label, value, dtype, bound in (
+        ("nan", math.nan, torch.float32, "88.72"), ("inf", math.inf, torch.float32, "88.72"),
+        ("0", 0.0, torch.float32, "88.72"), ("50-for-float16", 50.0, torch.float16, "11.09"))
 ] + [
     error("formulas-log_ratio_cap-of-int64", lambda: formulas.log_ratio_cap(torch.int64),
           "gradient_dtype must be a floating-point torch.dtype", ValueError),
