@@ -193,3 +193,45 @@ def test_effective_sample_size_of_capped_ratios_stays_finite():
     # e^50 squared overflows fp32; ESS is scale-free, so it is computed on w / max(w).
     ratio = torch.tensor([1.0, math.exp(50.0)], dtype=torch.float32)
     assert formulas.effective_sample_size_fraction(ratio, torch.ones(2)).item() == pytest.approx(0.5)
+
+
+# ----- shapes and scalar arguments: refused when wrong, accepted at the edges of their range ----
+
+def test_scalar_arguments_at_the_edges_of_their_range_are_accepted():
+    import numpy as np
+
+    token_kl = torch.tensor([[0.0, 0.0], [0.5, 0.1]])
+    mask = torch.ones(2, 2, dtype=torch.bool)
+    assert formulas.sequence_trust_region(token_kl, mask, 0.0)[0].tolist() == [True, False]  # only exact rows
+    assert formulas.sequence_trust_region(token_kl, mask, math.inf)[0].tolist() == [True, True]
+    assert formulas.sequence_trust_region(token_kl, mask, 1)[0].tolist() == [True, True]
+    values = torch.tensor([[1.0, 3.0], [4.0, 4.0]])
+    expected = formulas.sequence_mean_token_mean(values, mask, num_sequences=4)
+    for count in (4.0, np.int64(4)):
+        assert torch.equal(formulas.sequence_mean_token_mean(values, mask, num_sequences=count), expected)
+    largest_float32_cap = math.floor(math.log(torch.finfo(torch.float32).max))  # 88
+    ratio, capped = formulas.unclipped_importance_ratio(torch.tensor([100.0]), largest_float32_cap)
+    assert torch.isfinite(ratio).all() and capped.all()
+
+
+def test_per_row_and_per_token_advantages_give_the_same_loss():
+    log_pi, log_mu = torch.tensor([[-1.0, -2.0], [-0.5, -0.1]]), torch.tensor([[-1.5, -2.0], [-0.4, -0.3]])
+    per_row = torch.tensor([2.0, -1.0])
+    admitted = torch.tensor([True, False])
+    assert torch.equal(formulas.reinforce_zero_token_loss(log_pi, log_mu, per_row)[0],
+                       formulas.reinforce_zero_token_loss(log_pi, log_mu, per_row[:, None].expand(2, 2))[0])
+    assert torch.equal(formulas.flash_reinforce_token_loss(log_pi, log_mu, per_row, admitted)[0],
+                       formulas.flash_reinforce_token_loss(log_pi, log_mu, per_row[:, None].expand(2, 2), admitted)[0])
+
+
+def test_shape_and_scalar_checks_read_no_tensor_data():
+    # Meta tensors have a shape and a dtype but no data: a check that read a value (a pass over
+    # the tensor, a host synchronisation) would fail here.
+    log_pi, log_mu, mask = (torch.empty(4, 6, device="meta") for _ in range(3))
+    advantages = torch.empty(4, device="meta")
+    token_loss, _ = formulas.reinforce_zero_token_loss(log_pi, log_mu, advantages)
+    formulas.sequence_mean_token_mean(token_loss, mask, num_sequences=8)
+    admitted, _ = formulas.sequence_trust_region(formulas.sampled_action_bernoulli_kl(log_pi, log_mu), mask, 0.01)
+    formulas.flash_reinforce_token_loss(log_pi, log_mu, advantages, admitted)
+    with pytest.raises(ValueError, match=r"mask has shape \(4, 1\), but values has \(4, 6\)"):
+        formulas.sequence_mean_token_mean(token_loss, mask[:, :1])

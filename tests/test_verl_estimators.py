@@ -181,3 +181,15 @@ def test_masks_other_than_0_1_and_non_tensors_are_refused(name):
 def test_empty_batches_give_empty_or_zero_advantages(name, shape):
     advantages = _advantages(name, torch.zeros(shape), torch.zeros(shape), index=["p"] * shape[0])
     assert advantages.shape == shape and not advantages.any()
+
+
+@pytest.mark.parametrize("name", sorted(ESTIMATORS))
+def test_bypass_mode_must_be_a_boolean(name):
+    rewards, mask = _tensors()
+    index = ["p"] * rewards.shape[0]
+    expected = ESTIMATORS[name](rewards, mask, config=BYPASS, index=index)[0]
+    numpy_true = {"rollout_correction": {"bypass_mode": np.bool_(True)}}
+    assert torch.equal(ESTIMATORS[name](rewards, mask, config=numpy_true, index=index)[0], expected)
+    for value in ("false", 1):  # bool("false") is True
+        with pytest.raises(estimators.InvalidBatchError, match="bypass_mode must be true or false"):
+            ESTIMATORS[name](rewards, mask, config={"rollout_correction": {"bypass_mode": value}}, index=index)

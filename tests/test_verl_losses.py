@@ -308,3 +308,25 @@ def test_a_0_1_mask_of_any_dtype_trains_like_the_bool_mask(loss_mode):
     for dtype in (torch.float32, torch.int64, torch.uint8):
         got = loss_call(loss_mode, pi, mu, advantages, mask.to(dtype))
         assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1]) and got[2] == expected[2]
+
+
+@pytest.mark.parametrize("loss_mode", ["reinforce_zero", "flash_reinforce"])
+def test_global_batch_info_must_hold_finite_whole_counts(loss_mode):
+    pi, mu, _, advantages, mask = padded_loss_batch()
+
+    def call(**info):
+        fields = {"trust_region_delta": 1e9} if loss_mode == "flash_reinforce" else {}
+        config = actor_config(loss_mode, **fields)
+        config.global_batch_info.update(info)
+        return loss_call(loss_mode, pi, mu, advantages, mask, config=config)
+
+    whole = call(dp_size=2, global_batch_size=8)
+    as_floats = call(dp_size=2.0, global_batch_size=8.0)
+    assert torch.equal(whole[0], as_floats[0]) and torch.equal(whole[1], as_floats[1])
+    # an infinite count would give loss 0, a fractional one rescale every gradient
+    for size in (math.inf, 7.5):
+        with pytest.raises(InvalidBatchError, match="global_batch_size .* is not a count"):
+            call(dp_size=1, global_batch_size=size)
+    for dp_size in (1.5, math.inf):
+        with pytest.raises(InvalidBatchError, match="dp_size .* must be a number >= 1"):
+            call(dp_size=dp_size, global_batch_size=8)

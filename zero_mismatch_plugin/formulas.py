@@ -21,11 +21,19 @@ result or a gradient.
 Precision: the IS ratio and the Bernoulli KL are computed in float32 or wider whatever the
 input dtype (16-bit log-probabilities are upcast), and their gradients reach a 16-bit
 ``log_prob`` in its own dtype.
+
+Bad input: tensors that belong together must have exactly one shape; torch would broadcast
+a ``(B, 1)`` mask over ``(B, T)`` values, or a ``(T,)`` logprob against ``(B, T)``, into a
+wrong number without a word. Scalar arguments (thresholds, caps, counts) must be real
+numbers in their range. Both raise ``ValueError`` naming the argument (:func:`check_shapes`,
+:func:`check_real`); the checks read metadata and Python values only, never tensor data.
 """
 
 from __future__ import annotations
 
 import math
+import numbers
+from typing import Any
 
 import torch
 
@@ -38,6 +46,54 @@ MAX_LOG_IMPORTANCE_RATIO = 50.0
 # An fp32 log-probability that rounds to 0 means p = 1 to within 2^-24; probabilities are
 # capped at 1 - 2^-24 so a confidently predicted token gives a finite Bernoulli KL, not inf.
 MIN_BERNOULLI_COMPLEMENT = 2.0**-24
+
+
+_LAYOUTS = {1: "(batch,)", 2: "(batch, response length)"}
+
+
+def check_shapes(function: str, dims: int | None, *, shape: tuple[int, ...] | None = None, of: str = "",
+                 **tensors: Any) -> tuple[int, ...]:
+    """Refuse ``tensors`` unless every one is a ``torch.Tensor`` of one shape: ``shape`` when
+    given (``of`` says whose), else the first tensor's; ``dims``, when given, is the number of
+    dimensions that shape must have (1: ``(batch,)``, 2: ``(batch, response length)``).
+    Raises ``ValueError`` naming ``function`` and the argument; returns the shape. Metadata
+    only: no pass over the data, no host synchronisation."""
+    for name, value in tensors.items():
+        if not isinstance(value, torch.Tensor):
+            raise ValueError(f"{function}: {name} must be a torch.Tensor, got {type(value).__name__}.")
+    first_name, first = next(iter(tensors.items()))
+    expected = tuple(first.shape) if shape is None else tuple(shape)
+    reference = of or first_name
+    layout = _LAYOUTS.get(dims, "")
+    if dims is not None and len(expected) != dims:
+        raise ValueError(f"{function}: {reference} must be {dims}-D {layout}, got shape {expected}.")
+    for name, value in tensors.items():
+        if tuple(value.shape) != expected:
+            raise ValueError(
+                f"{function}: {name} has shape {tuple(value.shape)}, but {reference} has {expected}: pass "
+                f"{name} with exactly that shape{' ' + layout if layout else ''}. Broadcasting is refused: it "
+                "would change the result without an error.")
+    return expected
+
+
+def check_real(function: str, name: str, value: Any, what: str, *, minimum: float | None = None,
+               strict: bool = False, maximum: float | None = None, finite: bool = True,
+               integral: bool = False) -> float:
+    """Refuse a scalar argument unless it is a real Python (or NumPy) number, not a bool, not
+    NaN, finite unless ``finite`` is False, whole when ``integral``, and within
+    ``[minimum, maximum]`` (``minimum`` excluded when ``strict``). Raises ``ValueError``
+    "``function``: ``name`` must be ``what``, got ..."; returns the value as a float."""
+    number = math.nan
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        try:
+            number = float(value)
+        except OverflowError:  # an int beyond the float range
+            number = math.copysign(math.inf, value)
+    below = minimum is not None and (number <= minimum if strict else number < minimum)
+    if (math.isnan(number) or (finite and math.isinf(number)) or (integral and not number.is_integer())
+            or below or (maximum is not None and number > maximum)):
+        raise ValueError(f"{function}: {name} must be {what}, got {type(value).__name__} {value!r}.")
+    return number
 
 
 def compute_dtype(*dtypes: torch.dtype) -> torch.dtype:
@@ -56,18 +112,24 @@ def log_ratio_cap(gradient_dtype: torch.dtype) -> float:
     gradient -A rho / (T_i B) that reaches an fp16 ``log_prob`` stays finite for
     |A| <= T_i B.
     """
+    if not (isinstance(gradient_dtype, torch.dtype) and gradient_dtype.is_floating_point):
+        raise ValueError(f"log_ratio_cap: gradient_dtype must be a floating-point torch.dtype (the dtype of "
+                         f"log_prob), got {gradient_dtype!r}.")
     return min(MAX_LOG_IMPORTANCE_RATIO, float(math.floor(math.log(torch.finfo(gradient_dtype).max))))
 
 
 def masked(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """``values`` where ``mask`` holds, 0 elsewhere: selection, so NaN/inf padding never
-    reaches a sum (0 * NaN would be NaN) and its gradient is exactly 0."""
+    reaches a sum (0 * NaN would be NaN) and its gradient is exactly 0. ``mask`` has the shape
+    of ``values``."""
+    check_shapes("masked", None, values=values, mask=mask)
     return torch.where(mask.bool(), values, 0.0)
 
 
 def valid_rows(response_mask: torch.Tensor) -> torch.Tensor:
     """Rows with at least one response token. verl pads batches with all-zero-mask rows,
     which must never enter a baseline. Returns bool ``(B,)``."""
+    check_shapes("valid_rows", 2, response_mask=response_mask)
     return response_mask.sum(dim=-1) > 0
 
 
@@ -78,7 +140,9 @@ def outcome_reward(token_level_rewards: torch.Tensor, response_mask: torch.Tenso
     mask recovers it (and is the natural reading of a per-token reward). [RZ] sec. 4,
     [FR] eq. 1 use this scalar R_i. Masked positions are never read. The sum runs in the
     dtype of ``token_level_rewards``: pass float64 when rewards may approach the float32 range.
+    Both tensors are ``(B, T)``.
     """
+    check_shapes("outcome_reward", 2, token_level_rewards=token_level_rewards, response_mask=response_mask)
     return masked(token_level_rewards, response_mask).sum(dim=-1)
 
 
@@ -98,13 +162,24 @@ def group_centered_advantage(
 
     Args:
         rewards: ``(B,)`` outcome rewards.
-        group_ids: ``(B,)`` int64 group index (e.g. the prompt uid mapped to 0..G-1).
+        group_ids: ``(B,)`` integer group index >= 0 (e.g. the prompt uid mapped to 0..G-1).
         valid: ``(B,)`` bool, rows that carry a response.
     Returns:
         ``(advantages (B,), singleton (B,) bool)``.
     """
+    check_shapes("group_centered_advantage", 1, rewards=rewards, group_ids=group_ids, valid=valid)
+    if group_ids.is_floating_point() or group_ids.is_complex() or group_ids.dtype == torch.bool:
+        raise ValueError(f"group_centered_advantage: group_ids must be an integer tensor (int64 group index "
+                         f"0..G-1), got {group_ids.dtype}.")
+    if valid.dtype != torch.bool:
+        raise ValueError(f"group_centered_advantage: valid must be a bool tensor, got {valid.dtype}: pass "
+                         "valid_rows(mask) or (mask.sum(-1) > 0).")
     rewards_valid = torch.where(valid, rewards, torch.zeros_like(rewards))
-    num_groups = int(group_ids.max().item()) + 1 if group_ids.numel() else 0
+    # one pass and one host sync, as the max alone took before
+    lowest, highest = torch.stack(torch.aminmax(group_ids)).tolist() if group_ids.numel() else (0, -1)
+    if lowest < 0:
+        raise ValueError(f"group_centered_advantage: group_ids must be >= 0 (an index 0..G-1), got {lowest}.")
+    num_groups = int(highest) + 1
     group_sum = torch.zeros(num_groups, dtype=rewards.dtype, device=rewards.device)
     group_count = torch.zeros(num_groups, dtype=rewards.dtype, device=rewards.device)
     group_sum.index_add_(0, group_ids, rewards_valid)
@@ -122,8 +197,13 @@ def batch_centered_advantage(rewards: torch.Tensor, valid: torch.Tensor) -> torc
         R_bar = (1/B) sum_j R_j,   A_i = R_i - R_bar
 
     where the mean runs over the B valid rows of the batch (independent prompts, one
-    rollout each). Invalid rows (padding) get A = 0 and do not enter the mean.
+    rollout each). Invalid rows (padding) get A = 0 and do not enter the mean. ``rewards``
+    and ``valid`` (bool) are ``(B,)``.
     """
+    check_shapes("batch_centered_advantage", 1, rewards=rewards, valid=valid)
+    if valid.dtype != torch.bool:
+        raise ValueError(f"batch_centered_advantage: valid must be a bool tensor, got {valid.dtype}: pass "
+                         "valid_rows(mask) or (mask.sum(-1) > 0).")
     num_valid = valid.sum().clamp(min=1).to(rewards.dtype)
     batch_mean = torch.where(valid, rewards, torch.zeros_like(rewards)).sum() / num_valid
     return torch.where(valid, rewards - batch_mean, torch.zeros_like(rewards))
@@ -132,7 +212,8 @@ def batch_centered_advantage(rewards: torch.Tensor, valid: torch.Tensor) -> torc
 def token_log_importance_ratio(log_prob: torch.Tensor, behaviour_log_prob: torch.Tensor) -> torch.Tensor:
     """log rho_{i,t} = log pi_theta(a_{i,t}|h_{i,t}) - log mu_i(a_{i,t}|h_{i,t})   ([FR] eq. 2).
 
-    Computed in :func:`compute_dtype` (float32 for 16-bit inputs)."""
+    Computed in :func:`compute_dtype` (float32 for 16-bit inputs); both inputs have one shape."""
+    check_shapes("token_log_importance_ratio", None, log_prob=log_prob, behaviour_log_prob=behaviour_log_prob)
     dtype = compute_dtype(log_prob.dtype, behaviour_log_prob.dtype)
     return log_prob.to(dtype) - behaviour_log_prob.to(dtype)
 
@@ -145,8 +226,17 @@ def unclipped_importance_ratio(log_ratio: torch.Tensor, max_log_ratio: float = M
     (default ``MAX_LOG_IMPORTANCE_RATIO``, ratio 5e21; see :func:`log_ratio_cap`), far
     outside any real ratio, so that exp() never overflows into an inf ratio and a NaN
     gradient. A capped token counts e^cap in the loss and gets no gradient. Returns
-    ``(rho, capped)`` where ``capped`` marks the tokens the cap touched.
+    ``(rho, capped)`` where ``capped`` marks the tokens the cap touched. ``max_log_ratio`` must
+    be > 0 and small enough that e^cap fits the dtype of ``log_ratio`` (88.7 for float32).
     """
+    check_shapes("unclipped_importance_ratio", None, log_ratio=log_ratio)
+    if not log_ratio.is_floating_point():
+        raise ValueError(f"unclipped_importance_ratio: log_ratio must be a floating-point tensor, got "
+                         f"{log_ratio.dtype}.")
+    largest = math.log(torch.finfo(log_ratio.dtype).max)
+    check_real("unclipped_importance_ratio", "max_log_ratio", max_log_ratio,
+               f"a number > 0 and <= {largest:.4g}, so that e^cap fits {log_ratio.dtype} (use "
+               "log_ratio_cap(log_prob.dtype))", minimum=0.0, strict=True, maximum=largest)
     capped = log_ratio > max_log_ratio
     return torch.exp(log_ratio.clamp(max=max_log_ratio)), capped
 
@@ -162,10 +252,14 @@ def sequence_mean_token_mean(
     rows; pass the global count under data parallelism. Rows with T_i = 0 add 0 but still
     count in B (FlashREINFORCE's rejected rows must not rescale the admitted ones). With no
     row (B = 0) or no token at all the result is 0, still connected to ``values``' graph
-    (its gradient is 0).
+    (its gradient is 0). ``values`` and ``mask`` are ``(B, T)``; ``num_sequences`` is a whole
+    number > 0 (not a bool).
     """
-    if num_sequences is not None and not num_sequences > 0:
-        raise ValueError(f"num_sequences must be a positive count of responses, got {num_sequences!r}")
+    check_shapes("sequence_mean_token_mean", 2, values=values, mask=mask)
+    if num_sequences is not None:
+        check_real("sequence_mean_token_mean", "num_sequences", num_sequences,
+                   "a positive count of responses (a whole number B > 0), or None for the number of rows",
+                   minimum=0, strict=True, integral=True)
     tokens_per_row = mask.to(values.dtype).sum(dim=-1)
     row_means = masked(values, mask).sum(dim=-1) / tokens_per_row.clamp(min=1)
     denominator = max(values.shape[0], 1) if num_sequences is None else num_sequences
@@ -184,8 +278,29 @@ def reinforce_zero_token_loss(log_prob: torch.Tensor, behaviour_log_prob: torch.
     The term is computed in :func:`compute_dtype` (float32 for 16-bit inputs), with the
     log-ratio capped at ``log_ratio_cap(log_prob.dtype)``; the gradient reaches ``log_prob``
     in its own dtype. Padding is the caller's: pass finite values at masked positions
-    (:func:`masked`). Returns ``(loss_per_token, capped)``.
+    (:func:`masked`). ``log_prob`` and ``behaviour_log_prob`` are ``(B, T)``. Returns
+    ``(loss_per_token, capped)``.
     """
+    _check_token_loss_inputs("reinforce_zero_token_loss", log_prob, behaviour_log_prob, advantages)
+    return _token_loss(log_prob, behaviour_log_prob, advantages)
+
+
+def _check_token_loss_inputs(function: str, log_prob: torch.Tensor, behaviour_log_prob: torch.Tensor,
+                             advantages: torch.Tensor) -> None:
+    """Logprobs ``(B, T)`` of one shape, advantages ``(B,)`` or ``(B, T)``: never a length-1
+    or ``(T,)`` tensor broadcast over the batch."""
+    shape = check_shapes(function, 2, log_prob=log_prob, behaviour_log_prob=behaviour_log_prob)
+    check_shapes(function, None, advantages=advantages)
+    if tuple(advantages.shape) not in (shape, shape[:1]):
+        raise ValueError(
+            f"{function}: advantages has shape {tuple(advantages.shape)}, but log_prob has {shape}: pass one "
+            f"advantage per row {shape[:1]} or per token {shape}. Broadcasting is refused: it would change the "
+            "result without an error.")
+
+
+def _token_loss(log_prob: torch.Tensor, behaviour_log_prob: torch.Tensor, advantages: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """-A_i rho_it for checked inputs (see :func:`reinforce_zero_token_loss`)."""
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(-1)
     log_ratio = token_log_importance_ratio(log_prob, behaviour_log_prob)
@@ -210,8 +325,9 @@ def bernoulli_kl(log_q: torch.Tensor, log_p: torch.Tensor) -> torch.Tensor:
     log-probability near 0), so a token that one side predicts with probability 1.0
     gives a large but finite value; capping both sides keeps the result a true KL (>= 0).
     Result has :func:`compute_dtype` of the inputs (float32 for 16-bit inputs, whose range
-    would turn large KLs into inf).
+    would turn large KLs into inf). Both inputs have one shape.
     """
+    check_shapes("bernoulli_kl", None, log_q=log_q, log_p=log_p)
     out_dtype = compute_dtype(log_q.dtype, log_p.dtype)
     max_log_prob = math.log1p(-MIN_BERNOULLI_COMPLEMENT)
     log_q = log_q.double().clamp(max=max_log_prob)
@@ -249,9 +365,13 @@ def sequence_trust_region(token_kl: torch.Tensor, mask: torch.Tensor, delta: flo
         D_bar_i = (1/T_i) sum_t D_{i,t},     m_i = 1[D_bar_i <= delta]
 
     Admission is a hard decision: no gradient flows through it. Rows with T_i = 0 have
-    D_bar_i = 0. Masked positions of ``token_kl`` are never read. Returns
-    ``(admitted (B,) bool, mean_kl (B,))``.
+    D_bar_i = 0. Masked positions of ``token_kl`` are never read. ``token_kl`` and ``mask`` are
+    ``(B, T)``; ``delta`` is a number >= 0 (inf admits every row; NaN, which would reject every
+    row, is refused). Returns ``(admitted (B,) bool, mean_kl (B,))``.
     """
+    check_shapes("sequence_trust_region", 2, token_kl=token_kl, mask=mask)
+    check_real("sequence_trust_region", "delta", delta,
+               "a number >= 0 (the largest mean KL admitted; inf admits every row)", minimum=0.0, finite=False)
     with torch.no_grad():
         tokens_per_row = mask.to(token_kl.dtype).sum(-1)
         mean_kl = masked(token_kl.detach(), mask).sum(-1) / tokens_per_row.clamp(min=1)
@@ -267,9 +387,16 @@ def flash_reinforce_token_loss(log_prob: torch.Tensor, behaviour_log_prob: torch
 
     Returns the per-token term ``-m_i A_i rho_it`` (exactly 0, with a zero gradient, on
     rejected rows); aggregate with :func:`sequence_mean_token_mean` using the full B so
-    rejection never rescales admitted rows. Returns ``(loss_per_token, capped)``.
+    rejection never rescales admitted rows. Shapes as in :func:`reinforce_zero_token_loss`;
+    ``admitted`` is bool ``(B,)``. Returns ``(loss_per_token, capped)``.
     """
-    loss, capped = reinforce_zero_token_loss(log_prob, behaviour_log_prob, advantages)
+    _check_token_loss_inputs("flash_reinforce_token_loss", log_prob, behaviour_log_prob, advantages)
+    check_shapes("flash_reinforce_token_loss", 1, shape=log_prob.shape[:1], of="log_prob's rows",
+                 admitted=admitted)
+    if admitted.dtype != torch.bool:
+        raise ValueError(f"flash_reinforce_token_loss: admitted must be a bool tensor (the trust-region gate of "
+                         f"sequence_trust_region), got {admitted.dtype}.")
+    loss, capped = _token_loss(log_prob, behaviour_log_prob, advantages)
     # where(), not multiplication: the rejected branch may hold a huge ratio.
     return torch.where(admitted.unsqueeze(-1), loss, torch.zeros_like(loss)), capped
 
@@ -284,7 +411,8 @@ def effective_sample_size_fraction(ratio: torch.Tensor, mask: torch.Tensor) -> t
     """Normalised effective sample size of the token IS weights:
     ESS/N = (sum w)^2 / (N sum w^2), in (0, 1]; 1 when every w is equal. Masked positions
     are never read. The weights are divided by their largest first (ESS does not change):
-    a capped ratio e^50 squared would overflow fp32."""
+    a capped ratio e^50 squared would overflow fp32. ``ratio`` and ``mask`` have one shape."""
+    check_shapes("effective_sample_size_fraction", None, ratio=ratio, mask=mask)
     w = masked(ratio, mask)
     w = w / w.max().clamp(min=torch.finfo(ratio.dtype).tiny) if w.numel() else w
     n = mask.to(ratio.dtype).sum().clamp(min=1)

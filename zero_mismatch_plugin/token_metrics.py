@@ -3,7 +3,9 @@
 Names follow verl's ``rollout_corr/*`` metrics wherever the meaning is identical, so a
 run that uses this plugin and one that uses verl's own rollout correction can be read
 with the same dashboards (see docs/algorithms.md, "Metrics"). Masked (padding) positions
-are never read, whatever they hold.
+are never read, whatever they hold. The two logprobs and the mask must have one shape: a
+``(B,)`` mask would otherwise select whole rows, a ``(T,)`` logprob broadcast over the batch
+(``ValueError`` naming the input).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import torch
 
 from zero_mismatch_plugin.formulas import (
     MAX_LOG_IMPORTANCE_RATIO,
+    check_shapes,
     compute_dtype,
     effective_sample_size_fraction,
     k3_divergence,
@@ -63,6 +66,8 @@ def log_prob_gap_metrics(log_prob: torch.Tensor, reference_log_prob: torch.Tenso
 
     Returns an empty dict when the mask selects no token.
     """
+    check_shapes("log_prob_gap_metrics", None, log_prob=log_prob, reference_log_prob=reference_log_prob,
+                 response_mask=response_mask)
     mask = response_mask.bool()
     if not bool(mask.any()):
         return {}
@@ -82,6 +87,8 @@ def importance_sampling_metrics(log_prob: torch.Tensor, behaviour_log_prob: torc
     the loss's: ``log_ratio_cap(log_prob.dtype)``. Returns an empty dict when the mask
     selects no token.
     """
+    check_shapes("importance_sampling_metrics", None, log_prob=log_prob, behaviour_log_prob=behaviour_log_prob,
+                 response_mask=response_mask)
     mask = response_mask.bool()
     if not bool(mask.any()):
         return {}

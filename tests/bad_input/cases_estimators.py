@@ -16,6 +16,7 @@ from omegaconf import OmegaConf
 
 from bad_input import error, result
 
+from zero_mismatch_plugin import formulas
 from zero_mismatch_plugin.verl_adapter import estimators
 from zero_mismatch_plugin.verl_adapter.estimators import InvalidBatchError
 
@@ -282,4 +283,45 @@ SETTINGS += [
                           ("object", SimpleNamespace(rollout_correction=SimpleNamespace(bypass_mode=True))))
 ]
 
-CASES = [*PADDING, *HUGE_REWARDS, *NON_FINITE, *UID_CASES, *SHAPES, *MASKS, *DTYPES, *EMPTY, *SETTINGS]
+SETTINGS += [
+    # bool("false") is True: a string or a number would switch bypass on without a word
+    error(f"{name}-bypass_mode-{label}", lambda name=name, value=value: _with_config(
+        name, {"rollout_correction": {"bypass_mode": value}}),
+        r"algorithm.rollout_correction.bypass_mode must be true or false \(a boolean\)", InvalidBatchError)
+    for name in NAMES for label, value in (("text-false", "false"), ("text-true", "true"), ("1", 1))
+]
+
+
+# The framework-free formulas the estimators are built from (zero_mismatch_plugin/formulas.py):
+# tensors of one shape, never broadcast; group ids an index >= 0.
+_REWARDS, _VALID = torch.tensor([1.0, 0.0, 3.0]), torch.tensor([True, True, True])
+BROADCAST = "Broadcasting is refused"
+FORMULAS = [
+    error(f"formulas-{label}", run, says, ValueError)
+    for label, run, says in (
+        ("outcome_reward-mask-per-row", lambda: formulas.outcome_reward(torch.ones(3, 4), torch.ones(3, 1)),
+         rf"outcome_reward: response_mask has shape \(3, 1\), but token_level_rewards has \(3, 4\).*{BROADCAST}"),
+        ("outcome_reward-1-D", lambda: formulas.outcome_reward(torch.ones(4), torch.ones(4)),
+         r"outcome_reward: token_level_rewards must be 2-D \(batch, response length\), got shape \(4,\)"),
+        ("valid_rows-1-D", lambda: formulas.valid_rows(torch.ones(4)),
+         r"valid_rows: response_mask must be 2-D \(batch, response length\)"),
+        # one True would take the sum of every reward for the mean
+        ("batch_centered_advantage-one-valid", lambda: formulas.batch_centered_advantage(
+            _REWARDS, torch.tensor([True])), rf"valid has shape \(1,\), but rewards has \(3,\).*{BROADCAST}"),
+        ("batch_centered_advantage-float-valid", lambda: formulas.batch_centered_advantage(
+            _REWARDS, torch.ones(3)), r"batch_centered_advantage: valid must be a bool tensor"),
+        ("group_centered_advantage-one-valid", lambda: formulas.group_centered_advantage(
+            _REWARDS, torch.tensor([0, 0, 1]), torch.tensor([True])),
+         r"group_centered_advantage: valid has shape \(1,\), but rewards has \(3,\)"),
+        ("group_centered_advantage-group_ids-per-column", lambda: formulas.group_centered_advantage(
+            _REWARDS, torch.tensor([[0, 0, 1]]), _VALID), r"group_ids has shape \(1, 3\), but rewards has \(3,\)"),
+        ("group_centered_advantage-negative-group-id", lambda: formulas.group_centered_advantage(
+            _REWARDS, torch.tensor([0, -1, 1]), _VALID), r"group_ids must be >= 0 \(an index 0..G-1\), got -1"),
+        ("group_centered_advantage-float-group-ids", lambda: formulas.group_centered_advantage(
+            _REWARDS, torch.tensor([0.0, 0.0, 1.0]), _VALID), r"group_ids must be an integer tensor"),
+        ("group_centered_advantage-float-valid", lambda: formulas.group_centered_advantage(
+            _REWARDS, torch.tensor([0, 0, 1]), torch.ones(3)), r"group_centered_advantage: valid must be a bool"),
+    )
+]
+
+CASES = [*PADDING, *HUGE_REWARDS, *NON_FINITE, *UID_CASES, *SHAPES, *MASKS, *DTYPES, *EMPTY, *SETTINGS, *FORMULAS]

@@ -18,7 +18,7 @@ from bad_input import error, result
 from verl_batches import (actor_config, extreme_log_ratio_batch, fill_padding, loss_call, padded_loss_batch,
                           reference_reinforce)
 
-from zero_mismatch_plugin import formulas
+from zero_mismatch_plugin import formulas, token_metrics
 from zero_mismatch_plugin.verl_adapter.estimators import InvalidBatchError
 from zero_mismatch_plugin.verl_adapter.losses import positive_log_prob_tolerance
 
@@ -409,5 +409,106 @@ def _is_zero(value):
     assert value.item() == 0.0, value
 
 
+# Shapes that torch would broadcast into a wrong number: every formula takes tensors of one shape.
+_PI, _MU, _ADV = torch.full((3, 4), -1.0), torch.full((3, 4), -1.5), torch.tensor([1.0, -2.0, 0.5])
+BROADCAST = "Broadcasting is refused"
+FORMULAS += [
+    error(f"formulas-{label}", run, says, ValueError)
+    for label, run, says in (
+        # (2, 3) values over a (2, 1) mask: 10.5, where a full mask gives 3.5
+        ("sequence_mean_token_mean-mask-2x1-over-2x3", lambda: formulas.sequence_mean_token_mean(
+            torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]]), torch.ones(2, 1)),
+         rf"sequence_mean_token_mean: mask has shape \(2, 1\), but values has \(2, 3\).*{BROADCAST}"),
+        ("sequence_mean_token_mean-1-D", lambda: formulas.sequence_mean_token_mean(torch.ones(3), torch.ones(3)),
+         r"sequence_mean_token_mean: values must be 2-D \(batch, response length\), got shape \(3,\)"),
+        ("reinforce_zero_token_loss-mu-per-column", lambda: formulas.reinforce_zero_token_loss(
+            _PI, _MU[0], _ADV), rf"behaviour_log_prob has shape \(4,\), but log_prob has \(3, 4\).*{BROADCAST}"),
+        ("reinforce_zero_token_loss-one-advantage", lambda: formulas.reinforce_zero_token_loss(
+            _PI, _MU, _ADV[:1]), r"advantages has shape \(1,\), but log_prob has \(3, 4\): pass one advantage "
+         r"per row \(3,\) or per token \(3, 4\)"),
+        ("reinforce_zero_token_loss-advantages-per-column", lambda: formulas.reinforce_zero_token_loss(
+            _PI, _MU, torch.ones(4)), r"advantages has shape \(4,\), but log_prob has \(3, 4\)"),
+        ("reinforce_zero_token_loss-1-D", lambda: formulas.reinforce_zero_token_loss(_PI[0], _MU[0], torch.ones(4)),
+         r"reinforce_zero_token_loss: log_prob must be 2-D \(batch, response length\)"),
+        ("flash_reinforce_token_loss-one-gate", lambda: formulas.flash_reinforce_token_loss(
+            _PI, _MU, _ADV, torch.tensor([True])), r"admitted has shape \(1,\), but log_prob's rows has \(3,\)"),
+        ("flash_reinforce_token_loss-float-gate", lambda: formulas.flash_reinforce_token_loss(
+            _PI, _MU, _ADV, torch.ones(3)), r"admitted must be a bool tensor"),
+        ("flash_reinforce_token_loss-mu-per-column", lambda: formulas.flash_reinforce_token_loss(
+            _PI, _MU[0], _ADV, torch.ones(3, dtype=torch.bool)),
+         r"flash_reinforce_token_loss: behaviour_log_prob has shape \(4,\)"),
+        ("token_log_importance_ratio-mu-per-column", lambda: formulas.token_log_importance_ratio(_PI, _MU[0]),
+         r"token_log_importance_ratio: behaviour_log_prob has shape \(4,\), but log_prob has \(3, 4\)"),
+        ("bernoulli_kl-one-log_p", lambda: formulas.bernoulli_kl(_MU, torch.tensor([-1.0])),
+         rf"bernoulli_kl: log_p has shape \(1,\), but log_q has \(3, 4\).*{BROADCAST}"),
+        ("sequence_trust_region-mask-per-row", lambda: formulas.sequence_trust_region(
+            torch.zeros(3, 4), torch.ones(3, 1), 0.01), r"sequence_trust_region: mask has shape \(3, 1\)"),
+        ("masked-mask-per-row", lambda: formulas.masked(_PI, torch.ones(3, 1, dtype=torch.bool)),
+         r"masked: mask has shape \(3, 1\), but values has \(3, 4\)"),
+        ("effective_sample_size_fraction-mask-per-row", lambda: formulas.effective_sample_size_fraction(
+            torch.tensor([[1.0, 3.0], [1.0, 1.0]]), torch.ones(2, 1)),
+         r"effective_sample_size_fraction: mask has shape \(2, 1\)"),
+    )
+]
+
+# Scalar arguments: real numbers in their range, never a bool, NaN or a string.
+FORMULAS += [
+    error(f"formulas-sequence_mean_token_mean-num_sequences-{label}", lambda value=value: (
+        formulas.sequence_mean_token_mean(torch.ones(2, 3), torch.ones(2, 3), num_sequences=value)),
+        "num_sequences must be a positive count of responses", ValueError)
+    for label, value in (("True", True), ("inf", math.inf), ("2.5", 2.5), ("text-4", "4"))
+] + [
+    error(f"formulas-sequence_trust_region-delta-{label}", lambda value=value: formulas.sequence_trust_region(
+        torch.zeros(2, 3), torch.ones(2, 3), value), r"delta must be a number >= 0", ValueError)
+    for label, value in (("nan", math.nan), ("-0.01", -0.01), ("True", True), ("text-0.01", "0.01"))
+] + [
+    error(f"formulas-unclipped_importance_ratio-max_log_ratio-{label}", lambda value=value, dtype=dtype: (
+        formulas.unclipped_importance_ratio(torch.tensor([[100.0, 0.0]], dtype=dtype), value)),
+        rf"max_log_ratio must be a number > 0 and <= {bound}, so that e\^cap fits torch.{str(dtype)[6:]}",
+        ValueError)
+    for label, value, dtype, bound in (
+        ("nan", math.nan, torch.float32, "88.72"), ("inf", math.inf, torch.float32, "88.72"),
+        ("0", 0.0, torch.float32, "88.72"), ("50-for-float16", 50.0, torch.float16, "11.09"))
+] + [
+    error("formulas-log_ratio_cap-of-int64", lambda: formulas.log_ratio_cap(torch.int64),
+          "gradient_dtype must be a floating-point torch.dtype", ValueError),
+]
+
+
+# The token metrics the losses report: the two logprobs and the mask have one shape.
+def _metrics_call(name: str, log_prob, reference, mask):
+    return lambda: getattr(token_metrics, name)(log_prob, reference, mask)
+
+
+_SQUARE = torch.tensor([[-1.0, -2.0, -0.5], [-0.1, -3.0, -1.0], [-2.0, -0.2, -0.7]])
+TOKEN_METRICS = [
+    error(f"token_metrics-{name}-{label}", _metrics_call(name, _SQUARE, reference, mask),
+          rf"{name}: {says}.*{BROADCAST}", ValueError)
+    for name in ("importance_sampling_metrics", "log_prob_gap_metrics")
+    for label, reference, mask, says in (
+        # a (B,) mask would select whole rows of a (B, T) tensor
+        ("mask-per-row", _SQUARE - 0.5, torch.tensor([True, True, False]), r"response_mask has shape \(3,\)"),
+        ("reference-per-column", (_SQUARE - 0.5)[0], torch.ones(3, 3, dtype=torch.bool),
+         r"(reference|behaviour)_log_prob has shape \(3,\), but log_prob has \(3, 3\)"),
+    )
+]
+
+
+def _global_batch_info_error(loss_mode: str, says: str, **info):
+    return error(f"{loss_mode}-{'-'.join(f'{k}-{v}' for k, v in info.items())}", _changed(
+        loss_mode, lambda _: None, config=_global_batch_info(loss_mode, **info)), says, InvalidBatchError)
+
+
+SETTINGS += [
+    # an infinite count gives loss 0, a fractional one rescales every gradient
+    _global_batch_info_error(loss_mode, "global_batch_size .* is not a count of at least the 5 responses",
+                             dp_size=1, global_batch_size=size)
+    for loss_mode in LOSS_MODES for size in (math.inf, 7.5)
+] + [
+    _global_batch_info_error(loss_mode, "dp_size .* must be a number >= 1 .*finite whole number",
+                             dp_size=dp_size, global_batch_size=8)
+    for loss_mode in LOSS_MODES for dp_size in (1.5, math.inf)
+]
+
 CASES = [*PADDING, *LOW_PRECISION, *MIXED, *EMPTY, *POSITIVE, *AT_TOLERANCE, *NON_FINITE, *HUGE_FINITE,
-         *OVERFLOW, *MASKS, *SHAPES, *DTYPES, *SETTINGS, *FORMULAS]
+         *OVERFLOW, *MASKS, *SHAPES, *DTYPES, *SETTINGS, *FORMULAS, *TOKEN_METRICS]

@@ -36,7 +36,12 @@ def _require_bypass_mode(config: Any, algorithm: str) -> None:
     ``rollout_log_probs`` input from a verl whose ppo_loss passes it (verl patch 0003)."""
     if config is None:  # called outside a trainer (tests, notebooks)
         return
-    bypass = bool(_setting(_setting(config, "rollout_correction"), "bypass_mode"))
+    bypass = _setting(_setting(config, "rollout_correction"), "bypass_mode")
+    if not isinstance(bypass, bool | np.bool_ | None):
+        # bool("false") is True: a string (or a number) would switch bypass on without a word
+        raise InvalidBatchError(
+            f"{algorithm}: algorithm.rollout_correction.bypass_mode must be true or false (a boolean), got "
+            f"{type(bypass).__name__} {bypass!r}.")
     if not bypass and not verl_passes_rollout_log_probs():
         raise InvalidBatchError(
             f"{algorithm} trains on the rollout's recorded logprobs (mu): set "

@@ -189,21 +189,30 @@ def _aggregate(loss_mat: torch.Tensor, batch: _Batch, loss_agg_mode: str, config
 
 def _global_batch_info(config: Any, algorithm: str, responses: int) -> dict[str, Any]:
     """verl's global batch info (set by its ppo_loss), checked: the mini-batch that
-    ``global_batch_size`` counts holds at least this micro-batch's responses, else every
-    gradient would be scaled up without a word."""
+    ``global_batch_size`` counts holds at least this micro-batch's responses, and both it and
+    ``dp_size`` are finite whole numbers, else every gradient would be scaled (to 0 by an
+    infinite count, by 1.5 by a dp_size of 1.5) without a word."""
     info = dict(getattr(config, "global_batch_info", None) or {}) if config is not None else {}
     size, dp_size = info.get("global_batch_size"), info.get("dp_size", 1)
-    if size is not None and not (_is_number(size) and size >= responses):  # NaN fails too
+    if size is not None and not (_is_count(size) and size >= responses):  # NaN fails too
         raise InvalidBatchError(
             f"{algorithm}: global_batch_size {size!r} is not a count of at least the {responses} responses of "
             "this micro-batch: it must count every response of the mini-batch across all data-parallel ranks.")
-    if not (_is_number(dp_size) and dp_size >= 1):
-        raise InvalidBatchError(f"{algorithm}: dp_size {dp_size!r} in verl's global batch info must be a number >= 1.")
+    if not (_is_count(dp_size) and dp_size >= 1):
+        raise InvalidBatchError(f"{algorithm}: dp_size {dp_size!r} in verl's global batch info must be a number >= 1 "
+                                "(the count of data-parallel ranks, a finite whole number).")
     return info
 
 
 def _is_number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _is_count(value: Any) -> bool:
+    """A finite whole number (int, or a float such as 8.0), not a bool."""
+    if isinstance(value, bool):
+        return False
+    return isinstance(value, int) or (isinstance(value, float) and value.is_integer())
 
 
 def _common_metrics(batch: _Batch) -> dict[str, float]:
