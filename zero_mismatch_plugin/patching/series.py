@@ -375,8 +375,13 @@ def write_changes(root: Path, work: Path, changes: list[Change]) -> None:
 def recover_interrupted(root: Path) -> list[str]:
     """Undo what an apply that was killed had written (from its journal and backups); the files put back."""
     work = root / WORK_DIR
-    if work.is_symlink() or (work.exists() and not work.is_dir()):
-        raise PatchError(f"{work} is not a folder this tool made: move it away, then run again")
+    if work.is_symlink():
+        raise PatchError(f"{work} is a symbolic link to {os.readlink(work)}; apply keeps its staged files, backups "
+                         "and journal in that folder of the checkout and writes only inside the checkout: remove "
+                         "the link, then run again")
+    if work.exists() and not work.is_dir():
+        raise PatchError(f"{work} is a file; apply keeps its journal in a folder of that name: move the file away, "
+                         "then run again")
     if not work.exists():
         return []
     journal = _journal_path(work)
@@ -535,7 +540,7 @@ def apply_to(root: Path, upstream: str | None = None, assume_version: str | None
             raise ApplyInterrupted(f"interrupted before any file of {root} was written; nothing was changed") from stop
         except OSError as error:
             remove_work_dir(work)
-            raise PatchError(f"could not stage the patches in {work} ({error}); nothing in the checkout was "
+            raise PatchError(f"could not prepare the apply in {work} ({error}); nothing in the checkout was "
                              f"changed. {_write_hint(error, work / 'staging')}, and run again.") from error
         except BaseException:
             remove_work_dir(work)
