@@ -394,27 +394,29 @@ def recover_interrupted(root: Path) -> list[str]:
         raise PatchError(f"{journal}: an interrupted apply left a journal that cannot be read ({error}); the "
                          f"original files are in {work / 'backup'}: compare, copy back what you need, remove "
                          f"{work} and run again") from error
-    put_back, changed = [], []
+    for entry in entries:  # the temporary file of the write the kill stopped
+        target = (root / entry["target"]).resolve()
+        if target.is_relative_to(root):
+            with contextlib.suppress(FileNotFoundError):
+                temp_path(target).unlink()
+    to_put_back, changed = [], []  # all checked before any is written: a refusal changes nothing
     for entry in entries:
         target, backup = (root / entry["target"]).resolve(), work / "backup" / entry["path"]
-        if not target.is_relative_to(root):
-            changed.append(entry["path"])
-            continue
-        with contextlib.suppress(FileNotFoundError):
-            temp_path(target).unlink()
-        current = _sha256(target.read_bytes()) if target.is_file() else None
+        current = _sha256(target.read_bytes()) if target.is_file() and target.is_relative_to(root) else None
         if current == entry["before"]:
             continue
         original = backup.read_bytes() if backup.is_file() else b""
         if current != entry["after"] or _sha256(original) != entry["before"]:
             changed.append(entry["path"])
-            continue
-        write_file(target, original)
-        put_back.append(entry["path"])
+        else:
+            to_put_back.append((entry["path"], target, original))
     if changed:
         raise PatchError(f"{root}: an interrupted `zmrl patches apply` left {work}, and {', '.join(changed)} "
-                         f"changed after it (neither the original nor the patched file), so it was not put back. "
+                         f"changed after it (neither the original nor the patched file), so nothing was put back. "
                          f"Compare each with its original in {work / 'backup'}, then remove {work} and run again.")
+    for _, target, original in to_put_back:
+        write_file(target, original)
+    put_back = [relative for relative, _, _ in to_put_back]
     remove_work_dir(work)
     return put_back
 
