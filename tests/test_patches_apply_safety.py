@@ -189,7 +189,8 @@ def test_every_original_is_backed_up_and_journalled_before_the_first_file_is_wri
         assert entry["before"] == hashlib.sha256(backup).hexdigest()
     assert {relative: (checkout / relative).read_bytes() for relative in original} == original
     monkeypatch.undo()
-    assert [p.name for p in patching.apply_to(checkout).applied] == [p.name for p in patching.load_manifest().for_upstream("verl")]
+    applied = patching.apply_to(checkout).applied
+    assert [p.name for p in applied] == [p.name for p in patching.load_manifest().for_upstream("verl")]
     assert not _leftovers(checkout)
 
 

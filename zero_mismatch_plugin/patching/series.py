@@ -241,7 +241,7 @@ def _write_hint(error: OSError, path: Path) -> str:
     if error.errno == errno.EROFS:
         return f"The file system that holds {path.parent} is mounted read-only: remount it read-write"
     if error.errno in (errno.EACCES, errno.EPERM):
-        return f"Make {path} and {path.parent} writable (chmod u+w)"
+        return f"Give yourself read and write permission on {path} and {path.parent} (chmod u+rw)"
     return "Fix the cause"
 
 
@@ -351,25 +351,28 @@ def restore(changes: list[Change]) -> list[str]:
 
 def write_changes(root: Path, work: Path, changes: list[Change]) -> None:
     """Write every change atomically; if one write fails or a signal comes, put back what was written."""
-    for change in changes:
-        try:
+    change = None
+    try:
+        for change in changes:
             write_file(change.target, change.after)
-        except (OSError, KeyboardInterrupt) as error:
-            left = restore(changes)
-            stop = isinstance(error, KeyboardInterrupt)
-            what = "interrupted while writing" if stop else "could not write"
-            cause = "" if stop else f" ({error})"
-            if left:
-                raise PatchError(f"{what} {change.target}{cause}, and could not restore {', '.join(left)}: restore "
-                                 f"them from version control, or run `zmrl patches apply --to {root}` again once "
-                                 f"the cause is fixed: it puts back the originals kept in {work}") from error
-            remove_work_dir(work)
-            if stop:
-                raise ApplyInterrupted(f"interrupted while writing {change.target}; the files written before it "
-                                       f"were restored, so {root} is as it was") from error
-            raise PatchError(f"could not write {change.target}{cause}; the files written before it were restored, "
-                             f"so the checkout is as it was. {_write_hint(error, change.target)}, and run "
-                             "again.") from error
+    except (OSError, KeyboardInterrupt) as error:
+        if change is None:
+            raise
+        left = restore(changes)
+        stop = isinstance(error, KeyboardInterrupt)
+        what = "interrupted while writing" if stop else "could not write"
+        cause = "" if stop else f" ({error})"
+        if left:
+            raise PatchError(f"{what} {change.target}{cause}, and could not restore {', '.join(left)}: restore "
+                             f"them from version control, or run `zmrl patches apply --to {root}` again once "
+                             f"the cause is fixed: it puts back the originals kept in {work}") from error
+        remove_work_dir(work)
+        if stop:
+            raise ApplyInterrupted(f"interrupted while writing {change.target}; the files written before it "
+                                   f"were restored, so {root} is as it was") from error
+        raise PatchError(f"could not write {change.target}{cause}; the files written before it were restored, "
+                         f"so the checkout is as it was. {_write_hint(error, change.target)}, and run "
+                         "again.") from error
 
 
 def recover_interrupted(root: Path) -> list[str]:
@@ -542,8 +545,9 @@ def apply_to(root: Path, upstream: str | None = None, assume_version: str | None
             raise ApplyInterrupted(f"interrupted before any file of {root} was written; nothing was changed") from stop
         except OSError as error:
             remove_work_dir(work)
+            hint = _write_hint(error, Path(error.filename or work / "staging"))
             raise PatchError(f"could not prepare the apply in {work} ({error}); nothing in the checkout was "
-                             f"changed. {_write_hint(error, work / 'staging')}, and run again.") from error
+                             f"changed. {hint}, and run again.") from error
         except BaseException:
             remove_work_dir(work)
             raise
