@@ -1,7 +1,9 @@
 """Bad input to `zmrl patches check` and `zmrl patches apply`: directories that are missing, files,
 or not a checkout of the upstream named; versions that are wrong, unreadable or contradicted by
 --assume-version; checkouts where the patches are already in, partly in, or where the code the
-patches expect is missing or has changed; and a write that fails midway.
+patches expect is missing or has changed (or has CRLF line endings); files that are links out of
+the checkout or read-only; a write that fails midway or a full disk; a second apply running, and
+the rerun after a killed one.
 
 Every case runs the command line in-process (``run_cli``) on a fake checkout built in a scratch
 directory from the installed (pinned) upstream files.
@@ -10,7 +12,10 @@ directory from the installed (pinned) upstream files.
 from __future__ import annotations
 
 import atexit
+import errno
+import fcntl
 import hashlib
+import os
 import re
 import shutil
 import subprocess
@@ -24,6 +29,7 @@ from zero_mismatch_plugin import patching
 from zero_mismatch_plugin.patching import series
 
 DOC = "docs/patches.md, 'Applying the set to a fork'"
+WORK_DIR = ".zmrl-apply"  # where apply keeps its journal while it runs (docs/patches.md)
 DRIFT_DOC = "docs/patches.md, 'Another version or a drifted fork: check --to'"
 _scratch: list[str] = []
 
@@ -215,6 +221,148 @@ def _other_project():
     return root
 
 
+def _leftovers(checkout: Path) -> list[str]:
+    """What apply must never leave behind: its work folder, temporary files beside the checkout's files."""
+    return [str(p) for p in checkout.rglob("*") if p.name == WORK_DIR or p.name.endswith(".zmrl-apply.tmp")]
+
+
+def _crlf(relative: str):
+    def build():
+        checkout = verl_checkout()
+        path = checkout / relative
+        path.write_bytes(path.read_bytes().replace(b"\n", b"\r\n"))
+        return checkout
+    return build
+
+
+def _linked_out(relative: str):
+    """A checkout whose ``relative`` (a file or a folder) is a symbolic link to a copy outside it."""
+    def build():
+        checkout = verl_checkout()
+        inside, outside = checkout / relative, scratch() / Path(relative).name
+        (shutil.copytree if inside.is_dir() else shutil.copyfile)(inside, outside)
+        (shutil.rmtree if inside.is_dir() else Path.unlink)(inside)
+        inside.symlink_to(outside)
+        return checkout
+    return build
+
+
+def linked_out_refused(name: str, relative: str, says: str):
+    """A link out of the checkout: refused, and neither the checkout nor what the link points to changes."""
+    def go():
+        checkout = _linked_out(relative)()
+        outside = (checkout / relative).resolve()
+        before = _digest(outside) if outside.is_dir() else outside.read_bytes()
+        outcome, same = unchanged(apply(), lambda: checkout)()
+        assert same, "the checkout changed although apply was refused"
+        assert (_digest(outside) if outside.is_dir() else outside.read_bytes()) == before, \
+            f"apply wrote {outside}, outside the checkout"
+        return outcome
+    return error(name, go, says)
+
+
+def _read_only(relative: str):
+    def build():
+        checkout = verl_checkout()
+        (checkout / relative).chmod(0o444)
+        return checkout
+    return build
+
+
+def _fd_path(fd: int) -> str:
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return ""
+
+
+def disk_full(nth: int, in_work_dir: bool):
+    """Apply with ``os.write`` writing half its bytes, then raising ENOSPC, at the ``nth`` write of a file in
+    the checkout (``in_work_dir``: of apply's own backups and journal, else of the checkout's files)."""
+    real_write = os.write
+
+    def go():
+        checkout = verl_checkout()
+        before, calls = _digest(checkout), []
+
+        def write(fd, data):
+            path = _fd_path(fd)
+            if path.startswith(f"{checkout}/") and (f"/{WORK_DIR}/" in path) == in_work_dir:
+                calls.append(path)
+                if len(calls) == nth:
+                    real_write(fd, bytes(data)[: len(data) // 2])
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            return real_write(fd, data)
+
+        with mock.patch("os.write", write):
+            outcome = apply()(checkout)
+        assert len(calls) >= nth, f"apply made {len(calls)} writes there, not through a temporary file"
+        assert _digest(checkout) == before, "a full disk left the checkout changed"
+        assert not _leftovers(checkout), _leftovers(checkout)
+        return outcome
+    return go
+
+
+def _while_another_apply_runs():
+    checkout = verl_checkout()
+    before = _digest(checkout)
+    held = os.open(checkout, os.O_RDONLY)
+    try:
+        fcntl.flock(held, fcntl.LOCK_EX)  # as a running apply holds it
+        outcome = apply()(checkout)
+    finally:
+        os.close(held)
+    assert _digest(checkout) == before, "a second apply wrote the checkout while the first held it"
+    return outcome
+
+
+class _Killed(BaseException):
+    """Stands for SIGKILL: nothing of apply runs after it (no except, no finally that restores)."""
+
+
+def _rerun_after_a_killed_apply():
+    """Apply killed between two files of one patch (verl-cpu-training), then run again."""
+    checkout, calls = verl_checkout(), []
+    write = series.write_file
+
+    def writer(path: Path, data: bytes) -> None:
+        calls.append(path)
+        if len(calls) == 6:
+            raise _Killed
+        write(path, data)
+
+    with mock.patch.object(series, "write_file", writer):
+        try:
+            patching.apply_to(checkout)
+        except _Killed:
+            pass
+    return run_cli(["patches", "apply", "--to", str(checkout)]), checkout
+
+
+def _check_finished_after_the_kill(value) -> None:
+    outcome, checkout = value
+    assert outcome.code == 0, outcome
+    assert "an earlier apply was interrupted after writing them" in outcome.out, outcome.out
+    assert all(f"applied {p.name}: " in outcome.out for p in patching.load_manifest().for_upstream("verl"))
+    assert _digest(checkout) == _digest(verl_applied()), "the rerun did not leave the fully patched checkout"
+    assert not _leftovers(checkout), _leftovers(checkout)
+
+
+def _foreign_work_dir():
+    checkout = verl_checkout()
+    (checkout / WORK_DIR).symlink_to(scratch())
+    return checkout
+
+
+def _check_crlf_report(value) -> None:
+    outcome, same = value
+    assert outcome.code == 1 and same, outcome
+    assert re.search(r"verl-reject-unknown-names +fails: verl/utils/config.py has CRLF line endings \(\d+ of \d+ "
+                     r"lines\); the patch expects LF \(convert to LF from the checkout root: `dos2unix "
+                     r"verl/utils/config.py`", outcome.out), outcome.out
+    assert "the code there differs" not in outcome.out
+
+
 CASES = [
     # ----- the directory ---------------------------------------------------------------------
     error("apply-missing-directory", lambda: run_cli(["patches", "apply", "--to", str(_missing_dir())]),
@@ -291,9 +439,36 @@ CASES = [
                       r"verl-reject-unknown-names: fails: verl/utils/config.py: no such file in the checkout"),
     refused_unchanged("apply-patched-path-is-a-directory",
                       without(verl_checkout, "verl/workers/utils/losses.py", as_directory=True),
-                      r"verl/workers/utils/losses.py: no such file in the checkout"),
+                      r"verl/workers/utils/losses.py is a directory in the checkout, where the patch changes a "
+                      r"file: move the directory away and restore the file"),
+    refused_unchanged("apply-file-with-crlf-line-endings", _crlf("verl/utils/config.py"),
+                      r"verl-reject-unknown-names: fails: verl/utils/config.py has CRLF line endings \(\d+ of \d+ "
+                      r"lines\); the patch expects LF \(convert to LF from the checkout root: `dos2unix "
+                      r"verl/utils/config.py`.*`git config core.autocrlf input`"),
+    # ----- where apply writes ----------------------------------------------------------------
+    linked_out_refused("apply-patched-file-is-a-link-out-of-the-checkout", "verl/utils/config.py",
+                       r"verl/utils/config.py is a symbolic link to .*/config.py, outside the checkout .*; apply "
+                       r"writes only inside the checkout: replace the link with a copy of what it points to"),
+    linked_out_refused("apply-folder-of-patched-files-is-a-link-out-of-the-checkout", "verl/utils",
+                       r"verl/utils/config.py: verl/utils is a symbolic link to .*/utils, outside the checkout"),
+    refused_unchanged("apply-patched-file-is-read-only", _read_only("verl/utils/config.py"),
+                      r"cannot write every file the patches change, so nothing was changed:\n  verl/utils/config.py "
+                      r"is read-only \(mode 0444\): make it writable \(`chmod u\+w .*/verl/utils/config.py`\)"),
+    refused_unchanged("apply-work-folder-is-a-link-out-of-the-checkout", _foreign_work_dir,
+                      r"\.zmrl-apply is a symbolic link to .*; apply keeps its staged files, backups and journal in "
+                      r"that folder of the checkout .*: remove the link, then run again"),
     error("apply-write-fails-midway", write_fails_midway,
           r"could not write .*\(\[Errno 30\] Read-only file system\); the files written before it were restored"),
+    error("apply-disk-full-in-the-middle-of-a-file", disk_full(3, in_work_dir=False),
+          r"could not write .*/verl/workers/utils/losses.py \(\[Errno 28\] No space left on device\); the files "
+          r"written before it were restored, so the checkout is as it was. Free space on the file system that holds "
+          r".*, and run again"),
+    error("apply-disk-full-while-backing-up-the-originals", disk_full(2, in_work_dir=True),
+          r"could not prepare the apply in .*/\.zmrl-apply \(\[Errno 28\] No space left on device\); nothing in "
+          r"the checkout was changed. Free space on the file system"),
+    error("apply-while-another-apply-runs", _while_another_apply_runs,
+          r"another `zmrl patches apply` is running on .*: wait for it to finish, then run again"),
+    result("apply-again-after-a-killed-apply", _rerun_after_a_killed_apply, _check_finished_after_the_kill, DOC),
     # ----- check --to --------------------------------------------------------------------------
     error("check-to-missing-directory", lambda: run_cli(["patches", "check", "--to", str(_missing_dir())]),
           r"no such directory"),
@@ -306,4 +481,6 @@ CASES = [
            _check_drift_report, DRIFT_DOC),
     result("check-to-a-checkout-already-patched", unchanged(check_to(), verl_applied), _check_all_apply_report,
            DRIFT_DOC),
+    result("check-to-a-file-with-crlf-line-endings", unchanged(check_to(), _crlf("verl/utils/config.py")),
+           _check_crlf_report, DRIFT_DOC),
 ]

@@ -16,11 +16,12 @@ from .checkout import checkout_version, detect_upstream, resolve_version
 from .manifest import DIFFS_DIR, MANIFEST, Manifest, Patch, PatchError, Upstream, diff_targets, installed_root
 from .manifest import installed_version, load_manifest, touched_files
 from .series import ALREADY_APPLIED, APPLIES, APPLIES_WITH_OFFSETS, FAILS, apply_to, apply_to_copy
-from .series import check_checkout, copy_patched_package, run_patch
+from .series import WORK_DIR, ApplyInterrupted, check_checkout, copy_patched_package, run_patch
 from .verify import TOOLS, CheckResult, check_installed
 
 __all__ = [
-    "ALREADY_APPLIED", "APPLIES", "APPLIES_WITH_OFFSETS", "DIFFS_DIR", "FAILS", "MANIFEST", "CheckResult",
+    "ALREADY_APPLIED", "APPLIES", "APPLIES_WITH_OFFSETS", "DIFFS_DIR", "FAILS", "MANIFEST", "WORK_DIR",
+    "ApplyInterrupted", "CheckResult",
     "Manifest", "Patch", "PatchError", "Upstream", "apply_to", "apply_to_copy", "check_checkout",
     "check_installed", "checkout_version", "copy_patched_package", "detect_upstream", "diff_targets",
     "installed_root", "installed_version", "load_manifest", "resolve_version", "run_patch", "touched_files",
@@ -71,6 +72,9 @@ def check_checkout_command(directory: str, upstream: str | None) -> int:
     width = max(len(s.patch.name) for s in report.states)
     for state in report.states:
         print(f"  {state.patch.name:<{width}}  {state.describe()}")
+    if report.interrupted:
+        print(f"NOTE: an interrupted `zmrl patches apply` left {report.root / WORK_DIR}, and the states above are "
+              f"of a partly written checkout: `zmrl patches apply --to {report.root}` puts its files back first")
     failing = sum(s.status == FAILS for s in report.states)
     print(f"{len(report.states) - failing} of {len(report.states)} patches apply or are already applied "
           f"(nothing in {report.root} was modified)")
@@ -82,6 +86,11 @@ def apply_command(directory: str, upstream: str | None, assume_version: str | No
         result = apply_to(Path(directory), upstream, assume_version)
     except PatchError as error:
         return _fail(error)
+    except ApplyInterrupted as stop:
+        print(f"ERROR: {stop}", file=sys.stderr)
+        return 130
+    if result.recovered:
+        print(f"put back {', '.join(result.recovered)}: an earlier apply was interrupted after writing them")
     for state in result.states:
         if state.status == ALREADY_APPLIED:
             print(f"already applied {state.patch.name}: left as it is")
