@@ -48,6 +48,13 @@ def checkpoints(tmp_path_factory):
         # DeepSeek-V3 MLA with its MoE from the second layer on (sigmoid routing in groups, a shared expert).
         "deepseek_v3_moe": build_tiny_mla_model(root / "deepseek_v3_moe", seed=9, architecture="deepseek_v3",
                                                 first_k_dense_replace=1),
+        # DeepSeek-V2 MLA with its MoE: softmax top-k over all experts (greedy) and over the best group
+        # of two (group_limited_greedy), both with a routed scale on the output.
+        **{f"deepseek_v2_moe_{method}": build_tiny_mla_model(
+            root / f"deepseek_v2_moe_{method}", seed=seed, first_k_dense_replace=1,
+            moe_routing=dict(topk_method=method, scoring_func="softmax", n_group=groups, topk_group=1,
+                             routed_scaling_factor=scale))
+           for method, groups, scale, seed in (("greedy", 1, 2.5, 10), ("group_limited_greedy", 2, 1.5, 11))},
     }
 
 

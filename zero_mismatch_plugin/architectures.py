@@ -255,9 +255,10 @@ def _deepseek_moe_layers(config) -> tuple[int, ...]:
     return tuple(i for i in range(config.num_hidden_layers) if experts is not None and i >= first_dense and i % freq == 0)
 
 
-def _deepseek_v3_moe(config) -> MoeBlocks | None:
-    # vLLM's DeepseekV2MoE: grouped top-k always, the correction bias with topk_method noaux_tc, the
-    # routed scale on the output (as GLM-4.5, whose layer it shares), a shared expert of n_shared_experts widths.
+def _deepseek_moe(config) -> MoeBlocks | None:
+    # vLLM's DeepseekV2MoE (DeepSeek-V2 and V3): grouped top-k always (V2's greedy is one group), the
+    # correction bias with topk_method noaux_tc, the routed scale on the output (as GLM-4.5, whose
+    # layer it shares), a shared expert of n_shared_experts widths.
     layers = _deepseek_moe_layers(config)
     if not layers:
         return None
@@ -280,7 +281,12 @@ def _deepseek_v3_moe(config) -> MoeBlocks | None:
     )
 
 
-def _deepseek_refusals(config, moe_covered: bool = False) -> list[str]:
+# (topk_method, scoring_func) as DeepSeek checkpoints state them: V3's biased sigmoid routing, V2's
+# softmax top-k over all experts (greedy) or over the best topk_group of n_group groups.
+DEEPSEEK_ROUTINGS = (("noaux_tc", "sigmoid"), ("greedy", "softmax"), ("group_limited_greedy", "softmax"))
+
+
+def _deepseek_refusals(config) -> list[str]:
     out = _moe_refusals(config)
     rank, rope = getattr(config, "kv_lora_rank", None), getattr(config, "qk_rope_head_dim", None)
     if (rank, rope) != (CPU_MLA_KV_LORA_RANK, CPU_MLA_ROPE_HEAD_DIM):
@@ -291,17 +297,18 @@ def _deepseek_refusals(config, moe_covered: bool = False) -> list[str]:
     if getattr(config, "model_type", "") == "deepseek":
         out.append("model_type 'deepseek' (DeepSeek-V1 multi-head attention, no MLA)")
     moe_layers = _deepseek_moe_layers(config)
-    if moe_layers and moe_covered:
+    if moe_layers:
         n_group, topk_group, experts = getattr(config, "n_group", 1), getattr(config, "topk_group", 1), config.n_routed_experts
-        if not n_group or experts % n_group:
-            out.append(f"n_routed_experts={experts} not divisible by n_group={n_group}")
+        if not isinstance(n_group, int) or not isinstance(topk_group, int):
+            out.append(f"n_group={n_group!r}, topk_group={topk_group!r}: vLLM routes DeepSeek experts in groups "
+                       "always; state both in config.json (1 and 1 for greedy routing over all experts)")
+        elif n_group < 1 or experts % n_group or not 1 <= topk_group <= n_group:
+            out.append(f"n_routed_experts={experts}, n_group={n_group}, topk_group={topk_group}: the experts must "
+                       "split into n_group equal groups and 1 <= topk_group <= n_group")
         routing = (getattr(config, "topk_method", None), getattr(config, "scoring_func", None))
-        if routing != ("noaux_tc", "sigmoid"):
-            out.append(f"MoE routing topk_method={routing[0]!r}, scoring_func={routing[1]!r}: covered only as "
-                       "DeepSeek-V3 routes (topk_method 'noaux_tc', scoring_func 'sigmoid')")
-    elif moe_layers:
-        out.append(f"Mixture-of-Experts MLPs in layers {list(moe_layers)} (MLA is covered with dense MLPs only): "
-                   f"set first_k_dense_replace={config.num_hidden_layers}")
+        if routing not in DEEPSEEK_ROUTINGS:
+            covered = ", ".join(f"topk_method {m!r} with scoring_func {f!r}" for m, f in DEEPSEEK_ROUTINGS)
+            out.append(f"MoE routing topk_method={routing[0]!r}, scoring_func={routing[1]!r}: covered are {covered}")
     return out
 
 
@@ -337,14 +344,12 @@ _ENTRIES: dict[str, _Entry] = {
         partial_rotary=_glm4_partial_rotary,
     ),
     "DeepseekV2ForCausalLM": _Entry(
-        qk_norm=False, biases=lambda config: (False, False), refuse=_deepseek_refusals, mla=_deepseek_mla
+        qk_norm=False, biases=lambda config: (False, False), refuse=_deepseek_refusals, mla=_deepseek_mla,
+        moe=_deepseek_moe,
     ),
     "DeepseekV3ForCausalLM": _Entry(
-        qk_norm=False,
-        biases=lambda config: (False, False),
-        refuse=lambda config: _deepseek_refusals(config, moe_covered=True),
-        mla=_deepseek_mla,
-        moe=_deepseek_v3_moe,
+        qk_norm=False, biases=lambda config: (False, False), refuse=_deepseek_refusals, mla=_deepseek_mla,
+        moe=_deepseek_moe,
     ),
 }
 

@@ -213,7 +213,8 @@ def build_tiny_model(
 
 def build_tiny_mla_model(out_dir: str | os.PathLike, seed: int = 0, num_hidden_layers: int = 2,
                          architecture: str = "deepseek_v2", q_lora_rank: int | None = None,
-                         rope_parameters: dict | None = None, first_k_dense_replace: int | None = None) -> Path:
+                         rope_parameters: dict | None = None, first_k_dense_replace: int | None = None,
+                         moe_routing: dict | None = None) -> Path:
     """A tiny DeepSeek-V2 (or ``architecture="deepseek_v3"``) checkpoint with multi-head latent
     attention (MLA) and dense MLPs.
 
@@ -222,7 +223,8 @@ def build_tiny_mla_model(out_dir: str | os.PathLike, seed: int = 0, num_hidden_l
     query its own low-rank projection (q_a_proj, q_a_layernorm, q_b_proj); ``rope_parameters``
     replaces the plain rotary (e.g. DeepSeek's yarn scaling). ``first_k_dense_replace`` below the
     layer count makes the later layers Mixture-of-Experts (4 experts, top-2, one shared expert; for
-    DeepSeek-V3 its sigmoid routing in 2 groups, 1 kept, with a selection bias).
+    DeepSeek-V3 its sigmoid routing in 2 groups, 1 kept, with a selection bias); ``moe_routing``
+    replaces the routing fields (e.g. DeepSeek-V2's ``topk_method="group_limited_greedy"``).
     """
     import torch
     from transformers import AutoModelForCausalLM, DeepseekV2Config, DeepseekV3Config
@@ -234,8 +236,9 @@ def build_tiny_mla_model(out_dir: str | os.PathLike, seed: int = 0, num_hidden_l
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(out, vocab_size=DEFAULT_SHAPE["vocab_size"], seed=seed)
     # DeepSeek-V3's routing as its config.json states it (transformers' config leaves the two names unset).
-    moe_routing = (dict(n_group=2, topk_group=1, topk_method="noaux_tc", scoring_func="sigmoid")
-                   if architecture == "deepseek_v3" else {})
+    if moe_routing is None:
+        moe_routing = (dict(n_group=2, topk_group=1, topk_method="noaux_tc", scoring_func="sigmoid")
+                       if architecture == "deepseek_v3" else {})
     cfg = configs[architecture](
         vocab_size=DEFAULT_SHAPE["vocab_size"], hidden_size=256, intermediate_size=512, num_hidden_layers=num_hidden_layers,
         num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=512, q_lora_rank=q_lora_rank, qk_rope_head_dim=64,

@@ -122,6 +122,19 @@ def test_moe_variant_bitwise_equal_engine(engines, trainers, batch_size):
     _bitwise(engines, trainers, "deepseek_v3_moe", prompts, seed=31 + batch_size)
 
 
+@pytest.mark.parametrize("batch_size", [1, 8])
+@pytest.mark.parametrize("method", ["greedy", "group_limited_greedy"])
+def test_deepseek_v2_moe_routings_bitwise_equal_engine(engines, trainers, method, batch_size):
+    """DeepSeek-V2 MLA with its MoE: softmax routing over all experts or the best of two groups, a
+    routed scale, a shared expert, through vLLM's own router on both sides."""
+    name = f"deepseek_v2_moe_{method}"
+    trainer = trainers(name)
+    moe = trainer.blocks.moe
+    assert (moe.scoring_func, moe.e_score_correction_bias, moe.moe_layers) == ("softmax", False, (1,))
+    assert (moe.n_group, moe.routed_scaling_factor) == ((1, 2.5) if method == "greedy" else (2, 1.5))
+    _bitwise(engines, trainers, name, prompts_for(trainer.runtime.model_dir)[:batch_size], seed=41 + batch_size)
+
+
 def test_custom_backward_matches_float64_autograd(engines, trainers):
     worst = checks.check_backward_matches_float64(trainers(NAME), engines, NAME)
     print(f"{NAME}: worst relative gradient error vs float64 {worst:.3g}")
@@ -188,11 +201,20 @@ def test_architecture_describes_mla_and_refuses_what_cpu_mla_does_not_run():
     assert (blocks.mla.kv_lora_rank, blocks.mla.v_head_dim, blocks.mla.rope_type) == (512, 32, "default")
     with pytest.raises(NotImplementedError, match="kv_lora_rank=256, qk_rope_head_dim=64: vLLM's CPU MLA decode"):
         describe(_deepseek_config(kv_lora_rank=256))
-    with pytest.raises(NotImplementedError, match=r"Mixture-of-Experts MLPs in layers \[1\].*first_k_dense_replace=2"):
+    # DeepSeek-V2's MoE as its transformers config defaults leave it (no groups, no scoring function).
+    with pytest.raises(NotImplementedError, match=r"n_group=None, topk_group=None: vLLM routes DeepSeek experts in "
+                                                  r"groups always.*1 and 1 for greedy"):
         describe(_deepseek_config(first_k_dense_replace=1))
+    blocks = describe(_deepseek_config(first_k_dense_replace=1, topk_method="group_limited_greedy", scoring_func="softmax",
+                                       n_group=2, topk_group=1, routed_scaling_factor=16.0))
+    assert (blocks.mlp_kind(0), blocks.mlp_kind(1)) == ("dense", "moe")
+    assert (blocks.moe.n_group, blocks.moe.topk_group, blocks.moe.routed_scaling_factor) == (2, 1, 16.0)
+    with pytest.raises(NotImplementedError, match=r"n_routed_experts=4, n_group=3, topk_group=1: the experts must"):
+        describe(_deepseek_config(first_k_dense_replace=1, topk_method="greedy", scoring_func="softmax", n_group=3,
+                                  topk_group=1))
 
 
-def test_deepseek_v3_moe_is_described_and_other_routings_refused():
+def test_deepseek_moe_routings_are_described_and_others_refused():
     from transformers import DeepseekV3Config
 
     from zero_mismatch_plugin.architectures import describe
@@ -207,5 +229,7 @@ def test_deepseek_v3_moe_is_described_and_other_routings_refused():
 
     blocks = describe(config(topk_method="noaux_tc", scoring_func="sigmoid"))
     assert (blocks.mlp_kind(0), blocks.mlp_kind(1), blocks.moe.scoring_func) == ("dense", "moe", "sigmoid")
-    with pytest.raises(NotImplementedError, match="topk_method='greedy', scoring_func='softmax': covered only"):
-        describe(config(topk_method="greedy", scoring_func="softmax"))
+    assert describe(config(topk_method="greedy", scoring_func="softmax")).moe.scoring_func == "softmax"
+    with pytest.raises(NotImplementedError, match="topk_method='noaux_tc', scoring_func='softmax': covered are "
+                                                  "topk_method 'noaux_tc' with scoring_func 'sigmoid'"):
+        describe(config(topk_method="noaux_tc", scoring_func="softmax"))
