@@ -179,10 +179,7 @@ def format_bisect_table(result, header: str) -> str:
             f"({result.tokens} tokens, {result.target_tokens} scored)"
         )
     else:
-        lines.append(
-            f"first differing op: {first.name}  max |Δ| {first.max_abs_diff:.3g}, "
-            f"{100 * first.equal_fraction:.1f}% of {first.numel} values equal"
-        )
+        lines.append(f"first differing op: {first.name}  {first.problem}")
     lines.append("")
     width = max(len(op.name) for op in result.ops) if result.ops else 10
     lines.append(f"{'op'.ljust(width)}  bitwise  max |Δ|    equal")
@@ -195,7 +192,7 @@ def format_bisect_table(result, header: str) -> str:
                 lines.append(f"... {len(result.ops) - result.ops.index(op)} more ops ({max(rest, 0)} more differ)")
                 break
             shown_after += 1
-        mark = "equal" if op.equal else "DIFF"
+        mark = "equal" if op.equal else ("NaN/inf" if op.non_finite else "DIFF")
         lines.append(
             f"{op.name.ljust(width)}  {mark:7s}  {op.max_abs_diff:<9.3g}  {100 * op.equal_fraction:.1f}%"
             + (f"  {op.shape_mismatch}" if op.shape_mismatch else "")
