@@ -6,6 +6,7 @@ import json
 import os
 import sys
 
+from . import checkpoint_inputs
 from . import engine as eng
 from . import inputs
 from .backends import BackendUnavailable, load_backend
@@ -26,16 +27,23 @@ def parse_batch_sizes(text: str) -> tuple[int, ...]:
 
 
 def validated_inputs(args) -> tuple[int, list[list[int]]]:
-    """(max_model_len, prompt token ids) once every input has been checked; nothing is started."""
+    """(max_model_len, prompt token ids) once every input has been checked; nothing is started.
+
+    The checkpoint as the chosen ``--trainer`` face builds it is checked here too
+    (:func:`.checkpoint_inputs.precheck_model`), and last its weights are read once for NaN and
+    infinities (:func:`.checkpoint_inputs.require_finite_weights`)."""
     inputs.require_at_least("--num-prompts", args.num_prompts)
     inputs.require_at_least("--max-tokens", args.max_tokens)
     inputs.require_seed(args.seed)
-    config = inputs.read_checkpoint_config(args.model)
+    config = checkpoint_inputs.read_checkpoint_config(args.model)
     max_model_len = inputs.resolve_max_model_len(config, args.max_model_len)
     inputs.require_json_destination(args.json)
+    checkpoint_inputs.precheck_model(args.model, args.trainer)
+    checkpoint_inputs.load_tokenizer(args.model)
     vocab = config.get("vocab_size") if isinstance(config.get("vocab_size"), int) else None
     prompts = eng.load_prompts(args.model, args.prompts, args.num_prompts, vocab)
     inputs.require_prompts_fit(prompts, args.max_tokens, max_model_len)
+    checkpoint_inputs.require_finite_weights(checkpoint_inputs.weight_files(args.model))
     return max_model_len, prompts
 
 
@@ -87,6 +95,7 @@ def lora_options(args) -> dict:
         return {}
     if args.trainer not in ("aligned", "megatron"):
         raise inputs.CheckerInputError(f"--lora is supported with --trainer aligned or megatron, not {args.trainer!r}")
+    checkpoint_inputs.validate_adapter(lora_dir)
     try:
         lora_config, _ = eng.served_adapter(args.model, lora_dir)
     except NotImplementedError as error:
