@@ -204,6 +204,12 @@ CASES = [
                                                    "layer_types": ["sliding_attention", "full_attention", "full_attention"]}),
           r"cwm-three-types/config\.json is not a config transformers can read .*number of `layer_types` \(3\)"),
     # ----- the weights ---------------------------------------------------------------------------
+    error("check-config-of-another-vocabulary", with_config("check", "vocab-1024", {"vocab_size": 1024}),
+          r"vocab-1024/config\.json does not describe the weights next to it: model\.safetensors holds "
+          r"model\.embed_tokens\.weight of shape \[512, 256\], config\.json's vocab_size and hidden_size say \[1024, 256\]"),
+    error("bisect-config-with-more-layers-than-the-weights", with_config("bisect", "layers-4", {"num_hidden_layers": 4}),
+          r"layers-4/config\.json does not describe the weights next to it: num_hidden_layers is 4 but the weights "
+          r"hold no decoder layer 2, 3"),
     error("check-weights-with-nan", with_file("check", "weights-nan", "model.safetensors", _planted(NAN)),
           r"weights-nan/model\.safetensors: non-finite values \(NaN or infinity\) in the weights: "
           r"model\.layers\.1\.mlp\.down_proj\.weight \(1 of 131072\)"),

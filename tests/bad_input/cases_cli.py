@@ -323,17 +323,17 @@ CASES = [
     error("check-megatron-o-proj-bias",
           with_config("check", "llama-attention-bias", lambda: {**tiny_config(), "attention_bias": True}, "--trainer", "megatron"),
           r"\(--trainer megatron\): LlamaForCausalLM: an o_proj bias \(attention_bias=true\) is not supported by the "
-          r"Megatron face.*; --trainer aligned covers it"),
+          r"Megatron face.*\. --trainer aligned runs this model"),
     error("bisect-megatron-rope-scaling",
           with_config("bisect", "llama-linear-rope",
                       lambda: {**tiny_config(), "rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}},
                       "--trainer", "megatron"),
-          r"rope scaling 'linear' is not supported by the Megatron face; --trainer aligned covers it"),
+          r"rope scaling 'linear' is not supported by the Megatron face\. --trainer aligned runs this model"),
     error("check-megatron-mla",
           with_config("check", "mla-dense", lambda: mla_config(first_k_dense_replace=2), "--trainer", "megatron",
                       base=tiny_mla_moe_model),
-          r"DeepseekV2ForCausalLM: not supported by the Megatron face: multi-head latent attention .*; "
-          r"--trainer aligned covers it"),
+          r"DeepseekV2ForCausalLM: not supported by the Megatron face: multi-head latent attention .*\. "
+          r"--trainer aligned runs this model"),
     # ----- the prompts file ----------------------------------------------------------------
     error("check-jsonl-without-prompt-key",
           lambda: check("--prompts", jsonl("text-key.jsonl", {"prompt": "a b"}, {"text": "hello"}))(),

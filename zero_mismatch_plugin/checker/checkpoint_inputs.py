@@ -10,7 +10,8 @@ vLLM model or trainer is built:
   ``dtype`` / ``torch_dtype`` torch knows;
 * the weights: every ``*.safetensors`` file a readable safetensors file (its 8-byte header
   length against the file size, the header, the tensors' byte ranges), the shards a
-  ``model.safetensors.index.json`` names present, and every floating-point weight finite;
+  ``model.safetensors.index.json`` names present, the embedding's shape and the decoder layers
+  those of config.json, and every floating-point weight finite;
 * the tokenizer the engine loads (and the checker, for text prompts);
 * the model as the chosen trainer face would build it (:func:`precheck_model`: the same
   :func:`~zero_mismatch_plugin.architectures.describe` every face runs, so an unsupported feature
@@ -79,7 +80,7 @@ def read_checkpoint_config(model_dir) -> dict:
     problems = config_value_problems(config)
     if problems:
         raise CheckerInputError(f"{config_file}: " + "; ".join(problems))
-    weight_files(path)
+    require_weights_match_config(config, config_file, weight_headers(path))
     return config
 
 
@@ -234,6 +235,11 @@ def dtype_problems(config: dict) -> list[str]:
 def weight_files(model_dir) -> list[Path]:
     """The checkpoint's safetensors files, each with a readable header (:func:`safetensors_header`),
     and every shard its ``model.safetensors.index.json`` names."""
+    return list(weight_headers(model_dir))
+
+
+def weight_headers(model_dir) -> dict[Path, dict]:
+    """{safetensors file: its tensor entries} (see :func:`weight_files`)."""
     path = Path(model_dir)
     index = path / INDEX_FILE
     if index.exists():
@@ -241,11 +247,40 @@ def weight_files(model_dir) -> list[Path]:
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise CheckerInputError(f"--model {path} holds no weights: no *.safetensors file next to config.json")
+    headers = {}
     for file in files:
         if not file.is_file():
             raise CheckerInputError(f"{file} is not a file (a directory?): give the weights as safetensors files")
-        safetensors_header(file)
-    return files
+        headers[file] = safetensors_header(file)
+    return headers
+
+
+_EMBEDDING = "model.embed_tokens.weight"
+_LAYER_PREFIX = "model.layers."
+
+
+def require_weights_match_config(config: dict, config_file, headers: dict[Path, dict]) -> None:
+    """The weights are the config's model: the embedding is [vocab_size, hidden_size] and every
+    decoder layer the config counts has weights (read from the headers: nothing is loaded). A
+    config.json of another model would otherwise fail inside the engine's or trainer's loader."""
+    problems = []
+    for file, tensors in headers.items():
+        entry = tensors.get(_EMBEDDING)
+        shape = entry.get("shape") if isinstance(entry, dict) else None
+        expected = [config.get("vocab_size"), config.get("hidden_size")]
+        if isinstance(shape, list) and shape != expected:
+            problems.append(f"{file.name} holds {_EMBEDDING} of shape {shape}, config.json's vocab_size and "
+                            f"hidden_size say {expected}")
+    layers = {int(name[len(_LAYER_PREFIX):].split(".", 1)[0]) for tensors in headers.values() for name in tensors
+              if name.startswith(_LAYER_PREFIX) and name[len(_LAYER_PREFIX):].split(".", 1)[0].isdigit()}
+    missing = sorted(set(range(config["num_hidden_layers"])) - layers) if layers else []
+    if missing:
+        problems.append(f"num_hidden_layers is {config['num_hidden_layers']} but the weights hold no decoder "
+                        f"layer {', '.join(map(str, missing[:TENSORS_NAMED]))}"
+                        + (f" (and {len(missing) - TENSORS_NAMED} more)" if len(missing) > TENSORS_NAMED else ""))
+    if problems:
+        raise CheckerInputError(f"{config_file} does not describe the weights next to it: " + "; ".join(problems)
+                                + ": give the checkpoint's own config.json")
 
 
 def _require_index_shards(model_dir: Path, index: Path) -> None:
@@ -405,7 +440,7 @@ def precheck_model(model_dir, trainer: str = "aligned"):
     except NotImplementedError as why:
         hint = ""
         if trainer == "megatron" and _covered(config, "aligned"):
-            hint = "; --trainer aligned covers it"
+            hint = ". --trainer aligned runs this model"
         raise CheckerInputError(f"--model {model_dir} (--trainer {trainer}): {why}{hint}") from None
     except (ValueError, AttributeError, TypeError, KeyError) as error:
         raise CheckerInputError(f"{config_file} cannot describe the model ({type(error).__name__}: {error})") from None
