@@ -82,3 +82,20 @@ def test_malformed_adapter_configs_are_named_and_plain_ones_pass():
     assert len(problems) == 2 and "lora_alpha='16'" in problems[0] and "target_modules=[1, 2]" in problems[1]
     assert malformed_lora_settings({"r": 8, "lora_alpha": float("inf")}) == ["lora_alpha=inf: give a finite number"]
     assert malformed_lora_settings({"r": 8}) == ["lora_alpha is missing: give the adapter's alpha (a number)"]
+
+
+def test_validate_checkpoint_runs_every_check_on_a_directory(tmp_path):
+    """The one call for another command: a good tiny checkpoint passes, a NaN weight is named."""
+    from safetensors.torch import load_file, save_file
+
+    from zero_mismatch_plugin.checker.checkpoint_inputs import validate_checkpoint
+    from zero_mismatch_plugin.tiny_models import build_tiny_model
+
+    model = build_tiny_model(tmp_path / "llama", family="llama", num_hidden_layers=1)
+    assert validate_checkpoint(model)["architectures"] == ["LlamaForCausalLM"]
+    state = load_file(str(model / "model.safetensors"))
+    state["model.norm.weight"][3] = float("nan")
+    save_file(state, str(model / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(CheckerInputError, match=r"model\.safetensors: non-finite values .* model\.norm\.weight \(1 of 256\)"):
+        validate_checkpoint(model)
+

@@ -416,12 +416,17 @@ def load_tokenizer(model_dir):
 # ----- the whole checkpoint, and the model the trainer face builds --------------------------------
 
 
-def validate_checkpoint(model_dir) -> dict:
-    """Everything :func:`read_checkpoint_config` checks, the tokenizer, and every weight finite
-    (which reads every weight once: see :func:`non_finite_tensors`). Returns config.json."""
+def validate_checkpoint(model_dir, trainer: str | None = "aligned") -> dict:
+    """Every check of this module on a checkpoint directory, cheapest first: what
+    :func:`read_checkpoint_config` checks, the model as the ``trainer`` face builds it
+    (:func:`precheck_model`; None: not checked), the tokenizer, and every weight finite (which
+    reads every weight once: see :func:`non_finite_tensors`). Returns config.json. ``zmrl check``
+    and ``bisect`` run the same steps with their option checks between them."""
     config = read_checkpoint_config(model_dir)
+    if trainer is not None:
+        precheck_model(model_dir, trainer)
     load_tokenizer(model_dir)
-    require_finite_weights(sorted(Path(model_dir).glob("*.safetensors")))
+    require_finite_weights(weight_files(model_dir))
     return config
 
 
