@@ -23,6 +23,19 @@ class CheckerInputError(ValueError):
     """An input the checker cannot run with; the message says what to change."""
 
 
+# The checkpoint's checks, which lived here, are :mod:`.checkpoint_inputs`' (which imports this
+# module): still reachable under their old names.
+_MOVED = ("read_checkpoint_config", "require_supported_architecture", "supported_architectures")
+
+
+def __getattr__(name: str):
+    if name in _MOVED:
+        from . import checkpoint_inputs
+
+        return getattr(checkpoint_inputs, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def require_at_least(option: str, value: int, minimum: int = 1) -> None:
     if value < minimum:
         raise CheckerInputError(f"{option} must be at least {minimum}, got {value}")
