@@ -179,3 +179,24 @@ def test_prefill_vs_decode_check_reports_non_finite_engine_logprobs(monkeypatch)
     result = checks.prefill_vs_decode_check(Engine(), completions)
     assert result.passed is False and result.figures["non_finite"] == {"prefill": 1, "decode": 0}
     assert result.summary.startswith("non-finite engine logprobs (prefill 1, decode 0)")
+
+
+def test_expert_selection_check_fails_choices_made_from_nan_router_logits():
+    """The same experts chosen on both sides from NaN logits agree by accident: not a pass."""
+    ids = torch.tensor([[0, 1], [2, 3], [1, 0]])
+    router = torch.full((3, 4), NAN)
+
+    class Modules:
+        def forward(self, batch, record):
+            record.update({"layers.0.router": router, "layers.0.topk_ids": ids})
+
+    class Backend:
+        name = "fake"
+
+        def intermediates(self, batch):
+            return {"layers.0.router": router.clone(), "layers.0.topk_ids": ids.clone()}
+
+    result = checks.expert_selection_check(Backend(), _completions([-1.0, -2.0, -3.0]), Modules())
+    assert result.figures["min_agreement"] == 1.0
+    assert result.passed is False and result.figures["non_finite_router_logits"] == {"0": {"engine": 12, "trainer": 12}}
+    assert result.summary.startswith("non-finite router logits in layers 0")

@@ -222,6 +222,15 @@ def selection_agreement(engine: torch.Tensor, trainer: torch.Tensor) -> float:
     return float(same.float().mean().item()) if same.numel() else 1.0
 
 
+def _router_non_finite(engine_record: dict, trainer_record: dict, layer: int) -> dict | None:
+    """NaN / infinite router logits of MoE layer ``layer`` per side (where recorded), or None."""
+    from .oplist import non_finite_counts
+
+    name = f"layers.{layer}.router"
+    empty = torch.zeros(0)
+    return non_finite_counts(engine_record.get(name, empty), trainer_record.get(name, empty))
+
+
 def expert_selection_check(backend, completions, engine_modules) -> CheckResult:
     """Per MoE layer, the fraction of tokens whose top-k expert set the trainer chose as the
     engine's router did. The engine side is vLLM's model (``engine_modules``,
@@ -232,8 +241,9 @@ def expert_selection_check(backend, completions, engine_modules) -> CheckResult:
     batch = pack([c.prompt for c in completions], [c.tokens for c in completions])
     engine_record: dict = {}
     engine_modules.forward(batch, engine_record)
+    trainer_record = backend.intermediates(batch)
     engine = _selections(engine_record)
-    trainer = _selections(backend.intermediates(batch))
+    trainer = _selections(trainer_record)
     missing = sorted(set(engine) - set(trainer))
     if not engine:
         raise CheckSkipped("vLLM's modules reported no expert choice")
@@ -247,9 +257,15 @@ def expert_selection_check(backend, completions, engine_modules) -> CheckResult:
         per_layer=per_layer,
         min_agreement=min(per_layer.values()),
     )
-    passed = figures["min_agreement"] == 1.0
+    # Experts chosen from NaN / infinite router logits agree by accident: a failure of its own.
+    non_finite = {str(i): counts for i in sorted(engine)
+                  if (counts := _router_non_finite(engine_record, trainer_record, i)) is not None}
+    if non_finite:
+        figures["non_finite_router_logits"] = non_finite
+    passed = figures["min_agreement"] == 1.0 and not non_finite
     summary = (
-        f"top-{figures['top_k']} expert sets equal for "
+        ("non-finite router logits in layers " + ", ".join(non_finite) + "; " if non_finite else "")
+        + f"top-{figures['top_k']} expert sets equal for "
         + ", ".join(f"layer {i}: {_pct(v)}" for i, v in per_layer.items())
         + f" of {figures['tokens']} tokens (engine side: vLLM's modules, teacher-forced)"
     )
