@@ -524,7 +524,9 @@ def precheck(config, face: str = "aligned") -> Blocks:
     setting that face does not cover and what to change (for "megatron" also the Megatron face's
     own refusals: multi-head latent attention, and those of ``megatron.convert.megatron_blocks``,
     which this imports, with torch, for that face only). For a model the face covers it returns
-    what :func:`describe` returns."""
+    what :func:`describe` returns. ``config`` is the checkpoint's transformers config (its
+    ``AutoConfig``, whose defaults describe reads); for a checkpoint directory, with the refusal
+    worded for the command line, see ``checker.checkpoint_inputs.precheck_model``."""
     if face not in TRAINER_FACES:
         raise ValueError(f"unknown trainer face {face!r}; expected one of {', '.join(TRAINER_FACES)}")
     blocks = describe(config)
