@@ -438,8 +438,13 @@ def test_bisect_control_without_perturbation_and_qwen3_names(checkpoints, module
 # ----- comparison details ---------------------------------------------------------------------
 
 
-def test_compare_op_treats_nan_in_place_as_equal_and_reports_shape_mismatch():
+def test_compare_op_fails_non_finite_values_and_reports_shape_mismatch():
+    """A NaN or an infinity is never equal, not even to itself in the same place (more cases in
+    tests/test_checker_nonfinite.py)."""
     a = torch.tensor([[1.0, float("nan")], [float("-inf"), 2.0]])
+    same = oplist.compare_op("x", a, a.clone())
+    assert not same.equal and same.non_finite == {"engine": 2, "trainer": 2} and same.equal_fraction == 0.5
+    a = torch.tensor([[1.0, 0.5], [-4.0, 2.0]])
     assert oplist.compare_op("x", a, a.clone()).equal
     b = a.clone()
     b[1, 1] = torch.nextafter(b[1, 1], torch.tensor(3.0))

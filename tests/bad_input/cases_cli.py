@@ -66,11 +66,12 @@ def tiny_model() -> str:
     return str(build_tiny_model(_workdir() / "llama", family="llama", seed=0))
 
 
-def model_with(name: str, config=None, weights: bool = True, config_text: str | None = None) -> str:
-    """A copy of the tiny checkpoint with config.json replaced (``config``: dict, or raw text)."""
+def model_with(name: str, config=None, weights: bool = True, config_text: str | None = None, base=None) -> str:
+    """A copy of the tiny checkpoint (or of ``base``) with config.json replaced (``config``: dict,
+    or raw text)."""
     path = _workdir() / name
     if not path.exists():
-        shutil.copytree(tiny_model(), path)
+        shutil.copytree(base or tiny_model(), path)
         if not weights:
             for file in path.glob("*.safetensors"):
                 file.unlink()
@@ -82,6 +83,60 @@ def model_with(name: str, config=None, weights: bool = True, config_text: str | 
 
 def tiny_config() -> dict:
     return json.loads((Path(tiny_model()) / "config.json").read_text())
+
+
+@functools.cache
+def tiny_mla_moe_model() -> str:
+    """A real tiny DeepSeek-V2 checkpoint: multi-head latent attention, layer 1 Mixture-of-Experts
+    with DeepSeek-V2's greedy softmax routing (built once)."""
+    from zero_mismatch_plugin.tiny_models import build_tiny_mla_model
+
+    return str(build_tiny_mla_model(_workdir() / "deepseek-v2-moe", first_k_dense_replace=1, architecture="deepseek_v2"))
+
+
+def mla_config(**changes) -> dict:
+    return {**json.loads((Path(tiny_mla_moe_model()) / "config.json").read_text()), **changes}
+
+
+def with_config(command, name, config, *args, base=None):
+    """``zmrl command`` on a copy of the tiny Llama (or ``base``) whose config.json is ``config()``:
+    the weights are never read, the config is refused first."""
+    return lambda: refused([command, "--model", model_with(name, config(), base=base() if base else None), *args])
+
+
+# Configs of the other architectures on the tiny Llama's files (refused before any weight is read).
+def mistral_config(**changes) -> dict:
+    return {**tiny_config(), "architectures": ["MistralForCausalLM"], "model_type": "mistral", **changes}
+
+
+def cwm_config(**changes) -> dict:
+    return {**tiny_config(), "architectures": ["CwmForCausalLM"], "model_type": "cwm", "sliding_window": 12, **changes}
+
+
+def mixtral_config(**changes) -> dict:
+    return {**tiny_config(), "architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+            "num_local_experts": 8, "num_experts_per_tok": 2, **changes}
+
+
+def qwen3_moe_config(**changes) -> dict:
+    return {**tiny_config(), "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+            "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 96, **changes}
+
+
+def glm4_moe_config(**changes) -> dict:
+    from transformers import Glm4MoeConfig
+
+    config = Glm4MoeConfig(vocab_size=512, hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, n_routed_experts=8, n_group=4, topk_group=2).to_dict()
+    return {**config, "architectures": ["Glm4MoeForCausalLM"], **changes}
+
+
+def deepseek_v3_config(**changes) -> dict:
+    return mla_config(**{"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "n_group": 2,
+                         "topk_group": 1, "topk_method": "noaux_tc", "scoring_func": "sigmoid", **changes})
+
+
+NOT_ALIGNED = r"not supported by the aligned trainer forward: "
 
 
 def no_config_dir() -> str:
@@ -207,6 +262,78 @@ CASES = [
           r"cannot read .*config\.json"),
     error("bisect-config-a-json-list", on_model("bisect", lambda: model_with("list-json", config_text="[1, 2]")),
           r"config\.json is not a JSON object"),
+    # ----- settings of a supported architecture that a trainer face does not cover ------------
+    # (describe() refuses them; before, the refusal came as a traceback once the trainer was built)
+    *(
+        error(f"{command}-deepseek-v2-moe-with-mla-{trainer}", on_model(command, tiny_mla_moe_model, "--trainer", trainer),
+              rf"--model .*deepseek-v2-moe \(--trainer {trainer}\): DeepseekV2ForCausalLM: {NOT_ALIGNED}"
+              r"Mixture-of-Experts MLPs in layers \[1\] \(MLA is covered with dense MLPs only\): set first_k_dense_replace=2")
+        for command, trainer in (("check", "aligned"), ("bisect", "aligned"), ("check", "hf"), ("bisect", "megatron"))
+    ),
+    error("check-sliding-window-on-llama", with_config("check", "llama-window", lambda: {**tiny_config(), "sliding_window": 12}),
+          NOT_ALIGNED + r"sliding_window=12 \(windowed attention\): set it to null"),
+    error("bisect-layer-types-windows-on-llama",
+          with_config("bisect", "llama-layer-types", lambda: {**tiny_config(), "sliding_window": 12,
+                                                              "layer_types": ["sliding_attention", "full_attention"]}),
+          r"sliding-window layers by layer_types \(interleaved windows are covered for CwmForCausalLM only\)"),
+    error("check-cwm-unknown-layer-type",
+          with_config("check", "cwm-chunked", lambda: cwm_config(layer_types=["sliding_attention", "chunked_attention"])),
+          r"CwmForCausalLM: .*layer_types \['chunked_attention'\]: only sliding_attention / full_attention"),
+    error("check-mistral-window-of-zero", with_config("check", "mistral-window-0", lambda: mistral_config(sliding_window=0)),
+          r"MistralForCausalLM: .*sliding_window=0: a positive number of tokens \(or null\)"),
+    error("bisect-mistral-llama-4-scaling",
+          with_config("bisect", "mistral-l4", lambda: mistral_config(llama_4_scaling={"beta": 0.1})),
+          r"llama_4_scaling \(position-dependent query scaling\): set it to null"),
+    error("check-mistral-time-conditioned-norms",
+          with_config("check", "mistral-ada", lambda: mistral_config(ada_rms_norm_t_cond=True)),
+          r"ada_rms_norm_t_cond \(time-conditioned norms\): set it to false"),
+    error("check-gelu-mlp", with_config("check", "llama-gelu", lambda: {**tiny_config(), "hidden_act": "gelu"}),
+          NOT_ALIGNED + r"hidden_act='gelu': only SwiGLU \(silu\) MLPs"),
+    error("bisect-mlp-bias", with_config("bisect", "llama-mlp-bias", lambda: {**tiny_config(), "mlp_bias": True}),
+          NOT_ALIGNED + r"mlp_bias: set it to false"),
+    error("check-non-causal", with_config("check", "llama-non-causal", lambda: {**tiny_config(), "is_causal": False}),
+          NOT_ALIGNED + r"a non-causal model: only causal decoders"),
+    error("check-quantized-experts",
+          with_config("check", "mixtral-fp8", lambda: mixtral_config(quantization_config={"quant_method": "fp8"})),
+          r"MixtralForCausalLM: .*quantized experts \(quantization_config 'fp8'\): use an unquantized checkpoint"),
+    error("check-qwen3-moe-shared-expert",
+          with_config("check", "qwen3-moe-shared", lambda: qwen3_moe_config(shared_expert_intermediate_size=96)),
+          r"Qwen3MoeForCausalLM with shared_expert_intermediate_size > 0 is not covered: set it to 0"),
+    error("bisect-glm-tied-head", with_config("bisect", "glm-tied", lambda: glm4_moe_config(tie_word_embeddings=True)),
+          r"Glm4MoeForCausalLM: .*tie_word_embeddings=true \(vLLM's GLM-4.5 model never ties the head\): untie it"),
+    error("check-glm-expert-groups", with_config("check", "glm-groups", lambda: glm4_moe_config(n_group=3)),
+          r"n_routed_experts=8 not divisible by n_group=3"),
+    error("check-mla-latent-rank", with_config("check", "mla-rank-256", lambda: mla_config(first_k_dense_replace=2,
+                                                                                           kv_lora_rank=256),
+                                               base=tiny_mla_moe_model),
+          r"kv_lora_rank=256, qk_rope_head_dim=64: vLLM's CPU MLA decode kernel runs only kv_lora_rank=512"),
+    error("check-mla-sparse-attention", with_config("check", "mla-index", lambda: mla_config(first_k_dense_replace=2,
+                                                                                             index_topk=64),
+                                                    base=tiny_mla_moe_model),
+          r"index_topk \(DeepSeek-V3\.2 sparse attention\): vLLM runs sparse MLA on no CPU"),
+    error("check-deepseek-v3-greedy-routing",
+          with_config("check", "v3-greedy", lambda: deepseek_v3_config(topk_method="greedy", scoring_func="softmax"),
+                      base=tiny_mla_moe_model),
+          r"DeepseekV3ForCausalLM: .*MoE routing topk_method='greedy', scoring_func='softmax': covered only as "
+          r"DeepSeek-V3 routes"),
+    error("check-deepseek-v3-expert-groups",
+          with_config("check", "v3-groups", lambda: deepseek_v3_config(n_group=3), base=tiny_mla_moe_model),
+          r"DeepseekV3ForCausalLM: .*n_routed_experts=4 not divisible by n_group=3"),
+    # The Megatron face's own refusals.
+    error("check-megatron-o-proj-bias",
+          with_config("check", "llama-attention-bias", lambda: {**tiny_config(), "attention_bias": True}, "--trainer", "megatron"),
+          r"\(--trainer megatron\): LlamaForCausalLM: an o_proj bias \(attention_bias=true\) is not supported by the "
+          r"Megatron face.*\. --trainer aligned runs this model"),
+    error("bisect-megatron-rope-scaling",
+          with_config("bisect", "llama-linear-rope",
+                      lambda: {**tiny_config(), "rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}},
+                      "--trainer", "megatron"),
+          r"rope scaling 'linear' is not supported by the Megatron face\. --trainer aligned runs this model"),
+    error("check-megatron-mla",
+          with_config("check", "mla-dense", lambda: mla_config(first_k_dense_replace=2), "--trainer", "megatron",
+                      base=tiny_mla_moe_model),
+          r"DeepseekV2ForCausalLM: not supported by the Megatron face: multi-head latent attention .*\. "
+          r"--trainer aligned runs this model"),
     # ----- the prompts file ----------------------------------------------------------------
     error("check-jsonl-without-prompt-key",
           lambda: check("--prompts", jsonl("text-key.jsonl", {"prompt": "a b"}, {"text": "hello"}))(),

@@ -205,15 +205,47 @@ def unsupported_lora_settings(config: dict, supported: tuple[str, ...] = ALIGNED
     return out
 
 
+def malformed_lora_settings(config) -> list[str]:
+    """What in an ``adapter_config.json`` (as read from JSON) is not what PEFT writes, one
+    sentence each: not an object, a ``lora_alpha`` that is not a finite number, ``target_modules``
+    that are not module names, a NaN or an infinity anywhere. Empty when it can be read."""
+    if not isinstance(config, dict):
+        return [f"not a JSON object (it holds a {type(config).__name__}): PEFT writes one object of settings"]
+    out = []
+    bad_numbers = sorted(k for k, v in config.items() if isinstance(v, float) and not math.isfinite(v))
+    out.extend(f"{k}={config[k]!r}: give a finite number" for k in bad_numbers)
+    alpha = config.get("lora_alpha")
+    if "lora_alpha" not in config:
+        out.append("lora_alpha is missing: give the adapter's alpha (a number)")
+    elif "lora_alpha" not in bad_numbers and (isinstance(alpha, bool) or not isinstance(alpha, (int, float))):
+        out.append(f"lora_alpha={alpha!r}: must be a number (PEFT writes e.g. 16), not a {type(alpha).__name__}")
+    targets = config.get("target_modules")
+    if targets is not None and not isinstance(targets, str) and not (
+        isinstance(targets, list) and all(isinstance(t, str) for t in targets)
+    ):
+        out.append(f"target_modules={targets!r}: give module names, a list of strings")
+    for key in ("use_rslora", "use_dora"):
+        if config.get(key) is not None and not isinstance(config[key], bool):
+            out.append(f"{key}={config[key]!r}: must be true or false")
+    return out
+
+
 def read_lora_config(adapter_dir: str | os.PathLike, supported: tuple[str, ...] = ALIGNED_LORA_TARGETS) -> LoRAConfig:
     """Read and check ``adapter_config.json`` with vLLM's ``PEFTHelper``; refuse what the aligned
-    path does not run for a model adapting ``supported``, naming each setting."""
+    path does not run for a model adapting ``supported``, naming each setting; a file that is not
+    a readable adapter config (:func:`malformed_lora_settings`) is a ``ValueError`` naming it."""
     from vllm.lora.peft_helper import PEFTHelper
 
     path = Path(adapter_dir) / CONFIG_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{path}: a PEFT adapter directory needs {CONFIG_FILE} and {WEIGHTS_FILE}")
-    raw = json.loads(path.read_text())
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{path}: not a JSON file ({error})") from None
+    malformed = malformed_lora_settings(raw)
+    if malformed:
+        raise ValueError(f"{path}: " + "; ".join(malformed))
     problems = unsupported_lora_settings(raw, supported)
     if problems:
         raise NotImplementedError(f"{adapter_dir}: LoRA adapter not supported: " + "; ".join(problems))

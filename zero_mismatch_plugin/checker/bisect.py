@@ -3,7 +3,8 @@
 Both sides get the same packed input (prompts plus fixed pseudo-random response tokens, teacher
 forced) and report every intermediate output under the names of :mod:`.oplist`. They are
 compared in execution order; the first op whose output is not bitwise equal is where the two
-computations part. Everything after it differs too, as a consequence, so it is reported, not
+computations part. A NaN or an infinity in an op's output, on either side, fails that op: it is
+reported as non-finite values, never as equal. Everything after it differs too, as a consequence, so it is reported, not
 blamed. An op only one side exposes is listed as not compared.
 
 No engine is started: the engine side is vLLM's model built in this process (see
@@ -43,6 +44,7 @@ class BisectResult:
             "first_differing_op": self.first_differing_op,
             "max_abs_diff": first.max_abs_diff if first else 0.0,
             "equal_fraction": first.equal_fraction if first else 1.0,
+            "problem": first.problem if first else None,
             "ops_compared": len(self.ops),
             "ops_differing": sum(not op.equal for op in self.ops),
             "not_compared": self.not_compared,

@@ -1,7 +1,9 @@
 """The checks of ``zmrl check``: a live vLLM engine against a trainer backend, same weights.
 
 Each check returns a :class:`CheckResult` (pass/fail plus figures). Bitwise means fp32
-``==`` on every compared value; the figures say how far off the rest is.
+``==`` on every compared value, and finite: a NaN or an infinity on either side fails the check
+and is reported as such (``non_finite``), never as equal nor as a repeatability or batch
+problem; the figures say how far off the rest is (over the values finite on both sides).
 """
 
 from __future__ import annotations
@@ -68,20 +70,54 @@ class CheckResult:
         return {"pass": self.passed, **self.figures}
 
 
-def _diff_figures(trainer: torch.Tensor, engine: torch.Tensor) -> dict:
-    equal = trainer == engine
-    diff = (trainer.double() - engine.double()).abs()
-    return dict(
+def _diff_figures(trainer: torch.Tensor, engine: torch.Tensor, sides=("trainer", "engine")) -> dict:
+    """Bitwise-equal fraction (equal and finite), the differences among values finite on both
+    sides, and, when there are any, the non-finite values of each side (named by ``sides``)."""
+    from .oplist import bitwise_equal_finite
+
+    equal = bitwise_equal_finite(trainer, engine)
+    finite = torch.isfinite(trainer) & torch.isfinite(engine)
+    diff = (trainer.double() - engine.double()).abs()[finite]
+    figures = dict(
         bitwise_equal_fraction=float(equal.float().mean().item()) if equal.numel() else 1.0,
         max_abs_diff=float(diff.max().item()) if diff.numel() else 0.0,
         mean_abs_diff=float(diff.mean().item()) if diff.numel() else 0.0,
     )
+    counts = {sides[0]: _non_finite(trainer), sides[1]: _non_finite(engine)}
+    if any(counts.values()):
+        figures["non_finite"] = counts
+    return figures
+
+
+def _non_finite(values: torch.Tensor) -> int:
+    return int((~torch.isfinite(values)).sum().item())
+
+
+def _non_finite_words(figures: dict, what: str = "logprobs") -> str:
+    """"non-finite logprobs (trainer 3, engine 0); " when the figures hold any, else ""."""
+    counts = figures.get("non_finite")
+    if not counts:
+        return ""
+    return f"non-finite {what} (" + ", ".join(f"{side} {n}" for side, n in counts.items()) + "); "
 
 
 def mean_k3(trainer: torch.Tensor, engine: torch.Tensor) -> float:
-    """Mean of w - 1 - log w over tokens, w = π/μ (trainer over engine): 0 iff w = 1."""
-    log_w = trainer.double() - engine.double()
+    """Mean of w - 1 - log w over tokens, w = π/μ (trainer over engine): 0 iff w = 1. Over the
+    tokens finite on both sides (the non-finite ones are counted by :func:`_diff_figures`)."""
+    finite = torch.isfinite(trainer) & torch.isfinite(engine)
+    log_w = trainer.double()[finite] - engine.double()[finite]
     return float((log_w.exp() - 1 - log_w).mean().item()) if log_w.numel() else 0.0
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """The same values bit for bit (a NaN repeats itself when its bits do): whether a forward
+    is repeatable, which a NaN must not read as failing (``torch.equal`` is False on NaN)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if a.is_floating_point() and a.element_size() in (2, 4, 8):
+        bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+        return bool(torch.equal(a.contiguous().view(bits), b.contiguous().view(bits)))
+    return bool(torch.equal(a, b))
 
 
 def _pct(x: float) -> str:
@@ -106,7 +142,7 @@ def sampled_token_check(backend, completions) -> CheckResult:
         start = time.perf_counter()
         trainer = backend.token_logprobs(batch)
         seconds = min(seconds, time.perf_counter() - start)
-        repeatable &= bool(torch.equal(first, trainer))
+        repeatable &= _same_bits(first, trainer)
     figures = dict(
         tokens=int(engine.numel()),
         sequences=len(completions),
@@ -118,7 +154,8 @@ def sampled_token_check(backend, completions) -> CheckResult:
     )
     passed = figures["bitwise_equal_fraction"] == 1.0 and engine.numel() > 0 and repeatable
     summary = (
-        ("" if repeatable else "trainer NOT repeatable run to run; ")
+        _non_finite_words(figures)
+        + ("" if repeatable else "trainer NOT repeatable run to run; ")
         + f"{_pct(figures['bitwise_equal_fraction'])} of {figures['tokens']} sampled-token logprobs "
         f"bitwise equal; max |Δ| {figures['max_abs_diff']:.3g}; mean k3 {figures['mean_k3']:.3g}; "
         f"trainer {figures['verified_tokens_per_second']:.0f} tokens/s"
@@ -141,7 +178,9 @@ def full_distribution_check(backend, completions, full_vocab: bool, vocab_size: 
             engine_values.append(logprob)
     engine = torch.tensor(engine_values, dtype=torch.float32)
     trainer = full[torch.tensor(rows, dtype=torch.long), torch.tensor(ids, dtype=torch.long)]
-    equal = (trainer == engine).tolist()
+    from .oplist import bitwise_equal_finite
+
+    equal = bitwise_equal_finite(trainer, engine).tolist()
     positions_equal = {}
     for r, same in zip(rows, equal):
         positions_equal[r] = positions_equal.get(r, True) and same
@@ -155,7 +194,8 @@ def full_distribution_check(backend, completions, full_vocab: bool, vocab_size: 
     )
     passed = figures["bitwise_equal_fraction"] == 1.0 and engine.numel() > 0
     summary = (
-        f"{_pct(figures['bitwise_equal_fraction'])} of {figures['entries']} logprobs "
+        _non_finite_words(figures)
+        + f"{_pct(figures['bitwise_equal_fraction'])} of {figures['entries']} logprobs "
         f"({figures['compared']}, {figures['positions']} positions) bitwise equal; "
         f"max |Δ| {figures['max_abs_diff']:.3g}"
     )
@@ -182,6 +222,15 @@ def selection_agreement(engine: torch.Tensor, trainer: torch.Tensor) -> float:
     return float(same.float().mean().item()) if same.numel() else 1.0
 
 
+def _router_non_finite(engine_record: dict, trainer_record: dict, layer: int) -> dict | None:
+    """NaN / infinite router logits of MoE layer ``layer`` per side (where recorded), or None."""
+    from .oplist import non_finite_counts
+
+    name = f"layers.{layer}.router"
+    empty = torch.zeros(0)
+    return non_finite_counts(engine_record.get(name, empty), trainer_record.get(name, empty))
+
+
 def expert_selection_check(backend, completions, engine_modules) -> CheckResult:
     """Per MoE layer, the fraction of tokens whose top-k expert set the trainer chose as the
     engine's router did. The engine side is vLLM's model (``engine_modules``,
@@ -192,8 +241,9 @@ def expert_selection_check(backend, completions, engine_modules) -> CheckResult:
     batch = pack([c.prompt for c in completions], [c.tokens for c in completions])
     engine_record: dict = {}
     engine_modules.forward(batch, engine_record)
+    trainer_record = backend.intermediates(batch)
     engine = _selections(engine_record)
-    trainer = _selections(backend.intermediates(batch))
+    trainer = _selections(trainer_record)
     missing = sorted(set(engine) - set(trainer))
     if not engine:
         raise CheckSkipped("vLLM's modules reported no expert choice")
@@ -207,9 +257,15 @@ def expert_selection_check(backend, completions, engine_modules) -> CheckResult:
         per_layer=per_layer,
         min_agreement=min(per_layer.values()),
     )
-    passed = figures["min_agreement"] == 1.0
+    # Experts chosen from NaN / infinite router logits agree by accident: a failure of its own.
+    non_finite = {str(i): counts for i in sorted(engine)
+                  if (counts := _router_non_finite(engine_record, trainer_record, i)) is not None}
+    if non_finite:
+        figures["non_finite_router_logits"] = non_finite
+    passed = figures["min_agreement"] == 1.0 and not non_finite
     summary = (
-        f"top-{figures['top_k']} expert sets equal for "
+        ("non-finite router logits in layers " + ", ".join(non_finite) + "; " if non_finite else "")
+        + f"top-{figures['top_k']} expert sets equal for "
         + ", ".join(f"layer {i}: {_pct(v)}" for i, v in per_layer.items())
         + f" of {figures['tokens']} tokens (engine side: vLLM's modules, teacher-forced)"
     )
@@ -239,7 +295,8 @@ def _run_expert_selection(llm, backend, completions, options: CheckOptions) -> C
 
 
 def _compare_completions(reference, other) -> dict:
-    """Tokens identical? Logprobs bitwise equal up to the first differing token."""
+    """Tokens identical? Logprobs bitwise equal (and finite) up to the first differing token;
+    ``non_finite``: the NaN / infinite logprobs among them (either run), a failure of its own."""
     same_tokens = reference.tokens == other.tokens
     n = 0
     while n < min(len(reference.tokens), len(other.tokens)) and reference.tokens[n] == other.tokens[n]:
@@ -247,13 +304,18 @@ def _compare_completions(reference, other) -> dict:
     # Compare the logprobs of the common prefix (after a differing token the contexts differ).
     ref = torch.tensor(reference.logprobs[: max(n, 1)], dtype=torch.float32)
     oth = torch.tensor(other.logprobs[: max(n, 1)], dtype=torch.float32)
-    equal = ref == oth
+    from .oplist import bitwise_equal_finite
+
+    equal = bitwise_equal_finite(ref, oth)
+    finite = torch.isfinite(ref) & torch.isfinite(oth)
+    diff = (ref.double() - oth.double()).abs()[finite]
     return dict(
         identical=bool(same_tokens and bool(equal.all())),
         tokens_identical=same_tokens,
         compared=int(ref.numel()),
         equal=int(equal.sum()),
-        max_abs_diff=float((ref.double() - oth.double()).abs().max().item()) if ref.numel() else 0.0,
+        max_abs_diff=float(diff.max().item()) if diff.numel() else 0.0,
+        non_finite=_non_finite(ref) + _non_finite(oth),
     )
 
 
@@ -270,6 +332,7 @@ def batch_composition_check(llm, prompts, options: CheckOptions, progress=None) 
     per_size = {}
     all_identical = True
     worst = 0.0
+    non_finite = 0
     for size in sizes:
         results = [None] * len(prompts)
         for start in range(0, len(prompts), size):
@@ -291,6 +354,7 @@ def batch_composition_check(llm, prompts, options: CheckOptions, progress=None) 
         compared = sum(r["compared"] for r in rows)
         equal = sum(r["equal"] for r in rows)
         max_diff = max(r["max_abs_diff"] for r in rows)
+        non_finite += sum(r["non_finite"] for r in rows)
         per_size[str(size)] = dict(
             sequences_identical=identical,
             sequences=len(rows),
@@ -308,12 +372,15 @@ def batch_composition_check(llm, prompts, options: CheckOptions, progress=None) 
         bitwise_equal_fraction=min(v["bitwise_equal_fraction"] for v in per_size.values()),
         max_abs_diff=worst,
     )
+    if non_finite:
+        figures["non_finite"] = {"engine": non_finite}
     parts = [
         f"b={s}: {v['sequences_identical']}/{v['sequences']} identical, "
         f"{_pct(v['bitwise_equal_fraction'])} logprobs equal"
         for s, v in per_size.items()
     ]
-    summary = "alone vs in batch — " + "; ".join(parts) + f"; max |Δ| {worst:.3g}"
+    summary = (_non_finite_words(figures, "engine logprobs: not a batch effect")
+               + "alone vs in batch — " + "; ".join(parts) + f"; max |Δ| {worst:.3g}")
     return CheckResult(BATCH_COMPOSITION, all_identical, figures, summary)
 
 
@@ -356,10 +423,13 @@ def prefix_cache_check(llm, prompts, options: CheckOptions, progress=None, backe
         bitwise_equal_fraction=cmp["equal"] / cmp["compared"] if cmp["compared"] else 1.0,
         max_abs_diff=cmp["max_abs_diff"],
     )
+    if cmp["non_finite"]:
+        figures["non_finite"] = {"engine": cmp["non_finite"]}
     hit_happened = hit.num_cached_tokens > 0 and miss.num_cached_tokens == 0
     passed = cmp["identical"] and hit_happened
     summary = (
-        f"{hit.num_cached_tokens}/{length} prompt tokens from cache: tokens "
+        _non_finite_words(figures, "engine logprobs: not a cache effect")
+        + f"{hit.num_cached_tokens}/{length} prompt tokens from cache: tokens "
         f"{'identical' if cmp['tokens_identical'] else 'differ'}, "
         f"{_pct(figures['bitwise_equal_fraction'])} logprobs equal, max |Δ| {cmp['max_abs_diff']:.3g}"
     )
@@ -370,6 +440,8 @@ def prefix_cache_check(llm, prompts, options: CheckOptions, progress=None, backe
         on_hit = _diff_figures(trainer, torch.tensor(hit.logprobs, dtype=torch.float32))
         figures["trainer_on_hit_bitwise_equal_fraction"] = on_hit["bitwise_equal_fraction"]
         figures["trainer_on_hit_max_abs_diff"] = on_hit["max_abs_diff"]
+        if "non_finite" in on_hit:
+            figures["trainer_on_hit_non_finite"] = on_hit["non_finite"]
         summary += f"; trainer on the hit {_pct(on_hit['bitwise_equal_fraction'])} equal"
     if not hit_happened:
         summary += " (no cache hit happened: nothing was compared against a hit)"
@@ -386,10 +458,11 @@ def prefill_vs_decode_check(llm, completions) -> CheckResult:
     scored = eng.rescore(llm, completions)
     prefill = torch.tensor([lp for row in scored for lp in row], dtype=torch.float32)
     decode = torch.tensor([lp for c in completions for lp in c.logprobs], dtype=torch.float32)
-    figures = dict(tokens=int(decode.numel()), **_diff_figures(prefill, decode))
+    figures = dict(tokens=int(decode.numel()), **_diff_figures(prefill, decode, sides=("prefill", "decode")))
     passed = figures["bitwise_equal_fraction"] == 1.0 and decode.numel() > 0
     summary = (
-        f"{_pct(figures['bitwise_equal_fraction'])} of {figures['tokens']} tokens: prefill "
+        _non_finite_words(figures, "engine logprobs")
+        + f"{_pct(figures['bitwise_equal_fraction'])} of {figures['tokens']} tokens: prefill "
         f"(prompt_logprobs) == decode bitwise; max |Δ| {figures['max_abs_diff']:.3g}"
     )
     return CheckResult(PREFILL_VS_DECODE, passed, figures, summary)

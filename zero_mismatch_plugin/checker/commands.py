@@ -6,6 +6,7 @@ import json
 import os
 import sys
 
+from . import checkpoint_inputs
 from . import engine as eng
 from . import inputs
 from .backends import BackendUnavailable, load_backend
@@ -26,16 +27,23 @@ def parse_batch_sizes(text: str) -> tuple[int, ...]:
 
 
 def validated_inputs(args) -> tuple[int, list[list[int]]]:
-    """(max_model_len, prompt token ids) once every input has been checked; nothing is started."""
+    """(max_model_len, prompt token ids) once every input has been checked; nothing is started.
+
+    The checkpoint as the chosen ``--trainer`` face builds it is checked here too
+    (:func:`.checkpoint_inputs.precheck_model`), and last its weights are read once for NaN and
+    infinities (:func:`.checkpoint_inputs.require_finite_weights`)."""
     inputs.require_at_least("--num-prompts", args.num_prompts)
     inputs.require_at_least("--max-tokens", args.max_tokens)
     inputs.require_seed(args.seed)
-    config = inputs.read_checkpoint_config(args.model)
+    config = checkpoint_inputs.read_checkpoint_config(args.model)
     max_model_len = inputs.resolve_max_model_len(config, args.max_model_len)
     inputs.require_json_destination(args.json)
+    checkpoint_inputs.precheck_model(args.model, args.trainer)
+    checkpoint_inputs.load_tokenizer(args.model)
     vocab = config.get("vocab_size") if isinstance(config.get("vocab_size"), int) else None
     prompts = eng.load_prompts(args.model, args.prompts, args.num_prompts, vocab)
     inputs.require_prompts_fit(prompts, args.max_tokens, max_model_len)
+    checkpoint_inputs.require_finite_weights(checkpoint_inputs.weight_files(args.model))
     return max_model_len, prompts
 
 
@@ -87,6 +95,7 @@ def lora_options(args) -> dict:
         return {}
     if args.trainer not in ("aligned", "megatron"):
         raise inputs.CheckerInputError(f"--lora is supported with --trainer aligned or megatron, not {args.trainer!r}")
+    checkpoint_inputs.validate_adapter(lora_dir)
     try:
         lora_config, _ = eng.served_adapter(args.model, lora_dir)
     except NotImplementedError as error:
@@ -179,10 +188,7 @@ def format_bisect_table(result, header: str) -> str:
             f"({result.tokens} tokens, {result.target_tokens} scored)"
         )
     else:
-        lines.append(
-            f"first differing op: {first.name}  max |Δ| {first.max_abs_diff:.3g}, "
-            f"{100 * first.equal_fraction:.1f}% of {first.numel} values equal"
-        )
+        lines.append(f"first differing op: {first.name}  {first.problem}")
     lines.append("")
     width = max(len(op.name) for op in result.ops) if result.ops else 10
     lines.append(f"{'op'.ljust(width)}  bitwise  max |Δ|    equal")
@@ -195,7 +201,7 @@ def format_bisect_table(result, header: str) -> str:
                 lines.append(f"... {len(result.ops) - result.ops.index(op)} more ops ({max(rest, 0)} more differ)")
                 break
             shown_after += 1
-        mark = "equal" if op.equal else "DIFF"
+        mark = "equal" if op.equal else ("NaN/inf" if op.non_finite else "DIFF")
         lines.append(
             f"{op.name.ljust(width)}  {mark:7s}  {op.max_abs_diff:<9.3g}  {100 * op.equal_fraction:.1f}%"
             + (f"  {op.shape_mismatch}" if op.shape_mismatch else "")

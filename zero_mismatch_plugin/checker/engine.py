@@ -157,14 +157,13 @@ def load_prompts(model_dir, prompts_file: str | None, num_prompts: int, vocab_si
     ``prompt_token_ids`` per line (see :func:`.inputs.read_prompt_file`); token ids must lie in
     ``[0, vocab_size)``.
     """
-    from transformers import AutoTokenizer
-
+    from .checkpoint_inputs import load_tokenizer
     from .inputs import CheckerInputError, read_prompt_file
 
     sources = read_prompt_file(prompts_file, vocab_size) if prompts_file else list(DEFAULT_PROMPTS)
     tokenizer = None
     if any(isinstance(source, str) for source in sources):
-        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        tokenizer = load_tokenizer(model_dir)
     prompts = []
     for i in range(num_prompts):
         source = sources[i % len(sources)]

@@ -1,10 +1,10 @@
 """What ``zmrl check`` / ``zmrl bisect`` refuse before any engine or model is built.
 
 Starting vLLM takes tens of seconds and ``check`` runs for minutes, so every input that cannot
-work is refused first, with a message that says what to change: option values, the checkpoint
-directory (config.json, an architecture the aligned forward supports, safetensors weights), the
-prompts file (line by line), whether each prompt plus its response fits ``--max-model-len``, and
-where the JSON result would be written.
+work is refused first, with a message that says what to change: option values, the prompts file
+(line by line), whether each prompt plus its response fits ``--max-model-len``, and where the
+JSON result would be written. The checkpoint and adapter directories (config.json, weights,
+tokenizer, the model as the trainer face builds it) are :mod:`.checkpoint_inputs`'.
 """
 
 from __future__ import annotations
@@ -23,6 +23,19 @@ class CheckerInputError(ValueError):
     """An input the checker cannot run with; the message says what to change."""
 
 
+# The checkpoint's checks, which lived here, are :mod:`.checkpoint_inputs`' (which imports this
+# module): still reachable under their old names.
+_MOVED = ("read_checkpoint_config", "require_supported_architecture", "supported_architectures")
+
+
+def __getattr__(name: str):
+    if name in _MOVED:
+        from . import checkpoint_inputs
+
+        return getattr(checkpoint_inputs, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def require_at_least(option: str, value: int, minimum: int = 1) -> None:
     if value < minimum:
         raise CheckerInputError(f"{option} must be at least {minimum}, got {value}")
@@ -31,51 +44,6 @@ def require_at_least(option: str, value: int, minimum: int = 1) -> None:
 def require_seed(seed: int) -> None:
     if not 0 <= seed <= MAX_SEED:
         raise CheckerInputError(f"--seed must be between 0 and {MAX_SEED}, got {seed}")
-
-
-def supported_architectures() -> tuple[str, ...]:
-    from zero_mismatch_plugin.architectures import SUPPORTED_ARCHITECTURES
-
-    return SUPPORTED_ARCHITECTURES
-
-
-def read_checkpoint_config(model_dir) -> dict:
-    """config.json of a checkpoint the checker can run: a directory with safetensors weights
-    whose architecture the aligned forward supports."""
-    path = Path(model_dir)
-    if not path.exists():
-        raise CheckerInputError(f"--model {path}: no such directory (give a Hugging Face checkpoint directory)")
-    if not path.is_dir():
-        raise CheckerInputError(f"--model {path} is a file; give the checkpoint's directory")
-    config_file = path / "config.json"
-    if not config_file.is_file():
-        raise CheckerInputError(f"--model {path} has no config.json: give a Hugging Face checkpoint directory")
-    try:
-        config = json.loads(config_file.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise CheckerInputError(f"cannot read {config_file}: {error}") from None
-    if not isinstance(config, dict):
-        raise CheckerInputError(f"{config_file} is not a JSON object")
-    require_supported_architecture(config, config_file)
-    if not any(path.glob("*.safetensors")):
-        raise CheckerInputError(f"--model {path} holds no weights: no *.safetensors file next to config.json")
-    return config
-
-
-def require_supported_architecture(config: dict, config_file) -> str:
-    supported = supported_architectures()
-    architectures = config.get("architectures")
-    if not isinstance(architectures, list) or not architectures or not isinstance(architectures[0], str):
-        raise CheckerInputError(
-            f"{config_file} names no architecture (\"architectures\": {architectures!r}); "
-            f"supported: {', '.join(supported)}"
-        )
-    if architectures[0] not in supported:
-        raise CheckerInputError(
-            f"architecture {architectures[0]} ({config_file}) is not supported by the aligned forward; "
-            f"supported: {', '.join(supported)}"
-        )
-    return architectures[0]
 
 
 def resolve_max_model_len(config: dict, requested: int | None) -> int:

@@ -17,6 +17,10 @@ With a LoRA adapter each wrapped linear is followed by its two LoRA steps (``<li
 ``<linear>.lora_expand``), the shared expert's linears included. An adapter on the routed experts
 is inside ``experts`` (vLLM's MoE layer adds it within its fused computation), one on
 embed_tokens / lm_head inside ``embed`` / ``logits``.
+
+Bitwise means equal and finite: a NaN or an infinity on either side is a failure of that op
+(reported as non-finite values, with how many on each side), never "equal", even where both
+sides hold the same NaN: a forward that produces one has already failed, whatever the other does.
 """
 
 from __future__ import annotations
@@ -181,21 +185,56 @@ class OpComparison:
     numel: int
     num_differing: int = 0
     shape_mismatch: str | None = None
+    # Non-finite values (NaN, +-inf) per side; None when both sides are finite everywhere.
+    non_finite: dict[str, int] | None = None
 
     def as_dict(self) -> dict:
         """The report's JSON row (``name`` as ``op``, ``equal`` as ``bitwise_equal``; a shape
-        mismatch only when there is one)."""
+        mismatch and non-finite counts only when there are any)."""
         row = {_REPORT_KEYS.get(key, key): value for key, value in asdict(self).items()}
-        if not self.shape_mismatch:
-            del row["shape_mismatch"]
+        for key in ("shape_mismatch", "non_finite"):
+            if not row[key]:
+                del row[key]
         return row
+
+    @property
+    def problem(self) -> str:
+        """What is wrong with this op in words ("" when it is equal)."""
+        if self.equal:
+            return ""
+        if self.shape_mismatch:
+            return f"shapes differ: {self.shape_mismatch}"
+        if self.non_finite:
+            return (f"non-finite values in op {self.name} (engine {self.non_finite['engine']}, "
+                    f"trainer {self.non_finite['trainer']} of {self.numel})")
+        return f"max |Δ| {self.max_abs_diff:.3g}, {100 * self.equal_fraction:.1f}% of {self.numel} values equal"
 
 
 _REPORT_KEYS = {"name": "op", "equal": "bitwise_equal"}
 
 
+def bitwise_equal_finite(reference: torch.Tensor, candidate: torch.Tensor) -> torch.Tensor:
+    """Where both values are finite and equal (same shape in): a NaN or an infinity is never
+    equal, on either side, even to itself."""
+    return (reference == candidate) & torch.isfinite(reference) & torch.isfinite(candidate)
+
+
+def non_finite_counts(engine, trainer) -> dict[str, int] | None:
+    """NaN / +-inf values of each side (a tensor or a tuple of them), or None when there are none."""
+    counts = {"engine": _non_finite(engine), "trainer": _non_finite(trainer)}
+    return counts if any(counts.values()) else None
+
+
+def _non_finite(value) -> int:
+    if isinstance(value, (tuple, list)):
+        return sum(_non_finite(v) for v in value)
+    t = value.detach()
+    return int((~torch.isfinite(t)).sum().item()) if t.is_floating_point() else 0
+
+
 def compare_op(name: str, reference, candidate) -> OpComparison:
-    """Bitwise comparison of one op's outputs (reference = engine side)."""
+    """Bitwise comparison of one op's outputs (reference = engine side); non-finite values on
+    either side fail it (see the module docstring)."""
     ref = as_rows(reference)
     cand = as_rows(candidate, ref.shape[0]) if _numel(candidate) == ref.numel() else None
     if cand is None or cand.shape != ref.shape:
@@ -207,12 +246,12 @@ def compare_op(name: str, reference, candidate) -> OpComparison:
             numel=ref.numel(),
             num_differing=ref.numel(),
             shape_mismatch=f"engine {tuple(ref.shape)} vs trainer {_shape(candidate)}",
+            non_finite=non_finite_counts(reference, candidate),
         )
-    same = ref == cand
-    # NaNs never compare equal; two NaNs in the same place are the same result.
-    same |= torch.isnan(ref) & torch.isnan(cand)
-    # Equal infinities would give inf - inf = nan; only differing values count.
-    diff = torch.where(same, torch.zeros_like(ref), (ref - cand).abs())
+    same = bitwise_equal_finite(ref, cand)
+    finite = torch.isfinite(ref) & torch.isfinite(cand)
+    # The largest difference among values finite on both sides (non-finite ones are counted apart).
+    diff = torch.where(same | ~finite, torch.zeros_like(ref), (ref - cand).abs())
     max_diff = float(diff.max().item()) if diff.numel() else 0.0
     num_equal = int(same.sum().item())
     return OpComparison(
@@ -222,6 +261,7 @@ def compare_op(name: str, reference, candidate) -> OpComparison:
         equal_fraction=num_equal / same.numel() if same.numel() else 1.0,
         numel=ref.numel(),
         num_differing=same.numel() - num_equal,
+        non_finite=non_finite_counts(ref, cand),
     )
 
 
