@@ -88,7 +88,7 @@ def tiny_config() -> dict:
 @functools.cache
 def tiny_mla_moe_model() -> str:
     """A real tiny DeepSeek-V2 checkpoint: multi-head latent attention, layer 1 Mixture-of-Experts
-    with DeepSeek-V2's greedy softmax routing (built once)."""
+    whose routing groups are left unset, as transformers' DeepseekV2Config leaves them (built once)."""
     from zero_mismatch_plugin.tiny_models import build_tiny_mla_model
 
     return str(build_tiny_mla_model(_workdir() / "deepseek-v2-moe", first_k_dense_replace=1, architecture="deepseek_v2"))
@@ -267,7 +267,7 @@ CASES = [
     *(
         error(f"{command}-deepseek-v2-moe-with-mla-{trainer}", on_model(command, tiny_mla_moe_model, "--trainer", trainer),
               rf"--model .*deepseek-v2-moe \(--trainer {trainer}\): DeepseekV2ForCausalLM: {NOT_ALIGNED}"
-              r"Mixture-of-Experts MLPs in layers \[1\] \(MLA is covered with dense MLPs only\): set first_k_dense_replace=2")
+              r"n_group=None, topk_group=None: vLLM routes DeepSeek experts in groups always; state both in config\.json")
         for command, trainer in (("check", "aligned"), ("bisect", "aligned"), ("check", "hf"), ("bisect", "megatron"))
     ),
     error("check-sliding-window-on-llama", with_config("check", "llama-window", lambda: {**tiny_config(), "sliding_window": 12}),
@@ -311,14 +311,15 @@ CASES = [
                                                                                              index_topk=64),
                                                     base=tiny_mla_moe_model),
           r"index_topk \(DeepSeek-V3\.2 sparse attention\): vLLM runs sparse MLA on no CPU"),
-    error("check-deepseek-v3-greedy-routing",
-          with_config("check", "v3-greedy", lambda: deepseek_v3_config(topk_method="greedy", scoring_func="softmax"),
+    error("check-deepseek-v3-softmax-with-selection-bias",
+          with_config("check", "v3-noaux-softmax", lambda: deepseek_v3_config(scoring_func="softmax"),
                       base=tiny_mla_moe_model),
-          r"DeepseekV3ForCausalLM: .*MoE routing topk_method='greedy', scoring_func='softmax': covered only as "
-          r"DeepSeek-V3 routes"),
+          r"DeepseekV3ForCausalLM: .*MoE routing topk_method='noaux_tc', scoring_func='softmax': covered are "
+          r"topk_method 'noaux_tc' with scoring_func 'sigmoid'"),
     error("check-deepseek-v3-expert-groups",
           with_config("check", "v3-groups", lambda: deepseek_v3_config(n_group=3), base=tiny_mla_moe_model),
-          r"DeepseekV3ForCausalLM: .*n_routed_experts=4 not divisible by n_group=3"),
+          r"DeepseekV3ForCausalLM: .*n_routed_experts=4, n_group=3, topk_group=1: the experts must split into "
+          r"n_group equal groups"),
     # The Megatron face's own refusals.
     error("check-megatron-o-proj-bias",
           with_config("check", "llama-attention-bias", lambda: {**tiny_config(), "attention_bias": True}, "--trainer", "megatron"),
