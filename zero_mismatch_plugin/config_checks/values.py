@@ -134,6 +134,8 @@ KEYS: dict[str, Key] = {key.path: key for key in (
         help="null: read from the model's config.json when model.path is a local directory"),
     Key("zmrl.platform", STRING, None, nullable=True, choices=("cpu",),
         help="null: verl picks its device; cpu: `zmrl recipes run` launches on verl's CPU platform"),
+    Key("zmrl.smoke_inputs", STRING, None, nullable=True,
+        help="null: a CPU recipe run builds its tiny model and data set in ./zmrl-cpu-smoke-inputs"),
     # Environment of every Ray worker.
     Key(ENV_VARS_KEY, STRING_MAP, None, nullable=True, help="null: no variables"),
 )}
