@@ -199,15 +199,15 @@ def compose_verl_config(config_path: str | Path, config_name: str, overrides: It
 
     ``config_path``: a directory, ``file://DIR`` or ``pkg://PACKAGE`` (:func:`config_directory`).
     Raises :class:`ConfigComposeError` for an override of a key the config lacks (naming the keys
-    close to it), a config name the directory lacks and an override without ``=``; Hydra's own
-    error for anything else."""
+    close to it), a ``+key=value`` adding a key close to an existing one, a config name the
+    directory lacks and an override without ``=``; Hydra's own error for anything else."""
     from hydra.errors import ConfigCompositionException, MissingConfigException
 
     config_dir = config_directory(config_path)
     overrides = list(overrides)
     _without_equals(overrides)
     try:
-        return _compose(config_dir, config_name, overrides)
+        cfg = _compose(config_dir, config_name, overrides)
     except MissingConfigException as error:
         if str(error).startswith("Cannot find primary config"):
             raise _missing_config(config_dir, config_name) from None
@@ -217,6 +217,40 @@ def compose_verl_config(config_path: str | Path, config_name: str, overrides: It
         if replaced is error:
             raise
         raise replaced from None
+    _refuse_added_misspellings(config_dir, config_name, overrides)
+    return cfg
+
+
+def _added_keys(overrides: list[str]) -> list[str]:
+    """The ``+key=value`` overrides that add a config key (not ``++``, not a config group)."""
+    added = []
+    for override in overrides:
+        if override.startswith("+") and not override.startswith("++") and "=" in override:
+            key = _key_of(override)
+            if "." in key and "/" not in key and "@" not in key and \
+                    not any(key.startswith(f"{section}.") for section in OPEN_SECTIONS):
+                added.append(override)
+    return added
+
+
+def _refuse_added_misspellings(config_dir: Path, config_name: str, overrides: list[str]) -> None:
+    """A ``+key=value`` whose key is close to one the config has is the misspelling Hydra's advice
+    adds: nothing reads it, and the checks would pass. Refused, naming the key it is close to."""
+    added = _added_keys(overrides)
+    if not added:
+        return
+    paths = _paths(_compose(config_dir, config_name, [o for o in overrides if o not in added]))
+    messages = []
+    for override in added:
+        key = _key_of(override)
+        if key in paths:
+            continue
+        suggestion, _ = _close_key(key, paths)
+        if suggestion:
+            messages.append(f"{override!r} adds {key!r}, which verl's config does not define, so nothing reads it; "
+                            f"did you mean {suggestion}?")
+    if messages:
+        raise ConfigComposeError("; ".join(messages))
 
 
 def validate_config(cfg: DictConfig) -> list[Problem]:
