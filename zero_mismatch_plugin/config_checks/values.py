@@ -256,7 +256,8 @@ def read(cfg: DictConfig, path: str) -> Any:
 
 
 def value_errors(cfg: DictConfig) -> list[ConfigValueError]:
-    """Every listed key that is present but null where not allowed, mistyped or out of range.
+    """Every listed key that is present but null where not allowed, mistyped or out of range, and
+    every plugin switch in Ray's environment that holds a value the runtime refuses (:func:`switch_errors`).
 
     Absent keys are not reported here: they take their default, and a required one is reported
     by the check that needs it.
