@@ -347,7 +347,9 @@ def run_recipe(
     """Validate (:func:`validate_recipe`), then launch verl's trainer (or print the command under ``dry_run``).
 
     Exit status: 2 if the recipe does not exist or compose, 1 if validation finds a fatal problem
-    (the trainer is not started, also under ``dry_run``), else the launcher's status (0 for a dry run).
+    (the trainer is not started, also under ``dry_run``), 2 if a CPU run could not write its inputs or
+    verl's Hydra run directory (checked before anything is built), else the launcher's status (0 for
+    a dry run).
     ``allow_unaligned_trainer`` adds the override that runs the trainer without the aligned forward
     (a loud warning says diff 0 cannot hold).
     """
