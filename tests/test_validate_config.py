@@ -55,7 +55,8 @@ COMMON_BREAKAGES = [
     ("algorithm.rollout_correction.rollout_is=token", "algorithm.rollout_correction.rollout_is", "must be null"),
     ("algorithm.rollout_correction.rollout_rs=seq_mean_k3", "algorithm.rollout_correction.rollout_rs", "must be null"),
     ("trainer.use_v1=false", "trainer.use_v1", "legacy trainer"),
-    ("+actor_rollout_ref.actor.policy_loss.trust_region_detla=0.1",
+    # ++ adds any key; the policy-loss check then names it (a single + is refused while composing, below).
+    ("++actor_rollout_ref.actor.policy_loss.trust_region_detla=0.1",
      "actor_rollout_ref.actor.policy_loss.trust_region_detla", "unknown key"),
     ("++actor_rollout_ref.actor.policy_loss.trust_region_delta=-1", "actor_rollout_ref.actor.policy_loss",
      "trust_region_delta must be a positive number"),
@@ -330,7 +331,8 @@ def test_a_misspelt_key_is_matched_segment_by_segment_or_by_its_name_elsewhere()
     assert _close_key("a.policy_los.loss_mode", paths) == ("'a.policy_loss.loss_mode'", "a")
     assert _close_key("b.ppo_epochs", paths) == ("'a.ppo_epochs' or 'c.ppo_epochs'", "b")
     assert _close_key("b.unrelated", paths) == (None, "b")
-    assert _close_key("zzz.n", paths) == (None, "")
+    assert _close_key("zzz.n", paths) == ("'b.n'", "")
+    assert _close_key("zzz.qqq", paths) == (None, "")
 
 
 def test_an_override_without_equals_is_named_before_hydra_parses_it():
@@ -371,3 +373,11 @@ def test_the_config_checks_read_switches_as_the_runtime_does():
         switches.flag("ZMRL_FSDP_ALIGNED", env)
     assert errors["ZMRL_FSDP_ALIGNED"] == raised.value.reason
     assert "did you mean ZMRL_MEGATRON_ALIGNED?" in errors["ZMRL_MEGATRON_ALIGNE"]
+
+
+def test_a_single_plus_adding_a_misspelt_key_is_refused_while_composing():
+    from zero_mismatch_plugin.validate_config import ConfigComposeError
+
+    with pytest.raises(ConfigComposeError, match=r"adds 'actor_rollout_ref.actor.policy_loss.trust_region_detla', "
+                                                 r".*did you mean 'actor_rollout_ref.actor.policy_loss.trust_region_delta'"):
+        compose_verl_config(RECIPES, "flash_reinforce", [DENSE, "+actor_rollout_ref.actor.policy_loss.trust_region_detla=0.1"])
