@@ -202,7 +202,7 @@ def place_stray_arguments(parser, args, stray: Sequence[str]) -> None:
         else:
             advice.append(f"{flag} is not an option of `zmrl {command}`"
                           + (f" (its options: {', '.join(sorted(own))})" if own else ""))
-    raise StrayArguments("unrecognized arguments: " + "; ".join(advice))
+    raise StrayArguments(f"unrecognized arguments: {' '.join(stray)} ({'; '.join(advice)})")
 
 
 # ----- validating and launching -------------------------------------------------------------------
