@@ -8,7 +8,9 @@ import pytest
 
 # vLLM reads these when its processes start; set before anything imports vLLM.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+from zero_mismatch_plugin.switches import default_cpu_kv_cache_space  # noqa: E402
+
+default_cpu_kv_cache_space()  # 1 GiB unless set; a value vLLM's CPU engine would die on stops the session here
 
 from vllm_session import MAX_MODEL_LEN, Engines, prompts_for, rollout  # noqa: E402
 

@@ -683,3 +683,64 @@ def test_what_the_fsdp_engine_does_not_cover_is_named_for_the_moe_recipe(overrid
     assert alignment.status == ALIGNMENT_NOT_ALIGNED and gap in alignment.describe(), alignment.describe()
     problems = [p for p in recipe_problems(cfg) if p.fatal]
     assert [p.key for p in problems] == [FSDP_SWITCH], problems
+
+
+# ----- the command line: overrides after flags, flags given to the wrong command ------------------------
+
+
+def _parsed(argv):
+    from zero_mismatch_plugin.cli import build_parser
+
+    parser = build_parser()
+    args, stray = parser.parse_known_args(argv)
+    if stray:
+        recipes_module.place_stray_arguments(parser, args, stray)
+    return args
+
+
+def test_overrides_are_taken_wherever_they_stand():
+    args = _parsed(["recipes", "run", "reinforce_zero", "a=1", "--dry-run", "b=2", "--allow-unaligned-trainer", "~c"])
+    assert args.overrides == ["a=1", "b=2", "~c"] and args.dry_run and args.allow_unaligned_trainer
+    args = _parsed(["validate-config", "--config-path", "X", "a=1", "--config-name", "Y", "b=2"])
+    assert (args.config_path, args.config_name, args.overrides) == ("X", "Y", ["a=1", "b=2"])
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["recipes", "show", "reinforce_zero", "--dry-run"], "--dry-run is an option of `zmrl recipes run`, not of `zmrl recipes show`"),
+    (["recipes", "run", "reinforce_zero", "--dryrun"], "--dryrun: did you mean --dry-run?"),
+    (["recipes", "run", "reinforce_zero", "--config-name", "x"], "--config-name is an option of `zmrl validate-config`"),
+    (["recipes", "list", "x=1"], "`zmrl recipes list` takes no overrides"),
+    (["recipes", "run", "reinforce_zero", "--nope"], "--nope is not an option of `zmrl recipes run` (its options: "),
+])
+def test_a_misplaced_flag_names_where_it_belongs(argv, says):
+    with pytest.raises(recipes_module.StrayArguments) as raised:
+        _parsed(argv)
+    assert says in str(raised.value)
+
+
+def test_an_unknown_recipe_names_the_close_ones():
+    with pytest.raises(recipes_module.RecipeError, match=r"no recipe named 'reinforce_zro'; did you mean 'reinforce_zero'"):
+        recipes_module.recipe_path("reinforce_zro")
+
+
+# ----- the CPU run: where it writes ---------------------------------------------------------------------
+
+
+def test_the_cpu_run_inputs_folder_is_the_recipes_or_the_override(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = OmegaConf.create({"zmrl": {"smoke_inputs": "zmrl-cpu-smoke-inputs"}})
+    assert recipes_module.smoke_inputs_dir(cfg) == tmp_path / recipes_module.SMOKE_INPUTS_DIR
+    assert recipes_module.smoke_inputs_dir(OmegaConf.create({})) == tmp_path / recipes_module.SMOKE_INPUTS_DIR
+    cfg = OmegaConf.create({"zmrl": {"smoke_inputs": str(tmp_path / "elsewhere")}})
+    assert recipes_module.smoke_inputs_dir(cfg) == tmp_path / "elsewhere"
+
+
+def test_an_unwritable_cpu_run_is_refused_before_anything_is_built(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    blocked = tmp_path / "a-file"
+    blocked.write_text("x")
+    problems = recipes_module._cpu_run_problems(blocked / "inputs", [], build=True)
+    assert len(problems) == 1 and f"{blocked / 'inputs'}, which cannot be written" in problems[0]
+    assert "zmrl.smoke_inputs=DIR" in problems[0]
+    assert recipes_module._cpu_run_problems(tmp_path / "inputs", [], build=True) == []
+    assert recipes_module._cpu_run_problems(blocked / "inputs", [], build=False) == []

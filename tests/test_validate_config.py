@@ -55,7 +55,8 @@ COMMON_BREAKAGES = [
     ("algorithm.rollout_correction.rollout_is=token", "algorithm.rollout_correction.rollout_is", "must be null"),
     ("algorithm.rollout_correction.rollout_rs=seq_mean_k3", "algorithm.rollout_correction.rollout_rs", "must be null"),
     ("trainer.use_v1=false", "trainer.use_v1", "legacy trainer"),
-    ("+actor_rollout_ref.actor.policy_loss.trust_region_detla=0.1",
+    # ++ adds any key; the policy-loss check then names it (a single + is refused while composing, below).
+    ("++actor_rollout_ref.actor.policy_loss.trust_region_detla=0.1",
      "actor_rollout_ref.actor.policy_loss.trust_region_detla", "unknown key"),
     ("++actor_rollout_ref.actor.policy_loss.trust_region_delta=-1", "actor_rollout_ref.actor.policy_loss",
      "trust_region_delta must be a positive number"),
@@ -305,3 +306,78 @@ def test_config_checks_is_the_one_module_both_commands_use():
     cfg = compose_verl_config(RECIPES, "flash_reinforce", [DENSE, "actor_rollout_ref.rollout.n=4"])
     assert recipes.check_recipe(cfg) == check_config(cfg)
     assert set(validate_config(cfg)) | set(recipes.recipe_problems(cfg)) == set(check_config(cfg))
+
+
+# ----- composing: what Hydra would answer with misleading advice -------------------------------------------
+
+
+def test_config_path_takes_hydras_forms(tmp_path):
+    from zero_mismatch_plugin.validate_config import config_directory
+
+    assert config_directory("pkg://zero_mismatch_plugin.recipes") == recipes.RECIPES_DIR
+    assert config_directory(f"file://{RECIPES}") == recipes.RECIPES_DIR
+    assert config_directory(RECIPES) == recipes.RECIPES_DIR
+    with pytest.raises(FileNotFoundError, match="no package 'no_such_pkg' can be imported"):
+        config_directory("pkg://no_such_pkg")
+    with pytest.raises(FileNotFoundError, match="no such directory"):
+        config_directory(f"file://{tmp_path / 'nope'}")
+
+
+def test_a_misspelt_key_is_matched_segment_by_segment_or_by_its_name_elsewhere():
+    from zero_mismatch_plugin.validate_config import _close_key
+
+    paths = {"a", "a.policy_loss", "a.policy_loss.loss_mode", "a.ppo_epochs", "b", "b.n", "c", "c.ppo_epochs",
+             "env", "env.X"}
+    assert _close_key("a.policy_los.loss_mode", paths) == ("'a.policy_loss.loss_mode'", "a")
+    assert _close_key("b.ppo_epochs", paths) == ("'a.ppo_epochs' or 'c.ppo_epochs'", "b")
+    assert _close_key("b.unrelated", paths) == (None, "b")
+    assert _close_key("zzz.n", paths) == ("'b.n'", "")
+    assert _close_key("zzz.qqq", paths) == (None, "")
+
+
+def test_an_override_without_equals_is_named_before_hydra_parses_it():
+    from zero_mismatch_plugin.validate_config import ConfigComposeError, _without_equals
+
+    _without_equals(["a=1", "~b", "+c=2", "++d.e='x'"])
+    with pytest.raises(ConfigComposeError, match=r"override 'trainer.nnodes' has no '='.*\(trainer.nnodes=2\?\)"):
+        _without_equals(["trainer.nnodes", "2"])
+
+
+def test_a_misspelt_override_names_the_key_and_not_hydras_plus(capsys):
+    code = zmrl(["validate-config", "--config-path", str(RECIPES), "--config-name", "reinforce_zero", DENSE,
+                 "actor_rollout_ref.actor.policy_los.loss_mode=x"])
+    err = capsys.readouterr().err
+    assert code == 2 and "+actor_rollout_ref" not in err
+    assert "did you mean 'actor_rollout_ref.actor.policy_loss.loss_mode'?" in err
+
+
+def test_a_new_name_in_env_vars_is_told_to_use_double_plus():
+    from zero_mismatch_plugin.validate_config import ConfigComposeError
+
+    with pytest.raises(ConfigComposeError, match=r"takes new keys: add it with "
+                                                 r"\+\+ray_kwargs.ray_init.runtime_env.env_vars.MY_VAR='1'"):
+        compose_verl_config(RECIPES, "reinforce_zero", ["ray_kwargs.ray_init.runtime_env.env_vars.MY_VAR='1'"])
+    cfg = compose_verl_config(RECIPES, "reinforce_zero", ["++ray_kwargs.ray_init.runtime_env.env_vars.MY_VAR='1'"])
+    assert cfg.ray_kwargs.ray_init.runtime_env.env_vars.MY_VAR == "1"
+
+
+def test_the_config_checks_read_switches_as_the_runtime_does():
+    from zero_mismatch_plugin import switches
+    from zero_mismatch_plugin.config_checks.values import switch_errors
+
+    env = {"ZMRL_NUMERICS": "consistent", "ZMRL_FSDP_ALIGNED": "true", "ZMRL_ALLOW_PREFIX_CACHING": "",
+           "ZMRL_MEGATRON_ALIGNE": "1", "PATH": "/bin"}
+    errors = {error.key.rsplit(".", 1)[-1]: error.reason for error in switch_errors(env)}
+    assert set(errors) == {"ZMRL_FSDP_ALIGNED", "ZMRL_MEGATRON_ALIGNE"}
+    with pytest.raises(switches.SwitchError) as raised:
+        switches.flag("ZMRL_FSDP_ALIGNED", env)
+    assert errors["ZMRL_FSDP_ALIGNED"] == raised.value.reason
+    assert "did you mean ZMRL_MEGATRON_ALIGNED?" in errors["ZMRL_MEGATRON_ALIGNE"]
+
+
+def test_a_single_plus_adding_a_misspelt_key_is_refused_while_composing():
+    from zero_mismatch_plugin.validate_config import ConfigComposeError
+
+    with pytest.raises(ConfigComposeError, match=r"adds 'actor_rollout_ref.actor.policy_loss.trust_region_detla', "
+                                                 r".*did you mean 'actor_rollout_ref.actor.policy_loss.trust_region_delta'"):
+        compose_verl_config(RECIPES, "flash_reinforce", [DENSE, "+actor_rollout_ref.actor.policy_loss.trust_region_detla=0.1"])

@@ -319,7 +319,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, stray = parser.parse_known_args(argv)
+    if stray:  # e.g. overrides after a flag: `zmrl recipes run NAME --dry-run key=value`
+        from zero_mismatch_plugin.recipes import StrayArguments, place_stray_arguments
+
+        try:
+            place_stray_arguments(parser, args, stray)
+        except StrayArguments as error:
+            parser.error(str(error))
     return int(args.func(args) or 0)
 
 

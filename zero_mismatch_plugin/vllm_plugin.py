@@ -158,8 +158,10 @@ def _prefix_caching_decision(args) -> tuple[bool, str]:
     from .aligned import prefix_caching
     from .aligned.vllm_compat import platform_kind
 
+    from .switches import flag
+
     hf_config = None
-    if os.environ.get(PREFIX_CACHING_ENV) not in ("0", "1"):
+    if flag(PREFIX_CACHING_ENV) is None:  # unset: the architecture decides (a bad value is refused here)
         hf_config = prefix_caching.engine_hf_config(args)
     lora = bool(getattr(args, "enable_lora", False))
     return prefix_caching.keep_prefix_caching(hf_config, platform_kind(), os.environ, lora=lora)

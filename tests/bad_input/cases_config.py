@@ -17,6 +17,8 @@ import tempfile
 from pathlib import Path
 from unittest import mock
 
+import pytest
+
 from bad_input import error, result, run_cli
 
 from zero_mismatch_plugin.config_checks.values import BOOL, INT, KEYS, MAPPING, NUMBER, STRING, STRING_MAP
@@ -217,7 +219,8 @@ COMMAND_LINE = [
     for name in ("no_such_recipe", "", "zm_numerics/consistent", "../validate_config", "reinforce_zero.yaml")
 ] + [
     error("override-without-equals", lambda: validate("actor_rollout_ref.rollout.n"),
-          r"cannot compose 'reinforce_zero' .*Error parsing override 'actor_rollout_ref.rollout.n'\nmissing EQUAL"),
+          r"cannot compose 'reinforce_zero' .*override 'actor_rollout_ref.rollout.n' has no '=': an override is "
+          r"key=value \(or ~key to remove a key\)"),
     error("override-with-unclosed-list", lambda: validate("actor_rollout_ref.rollout.n=[1,"),
           r"cannot compose 'reinforce_zero' .*no viable alternative at input '\[1,'"),
     error("override-of-a-key-that-does-not-exist", lambda: validate("actor_rollout_ref.rollout.no_such_key=1"),
@@ -237,6 +240,140 @@ COMMAND_LINE = [
           r"cannot compose 'no_such_config'"),
     error("validate-config-without-config-name",
           lambda: run_cli(["validate-config", "--config-path", RECIPES]), "the following arguments are required"),
+]
+
+# ----- what Hydra's own answers would mislead: misspelt keys, paths, names, misplaced flags -------------------
+
+NO_PLUS_ADVICE = r"(?s)^(?!.*use \+)"  # Hydra's "To append to your config use +key=value" adds the misspelt key
+
+
+def dry_run_printed(*expected_overrides: str):
+    def check(res) -> None:
+        assert res.code == 0, res.err
+        command = res.out.strip().splitlines()[-1]
+        assert "verl.trainer.main_ppo" in command, res.out
+        positions = [command.index(override) for override in expected_overrides]
+        assert positions == sorted(positions), command
+    return check
+
+
+def _read_only_folder() -> str | None:
+    """A folder this process cannot create anything in: a 0o555 directory, or /sys where the tests
+    run as root (which ignores permission bits); None if there is none."""
+    import os
+
+    candidate = tempfile.mkdtemp(prefix="zmrl-read-only-")
+    os.chmod(candidate, 0o555)
+    atexit.register(shutil.rmtree, candidate, True)
+    for folder in (candidate, "/sys"):
+        probe = Path(folder) / "zmrl-write-probe"
+        try:
+            probe.mkdir()
+        except OSError:
+            return folder
+        probe.rmdir()
+    return None
+
+
+READ_ONLY = _read_only_folder()
+NEEDS_READ_ONLY = (pytest.mark.skipif(READ_ONLY is None, reason="no folder this process cannot write"),)
+
+
+def in_folder(folder: str | None, run):
+    def call():
+        import os
+
+        before = os.getcwd()
+        os.chdir(folder)
+        try:
+            return run()
+        finally:
+            os.chdir(before)
+    return call
+
+
+def writable_folder(name: str) -> str:
+    if not _scratch:
+        model_dir({})
+    path = Path(_scratch[0]) / name
+    path.mkdir(exist_ok=True)
+    return str(path)
+
+
+def a_file_path() -> str:
+    if not _scratch:
+        model_dir({})
+    path = Path(_scratch[0]) / "a-file"
+    path.write_text("x\n")
+    return str(path)
+
+
+MISLEADING = [
+    # A misspelt key: Hydra advises +key=value, which then validates ("config OK") with the typo unread.
+    error("override-of-a-misspelt-section",
+          lambda: validate("actor_rollout_ref.actor.policy_los.loss_mode=x"),
+          NO_PLUS_ADVICE + r".*did you mean 'actor_rollout_ref\.actor\.policy_loss\.loss_mode'\?"),
+    error("override-of-a-misspelt-leaf", lambda: validate("trainer.nodes=2"),
+          NO_PLUS_ADVICE + r".*no key 'trainer\.nodes'; did you mean 'trainer\.nnodes'\?"),
+    error("two-misspelt-overrides-both-named",
+          lambda: validate("actor_rollout_ref.rolout.n=2", "data.train_batch_sise=8"),
+          NO_PLUS_ADVICE + r".*did you mean 'actor_rollout_ref\.rollout\.n'\?.*did you mean 'data\.train_batch_size'\?"),
+    error("override-of-a-key-in-the-wrong-section", lambda: validate("actor_rollout_ref.rollout.ppo_epochs=2"),
+          NO_PLUS_ADVICE + r".*did you mean 'actor_rollout_ref\.actor\.ppo_epochs'"),
+    error("removal-of-a-misspelt-key", lambda: validate("~actor_rollout_ref.rollout.temprature"),
+          r"cannot remove 'actor_rollout_ref\.rollout\.temprature'.*did you mean 'actor_rollout_ref\.rollout\.temperature'"),
+    error("hydras-plus-advice-followed", lambda: validate("+actor_rollout_ref.actor.policy_los.loss_mode=x"),
+          r"adds 'actor_rollout_ref\.actor\.policy_los\.loss_mode', which verl's config does not define, so nothing "
+          r"reads it; did you mean 'actor_rollout_ref\.actor\.policy_loss\.loss_mode'\?"),
+    error("recipes-run-misspelt-key", lambda: recipes_run("reinforce_zero", DENSE, "trainer.nnode=2", "--dry-run"),
+          NO_PLUS_ADVICE + r".*cannot compose recipe 'reinforce_zero'.*did you mean 'trainer\.nnodes'\?"),
+    # The form `zmrl recipes list` prints the recipes in (Hydra's own): accepted wherever a config path is.
+    result("config-path-pkg-as-recipes-list-prints-it",
+           lambda: run_cli(["validate-config", "--config-path", "pkg://zero_mismatch_plugin.recipes",
+                            "--config-name", "reinforce_zero", DENSE]), validated_ok, "docs/recipes.md"),
+    result("config-path-file-url", lambda: run_cli(["validate-config", "--config-path", f"file://{RECIPES}",
+                                                    "--config-name", "reinforce_zero", DENSE]),
+           validated_ok, "docs/recipes.md"),
+    error("config-path-pkg-of-no-package",
+          lambda: run_cli(["validate-config", "--config-path", "pkg://no_such_package.recipes", "--config-name", "x"]),
+          r"--config-path pkg://no_such_package.recipes: no package 'no_such_package.recipes' can be imported"),
+    error("config-name-misspelt", lambda: run_cli(["validate-config", "--config-path", RECIPES,
+                                                   "--config-name", "reinforce_zro"]),
+          r"no config 'reinforce_zro' in .*recipes \(no reinforce_zro.yaml there\): did you mean 'reinforce_zero'"),
+    error("recipe-name-misspelt", lambda: run_cli(["recipes", "show", "flash_reinforse"]),
+          r"no recipe named 'flash_reinforse'; did you mean 'flash_reinforce'"),
+    error("override-with-a-space-instead-of-equals", lambda: validate("trainer.nnodes", "2"),
+          r"override 'trainer.nnodes' has no '='.*\(trainer.nnodes=2\?\)"),
+    # Flags after the recipe name and its overrides: overrides are taken wherever they stand.
+    result("recipes-run-override-after-dry-run",
+           lambda: recipes_run("reinforce_zero", "--dry-run", DENSE, "trainer.nnodes=1"),
+           dry_run_printed(DENSE, "trainer.nnodes=1"), "docs/recipes.md"),
+    result("recipes-run-overrides-around-dry-run",
+           lambda: recipes_run("reinforce_zero", DENSE, "--dry-run", "trainer.nnodes=1"),
+           dry_run_printed(DENSE, "trainer.nnodes=1"), "docs/recipes.md"),
+    error("validate-config-override-after-config-name-is-read",
+          lambda: run_cli(["validate-config", "--config-path", RECIPES, DENSE, "--config-name", "reinforce_zero",
+                           "actor_rollout_ref.rollout.n=1"]),
+          says("actor_rollout_ref.rollout.n", "must be at least 2 with reinforce_zero")),
+    error("recipes-show-given-dry-run", lambda: run_cli(["recipes", "show", "reinforce_zero", "--dry-run"]),
+          r"--dry-run is an option of `zmrl recipes run`, not of `zmrl recipes show`"),
+    error("recipes-run-flag-misspelt", lambda: recipes_run("reinforce_zero", DENSE, "--dryrun"),
+          r"--dryrun: did you mean --dry-run\?"),
+    error("recipes-run-given-a-config-path", lambda: recipes_run("reinforce_zero", DENSE, "--config-path", RECIPES),
+          r"--config-path is an option of `zmrl validate-config`, not of `zmrl recipes run`"),
+    # The CPU run writes its inputs and verl's Hydra run directory: refused before anything is built.
+    error("cpu-smoke-in-a-read-only-folder", in_folder(READ_ONLY, lambda: recipes_run("cpu_smoke")),
+          r"the CPU run builds its tiny model and data set in .*zmrl-cpu-smoke-inputs, which cannot be written .*"
+          r"move it with zmrl\.smoke_inputs=DIR", marks=NEEDS_READ_ONLY),
+    error("cpu-smoke-own-inputs-in-a-read-only-folder",
+          in_folder(READ_ONLY, lambda: recipes_run("cpu_smoke", "actor_rollout_ref.model.path=/models/mine",
+                                                   "data.train_files=/data/mine.parquet")),
+          r"Hydra run directory .* in the working directory .*, which cannot be written .*hydra\.run\.dir=DIR",
+          marks=NEEDS_READ_ONLY),
+    error("cpu-smoke-inputs-under-a-file",
+          lambda: recipes_run("cpu_smoke", f"zmrl.smoke_inputs={a_file_path()}/inputs",
+                              f"hydra.run.dir={writable_folder('hydra-run')}"),
+          r"builds its tiny model and data set in .*a-file/inputs, which cannot be written"),
 ]
 
 # ----- the trainer side: what the aligned forward covers --------------------------------------------------
@@ -264,11 +401,11 @@ ALIGNMENT = [
           lambda: validate(f"actor_rollout_ref.model.hf_config_path={model_dir(MOE_CONFIG)}"),
           r"a path for Qwen3MoeForCausalLM"),
     error("aligned-switch-not-a-0-or-1", lambda: validate(f"{ENV}.ZMRL_MEGATRON_ALIGNED=yes"),
-          says(f"{ENV}.ZMRL_MEGATRON_ALIGNED", r"must be \"1\" \(aligned trainer forward\) or \"0\"")),
+          says(f"{ENV}.ZMRL_MEGATRON_ALIGNED", r"is 'yes', but must be '1' \(aligned trainer forward .*\) or '0'")),
     error("consistent-numerics-without-the-aligned-switch", lambda: validate(f"~{ENV}.ZMRL_MEGATRON_ALIGNED"),
           says(f"{ENV}.ZMRL_MEGATRON_ALIGNED", "ZMRL_NUMERICS=consistent promises diff 0")),
     error("numerics-switch-misspelt", lambda: validate(f"{ENV}.ZMRL_NUMERICS=consistant"),
-          says(f"{ENV}.ZMRL_NUMERICS", "must be one of consistent, fast")),
+          says(f"{ENV}.ZMRL_NUMERICS", r"is 'consistant', but must be 'consistent' \(.*\) or 'fast'")),
     error("aligned-forward-on-fsdp", lambda: validate("actor_rollout_ref.actor.strategy=fsdp"),
           r"missing: verl's Megatron engine \(actor strategy is 'fsdp'"),
     error("aligned-forward-with-tensor-parallelism",
@@ -292,4 +429,4 @@ ALIGNMENT = [
            ok_with("diff 0 CANNOT hold"), ALIGNMENT_DOC),
 ]
 
-CASES = WRONG_TYPE + NULL + OUT_OF_RANGE + MISSING + COMMAND_LINE + ALIGNMENT
+CASES = WRONG_TYPE + NULL + OUT_OF_RANGE + MISSING + COMMAND_LINE + MISLEADING + ALIGNMENT

@@ -37,12 +37,11 @@ BATCH_INVARIANT_ENV = "VLLM_BATCH_INVARIANT"
 
 
 def current_mode() -> str | None:
-    mode = os.environ.get(MODE_ENV)
-    if mode is None or mode == "":
-        return None
-    if mode not in MODES:
-        raise ValueError(f"{MODE_ENV}={mode!r}; expected one of {MODES}")
-    return mode
+    """``ZMRL_NUMERICS`` (None when unset); any other value than :data:`MODES` is refused with
+    :class:`~zero_mismatch_plugin.switches.SwitchError` (:mod:`zero_mismatch_plugin.switches`)."""
+    from zero_mismatch_plugin.switches import choice
+
+    return choice(MODE_ENV)
 
 
 def is_consistent() -> bool:

@@ -46,13 +46,13 @@ def unproven_reason(hf_config, platform: str) -> str | None:
 def keep_prefix_caching(hf_config, platform: str, environ, lora: bool = False) -> tuple[bool, str]:
     """(keep the engine's prefix caching?, why) in consistent mode. ``environ`` holds
     ``ZMRL_ALLOW_PREFIX_CACHING`` when the user set it; ``lora``: the engine serves LoRA adapters."""
-    allow = environ.get(ALLOW_ENV)
-    if allow == "0":
+    from zero_mismatch_plugin.switches import flag
+
+    allow = flag(ALLOW_ENV, environ)  # "1" / "0" / unset; any other value raises, naming the ones it takes
+    if allow is False:
         return False, f"{ALLOW_ENV}=0"
-    if allow == "1":
+    if allow is True:
         return True, f"{ALLOW_ENV}=1 (kept on whether or not proven)"
-    if allow not in (None, ""):
-        raise ValueError(f"{ALLOW_ENV}={allow!r}; expected '1' (keep prefix caching on) or '0' (off)")
     if lora:
         return False, f"prefix-cache hits are not proven with LoRA adapters; set {ALLOW_ENV}=1 to keep it on unverified"
     if hf_config is None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import os
 
 # Releases whose internals (layer classes, CPU attention metadata, IR ops, reload_weights)
 # match what this package calls. 0.31 is the one the CPU tests run against.
@@ -51,7 +50,10 @@ def require_vllm():
     import vllm
 
     major_minor = parse_version(vllm.__version__)
-    if major_minor not in SUPPORTED_VLLM and os.environ.get(ALLOW_UNTESTED_ENV) != "1":
+    from zero_mismatch_plugin.switches import enabled
+
+    allow_untested = enabled(ALLOW_UNTESTED_ENV)  # "1" / "0" / unset; any other value raises
+    if major_minor not in SUPPORTED_VLLM and not allow_untested:
         supported = ", ".join(f"{a}.{b}" for a, b in SUPPORTED_VLLM)
         raise UnsupportedVllmError(
             f"vLLM {vllm.__version__} is not supported by the aligned trainer "

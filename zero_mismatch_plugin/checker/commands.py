@@ -49,9 +49,9 @@ def validated_inputs(args) -> tuple[int, list[list[int]]]:
 
 def apply_numerics(mode: str | None) -> str:
     """Select the numerics mode for both sides before anything vLLM starts (default consistent)."""
-    from zero_mismatch_plugin.aligned.numerics import CONSISTENT, MODE_ENV, set_mode
+    from zero_mismatch_plugin.aligned.numerics import CONSISTENT, current_mode, set_mode
 
-    mode = mode or os.environ.get(MODE_ENV) or CONSISTENT
+    mode = mode or current_mode() or CONSISTENT  # a bad ZMRL_NUMERICS is refused, naming what it takes
     set_mode(mode)
     return mode
 

@@ -106,7 +106,9 @@ def open_engine(
     model_dir, max_model_len: int, seed: int = 0, full_vocab: bool = False, lora_dir=None, prefix_caching: bool = True
 ):
     """Start one vLLM engine for the checks; shut it down afterwards."""
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from zero_mismatch_plugin.switches import default_cpu_kv_cache_space
+
+    default_cpu_kv_cache_space()  # 1 GiB unless set; a value vLLM's CPU engine would die on is refused
     from vllm import LLM
 
     from zero_mismatch_plugin.aligned.numerics import temporary_environment
@@ -124,6 +126,9 @@ def engine_config(
     model_dir, max_model_len: int, seed: int = 0, full_vocab: bool = False, lora_dir=None, prefix_caching: bool = True
 ):
     """The ``VllmConfig`` the engine of :func:`open_engine` would run with (no engine is started)."""
+    from zero_mismatch_plugin.switches import cpu_kv_cache_space
+
+    cpu_kv_cache_space()  # vLLM's CPU platform reads it here already: refuse a bad value by name
     from vllm.engine.arg_utils import EngineArgs
 
     from zero_mismatch_plugin.aligned.numerics import temporary_environment

@@ -30,7 +30,7 @@ from zero_mismatch_plugin.verl_adapter.fsdp_aligned import ENABLE_ENV as FSDP_EN
 from .cluster import MEGATRON, ROLLOUT, uses_megatron
 from .lora import lora_gaps as _lora_gaps
 from .lora import lora_targets  # noqa: F401 - the config checks' public name
-from .numerics import is_consistent, runtime_env_vars
+from .numerics import env_switch, is_consistent
 from .problems import Problem
 from .values import ENV_VARS_KEY, ConfigValueError, read
 
@@ -153,7 +153,7 @@ def _architecture_gaps(architecture: Architecture, fsdp: bool) -> list[str]:
 
 def uses_fsdp_switch(cfg: DictConfig) -> bool:
     """An FSDP actor whose config sets the FSDP engine's aligned switch."""
-    return not uses_megatron(cfg) and FSDP_ENABLE_ENV in runtime_env_vars(cfg)
+    return not uses_megatron(cfg) and env_switch(cfg, FSDP_ENABLE_ENV) is not None
 
 
 def switch_key(cfg: DictConfig) -> str:
@@ -222,8 +222,9 @@ def alignment_gaps(cfg: DictConfig, architecture: Architecture) -> list[str]:
     return gaps + _rollout_gaps(cfg, architecture)
 
 
-def aligned_switch(cfg: DictConfig) -> str | None:
-    return runtime_env_vars(cfg).get(FSDP_ENABLE_ENV if uses_fsdp_switch(cfg) else ENABLE_ENV)
+def aligned_switch(cfg: DictConfig) -> bool | None:
+    """The engine's aligned switch: True ("1"), False ("0") or None (unset)."""
+    return env_switch(cfg, FSDP_ENABLE_ENV if uses_fsdp_switch(cfg) else ENABLE_ENV)
 
 
 def trainer_alignment(cfg: DictConfig) -> TrainerAlignment:
@@ -233,9 +234,9 @@ def trainer_alignment(cfg: DictConfig) -> TrainerAlignment:
     switch = aligned_switch(cfg)
     architecture = model_architecture(cfg)
     gaps = tuple(alignment_gaps(cfg, architecture))
-    if switch == "0":
+    if switch is False:
         return TrainerAlignment(TURNED_OFF, gaps)
-    if switch != "1":
+    if switch is not True:
         return TrainerAlignment(NOT_ENABLED, gaps)
     if gaps:
         return TrainerAlignment(NOT_ALIGNED, gaps)
@@ -259,9 +260,7 @@ def _override_hint(cfg: DictConfig) -> str:
 
 
 def alignment_problems(cfg: DictConfig) -> list[Problem]:
-    switch = aligned_switch(cfg)
-    if switch not in (None, "0", "1"):
-        return [Problem(switch_key(cfg), f"must be \"1\" (aligned trainer forward) or \"0\" (off); now {switch!r}")]
+    switch = aligned_switch(cfg)  # a value other than "1" / "0" was reported by the value checks already
     alignment = trainer_alignment(cfg)
     if alignment.status == NOT_ENABLED:
         return [Problem(switch_key(cfg), "ZMRL_NUMERICS=consistent promises diff 0, which needs the aligned "
@@ -276,7 +275,7 @@ def alignment_problems(cfg: DictConfig) -> list[Problem]:
                                           f"checkpoint, or set ++{ARCHITECTURE_KEY}=<its config.json architectures[0]>")]
     if alignment.status == TURNED_OFF:
         return [_unaligned_warning(alignment.gaps, switch_key(cfg))]
-    if alignment.status == STANDARD and switch == "1":
+    if alignment.status == STANDARD and switch is True:
         return [Problem(switch_key(cfg), "the aligned trainer forward is on without ZMRL_NUMERICS=consistent: "
                                             "the engine side is not batch-invariant, so parity is not expected",
                         fatal=False)]

@@ -4,23 +4,32 @@ from __future__ import annotations
 
 from omegaconf import DictConfig
 
-from zero_mismatch_plugin.aligned.numerics import BATCH_INVARIANT_ENV, CONSISTENT, MODE_ENV, MODES
+from zero_mismatch_plugin import switches
+from zero_mismatch_plugin.aligned.numerics import BATCH_INVARIANT_ENV, CONSISTENT, MODE_ENV
 
 from .algorithms import uses_plugin
 from .problems import Problem
 from .values import ENV_VARS_KEY, read
 
 ROLLOUT = "actor_rollout_ref.rollout"
-ALLOW_PREFIX_CACHING_ENV = "ZMRL_ALLOW_PREFIX_CACHING"
+ALLOW_PREFIX_CACHING_ENV = switches.ALLOW_PREFIX_CACHING
 
 
 def runtime_env_vars(cfg: DictConfig) -> dict[str, str]:
-    """The variables verl hands every Ray worker (``ray_kwargs.ray_init.runtime_env.env_vars``)."""
+    """The variables verl hands every Ray worker (``ray_kwargs.ray_init.runtime_env.env_vars``); a
+    plugin switch among them that the runtime would refuse is a :class:`ConfigValueError` here."""
     return read(cfg, ENV_VARS_KEY) or {}
 
 
+def env_switch(cfg: DictConfig, name: str) -> bool | str | None:
+    """A plugin switch as the worker processes will read it (:mod:`zero_mismatch_plugin.switches`):
+    a boolean switch True / False, a choice its value, None when unset or empty."""
+    env = runtime_env_vars(cfg)
+    return switches.flag(name, env) if switches.SWITCHES[name].boolean else switches.choice(name, env)
+
+
 def is_consistent(cfg: DictConfig) -> bool:
-    return runtime_env_vars(cfg).get(MODE_ENV) == CONSISTENT
+    return env_switch(cfg, MODE_ENV) == CONSISTENT
 
 
 def sampling_problems(cfg: DictConfig) -> list[Problem]:
@@ -53,11 +62,8 @@ def _on_cpu_platform(cfg: DictConfig) -> bool:
 
 def numerics_problems(cfg: DictConfig) -> list[Problem]:
     """The switch's value, and what consistent mode needs from the rest of the config."""
-    env = runtime_env_vars(cfg)
-    mode = env.get(MODE_ENV)
-    if mode is not None and mode not in MODES:
-        return [Problem(f"{ENV_VARS_KEY}.{MODE_ENV}", f"must be one of {', '.join(MODES)} (now {mode!r})")]
-    if mode != CONSISTENT:
+    env = runtime_env_vars(cfg)  # a switch holding a value the runtime refuses is reported with the values
+    if env_switch(cfg, MODE_ENV) != CONSISTENT:
         return []
     problems = []
     if _on_cpu_platform(cfg):
@@ -73,7 +79,7 @@ def numerics_problems(cfg: DictConfig) -> list[Problem]:
         problems.append(Problem(f"{ENV_VARS_KEY}.{BATCH_INVARIANT_ENV}",
                                 f"must be \"1\" with {MODE_ENV}=consistent: verl forwards the shell's value "
                                 "(\"0\" if unset) otherwise"))
-    if read(cfg, f"{ROLLOUT}.enable_prefix_caching") and env.get(ALLOW_PREFIX_CACHING_ENV) != "1":
+    if read(cfg, f"{ROLLOUT}.enable_prefix_caching") and env_switch(cfg, ALLOW_PREFIX_CACHING_ENV) is not True:
         problems.append(Problem(f"{ROLLOUT}.enable_prefix_caching",
                                 f"is on, but the plugin's consistent mode turns it off unless "
                                 f"{ALLOW_PREFIX_CACHING_ENV}=1 (it keeps it on by itself only where a hit is proven "

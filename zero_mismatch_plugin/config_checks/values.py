@@ -134,6 +134,8 @@ KEYS: dict[str, Key] = {key.path: key for key in (
         help="null: read from the model's config.json when model.path is a local directory"),
     Key("zmrl.platform", STRING, None, nullable=True, choices=("cpu",),
         help="null: verl picks its device; cpu: `zmrl recipes run` launches on verl's CPU platform"),
+    Key("zmrl.smoke_inputs", STRING, None, nullable=True,
+        help="null: a CPU recipe run builds its tiny model and data set in ./zmrl-cpu-smoke-inputs"),
     # Environment of every Ray worker.
     Key(ENV_VARS_KEY, STRING_MAP, None, nullable=True, help="null: no variables"),
 )}
@@ -194,8 +196,38 @@ def _string_map_error(key: Key, value: DictConfig) -> ConfigValueError | None:
     return None
 
 
+def switch_errors(env: dict[str, str]) -> list[ConfigValueError]:
+    """The plugin's switches in Ray's environment that hold a value the runtime refuses (read by the
+    same parser, :mod:`zero_mismatch_plugin.switches`), and the ``ZMRL_`` names that are no switch
+    (nothing would read them: a misspelt switch stays at its default)."""
+    from zero_mismatch_plugin import switches
+
+    errors = []
+    for name in env:
+        if name in switches.SWITCHES:
+            try:
+                switches.check(name, env)
+            except switches.SwitchError as error:
+                errors.append(ConfigValueError(f"{ENV_VARS_KEY}.{name}", error.reason))
+    for name, close in switches.undeclared(env):
+        hint = (f"did you mean {close}?" if close else
+                f"the plugin's switches are {', '.join(switches.SWITCHES)}")
+        errors.append(ConfigValueError(f"{ENV_VARS_KEY}.{name}", f"is not a switch of the plugin, so nothing reads "
+                                                                 f"it: {hint}"))
+    return errors
+
+
 def checked(key: Key, value: Any) -> Any:
     """``value`` read at ``key``, or :class:`ConfigValueError` saying what to change."""
+    result = _checked(key, value)
+    if key.path == ENV_VARS_KEY and result:
+        errors = switch_errors(result)
+        if errors:
+            raise errors[0]
+    return result
+
+
+def _checked(key: Key, value: Any) -> Any:
     if value is _ABSENT:
         if key.required:
             raise ConfigValueError(key.path, f"is required: set it to {key.kind}")
@@ -224,7 +256,8 @@ def read(cfg: DictConfig, path: str) -> Any:
 
 
 def value_errors(cfg: DictConfig) -> list[ConfigValueError]:
-    """Every listed key that is present but null where not allowed, mistyped or out of range.
+    """Every listed key that is present but null where not allowed, mistyped or out of range, and
+    every plugin switch in Ray's environment that holds a value the runtime refuses (:func:`switch_errors`).
 
     Absent keys are not reported here: they take their default, and a required one is reported
     by the check that needs it.
@@ -232,9 +265,13 @@ def value_errors(cfg: DictConfig) -> list[ConfigValueError]:
     errors = []
     for path in KEYS:
         try:
-            if _lookup(cfg, path) is not _ABSENT:
-                read(cfg, path)
+            raw = _lookup(cfg, path)
+            if raw is not _ABSENT:
+                value = _checked(KEYS[path], raw)
+                found = switch_errors(value) if path == ENV_VARS_KEY and value else []
+            else:
+                found = []
         except ConfigValueError as error:
-            if all(error.key != seen.key for seen in errors):
-                errors.append(error)
+            found = [error]
+        errors += [error for error in found if all(error.key != seen.key for seen in errors)]
     return errors

@@ -75,6 +75,8 @@ def run_demo_command(algo: str, kernels: str, lag: int, updates: int, seed: int,
                 f"{positions} positions; use at most {positions // conversation_tokens(1, DemoConfig.response_tokens)} turns"
             )
         max_model_len = max(DemoConfig.max_model_len, -(-needed // 32) * 32)
+        from zero_mismatch_plugin.switches import cpu_kv_cache_space
+        cpu_kv_cache_space()  # refuse a KV-cache size the engine would die on, before any work
         config = DemoConfig(algo=algo, kernels=kernels, lag=lag, updates=updates, seed=seed, turns=turns,
                             max_model_len=max_model_len, model=model,
                             lora_rank=lora_rank)
@@ -126,6 +128,8 @@ def run_compare_command(seeds: list[int] | None, updates: int | None, lag: int |
         config = CompareConfig(seeds=DEFAULT_SEEDS if seeds is None else seeds,
                                updates=DEFAULT_UPDATES if updates is None else updates,
                                lag=DEFAULT_LAG if lag is None else lag)
+        from zero_mismatch_plugin.switches import cpu_kv_cache_space
+        cpu_kv_cache_space()  # refuse a KV-cache size the engine would die on, before any work
         out_dir = prepare_out_dir(out)
     except ValueError as error:
         print(f"ERROR: {error}", file=sys.stderr)

@@ -34,7 +34,6 @@ before it builds the runtime of the actor's checkpoint.
 from __future__ import annotations
 
 import logging
-import os
 from functools import partial, wraps
 
 from .. import runtime_patches
@@ -56,7 +55,10 @@ def _engine_module():
 
 
 def enabled_by_env() -> bool:
-    return os.environ.get(ENABLE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+    """``"1"`` on, ``"0"`` or unset off; any other value raises (:mod:`zero_mismatch_plugin.switches`)."""
+    from zero_mismatch_plugin.switches import enabled
+
+    return enabled(ENABLE_ENV)
 
 
 def is_applied() -> bool:

@@ -48,8 +48,8 @@ from zero_mismatch_plugin.validate_config import compose_verl_config
 
 __all__ = [
     "CONFIG_MODULE", "ENV_VARS_KEY", "RECIPES_DIR", "PolicyLag", "RecipeError", "RecipeInfo", "RolloutLayout",
-    "TrainerLayout", "check_recipe", "cluster_gpus", "compose_recipe", "is_consistent", "launch_command",
-    "list_recipes", "lora_rank", "policy_lag", "recipe_alignment", "recipe_info", "recipe_names",
+    "StrayArguments", "TrainerLayout", "check_recipe", "cluster_gpus", "compose_recipe", "is_consistent", "launch_command",
+    "list_recipes", "lora_rank", "place_stray_arguments", "policy_lag", "recipe_alignment", "recipe_info", "recipe_names",
     "recipe_path", "recipe_problems", "rollout_layout", "run_recipe", "runtime_env_vars", "show_recipe",
     "trainer_layout", "uses_separate_rollout_pool", "validate_recipe", "with_unaligned_trainer",
 ]
@@ -82,8 +82,14 @@ def recipe_names() -> list[str]:
 
 def recipe_path(name: str) -> Path:
     # Only the top-level files are recipes: a group file or a path is not, whatever exists there.
-    if name not in recipe_names():
-        raise RecipeError(f"no recipe named {name!r}; available: {', '.join(recipe_names())}")
+    names = recipe_names()
+    if name not in names:
+        import difflib
+
+        stem = name[:-len(".yaml")] if name.endswith(".yaml") else name
+        close = difflib.get_close_matches(stem, names, n=3, cutoff=0.6)
+        hint = f"did you mean {' or '.join(repr(match) for match in close)}? " if close else ""
+        raise RecipeError(f"no recipe named {name!r}; {hint}available: {', '.join(names)}")
     return RECIPES_DIR / f"{name}.yaml"
 
 
@@ -139,6 +145,64 @@ def recipe_problems(cfg: DictConfig) -> list[Problem]:
 def check_recipe(cfg: DictConfig) -> list[Problem]:
     """``zmrl validate-config``'s checks: the algorithms' requirements plus :func:`recipe_problems`."""
     return check_config(cfg)
+
+
+# ----- the command line ---------------------------------------------------------------------------
+
+
+class StrayArguments(ValueError):
+    """Arguments ``zmrl`` cannot place; the message says where they go."""
+
+
+def _subcommands(parser) -> dict[str, object]:
+    """``{"validate-config": parser, "recipes run": parser, ...}`` for every (nested) subcommand."""
+    import argparse
+
+    found = {}
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                found[name] = sub
+                found.update({f"{name} {inner}": nested for inner, nested in _subcommands(sub).items()})
+    return found
+
+
+def _options(parser) -> set[str]:
+    return {option for option in parser._option_string_actions if option.startswith("--")} - {"--help"}
+
+
+def place_stray_arguments(parser, args, stray: Sequence[str]) -> None:
+    """Put the arguments argparse left over into ``args.overrides``, or say where they belong.
+
+    argparse takes a command's overrides only before its first flag, so ``zmrl recipes run NAME
+    --dry-run key=value`` leaves ``key=value`` over: Hydra overrides (no leading ``-``) are taken
+    wherever they stand, in their order. A flag is refused, naming the command it belongs to or the
+    one it is close to."""
+    import difflib
+
+    command = args.command if getattr(args, "recipes_command", None) is None else f"{args.command} {args.recipes_command}"
+    subcommands = _subcommands(parser)
+    flags = [argument for argument in stray if argument.startswith("-")]
+    if not flags and hasattr(args, "overrides"):
+        args.overrides = [*args.overrides, *stray]
+        return
+    if not flags:
+        raise StrayArguments(f"unrecognized arguments: {' '.join(stray)} (`zmrl {command}` takes no overrides)")
+    own = _options(subcommands[command]) if command in subcommands else set()
+    advice = []
+    for flag in flags:
+        name = flag.split("=", 1)[0]
+        elsewhere = [other for other, sub in subcommands.items() if other != command and name in _options(sub)]
+        close = difflib.get_close_matches(name, sorted(own), n=1, cutoff=0.7)
+        if close:
+            advice.append(f"{flag}: did you mean {close[0]}?")
+        elif elsewhere:
+            advice.append(f"{flag} is an option of {' and '.join(f'`zmrl {other}`' for other in elsewhere)}, "
+                          f"not of `zmrl {command}`")
+        else:
+            advice.append(f"{flag} is not an option of `zmrl {command}`"
+                          + (f" (its options: {', '.join(sorted(own))})" if own else ""))
+    raise StrayArguments(f"unrecognized arguments: {' '.join(stray)} ({'; '.join(advice)})")
 
 
 # ----- validating and launching -------------------------------------------------------------------
@@ -205,8 +269,57 @@ def validate_recipe(name: str, overrides: Sequence[str] = (),
     return 0
 
 
-# Where `zmrl recipes run` builds the tiny model and data set of a CPU recipe run without them.
+# Where `zmrl recipes run` builds the tiny model and data set of a CPU recipe run without them
+# (relative to the working directory), unless the recipe's zmrl.smoke_inputs names another folder.
 SMOKE_INPUTS_DIR = "zmrl-cpu-smoke-inputs"
+SMOKE_INPUTS_KEY = "zmrl.smoke_inputs"
+HYDRA_RUN_DIR_KEY = "hydra.run.dir"
+
+
+def smoke_inputs_dir(cfg: DictConfig) -> Path:
+    """Where a CPU recipe run builds its tiny model and data set: ``zmrl.smoke_inputs``, else
+    ``./zmrl-cpu-smoke-inputs`` (a bad value is left to validation, which names it)."""
+    try:
+        chosen = read(cfg, SMOKE_INPUTS_KEY)
+    except ConfigValueError:
+        chosen = None
+    return Path(chosen or SMOKE_INPUTS_DIR).expanduser().resolve()
+
+
+def _cannot_write(folder: Path, create: bool) -> str | None:
+    """Why ``folder`` cannot receive files (None: it can). ``create``: make it (it is about to be
+    filled); otherwise only a file is created and removed in it."""
+    import tempfile
+
+    try:
+        if create:
+            folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as error:
+        return error.strerror or str(error)
+    return None
+
+
+def _cpu_run_problems(inputs_dir: Path, overrides: Sequence[str], build: bool) -> list[str]:
+    """What stops a CPU recipe run from writing what it writes, before anything is built or launched:
+    the folder its inputs are built in, and the working directory, where verl's launcher (a Hydra
+    app) creates its run directory unless ``hydra.run.dir`` moves it."""
+    problems = []
+    if build:
+        why = _cannot_write(inputs_dir, create=True)
+        if why:
+            problems.append(f"the CPU run builds its tiny model and data set in {inputs_dir}, which cannot be "
+                            f"written ({why}): move it with {SMOKE_INPUTS_KEY}=DIR, or give your own "
+                            f"{' and '.join(f'{key}=...' for key in SMOKE_INPUT_KEYS)}")
+    if not any(override.lstrip("+").startswith(f"{HYDRA_RUN_DIR_KEY}=") for override in overrides):
+        cwd = Path.cwd()
+        why = _cannot_write(cwd, create=False)
+        if why:
+            problems.append(f"verl's launcher writes its Hydra run directory (outputs/DATE/TIME) in the working "
+                            f"directory {cwd}, which cannot be written ({why}): run from a writable directory, "
+                            f"or move it with {HYDRA_RUN_DIR_KEY}=DIR")
+    return problems
 
 
 def recipe_platform(cfg: DictConfig) -> str | None:
@@ -234,21 +347,46 @@ def run_recipe(
     """Validate (:func:`validate_recipe`), then launch verl's trainer (or print the command under ``dry_run``).
 
     Exit status: 2 if the recipe does not exist or compose, 1 if validation finds a fatal problem
-    (the trainer is not started, also under ``dry_run``), else the launcher's status (0 for a dry run).
+    (the trainer is not started, also under ``dry_run``), 2 if a CPU run could not write its inputs or
+    verl's Hydra run directory (checked before anything is built), else the launcher's status (0 for
+    a dry run).
     ``allow_unaligned_trainer`` adds the override that runs the trainer without the aligned forward
     (a loud warning says diff 0 cannot hold).
     """
     overrides = with_unaligned_trainer(overrides, allow_unaligned_trainer)
     try:
-        platform = recipe_platform(compose_recipe(name, overrides))
+        cfg = compose_recipe(name, overrides)
     except RecipeError:
-        platform = None  # validation says why it does not compose
+        cfg = None  # validation says why it does not compose
+    platform = None if cfg is None else recipe_platform(cfg)
+    inputs_dir = None
     if platform == "cpu":
-        # A dry run prints the command with the paths a real run builds the inputs at; it builds nothing.
-        overrides = _with_smoke_inputs(overrides, Path(SMOKE_INPUTS_DIR).resolve(), build=not dry_run)
-    status = validate_recipe(name, overrides, err)
+        # Validated with the paths a run builds the inputs at; built only after validation, and never for
+        # a dry run (which prints the command with those paths).
+        inputs_dir = smoke_inputs_dir(cfg)
+        planned = _with_smoke_inputs(overrides, inputs_dir, build=False)
+        build = not dry_run and planned != list(overrides)
+    else:
+        planned, build = list(overrides), False
+    status = validate_recipe(name, planned, err)
     if status:
         return status
+    if platform == "cpu" and not dry_run:
+        problems = _cpu_run_problems(inputs_dir, overrides, build)
+        if problems:
+            for problem in problems:
+                err(f"ERROR: {problem}")
+            err(f"refusing to launch {name!r}: nothing was built or started")
+            return 2
+    if build:
+        try:
+            overrides = _with_smoke_inputs(overrides, inputs_dir, build=True)
+        except OSError as error:
+            err(f"ERROR: cannot build the CPU run's inputs in {inputs_dir}: {error}; move them with "
+                f"{SMOKE_INPUTS_KEY}=DIR")
+            return 2
+    else:
+        overrides = planned
     command = launch_command(name, overrides, platform=platform)
     if dry_run:
         out(shlex.join(command))

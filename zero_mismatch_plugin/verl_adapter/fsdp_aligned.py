@@ -45,7 +45,6 @@ steps, as for verl's own forward.
 from __future__ import annotations
 
 import logging
-import os
 import weakref
 from dataclasses import dataclass
 from functools import partial, wraps
@@ -71,7 +70,10 @@ class UnsupportedFSDPFeature(NotImplementedError):
 
 
 def enabled_by_env() -> bool:
-    return os.environ.get(ENABLE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+    """``"1"`` on, ``"0"`` or unset off; any other value raises (:mod:`zero_mismatch_plugin.switches`)."""
+    from zero_mismatch_plugin.switches import enabled
+
+    return enabled(ENABLE_ENV)
 
 
 # ----- packed inputs from verl's micro-batch ------------------------------------------------

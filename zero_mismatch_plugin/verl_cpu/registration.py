@@ -23,17 +23,16 @@ class PlatformOptInError(ValueError):
 
 
 def requested_platform() -> str | None:
-    """The platform named by ``ZMRL_VERL_PLATFORM`` (lower case), or None when unset."""
-    value = os.environ.get(ENABLE_ENV, "").strip().lower()
-    if not value:
-        return None
-    from .platform import PLATFORM_NAME
+    """The platform named by ``ZMRL_VERL_PLATFORM``, or None when unset (read by
+    :mod:`zero_mismatch_plugin.switches`: any value but ``cpu`` is refused)."""
+    from zero_mismatch_plugin.switches import SwitchError, choice
 
-    if value != PLATFORM_NAME:
+    try:
+        return choice(ENABLE_ENV)
+    except SwitchError as error:
         raise PlatformOptInError(
-            f"{ENABLE_ENV}={value!r}: the plugin provides only the {PLATFORM_NAME!r} platform; "
-            f"set {ENABLE_ENV}={PLATFORM_NAME} or unset it to let verl detect the accelerator")
-    return value
+            f"{error}. The plugin provides only the 'cpu' platform: set {ENABLE_ENV}=cpu or unset it "
+            "to let verl detect the accelerator") from None
 
 
 def _resolved_platform_name() -> str | None:
@@ -52,6 +51,9 @@ def register_if_enabled() -> bool:
     name = requested_platform()
     if name is None:
         return False
+    from zero_mismatch_plugin.switches import cpu_kv_cache_space
+
+    cpu_kv_cache_space()  # the rollout's vLLM engines get it (PlatformCPU.rollout_env_vars): refuse a bad one first
     from verl.plugin.platform import PlatformRegistry
 
     from .platform import PlatformCPU
@@ -87,8 +89,10 @@ def register_loudly() -> bool:
     try:
         return register_if_enabled()
     except Exception:
-        logger.error("zero_mismatch_plugin: %s=%s but the CPU platform could NOT be set up in process %d",
-                     ENABLE_ENV, os.environ.get(ENABLE_ENV), os.getpid(), exc_info=True)
+        from zero_mismatch_plugin.switches import shown
+
+        logger.error("zero_mismatch_plugin: %s, but the CPU platform could NOT be set up in process %d",
+                     shown(ENABLE_ENV), os.getpid(), exc_info=True)
         raise
 
 
