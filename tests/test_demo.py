@@ -7,6 +7,7 @@ initial weights into it as version 0), so the file pays for a single engine star
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -289,20 +290,30 @@ def test_command_fails_loudly_when_a_same_version_sample_is_not_bitwise(demo_com
 
 
 def test_command_on_a_full_disk_names_the_file_and_keeps_the_rest(demo_command, tmp_path, capsys, monkeypatch):
+    import builtins
     import errno
+    import io
     import os
 
     from zero_mismatch_plugin.demo import outputs
 
-    write = outputs._write_file
+    class FullDisk(io.StringIO):
+        """A file on a disk that fills after half of what is written to it."""
 
-    def disk_full_at_the_summary(path, text):
-        if "summary.json" in path.name:
-            path.write_text(text[: len(text) // 2])  # the disk fills half way through
+        def __init__(self, path):
+            super().__init__()
+            self.path = path
+
+        def write(self, text):
+            self.path.write_text(text[: len(text) // 2])
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        write(path, text)
 
-    monkeypatch.setattr(outputs, "_write_file", disk_full_at_the_summary)
+    def open_on_a_full_disk(path, mode="r", *args, **kwargs):
+        if "summary.json" in str(path) and "w" in mode:
+            return FullDisk(Path(path))
+        return builtins.open(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(outputs, "open", open_on_a_full_disk, raising=False)
     out = tmp_path / "out"
     code = demo_command("reinforce_zero", "aligned", lag=0, updates=2, seed=0, out=str(out))
     captured = capsys.readouterr()
