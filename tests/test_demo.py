@@ -7,6 +7,7 @@ initial weights into it as version 0), so the file pays for a single engine star
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -209,3 +210,144 @@ def test_weight_mailbox_hands_over_the_newest_version():
     assert mailbox.take_newer(1) is None  # already loaded
     with pytest.raises(ValueError):
         mailbox.put(2, list(reversed(weights)))
+
+
+# ----- the command: its claim checked, its files written as they come ---------------------------
+
+
+@pytest.fixture
+def demo_command(demo_engine, monkeypatch):
+    """``run_demo_command`` against the module's engine (the command would start its own): it builds
+    its model, loads it into this engine as version 0 and leaves the engine running."""
+    import contextlib
+    import os
+
+    from zero_mismatch_plugin.demo import command
+
+    engine, _ = demo_engine
+    monkeypatch.setattr("zero_mismatch_plugin.demo.engine.start_engine",
+                        lambda *args, **kwargs: contextlib.nullcontext(engine))
+    saved = dict(os.environ)
+    yield command.run_demo_command
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+def _plant_one_wrong_logprob(monkeypatch):
+    """The aligned learner's logprob of one token of its first sample, one ulp off, at one update."""
+    from zero_mismatch_plugin.demo.learners import AlignedLearner
+
+    honest = AlignedLearner.response_logprobs
+    calls = []
+
+    def planted(self, prompts, responses):
+        rows = honest(self, prompts, responses)
+        calls.append(1)
+        if len(calls) == 2:  # the second forward: update 2's, every sample of the learner's own version
+            off = torch.nextafter(rows[0][:1].detach(), torch.tensor([0.0])) - rows[0][:1].detach()
+            rows[0] = rows[0] + torch.nn.functional.pad(off, (0, rows[0].numel() - 1))
+        return rows
+
+    monkeypatch.setattr(AlignedLearner, "response_logprobs", planted)
+
+
+def test_command_streams_metrics_and_keeps_its_bitwise_claim(demo_command, tmp_path, capsys):
+    out = tmp_path / "out"
+    lines_seen = []
+    from zero_mismatch_plugin.demo import outputs
+
+    append = outputs.MetricsLog.append
+
+    def counting_append(self, record):
+        append(self, record)
+        lines_seen.append(len((out / "metrics.jsonl").read_text().splitlines()))  # on disk at once
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(outputs.MetricsLog, "append", counting_append)
+        code = demo_command("reinforce_zero", "aligned", lag=0, updates=3, seed=0, out=str(out))
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert lines_seen == [1, 2, 3]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["bitwise_claim_holds"] is True and summary["own_version_samples_not_bitwise"] == 0
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 3
+    assert not (out / ".zmrl-demo.lock").exists()  # released: the outputs now refuse a second run
+    assert "ERROR" not in captured.err
+
+
+def test_command_fails_loudly_when_a_same_version_sample_is_not_bitwise(demo_command, tmp_path, capsys,
+                                                                        monkeypatch):
+    _plant_one_wrong_logprob(monkeypatch)
+    out = tmp_path / "out"
+    code = demo_command("reinforce_zero", "aligned", lag=0, updates=2, seed=0, out=str(out))
+    captured = capsys.readouterr()
+    assert code == 1
+    assert ("ERROR: the bitwise claim does not hold: 1 of 64 samples scored with the weights that sampled them "
+            "differ from vLLM's logprobs") in captured.err
+    assert "1 of 64 samples of the learner's own version have an IS ratio != 1" in captured.err
+    summary = json.loads((out / "summary.json").read_text())  # the evidence is kept
+    assert summary["bitwise_claim_holds"] is False and summary["bitwise_equal_fraction_min"] < 1
+
+
+def test_command_on_a_full_disk_names_the_file_and_keeps_the_rest(demo_command, tmp_path, capsys, monkeypatch):
+    import builtins
+    import errno
+    import io
+    import os
+
+    from zero_mismatch_plugin.demo import outputs
+
+    class FullDisk(io.StringIO):
+        """A file on a disk that fills after half of what is written to it."""
+
+        def __init__(self, path):
+            super().__init__()
+            self.path = path
+
+        def write(self, text):
+            self.path.write_text(text[: len(text) // 2])
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def open_on_a_full_disk(path, mode="r", *args, **kwargs):
+        if "summary.json" in str(path) and "w" in mode:
+            return FullDisk(Path(path))
+        return builtins.open(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(outputs, "open", open_on_a_full_disk, raising=False)
+    out = tmp_path / "out"
+    code = demo_command("reinforce_zero", "aligned", lag=0, updates=2, seed=0, out=str(out))
+    captured = capsys.readouterr()
+    assert code == 2
+    assert f"ERROR: could not write {out / 'summary.json'}: No space left on device" in captured.err
+    assert "Traceback" not in captured.err
+    assert "bitwise equal      min 1 of tokens" in captured.out  # the summary is still printed
+    assert not (out / "summary.json").exists()  # absent, not half-written
+    assert not [p.name for p in out.iterdir() if p.name.endswith(".tmp")]
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 2
+    assert "bitwise" in (out / "report.txt").read_text()
+    assert (out / "plots" / "reward.png").stat().st_size > 0
+
+
+def test_a_second_demo_on_the_same_out_is_refused(tmp_path):
+    from zero_mismatch_plugin.demo.command import OutDirError, prepare_out_dir, release_out_dir
+
+    out = tmp_path / "out"
+    first = prepare_out_dir(str(out))
+    with pytest.raises(OutDirError, match=r"is in use by a zmrl demo \(pid \d+\) \(lock file .*\.zmrl-demo\.lock\); "
+                                          r"choose another directory with --out"):
+        prepare_out_dir(str(out))
+    (first / "metrics.jsonl").write_text("{}\n")
+    release_out_dir(first)
+    with pytest.raises(OutDirError, match=r"holds another zmrl demo run's outputs \(metrics\.jsonl\)"):
+        prepare_out_dir(str(out))
+
+
+def test_the_default_out_moves_on_to_a_free_name(tmp_path, monkeypatch):
+    from zero_mismatch_plugin.demo.command import prepare_out_dir, release_out_dir
+
+    monkeypatch.chdir(tmp_path)
+    first = prepare_out_dir(None)
+    second = prepare_out_dir(None)  # while the first still runs
+    assert (first.name, second.name) == ("zmrl-demo-out", "zmrl-demo-out-2")
+    release_out_dir(first)
+    release_out_dir(second)

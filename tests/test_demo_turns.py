@@ -8,7 +8,8 @@ import pytest
 from vllm_session import demo_llama_engine
 from zero_mismatch_plugin.demo import DemoConfig, run_demo
 
-MAX_MODEL_LEN = 128
+# Room for the longest conversation this host keeps bitwise (224 tokens with a 512 KiB L2) and one more turn.
+MAX_MODEL_LEN = 256
 TURNS = 3
 
 
@@ -40,3 +41,75 @@ def test_turns_that_do_not_fit_are_refused_clearly():
         DemoConfig(max_model_len=128, turns=6)
     with pytest.raises(ValueError, match="--turns must be at least 1"):
         DemoConfig(turns=0)
+
+
+def _host_bound():
+    from zero_mismatch_plugin.demo.runner import conversation_tokens, demo_bitwise_context_tokens
+
+    bound = demo_bitwise_context_tokens()
+    if bound is None:
+        pytest.skip("the host's attention kernel is not vLLM's VEC kernel: no known bitwise length")
+    return bound, conversation_tokens(1, DemoConfig.response_tokens)
+
+
+def _small(**overrides):
+    """Two conversations of two samples per chunk: the same turns, an eighth of the samples."""
+    return DemoConfig(max_model_len=MAX_MODEL_LEN, prompts_per_update=2, samples_per_prompt=2, lag=0, **overrides)
+
+
+def test_vec_kernel_tile_arithmetic_gives_the_measured_bound():
+    """vLLM's VEC attention with this model's heads (64 dims, 2 query heads per KV head): 224 tokens
+    with 512 KiB of L2 (measured: rows past 224 differ between a full forward and decode steps)."""
+    from zero_mismatch_plugin.demo.attention_limits import vec_kernel_bitwise_tokens
+
+    assert vec_kernel_bitwise_tokens(512 * 1024, 64, 2) == 224
+    assert vec_kernel_bitwise_tokens(256 * 1024, 64, 2) == 128
+    assert vec_kernel_bitwise_tokens(2 * 1024 * 1024, 64, 2) == 992
+
+
+def _run_with_samples(engine, model_dir, config):
+    """The run, and (sample, own-version bitwise) for every sample it trained on."""
+    from zero_mismatch_plugin.demo import DemoRun
+
+    run = DemoRun(config, engine, model_dir)
+    seen = []
+    update = run._update
+
+    def recording_update(step, chunks, waited):
+        record = update(step, chunks, waited)
+        seen.extend(zip([s for c in chunks for s in c.samples], record.own_version_bitwise))
+        return record
+
+    run._update = recording_update
+    return run.run(), seen
+
+
+def test_the_longest_conversation_the_host_allows_stays_bitwise(demo_engine):
+    engine, model_dir = demo_engine
+    bound, per_turn = _host_bound()
+    turns = min(bound, MAX_MODEL_LEN) // per_turn
+    result, seen = _run_with_samples(engine, model_dir, _small(updates=1, turns=turns, seed=3))
+    longest = max(len(s.prompt) + len(s.response) for s, _ in seen)
+    assert longest > (turns - 1) * per_turn, longest  # the last turn reaches past the turn before's bound
+    assert all(own is True for _, own in seen)
+    assert all(all(r.ratios_all_one) for r in result.records)
+
+
+def test_one_turn_past_the_bound_is_refused_and_would_not_stay_bitwise(demo_engine, monkeypatch):
+    """The smallest reproducing setting (``--turns 9`` on a 512 KiB-L2 host: its ninth turn's rows pass
+    224 tokens) is refused up front; forced through, only sequences past the bound lose the engine's bits."""
+    engine, model_dir = demo_engine
+    bound, per_turn = _host_bound()
+    turns = bound // per_turn + 1
+    if turns * per_turn > MAX_MODEL_LEN:
+        pytest.skip(f"{turns} turns do not fit this test's engine ({MAX_MODEL_LEN} tokens)")
+    with pytest.raises(ValueError, match=rf"--turns {turns}: a conversation reaches {turns * per_turn} tokens, more "
+                                         rf"than the {bound} tokens this host's vLLM CPU attention keeps bitwise"):
+        _small(updates=1, turns=turns)
+    _small(updates=1, turns=turns, kernels="standard")  # no bitwise claim, no bound
+
+    monkeypatch.setattr("zero_mismatch_plugin.demo.runner.demo_bitwise_context_tokens", lambda: None)
+    _, seen = _run_with_samples(engine, model_dir, _small(updates=1, turns=turns, seed=3))
+    lengths_not_bitwise = [len(s.prompt) + len(s.response) for s, own in seen if not own]
+    assert lengths_not_bitwise, "past the bound some sample must lose the engine's bits"
+    assert min(lengths_not_bitwise) > bound, lengths_not_bitwise

@@ -3,7 +3,61 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+import threading
+from typing import Callable
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM, raised where the command is so that its cleanup (``with`` and ``finally``
+    blocks: the engine's shutdown, the output lock) runs as it does for Ctrl-C."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+class InterruptNote:
+    """What a command has kept so far, for the one line it prints when it is interrupted."""
+
+    def __init__(self, kept: str = "nothing was written"):
+        self.kept = kept
+
+    def keep(self, kept: str) -> None:
+        self.kept = kept
+
+
+def _stop_on_signal(signum, frame):
+    # The first signal stops the command; further ones are ignored so that its cleanup (the engine's
+    # shutdown, bounded in time) is not cut short. SIGKILL still ends everything.
+    for other in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(other, signal.SIG_IGN)
+    raise Interrupted(signum)
+
+
+def run_interruptible(command: str, body: Callable[[InterruptNote], int], kept: str = "nothing was written") -> int:
+    """Run ``body(note)``; on SIGINT or SIGTERM, let its cleanup run, print one line saying what was
+    kept (``kept``, or what ``body`` told ``note`` since) and return 128 + the signal's number, as a
+    shell reports a signalled command.
+
+    The handlers are installed only on the main thread (the only one that receives signals) and
+    restored afterwards.
+    """
+    note = InterruptNote(kept)
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            previous[signum] = signal.signal(signum, _stop_on_signal)
+    try:
+        return body(note)
+    except KeyboardInterrupt as stop:
+        signum = stop.signum if isinstance(stop, Interrupted) else signal.SIGINT
+        print(f"zmrl {command}: stopped by {signal.Signals(signum).name}; {note.kept}", file=sys.stderr, flush=True)
+        return 128 + int(signum)
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def _validate_config(args: argparse.Namespace) -> int:
@@ -98,7 +152,8 @@ def _recipes_run(args: argparse.Namespace) -> int:
 def _check(args: argparse.Namespace) -> int:
     from zero_mismatch_plugin.checker.commands import check_command
 
-    return check_command(args)
+    return run_interruptible("check", lambda note: check_command(args),
+                             kept="nothing was written (the table and --json come after the last check)")
 
 
 def _bisect(args: argparse.Namespace) -> int:
@@ -127,13 +182,15 @@ def _demo(args: argparse.Namespace) -> int:
         if args.lora is not None:
             print("ERROR: --lora chooses a single LoRA run; --compare runs full-weight variants", file=sys.stderr)
             return 2
-        return run_compare_command(args.seeds, args.updates, args.lag, args.out)
+        return run_interruptible("demo --compare", lambda note: run_compare_command(
+            args.seeds, args.updates, args.lag, args.out, note=note))
     if args.seeds is not None:
         print("ERROR: --seeds is for --compare; a single run takes --seed", file=sys.stderr)
         return 2
-    return run_demo_command(args.algo or "reinforce_zero", args.kernels or "aligned",
-                            2 if args.lag is None else args.lag, 200 if args.updates is None else args.updates,
-                            args.seed or 0, args.out, args.turns, args.model, args.lora)
+    return run_interruptible("demo", lambda note: run_demo_command(
+        args.algo or "reinforce_zero", args.kernels or "aligned", 2 if args.lag is None else args.lag,
+        200 if args.updates is None else args.updates, args.seed or 0, args.out, args.turns, args.model, args.lora,
+        note=note))
 
 
 def _seed_list(text: str) -> list[int]:

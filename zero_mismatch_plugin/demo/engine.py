@@ -33,6 +33,10 @@ from .task import Task
 # core belongs to the learner, and idle OpenMP threads spin-wait.
 CHILD_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1"}
 START_TIMEOUT_S = 600.0
+# How long a stop on SIGINT / SIGTERM waits for the engine to finish its chunk and exit before it is
+# terminated (an orderly close waits up to CLOSE_TIMEOUT_S).
+INTERRUPTED_CLOSE_TIMEOUT_S = 10.0
+CLOSE_TIMEOUT_S = 60.0
 # Engine arguments the learner mirrors. 32-token KV blocks (the smallest vLLM's CPU attention
 # takes) let the short multi-turn conversations of ``--turns`` hit the prefix cache, which
 # consistent mode keeps on for this dense model.
@@ -107,7 +111,11 @@ class EngineProcess:
         )
         with temporary_environment(CHILD_ENV):
             self._process.start()
-        self._expect("ready", timeout=START_TIMEOUT_S)
+        try:
+            self._expect("ready", timeout=START_TIMEOUT_S)
+        except BaseException:  # an interrupt or a failed start: no engine process is left behind
+            self.close(timeout=INTERRUPTED_CLOSE_TIMEOUT_S)
+            raise
 
     @property
     def pid(self) -> int | None:
@@ -141,19 +149,25 @@ class EngineProcess:
         mailbox.put(0, initial_weights)
         return Rollout(self, next(self._run_ids), task, plan, mailbox)
 
-    def close(self) -> None:
+    def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
+        """Ask the engine's process to exit (it finishes the chunk it is generating), wait up to
+        ``timeout`` seconds, then terminate it; it is gone when this returns."""
         if self._process.is_alive():
             self.send(("close",))
-            self._process.join(timeout=60)
+            self._process.join(timeout=timeout)
         if self._process.is_alive():
             self._process.terminate()
+            self._process.join(timeout=timeout)
+        if self._process.is_alive():
+            self._process.kill()
             self._process.join()
 
     def __enter__(self) -> "EngineProcess":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, *exc) -> None:
+        interrupted = exc_type is not None and issubclass(exc_type, KeyboardInterrupt)
+        self.close(timeout=INTERRUPTED_CLOSE_TIMEOUT_S if interrupted else CLOSE_TIMEOUT_S)
 
 
 class Rollout:
@@ -200,7 +214,12 @@ class Rollout:
     def __enter__(self) -> "Rollout":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, *exc) -> None:
+        if exc_type is not None and issubclass(exc_type, KeyboardInterrupt):
+            # Interrupted: say stop, but do not wait for the chunk in flight; the engine is closed next.
+            self.engine.send(("stop",))
+            self._finished = True
+            return
         self.stop()
 
 

@@ -26,6 +26,7 @@ import torch
 from zero_mismatch_plugin.formulas import token_log_importance_ratio
 from zero_mismatch_plugin.token_metrics import importance_sampling_metrics
 
+from .attention_limits import bitwise_context_tokens
 from .corrections import CORRECTIONS, rollout_correction_settings
 from .learners import ALIGNED, KERNELS, Learner, make_learner
 from .engine import EngineProcess
@@ -47,6 +48,15 @@ def conversation_tokens(turns: int, response_tokens: int) -> int:
     """The most tokens a conversation of ``turns`` turns can reach (questions of at most
     ``MAX_PROMPT_TOKENS``)."""
     return turns * (MAX_PROMPT_TOKENS + response_tokens)
+
+
+def demo_bitwise_context_tokens() -> int | None:
+    """Tokens a sequence of the demo's models (both share the attention shape) may reach with the
+    engine and the aligned learner still bitwise on this host (``attention_limits``); None: unknown."""
+    from zero_mismatch_plugin.tiny_models import DEFAULT_SHAPE
+
+    return bitwise_context_tokens(DEFAULT_SHAPE["head_dim"], DEFAULT_SHAPE["num_attention_heads"],
+                                  DEFAULT_SHAPE["num_key_value_heads"])
 
 
 @dataclass
@@ -130,6 +140,23 @@ class DemoConfig:
                 f"--turns {self.turns}: a conversation reaches {conversation_tokens(self.turns, self.response_tokens)} "
                 f"tokens, more than max_model_len={self.max_model_len}; use fewer turns or a longer max_model_len"
             )
+        if self.kernels == ALIGNED:
+            self._require_bitwise_length()
+
+    def _require_bitwise_length(self) -> None:
+        """The aligned learner claims every same-version token bitwise: refuse a conversation longer
+        than this host's attention keeps bitwise (``attention_limits``), before any work."""
+        bound = demo_bitwise_context_tokens()
+        needed = conversation_tokens(self.turns, self.response_tokens)
+        if bound is None or needed <= bound:
+            return
+        per_turn = conversation_tokens(1, self.response_tokens)
+        raise ValueError(
+            f"--turns {self.turns}: a conversation reaches {needed} tokens, more than the {bound} tokens this host's "
+            f"vLLM CPU attention keeps bitwise between the engine and the aligned learner (past {bound} tokens the "
+            f"learner's forward sums a row's softmax over two key tiles, the engine's decode step over one); "
+            f"use at most {bound // per_turn} turns"
+        )
 
     @property
     def group_size(self) -> int:
