@@ -12,13 +12,10 @@ variable set for the call only.
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
-from unittest import mock
 
 from bad_input import CliResult, error, result, run_cli
 
@@ -110,40 +107,15 @@ def framework_says(text: str, exit_non_zero: bool):
 
 # ----- zmrl commands that start a CPU engine: refused before any work ----------------------------------
 
-_WORK_STARTERS = {
-    "zero_mismatch_plugin.checker.engine.open_engine": "a vLLM engine",
-    "zero_mismatch_plugin.checker.engine_modules.EngineModules": "vLLM's model (bisect)",
-    "zero_mismatch_plugin.checker.commands.load_backend": "a trainer backend",
-    "zero_mismatch_plugin.demo.engine.start_engine": "the demo's vLLM engine",
-    "zero_mismatch_plugin.tiny_models.build_tiny_model": "the demo's model",
-}
-
-
-def _refuse(what):
-    def started(*args, **kwargs):
-        raise AssertionError(f"{what} was started before the bad input was refused")
-    return started
-
-
-@functools.cache
-def _workdir() -> Path:
-    return Path(tempfile.mkdtemp(prefix="zmrl-bad-env-"))
-
-
-@functools.cache
-def tiny_model() -> str:
-    from zero_mismatch_plugin.tiny_models import build_tiny_model
-
-    return str(build_tiny_model(_workdir() / "llama", family="llama", seed=0))
+# The tiny Llama and the "nothing may start" guard are cases_cli's: one checkpoint, one list of starters.
+from bad_input.cases_cli import _nothing_may_start, _workdir, tiny_model  # noqa: E402
 
 
 def refused(argv_of, **values):
     """``zmrl argv`` with the variables set and every engine / model / training start made to fail."""
     def call():
         argv = argv_of()  # builds the tiny model, if needed, before starting anything is refused
-        with environment(**values), contextlib.ExitStack() as stack:
-            for target, what in _WORK_STARTERS.items():
-                stack.enter_context(mock.patch(target, _refuse(what)))
+        with environment(**values), _nothing_may_start():
             return run_cli(argv)
     return call
 
