@@ -389,6 +389,16 @@ ALIGNMENT = [
           lambda: validate("actor_rollout_ref.model.path=" + model_dir(
               {"architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True, "sliding_window": 4096})),
           r"missing: sliding-window attention"),
+    # A supported architecture with a setting the trainer face does not build: describe()'s refusal,
+    # as zmrl check gives it (before, validate-config read "OK" and the run failed in the trainer).
+    error("local-llama-with-mlp-bias",
+          lambda: validate("actor_rollout_ref.model.path=" + model_dir(
+              {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "mlp_bias": True})),
+          r"missing: .*LlamaForCausalLM: not supported by the aligned trainer forward: mlp_bias: set it to false"),
+    error("local-llama-with-a-sliding-window",
+          lambda: validate("actor_rollout_ref.model.path=" + model_dir(
+              {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "sliding_window": 64})),
+          r"missing: .*LlamaForCausalLM: not supported by the aligned trainer forward: .*window"),
     error("local-config-json-that-is-not-json",
           lambda: validate(f"actor_rollout_ref.model.path={model_dir('{not json')}"),
           says("actor_rollout_ref.model.path", r".*config.json is not a readable model config")),

@@ -148,7 +148,24 @@ def _architecture_gaps(architecture: Architecture, fsdp: bool) -> list[str]:
             where = f"the aligned model face covers it, {engine} does not yet: "
         gaps.insert(0, f"a path for {architecture.name} (from {architecture.source}: {where}the aligned forward "
                        f"in {engine} covers {', '.join(supported)})")
+    elif architecture.source.endswith("config.json"):
+        gaps += _face_feature_gaps(Path(architecture.source).parent, "aligned" if fsdp else "megatron")
     return gaps
+
+
+def _face_feature_gaps(model_dir: Path, face: str) -> list[str]:
+    """The settings of a supported architecture that the trainer ``face`` does not build: the same
+    pre-check ``zmrl check`` runs, on the checkpoint's own config (one transformers cannot read is
+    left to the engine's and the checker's own refusals)."""
+    from transformers import AutoConfig
+
+    try:
+        architectures.precheck(AutoConfig.from_pretrained(str(model_dir)), face)
+    except NotImplementedError as unsupported:
+        return [str(unsupported)]
+    except (OSError, ValueError, TypeError, KeyError):
+        return []
+    return []
 
 
 def uses_fsdp_switch(cfg: DictConfig) -> bool:
