@@ -164,7 +164,7 @@ def _face_feature_gaps(model_dir: Path, face: str) -> list[str]:
     except NotImplementedError as unsupported:
         return [str(unsupported)]
     except (OSError, ValueError, TypeError, KeyError):
-        return []
+        pass
     return []
 
 
