@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import os
 from dataclasses import dataclass, field
 
 # Logprobs the engine returns per position for the distribution check when the full vocabulary
