@@ -146,12 +146,31 @@ def consistent_engine_settings(args) -> list[str]:
     setattr_if("enforce_eager", True)
     if args.seed is None:
         setattr_if("seed", 0)
+    if _runs_reference_cpu_mla_only_if_pinned(args):
+        setattr_if("attention_backend", "CPU_MLA")
     if getattr(args, "enable_prefix_caching", None) is not False:
         keep, why = _prefix_caching_decision(args)
         if not keep:
             setattr_if("enable_prefix_caching", False)
             logger.warning("zero-mismatch (consistent): prefix caching off: %s", why)
     return changed
+
+
+def _runs_reference_cpu_mla_only_if_pinned(args) -> bool:
+    """Whether an MLA model on CPU needs its attention backend pinned to ``CPU_MLA``: on a host
+    with AMX tiles vLLM picks ``AMX_MLA`` (128-token blocks, chunked prefill), which the aligned
+    trainer does not follow; ``CPU_MLA`` is what it follows on every host (docs/hosts.md)."""
+    from .aligned import prefix_caching
+    from .aligned.vllm_compat import platform_kind
+
+    if getattr(args, "attention_backend", None) is not None or getattr(
+            getattr(args, "attention_config", None), "backend", None) is not None:
+        return False  # the user's choice stands; the trainer's pre-check refuses a backend it does not follow
+    if platform_kind() != "cpu":
+        return False
+    hf_config = prefix_caching.engine_hf_config(args)
+    text_config = getattr(hf_config, "text_config", None) or hf_config
+    return getattr(text_config, "kv_lora_rank", None) is not None and getattr(text_config, "model_type", "") != "deepseek_v4"
 
 
 def _prefix_caching_decision(args) -> tuple[bool, str]:

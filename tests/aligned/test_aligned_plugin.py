@@ -29,6 +29,26 @@ def test_consistent_mode_engine_settings(checkpoints):
     assert os.environ[numerics.CPU_SPLIT_KV_ENV] == "0"
 
 
+@pytest.mark.skipif(platform_kind() != "cpu", reason="vLLM's CPU platform chooses the MLA backend")
+def test_mla_engine_on_a_host_with_amx_runs_the_backend_the_trainer_follows(checkpoints, monkeypatch):
+    """A host with AMX tiles (planted here, so every host runs this) makes vLLM pick AMX_MLA with
+    128-token blocks; in consistent mode the engine is pinned to CPU_MLA, which the trainer follows."""
+    import torch
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    from zero_mismatch_plugin import vllm_plugin
+
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    vllm_plugin.register()
+    pinned = _config(checkpoints["deepseek_v2"])
+    assert pinned.attention_config.backend == AttentionBackendEnum.CPU_MLA
+    assert pinned.cache_config.block_size == 16
+    assert _config(checkpoints["llama"]).attention_config.backend is None  # only MLA models are pinned
+    monkeypatch.delenv(numerics.MODE_ENV)
+    stock = _config(checkpoints["deepseek_v2"])  # the plugin's negative control: what vLLM picks itself
+    assert stock.attention_config.backend is None and stock.cache_config.block_size == 128
+
+
 def test_vllm_changes_are_named_and_removable_with_the_environment(checkpoints, monkeypatch):
     import vllm.model_executor.layers.utils as layer_utils
     from vllm.engine.arg_utils import EngineArgs
