@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -92,6 +93,30 @@ def make_rollout():
 @pytest.fixture
 def make_prompts():
     return prompts_for
+
+
+# Test modules that start one long process per test (verl's main_ppo: Ray, FSDP and an engine):
+# each test is a group of its own, so both workers take them, and they are handed out first.
+ONE_GROUP_PER_TEST = ("tests/verl_cpu/test_main_ppo_cpu.py",)
+# Packages whose engine and checkpoints are package-scoped: one worker runs them all.
+ONE_GROUP_PER_PACKAGE = ("tests/megatron/",)
+
+
+def _xdist_group(item) -> str:
+    module = Path(item.path).relative_to(item.config.rootpath).as_posix()
+    if module in ONE_GROUP_PER_TEST:
+        return item.nodeid
+    return next((package for package in ONE_GROUP_PER_PACKAGE if module.startswith(package)), module)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Under ``--dist loadgroup`` (pyproject's addopts) a worker takes whole groups: a module, which
+    keeps its module-scoped engines on one worker, or the groups above. Whole-process tests first,
+    so the last minutes are not one worker running them while the other idles."""
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(_xdist_group(item)))
+    items.sort(key=lambda item: Path(item.path).relative_to(config.rootpath).as_posix() not in ONE_GROUP_PER_TEST)
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -265,12 +265,12 @@ def mla_checkpoint(tmp_path_factory):
     return build_tiny_mla_model(tmp_path_factory.mktemp("tiny_mla") / "deepseek_v2", seed=0)
 
 
-def _logprobs_alone_paired_and_mixed(checkpoint):
+def _logprobs_alone_paired_and_mixed(checkpoint, **engine_kwargs):
     from vllm import LLM, SamplingParams
 
     from zero_mismatch_plugin.aligned.runtime import engine_args_for, shutdown_engine
 
-    llm = LLM(**engine_args_for(checkpoint, max_model_len=128, seed=0))
+    llm = LLM(**engine_args_for(checkpoint, max_model_len=128, seed=0, **engine_kwargs))
     try:
         params = SamplingParams(temperature=0, max_tokens=RESPONSE_TOKENS, logprobs=0, ignore_eos=True)
 
@@ -298,10 +298,12 @@ def _transformers_logprobs(checkpoint, tokens):
 
 
 def test_stock_vllm_cpu_mla_gives_identical_prompts_different_logprobs(mla_checkpoint, engines, monkeypatch):
-    """Negative control: without the plugin's numerics, the batched divergence reproduces."""
+    """Negative control: without the plugin's numerics, the batched divergence reproduces. The
+    backend is named, as consistent mode names it: on a host with AMX tiles stock vLLM would pick
+    AMX_MLA, which takes no fp32 weights."""
     engines.close()  # one engine alive at a time
     monkeypatch.delenv("ZMRL_NUMERICS", raising=False)
-    (alone, _), pair, mixed, _ = _logprobs_alone_paired_and_mixed(mla_checkpoint)
+    (alone, _), pair, mixed, _ = _logprobs_alone_paired_and_mixed(mla_checkpoint, attention_backend="CPU_MLA")
     first_token_gap = abs(pair[0][0][0] - pair[1][0][0])
     print(f"stock vllm-cpu MLA: two identical prompts in one batch differ by {first_token_gap:.3g} nats "
           f"at the first sampled token")
@@ -309,8 +311,11 @@ def test_stock_vllm_cpu_mla_gives_identical_prompts_different_logprobs(mla_check
 
 
 def test_consistent_mode_mla_is_batch_invariant_and_computes_the_model(mla_checkpoint, engines, monkeypatch):
+    from zero_mismatch_plugin import vllm_plugin
+
     engines.close()
     monkeypatch.setenv("ZMRL_NUMERICS", "consistent")
+    vllm_plugin.register()  # vLLM loads its plugins once per process, maybe while the mode was unset
     alone, pair, mixed, (one_token_alone, one_token_after_longer) = _logprobs_alone_paired_and_mixed(mla_checkpoint)
     assert pair[0] == alone and pair[1] == alone and mixed == alone  # bitwise, tokens and logprobs
     # A one-token prompt after a longer prompt in the same step: decoded, as alone.

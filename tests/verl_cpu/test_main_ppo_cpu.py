@@ -46,11 +46,33 @@ def _assert_ran(run, steps):
     assert all(math.isfinite(v) for v in run.metric("actor/pg_loss"))
 
 
-def test_reinforce_zero_two_sync_steps_then_resume_from_verls_checkpoint(tmp_path, inputs, capsys):
+@pytest.fixture(scope="module")
+def moe_inputs(inputs, tmp_path_factory):
+    """The smoke inputs with a tiny Qwen3-MoE (8 experts, top-2) as the model."""
+    from transformers import AutoTokenizer
+
+    from zero_mismatch_plugin.tiny_models import build_tiny_model
+    from zero_mismatch_plugin.verl_cpu.smoke_assets import PLAIN_CHAT_TEMPLATE, SMOKE_SHAPE
+
+    model = build_tiny_model(tmp_path_factory.mktemp("cpu_smoke_moe") / "qwen3_moe", family="qwen3_moe", seed=0,
+                             **{**SMOKE_SHAPE, "moe_intermediate_size": 64})
+    tokenizer = AutoTokenizer.from_pretrained(str(model))
+    tokenizer.chat_template = PLAIN_CHAT_TEMPLATE
+    tokenizer.save_pretrained(str(model))
+    return {**inputs, "actor_rollout_ref.model.path": str(model)}
+
+
+def test_moe_model_two_sync_steps_bitwise_then_resume_from_verls_checkpoint(tmp_path, moe_inputs, capsys):
+    """A tiny Qwen3-MoE: the FSDP actor's MoE layers run vLLM's router and fused-MoE layer on the
+    gathered experts, and the rollout receives the updated experts through vLLM's reload (CPU MoE
+    layers re-padded and re-packed as at the first load); every sampled token's logprob is μ, bit
+    for bit, before and after an update, and again after verl resumes from its own checkpoint.
+    (The dense Llama path is bitwise in the asynchronous runs below.)"""
     checkpoints = tmp_path / "checkpoints"
-    first = run_smoke(tmp_path / "first", inputs,
+    first = run_smoke(tmp_path / "first", moe_inputs,
                       [f"trainer.default_local_dir={checkpoints}", "trainer.save_freq=2"])
     _assert_ran(first, [1, 2])
+    assert "zero-mismatch: verl FSDP actor (Qwen3MoeForCausalLM" in first.log
     # Synchronous: the actor trains on what the current weights sampled, so pi == mu bit for bit.
     assert first.metric(BITWISE) == [1.0, 1.0], first.metric(BITWISE)
     assert first.metric(DIFF) == [0.0, 0.0]
@@ -61,36 +83,13 @@ def test_reinforce_zero_two_sync_steps_then_resume_from_verls_checkpoint(tmp_pat
     assert zmrl(["report", str(tmp_path / "first" / "metrics.jsonl")]) == 0
     assert re.search(r"steps logged\s+2\n", capsys.readouterr().out)
 
-    resumed = run_smoke(tmp_path / "resumed", inputs,
+    resumed = run_smoke(tmp_path / "resumed", moe_inputs,
                         [f"trainer.default_local_dir={checkpoints}", "trainer.total_training_steps=3"])
     _assert_ran(resumed, [3])
     assert f"Resuming from {checkpoints}/global_step_2" in resumed.log
     # The rollout samples with the resumed weights, and the aligned forward's derived weights are
     # re-derived from the loaded shards: bitwise again.
     assert resumed.metric(BITWISE) == [1.0], resumed.metric(BITWISE)
-
-
-def test_moe_model_two_sync_steps_bitwise(tmp_path, inputs):
-    """A tiny Qwen3-MoE (8 experts, top-2) in the same run: the FSDP actor's MoE layers run vLLM's
-    router and fused-MoE layer on the gathered experts, and the rollout receives the updated
-    experts through vLLM's reload (CPU MoE layers re-padded and re-packed as at the first load);
-    every sampled token's logprob is μ, bit for bit, before and after an update."""
-    from transformers import AutoTokenizer
-
-    from zero_mismatch_plugin.tiny_models import build_tiny_model
-    from zero_mismatch_plugin.verl_cpu.smoke_assets import PLAIN_CHAT_TEMPLATE, SMOKE_SHAPE
-
-    model = build_tiny_model(tmp_path / "qwen3_moe", family="qwen3_moe", seed=0,
-                             **{**SMOKE_SHAPE, "moe_intermediate_size": 64})
-    tokenizer = AutoTokenizer.from_pretrained(str(model))
-    tokenizer.chat_template = PLAIN_CHAT_TEMPLATE
-    tokenizer.save_pretrained(str(model))
-    run = run_smoke(tmp_path / "moe", {**inputs, "actor_rollout_ref.model.path": str(model)},
-                    [f"trainer.default_local_dir={tmp_path / 'checkpoints'}"])
-    _assert_ran(run, [1, 2])
-    assert "zero-mismatch: verl FSDP actor (Qwen3MoeForCausalLM" in run.log
-    assert run.metric(BITWISE) == [1.0, 1.0], run.metric(BITWISE)
-    assert run.metric(DIFF) == [0.0, 0.0]
 
 
 def test_stock_fsdp_forward_is_close_but_not_bitwise(tmp_path, inputs):

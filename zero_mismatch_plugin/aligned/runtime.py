@@ -49,17 +49,22 @@ def engine_args_for(model_dir: str | os.PathLike, dtype: str = "float32", **over
     return args
 
 
+ENGINE_SHUTDOWN_GRACE_S = 1.0
+
 
 def shutdown_engine(llm) -> None:
     """Stop a ``vllm.LLM``'s engine processes now, not when the object is collected.
 
-    Best effort: a half-started or already-stopped engine is not an error here.
+    Best effort: a half-started or already-stopped engine is not an error here. The engine
+    process gets one second before it is killed (vLLM's default waits five for a worker that
+    only exits once its parent is gone); its worker then exits on its parent's death.
     """
     try:
-        llm.llm_engine.engine_core.shutdown()
+        llm.llm_engine.engine_core.shutdown(timeout=ENGINE_SHUTDOWN_GRACE_S)
     except Exception:  # noqa: BLE001 - best effort at exit
         pass
     gc.collect()
+
 
 class VllmRuntime:
     """The engine's ``VllmConfig`` for one checkpoint, plus vLLM layer instances built under it."""
