@@ -95,28 +95,21 @@ def make_prompts():
     return prompts_for
 
 
-# Test modules that start one long process per test (verl's main_ppo: Ray, FSDP and an engine):
-# each test is a group of its own, so both workers take them, and they are handed out first.
-ONE_GROUP_PER_TEST = ("tests/verl_cpu/test_main_ppo_cpu.py",)
-# Packages whose engine and checkpoints are package-scoped: one worker runs them all.
-ONE_GROUP_PER_PACKAGE = ("tests/megatron/",)
+# Modules whose every test is a whole verl process (Ray, FSDP and an engine, minutes each): run
+# first, so that the suite does not end with one worker running them while the other idles.
+WHOLE_PROCESS_MODULES = ("tests/verl_cpu/test_main_ppo_sync.py", "tests/verl_cpu/test_main_ppo_async.py")
 
 
-def _xdist_group(item) -> str:
+def _whole_process_first(item) -> tuple[bool, int]:
     module = Path(item.path).relative_to(item.config.rootpath).as_posix()
-    if module in ONE_GROUP_PER_TEST:
-        return item.nodeid
-    return next((package for package in ONE_GROUP_PER_PACKAGE if module.startswith(package)), module)
+    return module not in WHOLE_PROCESS_MODULES, WHOLE_PROCESS_MODULES.index(module) if module in WHOLE_PROCESS_MODULES else 0
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """Under ``--dist loadgroup`` (pyproject's addopts) a worker takes whole groups: a module, which
-    keeps its module-scoped engines on one worker, or the groups above. Whole-process tests first,
-    so the last minutes are not one worker running them while the other idles."""
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(_xdist_group(item)))
-    items.sort(key=lambda item: Path(item.path).relative_to(config.rootpath).as_posix() not in ONE_GROUP_PER_TEST)
+    """Under ``--dist loadscope`` (pyproject's addopts) a worker takes a whole module, which keeps
+    a module's engines on one worker, and modules are handed out in collection order."""
+    items.sort(key=_whole_process_first)
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -7,6 +7,8 @@ import torch
 
 from zero_mismatch_plugin import formulas
 
+pytestmark = pytest.mark.quick
+
 
 def test_outcome_reward_sums_over_the_mask():
     rewards = torch.tensor([[0.0, 0.0, 1.0, 5.0], [0.0, 2.0, 0.0, 0.0]])

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 from functools import partial
 
+from zero_mismatch_plugin import upstream_versions
 from zero_mismatch_plugin.runtime_patches import patch_at
 
-SUPPORTED_VLLM_VERSIONS = ("0.31.0",)
+SUPPORTED_VLLM_VERSIONS = upstream_versions.VLLM
 CONSISTENT_ON_CPU = "ZMRL_NUMERICS=consistent on CPU"
 
 # A runtime patch of a vLLM function (see runtime_patches.patch_at for the target's form).

@@ -10,7 +10,7 @@ import aligned_checks as checks
 import pytest
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3"])
+@pytest.fixture(scope="module", params=[pytest.param("llama", marks=pytest.mark.quick), "qwen3"])
 def family(request):
     return request.param
 

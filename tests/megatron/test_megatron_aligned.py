@@ -6,6 +6,7 @@ it changes the weights on both sides.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from vllm_session import hf_token_logprobs
@@ -35,6 +36,7 @@ def _report(name, logprobs, mu):
     return f"{name}: {equal:.1%} of {mu.numel()} tokens bitwise equal, max |diff| {(logprobs - mu).abs().max().item():.3g}"
 
 
+@pytest.mark.quick
 def test_aligned_megatron_logprobs_bitwise_equal_engine(mg_runtime, mg_rollout):
     prompts, responses, mu = mg_rollout(seed=0)
     assert len(responses) == 16 and all(len(r) == 24 for r in responses)
@@ -46,6 +48,7 @@ def test_aligned_megatron_logprobs_bitwise_equal_engine(mg_runtime, mg_rollout):
     print(_report("aligned megatron (THD packed)", logprobs, mu))
 
 
+@pytest.mark.quick
 def test_stock_local_spec_is_close(mg_runtime, mg_rollout):
     """Control: the same weights through megatron's stock local spec agree with the engine to
     fp32 round-off. How many tokens are bit-equal depends on the host's kernels: printed, not

@@ -119,8 +119,8 @@ def _assert_same_gradients(model, reference):
 # gated shared expert; GLM-4.5's sigmoid routing in groups, shared experts, a dense first layer and
 # partial rotary). With gradient checkpointing (verl's default) the backward calls each layer again.
 @pytest.mark.parametrize("family,gradient_checkpointing", [
-    *[(family, False) for family in ("llama", "qwen3", "qwen3_moe", "qwen3_moe_padded", "qwen2_moe", "mixtral",
-                                     "glm4_moe")],
+    pytest.param("llama", False, marks=pytest.mark.quick),
+    *[(family, False) for family in ("qwen3", "qwen3_moe", "qwen3_moe_padded", "qwen2_moe", "mixtral", "glm4_moe")],
     ("llama", True), ("qwen3_moe", True)])
 def test_fsdp2_units_give_the_aligned_models_logits_and_gradients(process_group, checkpoints, family,
                                                                   gradient_checkpointing):

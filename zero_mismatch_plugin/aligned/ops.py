@@ -44,10 +44,6 @@ def _observable(call):
     return observable_call
 
 
-def _f32(t):
-    return None if t is None else t.float()
-
-
 def _norm_backward(x32, w32, g32, eps):
     """d/dx and d/dw of y = x * rsqrt(mean(x^2) + eps) * w over the last dim (fp32)."""
     r = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)

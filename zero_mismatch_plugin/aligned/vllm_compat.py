@@ -10,10 +10,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 
-# Releases whose internals (layer classes, CPU attention metadata, IR ops, reload_weights)
-# match what this package calls. 0.31 is the one the CPU tests run against.
-SUPPORTED_VLLM = ((0, 31), (0, 32), (0, 33))
-TESTED_VLLM = ((0, 31),)
+from zero_mismatch_plugin import upstream_versions
 
 # vLLM moved its batch-invariant module; both locations have shipped.
 BATCH_INVARIANT_MODULES = (
@@ -38,6 +35,11 @@ def parse_version(version: str) -> tuple[int, int]:
         return int(parts[0]), int(parts[1])
     except (IndexError, ValueError) as exc:
         raise UnsupportedVllmError(f"cannot parse vLLM version {version!r}") from exc
+
+
+# Releases whose internals (layer classes, CPU attention metadata, IR ops, reload_weights) match
+# what this package calls: the same pin as the runtime patches' (one table, upstream_versions).
+SUPPORTED_VLLM = tuple(parse_version(release) for release in upstream_versions.VLLM)
 
 
 def require_vllm():

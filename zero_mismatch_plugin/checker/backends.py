@@ -26,6 +26,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from .. import upstream_versions
 from . import oplist
 from .recording import OpRecorder, Perturb
 from .registry import KNOWN_TRAINERS, TRAINER_BACKENDS
@@ -53,10 +54,6 @@ class TrainerBackend(Protocol):
     def full_logprobs(self, batch) -> torch.Tensor: ...
 
     def intermediates(self, batch, perturb: Perturb | None = None) -> dict: ...
-
-
-def available_backends() -> list[str]:
-    return list(TRAINER_BACKENDS)
 
 
 def load_backend(name: str, model_dir, max_model_len: int, seed: int = 0, **options) -> TrainerBackend:
@@ -245,7 +242,7 @@ def _trace_hf_router(recorder: OpRecorder, router) -> None:
 
 # transformers versions whose modeling code applies rotary as ``apply_rotary_pos_emb(q, k, ...)``
 # returning (q, k) in [batch, heads, tokens, head_dim].
-HF_ROTARY_VERSIONS = ("5.10.4",)
+HF_ROTARY_VERSIONS = upstream_versions.TRANSFORMERS
 
 
 @contextlib.contextmanager

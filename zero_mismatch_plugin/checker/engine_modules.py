@@ -15,13 +15,14 @@ import contextlib
 
 import torch
 
+from .. import upstream_versions
 from ..architectures import describe
 from . import oplist
 from .recording import OpRecorder, first_of_pair
 
 # vLLM versions whose ``MoERunner`` hands (shared output, routed output) through
 # ``_maybe_apply_routed_scale_to_output`` before adding them.
-ROUTED_OUTPUT_VERSIONS = ("0.31.0",)
+ROUTED_OUTPUT_VERSIONS = upstream_versions.VLLM
 
 # vLLM module attribute -> canonical op name (per decoder layer). Linear layers return
 # (output, bias); norms of the residual stream return (normalised, residual sum).

