@@ -1,7 +1,6 @@
-"""The vLLM releases the plugin's runtime patches of vLLM's code were written and tested against,
-and the two ways such a patch is declared: always (when the plugin is active) or only in
-consistent mode on CPU. Every ``vllm_*`` module declares its patches with these, so a new vLLM
-release is one edit here and each patch then refuses to apply until it is checked against it."""
+"""The two ways a runtime patch of vLLM is declared: always (when the plugin is active) or only in
+consistent mode on CPU, both gated on the vLLM pin of :mod:`zero_mismatch_plugin.upstream_versions`.
+Every ``vllm_*`` module declares its patches with these."""
 
 from __future__ import annotations
 
