@@ -6,7 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export MKL_CBWR="${MKL_CBWR:-COMPATIBLE}"
-echo "host variant: MKL_CBWR=$MKL_CBWR ONEDNN_MAX_CPU_ISA=${ONEDNN_MAX_CPU_ISA:-(the host's)}"
+echo "host variant: MKL_CBWR=$MKL_CBWR ONEDNN_MAX_CPU_ISA=${ONEDNN_MAX_CPU_ISA:-unset, this host decides}"
 exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@" \
   tests/aligned/test_row_invariant_kernels.py \
   "tests/aligned/test_aligned_cpu_gemm.py::test_host_vllm_gemm_probe_is_reported" \
