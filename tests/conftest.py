@@ -100,9 +100,10 @@ def make_prompts():
 WHOLE_PROCESS_MODULES = ("tests/verl_cpu/test_main_ppo_sync.py", "tests/verl_cpu/test_main_ppo_async.py")
 
 
-def _whole_process_first(item) -> tuple[bool, int]:
+def _whole_process_first(item) -> int:
+    """The module's place in WHOLE_PROCESS_MODULES; every other module after them, as collected."""
     module = Path(item.path).relative_to(item.config.rootpath).as_posix()
-    return module not in WHOLE_PROCESS_MODULES, WHOLE_PROCESS_MODULES.index(module) if module in WHOLE_PROCESS_MODULES else 0
+    return WHOLE_PROCESS_MODULES.index(module) if module in WHOLE_PROCESS_MODULES else len(WHOLE_PROCESS_MODULES)
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -28,6 +28,7 @@ back and restores the environment variables :func:`register` set.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 
@@ -146,21 +147,24 @@ def consistent_engine_settings(args) -> list[str]:
     setattr_if("enforce_eager", True)
     if args.seed is None:
         setattr_if("seed", 0)
-    if _runs_reference_cpu_mla_only_if_pinned(args):
+    from .aligned.prefix_caching import engine_hf_config
+
+    hf_config = functools.cache(lambda: engine_hf_config(args))  # read once, and only where a decision needs it
+    if _needs_cpu_mla_pin(args, hf_config):
         setattr_if("attention_backend", "CPU_MLA")
     if getattr(args, "enable_prefix_caching", None) is not False:
-        keep, why = _prefix_caching_decision(args)
+        keep, why = _prefix_caching_decision(args, hf_config)
         if not keep:
             setattr_if("enable_prefix_caching", False)
             logger.warning("zero-mismatch (consistent): prefix caching off: %s", why)
     return changed
 
 
-def _runs_reference_cpu_mla_only_if_pinned(args) -> bool:
+def _needs_cpu_mla_pin(args, hf_config) -> bool:
     """Whether an MLA model on CPU needs its attention backend pinned to ``CPU_MLA``: on a host
     with AMX tiles vLLM picks ``AMX_MLA`` (128-token blocks, chunked prefill), which the aligned
-    trainer does not follow; ``CPU_MLA`` is what it follows on every host (docs/hosts.md)."""
-    from .aligned import prefix_caching
+    trainer does not follow; ``CPU_MLA`` is what it follows on every host (docs/hosts.md).
+    ``hf_config`` returns the model's transformers config."""
     from .aligned.vllm_compat import platform_kind
 
     if getattr(args, "attention_backend", None) is not None or getattr(
@@ -168,22 +172,21 @@ def _runs_reference_cpu_mla_only_if_pinned(args) -> bool:
         return False  # the user's choice stands; the trainer's pre-check refuses a backend it does not follow
     if platform_kind() != "cpu":
         return False
-    hf_config = prefix_caching.engine_hf_config(args)
-    text_config = getattr(hf_config, "text_config", None) or hf_config
+    config = hf_config()
+    text_config = getattr(config, "text_config", None) or config
     return getattr(text_config, "kv_lora_rank", None) is not None and getattr(text_config, "model_type", "") != "deepseek_v4"
 
 
-def _prefix_caching_decision(args) -> tuple[bool, str]:
+def _prefix_caching_decision(args, hf_config) -> tuple[bool, str]:
     from .aligned import prefix_caching
     from .aligned.vllm_compat import platform_kind
 
     from .switches import flag
 
-    hf_config = None
-    if flag(PREFIX_CACHING_ENV) is None:  # unset: the architecture decides (a bad value is refused here)
-        hf_config = prefix_caching.engine_hf_config(args)
+    # Unset: the architecture decides (a bad value is refused here); set: the config is not read.
+    config = hf_config() if flag(PREFIX_CACHING_ENV) is None else None
     lora = bool(getattr(args, "enable_lora", False))
-    return prefix_caching.keep_prefix_caching(hf_config, platform_kind(), os.environ, lora=lora)
+    return prefix_caching.keep_prefix_caching(config, platform_kind(), os.environ, lora=lora)
 
 
 def _engine_settings(original):
