@@ -66,7 +66,7 @@ def median_times(fn_a, fn_b, repeats, warmup):
 def build_model_from_args(out_dir, args, max_len: int = 0, **extra):
     """The tiny checkpoint a benchmark's shape arguments (``--family --layers --hidden
     --intermediate --heads --kv-heads --vocab``) describe; ``extra`` overrides or adds fields."""
-    from zero_mismatch_plugin.tiny_models import build_tiny_model
+    from zero_mismatch_plugin.tools.tiny_models import build_tiny_model
 
     shape = dict(
         family=getattr(args, "family", "llama"),
@@ -87,7 +87,7 @@ def load_aligned_and_transformers(path, max_model_len: int):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from zero_mismatch_plugin.aligned import AlignedCausalLM
+    from zero_mismatch_plugin.faces.aligned_model import AlignedCausalLM
 
     aligned = AlignedCausalLM.from_pretrained(path, max_model_len=max_model_len)
     return aligned, AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)

@@ -125,9 +125,9 @@ def main() -> int:
     parser.add_argument("--own-version-check", action="store_true")
     args = parser.parse_args()
 
-    from zero_mismatch_plugin.demo import DemoConfig, DemoRun, run_demo
-    from zero_mismatch_plugin.demo.engine import start_engine
-    from zero_mismatch_plugin.tiny_models import build_tiny_model
+    from zero_mismatch_plugin.tools.demo import DemoConfig, DemoRun, run_demo
+    from zero_mismatch_plugin.tools.demo.engine import start_engine
+    from zero_mismatch_plugin.tools.tiny_models import build_tiny_model
 
     print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
     base = dict(algo=args.algo, kernels=args.kernels, own_version_check=args.own_version_check)

@@ -41,7 +41,9 @@ def main():
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from zero_mismatch_plugin.aligned import AlignedCausalLM, pack
+    from zero_mismatch_plugin.aligned import pack
+
+    from zero_mismatch_plugin.faces.aligned_model import AlignedCausalLM
     from zero_mismatch_plugin.aligned.lora import build_adapter, lora_engine_args
 
     seq = args.prompt_len + args.response_len

@@ -61,7 +61,7 @@ def main() -> None:
 
     import verl  # noqa: F401  (registers the plugin)
 
-    from zero_mismatch_plugin import formulas
+    from zero_mismatch_plugin.algorithms import formulas
     from verl.trainer.config.algorithm import RolloutCorrectionConfig
     from verl.trainer.ppo.core_algos import get_policy_loss_fn
     from verl_batches import actor_config

@@ -36,7 +36,7 @@ def main() -> None:
     import torch
 
     from zero_mismatch_plugin.aligned.runtime import VllmRuntime
-    from zero_mismatch_plugin.megatron.standalone import build_gpt_model, cpu_stock_megatron
+    from zero_mismatch_plugin.integrations.megatron.standalone import build_gpt_model, cpu_stock_megatron
 
     torch.set_num_threads(args.threads)
     workdir = tempfile.mkdtemp(prefix="bench_megatron_")

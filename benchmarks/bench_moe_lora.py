@@ -47,10 +47,10 @@ def main():
     args = parse_args()
     import torch
 
-    from zero_mismatch_plugin.aligned import AlignedCausalLM
+    from zero_mismatch_plugin.faces.aligned_model import AlignedCausalLM
     from zero_mismatch_plugin.aligned.lora import EXPERT_TARGETS, build_adapter, lora_engine_args
     from zero_mismatch_plugin.aligned.moe import experts_with_lora, routing_weights
-    from zero_mismatch_plugin.tiny_models import build_tiny_model
+    from zero_mismatch_plugin.tools.tiny_models import build_tiny_model
 
     torch.set_num_threads(args.threads or torch.get_num_threads())
     with tempfile.TemporaryDirectory() as tmp:

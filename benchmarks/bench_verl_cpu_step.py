@@ -37,7 +37,7 @@ def _engine(model_dir: Path, work: Path):
     """verl's FSDP actor engine as cpu_smoke configures it, in this process (one gloo rank)."""
     import torch.distributed as dist
 
-    import zero_mismatch_plugin.verl_cpu  # noqa: F401  registers verl's CPU platform
+    import zero_mismatch_plugin.integrations.verl.cpu  # noqa: F401  registers verl's CPU platform
 
     dist.init_process_group("gloo", store=dist.FileStore(str(work / "store"), 1), rank=0, world_size=1)
     from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
@@ -85,8 +85,8 @@ def _timed(function, repeats_inner: int = 3) -> float:
 def bench_forward(args) -> None:
     import torch
 
-    from zero_mismatch_plugin.verl_adapter import fsdp_aligned
-    from zero_mismatch_plugin.verl_cpu.smoke_assets import build_smoke_model
+    from zero_mismatch_plugin.faces import fsdp as fsdp_aligned
+    from zero_mismatch_plugin.integrations.verl.cpu.smoke_assets import build_smoke_model
 
     work = Path(tempfile.mkdtemp(prefix="zmrl-bench-verl-"))
     model_dir = build_smoke_model(work / "model")
@@ -130,8 +130,8 @@ def bench_forward(args) -> None:
 
 
 def bench_step(args) -> None:
-    from zero_mismatch_plugin.verl_cpu.launch import run_smoke
-    from zero_mismatch_plugin.verl_cpu.smoke_assets import build_smoke_inputs
+    from zero_mismatch_plugin.integrations.verl.cpu.launch import run_smoke
+    from zero_mismatch_plugin.integrations.verl.cpu.smoke_assets import build_smoke_inputs
 
     work = Path(tempfile.mkdtemp(prefix="zmrl-bench-verl-step-"))
     inputs = build_smoke_inputs(work / "inputs", count=64)

@@ -61,7 +61,7 @@ step "composing recipes from the wheel"
 grep -q "adv_estimator: reinforce_zero" "$scratch/shown.yaml"
 command="$(cd "$scratch" && "$fresh/bin/zmrl" recipes run reinforce_zero zmrl.architecture=Qwen2ForCausalLM --dry-run)"
 case "$command" in
-  *"--config-path=$fresh_site/zero_mismatch_plugin/recipes "*) echo "  $command" ;;
+  *"--config-path=$fresh_site/zero_mismatch_plugin/tools/recipes "*) echo "  $command" ;;
   *) echo "wheel check: the launch command does not use the wheel's recipes: $command" >&2; exit 1 ;;
 esac
 

@@ -138,7 +138,7 @@ def op_backward_float64(device: str):
 
 
 def _tiny_models(tmp: Path):
-    from zero_mismatch_plugin.tiny_models import build_tiny_model
+    from zero_mismatch_plugin.tools.tiny_models import build_tiny_model
 
     return {family: build_tiny_model(tmp / family, family=family, seed=11) for family in FAMILIES}
 
@@ -160,7 +160,8 @@ def aligned_forward_batch_invariant(device: str):
     """Per sequence: alone == packed with the others == packed in reverse order, bitwise."""
     _require("vllm", "the op layer's forwards are vLLM's kernels")
     _consistent_mode()
-    from zero_mismatch_plugin.aligned import AlignedCausalLM, pack
+    from zero_mismatch_plugin.aligned import pack
+    from zero_mismatch_plugin.faces.aligned_model import AlignedCausalLM
 
     dtypes = ("bfloat16", "float32") if device != "cpu" else ("float32",)
     lens = [(5, 28), (40, 24), (1, 6), (17, 83)]  # (prompt, response) tokens
@@ -194,7 +195,9 @@ def aligned_backward_float64(device: str):
     _consistent_mode()
     from transformers import AutoModelForCausalLM
 
-    from zero_mismatch_plugin.aligned import AlignedCausalLM, pack
+    from zero_mismatch_plugin.aligned import pack
+
+    from zero_mismatch_plugin.faces.aligned_model import AlignedCausalLM
 
     lens = [(6, 20), (13, 31), (2, 9)]
     details, ok = {}, True
@@ -237,9 +240,11 @@ def vllm_bf16_equality(device: str):
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
 
-    from zero_mismatch_plugin.aligned import AlignedCausalLM, pack
+    from zero_mismatch_plugin.aligned import pack
+
+    from zero_mismatch_plugin.faces.aligned_model import AlignedCausalLM
     from zero_mismatch_plugin.aligned.runtime import engine_args_for, shutdown_engine
-    from zero_mismatch_plugin.tiny_models import tiny_corpus
+    from zero_mismatch_plugin.tools.tiny_models import tiny_corpus
 
     details, ok = {}, True
     with tempfile.TemporaryDirectory() as tmp:

@@ -8,7 +8,7 @@ import torch
 def assert_bisect_names_one_ulp_planted_in(planted: str, engine_modules, backend, batch):
     """Move the first value of the trainer's op ``planted`` one ulp up; bisect must name exactly
     that op, with that one value differing and every op before it equal. Returns the result."""
-    from zero_mismatch_plugin.checker.bisect import run_bisect
+    from zero_mismatch_plugin.tools.checker.bisect import run_bisect
 
     moved = {}
 

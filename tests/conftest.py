@@ -9,7 +9,7 @@ import pytest
 
 # vLLM reads these when its processes start; set before anything imports vLLM.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-from zero_mismatch_plugin.switches import default_cpu_kv_cache_space  # noqa: E402
+from zero_mismatch_plugin.tables.switches import default_cpu_kv_cache_space  # noqa: E402
 
 default_cpu_kv_cache_space()  # 1 GiB unless set; a value vLLM's CPU engine would die on stops the session here
 
@@ -24,7 +24,7 @@ MLA_YARN_ROPE = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "ori
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory):
     """Tiny random checkpoints, built once: family -> directory."""
-    from zero_mismatch_plugin.tiny_models import MOE_FAMILIES, build_tiny_mla_model, build_tiny_model
+    from zero_mismatch_plugin.tools.tiny_models import MOE_FAMILIES, build_tiny_mla_model, build_tiny_model
 
     root = tmp_path_factory.mktemp("tiny_models")
     return {
@@ -71,7 +71,7 @@ def engines(checkpoints):
 @pytest.fixture(scope="session")
 def trainers(checkpoints):
     """Aligned trainer models (one per checkpoint), created on first use."""
-    from zero_mismatch_plugin.aligned import AlignedCausalLM
+    from zero_mismatch_plugin.faces.aligned_model import AlignedCausalLM
 
     cache = {}
 

@@ -18,11 +18,11 @@ import pytest
 import torch
 
 from bisect_planting import assert_bisect_names_one_ulp_planted_in
-from zero_mismatch_plugin import cli
-from zero_mismatch_plugin.checker import CHECK_NAMES, KNOWN_TRAINERS, oplist
-from zero_mismatch_plugin.checker import engine as checker_engine
-from zero_mismatch_plugin.checker.backends import BackendUnavailable, TRAINER_BACKENDS, load_backend
-from zero_mismatch_plugin.checker.checks import CheckOptions, batch_composition_check, prefill_vs_decode_check, prefix_cache_check
+from zero_mismatch_plugin.tools import cli
+from zero_mismatch_plugin.tools.checker import CHECK_NAMES, KNOWN_TRAINERS, oplist
+from zero_mismatch_plugin.tools.checker import engine as checker_engine
+from zero_mismatch_plugin.tools.checker.backends import BackendUnavailable, TRAINER_BACKENDS, load_backend
+from zero_mismatch_plugin.tools.checker.checks import CheckOptions, batch_composition_check, prefill_vs_decode_check, prefix_cache_check
 
 MAX_MODEL_LEN = 256
 
@@ -163,7 +163,7 @@ class _OneUlpOffBackend:
 
 
 def test_trainer_checks_catch_a_single_one_ulp_difference(engine, llama, aligned_backend):
-    from zero_mismatch_plugin.checker.checks import full_distribution_check, sampled_token_check
+    from zero_mismatch_plugin.tools.checker.checks import full_distribution_check, sampled_token_check
 
     prompts = _prompts(llama)
     completions = checker_engine.generate(engine, prompts, [1000 + i for i in range(4)], 12, logprobs=20)
@@ -325,7 +325,7 @@ def test_cli_trainer_choices_are_the_checker_known_trainers():
 
 
 def test_registry_line_adds_a_backend_and_a_broken_one_is_reported(llama, monkeypatch, module_environ):
-    monkeypatch.setitem(TRAINER_BACKENDS, "transformers-again", "zero_mismatch_plugin.checker.backends:HFBackend")
+    monkeypatch.setitem(TRAINER_BACKENDS, "transformers-again", "zero_mismatch_plugin.tools.checker.backends:HFBackend")
     backend = load_backend("transformers-again", llama, max_model_len=MAX_MODEL_LEN)
     assert backend.name == "hf"
     monkeypatch.setitem(TRAINER_BACKENDS, "broken", "zero_mismatch_plugin.no_such_module:Backend")
@@ -373,7 +373,7 @@ def test_bisect_hf_trainer_reports_consistently(llama, tmp_path, capsys, module_
 
 @pytest.fixture(scope="module")
 def vllm_modules(llama, module_environ):
-    from zero_mismatch_plugin.checker.engine_modules import EngineModules
+    from zero_mismatch_plugin.tools.checker.engine_modules import EngineModules
 
     with EngineModules(llama, max_model_len=MAX_MODEL_LEN, seed=0) as modules:
         yield modules
@@ -381,7 +381,7 @@ def vllm_modules(llama, module_environ):
 
 @pytest.fixture(scope="module")
 def bisect_batch(llama, vllm_modules):
-    from zero_mismatch_plugin.checker.bisect import bisect_input
+    from zero_mismatch_plugin.tools.checker.bisect import bisect_input
 
     return bisect_input(_prompts(llama, 3), 8, vllm_modules.runtime.hf_config.vocab_size)
 
@@ -389,7 +389,7 @@ def bisect_batch(llama, vllm_modules):
 def test_hf_first_difference_is_where_the_records_first_differ(llama, vllm_modules, bisect_batch, module_environ):
     """Independent of the comparison code: the op bisect names is the first op, in execution
     order, whose recorded outputs differ, and the ops before it got bit-identical inputs."""
-    from zero_mismatch_plugin.checker.bisect import run_bisect
+    from zero_mismatch_plugin.tools.checker.bisect import run_bisect
 
     hf = load_backend("hf", llama, max_model_len=MAX_MODEL_LEN)
     result = run_bisect(vllm_modules, hf, bisect_batch)
@@ -422,8 +422,8 @@ def aligned_backend(llama, module_environ):
 
 
 def test_bisect_control_without_perturbation_and_qwen3_names(checkpoints, module_environ, aligned_backend, vllm_modules, bisect_batch):
-    from zero_mismatch_plugin.checker.bisect import bisect_input, run_bisect
-    from zero_mismatch_plugin.checker.engine_modules import EngineModules
+    from zero_mismatch_plugin.tools.checker.bisect import bisect_input, run_bisect
+    from zero_mismatch_plugin.tools.checker.engine_modules import EngineModules
 
     assert run_bisect(vllm_modules, aligned_backend, bisect_batch).first_differing_op is None
     qwen3 = checkpoints["qwen3"]
@@ -458,7 +458,7 @@ def test_compare_op_fails_non_finite_values_and_reports_shape_mismatch():
 def test_recorder_refuses_an_op_the_canonical_list_has_no_place_for(aligned_backend, bisect_batch):
     """The op layer's calls are named by kind and order: a forward calling an op the canonical
     list does not have (a new architecture block) is an error naming oplist, never a misnamed op."""
-    from zero_mismatch_plugin.checker.recording import OpRecorder
+    from zero_mismatch_plugin.tools.checker.recording import OpRecorder
 
     model = aligned_backend.model
     order = [n for n in oplist.op_names(2, qk_norm=False) if not n.endswith(".act")]

@@ -11,9 +11,9 @@ import pytest
 from transformers import DeepseekV2Config, LlamaConfig
 
 from zero_mismatch_plugin.aligned.lora import malformed_lora_settings
-from zero_mismatch_plugin.architectures import TRAINER_FACES, describe, precheck
-from zero_mismatch_plugin.checker.checkpoint_inputs import config_value_problems, precheck_model
-from zero_mismatch_plugin.checker.inputs import CheckerInputError
+from zero_mismatch_plugin.tables.architectures import TRAINER_FACES, describe, precheck
+from zero_mismatch_plugin.tools.checker.checkpoint_inputs import config_value_problems, precheck_model
+from zero_mismatch_plugin.tools.checker.inputs import CheckerInputError
 
 
 def _llama(**changes):
@@ -94,8 +94,8 @@ def test_validate_checkpoint_runs_every_check_on_a_directory(tmp_path):
     """The one call for another command: a good tiny checkpoint passes, a NaN weight is named."""
     from safetensors.torch import load_file, save_file
 
-    from zero_mismatch_plugin.checker.checkpoint_inputs import validate_checkpoint
-    from zero_mismatch_plugin.tiny_models import build_tiny_model
+    from zero_mismatch_plugin.tools.checker.checkpoint_inputs import validate_checkpoint
+    from zero_mismatch_plugin.tools.tiny_models import build_tiny_model
 
     model = build_tiny_model(tmp_path / "llama", family="llama", num_hidden_layers=1)
     assert validate_checkpoint(model)["architectures"] == ["LlamaForCausalLM"]

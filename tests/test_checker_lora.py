@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from vllm_session import restored_environ
-from zero_mismatch_plugin import cli
+from zero_mismatch_plugin.tools import cli
 from zero_mismatch_plugin.aligned.lora import build_adapter
-from zero_mismatch_plugin.checker import oplist
-from zero_mismatch_plugin.checker.backends import load_backend
+from zero_mismatch_plugin.tools.checker import oplist
+from zero_mismatch_plugin.tools.checker.backends import load_backend
 
 MAX_MODEL_LEN = 256
 ALL_LINEARS = frozenset({"qkv_proj", "o_proj", "gate_up_proj", "down_proj"})
@@ -71,7 +71,7 @@ def test_megatron_bisect_lora_finds_every_op_equal(checkpoints, llama_adapter, n
 
 @pytest.fixture(scope="module")
 def lora_modules(checkpoints, llama_adapter, numerics_environ):
-    from zero_mismatch_plugin.checker.engine_modules import EngineModules
+    from zero_mismatch_plugin.tools.checker.engine_modules import EngineModules
 
     with EngineModules(checkpoints["llama"], max_model_len=MAX_MODEL_LEN, seed=0, lora_dir=llama_adapter) as modules:
         yield modules
@@ -79,8 +79,8 @@ def lora_modules(checkpoints, llama_adapter, numerics_environ):
 
 @pytest.fixture(scope="module")
 def lora_batch(checkpoints, lora_modules):
-    from zero_mismatch_plugin.checker.bisect import bisect_input
-    from zero_mismatch_plugin.checker.engine import load_prompts
+    from zero_mismatch_plugin.tools.checker.bisect import bisect_input
+    from zero_mismatch_plugin.tools.checker.engine import load_prompts
 
     prompts = load_prompts(checkpoints["llama"], None, 3, lora_modules.runtime.hf_config.vocab_size)
     return bisect_input(prompts, 8, lora_modules.runtime.hf_config.vocab_size)
@@ -96,7 +96,7 @@ def test_bisect_lora_names_a_planted_fault_in_one_lora_op(
     """An adapter matrix changed on the trainer side only (one entry, relative 1e-3): the LoRA
     step that reads it is the first divergence; everything before it, the base output of the same
     linear included, stays bitwise equal."""
-    from zero_mismatch_plugin.checker.bisect import run_bisect
+    from zero_mismatch_plugin.tools.checker.bisect import run_bisect
 
     backend = load_backend("aligned", checkpoints["llama"], max_model_len=MAX_MODEL_LEN, lora_dir=llama_adapter)
     assert run_bisect(lora_modules, backend, lora_batch).first_differing_op is None  # control
@@ -126,9 +126,9 @@ def test_engine_side_really_serves_the_adapter(lora_modules, lora_batch):
 def test_bisect_lora_on_a_subset_of_targets_with_qk_norms(checkpoints, numerics_environ, tmp_path):
     """Qwen3 (q/k norms) with PEFT's common q/v-only adapter: only qkv_proj carries LoRA steps;
     vLLM still wraps the other linears (zero adapter there), compared as plain linears."""
-    from zero_mismatch_plugin.checker.bisect import bisect_input, run_bisect
-    from zero_mismatch_plugin.checker.engine import load_prompts
-    from zero_mismatch_plugin.checker.engine_modules import EngineModules
+    from zero_mismatch_plugin.tools.checker.bisect import bisect_input, run_bisect
+    from zero_mismatch_plugin.tools.checker.engine import load_prompts
+    from zero_mismatch_plugin.tools.checker.engine_modules import EngineModules
 
     qwen3 = checkpoints["qwen3"]
     adapter = build_adapter(tmp_path / "qv", qwen3, r=16, lora_alpha=32, targets=("q_proj", "v_proj"), seed=13)

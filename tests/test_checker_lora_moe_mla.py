@@ -18,11 +18,11 @@ import pytest
 import torch
 
 from test_checker_lora import numerics_environ  # noqa: F401 - a fixture
-from zero_mismatch_plugin import cli
+from zero_mismatch_plugin.tools import cli
 from zero_mismatch_plugin.aligned.lora import build_adapter
-from zero_mismatch_plugin.architectures import LORA_TARGETS, VOCAB_LORA_TARGETS
-from zero_mismatch_plugin.checker import oplist
-from zero_mismatch_plugin.checker.backends import load_backend
+from zero_mismatch_plugin.tables.architectures import LORA_TARGETS, VOCAB_LORA_TARGETS
+from zero_mismatch_plugin.tools.checker import oplist
+from zero_mismatch_plugin.tools.checker.backends import load_backend
 
 MAX_MODEL_LEN = 256
 ALL_LINEARS = frozenset({"qkv_proj", "o_proj", "gate_up_proj", "down_proj"})
@@ -75,9 +75,9 @@ def test_check_lora_passes_on_experts_mla_and_vocabulary_adapters(
 def test_expert_selection_agrees_only_when_vllms_modules_serve_the_adapter(checkpoints, adapters, numerics_environ):
     """The expert-selection check's engine side serves the adapter: against vLLM's modules without
     it (negative control) the trainer's choices differ, the adapter having moved the router's input."""
-    from zero_mismatch_plugin.checker.checks import expert_selection_check
-    from zero_mismatch_plugin.checker.engine import Completion, load_prompts
-    from zero_mismatch_plugin.checker.engine_modules import EngineModules
+    from zero_mismatch_plugin.tools.checker.checks import expert_selection_check
+    from zero_mismatch_plugin.tools.checker.engine import Completion, load_prompts
+    from zero_mismatch_plugin.tools.checker.engine_modules import EngineModules
 
     model_dir, adapter = checkpoints["qwen3_moe"], adapters["qwen3_moe"]
     backend = load_backend("aligned", model_dir, max_model_len=MAX_MODEL_LEN, lora_dir=adapter)
@@ -98,7 +98,7 @@ def test_megatron_face_refuses_mla_and_tied_lm_head_adapters(checkpoints, adapte
     adapter (w1, w2, w3) pass the same check."""
     import argparse
 
-    from zero_mismatch_plugin.checker.commands import lora_options
+    from zero_mismatch_plugin.tools.checker.commands import lora_options
 
     qwen3 = build_adapter(tmp_path / "qwen3", checkpoints["qwen3"], r=8, targets=("q_proj", "embed_tokens", "lm_head"))
     for model, adapter, expected in (
@@ -160,7 +160,7 @@ def test_bisect_lora_on_moe_experts_compares_every_op(checkpoints, adapters, num
     names = [op["op"] for op in report["ops"]]
     from transformers import AutoConfig
 
-    from zero_mismatch_plugin.architectures import describe
+    from zero_mismatch_plugin.tables.architectures import describe
 
     blocks = describe(AutoConfig.from_pretrained(str(checkpoints["qwen3_moe"])))
     assert names == oplist.op_names(2, qk_norm=True, blocks=blocks, lora=ALL_LINEARS)
@@ -191,9 +191,9 @@ def test_check_and_bisect_lora_serve_a_peft_3d_expert_adapter(checkpoints, engin
 
 
 def _side_by_side(model_dir, adapter):
-    from zero_mismatch_plugin.checker.bisect import bisect_input
-    from zero_mismatch_plugin.checker.engine import load_prompts
-    from zero_mismatch_plugin.checker.engine_modules import EngineModules
+    from zero_mismatch_plugin.tools.checker.bisect import bisect_input
+    from zero_mismatch_plugin.tools.checker.engine import load_prompts
+    from zero_mismatch_plugin.tools.checker.engine_modules import EngineModules
 
     backend = load_backend("aligned", model_dir, max_model_len=MAX_MODEL_LEN, lora_dir=adapter)
     modules = EngineModules(model_dir, max_model_len=MAX_MODEL_LEN, seed=0, lora_dir=adapter)
@@ -235,7 +235,7 @@ PLANTED = {
 
 
 def test_bisect_lora_every_op_equal_on_the_clean_adapter(side_by_side):
-    from zero_mismatch_plugin.checker.bisect import run_bisect
+    from zero_mismatch_plugin.tools.checker.bisect import run_bisect
 
     model, modules, backend, batch = side_by_side
     result = run_bisect(modules, backend, batch)
@@ -252,7 +252,7 @@ def test_bisect_lora_names_a_fault_planted_in_one_adapter_matrix(side_by_side):
     """One entry of one adapter matrix changed on the trainer side only (relative 1e-3): the op
     that reads it is the first divergence, every op before it bitwise equal; put back, every op
     is equal again."""
-    from zero_mismatch_plugin.checker.bisect import run_bisect
+    from zero_mismatch_plugin.tools.checker.bisect import run_bisect
 
     model, modules, backend, batch = side_by_side
     for matrix, layer, first in PLANTED[model]:

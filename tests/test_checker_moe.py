@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from bisect_planting import assert_bisect_names_one_ulp_planted_in
-from zero_mismatch_plugin import cli
-from zero_mismatch_plugin.checker import oplist
-from zero_mismatch_plugin.checker.backends import load_backend
-from zero_mismatch_plugin.tiny_models import MOE_FAMILIES
+from zero_mismatch_plugin.tools import cli
+from zero_mismatch_plugin.tools.checker import oplist
+from zero_mismatch_plugin.tools.checker.backends import load_backend
+from zero_mismatch_plugin.tools.tiny_models import MOE_FAMILIES
 
 MAX_MODEL_LEN = 256
 
@@ -64,7 +64,7 @@ def test_check_aligned_moe_trainer_passes_with_every_expert_choice_equal(
 
 def _completions(model_dir, n=4, response_tokens=12):
     """Prompts with fixed pseudo-random responses: the selection is compared teacher-forced."""
-    from zero_mismatch_plugin.checker.engine import Completion, load_prompts
+    from zero_mismatch_plugin.tools.checker.engine import Completion, load_prompts
 
     gen = torch.Generator().manual_seed(0)
     prompts = load_prompts(model_dir, None, n)
@@ -73,7 +73,7 @@ def _completions(model_dir, n=4, response_tokens=12):
 
 @pytest.fixture(scope="module")
 def qwen3_moe_modules(checkpoints, consistent_environ):
-    from zero_mismatch_plugin.checker.engine_modules import EngineModules
+    from zero_mismatch_plugin.tools.checker.engine_modules import EngineModules
 
     with EngineModules(checkpoints["qwen3_moe"], max_model_len=MAX_MODEL_LEN, seed=0) as modules:
         yield modules
@@ -82,7 +82,7 @@ def qwen3_moe_modules(checkpoints, consistent_environ):
 def test_expert_selection_drops_below_one_with_a_router_perturbed_on_the_trainer_only(
     checkpoints, qwen3_moe_modules, consistent_environ
 ):
-    from zero_mismatch_plugin.checker.checks import expert_selection_check
+    from zero_mismatch_plugin.tools.checker.checks import expert_selection_check
 
     model_dir = checkpoints["qwen3_moe"]
     completions = _completions(model_dir)
@@ -102,7 +102,7 @@ def test_expert_selection_drops_below_one_with_a_router_perturbed_on_the_trainer
 
 def test_expert_selection_of_transformers_is_reported_consistently(checkpoints, qwen3_moe_modules, consistent_environ):
     """transformers' router on the same weights: its top-k sets are printed; the verdict follows them."""
-    from zero_mismatch_plugin.checker.checks import expert_selection_check
+    from zero_mismatch_plugin.tools.checker.checks import expert_selection_check
 
     model_dir = checkpoints["qwen3_moe"]
     result = expert_selection_check(load_backend("hf", model_dir, max_model_len=MAX_MODEL_LEN),
@@ -122,7 +122,7 @@ def test_bisect_aligned_moe_trainer_compares_every_op_and_finds_none_differing(
 ):
     from transformers import AutoConfig
 
-    from zero_mismatch_plugin.architectures import describe
+    from zero_mismatch_plugin.tables.architectures import describe
 
     model_dir = checkpoints[family]
     code, report, table = _cli_json(["bisect", "--model", str(model_dir), "--trainer", "aligned"], tmp_path, capsys)
@@ -144,8 +144,8 @@ def test_bisect_aligned_moe_trainer_compares_every_op_and_finds_none_differing(
 def qwen2_moe_side_by_side(checkpoints, consistent_environ):
     """(vLLM's modules, aligned backend, batch) for Qwen2-MoE: an MoE layer 0 with a gated shared
     expert, then a dense layer."""
-    from zero_mismatch_plugin.checker.bisect import bisect_input
-    from zero_mismatch_plugin.checker.engine_modules import EngineModules
+    from zero_mismatch_plugin.tools.checker.bisect import bisect_input
+    from zero_mismatch_plugin.tools.checker.engine_modules import EngineModules
 
     model_dir = checkpoints["qwen2_moe"]
     backend = load_backend("aligned", model_dir, max_model_len=MAX_MODEL_LEN)

@@ -12,11 +12,11 @@ import math
 
 import torch
 
-from zero_mismatch_plugin.checker import checks, oplist
-from zero_mismatch_plugin.checker.bisect import compare_intermediates
-from zero_mismatch_plugin.checker.commands import format_bisect_table
-from zero_mismatch_plugin.checker.engine import Completion
-from zero_mismatch_plugin.checker.recording import OpRecorder
+from zero_mismatch_plugin.tools.checker import checks, oplist
+from zero_mismatch_plugin.tools.checker.bisect import compare_intermediates
+from zero_mismatch_plugin.tools.checker.commands import format_bisect_table
+from zero_mismatch_plugin.tools.checker.engine import Completion
+from zero_mismatch_plugin.tools.checker.recording import OpRecorder
 
 NAN, INF = float("nan"), float("inf")
 

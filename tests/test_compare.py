@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from vllm_session import demo_engine
-from zero_mismatch_plugin.demo.compare import VARIANT_NAMES, CompareConfig, run_compare, run_dir
+from zero_mismatch_plugin.tools.demo.compare import VARIANT_NAMES, CompareConfig, run_compare, run_dir
 
 MAX_MODEL_LEN = 128
 UPDATES = 4
@@ -22,7 +22,7 @@ UPDATES = 4
 @pytest.fixture(scope="module")
 def compared(tmp_path_factory):
     """One seed of every variant, UPDATES updates each, against one engine; (config, comparison, out_dir)."""
-    from zero_mismatch_plugin.tiny_models import build_tiny_model
+    from zero_mismatch_plugin.tools.tiny_models import build_tiny_model
 
     out_dir = tmp_path_factory.mktemp("compare")
     model_dir = build_tiny_model(out_dir / "model", family="llama", seed=0)
@@ -79,7 +79,7 @@ def test_gates_are_verls_and_only_on_gated_variants(compared):
 
 
 def test_report_reads_every_variant_and_rebuilds_the_comparison(compared):
-    from zero_mismatch_plugin.report.compare import COMPARE_TEXT, FIGURE1, FIGURE3, read_comparison
+    from zero_mismatch_plugin.tools.report.compare import COMPARE_TEXT, FIGURE1, FIGURE3, read_comparison
 
     _, comparison, out_dir, _ = compared
     rebuilt = read_comparison(out_dir)  # from the metric logs alone
@@ -100,7 +100,7 @@ def test_report_reads_every_variant_and_rebuilds_the_comparison(compared):
 
 
 def test_chain_task_rewards_digits_and_alternating_parity():
-    from zero_mismatch_plugin.demo.task import ChainTask
+    from zero_mismatch_plugin.tools.demo.task import ChainTask
 
     # token id -> digit value; 7 is not a digit token
     task = ChainTask(prompts=[[7]], vocab_size=8, digit_values={1: 1, 2: 2, 3: 3, 4: 4})
@@ -113,7 +113,7 @@ def test_chain_task_rewards_digits_and_alternating_parity():
 
 
 def test_baselines_are_the_ablation_recipes_settings():
-    from zero_mismatch_plugin.demo.corrections import rollout_correction_settings
+    from zero_mismatch_plugin.tools.demo.corrections import rollout_correction_settings
 
     algorithm, plain = rollout_correction_settings("is")
     assert algorithm["adv_estimator"] == "grpo" and algorithm["norm_adv_by_std_in_grpo"] is False
@@ -126,8 +126,8 @@ def test_baselines_are_the_ablation_recipes_settings():
 
 
 def test_bf16_learner_trains_fp32_master_weights(tmp_path):
-    from zero_mismatch_plugin.demo.learners import MixedPrecisionLearner, StandardLearner
-    from zero_mismatch_plugin.tiny_models import build_tiny_model
+    from zero_mismatch_plugin.tools.demo.learners import MixedPrecisionLearner, StandardLearner
+    from zero_mismatch_plugin.tools.tiny_models import build_tiny_model
 
     model_dir = build_tiny_model(tmp_path / "model", family="llama", seed=0)
     fp32, bf16 = StandardLearner(model_dir), MixedPrecisionLearner(model_dir)
@@ -145,7 +145,7 @@ def test_bf16_learner_trains_fp32_master_weights(tmp_path):
 
 
 def test_compare_cli_refuses_single_run_options(capsys):
-    from zero_mismatch_plugin.cli import main
+    from zero_mismatch_plugin.tools.cli import main
 
     assert main(["demo", "--compare", "--kernels", "standard"]) == 2
     assert "--kernels" in capsys.readouterr().err

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from vllm_session import demo_llama_engine
-from zero_mismatch_plugin.demo import DemoConfig, run_demo
+from zero_mismatch_plugin.tools.demo import DemoConfig, run_demo
 
 MAX_MODEL_LEN = 128
 
@@ -60,8 +60,8 @@ def _assert_only_gap_is_lag(result, lag):
 
 def test_smoke_mechanics_and_outputs(demo_engine, tmp_path):
     """A few asynchronous updates: versions, lag bound, verl-format log, report, plots, summary."""
-    from zero_mismatch_plugin.demo.outputs import write_outputs
-    from zero_mismatch_plugin.report import load_runs
+    from zero_mismatch_plugin.tools.demo.outputs import write_outputs
+    from zero_mismatch_plugin.tools.report import load_runs
 
     result = _run(demo_engine, lag=1, updates=6)
     assert [r.step for r in result.records] == list(range(1, 7))
@@ -94,7 +94,7 @@ def test_smoke_mechanics_and_outputs(demo_engine, tmp_path):
 
 def _run_recording(demo_engine, **overrides):
     """A demo run that also keeps each update's samples and the weights of every version."""
-    from zero_mismatch_plugin.demo import DemoRun
+    from zero_mismatch_plugin.tools.demo import DemoRun
 
     engine, model_dir = demo_engine
     run = DemoRun(DemoConfig(max_model_len=MAX_MODEL_LEN, **overrides), engine, model_dir)
@@ -173,8 +173,8 @@ def test_standard_kernels_at_lag0_are_close_and_report_their_gap(demo_engine):
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_reward_improves_at_lag2(demo_engine, tmp_path, seed):
     """The demo learns asynchronously: last fifth of updates beats the first, on three seeds."""
-    from zero_mismatch_plugin.demo.outputs import write_outputs
-    from zero_mismatch_plugin.tiny_models import build_tiny_model
+    from zero_mismatch_plugin.tools.demo.outputs import write_outputs
+    from zero_mismatch_plugin.tools.tiny_models import build_tiny_model
 
     # Each seed is its own model and prompts; the shared engine receives its weights as version 0.
     model_dir = build_tiny_model(tmp_path / "model", family="llama", seed=seed)
@@ -197,7 +197,7 @@ def test_weight_mailbox_hands_over_the_newest_version():
 
     import torch
 
-    from zero_mismatch_plugin.demo.rollout import WeightMailbox
+    from zero_mismatch_plugin.tools.demo.rollout import WeightMailbox
 
     weights = [("a", torch.arange(6.0).view(2, 3)), ("b", torch.ones(4))]
     mailbox = WeightMailbox(weights).attach(multiprocessing.get_context("spawn").Lock())
@@ -222,10 +222,10 @@ def demo_command(demo_engine, monkeypatch):
     import contextlib
     import os
 
-    from zero_mismatch_plugin.demo import command
+    from zero_mismatch_plugin.tools.demo import command
 
     engine, _ = demo_engine
-    monkeypatch.setattr("zero_mismatch_plugin.demo.engine.start_engine",
+    monkeypatch.setattr("zero_mismatch_plugin.tools.demo.engine.start_engine",
                         lambda *args, **kwargs: contextlib.nullcontext(engine))
     saved = dict(os.environ)
     yield command.run_demo_command
@@ -235,7 +235,7 @@ def demo_command(demo_engine, monkeypatch):
 
 def _plant_one_wrong_logprob(monkeypatch):
     """The aligned learner's logprob of one token of its first sample, one ulp off, at one update."""
-    from zero_mismatch_plugin.demo.learners import AlignedLearner
+    from zero_mismatch_plugin.tools.demo.learners import AlignedLearner
 
     honest = AlignedLearner.response_logprobs
     calls = []
@@ -254,7 +254,7 @@ def _plant_one_wrong_logprob(monkeypatch):
 def test_command_streams_metrics_and_keeps_its_bitwise_claim(demo_command, tmp_path, capsys):
     out = tmp_path / "out"
     lines_seen = []
-    from zero_mismatch_plugin.demo import outputs
+    from zero_mismatch_plugin.tools.demo import outputs
 
     append = outputs.MetricsLog.append
 
@@ -295,7 +295,7 @@ def test_command_on_a_full_disk_names_the_file_and_keeps_the_rest(demo_command, 
     import io
     import os
 
-    from zero_mismatch_plugin.demo import outputs
+    from zero_mismatch_plugin.tools.demo import outputs
 
     class FullDisk(io.StringIO):
         """A file on a disk that fills after half of what is written to it."""
@@ -329,7 +329,7 @@ def test_command_on_a_full_disk_names_the_file_and_keeps_the_rest(demo_command, 
 
 
 def test_a_second_demo_on_the_same_out_is_refused(tmp_path):
-    from zero_mismatch_plugin.demo.command import OutDirError, prepare_out_dir, release_out_dir
+    from zero_mismatch_plugin.tools.demo.command import OutDirError, prepare_out_dir, release_out_dir
 
     out = tmp_path / "out"
     first = prepare_out_dir(str(out))
@@ -343,7 +343,7 @@ def test_a_second_demo_on_the_same_out_is_refused(tmp_path):
 
 
 def test_the_default_out_moves_on_to_a_free_name(tmp_path, monkeypatch):
-    from zero_mismatch_plugin.demo.command import prepare_out_dir, release_out_dir
+    from zero_mismatch_plugin.tools.demo.command import prepare_out_dir, release_out_dir
 
     monkeypatch.chdir(tmp_path)
     first = prepare_out_dir(None)

@@ -13,7 +13,7 @@ import torch
 from test_demo import _assert_only_gap_is_lag, _run_recording
 from vllm_session import demo_llama_engine
 from zero_mismatch_plugin.aligned.checkpoint import read_checkpoint
-from zero_mismatch_plugin.demo import DemoConfig, run_demo
+from zero_mismatch_plugin.tools.demo import DemoConfig, run_demo
 
 MAX_MODEL_LEN = 128
 RANK = 8

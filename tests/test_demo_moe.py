@@ -12,7 +12,7 @@ import os
 
 import pytest
 
-from zero_mismatch_plugin import cli
+from zero_mismatch_plugin.tools import cli
 
 
 @pytest.fixture

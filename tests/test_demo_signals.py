@@ -16,7 +16,7 @@ import psutil
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-CLI = "import sys; from zero_mismatch_plugin.cli import main; sys.exit(main())"
+CLI = "import sys; from zero_mismatch_plugin.tools.cli import main; sys.exit(main())"
 START_TIMEOUT_S = 600
 EXIT_TIMEOUT_S = 120
 
@@ -79,7 +79,7 @@ def test_demo_stopped_by_a_signal_keeps_its_metrics_and_its_engine_is_gone(signu
 def test_check_uses_the_same_interrupt_handling(signum, monkeypatch, capsys):
     """``zmrl check`` interrupted mid-run: the same one line (it keeps nothing: its table and JSON come
     at the end), the exit code of a signalled command, no traceback."""
-    from zero_mismatch_plugin import cli
+    from zero_mismatch_plugin.tools import cli
 
     cleaned = []
 
@@ -91,7 +91,7 @@ def test_check_uses_the_same_interrupt_handling(signum, monkeypatch, capsys):
         finally:
             cleaned.append(True)  # an engine's ``with`` block would shut it down here
 
-    monkeypatch.setattr("zero_mismatch_plugin.checker.commands.check_command", interrupted_check)
+    monkeypatch.setattr("zero_mismatch_plugin.tools.checker.commands.check_command", interrupted_check)
     previous = signal.getsignal(signum)
     code = cli.main(["check", "--model", "unused"])
     err = capsys.readouterr().err

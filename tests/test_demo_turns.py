@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from vllm_session import demo_llama_engine
-from zero_mismatch_plugin.demo import DemoConfig, run_demo
+from zero_mismatch_plugin.tools.demo import DemoConfig, run_demo
 
 # Room for the longest conversation this host keeps bitwise (224 tokens with a 512 KiB L2) and one more turn.
 MAX_MODEL_LEN = 256
@@ -44,7 +44,7 @@ def test_turns_that_do_not_fit_are_refused_clearly():
 
 
 def _host_bound():
-    from zero_mismatch_plugin.demo.runner import conversation_tokens, demo_bitwise_context_tokens
+    from zero_mismatch_plugin.tools.demo.runner import conversation_tokens, demo_bitwise_context_tokens
 
     bound = demo_bitwise_context_tokens()
     if bound is None:
@@ -60,7 +60,7 @@ def _small(**overrides):
 def test_vec_kernel_tile_arithmetic_gives_the_measured_bound():
     """vLLM's VEC attention with this model's heads (64 dims, 2 query heads per KV head): 224 tokens
     with 512 KiB of L2 (measured: rows past 224 differ between a full forward and decode steps)."""
-    from zero_mismatch_plugin.demo.attention_limits import vec_kernel_bitwise_tokens
+    from zero_mismatch_plugin.tools.demo.attention_limits import vec_kernel_bitwise_tokens
 
     assert vec_kernel_bitwise_tokens(512 * 1024, 64, 2) == 224
     assert vec_kernel_bitwise_tokens(256 * 1024, 64, 2) == 128
@@ -69,7 +69,7 @@ def test_vec_kernel_tile_arithmetic_gives_the_measured_bound():
 
 def _run_with_samples(engine, model_dir, config):
     """The run, and (sample, own-version bitwise) for every sample it trained on."""
-    from zero_mismatch_plugin.demo import DemoRun
+    from zero_mismatch_plugin.tools.demo import DemoRun
 
     run = DemoRun(config, engine, model_dir)
     seen = []
@@ -108,7 +108,7 @@ def test_one_turn_past_the_bound_is_refused_and_would_not_stay_bitwise(demo_engi
         _small(updates=1, turns=turns)
     _small(updates=1, turns=turns, kernels="standard")  # no bitwise claim, no bound
 
-    monkeypatch.setattr("zero_mismatch_plugin.demo.runner.demo_bitwise_context_tokens", lambda: None)
+    monkeypatch.setattr("zero_mismatch_plugin.tools.demo.runner.demo_bitwise_context_tokens", lambda: None)
     _, seen = _run_with_samples(engine, model_dir, _small(updates=1, turns=turns, seed=3))
     lengths_not_bitwise = [len(s.prompt) + len(s.response) for s, own in seen if not own]
     assert lengths_not_bitwise, "past the bound some sample must lose the engine's bits"

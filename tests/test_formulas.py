@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from zero_mismatch_plugin import formulas
+from zero_mismatch_plugin.algorithms import formulas
 
 pytestmark = pytest.mark.quick
 

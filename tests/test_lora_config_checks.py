@@ -9,8 +9,8 @@ from types import SimpleNamespace
 
 from zero_mismatch_plugin.aligned.lora import supported_lora_targets, unsupported_lora_settings
 from zero_mismatch_plugin.aligned.numerics import CONSISTENT, MODE_ENV
-from zero_mismatch_plugin.config_checks import check_config
-from zero_mismatch_plugin.config_checks.lora import TARGETS_KEY, lora_gaps, lora_problems, lora_targets
+from zero_mismatch_plugin.tools.config_checks import check_config
+from zero_mismatch_plugin.tools.config_checks.lora import TARGETS_KEY, lora_gaps, lora_problems, lora_targets
 
 DENSE = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 

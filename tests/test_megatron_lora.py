@@ -14,7 +14,7 @@ from vllm_session import MAX_MODEL_LEN, prompts_for, rollout
 
 from zero_mismatch_plugin.aligned import pack
 from zero_mismatch_plugin.aligned.lora import build_adapter, lora_engine_args
-from zero_mismatch_plugin.megatron import convert
+from zero_mismatch_plugin.faces.megatron import convert
 
 # Relative L2 error allowed between the Megatron face's and the aligned face's fp32 adapter
 # gradients (the aligned face is checked against float64 in test_aligned_lora.py).
@@ -49,7 +49,7 @@ def lora_llm(checkpoints, adapter, engines):
 @pytest.fixture(scope="module")
 def runtime(checkpoints, adapter):
     from zero_mismatch_plugin.aligned.runtime import VllmRuntime
-    from zero_mismatch_plugin.megatron.standalone import init_single_process
+    from zero_mismatch_plugin.integrations.megatron.standalone import init_single_process
 
     init_single_process()
     return VllmRuntime(checkpoints["llama"], max_model_len=MAX_MODEL_LEN, seed=0, **lora_engine_args(adapter))
@@ -57,8 +57,8 @@ def runtime(checkpoints, adapter):
 
 @pytest.fixture(scope="module")
 def model(runtime, adapter):
-    from zero_mismatch_plugin.megatron.lora import attach_lora
-    from zero_mismatch_plugin.megatron.standalone import build_gpt_model
+    from zero_mismatch_plugin.faces.megatron.lora import attach_lora
+    from zero_mismatch_plugin.integrations.megatron.standalone import build_gpt_model
 
     gpt = build_gpt_model(runtime, aligned=True)
     gpt.lora_config = attach_lora(gpt, runtime, adapter)
@@ -71,7 +71,7 @@ def generate(llm, prompts, request, seed=0):
 
 
 def megatron_logprobs(model, prompts, responses):
-    from zero_mismatch_plugin.megatron.standalone import packed_logits, token_logprobs_from_logits
+    from zero_mismatch_plugin.integrations.megatron.standalone import packed_logits, token_logprobs_from_logits
 
     batch = pack(prompts, responses)
     return token_logprobs_from_logits(packed_logits(model, batch), batch)
@@ -91,7 +91,7 @@ def _request(name, adapter_id, path):
 
 
 def test_megatron_lora_bitwise_equal_engine(lora_llm, model, runtime, adapter):
-    from zero_mismatch_plugin.megatron.standalone import build_gpt_model
+    from zero_mismatch_plugin.integrations.megatron.standalone import build_gpt_model
 
     prompts, responses, mu = generate(lora_llm, prompts_for(runtime.model_dir), _request("r8", 1, adapter))
     with torch.no_grad():
@@ -101,7 +101,7 @@ def test_megatron_lora_bitwise_equal_engine(lora_llm, model, runtime, adapter):
     # The adapter's matrices went through convert's name mapping and back unchanged.
     from zero_mismatch_plugin.aligned.lora import WEIGHTS_FILE
     from safetensors.torch import load_file
-    from zero_mismatch_plugin.megatron.lora import adapter_state
+    from zero_mismatch_plugin.faces.megatron.lora import adapter_state
 
     on_disk = load_file(str(adapter / WEIGHTS_FILE))
     state = adapter_state(model)
@@ -109,8 +109,8 @@ def test_megatron_lora_bitwise_equal_engine(lora_llm, model, runtime, adapter):
 
 
 def test_megatron_lora_gradients_only_on_a_and_b(lora_llm, model, runtime, adapter, checkpoints):
-    from zero_mismatch_plugin.aligned import AlignedCausalLM
-    from zero_mismatch_plugin.megatron.lora import lora_parameters
+    from zero_mismatch_plugin.faces.aligned_model import AlignedCausalLM
+    from zero_mismatch_plugin.faces.megatron.lora import lora_parameters
 
     prompts, responses, _ = generate(lora_llm, prompts_for(runtime.model_dir), _request("r8", 1, adapter), seed=100)
     coeffs = torch.randn(sum(len(r) for r in responses), generator=torch.Generator().manual_seed(0))
@@ -140,7 +140,7 @@ def test_megatron_lora_gradients_only_on_a_and_b(lora_llm, model, runtime, adapt
 
 
 def test_megatron_lora_equal_again_after_optimizer_step_and_adapter_sync(lora_llm, model, runtime, tmp_path):
-    from zero_mismatch_plugin.megatron.lora import lora_parameters, save_adapter
+    from zero_mismatch_plugin.faces.megatron.lora import lora_parameters, save_adapter
 
     prompts = prompts_for(runtime.model_dir)
     before = generate(lora_llm, prompts, _request("r8", 1, model_adapter_dir(model, tmp_path, "v0")), seed=200)
@@ -157,6 +157,6 @@ def test_megatron_lora_equal_again_after_optimizer_step_and_adapter_sync(lora_ll
 
 
 def model_adapter_dir(model, tmp_path, name):
-    from zero_mismatch_plugin.megatron.lora import save_adapter
+    from zero_mismatch_plugin.faces.megatron.lora import save_adapter
 
     return save_adapter(model, model.lora_config, tmp_path / name)

@@ -18,22 +18,22 @@ from pathlib import Path
 
 import pytest
 
-from zero_mismatch_plugin import patching
-from zero_mismatch_plugin.cli import main as zmrl
-from zero_mismatch_plugin.patching import PatchError, edits, formatpatch, series, shared
+from zero_mismatch_plugin import fork_patches
+from zero_mismatch_plugin.tools.cli import main as zmrl
+from zero_mismatch_plugin.fork_patches import PatchError, edits, formatpatch, series, shared
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def manifest():
-    return patching.load_manifest()
+    return fork_patches.load_manifest()
 
 
 @pytest.fixture(scope="module")
 def patched_verl(tmp_path_factory, manifest):
     """A full copy of the installed verl with every verl patch applied."""
-    return patching.copy_patched_package(manifest, "verl", tmp_path_factory.mktemp("patched-verl"))
+    return fork_patches.copy_patched_package(manifest, "verl", tmp_path_factory.mktemp("patched-verl"))
 
 
 def run_python(script: str, *path_first: Path, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -55,7 +55,7 @@ def script_result(script: str, *path_first: Path) -> dict:
 def _installed_digests(manifest) -> dict[Path, str]:
     digests = {}
     for patch in manifest.patches:
-        root = patching.installed_root(manifest.upstreams[patch.upstream])
+        root = fork_patches.installed_root(manifest.upstreams[patch.upstream])
         for relative in patch.files:
             digests[root / relative] = hashlib.sha256((root / relative).read_bytes()).hexdigest()
     return digests
@@ -71,7 +71,7 @@ def test_manifest_entries_are_complete_and_name_real_tests(manifest):
         assert patch.diff_path.is_file(), patch.diff
         assert patch.diff.startswith(f"{patch.upstream}/")
         assert patch.versions and all(re.fullmatch(r"\d+\.\d+\.\d+\S*", v) for v in patch.versions)
-        assert sorted(set(patching.diff_targets(patch.diff_path.read_text()))) == sorted(patch.files)
+        assert sorted(set(fork_patches.diff_targets(patch.diff_path.read_text()))) == sorted(patch.files)
         assert all(f.startswith(manifest.upstreams[patch.upstream].package + "/") for f in patch.files)
         assert patch.purpose.strip() and patch.name in edits.EDITS
         test_path, _, test_name = patch.test.partition("::")
@@ -83,7 +83,7 @@ def test_shipped_diffs_are_exactly_what_their_edits_render(manifest):
     rendered = edits.render_all(manifest)
     for patch in manifest.patches:
         assert patch.diff_path.read_text(encoding="utf-8") == rendered[patch.name], (
-            f"{patch.diff} is stale: run python -m zero_mismatch_plugin.patching.edits --write")
+            f"{patch.diff} is stale: run python -m zero_mismatch_plugin.fork_patches.edits --write")
 
 
 def test_code_shared_with_the_plugin_is_in_the_diffs_verbatim(manifest):
@@ -123,10 +123,10 @@ def test_check_fails_for_a_diff_that_does_not_apply_and_for_another_version(mani
     broken_diff = tmp_path / "broken.patch"
     # The same diff with one context line that the installed file does not have.
     broken_diff.write_text(good.diff_path.read_text().replace("             _ep.load()", "             _ep.load(strict=True)", 1))
-    broken = patching.Patch(**{**good.__dict__, "name": "broken", "diff": str(broken_diff)})
-    other_version = patching.Patch(**{**good.__dict__, "name": "other-version", "versions": ("0.0.1",)})
-    results = {r.patch.name: r for r in patching.check_installed(
-        patching.Manifest(manifest.upstreams, (broken, other_version)))}
+    broken = fork_patches.Patch(**{**good.__dict__, "name": "broken", "diff": str(broken_diff)})
+    other_version = fork_patches.Patch(**{**good.__dict__, "name": "other-version", "versions": ("0.0.1",)})
+    results = {r.patch.name: r for r in fork_patches.check_installed(
+        fork_patches.Manifest(manifest.upstreams, (broken, other_version)))}
     assert not results["broken"].ok and "patch -p1 fails" in results["broken"].detail
     assert not results["other-version"].ok and "made for verl 0.0.1; installed is 0.9.1" in results["other-version"].detail
 
@@ -135,17 +135,17 @@ def test_check_fails_for_a_diff_that_does_not_apply_and_for_another_version(mani
 
 
 def _git(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    from zero_mismatch_plugin.patching import tools
+    from zero_mismatch_plugin.fork_patches import tools
 
     return tools.git(args, cwd)
 
 
 def _pinned_repository(manifest, upstream: str, root: Path) -> Path:
     """A git repository whose one commit holds the installed (pinned) files the series touches."""
-    from zero_mismatch_plugin.patching import tools
+    from zero_mismatch_plugin.fork_patches import tools
 
-    series.copy_existing(patching.touched_files(manifest.for_upstream(upstream)),
-                         patching.installed_root(manifest.upstreams[upstream]), root)
+    series.copy_existing(fork_patches.touched_files(manifest.for_upstream(upstream)),
+                         fork_patches.installed_root(manifest.upstreams[upstream]), root)
     tools.init_repository(root, f"{upstream} as pinned")
     return root
 
@@ -162,7 +162,7 @@ def _headerless(patch_text: str) -> str:
 
 def test_patches_are_git_format_patch_mails_naming_the_pinned_blobs(manifest):
     for upstream in manifest.upstreams:
-        installed = patching.installed_root(manifest.upstreams[upstream])
+        installed = fork_patches.installed_root(manifest.upstreams[upstream])
         blobs = {}  # path -> blob id of the file as the series has left it so far
         series_names = manifest.for_upstream(upstream)
         for number, patch in enumerate(series_names, start=1):
@@ -197,7 +197,7 @@ def test_git_am_applies_each_series_to_a_pristine_repository_of_the_pinned_files
         log = _git(["log", "--format=%s", f"-{len(patches)}"], repository).stdout.splitlines()
         assert log == [edits.MESSAGES[p.name].subject for p in reversed(patches)]
         expected = {}
-        installed = patching.installed_root(manifest.upstreams[upstream])
+        installed = fork_patches.installed_root(manifest.upstreams[upstream])
         for patch in patches:
             for change in edits.render_changes(edits.EDITS[patch.name],
                                                lambda p: expected.get(p) or (installed / p).read_text()):
@@ -257,9 +257,9 @@ def test_check_fails_for_a_patch_whose_index_lines_do_not_name_the_pinned_blobs(
     wrong_blob, headerless = tmp_path / "wrong-blob.patch", tmp_path / "headerless.patch"
     wrong_blob.write_text(text.replace(line.old, "1" * 40))
     headerless.write_text(_headerless(text))
-    results = {r.patch.name: r for r in patching.check_installed(patching.Manifest(manifest.upstreams, (
-        patching.Patch(**{**good.__dict__, "name": "wrong-blob", "diff": str(wrong_blob)}),
-        patching.Patch(**{**good.__dict__, "name": "headerless", "diff": str(headerless)}),
+    results = {r.patch.name: r for r in fork_patches.check_installed(fork_patches.Manifest(manifest.upstreams, (
+        fork_patches.Patch(**{**good.__dict__, "name": "wrong-blob", "diff": str(wrong_blob)}),
+        fork_patches.Patch(**{**good.__dict__, "name": "headerless", "diff": str(headerless)}),
     )))}
     assert not results["wrong-blob"].ok and "names old blob 111111111111" in results["wrong-blob"].detail
     assert not results["headerless"].ok and "index lines cover []" in results["headerless"].detail
@@ -269,7 +269,7 @@ def test_check_fails_for_a_patch_whose_index_lines_do_not_name_the_pinned_blobs(
 def test_an_installed_file_that_differs_from_its_distributions_record_is_reported(tmp_path, monkeypatch):
     import base64
 
-    from zero_mismatch_plugin.patching.manifest import installed_file_differs_from_record
+    from zero_mismatch_plugin.fork_patches.manifest import installed_file_differs_from_record
 
     (tmp_path / "zmrl_fake").mkdir()
     (tmp_path / "zmrl_fake/x.py").write_bytes(b"x = 1\n")
@@ -279,7 +279,7 @@ def test_an_installed_file_that_differs_from_its_distributions_record_is_reporte
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: zmrl-fake\nVersion: 1.0\n")
     (info / "RECORD").write_text(f"zmrl_fake/x.py,sha256={digest},6\nzmrl_fake-1.0.dist-info/RECORD,,\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    upstream = patching.Upstream("fake", "zmrl-fake", "zmrl_fake")
+    upstream = fork_patches.Upstream("fake", "zmrl-fake", "zmrl_fake")
     assert installed_file_differs_from_record(upstream, "zmrl_fake/x.py") is None
     (tmp_path / "zmrl_fake/x.py").write_bytes(b"x = 2\n")
     assert "differs from the file zmrl-fake shipped (its RECORD): reinstall zmrl-fake" in (
@@ -290,7 +290,7 @@ def test_an_installed_file_that_differs_from_its_distributions_record_is_reporte
 
 
 def _fake_verl_checkout(manifest, root: Path, version: str) -> Path:
-    installed = patching.installed_root(manifest.upstreams["verl"])
+    installed = fork_patches.installed_root(manifest.upstreams["verl"])
     for patch in manifest.for_upstream("verl"):
         for relative in patch.files:
             (root / relative).parent.mkdir(parents=True, exist_ok=True)
@@ -308,7 +308,7 @@ def test_apply_patches_a_checkout_of_the_pinned_version(manifest, tmp_path, caps
     checkout = _fake_verl_checkout(manifest, tmp_path / "verl-fork", "0.9.1")
     assert zmrl(["patches", "apply", "--to", str(checkout)]) == 0
     expected = {}
-    installed = patching.installed_root(manifest.upstreams["verl"])
+    installed = fork_patches.installed_root(manifest.upstreams["verl"])
     for patch in manifest.for_upstream("verl"):  # the rendered texts, chained as applied
         changes = edits.render_changes(edits.EDITS[patch.name], lambda p: expected.get(p) or (installed / p).read_text())
         expected.update({change.path: change.after for change in changes})
@@ -326,7 +326,7 @@ def test_apply_refuses_another_version_and_changes_nothing(manifest, tmp_path, c
     # A version the user asserts is gated the same way.
     (checkout / "verl/version/version").write_text("")
     with pytest.raises(PatchError, match="made for 0.9.1"):
-        patching.apply_to(checkout, assume_version="1.0.0", warn=lambda message: None)
+        fork_patches.apply_to(checkout, assume_version="1.0.0", warn=lambda message: None)
 
 
 def test_apply_is_all_or_nothing(manifest, tmp_path):
@@ -337,12 +337,12 @@ def test_apply_is_all_or_nothing(manifest, tmp_path):
     before = _tree_digest(checkout)
     with pytest.raises(PatchError, match=r"nothing was changed:\n  verl-megatron-engine-hooks: fails: "
                        r"verl/workers/engine/megatron/transformer_impl.py:\d+ \(hunk 4 does not match\)"):
-        patching.apply_to(checkout)
+        fork_patches.apply_to(checkout)
     assert _tree_digest(checkout) == before
 
 
 def test_apply_patches_a_megatron_lm_checkout_and_refuses_another_version(manifest, tmp_path, capsys):
-    installed = patching.installed_root(manifest.upstreams["megatron-lm"])
+    installed = fork_patches.installed_root(manifest.upstreams["megatron-lm"])
     [patch] = manifest.for_upstream("megatron-lm")
 
     def checkout(name, version_file_text):
@@ -368,7 +368,7 @@ def test_apply_patches_a_megatron_lm_checkout_and_refuses_another_version(manife
 
 
 def test_assume_version_never_overrides_the_version_a_checkout_states(manifest, tmp_path, capsys):
-    installed = patching.installed_root(manifest.upstreams["megatron-lm"])
+    installed = fork_patches.installed_root(manifest.upstreams["megatron-lm"])
     [patch] = manifest.for_upstream("megatron-lm")
     fork = tmp_path / "Megatron-LM-core_v0.16.0"
     for relative in [*patch.files, "megatron/core/package_info.py"]:
@@ -384,8 +384,8 @@ def test_assume_version_never_overrides_the_version_a_checkout_states(manifest, 
 
 
 def _vllm_clone_without_version_file(manifest, root: Path) -> Path:
-    installed = patching.installed_root(manifest.upstreams["vllm"])
-    for relative in [*patching.touched_files(manifest.for_upstream("vllm")), "vllm/envs.py"]:
+    installed = fork_patches.installed_root(manifest.upstreams["vllm"])
+    for relative in [*fork_patches.touched_files(manifest.for_upstream("vllm")), "vllm/envs.py"]:
         (root / relative).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(installed / relative, root / relative)
     return root
@@ -436,7 +436,7 @@ def test_a_patch_half_applied_by_hand_is_refused_and_nothing_changes(manifest, t
     before = _tree_digest(checkout)
     with pytest.raises(PatchError, match=r"verl-reject-unknown-names: fails: verl/utils/config.py:85 "
                        r"\(hunk 1 is already there\) \(the rest of the patch is not: revert"):
-        patching.apply_to(checkout)
+        fork_patches.apply_to(checkout)
     assert _tree_digest(checkout) == before
 
 
@@ -460,11 +460,11 @@ def test_apply_restores_the_checkout_when_a_write_fails_midway_and_a_rerun_works
     monkeypatch.setattr(series, "write_file", writer)
     with pytest.raises(PatchError, match=r"could not write .*/verl/workers/utils/losses.py \(\[Errno 28\] No space "
                        r"left on device\); the files written before it were restored"):
-        patching.apply_to(checkout)
+        fork_patches.apply_to(checkout)
     assert writer.calls == 5  # two written, the third failed, then the two put back
     assert _tree_digest(checkout) == before
     monkeypatch.undo()
-    result = patching.apply_to(checkout)
+    result = fork_patches.apply_to(checkout)
     assert [p.name for p in result.applied] == [p.name for p in manifest.for_upstream("verl")]
 
 
@@ -473,7 +473,7 @@ def test_apply_names_the_files_it_could_not_restore(manifest, tmp_path, monkeypa
     monkeypatch.setattr(series, "write_file", FailingWriter(succeed=1, then_always=True))
     with pytest.raises(PatchError, match=r"could not restore verl/__init__.py \(.*No space left.*\): "
                        r"restore them from version control"):
-        patching.apply_to(checkout)
+        fork_patches.apply_to(checkout)
 
 
 def _drifted_verl_checkout(manifest, root: Path) -> Path:
@@ -505,33 +505,33 @@ def test_check_to_reports_what_each_patch_does_to_another_version_and_changes_no
     assert _tree_digest(checkout) == before
     # The same checkout as a git fork of the pinned version: the report says git am -3 can merge.
     subprocess.run(["git", "init", "-q"], cwd=checkout, check=True)
-    failing = next(s for s in patching.check_checkout(checkout).states if s.status == patching.FAILS)
+    failing = next(s for s in fork_patches.check_checkout(checkout).states if s.status == fork_patches.FAILS)
     assert "lacks the pinned files' blobs" in failing.note
-    installed = patching.installed_root(manifest.upstreams["verl"])
-    for relative in patching.touched_files(manifest.for_upstream("verl")):
+    installed = fork_patches.installed_root(manifest.upstreams["verl"])
+    for relative in fork_patches.touched_files(manifest.for_upstream("verl")):
         subprocess.run(["git", "hash-object", "-w", str(installed / relative)], cwd=checkout, check=True,
                        capture_output=True)
-    failing = next(s for s in patching.check_checkout(checkout).states if s.status == patching.FAILS)
+    failing = next(s for s in fork_patches.check_checkout(checkout).states if s.status == fork_patches.FAILS)
     assert "holds the pinned files, so `git am -3` can try a three-way merge" in failing.note
 
 
 def test_apply_needs_a_recognisable_checkout(tmp_path):
     with pytest.raises(PatchError, match="cannot tell which upstream"):
-        patching.apply_to(tmp_path)
+        fork_patches.apply_to(tmp_path)
 
 
 def test_checkout_versions_are_read_from_the_upstream_sources(manifest, tmp_path):
     megatron = tmp_path / "megatron-lm"
     (megatron / "megatron/core").mkdir(parents=True)
-    shutil.copyfile(patching.installed_root(manifest.upstreams["megatron-lm"]) / "megatron/core/package_info.py",
+    shutil.copyfile(fork_patches.installed_root(manifest.upstreams["megatron-lm"]) / "megatron/core/package_info.py",
                     megatron / "megatron/core/package_info.py")
-    assert patching.checkout_version("megatron-lm", megatron) == "0.16.1"
+    assert fork_patches.checkout_version("megatron-lm", megatron) == "0.16.1"
     vllm = tmp_path / "vllm"
     (vllm / "vllm").mkdir(parents=True)
-    shutil.copyfile(patching.installed_root(manifest.upstreams["vllm"]) / "vllm/_version.py", vllm / "vllm/_version.py")
-    assert patching.checkout_version("vllm", vllm) == "0.31.0"
+    shutil.copyfile(fork_patches.installed_root(manifest.upstreams["vllm"]) / "vllm/_version.py", vllm / "vllm/_version.py")
+    assert fork_patches.checkout_version("vllm", vllm) == "0.31.0"
     (vllm / "vllm/_version.py").unlink()
-    assert patching.checkout_version("vllm", vllm) is None
+    assert fork_patches.checkout_version("vllm", vllm) is None
 
 
 # ----- behaviour of the verl patches ---------------------------------------------------------
@@ -566,7 +566,7 @@ def test_verl_plugin_load_failure_is_a_warning(patched_verl, tmp_path):
 
 VALIDATE_SCRIPT = """
     import sys
-    from zero_mismatch_plugin.validate_config import compose_verl_config
+    from zero_mismatch_plugin.tools.config_checks.validate_config import compose_verl_config
     import verl
     from verl.utils.config import validate_config
     from verl.trainer.main_ppo import need_critic, need_reference_policy
@@ -693,10 +693,10 @@ ENGINE_SCRIPT = """
     import inspect
     from types import SimpleNamespace
     import torch
-    from zero_mismatch_plugin.megatron.standalone import init_single_process
+    from zero_mismatch_plugin.integrations.megatron.standalone import init_single_process
     init_single_process()
     from verl.workers.engine.megatron import transformer_impl as ti
-    from zero_mismatch_plugin.megatron import verl_patch
+    from zero_mismatch_plugin.integrations.verl import megatron_engine
     from vllm.v1.sample.sampler import Sampler
     assert ti.__file__.startswith(PATCHED), ti.__file__
 
@@ -722,7 +722,7 @@ ENGINE_SCRIPT = """
     kwargs = dict(calculate_sum_pi_squared=False, calculate_entropy=False, distillation_use_topk=False,
                   distillation_only=False, logits_processor_func=None, batch=None, data_format="thd")
     original = ti.MegatronEngineWithLMHead.__dict__["_lm_head_logits_processor"]
-    ti.LM_HEAD_LOGITS_PROCESSOR.append(verl_patch.aligned_lm_head_logits_processor)
+    ti.LM_HEAD_LOGITS_PROCESSOR.append(megatron_engine.aligned_lm_head_logits_processor)
     out = ti.MegatronEngineWithLMHead._lm_head_logits_processor(fake, logits.clone(), label, temperature.clone(), **kwargs)
     assert ti.MegatronEngineWithLMHead.__dict__["_lm_head_logits_processor"] is original
     rows = logits.reshape(-1, 64).float()
@@ -747,22 +747,22 @@ def test_verl_megatron_engine_hooks_run_the_aligned_forward(patched_verl):
 
 HOOKED_ENGINE_SCRIPT = """
     import torch
-    from zero_mismatch_plugin.megatron.standalone import init_single_process
+    from zero_mismatch_plugin.integrations.megatron.standalone import init_single_process
     init_single_process()
     from verl.workers.engine.megatron import transformer_impl as ti
-    from zero_mismatch_plugin.megatron import verl_patch
+    from zero_mismatch_plugin.integrations.verl import megatron_engine
     assert ti.__file__.startswith(PATCHED), ti.__file__
     methods = {(cls, name): cls.__dict__[name] for cls, name in (
         (ti.MegatronEngine, "_build_tf_config"), (ti.MegatronEngine, "optimizer_step"),
         (ti.MegatronEngine, "load_checkpoint"), (ti.MegatronEngineWithLMHead, "_lm_head_logits_processor"))}
-    assert verl_patch.engine_has_hooks(ti) and verl_patch.apply()
+    assert megatron_engine.engine_has_hooks(ti) and megatron_engine.apply()
     # Registered in the fork's extension points; no engine method replaced.
     assert all(cls.__dict__[name] is fn for (cls, name), fn in methods.items())
-    assert ti.ENGINE_HOOKS["_build_tf_config"] == [verl_patch.inject_aligned_spec]
-    assert ti.ENGINE_HOOKS["optimizer_step"] == ti.ENGINE_HOOKS["load_checkpoint"] == [verl_patch.refresh_engine_weights]
-    assert ti.LM_HEAD_LOGITS_PROCESSOR == [verl_patch.aligned_lm_head_logits_processor]
-    assert not verl_patch.apply()  # idempotent
-    assert verl_patch.remove() and not verl_patch.is_applied()
+    assert ti.ENGINE_HOOKS["_build_tf_config"] == [megatron_engine.inject_aligned_spec]
+    assert ti.ENGINE_HOOKS["optimizer_step"] == ti.ENGINE_HOOKS["load_checkpoint"] == [megatron_engine.refresh_engine_weights]
+    assert ti.LM_HEAD_LOGITS_PROCESSOR == [megatron_engine.aligned_lm_head_logits_processor]
+    assert not megatron_engine.apply()  # idempotent
+    assert megatron_engine.remove() and not megatron_engine.is_applied()
     assert not any(ti.ENGINE_HOOKS.values()) and ti.LM_HEAD_LOGITS_PROCESSOR == []
     assert all(cls.__dict__[name] is fn for (cls, name), fn in methods.items())
     print("HOOKED OK")
@@ -780,7 +780,7 @@ def test_runtime_patch_uses_the_engine_hooks_of_a_patched_verl(patched_verl):
 @pytest.fixture(scope="module")
 def patched_megatron(tmp_path_factory, manifest):
     """A full copy of the installed megatron-core with the megatron-lm patch applied."""
-    return patching.copy_patched_package(manifest, "megatron-lm", tmp_path_factory.mktemp("patched-megatron"))
+    return fork_patches.copy_patched_package(manifest, "megatron-lm", tmp_path_factory.mktemp("patched-megatron"))
 
 
 MEGATRON_SCRIPT = """
@@ -790,8 +790,8 @@ MEGATRON_SCRIPT = """
     from megatron.core.models.gpt import GPTModel
     from zero_mismatch_plugin.aligned.packing import pack
     from zero_mismatch_plugin.aligned.runtime import VllmRuntime
-    from zero_mismatch_plugin.megatron import convert, modules, spec as mspec
-    from zero_mismatch_plugin.megatron.standalone import cpu_stock_megatron, init_single_process, packed_seq_params
+    from zero_mismatch_plugin.faces.megatron import convert, modules, spec as mspec
+    from zero_mismatch_plugin.integrations.megatron.standalone import cpu_stock_megatron, init_single_process, packed_seq_params
 
     checkpoint = CHECKPOINT
     rollout = torch.load(ROLLOUT_FILE)
@@ -845,7 +845,7 @@ MEGATRON_SCRIPT = """
 
     # verl's provider injection on this megatron-core: the whole-model spec, no pre-wrap swaps.
     from types import SimpleNamespace
-    from zero_mismatch_plugin.megatron.verl_patch import inject_aligned_spec
+    from zero_mismatch_plugin.integrations.verl.megatron_engine import inject_aligned_spec
     provider = convert.transformer_config_from_hf(hf)
     wrap_hooks = []
     provider.register_pre_wrap_hook = wrap_hooks.append
@@ -901,7 +901,7 @@ def test_megatron_spec_hooks_build_a_model_bitwise_equal_to_the_engine(
 
 
 def test_stock_megatron_has_no_spec_hooks_and_says_what_to_apply():
-    from zero_mismatch_plugin.megatron import spec as mspec
+    from zero_mismatch_plugin.faces.megatron import spec as mspec
 
     assert not mspec.megatron_has_spec_hooks()
     with pytest.raises(mspec.UnsupportedMegatronFeature, match="patches/megatron-lm"):
@@ -944,8 +944,8 @@ def load_patched(name, root):
 def patched_vllm_files(tmp_path_factory, manifest):
     """The files the vLLM patches touch, copied from the installed vllm and patched."""
     patches = manifest.for_upstream("vllm")
-    root = patching.installed_root(manifest.upstreams["vllm"])
-    return patching.apply_to_copy(patches, root, tmp_path_factory.mktemp("patched-vllm"))
+    root = fork_patches.installed_root(manifest.upstreams["vllm"])
+    return fork_patches.apply_to_copy(patches, root, tmp_path_factory.mktemp("patched-vllm"))
 
 
 EP_RANK_SCRIPT = LOAD_PATCHED + """
@@ -1064,7 +1064,7 @@ def test_vllm_ep_combine_has_the_same_bits_whatever_the_arrival_order(patched_vl
 def test_shared_rank_order_reduce_scatter_single_process():
     import torch
     import torch.distributed as dist
-    from zero_mismatch_plugin.megatron.standalone import init_single_process
+    from zero_mismatch_plugin.integrations.megatron.standalone import init_single_process
 
     init_single_process()
     x = torch.arange(12.0).reshape(4, 3)
@@ -1265,7 +1265,7 @@ def test_vllm_cpu_mla_rotary_rows_gemm_dispatch_and_bmm(patched_vllm_files):
 
 
 def test_shared_rotary_on_rows_and_row_invariant_bmm_match_the_runtime_patches():
-    from zero_mismatch_plugin import vllm_cpu_mla
+    from zero_mismatch_plugin.integrations.vllm import cpu_mla as vllm_cpu_mla
 
     assert vllm_cpu_mla.rotate_rows_in_place is shared.rotary_on_rows
     assert vllm_cpu_mla.row_invariant_bmm is shared.row_invariant_bmm
@@ -1327,7 +1327,7 @@ def test_vllm_cpu_mla_one_token_prompt_is_a_decode_wherever_it_stands(patched_vl
 
 
 def test_shared_one_token_prompt_functions_are_the_runtime_patches():
-    from zero_mismatch_plugin import vllm_cpu_mla
+    from zero_mismatch_plugin.integrations.vllm import cpu_mla as vllm_cpu_mla
 
     assert vllm_cpu_mla.first_steps_counted_as_computed is shared.first_steps_counted_as_computed
     assert vllm_cpu_mla.only_cpu_mla_attention is shared.only_cpu_mla_attention
@@ -1469,14 +1469,14 @@ def test_vllm_cpu_moe_lora_experts_select_apply_and_update(patched_vllm_files):
 
 
 def test_shared_moe_lora_functions_are_the_runtime_patches_and_the_trainers():
-    from zero_mismatch_plugin import vllm_cpu_moe_lora
+    from zero_mismatch_plugin.integrations.vllm import cpu_moe_lora as vllm_cpu_moe_lora
 
     assert vllm_cpu_moe_lora.add_moe_lora is shared.add_moe_lora
     assert vllm_cpu_moe_lora.cpu_lora_experts_apply is shared.cpu_lora_experts_apply
 
 
 def test_shared_row_invariant_sigmoid_is_the_runtime_patches_and_the_trainers():
-    from zero_mismatch_plugin import vllm_cpu_sigmoid
+    from zero_mismatch_plugin.integrations.vllm import cpu_sigmoid as vllm_cpu_sigmoid
     from zero_mismatch_plugin.aligned import moe
 
     assert vllm_cpu_sigmoid.row_invariant_sigmoid is shared.row_invariant_sigmoid
@@ -1488,7 +1488,7 @@ VERL_CPU_SCRIPT = """
     import torch
     import verl
     import verl.utils.distributed as distributed
-    from zero_mismatch_plugin.verl_cpu import vllm_metadata
+    from zero_mismatch_plugin.integrations.verl.cpu import vllm_metadata
 
     vllm_metadata.install()  # verl's rollout package asks for a distribution named vllm
     from verl.workers.rollout.vllm_rollout import utils as rollout_utils
@@ -1541,7 +1541,7 @@ def test_verl_cpu_training_gloo_backend_cpu_weight_reload_and_logger(patched_ver
 
 def test_shared_cpu_weight_reload_is_what_the_runtime_patch_calls():
     from zero_mismatch_plugin.aligned import weight_sync
-    from zero_mismatch_plugin.verl_cpu import patches as cpu_patches
+    from zero_mismatch_plugin.integrations.verl.cpu import patches as cpu_patches
 
     assert cpu_patches.reload_plain_weights_on_cpu is shared.reload_plain_weights_on_cpu
     assert weight_sync.repack_shared_cpu_weights is shared.repack_shared_cpu_weights

@@ -22,8 +22,8 @@ from unittest import mock
 
 import pytest
 
-from zero_mismatch_plugin import patching
-from zero_mismatch_plugin.patching import series
+from zero_mismatch_plugin import fork_patches
+from zero_mismatch_plugin.fork_patches import series
 
 REPO = Path(__file__).resolve().parents[1]
 WORK_DIR = ".zmrl-apply"  # where apply keeps its journal while it runs (docs/patches.md)
@@ -51,15 +51,15 @@ DRIVER = textwrap.dedent('''
 
     sys.addaudithook(audit)
     sys.setprofile(profile)
-    from zero_mismatch_plugin.cli import main
+    from zero_mismatch_plugin.tools.cli import main
     sys.exit(main(["patches", "apply", "--to", checkout]))
 ''')
 
 
 def _verl_checkout(root: Path) -> Path:
-    manifest = patching.load_manifest()
-    installed = patching.installed_root(manifest.upstreams["verl"])
-    for relative in patching.touched_files(manifest.for_upstream("verl")):
+    manifest = fork_patches.load_manifest()
+    installed = fork_patches.installed_root(manifest.upstreams["verl"])
+    for relative in fork_patches.touched_files(manifest.for_upstream("verl")):
         (root / relative).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(installed / relative, root / relative)
     (root / "verl/version").mkdir(parents=True)
@@ -69,7 +69,7 @@ def _verl_checkout(root: Path) -> Path:
 
 def _patched(root: Path) -> Path:
     checkout = _verl_checkout(root)
-    for patch in patching.load_manifest().for_upstream("verl"):
+    for patch in fork_patches.load_manifest().for_upstream("verl"):
         subprocess.run(["patch", "-p1", "-s", "-d", str(checkout), "-i", str(patch.diff_path)], check=True)
     return checkout
 
@@ -110,7 +110,7 @@ def _stopped(checkout: Path, environment: dict, pause_at: int, sig: signal.Signa
 
 
 def _apply(checkout: Path, environment: dict) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "zero_mismatch_plugin.cli", "patches", "apply", "--to", str(checkout)],
+    return subprocess.run([sys.executable, "-m", "zero_mismatch_plugin.tools.cli", "patches", "apply", "--to", str(checkout)],
                           env=environment, capture_output=True, text=True, timeout=300)
 
 
@@ -178,10 +178,10 @@ def test_every_original_is_backed_up_and_journalled_before_the_first_file_is_wri
 
     monkeypatch.setattr(series, "write_file", first_write)
     with pytest.raises(_Killed):
-        patching.apply_to(checkout)
+        fork_patches.apply_to(checkout)
     work = checkout / WORK_DIR
     journal = json.loads((work / "journal.json").read_text())
-    changed = patching.touched_files(patching.load_manifest().for_upstream("verl"))
+    changed = fork_patches.touched_files(fork_patches.load_manifest().for_upstream("verl"))
     assert [entry["path"] for entry in journal["files"]] == changed
     for entry in journal["files"]:
         backup = (work / "backup" / entry["path"]).read_bytes()
@@ -189,8 +189,8 @@ def test_every_original_is_backed_up_and_journalled_before_the_first_file_is_wri
         assert entry["before"] == hashlib.sha256(backup).hexdigest()
     assert {relative: (checkout / relative).read_bytes() for relative in original} == original
     monkeypatch.undo()
-    applied = patching.apply_to(checkout).applied
-    assert [p.name for p in applied] == [p.name for p in patching.load_manifest().for_upstream("verl")]
+    applied = fork_patches.apply_to(checkout).applied
+    assert [p.name for p in applied] == [p.name for p in fork_patches.load_manifest().for_upstream("verl")]
     assert not _leftovers(checkout)
 
 
@@ -201,7 +201,7 @@ def test_a_written_file_keeps_its_mode_and_a_link_inside_the_checkout_stays_a_li
     config.rename(checkout / "verl/utils/config_real.py")
     config.symlink_to("config_real.py")
     with mock.patch.object(os, "replace", wraps=os.replace) as replace:
-        patching.apply_to(checkout)
+        fork_patches.apply_to(checkout)
     assert replace.called, "the files were written in place, not through a temporary file"
     assert (checkout / "verl/__init__.py").stat().st_mode & 0o7777 == 0o750
     assert config.is_symlink() and config.read_bytes() == (patched / "verl/utils/config.py").read_bytes()

@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zero_mismatch_plugin import formulas
+from zero_mismatch_plugin.algorithms import formulas
 
 log_probs = st.floats(min_value=-1e4, max_value=0.0, allow_nan=False, width=32)
 

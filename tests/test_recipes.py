@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from zero_mismatch_plugin import recipes as recipes_module
-from zero_mismatch_plugin.cli import main as zmrl
-from zero_mismatch_plugin.recipes import (
+from zero_mismatch_plugin.tools import recipes as recipes_module
+from zero_mismatch_plugin.tools.cli import main as zmrl
+from zero_mismatch_plugin.tools.recipes import (
     RECIPES_DIR,
     check_recipe,
     cluster_gpus,
@@ -34,12 +34,12 @@ from zero_mismatch_plugin.recipes import (
     runtime_env_vars,
     trainer_layout,
 )
-from zero_mismatch_plugin.config_checks.alignment import ALIGNED as ALIGNMENT_ALIGNED
-from zero_mismatch_plugin.config_checks.alignment import MODEL_UNKNOWN
-from zero_mismatch_plugin.config_checks.alignment import NOT_ALIGNED as ALIGNMENT_NOT_ALIGNED
-from zero_mismatch_plugin.config_checks.alignment import STANDARD as ALIGNMENT_STANDARD
-from zero_mismatch_plugin.config_checks.alignment import UNALIGNED_OVERRIDE, trainer_alignment
-from zero_mismatch_plugin.validate_config import compose_verl_config, validate_config
+from zero_mismatch_plugin.tools.config_checks.alignment import ALIGNED as ALIGNMENT_ALIGNED
+from zero_mismatch_plugin.tools.config_checks.alignment import MODEL_UNKNOWN
+from zero_mismatch_plugin.tools.config_checks.alignment import NOT_ALIGNED as ALIGNMENT_NOT_ALIGNED
+from zero_mismatch_plugin.tools.config_checks.alignment import STANDARD as ALIGNMENT_STANDARD
+from zero_mismatch_plugin.tools.config_checks.alignment import UNALIGNED_OVERRIDE, trainer_alignment
+from zero_mismatch_plugin.tools.config_checks.validate_config import compose_verl_config, validate_config
 
 REPO = Path(__file__).resolve().parents[1]
 TOP_LEVEL_RECIPES = REPO / "recipes"
@@ -340,7 +340,7 @@ def test_lora_recipes_target_every_module_the_aligned_path_adapts(name):
     """The seed adapts every module; a recipe keeps those the aligned LoRA path adapts (experts share
     megatron's linear_fc1/fc2 names with the dense MLPs) and drops, saying so in its header, those
     vLLM never applies to a response token (kv_b_proj) or cannot serve on CPU (the MoE router)."""
-    from zero_mismatch_plugin.config_checks.lora import COVERED, lora_problems
+    from zero_mismatch_plugin.tools.config_checks.lora import COVERED, lora_problems
 
     cfg = composed(name)
     lora = cfg.actor_rollout_ref.model.lora
@@ -582,18 +582,18 @@ def test_an_override_that_does_not_compose_is_a_clear_error(capsys):
 
 def test_recipes_live_in_the_package_and_the_top_level_directory_is_the_same():
     assert RECIPES_DIR == Path(recipes_module.__file__).resolve().parent
-    assert RECIPES_DIR.parent == Path(recipes_module.__file__).resolve().parents[1]  # zero_mismatch_plugin/
+    assert RECIPES_DIR.parents[1] == Path(recipes_module.__file__).resolve().parents[2]  # zero_mismatch_plugin/
     assert TOP_LEVEL_RECIPES.resolve() == RECIPES_DIR
 
 
 def test_package_data_ships_every_yaml_file():
     pyproject = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))
     patterns = pyproject["tool"]["setuptools"]["package-data"]["zero_mismatch_plugin"]
-    package_dir = RECIPES_DIR.parent
+    package_dir = RECIPES_DIR.parents[1]
     shipped = {p for pattern in patterns for p in package_dir.glob(pattern)}
     every = set(RECIPES_DIR.rglob("*.yaml"))
     assert every and every == {p for p in shipped if p.is_relative_to(RECIPES_DIR)}
-    assert all(fnmatch.fnmatch(str(p.relative_to(package_dir)), "recipes/*") for p in every)
+    assert all(fnmatch.fnmatch(str(p.relative_to(package_dir)), "tools/recipes/*") for p in every)
 
 
 def test_recipes_compose_from_the_package_without_a_source_path():
@@ -601,7 +601,7 @@ def test_recipes_compose_from_the_package_without_a_source_path():
     from hydra.core.global_hydra import GlobalHydra
 
     GlobalHydra.instance().clear()
-    with initialize_config_module(config_module="zero_mismatch_plugin.recipes", version_base=None):
+    with initialize_config_module(config_module="zero_mismatch_plugin.tools.recipes", version_base=None):
         cfg = compose(config_name="kimi_k3_1_lora_r32_dapo_gb300_sync")
     GlobalHydra.instance().clear()
     assert cfg.actor_rollout_ref.model.lora.rank == 32
@@ -689,7 +689,7 @@ def test_what_the_fsdp_engine_does_not_cover_is_named_for_the_moe_recipe(overrid
 
 
 def _parsed(argv):
-    from zero_mismatch_plugin.cli import build_parser
+    from zero_mismatch_plugin.tools.cli import build_parser
 
     parser = build_parser()
     args, stray = parser.parse_known_args(argv)

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from zero_mismatch_plugin.cli import main as zmrl
-from zero_mismatch_plugin.report import MetricLogError, build_report, load_runs
-from zero_mismatch_plugin.report import stats
-from zero_mismatch_plugin.report.figures import MISSING
-from zero_mismatch_plugin.report.logs import read_metric_log
-from zero_mismatch_plugin.report.render import format_report
+from zero_mismatch_plugin.tools.cli import main as zmrl
+from zero_mismatch_plugin.tools.report import MetricLogError, build_report, load_runs
+from zero_mismatch_plugin.tools.report import stats
+from zero_mismatch_plugin.tools.report.figures import MISSING
+from zero_mismatch_plugin.tools.report.logs import read_metric_log
+from zero_mismatch_plugin.tools.report.render import format_report
 
 
 def _write_verl_file_log(path: Path, records: list[tuple[int, dict]]) -> Path:
@@ -290,7 +290,7 @@ def test_a_file_holding_two_runs_is_read_per_run_and_said_so(tmp_path):
 
 
 def test_an_overlong_line_is_refused_before_parsing(tmp_path, monkeypatch):
-    from zero_mismatch_plugin.report import logs
+    from zero_mismatch_plugin.tools.report import logs
 
     monkeypatch.setattr(logs, "MAX_LINE_BYTES", 64)
     path = tmp_path / "long.jsonl"
@@ -362,7 +362,7 @@ def _two_runs(tmp_path: Path):
 def test_each_figure_overlays_every_run_with_labels(tmp_path):
     import matplotlib.pyplot as plt
 
-    from zero_mismatch_plugin.report.plots import PLOTS, draw_quantity
+    from zero_mismatch_plugin.tools.report.plots import PLOTS, draw_quantity
 
     runs = _two_runs(tmp_path)
     specs = {spec.filename: spec for spec in PLOTS}
@@ -384,7 +384,7 @@ def test_each_figure_overlays_every_run_with_labels(tmp_path):
 def test_plots_are_written_as_non_empty_pngs(tmp_path):
     from matplotlib.image import imread
 
-    from zero_mismatch_plugin.report.plots import write_plots
+    from zero_mismatch_plugin.tools.report.plots import write_plots
 
     written = write_plots(_two_runs(tmp_path), tmp_path / "plots")
     for name in ("d3.png", "kl.png", "reward.png", "rejection.png"):

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from zero_mismatch_plugin import runtime_patches
+from zero_mismatch_plugin.integrations import patches as runtime_patches
 
 
 @pytest.fixture
@@ -168,8 +168,8 @@ def test_registry_lists_every_runtime_patch_of_the_plugin():
     registered = [patch for _, patch in runtime_patches.registered()]
     modules = _modules_defining_patches()
     # The three groups at least; a new module with patches is found here too.
-    assert {"zero_mismatch_plugin.vllm_plugin", "zero_mismatch_plugin.megatron.verl_patch",
-            "zero_mismatch_plugin.verl_cpu.patches"} <= set(modules), modules
+    assert {"zero_mismatch_plugin.integrations.vllm.plugin", "zero_mismatch_plugin.integrations.verl.megatron_engine",
+            "zero_mismatch_plugin.integrations.verl.cpu.patches"} <= set(modules), modules
     defined = [patch for name in modules for patch in _patches_in(importlib.import_module(name))]
     missing = sorted({patch.name for patch in defined if patch not in registered})
     assert not missing, f"patches missing from runtime_patches.REGISTRY: {missing}"
@@ -183,7 +183,7 @@ def test_registry_lists_every_runtime_patch_of_the_plugin():
 
 
 def test_patches_list_shows_the_runtime_patches_next_to_the_fork_patches(capsys):
-    from zero_mismatch_plugin.cli import main
+    from zero_mismatch_plugin.tools.cli import main
 
     assert main(["patches", "list"]) == 0
     out = capsys.readouterr().out

@@ -1,4 +1,4 @@
-"""The plugin's environment switches: one parser (zero_mismatch_plugin.switches), read by every process
+"""The plugin's environment switches: one parser (zero_mismatch_plugin.tables.switches), read by every process
 and by the config checks alike."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from zero_mismatch_plugin import switches
-from zero_mismatch_plugin.switches import SWITCHES, SwitchError
+from zero_mismatch_plugin.tables import switches
+from zero_mismatch_plugin.tables.switches import SWITCHES, SwitchError
 
-PACKAGE = Path(switches.__file__).resolve().parent
+PACKAGE = Path(switches.__file__).resolve().parents[1]
 SWITCH_MODULE = Path(switches.__file__).resolve()
 SWITCH_NAME = re.compile(r"ZMRL_[A-Z0-9_]+")
 
@@ -72,7 +72,7 @@ def test_every_zmrl_switch_is_read_through_the_switch_module():
     constants = _switch_constants()
     assert {"ENABLE_ENV", "MODE_ENV", "ALLOW_ENV", "PREFIX_CACHING_ENV"} <= constants  # the scan sees them
     reads = [read for path in _sources() for read in _direct_reads(path, constants)]
-    assert not reads, ("ZMRL_ variables read outside zero_mismatch_plugin.switches (use switches.flag / "
+    assert not reads, ("ZMRL_ variables read outside zero_mismatch_plugin.tables.switches (use switches.flag / "
                        "switches.choice):\n" + "\n".join(reads))
 
 

@@ -5,13 +5,13 @@ from pathlib import Path
 
 import pytest
 
-from zero_mismatch_plugin import recipes
-from zero_mismatch_plugin.cli import main as zmrl
-from zero_mismatch_plugin.config_checks import check_config
-from zero_mismatch_plugin.validate_config import compose_verl_config, validate_config
+from zero_mismatch_plugin.tools import recipes
+from zero_mismatch_plugin.tools.cli import main as zmrl
+from zero_mismatch_plugin.tools.config_checks import check_config
+from zero_mismatch_plugin.tools.config_checks.validate_config import compose_verl_config, validate_config
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
-PLUGIN_TARGET = "zero_mismatch_plugin.verl_adapter.config.ZeroMismatchPolicyLossConfig"
+PLUGIN_TARGET = "zero_mismatch_plugin.integrations.verl.config.ZeroMismatchPolicyLossConfig"
 # The base recipes leave the model open; a dense architecture lets them validate without a checkpoint.
 DENSE = "zmrl.architecture=Qwen2ForCausalLM"
 
@@ -37,7 +37,7 @@ def test_recipe_composes_against_installed_verl_and_passes(name, capsys):
 def test_composed_actor_config_carries_the_plugin_config_subclass(name, loss_mode):
     from verl.utils.config import omega_conf_to_dataclass
 
-    from zero_mismatch_plugin.verl_adapter.config import ZeroMismatchPolicyLossConfig
+    from zero_mismatch_plugin.integrations.verl.config import ZeroMismatchPolicyLossConfig
 
     cfg = compose_verl_config(RECIPES, name, ["++actor_rollout_ref.actor.policy_loss.trust_region_delta=0.05"])
     actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)  # what every verl worker does
@@ -67,7 +67,7 @@ COMMON_BREAKAGES = [
 def test_bypass_off_is_accepted_when_verl_passes_mu_to_the_loss(name, monkeypatch):
     from verl.workers.utils import losses
 
-    from zero_mismatch_plugin.verl_adapter import ROLLOUT_LOG_PROBS_MARKER
+    from zero_mismatch_plugin.integrations.verl import ROLLOUT_LOG_PROBS_MARKER
 
     monkeypatch.setattr(losses, ROLLOUT_LOG_PROBS_MARKER, True, raising=False)
     problems = _problems(name, "algorithm.rollout_correction.bypass_mode=false")
@@ -175,7 +175,7 @@ def test_both_modules_read_values_through_the_one_reader():
     # The second, lenient reader (None -> default) is gone: a null where a value is due is an error
     # in both entry points, where one used to default it and the other crashed on it.
     assert not hasattr(recipes, "_get")
-    import zero_mismatch_plugin.validate_config as module
+    import zero_mismatch_plugin.tools.config_checks.validate_config as module
 
     assert not hasattr(module, "_get")
     cfg = compose_verl_config(RECIPES, "reinforce_zero", [DENSE, "actor_rollout_ref.rollout.temperature=null"])
@@ -278,7 +278,7 @@ def test_without_a_local_checkpoint_or_a_declared_architecture_the_run_is_refuse
 
 
 def test_the_supported_list_is_the_aligned_forwards_own(monkeypatch):
-    from zero_mismatch_plugin import architectures
+    from zero_mismatch_plugin.tables import architectures
 
     assert SWITCH in _all_problems("reinforce_zero", "zmrl.architecture=GemmaForCausalLM")
     monkeypatch.setattr(architectures, "SUPPORTED_ARCHITECTURES",
@@ -312,9 +312,9 @@ def test_config_checks_is_the_one_module_both_commands_use():
 
 
 def test_config_path_takes_hydras_forms(tmp_path):
-    from zero_mismatch_plugin.validate_config import config_directory
+    from zero_mismatch_plugin.tools.config_checks.validate_config import config_directory
 
-    assert config_directory("pkg://zero_mismatch_plugin.recipes") == recipes.RECIPES_DIR
+    assert config_directory("pkg://zero_mismatch_plugin.tools.recipes") == recipes.RECIPES_DIR
     assert config_directory(f"file://{RECIPES}") == recipes.RECIPES_DIR
     assert config_directory(RECIPES) == recipes.RECIPES_DIR
     with pytest.raises(FileNotFoundError, match="no package 'no_such_pkg' can be imported"):
@@ -324,7 +324,7 @@ def test_config_path_takes_hydras_forms(tmp_path):
 
 
 def test_a_misspelt_key_is_matched_segment_by_segment_or_by_its_name_elsewhere():
-    from zero_mismatch_plugin.validate_config import _close_key
+    from zero_mismatch_plugin.tools.config_checks.validate_config import _close_key
 
     paths = {"a", "a.policy_loss", "a.policy_loss.loss_mode", "a.ppo_epochs", "b", "b.n", "c", "c.ppo_epochs",
              "env", "env.X"}
@@ -336,7 +336,7 @@ def test_a_misspelt_key_is_matched_segment_by_segment_or_by_its_name_elsewhere()
 
 
 def test_an_override_without_equals_is_named_before_hydra_parses_it():
-    from zero_mismatch_plugin.validate_config import ConfigComposeError, _without_equals
+    from zero_mismatch_plugin.tools.config_checks.validate_config import ConfigComposeError, _without_equals
 
     _without_equals(["a=1", "~b", "+c=2", "++d.e='x'"])
     with pytest.raises(ConfigComposeError, match=r"override 'trainer.nnodes' has no '='.*\(trainer.nnodes=2\?\)"):
@@ -352,7 +352,7 @@ def test_a_misspelt_override_names_the_key_and_not_hydras_plus(capsys):
 
 
 def test_a_new_name_in_env_vars_is_told_to_use_double_plus():
-    from zero_mismatch_plugin.validate_config import ConfigComposeError
+    from zero_mismatch_plugin.tools.config_checks.validate_config import ConfigComposeError
 
     with pytest.raises(ConfigComposeError, match=r"takes new keys: add it with "
                                                  r"\+\+ray_kwargs.ray_init.runtime_env.env_vars.MY_VAR='1'"):
@@ -362,8 +362,8 @@ def test_a_new_name_in_env_vars_is_told_to_use_double_plus():
 
 
 def test_the_config_checks_read_switches_as_the_runtime_does():
-    from zero_mismatch_plugin import switches
-    from zero_mismatch_plugin.config_checks.values import switch_errors
+    from zero_mismatch_plugin.tables import switches
+    from zero_mismatch_plugin.tools.config_checks.values import switch_errors
 
     env = {"ZMRL_NUMERICS": "consistent", "ZMRL_FSDP_ALIGNED": "true", "ZMRL_ALLOW_PREFIX_CACHING": "",
            "ZMRL_MEGATRON_ALIGNE": "1", "PATH": "/bin"}
@@ -376,7 +376,7 @@ def test_the_config_checks_read_switches_as_the_runtime_does():
 
 
 def test_a_single_plus_adding_a_misspelt_key_is_refused_while_composing():
-    from zero_mismatch_plugin.validate_config import ConfigComposeError
+    from zero_mismatch_plugin.tools.config_checks.validate_config import ConfigComposeError
 
     with pytest.raises(ConfigComposeError, match=r"adds 'actor_rollout_ref.actor.policy_loss.trust_region_detla', "
                                                  r".*did you mean 'actor_rollout_ref.actor.policy_loss.trust_region_delta'"):

@@ -9,7 +9,7 @@ import verl  # noqa: F401  (loads the plugin through its entry point)
 from verl import DataProto
 from verl.trainer.ppo.ray_trainer import compute_advantage
 
-from zero_mismatch_plugin.verl_adapter import estimators
+from zero_mismatch_plugin.integrations.verl import estimators
 
 BYPASS = OmegaConf.create({"rollout_correction": {"bypass_mode": True}})
 
@@ -64,7 +64,7 @@ def test_estimators_refuse_bypass_off(name):
 def test_estimators_accept_bypass_off_when_verl_passes_mu_to_the_loss(name, monkeypatch):
     from verl.workers.utils import losses
 
-    from zero_mismatch_plugin.verl_adapter import ROLLOUT_LOG_PROBS_MARKER
+    from zero_mismatch_plugin.integrations.verl import ROLLOUT_LOG_PROBS_MARKER
 
     # What verl patch 0003 sets in verl.workers.utils.losses.
     monkeypatch.setattr(losses, ROLLOUT_LOG_PROBS_MARKER, True, raising=False)

@@ -10,9 +10,9 @@ import verl  # noqa: F401  (loads the plugin through its entry point)
 from verl_batches import (actor_config, extreme_log_ratio_batch, fill_padding, loss_call, padded_loss_batch,
                           ppo_loss_call, reference_reinforce)
 
-from zero_mismatch_plugin import formulas
-from zero_mismatch_plugin.verl_adapter import losses
-from zero_mismatch_plugin.verl_adapter.estimators import InvalidBatchError
+from zero_mismatch_plugin.algorithms import formulas
+from zero_mismatch_plugin.integrations.verl import losses
+from zero_mismatch_plugin.integrations.verl.estimators import InvalidBatchError
 
 torch.manual_seed(0)
 RESPONSE_LENS = [5, 3, 7, 1, 4, 6]
@@ -157,7 +157,7 @@ def test_wrong_aggregation_is_refused():
 
 
 def test_precomputed_is_weights_mean_decoupled_mode_and_are_refused():
-    from zero_mismatch_plugin.verl_adapter.losses import reinforce_zero_policy_loss
+    from zero_mismatch_plugin.integrations.verl.losses import reinforce_zero_policy_loss
 
     mu = torch.full((2, 3), -1.0)
     with pytest.raises(ValueError, match="bypass_mode=true"):

@@ -33,7 +33,7 @@ def test_registration_failure_is_reported_at_warning_level():
         "from verl.trainer.ppo import core_algos\n"
         "core_algos.register_policy_loss('reinforce_zero')(lambda **kw: None)\n"
         "try:\n"
-        "    import zero_mismatch_plugin.verl_adapter.register\n"
+        "    import zero_mismatch_plugin.integrations.verl.register\n"
         "except RuntimeError:\n"
         "    print('raised')\n"
     )
@@ -46,7 +46,7 @@ def test_registration_failure_is_reported_at_warning_level():
 def test_registering_twice_is_a_no_op():
     from verl.trainer.ppo import core_algos
 
-    from zero_mismatch_plugin.verl_adapter.register import register
+    from zero_mismatch_plugin.integrations.verl.register import register
 
     before = dict(core_algos.POLICY_LOSS_REGISTRY)
     register()
@@ -55,7 +55,7 @@ def test_registering_twice_is_a_no_op():
 
 
 def test_selfcheck_passes_with_two_computations_and_a_metric_that_tells_one_ulp(capsys):
-    from zero_mismatch_plugin.cli import main
+    from zero_mismatch_plugin.tools.cli import main
 
     assert main(["selfcheck"]) == 0
     out = capsys.readouterr().out
@@ -66,7 +66,7 @@ def test_selfcheck_passes_with_two_computations_and_a_metric_that_tells_one_ulp(
 
 
 def test_selfcheck_fails_a_bitwise_metric_blind_to_one_ulp():
-    from zero_mismatch_plugin.selfcheck import ALGORITHMS, selfcheck_failures
+    from zero_mismatch_plugin.tools.selfcheck import ALGORITHMS, selfcheck_failures
 
     good = {"advantage_row0": 0.5, "rollout_corr/rollout_is_mean": 1.0, "zero_mismatch/bitwise_equal_fraction": 1.0,
             "bitwise_one_ulp_off": 24 / 25, "rollout_corr/k3_kl": 0.0, "grad_finite": True}

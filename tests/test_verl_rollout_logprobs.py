@@ -21,10 +21,12 @@ import torch
 import verl  # noqa: F401  (loads the plugin through its entry point)
 from verl_batches import actor_config
 
-from zero_mismatch_plugin import formulas, patching
-from zero_mismatch_plugin.patching import shared
-from zero_mismatch_plugin.verl_adapter.estimators import InvalidBatchError
-from zero_mismatch_plugin.verl_adapter.losses import flash_reinforce_policy_loss, reinforce_zero_policy_loss
+from zero_mismatch_plugin.algorithms import formulas
+
+from zero_mismatch_plugin import fork_patches
+from zero_mismatch_plugin.fork_patches import shared
+from zero_mismatch_plugin.integrations.verl.estimators import InvalidBatchError
+from zero_mismatch_plugin.integrations.verl.losses import flash_reinforce_policy_loss, reinforce_zero_policy_loss
 
 REPO = Path(__file__).resolve().parents[1]
 LOSSES = {"reinforce_zero": reinforce_zero_policy_loss, "flash_reinforce": flash_reinforce_policy_loss}
@@ -194,7 +196,7 @@ def test_precomputed_is_weights_are_refused_next_to_rollout_log_probs():
 @pytest.fixture(scope="module")
 def patched_verl(tmp_path_factory):
     """A full copy of the installed verl with every verl patch applied."""
-    return patching.copy_patched_package(patching.load_manifest(), "verl", tmp_path_factory.mktemp("patched-verl"))
+    return fork_patches.copy_patched_package(fork_patches.load_manifest(), "verl", tmp_path_factory.mktemp("patched-verl"))
 
 
 def _run_python(script: str, *path_first: Path) -> subprocess.CompletedProcess:
@@ -212,8 +214,8 @@ PPO_LOSS_SETUP = """
     from verl.trainer.config.algorithm import RolloutCorrectionConfig
     from verl.workers.utils import losses
     from verl_batches import actor_config, ppo_loss_call
-    from zero_mismatch_plugin import formulas
-    from zero_mismatch_plugin.token_metrics import log_prob_gap_metrics
+    from zero_mismatch_plugin.algorithms import formulas
+    from zero_mismatch_plugin.algorithms.token_metrics import log_prob_gap_metrics
 
     generator = torch.Generator().manual_seed(7)
     lens, prompt_lens = [5, 3, 6, 4, 2, 7], [2, 3, 2, 4, 3, 2]
@@ -249,7 +251,7 @@ PPO_LOSS_SETUP = """
 
 PATCHED_PPO_LOSS_CHECKS = """
     assert losses.__file__.startswith(PATCHED_ROOT), losses.__file__
-    from zero_mismatch_plugin.verl_adapter import verl_passes_rollout_log_probs
+    from zero_mismatch_plugin.integrations.verl import verl_passes_rollout_log_probs
     assert verl_passes_rollout_log_probs()  # so the estimators and validate-config allow bypass off
     expected_split = {}
     for prefix, current, reference in (("zero_mismatch/rollout_vs_recompute/", old, mu),
@@ -273,7 +275,7 @@ PATCHED_PPO_LOSS_CHECKS = """
 """
 
 STOCK_PPO_LOSS_CHECKS = """
-    from zero_mismatch_plugin.verl_adapter import verl_passes_rollout_log_probs
+    from zero_mismatch_plugin.integrations.verl import verl_passes_rollout_log_probs
     assert not verl_passes_rollout_log_probs()  # the estimators keep requiring bypass mode
     for loss_mode in ("reinforce_zero", "flash_reinforce"):
         decoupled = call(loss_mode, old, mu, bypass=False)

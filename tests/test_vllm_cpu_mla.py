@@ -1,5 +1,5 @@
 """vLLM's CPU MLA path (DeepSeek-V2 attention): the batched divergence on stock vLLM, and its
-three causes fixed by the plugin's runtime patches (zero_mismatch_plugin/vllm_cpu_mla.py,
+three causes fixed by the plugin's runtime patches (zero_mismatch_plugin/integrations/vllm/cpu_mla.py,
 docs/vllm-cpu-mla.md); a one-token prompt decoded wherever it stands in the step."""
 
 from __future__ import annotations
@@ -11,7 +11,9 @@ import pytest
 import torch
 from vllm_session import new_requests_in_one_step
 
-from zero_mismatch_plugin import runtime_patches, vllm_cpu_mla
+from zero_mismatch_plugin.integrations import patches as runtime_patches
+
+from zero_mismatch_plugin.integrations.vllm import cpu_mla as vllm_cpu_mla
 
 PROMPT = [5, 17, 33, 2, 9, 71, 4, 8, 100, 12, 13]
 OTHER = [7, 7, 19, 40, 3]
@@ -103,7 +105,7 @@ def test_bmm_runs_every_call_as_eight_rows_and_writes_into_out():
 
 
 def test_decode_kernel_runs_on_one_thread_and_the_count_is_restored():
-    from zero_mismatch_plugin.patching.shared import on_one_thread
+    from zero_mismatch_plugin.fork_patches.shared import on_one_thread
 
     seen = []
     threads = torch.get_num_threads()
@@ -236,7 +238,7 @@ def test_one_token_prompt_patch_leaves_other_attention_backends_to_vllm():
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionMetadataBuilder
     from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend
 
-    from zero_mismatch_plugin.patching.shared import only_cpu_mla_attention
+    from zero_mismatch_plugin.fork_patches.shared import only_cpu_mla_attention
 
     assert CPUAttentionMetadataBuilder.reorder_batch_threshold is None
     seen = []
@@ -260,7 +262,7 @@ def test_one_token_prompt_patch_is_version_gated_and_reversible(monkeypatch):
 
 @pytest.fixture(scope="module")
 def mla_checkpoint(tmp_path_factory):
-    from zero_mismatch_plugin.tiny_models import build_tiny_mla_model
+    from zero_mismatch_plugin.tools.tiny_models import build_tiny_mla_model
 
     return build_tiny_mla_model(tmp_path_factory.mktemp("tiny_mla") / "deepseek_v2", seed=0)
 
@@ -311,7 +313,7 @@ def test_stock_vllm_cpu_mla_gives_identical_prompts_different_logprobs(mla_check
 
 
 def test_consistent_mode_mla_is_batch_invariant_and_computes_the_model(mla_checkpoint, engines, monkeypatch):
-    from zero_mismatch_plugin import vllm_plugin
+    from zero_mismatch_plugin.integrations.vllm import plugin as vllm_plugin
 
     engines.close()
     monkeypatch.setenv("ZMRL_NUMERICS", "consistent")

@@ -35,7 +35,7 @@ def test_a_second_install_and_its_entry_points_are_caught(tmp_path):
     dist_info.mkdir(parents=True)
     (dist_info / "METADATA").write_text("Metadata-Version: 2.1\nName: zero-mismatch-plugin\nVersion: 0.0.1\n")
     (dist_info / "entry_points.txt").write_text(
-        "[verl.plugins]\nzero_mismatch = zero_mismatch_plugin.verl_adapter.register\n")
+        "[verl.plugins]\nzero_mismatch = zero_mismatch_plugin.integrations.verl.register\n")
     result = _check(tmp_path, SITE, PYTHONPATH=str(other))
     assert result.returncode == 1
     assert f"zero-mismatch-plugin is installed at ['{other}', '{SITE}']" in result.stderr or (

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from omegaconf import OmegaConf
 
-PLUGIN_CONFIG_TARGET = "zero_mismatch_plugin.verl_adapter.config.ZeroMismatchPolicyLossConfig"
+PLUGIN_CONFIG_TARGET = "zero_mismatch_plugin.integrations.verl.config.ZeroMismatchPolicyLossConfig"
 
 
 def actor_config(loss_mode: str, **policy_loss_fields):
@@ -87,7 +87,7 @@ def loss_call(loss_mode: str, log_prob, old_log_prob, advantages, response_mask,
     """One direct call of a plugin loss as verl's ppo_loss makes it (``loss_agg_mode`` from the
     config, ``rollout_is_weights`` None unless given), then backward.
     Returns ``(loss, grad of log_prob, metrics)``; the loss is detached."""
-    from zero_mismatch_plugin.verl_adapter.losses import flash_reinforce_policy_loss, reinforce_zero_policy_loss
+    from zero_mismatch_plugin.integrations.verl.losses import flash_reinforce_policy_loss, reinforce_zero_policy_loss
 
     loss_fn = {"reinforce_zero": reinforce_zero_policy_loss, "flash_reinforce": flash_reinforce_policy_loss}[loss_mode]
     config = actor_config(loss_mode) if config is None else config

@@ -50,7 +50,7 @@ def prompts_for(checkpoint, num_prompts=NUM_PROMPTS, corpus_seed=7):
     """Prompts of different lengths (4..15 tokens) from the checkpoint's tokenizer."""
     from transformers import AutoTokenizer
 
-    from zero_mismatch_plugin.tiny_models import tiny_corpus
+    from zero_mismatch_plugin.tools.tiny_models import tiny_corpus
 
     tok = AutoTokenizer.from_pretrained(str(checkpoint))
     prompts = []
@@ -166,7 +166,7 @@ def demo_engine(model_dir, max_model_len: int, lora_rank: int | None = None):
     afterwards."""
     import pytest
 
-    from zero_mismatch_plugin.demo.engine import start_engine
+    from zero_mismatch_plugin.tools.demo.engine import start_engine
 
     with pytest.MonkeyPatch.context() as mp:
         # Registered here so that leaving the context restores them.
@@ -178,7 +178,7 @@ def demo_engine(model_dir, max_model_len: int, lora_rank: int | None = None):
 
 def demo_llama_engine(tmp_path_factory, name: str, max_model_len: int, lora_rank: int | None = None):
     """(engine, model directory) for a module's demo tests: the demo's tiny Llama in its own folder."""
-    from zero_mismatch_plugin.tiny_models import build_tiny_model
+    from zero_mismatch_plugin.tools.tiny_models import build_tiny_model
 
     model_dir = build_tiny_model(tmp_path_factory.mktemp(name), family="llama", seed=0)
     with demo_engine(model_dir, max_model_len, lora_rank) as engine:

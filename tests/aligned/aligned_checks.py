@@ -192,8 +192,8 @@ def check_megatron_face_bitwise(checkpoint, prompts, responses, mu, layer_window
     """The aligned Megatron face of ``checkpoint``: each core attention carries its layer's window
     (``layer_windows``) and the logprobs are μ's bits. Returns (model, runtime)."""
     from zero_mismatch_plugin.aligned.runtime import VllmRuntime
-    from zero_mismatch_plugin.megatron.modules import AlignedCoreAttention
-    from zero_mismatch_plugin.megatron.standalone import (
+    from zero_mismatch_plugin.faces.megatron.modules import AlignedCoreAttention
+    from zero_mismatch_plugin.integrations.megatron.standalone import (
         build_gpt_model,
         init_single_process,
         packed_logits,

@@ -121,7 +121,7 @@ def test_host_vllm_gemm_probe_is_reported(k):
 
 
 def test_plugin_pads_vllm_dispatch_in_consistent_mode():
-    from zero_mismatch_plugin import vllm_plugin
+    from zero_mismatch_plugin.integrations.vllm import plugin as vllm_plugin
 
     vllm_plugin.register()
     vllm_plugin.register()  # safe to call repeatedly

@@ -61,7 +61,7 @@ def engine(engines, checkpoints, model):
 
 @pytest.fixture(scope="module")
 def trainer(checkpoints, adapter, model):
-    from zero_mismatch_plugin.aligned import AlignedCausalLM
+    from zero_mismatch_plugin.faces.aligned_model import AlignedCausalLM
 
     return AlignedCausalLM.from_pretrained(checkpoints[model], lora_dir=adapter, **LORA_ENGINE)
 
@@ -256,8 +256,8 @@ def test_runtime_patches_select_the_cpu_lora_experts_and_removal_restores_stock(
     from vllm.lora.punica_wrapper.punica_cpu import PunicaWrapperCPU
     from vllm.model_executor.layers.fused_moe.oracle import unquantized
 
-    from zero_mismatch_plugin import runtime_patches
-    from zero_mismatch_plugin.vllm_cpu_moe_lora import PATCHES, cpu_lora_experts_class
+    from zero_mismatch_plugin.integrations import patches as runtime_patches
+    from zero_mismatch_plugin.integrations.vllm.cpu_moe_lora import PATCHES, cpu_lora_experts_class
 
     config = types.SimpleNamespace(is_lora_enabled=True)
     ids = torch.tensor([[0, 1], [1, 0]])

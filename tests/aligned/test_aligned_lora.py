@@ -62,7 +62,7 @@ def adapters(checkpoints, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def lora_trainers(checkpoints, adapters):
-    from zero_mismatch_plugin.aligned import AlignedCausalLM
+    from zero_mismatch_plugin.faces.aligned_model import AlignedCausalLM
 
     cache = {}
 
@@ -145,7 +145,7 @@ def test_lora_batch_sizes_and_mixed_batches_bitwise_equal_engine(model, lora_eng
 
 def test_merged_lora_forward_is_close_but_not_the_engine_bits(model, lora_engines, lora_trainers, adapters):
     """Negative control: PEFT's merged weight W + s·BA through the same vLLM kernels."""
-    from zero_mismatch_plugin.aligned import AlignedCausalLM
+    from zero_mismatch_plugin.faces.aligned_model import AlignedCausalLM
 
     llm = lora_engines.get(model)
     trainer = lora_trainers(model, "r32")
@@ -245,7 +245,7 @@ def test_zmrl_check_lora_passes_every_check(trainer, checkpoints, adapters, lora
     """Both trainer faces with the adapter (the Megatron face through ``megatron.lora``)."""
     import json
 
-    from zero_mismatch_plugin import cli
+    from zero_mismatch_plugin.tools import cli
 
     lora_engines.close()  # the checker starts its own engine
     out = tmp_path / "check.json"
@@ -270,7 +270,7 @@ def test_zmrl_check_lora_refuses_unsupported_adapters_before_starting(checkpoint
     import json
     import shutil
 
-    from zero_mismatch_plugin import cli
+    from zero_mismatch_plugin.tools import cli
 
     dora = tmp_path / "dora"
     shutil.copytree(adapters["llama", "r8"], dora)
@@ -290,8 +290,8 @@ def test_engine_patch_gives_tokens_without_adapter_no_lora():
     from vllm.lora.ops.torch_ops import lora_ops
     from vllm.lora.punica_wrapper import punica_cpu
 
-    from zero_mismatch_plugin import runtime_patches
-    from zero_mismatch_plugin.vllm_plugin import LORA_BASE_ROWS
+    from zero_mismatch_plugin.integrations import patches as runtime_patches
+    from zero_mismatch_plugin.integrations.vllm.plugin import LORA_BASE_ROWS
 
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(6, 16, generator=gen)

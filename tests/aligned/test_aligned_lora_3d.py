@@ -59,7 +59,7 @@ def engine(engines, checkpoints, engine_args):
 
 @pytest.fixture(scope="module")
 def trainer(checkpoints, adapter, engine_args):
-    from zero_mismatch_plugin.aligned import AlignedCausalLM
+    from zero_mismatch_plugin.faces.aligned_model import AlignedCausalLM
 
     return AlignedCausalLM.from_pretrained(checkpoints[MODEL], lora_dir=adapter, **engine_args)
 
@@ -219,7 +219,7 @@ def test_bitwise_again_after_optimizer_step_and_3d_adapter_sync(engine, trainer,
 
 
 def test_trainer_refuses_an_engine_without_the_mixed_moe_format(checkpoints, adapter, engine_args):
-    from zero_mismatch_plugin.aligned import AlignedCausalLM
+    from zero_mismatch_plugin.faces.aligned_model import AlignedCausalLM
 
     args = {k: v for k, v in engine_args.items() if k != "enable_mixed_moe_lora_format"}
     with pytest.raises(ValueError, match="enable_mixed_moe_lora_format=True"):
@@ -257,7 +257,7 @@ def test_3d_adapter_on_a_model_without_experts_is_refused(adapter, checkpoints):
 def test_megatron_face_refuses_a_3d_adapter(adapter, checkpoints):
     from transformers import AutoConfig
 
-    from zero_mismatch_plugin.megatron.lora import attach_lora
+    from zero_mismatch_plugin.faces.megatron.lora import attach_lora
 
     runtime = types.SimpleNamespace(hf_config=AutoConfig.from_pretrained(str(checkpoints[MODEL])))
     with pytest.raises(NotImplementedError, match="runs in the aligned model face only"):

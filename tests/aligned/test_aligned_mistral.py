@@ -1,5 +1,5 @@
 """Mistral shape (no sliding window, untied head): engine μ vs the aligned trainer, backward,
-weight sync. Mistral is supported by one entry in zero_mismatch_plugin.architectures.
+weight sync. Mistral is supported by one entry in zero_mismatch_plugin.tables.architectures.
 
 The weight-sync test goes last because it changes the weights of both sides (together).
 """

@@ -67,7 +67,8 @@ def test_trainer_logprobs_bitwise_equal_engine(engines, trainers, batch_size):
 
 
 def _set_one_token_prompt_patch(worker, applied):
-    from zero_mismatch_plugin import runtime_patches, vllm_cpu_mla
+    from zero_mismatch_plugin.integrations import patches as runtime_patches
+    from zero_mismatch_plugin.integrations.vllm import cpu_mla as vllm_cpu_mla
 
     patch = vllm_cpu_mla.CPU_MLA_ONE_TOKEN_PROMPT_DECODED
     (runtime_patches.apply if applied else runtime_patches.remove)(patch)
@@ -194,7 +195,7 @@ def _deepseek_config(**extra):
 
 
 def test_architecture_describes_mla_and_refuses_what_cpu_mla_does_not_run():
-    from zero_mismatch_plugin.architectures import describe
+    from zero_mismatch_plugin.tables.architectures import describe
 
     blocks = describe(_deepseek_config())
     assert (blocks.attention, blocks.head_dim, blocks.moe) == ("mla", 96, None)
@@ -217,7 +218,7 @@ def test_architecture_describes_mla_and_refuses_what_cpu_mla_does_not_run():
 def test_deepseek_moe_routings_are_described_and_others_refused():
     from transformers import DeepseekV3Config
 
-    from zero_mismatch_plugin.architectures import describe
+    from zero_mismatch_plugin.tables.architectures import describe
 
     def config(**routing):
         c = DeepseekV3Config(architectures=["DeepseekV3ForCausalLM"], vocab_size=32, hidden_size=64,

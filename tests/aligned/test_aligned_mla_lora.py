@@ -56,7 +56,7 @@ def adapters(checkpoints, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def lora_trainers(checkpoints, adapters):
-    from zero_mismatch_plugin.aligned import AlignedCausalLM
+    from zero_mismatch_plugin.faces.aligned_model import AlignedCausalLM
 
     cache = {}
 
@@ -121,7 +121,7 @@ def test_kv_b_proj_adapter_never_reaches_the_output_and_is_refused(model, lora_e
     from transformers import AutoConfig
     from vllm.lora.request import LoRARequest
 
-    from zero_mismatch_plugin.aligned import AlignedCausalLM
+    from zero_mismatch_plugin.faces.aligned_model import AlignedCausalLM
 
     name = model
     config = AutoConfig.from_pretrained(str(checkpoints[name]))
@@ -216,7 +216,7 @@ def test_mla_lora_backward_matches_float64_and_base_gets_no_gradient(model, lora
 
 
 def test_mla_adapter_targets_the_engine_ignores_are_refused(checkpoints, tmp_path):
-    from zero_mismatch_plugin.aligned import AlignedCausalLM
+    from zero_mismatch_plugin.faces.aligned_model import AlignedCausalLM
 
     for target, reason in (("gate", "router"), ("lm_head", "embedding / lm_head"), ("q_b_proj", "covers")):
         path = build_adapter(tmp_path / "ok", checkpoints["deepseek_v2"], r=8)
@@ -241,7 +241,7 @@ def test_engine_serves_embedding_and_lm_head_adapters_for_llama_only(lora_engine
     VocabParallelEmbeddingWithLoRA, LogitsProcessorWithLoRA), not for DeepSeek-V2/V3 (the first
     test). The aligned model face adapts both for Llama (``test_aligned_vocab_lora.py``); readers
     of the decoder linears only (the Megatron face, ``zmrl check``) refuse them, naming why."""
-    from zero_mismatch_plugin.aligned import AlignedCausalLM
+    from zero_mismatch_plugin.faces.aligned_model import AlignedCausalLM
     from zero_mismatch_plugin.aligned.lora import LoRAAdapter, read_lora_config
 
     llm = lora_engines.get("llama")

@@ -20,7 +20,7 @@ import aligned_checks as checks
 from vllm_session import hf_token_logprobs, prompts_for, rollout
 
 from zero_mismatch_plugin.aligned import pack
-from zero_mismatch_plugin.tiny_models import MOE_FAMILIES
+from zero_mismatch_plugin.tools.tiny_models import MOE_FAMILIES
 
 
 # Every family is compared token by token with the engine, at every engine batch size. Torch's CPU
@@ -113,7 +113,7 @@ _FUSED = re.compile(r"^(model\.layers\.\d+)\.mlp\.experts\.(gate_up_proj|down_pr
 
 
 def _trainer_grads_of(reference_model, trainer) -> dict[str, torch.Tensor]:
-    from zero_mismatch_plugin.aligned.model import _MOE_NAMES
+    from zero_mismatch_plugin.faces.aligned_model import _MOE_NAMES
 
     block, _, (g, u, d), _ = _MOE_NAMES[trainer.blocks.moe.names]
     out = {}
@@ -212,7 +212,7 @@ def _config(architecture, **fields):
     ],
 )
 def test_unsupported_moe_configs_are_refused_before_any_engine(config, message):
-    from zero_mismatch_plugin.architectures import describe
+    from zero_mismatch_plugin.tables.architectures import describe
 
     with pytest.raises(NotImplementedError, match=message):
         describe(config)
@@ -229,7 +229,7 @@ def test_unsupported_moe_configs_are_refused_before_any_engine(config, message):
 def test_expert_parallel_engine_settings_are_refused(checkpoints, engine_kwargs, message):
     """The aligned forward runs vLLM's one-process MoE layer: expert parallelism is refused when
     the trainer is built, with the setting named."""
-    from zero_mismatch_plugin.aligned import AlignedCausalLM
+    from zero_mismatch_plugin.faces.aligned_model import AlignedCausalLM
 
     with pytest.raises((NotImplementedError, ValueError), match=message):
         AlignedCausalLM.from_pretrained(checkpoints["qwen3_moe"], max_model_len=256, seed=0, **engine_kwargs)
@@ -238,7 +238,7 @@ def test_expert_parallel_engine_settings_are_refused(checkpoints, engine_kwargs,
 def test_moe_blocks_of_each_family(checkpoints):
     from transformers import AutoConfig
 
-    from zero_mismatch_plugin.architectures import describe
+    from zero_mismatch_plugin.tables.architectures import describe
 
     blocks = {f: describe(AutoConfig.from_pretrained(str(checkpoints[f]))) for f in MOE_FAMILIES}
     assert [blocks[f].mlp_kind(i) for f in MOE_FAMILIES for i in (0, 1)] == [
@@ -290,8 +290,8 @@ def test_qwen2_moe_trainer_equals_vllm_modules_teacher_forced(checkpoints, engin
     """Qwen2-MoE (gated shared expert, unrenormalized top-k, a dense layer): the trainer equals
     vLLM's own model run teacher-forced on the same packed batch, bitwise, and the engine's μ.
     A fresh engine and trainer: the family tests above update the shared ones' weights."""
-    from zero_mismatch_plugin.aligned import AlignedCausalLM
-    from zero_mismatch_plugin.checker.engine_modules import EngineModules
+    from zero_mismatch_plugin.faces.aligned_model import AlignedCausalLM
+    from zero_mismatch_plugin.tools.checker.engine_modules import EngineModules
 
     engines.close()
     trainer = AlignedCausalLM.from_pretrained(checkpoints["qwen2_moe"], max_model_len=256, seed=0)
@@ -327,7 +327,7 @@ def _row_variance(sigmoid, width, reference_rows=3000):
 def test_row_invariant_sigmoid_gives_each_row_the_same_bits_at_every_row_count(width):
     """patching.shared.row_invariant_sigmoid: a row's bits do not depend on how many rows the call
     holds (asserted at every M); torch.sigmoid's own variance on this host is printed."""
-    from zero_mismatch_plugin.patching.shared import row_invariant_sigmoid
+    from zero_mismatch_plugin.fork_patches.shared import row_invariant_sigmoid
 
     stock = _row_variance(torch.sigmoid, width)
     print(f"width {width}: torch.sigmoid differs from the 3000-row call at {len(stock)} of "
@@ -345,8 +345,8 @@ def test_engine_router_sigmoid_patch_is_row_count_invariant_and_removable():
     vLLM's function back."""
     from vllm.model_executor.layers.fused_moe.router import cpu_router
 
-    from zero_mismatch_plugin import runtime_patches
-    from zero_mismatch_plugin.vllm_cpu_sigmoid import ROUTER_SIGMOID
+    from zero_mismatch_plugin.integrations import patches as runtime_patches
+    from zero_mismatch_plugin.integrations.vllm.cpu_sigmoid import ROUTER_SIGMOID
 
     def route(logits):
         return cpu_router._grouped_topk(logits, topk=2, renormalize=True, num_expert_group=4, topk_group=2,

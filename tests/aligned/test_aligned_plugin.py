@@ -16,7 +16,7 @@ def _config(checkpoint, **kwargs):
 
 
 def test_consistent_mode_engine_settings(checkpoints):
-    from zero_mismatch_plugin import vllm_plugin
+    from zero_mismatch_plugin.integrations.vllm import plugin as vllm_plugin
 
     vllm_plugin.register()
     cfg = _config(checkpoints["llama"], enable_prefix_caching=True, enforce_eager=False)
@@ -36,7 +36,7 @@ def test_mla_engine_on_a_host_with_amx_runs_the_backend_the_trainer_follows(chec
     import torch
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
-    from zero_mismatch_plugin import vllm_plugin
+    from zero_mismatch_plugin.integrations.vllm import plugin as vllm_plugin
 
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
     vllm_plugin.register()
@@ -53,7 +53,9 @@ def test_vllm_changes_are_named_and_removable_with_the_environment(checkpoints, 
     import vllm.model_executor.layers.utils as layer_utils
     from vllm.engine.arg_utils import EngineArgs
 
-    from zero_mismatch_plugin import runtime_patches, vllm_plugin
+    from zero_mismatch_plugin.integrations import patches as runtime_patches
+
+    from zero_mismatch_plugin.integrations.vllm import plugin as vllm_plugin
 
     vllm_plugin.remove()  # start from nothing the plugin changed in this process
     original_config, original_gemm = EngineArgs.create_engine_config, layer_utils.dispatch_cpu_unquantized_gemm
@@ -82,7 +84,9 @@ def test_vllm_changes_are_named_and_removable_with_the_environment(checkpoints, 
 def test_other_vllm_versions_are_refused_by_the_plugin(monkeypatch):
     import vllm
 
-    from zero_mismatch_plugin import runtime_patches, vllm_plugin
+    from zero_mismatch_plugin.integrations import patches as runtime_patches
+
+    from zero_mismatch_plugin.integrations.vllm import plugin as vllm_plugin
 
     vllm_plugin.remove()
     monkeypatch.setattr(vllm, "__version__", "0.30.0")
@@ -132,7 +136,7 @@ def test_switch_sets_both_sides_and_fast_takes_it_back(monkeypatch):
 # real. In a child process: a failure must not leave the overrides in the test session.
 GPU_SWITCH_SCRIPT = """
 import os, sys, torch
-from zero_mismatch_plugin import vllm_plugin
+from zero_mismatch_plugin.integrations.vllm import plugin as vllm_plugin
 from zero_mismatch_plugin.aligned import numerics, runtime
 checkpoint = sys.argv[1]
 x = torch.randn(64, 96, generator=torch.Generator().manual_seed(0)) * 8

@@ -25,7 +25,7 @@ def llama_block32(checkpoints, engines):
     trainer built with the same engine arguments."""
     from vllm import LLM
 
-    from zero_mismatch_plugin.aligned import AlignedCausalLM
+    from zero_mismatch_plugin.faces.aligned_model import AlignedCausalLM
     from zero_mismatch_plugin.aligned.runtime import engine_args_for, shutdown_engine
 
     engines.close()  # one engine alive at a time
@@ -116,7 +116,7 @@ def test_unproven_architectures_and_platforms_turn_prefix_caching_off():
 def test_consistent_engine_settings_follow_the_decision(checkpoints, monkeypatch):
     from vllm.engine.arg_utils import EngineArgs
 
-    from zero_mismatch_plugin.vllm_plugin import PREFIX_CACHING_ENV, consistent_engine_settings
+    from zero_mismatch_plugin.integrations.vllm.plugin import PREFIX_CACHING_ENV, consistent_engine_settings
 
     args = EngineArgs(model=str(checkpoints["llama"]), enable_prefix_caching=True)
     assert not any(c.startswith("enable_prefix_caching") for c in consistent_engine_settings(args))

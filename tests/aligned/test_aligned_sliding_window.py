@@ -78,7 +78,7 @@ def test_aligned_model_bitwise_equal_engine(name, conversations, trainers):
 
 
 def test_megatron_face_bitwise_equal_engine(name, conversations, checkpoints):
-    from zero_mismatch_plugin.megatron.standalone import build_gpt_model
+    from zero_mismatch_plugin.integrations.megatron.standalone import build_gpt_model
 
     _, _, prompts, responses, mu = conversations
     windows = LAYER_WINDOWS[name]

@@ -18,7 +18,7 @@ from vllm_session import prompts_for
 
 from zero_mismatch_plugin.aligned import SamplingTransform, pack
 from zero_mismatch_plugin.aligned.lora import build_adapter
-from zero_mismatch_plugin.architectures import LORA_TARGETS, VOCAB_LORA_TARGETS
+from zero_mismatch_plugin.tables.architectures import LORA_TARGETS, VOCAB_LORA_TARGETS
 
 MODELS = ("llama", "qwen3")  # qwen3's tiny checkpoint ties lm_head to embed_tokens; llama's does not
 TARGETS = LORA_TARGETS + VOCAB_LORA_TARGETS
@@ -139,8 +139,8 @@ def test_engine_patch_gives_embedding_rows_without_adapter_no_update():
     from vllm.lora.ops.torch_ops import lora_ops
     from vllm.lora.punica_wrapper import punica_cpu
 
-    from zero_mismatch_plugin import runtime_patches
-    from zero_mismatch_plugin.vllm_plugin import LORA_BASE_EMBEDDING_ROWS
+    from zero_mismatch_plugin.integrations import patches as runtime_patches
+    from zero_mismatch_plugin.integrations.vllm.plugin import LORA_BASE_EMBEDDING_ROWS
 
     gen = torch.Generator().manual_seed(0)
     rows = torch.randn(6, 8, generator=gen)  # the looked-up A rows (rank 8)

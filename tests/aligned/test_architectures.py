@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
-from zero_mismatch_plugin.architectures import SUPPORTED_ARCHITECTURES, describe
-from zero_mismatch_plugin.megatron.convert import megatron_blocks, transformer_config_from_hf
+from zero_mismatch_plugin.tables.architectures import SUPPORTED_ARCHITECTURES, describe
+from zero_mismatch_plugin.faces.megatron.convert import megatron_blocks, transformer_config_from_hf
 
 SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
              num_key_value_heads=2, vocab_size=32)
@@ -115,8 +115,8 @@ def _mistral(**extra):
 def test_megatron_window_is_read_per_layer_like_megatron_reads_it():
     from types import SimpleNamespace
 
-    from zero_mismatch_plugin.megatron.modules import _layer_window
-    from zero_mismatch_plugin.megatron.spec import unsupported_features, vllm_window
+    from zero_mismatch_plugin.faces.megatron.modules import _layer_window
+    from zero_mismatch_plugin.faces.megatron.spec import unsupported_features, vllm_window
 
     assert vllm_window((11, 0)) == 12 and vllm_window((11, 3)) is None and vllm_window(4096) is None
     every = SimpleNamespace(window_size=(11, 0), window_attn_skip_freq=None)
@@ -136,7 +136,7 @@ def _cwm(layer_types, sliding_window=64):
 
 
 def test_cwm_layer_types_choose_the_windowed_layers_of_both_faces():
-    from zero_mismatch_plugin.megatron.modules import _layer_window
+    from zero_mismatch_plugin.faces.megatron.modules import _layer_window
 
     config = _cwm(["sliding_attention", "full_attention", "full_attention", "sliding_attention"])
     blocks = describe(config)

@@ -63,7 +63,7 @@ def run_cli(argv: list[str]) -> CliResult:
     import contextlib
     import io
 
-    from zero_mismatch_plugin.cli import main
+    from zero_mismatch_plugin.tools.cli import main
 
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):

@@ -19,11 +19,11 @@ from unittest import mock
 from bad_input import error, run_cli
 
 _WORK_STARTERS = {
-    "zero_mismatch_plugin.checker.engine.open_engine": "a vLLM engine",
-    "zero_mismatch_plugin.checker.engine_modules.EngineModules": "vLLM's model (bisect)",
-    "zero_mismatch_plugin.checker.commands.load_backend": "a trainer backend",
-    "zero_mismatch_plugin.demo.engine.start_engine": "the demo's vLLM engine",
-    "zero_mismatch_plugin.tiny_models.build_tiny_model": "the demo's model",
+    "zero_mismatch_plugin.tools.checker.engine.open_engine": "a vLLM engine",
+    "zero_mismatch_plugin.tools.checker.engine_modules.EngineModules": "vLLM's model (bisect)",
+    "zero_mismatch_plugin.tools.checker.commands.load_backend": "a trainer backend",
+    "zero_mismatch_plugin.tools.demo.engine.start_engine": "the demo's vLLM engine",
+    "zero_mismatch_plugin.tools.tiny_models.build_tiny_model": "the demo's model",
 }
 
 
@@ -61,7 +61,7 @@ def _workdir() -> Path:
 @functools.cache
 def tiny_model() -> str:
     """A real tiny Llama checkpoint (built once): only the input around it is bad."""
-    from zero_mismatch_plugin.tiny_models import build_tiny_model
+    from zero_mismatch_plugin.tools.tiny_models import build_tiny_model
 
     return str(build_tiny_model(_workdir() / "llama", family="llama", seed=0))
 
@@ -89,7 +89,7 @@ def tiny_config() -> dict:
 def tiny_mla_moe_model() -> str:
     """A real tiny DeepSeek-V2 checkpoint: multi-head latent attention, layer 1 Mixture-of-Experts
     whose routing groups are left unset, as transformers' DeepseekV2Config leaves them (built once)."""
-    from zero_mismatch_plugin.tiny_models import build_tiny_mla_model
+    from zero_mismatch_plugin.tools.tiny_models import build_tiny_mla_model
 
     return str(build_tiny_mla_model(_workdir() / "deepseek-v2-moe", first_k_dense_replace=1, architecture="deepseek_v2"))
 
@@ -180,7 +180,7 @@ def selfcheck_without_entry_points():
         return run_cli(["selfcheck"])
 
 
-from zero_mismatch_plugin.architectures import SUPPORTED_ARCHITECTURES  # noqa: E402
+from zero_mismatch_plugin.tables.architectures import SUPPORTED_ARCHITECTURES  # noqa: E402
 
 ARCH = ", ".join(SUPPORTED_ARCHITECTURES)  # what the messages must list, every one of them
 SUPPORTED = "supported: " + ARCH

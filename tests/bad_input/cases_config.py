@@ -21,13 +21,13 @@ import pytest
 
 from bad_input import error, result, run_cli
 
-from zero_mismatch_plugin.config_checks.values import BOOL, INT, KEYS, MAPPING, NUMBER, STRING, STRING_MAP
+from zero_mismatch_plugin.tools.config_checks.values import BOOL, INT, KEYS, MAPPING, NUMBER, STRING, STRING_MAP
 
 RECIPES = str(Path(__file__).resolve().parents[2] / "recipes")
 # reinforce_zero with a declared dense architecture validates cleanly: each case changes one thing.
 DENSE = "zmrl.architecture=Qwen2ForCausalLM"
 ENV = "ray_kwargs.ray_init.runtime_env.env_vars"
-VALUES_DOC = "zero_mismatch_plugin/config_checks/values.py (KEYS) and docs/recipes.md, 'How the checks read values'"
+VALUES_DOC = "zero_mismatch_plugin/tools/config_checks/values.py (KEYS) and docs/recipes.md, 'How the checks read values'"
 ALIGNMENT_DOC = "docs/recipes.md, 'Which trainer paths are aligned'"
 # A value of another type for each kind (Hydra parses 5 as an int, 'abc' as a string).
 WRONG = {INT: "abc", NUMBER: "hot", BOOL: "maybe", STRING: "5", MAPPING: "abc", STRING_MAP: "abc"}
@@ -43,7 +43,7 @@ def validate(*overrides: str, name: str = "reinforce_zero", flags: tuple[str, ..
 
 def recipes_run(name: str, *args: str):
     """`zmrl recipes run` without --dry-run, the launcher replaced: only validation can happen."""
-    with mock.patch("zero_mismatch_plugin.recipes._launch", _no_launch):
+    with mock.patch("zero_mismatch_plugin.tools.recipes._launch", _no_launch):
         return run_cli(["recipes", "run", name, *args])
 
 
@@ -202,7 +202,7 @@ MISSING = [
 ] + [
     result("missing-policy-loss-falls-back-to-verls-loss", lambda: validate("~actor_rollout_ref.actor.policy_loss"),
            ok_with("reinforce_zero advantages with the vanilla loss is neither paper's algorithm"),
-           "zero_mismatch_plugin/config_checks/algorithms.py (algorithm_problems) and docs/recipes.md"),
+           "zero_mismatch_plugin/tools/config_checks/algorithms.py (algorithm_problems) and docs/recipes.md"),
     result("missing-nnodes-takes-verls-default", lambda: validate("~trainer.nnodes"), validated_ok, VALUES_DOC),
     result("missing-temperature-takes-verls-default", lambda: validate("~actor_rollout_ref.rollout.temperature"),
            validated_ok, VALUES_DOC),
@@ -329,7 +329,7 @@ MISLEADING = [
           NO_PLUS_ADVICE + r".*cannot compose recipe 'reinforce_zero'.*did you mean 'trainer\.nnodes'\?"),
     # The form `zmrl recipes list` prints the recipes in (Hydra's own): accepted wherever a config path is.
     result("config-path-pkg-as-recipes-list-prints-it",
-           lambda: run_cli(["validate-config", "--config-path", "pkg://zero_mismatch_plugin.recipes",
+           lambda: run_cli(["validate-config", "--config-path", "pkg://zero_mismatch_plugin.tools.recipes",
                             "--config-name", "reinforce_zero", DENSE]), validated_ok, "docs/recipes.md"),
     result("config-path-file-url", lambda: run_cli(["validate-config", "--config-path", f"file://{RECIPES}",
                                                     "--config-name", "reinforce_zero", DENSE]),

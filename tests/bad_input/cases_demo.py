@@ -62,8 +62,8 @@ def interrupted_run() -> str:
 def _bitwise_turns():
     """(--turns one past what this host keeps bitwise, its tokens, the bound) or None where no
     such --turns fits the model (a large L2 cache) or the bound is unknown (not the VEC kernel)."""
-    from zero_mismatch_plugin.demo.runner import DemoConfig, conversation_tokens, demo_bitwise_context_tokens
-    from zero_mismatch_plugin.tiny_models import DEFAULT_SHAPE
+    from zero_mismatch_plugin.tools.demo.runner import DemoConfig, conversation_tokens, demo_bitwise_context_tokens
+    from zero_mismatch_plugin.tools.tiny_models import DEFAULT_SHAPE
 
     bound = demo_bitwise_context_tokens()
     if bound is None:

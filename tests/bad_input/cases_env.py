@@ -2,7 +2,7 @@
 reads it and in the verl config that hands it to the workers, and a ``VLLM_CPU_KVCACHE_SPACE`` the
 CPU engine would die on.
 
-One parser reads every switch (``zero_mismatch_plugin.switches``); each case here says what must
+One parser reads every switch (``zero_mismatch_plugin.tables.switches``); each case here says what must
 come of a bad value where it is read: an error naming the variable, the value and the values
 allowed, before any work. Cases that need a framework process (vLLM's plugin loader, ``import
 verl`` in a fresh interpreter, as every Ray worker does) run one; the rest run in-process with the
@@ -22,7 +22,7 @@ from bad_input import CliResult, error, result, run_cli
 RECIPES = str(Path(__file__).resolve().parents[2] / "recipes")
 DENSE = "zmrl.architecture=Qwen2ForCausalLM"
 ENV = "ray_kwargs.ray_init.runtime_env.env_vars"
-SWITCHES_DOC = "zero_mismatch_plugin/switches.py (SWITCHES) and docs/recipes.md, 'How the switches are read'"
+SWITCHES_DOC = "zero_mismatch_plugin/tables/switches.py (SWITCHES) and docs/recipes.md, 'How the switches are read'"
 KV = "VLLM_CPU_KVCACHE_SPACE"
 MORE_THAN_ANY_HOST = "1048576"  # GiB: 1 PiB
 
@@ -54,19 +54,19 @@ def with_env(run, **values):
 
 
 def fsdp_maybe_apply():
-    from zero_mismatch_plugin.verl_adapter import fsdp_aligned
+    from zero_mismatch_plugin.faces import fsdp as fsdp_aligned
 
     return fsdp_aligned.maybe_apply()
 
 
 def megatron_maybe_apply():
-    from zero_mismatch_plugin.megatron import verl_patch
+    from zero_mismatch_plugin.integrations.verl import megatron_engine
 
-    return verl_patch.maybe_apply()
+    return megatron_engine.maybe_apply()
 
 
 def requested_platform():
-    from zero_mismatch_plugin.verl_cpu.registration import requested_platform
+    from zero_mismatch_plugin.integrations.verl.cpu.registration import requested_platform
 
     return requested_platform()
 
@@ -78,7 +78,7 @@ def require_vllm():
 
 
 def rollout_env_vars():
-    from zero_mismatch_plugin.verl_cpu.platform import PlatformCPU
+    from zero_mismatch_plugin.integrations.verl.cpu.platform import PlatformCPU
 
     return PlatformCPU().rollout_env_vars()
 

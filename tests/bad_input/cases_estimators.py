@@ -16,9 +16,9 @@ from omegaconf import OmegaConf
 
 from bad_input import error, result
 
-from zero_mismatch_plugin import formulas
-from zero_mismatch_plugin.verl_adapter import estimators
-from zero_mismatch_plugin.verl_adapter.estimators import InvalidBatchError
+from zero_mismatch_plugin.algorithms import formulas
+from zero_mismatch_plugin.integrations.verl import estimators
+from zero_mismatch_plugin.integrations.verl.estimators import InvalidBatchError
 
 DOC = "docs/algorithms.md, 'Bad input: the estimators'"
 BYPASS = OmegaConf.create({"rollout_correction": {"bypass_mode": True}})
@@ -292,7 +292,7 @@ SETTINGS += [
 ]
 
 
-# The framework-free formulas the estimators are built from (zero_mismatch_plugin/formulas.py):
+# The framework-free formulas the estimators are built from (zero_mismatch_plugin/algorithms/formulas.py):
 # tensors of one shape, never broadcast; group ids an index >= 0.
 _REWARDS, _VALID = torch.tensor([1.0, 0.0, 3.0]), torch.tensor([True, True, True])
 BROADCAST = "Broadcasting is refused"

@@ -18,9 +18,11 @@ from bad_input import error, result
 from verl_batches import (actor_config, extreme_log_ratio_batch, fill_padding, loss_call, padded_loss_batch,
                           reference_reinforce)
 
-from zero_mismatch_plugin import formulas, token_metrics
-from zero_mismatch_plugin.verl_adapter.estimators import InvalidBatchError
-from zero_mismatch_plugin.verl_adapter.losses import positive_log_prob_tolerance
+from zero_mismatch_plugin.algorithms import formulas
+
+from zero_mismatch_plugin.algorithms import token_metrics
+from zero_mismatch_plugin.integrations.verl.estimators import InvalidBatchError
+from zero_mismatch_plugin.integrations.verl.losses import positive_log_prob_tolerance
 
 DOC = "docs/algorithms.md, 'Bad input: the losses'"
 LOSS_MODES = ("reinforce_zero", "flash_reinforce")
@@ -390,7 +392,7 @@ EMPTY += [
     for loss_mode in LOSS_MODES
 ]
 
-# The framework-free formulas the losses are built from (zero_mismatch_plugin/formulas.py).
+# The framework-free formulas the losses are built from (zero_mismatch_plugin/algorithms/formulas.py).
 FORMULAS = [
     error(f"formulas-sequence_mean_token_mean-num_sequences-{value}", lambda value=value: (
         formulas.sequence_mean_token_mean(torch.ones(2, 3), torch.ones(2, 3), num_sequences=value)),

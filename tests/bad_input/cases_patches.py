@@ -25,8 +25,8 @@ from unittest import mock
 
 from bad_input import error, result, run_cli
 
-from zero_mismatch_plugin import patching
-from zero_mismatch_plugin.patching import series
+from zero_mismatch_plugin import fork_patches
+from zero_mismatch_plugin.fork_patches import series
 
 DOC = "docs/patches.md, 'Applying the set to a fork'"
 WORK_DIR = ".zmrl-apply"  # where apply keeps its journal while it runs (docs/patches.md)
@@ -42,9 +42,9 @@ def scratch() -> Path:
 
 
 def _copy_installed(upstream: str, root: Path, extra: tuple[str, ...] = ()) -> Path:
-    manifest = patching.load_manifest()
-    installed = patching.installed_root(manifest.upstreams[upstream])
-    for relative in [*patching.touched_files(manifest.for_upstream(upstream)), *extra]:
+    manifest = fork_patches.load_manifest()
+    installed = fork_patches.installed_root(manifest.upstreams[upstream])
+    for relative in [*fork_patches.touched_files(manifest.for_upstream(upstream)), *extra]:
         (root / relative).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(installed / relative, root / relative)
     return root
@@ -105,21 +105,21 @@ def refused_unchanged(name: str, make, says: str, *args: str):
 
 
 def _patch_by_hand(checkout: Path, name: str) -> Path:
-    diff = patching.load_manifest().by_name(name).diff_path
+    diff = fork_patches.load_manifest().by_name(name).diff_path
     subprocess.run(["patch", "-p1", "-s", "-d", str(checkout), "-i", str(diff)], check=True)
     return checkout
 
 
 def verl_applied() -> Path:
     checkout = verl_checkout()
-    for patch in patching.load_manifest().for_upstream("verl"):
+    for patch in fork_patches.load_manifest().for_upstream("verl"):
         _patch_by_hand(checkout, patch.name)
     return checkout
 
 
 def verl_half_applied() -> Path:
     """Only the first hunk of verl-reject-unknown-names done by hand."""
-    from zero_mismatch_plugin.patching import edits
+    from zero_mismatch_plugin.fork_patches import edits
 
     checkout = verl_checkout()
     config = checkout / "verl/utils/config.py"
@@ -333,7 +333,7 @@ def _rerun_after_a_killed_apply():
 
     with mock.patch.object(series, "write_file", writer):
         try:
-            patching.apply_to(checkout)
+            fork_patches.apply_to(checkout)
         except _Killed:
             pass
     return run_cli(["patches", "apply", "--to", str(checkout)]), checkout
@@ -343,7 +343,7 @@ def _check_finished_after_the_kill(value) -> None:
     outcome, checkout = value
     assert outcome.code == 0, outcome
     assert "an earlier apply was interrupted after writing them" in outcome.out, outcome.out
-    assert all(f"applied {p.name}: " in outcome.out for p in patching.load_manifest().for_upstream("verl"))
+    assert all(f"applied {p.name}: " in outcome.out for p in fork_patches.load_manifest().for_upstream("verl"))
     assert _digest(checkout) == _digest(verl_applied()), "the rerun did not leave the fully patched checkout"
     assert not _leftovers(checkout), _leftovers(checkout)
 

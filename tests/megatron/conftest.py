@@ -24,7 +24,7 @@ def mg_consistent_mode():
 
 @pytest.fixture(scope="package")
 def mg_checkpoints(tmp_path_factory, mg_consistent_mode):
-    from zero_mismatch_plugin.tiny_models import build_tiny_model
+    from zero_mismatch_plugin.tools.tiny_models import build_tiny_model
 
     root = tmp_path_factory.mktemp("megatron_tiny_models")
     return {
@@ -37,7 +37,7 @@ def mg_checkpoints(tmp_path_factory, mg_consistent_mode):
 def mg_runtime(mg_checkpoints):
     """The engine's config and vLLM layers for the Llama checkpoint (trainer side)."""
     from zero_mismatch_plugin.aligned.runtime import VllmRuntime
-    from zero_mismatch_plugin.megatron.standalone import init_single_process
+    from zero_mismatch_plugin.integrations.megatron.standalone import init_single_process
 
     init_single_process()
     return VllmRuntime(mg_checkpoints["llama"], **ENGINE_KWARGS)

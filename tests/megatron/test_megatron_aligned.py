@@ -11,8 +11,8 @@ import torch
 
 from vllm_session import hf_token_logprobs
 from zero_mismatch_plugin.aligned import pack
-from zero_mismatch_plugin.megatron import convert
-from zero_mismatch_plugin.megatron.standalone import (
+from zero_mismatch_plugin.faces.megatron import convert
+from zero_mismatch_plugin.integrations.megatron.standalone import (
     build_gpt_model,
     cpu_stock_megatron,
     packed_logits,
@@ -71,7 +71,7 @@ def test_verl_provider_injection_builds_bitwise_model(mg_runtime, mg_rollout):
 
     from megatron.core.models.gpt import GPTModel
 
-    from zero_mismatch_plugin.megatron.verl_patch import inject_aligned_spec
+    from zero_mismatch_plugin.integrations.verl.megatron_engine import inject_aligned_spec
 
     hf = mg_runtime.hf_config
     provider = convert.transformer_config_from_hf(hf)
@@ -132,8 +132,8 @@ def test_backward_matches_float64_reference(mg_runtime, mg_rollout):
 def test_checker_backend_reports_engine_bits(mg_checkpoints, mg_rollout):
     """``MegatronBackend`` (for ``zmrl check --trainer megatron``): μ bitwise, canonical op
     names, and a planted difference in one op reaches the logprobs."""
-    from zero_mismatch_plugin.checker import oplist
-    from zero_mismatch_plugin.checker.megatron_backend import MegatronBackend
+    from zero_mismatch_plugin.tools.checker import oplist
+    from zero_mismatch_plugin.tools.checker.megatron_backend import MegatronBackend
 
     backend = MegatronBackend(mg_checkpoints["llama"], max_model_len=256, seed=0)
     prompts, responses, mu = mg_rollout(seed=0)
@@ -174,7 +174,7 @@ def test_equal_again_after_optimizer_step_and_weight_sync(mg_runtime, mg_engine,
 def test_qwen3_shape_matches_aligned_causal_lm(mg_checkpoints):
     """Qwen3 (q/k norms, tied head) through the aligned spec equals the aligned trainer model,
     which tests/aligned checks bitwise against the engine."""
-    from zero_mismatch_plugin.aligned import AlignedCausalLM
+    from zero_mismatch_plugin.faces.aligned_model import AlignedCausalLM
 
     reference = AlignedCausalLM.from_pretrained(mg_checkpoints["qwen3"], max_model_len=256, seed=0)
     model = build_gpt_model(reference.runtime, aligned=True).eval()
@@ -189,14 +189,14 @@ def test_qwen3_shape_matches_aligned_causal_lm(mg_checkpoints):
 
 
 def test_mistral_megatron_logprobs_bitwise_equal_engine(checkpoints, engines):
-    """Mistral (one entry in zero_mismatch_plugin.architectures) through the aligned spec, against
+    """Mistral (one entry in zero_mismatch_plugin.tables.architectures) through the aligned spec, against
     the session's Mistral engine. The engine is first given the megatron model's weights (the
     checkpoint's, through the layout mapping and vLLM's loader): earlier tests may have synced
     other weights into it."""
     from vllm_session import prompts_for, rollout
 
     from zero_mismatch_plugin.aligned.runtime import VllmRuntime
-    from zero_mismatch_plugin.megatron.standalone import init_single_process
+    from zero_mismatch_plugin.integrations.megatron.standalone import init_single_process
 
     init_single_process()
     runtime = VllmRuntime(checkpoints["mistral"], max_model_len=256, seed=0)

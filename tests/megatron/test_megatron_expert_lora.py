@@ -20,7 +20,7 @@ from vllm_session import MAX_MODEL_LEN, prompts_for, rollout
 
 from zero_mismatch_plugin.aligned import pack
 from zero_mismatch_plugin.aligned.lora import WEIGHTS_FILE, build_adapter
-from zero_mismatch_plugin.megatron import convert
+from zero_mismatch_plugin.faces.megatron import convert
 
 MODELS = ("qwen3_moe", "qwen2_moe", "glm4_moe", "mixtral")
 # max_lora_rank above the adapter's rank: engine and trainer both zero-pad A and B to it.
@@ -58,7 +58,7 @@ def lora_llm(engines, checkpoints, family):
 @pytest.fixture(scope="module")
 def runtime(checkpoints, family):
     from zero_mismatch_plugin.aligned.runtime import VllmRuntime
-    from zero_mismatch_plugin.megatron.standalone import init_single_process
+    from zero_mismatch_plugin.integrations.megatron.standalone import init_single_process
 
     init_single_process()
     return VllmRuntime(checkpoints[family], **LORA_ENGINE)
@@ -66,8 +66,8 @@ def runtime(checkpoints, family):
 
 @pytest.fixture(scope="module")
 def model(runtime, adapter):
-    from zero_mismatch_plugin.megatron.lora import attach_lora
-    from zero_mismatch_plugin.megatron.standalone import build_gpt_model
+    from zero_mismatch_plugin.faces.megatron.lora import attach_lora
+    from zero_mismatch_plugin.integrations.megatron.standalone import build_gpt_model
 
     gpt = build_gpt_model(runtime, aligned=True)
     gpt.lora_config = attach_lora(gpt, runtime, adapter)
@@ -81,7 +81,7 @@ def _request(path, lora_id=1):
 
 
 def megatron_logprobs(model, prompts, responses):
-    from zero_mismatch_plugin.megatron.standalone import packed_logits, token_logprobs_from_logits
+    from zero_mismatch_plugin.integrations.megatron.standalone import packed_logits, token_logprobs_from_logits
 
     batch = pack(prompts, responses)
     return token_logprobs_from_logits(packed_logits(model, batch), batch)
@@ -97,7 +97,7 @@ def _assert_bitwise(logprobs, mu, what):
 
 def _expert_parts(runtime):
     """The name parts of the MoE adapter: the routed experts, and the shared expert if any."""
-    from zero_mismatch_plugin.architectures import describe
+    from zero_mismatch_plugin.tables.architectures import describe
 
     shared = describe(runtime.hf_config).moe.shared_expert_intermediate_size
     return [".local_experts."] + ([".shared_experts."] if shared else [])
@@ -106,7 +106,7 @@ def _expert_parts(runtime):
 @contextlib.contextmanager
 def _zeroed_b(model, part):
     """The adapter's B matrices whose names contain ``part`` are zero inside, restored after."""
-    from zero_mismatch_plugin.megatron.lora import lora_parameters
+    from zero_mismatch_plugin.faces.megatron.lora import lora_parameters
 
     b_matrices = [p for n, p in lora_parameters(model) if part in n and n.endswith("lora_B")]
     assert b_matrices, part
@@ -127,8 +127,8 @@ def test_expert_adapter_names_map_to_peft_and_back(model, runtime, adapter):
     the expert's own weights, and come back under PEFT's names unchanged (what save_adapter writes)."""
     from safetensors.torch import load_file
 
-    from zero_mismatch_plugin.architectures import describe
-    from zero_mismatch_plugin.megatron.lora import adapter_state, lora_parameters
+    from zero_mismatch_plugin.tables.architectures import describe
+    from zero_mismatch_plugin.faces.megatron.lora import adapter_state, lora_parameters
 
     blocks = describe(runtime.hf_config)
     moe_layers = [i for i in range(runtime.hf_config.num_hidden_layers) if blocks.mlp_kind(i) == "moe"]
@@ -170,8 +170,8 @@ def test_megatron_expert_lora_bitwise_equal_engine_at_batch_1_and_8(lora_llm, mo
 
 def test_megatron_expert_lora_gradients_equal_aligned_face_and_base_gets_none(lora_llm, model, runtime, adapter,
                                                                               checkpoints, family):
-    from zero_mismatch_plugin.aligned import AlignedCausalLM
-    from zero_mismatch_plugin.megatron.lora import lora_parameters
+    from zero_mismatch_plugin.faces.aligned_model import AlignedCausalLM
+    from zero_mismatch_plugin.faces.megatron.lora import lora_parameters
 
     prompts, responses, _ = rollout(lora_llm, prompts_for(runtime.model_dir), seed=100, n=1, max_tokens=12,
                                     lora_request=_request(adapter))
@@ -204,7 +204,7 @@ def test_megatron_expert_lora_gradients_equal_aligned_face_and_base_gets_none(lo
 
 
 def test_megatron_expert_lora_bitwise_again_after_optimizer_step_and_adapter_sync(lora_llm, model, runtime, tmp_path):
-    from zero_mismatch_plugin.megatron.lora import lora_parameters, save_adapter
+    from zero_mismatch_plugin.faces.megatron.lora import lora_parameters, save_adapter
 
     prompts = prompts_for(runtime.model_dir)
     v0 = save_adapter(model, model.lora_config, tmp_path / "v0")

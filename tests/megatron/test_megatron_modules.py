@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from zero_mismatch_plugin.megatron import modules
+from zero_mismatch_plugin.faces.megatron import modules
 
 
 def test_packed_lengths_are_read_once_per_batch_and_kept_on_the_batch():

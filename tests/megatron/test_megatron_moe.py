@@ -20,9 +20,9 @@ import torch
 from vllm_session import prompts_for, rollout
 from zero_mismatch_plugin.aligned import pack
 from zero_mismatch_plugin.aligned.checkpoint import copy_checkpoint
-from zero_mismatch_plugin.megatron import convert
-from zero_mismatch_plugin.megatron.standalone import build_gpt_model, packed_logits, token_logprobs_from_logits
-from zero_mismatch_plugin.tiny_models import MOE_FAMILIES
+from zero_mismatch_plugin.faces.megatron import convert
+from zero_mismatch_plugin.integrations.megatron.standalone import build_gpt_model, packed_logits, token_logprobs_from_logits
+from zero_mismatch_plugin.tools.tiny_models import MOE_FAMILIES
 
 ENGINE_FAMILIES = ("qwen3_moe", "mixtral")
 # Relative L2 difference allowed between a megatron gradient and the aligned face's, per tensor:
@@ -159,7 +159,7 @@ def test_moe_megatron_forward_and_backward_equal_aligned_face(trainers, family):
 def test_zmrl_check_with_megatron_trainer_passes_on_moe_checkpoint(checkpoints, engines, capsys):
     """``zmrl check --trainer megatron`` on the Qwen3-MoE checkpoint: every check passes, the
     per-layer expert-selection agreement with vLLM's router included."""
-    from zero_mismatch_plugin import cli
+    from zero_mismatch_plugin.tools import cli
 
     engines.close()  # the check starts its own engine; one at a time
     code = cli.main(["check", "--model", str(checkpoints["qwen3_moe"]), "--trainer", "megatron", "--quiet",
@@ -179,9 +179,9 @@ def test_zmrl_bisect_with_megatron_trainer_compares_every_moe_op_equal(checkpoin
     megatron model all equal vLLM's own modules, bitwise."""
     import json
 
-    from zero_mismatch_plugin import cli
-    from zero_mismatch_plugin.architectures import describe
-    from zero_mismatch_plugin.checker import oplist
+    from zero_mismatch_plugin.tools import cli
+    from zero_mismatch_plugin.tables.architectures import describe
+    from zero_mismatch_plugin.tools.checker import oplist
 
     engines.close()  # vLLM's modules are built in this process; one vLLM model at a time
     out = tmp_path / "bisect.json"
@@ -211,7 +211,7 @@ def test_moe_layout_map_round_trips_and_describes_the_layers(checkpoints, family
     """checkpoint -> megatron -> checkpoint is the identity; megatron's config marks the dense
     and MoE layers and the shared expert as the checkpoint has them."""
     from zero_mismatch_plugin.aligned.checkpoint import read_checkpoint
-    from zero_mismatch_plugin.architectures import describe
+    from zero_mismatch_plugin.tables.architectures import describe
 
     hf = _hf_config(checkpoints, family)
     state = read_checkpoint(checkpoints[family])
@@ -238,7 +238,7 @@ def test_moe_layout_map_round_trips_and_describes_the_layers(checkpoints, family
     ],
 )
 def test_megatron_moe_settings_vllm_does_not_run_are_refused(settings, message):
-    from zero_mismatch_plugin.megatron.spec import UnsupportedMegatronFeature, require_supported
+    from zero_mismatch_plugin.faces.megatron.spec import UnsupportedMegatronFeature, require_supported
 
     with pytest.raises(UnsupportedMegatronFeature, match=message):
         require_supported(SimpleNamespace(num_moe_experts=8, **settings))
@@ -246,8 +246,8 @@ def test_megatron_moe_settings_vllm_does_not_run_are_refused(settings, message):
 
 def test_megatron_moe_config_that_differs_from_the_engine_checkpoint_is_refused(checkpoints):
     """A provider built elsewhere (as verl's Megatron-Bridge does) must route as vLLM does."""
-    from zero_mismatch_plugin.architectures import describe
-    from zero_mismatch_plugin.megatron.modules import moe_config_mismatches
+    from zero_mismatch_plugin.tables.architectures import describe
+    from zero_mismatch_plugin.faces.megatron.modules import moe_config_mismatches
 
     hf = _hf_config(checkpoints, "glm4_moe")
     config = convert.transformer_config_from_hf(hf)

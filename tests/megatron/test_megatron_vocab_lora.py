@@ -26,8 +26,8 @@ from vllm_session import MAX_MODEL_LEN, prompts_for, rollout
 
 from zero_mismatch_plugin.aligned import pack
 from zero_mismatch_plugin.aligned.lora import build_adapter, lora_engine_args_for_rank, peft_tensor_name, PEFT_VOCAB_NAMES
-from zero_mismatch_plugin.architectures import LORA_TARGETS, VOCAB_LORA_TARGETS
-from zero_mismatch_plugin.megatron import convert
+from zero_mismatch_plugin.tables.architectures import LORA_TARGETS, VOCAB_LORA_TARGETS
+from zero_mismatch_plugin.faces.megatron import convert
 
 LORA_ENGINE = lora_engine_args_for_rank(8)
 VOCAB_PARAMETERS = {convert.megatron_vocab_lora_name(t, which) for t in VOCAB_LORA_TARGETS for which in "AB"}
@@ -54,7 +54,7 @@ def lora_llm(checkpoints, adapter, engines):
 @pytest.fixture(scope="module")
 def runtime(checkpoints, adapter):
     from zero_mismatch_plugin.aligned.runtime import VllmRuntime
-    from zero_mismatch_plugin.megatron.standalone import init_single_process
+    from zero_mismatch_plugin.integrations.megatron.standalone import init_single_process
 
     init_single_process()
     return VllmRuntime(checkpoints["llama"], max_model_len=MAX_MODEL_LEN, seed=0, **LORA_ENGINE)
@@ -69,7 +69,7 @@ def test_megatron_vocab_lora_bitwise_equal_engine(lora_llm, model, runtime, adap
     from safetensors.torch import load_file
 
     from zero_mismatch_plugin.aligned.lora import WEIGHTS_FILE
-    from zero_mismatch_plugin.megatron.lora import adapter_state, lora_parameters
+    from zero_mismatch_plugin.faces.megatron.lora import adapter_state, lora_parameters
 
     assert VOCAB_PARAMETERS <= {n for n, _ in lora_parameters(model)}
     prompts = prompts_for(runtime.model_dir)
@@ -100,8 +100,8 @@ def test_megatron_vocab_lora_is_in_the_forward(lora_llm, model, runtime, adapter
 
 
 def test_megatron_vocab_lora_gradients_equal_aligned_face(lora_llm, model, runtime, adapter, checkpoints):
-    from zero_mismatch_plugin.aligned import AlignedCausalLM
-    from zero_mismatch_plugin.megatron.lora import lora_parameters
+    from zero_mismatch_plugin.faces.aligned_model import AlignedCausalLM
+    from zero_mismatch_plugin.faces.megatron.lora import lora_parameters
 
     prompts, responses, _ = _rollout(lora_llm, prompts_for(runtime.model_dir), adapter, seed=702)
     coeffs = torch.randn(sum(len(r) for r in responses), generator=torch.Generator().manual_seed(0))
@@ -132,7 +132,7 @@ def test_megatron_vocab_lora_gradients_equal_aligned_face(lora_llm, model, runti
 def test_megatron_checker_backend_serves_vocab_adapter(lora_llm, runtime, adapter, checkpoints):
     """``zmrl check --trainer megatron --lora``'s trainer side: the engine arguments of the adapter
     served (vocabulary targets included) and its logprobs the engine's."""
-    from zero_mismatch_plugin.checker.backends import load_backend
+    from zero_mismatch_plugin.tools.checker.backends import load_backend
 
     backend = load_backend("megatron", checkpoints["llama"], max_model_len=MAX_MODEL_LEN, lora_dir=adapter)
     assert VOCAB_PARAMETERS <= {n for n, _ in backend.model.named_parameters()}
@@ -141,7 +141,7 @@ def test_megatron_checker_backend_serves_vocab_adapter(lora_llm, runtime, adapte
 
 
 def test_megatron_vocab_lora_equal_again_after_optimizer_step_and_adapter_sync(lora_llm, model, runtime, tmp_path):
-    from zero_mismatch_plugin.megatron.lora import lora_parameters, save_adapter
+    from zero_mismatch_plugin.faces.megatron.lora import lora_parameters, save_adapter
 
     prompts = prompts_for(runtime.model_dir)
     before = _rollout(lora_llm, prompts, save_adapter(model, model.lora_config, tmp_path / "v0"), seed=703)
@@ -163,7 +163,7 @@ def test_megatron_vocab_lora_equal_again_after_optimizer_step_and_adapter_sync(l
 def test_megatron_face_refuses_lm_head_adapter_on_tied_head(checkpoints, tmp_path):
     from transformers import AutoConfig
 
-    from zero_mismatch_plugin.megatron.lora import attach_lora
+    from zero_mismatch_plugin.faces.megatron.lora import attach_lora
 
     hf = AutoConfig.from_pretrained(str(checkpoints["qwen3"]))
     assert hf.tie_word_embeddings

@@ -7,8 +7,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from zero_mismatch_plugin import runtime_patches
-from zero_mismatch_plugin.megatron import verl_patch
+from zero_mismatch_plugin.integrations import patches as runtime_patches
+from zero_mismatch_plugin.integrations.verl import megatron_engine
 
 ENGINE = "verl.workers.engine.megatron.transformer_impl"
 PATCHED = [
@@ -23,7 +23,7 @@ PATCHED = [
 def engine_module():
     import importlib
 
-    from zero_mismatch_plugin.megatron.standalone import init_single_process
+    from zero_mismatch_plugin.integrations.megatron.standalone import init_single_process
 
     init_single_process()
     return importlib.import_module(ENGINE)
@@ -31,9 +31,9 @@ def engine_module():
 
 @pytest.fixture
 def clean_patch():
-    verl_patch.remove()
+    megatron_engine.remove()
     yield
-    verl_patch.remove()
+    megatron_engine.remove()
 
 
 def _originals(ti):
@@ -70,7 +70,7 @@ def test_patched_logits_processor_gives_vllm_logprobs(engine_module, clean_patch
     expected = _vllm_sampler_logprobs(logits, label, temp)
 
     stock = _call_processor(ti, logits.clone(), label, temp.clone())["log_probs"]
-    assert verl_patch.apply()
+    assert megatron_engine.apply()
     aligned = _call_processor(ti, logits.clone(), label, temp.clone())
     assert torch.equal(aligned["log_probs"], expected)
     assert aligned["entropy"].shape == label.shape
@@ -82,7 +82,7 @@ def test_patched_logits_processor_gives_vllm_logprobs(engine_module, clean_patch
 
 def test_patched_logprobs_are_differentiable(engine_module, clean_patch):
     ti = engine_module
-    verl_patch.apply()
+    megatron_engine.apply()
     logits = torch.randn(1, 8, 64, requires_grad=True)
     label = torch.randint(0, 64, (1, 8))
     out = _call_processor(ti, logits, label, torch.full((1, 8), 0.5))["log_probs"]
@@ -94,22 +94,22 @@ def test_apply_then_remove_restores_original_callables(engine_module, clean_patc
     ti = engine_module
     before = _originals(ti)
     with caplog.at_level("WARNING", logger="zero_mismatch_plugin"):
-        assert verl_patch.apply()
+        assert megatron_engine.apply()
     assert sum("patched" in r.getMessage() for r in caplog.records) == 1
-    assert verl_patch.is_applied()
+    assert megatron_engine.is_applied()
     for (c, n), original in before.items():
         assert getattr(ti, c).__dict__[n] is not original, (c, n)
         assert getattr(ti, c).__dict__[n].__wrapped__ is original
-    assert not verl_patch.apply()  # idempotent
+    assert not megatron_engine.apply()  # idempotent
     # Named entries of the one patch mechanism: the four method patches, not the hook ones.
-    names = {patch.name for patch in verl_patch.METHOD_PATCHES}
+    names = {patch.name for patch in megatron_engine.METHOD_PATCHES}
     assert names <= set(runtime_patches.applied())
-    assert not {patch.name for patch in verl_patch.HOOK_PATCHES} & set(runtime_patches.applied())
-    assert verl_patch.remove()
-    assert not verl_patch.is_applied() and not names & set(runtime_patches.applied())
+    assert not {patch.name for patch in megatron_engine.HOOK_PATCHES} & set(runtime_patches.applied())
+    assert megatron_engine.remove()
+    assert not megatron_engine.is_applied() and not names & set(runtime_patches.applied())
     for (c, n), original in before.items():
         assert getattr(ti, c).__dict__[n] is original, (c, n)
-    assert not verl_patch.remove()
+    assert not megatron_engine.remove()
 
 
 def test_other_verl_versions_are_refused(engine_module, clean_patch, monkeypatch):
@@ -119,20 +119,20 @@ def test_other_verl_versions_are_refused(engine_module, clean_patch, monkeypatch
     before = _originals(ti)
     monkeypatch.setattr(verl, "__version__", "0.10.0")
     with pytest.raises(runtime_patches.UnsupportedVersion, match="supports verl 0.9.1; found verl 0.10.0"):
-        verl_patch.apply()
-    assert not verl_patch.is_applied()
+        megatron_engine.apply()
+    assert not megatron_engine.is_applied()
     assert _originals(ti) == before
 
 
 def test_env_switch(engine_module, clean_patch, monkeypatch):
-    monkeypatch.delenv(verl_patch.ENABLE_ENV, raising=False)
-    assert not verl_patch.maybe_apply() and not verl_patch.is_applied()
-    monkeypatch.setenv(verl_patch.ENABLE_ENV, "1")
-    assert verl_patch.maybe_apply() and verl_patch.is_applied()
+    monkeypatch.delenv(megatron_engine.ENABLE_ENV, raising=False)
+    assert not megatron_engine.maybe_apply() and not megatron_engine.is_applied()
+    monkeypatch.setenv(megatron_engine.ENABLE_ENV, "1")
+    assert megatron_engine.maybe_apply() and megatron_engine.is_applied()
 
 
 def test_unsupported_configurations_fail_clearly():
-    from zero_mismatch_plugin.megatron.spec import UnsupportedMegatronFeature, require_supported
+    from zero_mismatch_plugin.faces.megatron.spec import UnsupportedMegatronFeature, require_supported
 
     base = dict(normalization="RMSNorm", gated_linear_unit=True, hidden_dropout=0.0, attention_dropout=0.0)
     require_supported(SimpleNamespace(**base))
@@ -150,11 +150,11 @@ def test_unsupported_configurations_fail_clearly():
         engine_config=SimpleNamespace(use_fused_kernels=True, use_remove_padding=True),
     )
     with pytest.raises(UnsupportedMegatronFeature, match="use_fused_kernels"):
-        verl_patch.inject_aligned_spec(engine, runtime=object())
+        megatron_engine.inject_aligned_spec(engine, runtime=object())
     engine.engine_config.use_fused_kernels = False
     engine.engine_config.use_remove_padding = False
     with pytest.raises(UnsupportedMegatronFeature, match="use_remove_padding"):
-        verl_patch.inject_aligned_spec(engine, runtime=object())
+        megatron_engine.inject_aligned_spec(engine, runtime=object())
 
 
 def test_import_verl_applies_the_patch_through_the_entry_point_when_enabled():

@@ -1,4 +1,4 @@
-"""The aligned forward inside verl's FSDP2 units (zero_mismatch_plugin.verl_adapter.fsdp_aligned).
+"""The aligned forward inside verl's FSDP2 units (zero_mismatch_plugin.faces.fsdp).
 
 In-process, one gloo rank: an HF checkpoint (dense, or Mixture-of-Experts with transformers'
 stacked experts) wrapped by verl's own ``apply_fsdp2`` computes the same logits and the same
@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from zero_mismatch_plugin.aligned.packing import pack
-from zero_mismatch_plugin.verl_adapter import fsdp_aligned
-from zero_mismatch_plugin.verl_adapter.fsdp_aligned import (AlignedFSDPForward, PackedMicroBatch,
+from zero_mismatch_plugin.faces import fsdp as fsdp_aligned
+from zero_mismatch_plugin.faces.fsdp import (AlignedFSDPForward, PackedMicroBatch,
                                                             UnsupportedFSDPFeature)
 
 PROMPT_LENS = (5, 9, 3)
@@ -84,7 +84,7 @@ def _reference_grads(reference) -> dict:
     per expert) and ``experts.down_proj``, Mixtral's ``block_sparse_moe`` as ``mlp``."""
     import re
 
-    from zero_mismatch_plugin.architectures import MOE_CHECKPOINT_NAMES
+    from zero_mismatch_plugin.tables.architectures import MOE_CHECKPOINT_NAMES
 
     grads, experts = {}, {}
     for name, param in reference.named_parameters():
@@ -124,7 +124,7 @@ def _assert_same_gradients(model, reference):
     ("llama", True), ("qwen3_moe", True)])
 def test_fsdp2_units_give_the_aligned_models_logits_and_gradients(process_group, checkpoints, family,
                                                                   gradient_checkpointing):
-    from zero_mismatch_plugin.aligned import AlignedCausalLM
+    from zero_mismatch_plugin.faces.aligned_model import AlignedCausalLM
     from zero_mismatch_plugin.aligned.runtime import VllmRuntime
 
     model = _fsdp2_model(checkpoints[family], gradient_checkpointing)
@@ -206,7 +206,7 @@ def test_patch_is_reversible_and_version_gated(monkeypatch):
     import verl
     from verl.workers.engine.fsdp import transformer_impl as ti
 
-    from zero_mismatch_plugin.runtime_patches import UnsupportedVersion, applied
+    from zero_mismatch_plugin.integrations.patches import UnsupportedVersion, applied
 
     originals = (ti.FSDPEngineWithLMHead.__dict__["forward_step"], ti.FSDPEngine.__dict__["optimizer_step"],
                  ti.FSDPEngine.__dict__["load_checkpoint"])

@@ -18,8 +18,8 @@ from vllm_session import MAX_MODEL_LEN, prompts_for
 
 from zero_mismatch_plugin.aligned.lora import lora_engine_args_for_rank, peft_tensor_name, write_peft_adapter
 from zero_mismatch_plugin.aligned.packing import pack
-from zero_mismatch_plugin.verl_adapter import fsdp_aligned
-from zero_mismatch_plugin.verl_adapter.fsdp_aligned import (AlignedFSDPForward, PackedMicroBatch,
+from zero_mismatch_plugin.faces import fsdp as fsdp_aligned
+from zero_mismatch_plugin.faces.fsdp import (AlignedFSDPForward, PackedMicroBatch,
                                                             UnsupportedFSDPFeature)
 
 LORA_RANK = 8
@@ -105,7 +105,7 @@ def _verl_forward_logprobs(model, rows):
 @pytest.mark.parametrize("family,gradient_checkpointing", [("llama", False), ("qwen3", True)])
 def test_lora_actor_logprobs_equal_the_lora_engine_and_gradients_reach_the_adapter(
         process_group, checkpoints, engines, family, gradient_checkpointing, tmp_path):
-    from zero_mismatch_plugin.aligned import AlignedCausalLM
+    from zero_mismatch_plugin.faces.aligned_model import AlignedCausalLM
 
     checkpoint = checkpoints[family]
     model = _fsdp2_model(checkpoint, gradient_checkpointing, prepare=_verl_lora)
@@ -206,7 +206,7 @@ def _fsdp_lora_config(checkpoint, **model):
 def test_config_check_accepts_fsdp_lora_on_dense_decoders_and_names_what_it_does_not_cover(checkpoints):
     from omegaconf import OmegaConf
 
-    from zero_mismatch_plugin.config_checks.lora import lora_gaps
+    from zero_mismatch_plugin.tools.config_checks.lora import lora_gaps
 
     assert lora_gaps(_fsdp_lora_config(checkpoints["llama"])) == []
     (merged,) = lora_gaps(_fsdp_lora_config(checkpoints["llama"], lora={"rank": 0, "merge": True}))

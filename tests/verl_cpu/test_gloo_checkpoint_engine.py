@@ -20,7 +20,7 @@ def _weights() -> list[tuple[str, torch.Tensor]]:
 
 
 def _engine(is_master: bool):
-    from zero_mismatch_plugin.verl_cpu.gloo_checkpoint_engine import GlooCheckpointEngine
+    from zero_mismatch_plugin.integrations.verl.cpu.gloo_checkpoint_engine import GlooCheckpointEngine
 
     return GlooCheckpointEngine(bucket_size=BUCKET_BYTES, is_master=is_master)
 
@@ -37,7 +37,7 @@ def _receiver(rank: int, world_size: int, master: dict, results) -> None:
 
 
 def test_weights_arrive_bit_for_bit_at_every_rollout_rank():
-    from zero_mismatch_plugin.verl_cpu.gloo_checkpoint_engine import GlooCheckpointEngine
+    from zero_mismatch_plugin.integrations.verl.cpu.gloo_checkpoint_engine import GlooCheckpointEngine
 
     sender = _engine(is_master=True)
     master = sender.prepare()

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from main_ppo_runs import BITWISE, STALENESS_MIN, STALENESS_WORST_MAX, assert_ran, inputs  # noqa: F401 (fixture)
 
-from zero_mismatch_plugin.verl_cpu.launch import run_smoke
+from zero_mismatch_plugin.integrations.verl.cpu.launch import run_smoke
 
 pytestmark = pytest.mark.slow
 
@@ -33,7 +33,7 @@ SEPARATE_ASYNC = [
     "trainer.v1.trainer_mode=separate_async", "actor_rollout_ref.hybrid_engine=false",
     "actor_rollout_ref.rollout.nnodes=1", "actor_rollout_ref.rollout.n_gpus_per_node=1",
     "actor_rollout_ref.rollout.checkpoint_engine.backend=gloo",
-    "actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module=zero_mismatch_plugin.verl_cpu.gloo_checkpoint_engine",
+    "actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module=zero_mismatch_plugin.integrations.verl.cpu.gloo_checkpoint_engine",
     "trainer.v1.separate_async.parameter_sync_step=1", "trainer.v1.separate_async.num_warmup_batches=1",
     "ray_kwargs.ray_init.num_gpus=2",
 ]

@@ -10,7 +10,7 @@ import pytest
 from main_ppo_runs import (BITWISE, DIFF, SAME_WEIGHTS_LOGPROB_DIFF, assert_ran, inputs,
                            moe_inputs)  # noqa: F401 (fixtures)
 
-from zero_mismatch_plugin.verl_cpu.launch import run_smoke
+from zero_mismatch_plugin.integrations.verl.cpu.launch import run_smoke
 
 pytestmark = pytest.mark.slow
 
@@ -31,7 +31,7 @@ def test_moe_model_two_sync_steps_bitwise_then_resume_from_verls_checkpoint(tmp_
     assert first.metric(DIFF) == [0.0, 0.0]
     assert (checkpoints / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
     # `zmrl report` reads verl's own metric log of the run.
-    from zero_mismatch_plugin.cli import main as zmrl
+    from zero_mismatch_plugin.tools.cli import main as zmrl
 
     assert zmrl(["report", str(tmp_path / "first" / "metrics.jsonl")]) == 0
     assert re.search(r"steps logged\s+2\n", capsys.readouterr().out)

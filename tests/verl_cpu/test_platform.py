@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-OPT_IN = {"ZMRL_VERL_PLATFORM": "cpu", "VERL_USE_EXTERNAL_MODULES": "zero_mismatch_plugin.verl_cpu"}
+OPT_IN = {"ZMRL_VERL_PLATFORM": "cpu", "VERL_USE_EXTERNAL_MODULES": "zero_mismatch_plugin.integrations.verl.cpu"}
 
 PROBE = (
     "import verl\n"
@@ -35,14 +35,14 @@ def test_opted_in_process_resolves_verl_platform_to_cpu_with_gloo():
 
 def test_without_opt_in_verl_keeps_its_own_detection():
     # Negative control: the module is imported, but without ZMRL_VERL_PLATFORM it registers nothing.
-    result = _run(PROBE, VERL_USE_EXTERNAL_MODULES="zero_mismatch_plugin.verl_cpu")
+    result = _run(PROBE, VERL_USE_EXTERNAL_MODULES="zero_mismatch_plugin.integrations.verl.cpu")
     assert result.returncode == 0, result.stderr
     device, backend, _, platform = result.stdout.split()
     assert (device, platform) != ("cpu", "PlatformCPU") and backend != "gloo"
 
 
 def test_unknown_platform_name_is_refused_with_what_to_set():
-    result = _run("import verl", ZMRL_VERL_PLATFORM="tpu", VERL_USE_EXTERNAL_MODULES="zero_mismatch_plugin.verl_cpu")
+    result = _run("import verl", ZMRL_VERL_PLATFORM="tpu", VERL_USE_EXTERNAL_MODULES="zero_mismatch_plugin.integrations.verl.cpu")
     assert result.returncode != 0
     assert "ZMRL_VERL_PLATFORM='tpu'" in result.stderr and "ZMRL_VERL_PLATFORM=cpu" in result.stderr
 
@@ -59,7 +59,7 @@ def test_opting_in_after_verl_resolved_another_platform_is_refused():
         "from verl.plugin.platform import get_platform\n"
         "get_platform()\n"
         "os.environ['ZMRL_VERL_PLATFORM'] = 'cpu'\n"
-        "from zero_mismatch_plugin.verl_cpu import register_if_enabled\n"
+        "from zero_mismatch_plugin.integrations.verl.cpu import register_if_enabled\n"
         "register_if_enabled()\n"
     )
     result = _run(code)
@@ -72,7 +72,7 @@ def test_unregister_restores_registry_environment_and_patches(monkeypatch):
 
     from verl.plugin.platform import platform_manager
 
-    from zero_mismatch_plugin.verl_cpu import patches, registration
+    from zero_mismatch_plugin.integrations.verl.cpu import patches, registration
 
     # Other tests in this process may have let verl resolve its default platform already.
     monkeypatch.setattr(platform_manager, "_current_platform", None)
@@ -90,7 +90,7 @@ def test_unregister_restores_registry_environment_and_patches(monkeypatch):
 
 
 def test_platform_answers_without_cuda():
-    from zero_mismatch_plugin.verl_cpu.platform import PlatformCPU
+    from zero_mismatch_plugin.integrations.verl.cpu.platform import PlatformCPU
 
     platform = PlatformCPU()
     assert platform.is_available() and not platform.is_platform_available(use_smi_check=True)
@@ -104,7 +104,7 @@ def test_platform_answers_without_cuda():
 
 
 def test_device_module_gives_host_memory_and_the_global_rng():
-    from zero_mismatch_plugin.verl_cpu.device_module import CPU_DEVICE_MODULE as device
+    from zero_mismatch_plugin.integrations.verl.cpu.device_module import CPU_DEVICE_MODULE as device
 
     free, total = device.mem_get_info()
     assert 0 < free <= total
@@ -120,14 +120,14 @@ def test_device_module_gives_host_memory_and_the_global_rng():
 def test_a_failed_opt_in_is_logged_at_error_level_not_only_raised():
     # verl swallows entry-point exceptions at DEBUG: the log line is what the user sees.
     code = ("import verl\n"
-            "try:\n    import zero_mismatch_plugin.verl_cpu\nexcept ValueError:\n    print('raised')\n")
+            "try:\n    import zero_mismatch_plugin.integrations.verl.cpu\nexcept ValueError:\n    print('raised')\n")
     result = _run(code, ZMRL_VERL_PLATFORM="tpu")
     assert "raised" in result.stdout
     assert "CPU platform could NOT be set up" in result.stderr
 
 
 def test_importing_the_package_without_opt_in_loads_nothing_heavy():
-    code = ("import sys\nimport zero_mismatch_plugin.verl_cpu\n"
+    code = ("import sys\nimport zero_mismatch_plugin.integrations.verl.cpu\n"
             "print(sorted(m for m in ('verl', 'torch', 'vllm') if m in sys.modules))\n")
     result = _run(code)
     assert result.returncode == 0, result.stderr

@@ -8,7 +8,7 @@ import pytest
 
 @pytest.mark.parametrize("text, expected", [("", 0.0), ("  ", 0.0), ("12 34", 1.0), ("a1", 0.5), ("seven", 0.0)])
 def test_digit_reward_is_the_share_of_digit_characters(text, expected):
-    from zero_mismatch_plugin.verl_cpu.digit_reward import compute_score
+    from zero_mismatch_plugin.integrations.verl.cpu.digit_reward import compute_score
 
     assert compute_score("zmrl_digits", text, "") == expected
 
@@ -16,7 +16,7 @@ def test_digit_reward_is_the_share_of_digit_characters(text, expected):
 def test_dataset_rows_have_verls_rl_layout(tmp_path):
     import pandas as pd
 
-    from zero_mismatch_plugin.verl_cpu.smoke_assets import DATA_SOURCE, build_smoke_dataset
+    from zero_mismatch_plugin.integrations.verl.cpu.smoke_assets import DATA_SOURCE, build_smoke_dataset
 
     frame = pd.read_parquet(build_smoke_dataset(tmp_path, count=5))
     assert len(frame) == 5 and set(frame["data_source"]) == {DATA_SOURCE}
@@ -30,7 +30,7 @@ def test_dataset_rows_have_verls_rl_layout(tmp_path):
 def test_model_tokenizer_formats_a_chat_with_the_generation_prompt(tmp_path):
     from transformers import AutoTokenizer
 
-    from zero_mismatch_plugin.verl_cpu.smoke_assets import build_smoke_model
+    from zero_mismatch_plugin.integrations.verl.cpu.smoke_assets import build_smoke_model
 
     tokenizer = AutoTokenizer.from_pretrained(str(build_smoke_model(tmp_path / "model")))
     text = tokenizer.apply_chat_template([{"role": "user", "content": "question: two"}],
@@ -41,7 +41,7 @@ def test_model_tokenizer_formats_a_chat_with_the_generation_prompt(tmp_path):
 def test_a_missing_trainer_package_is_named_before_anything_starts(tmp_path, monkeypatch):
     import importlib.util
 
-    from zero_mismatch_plugin.verl_cpu import launch
+    from zero_mismatch_plugin.integrations.verl.cpu import launch
 
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
@@ -52,17 +52,17 @@ def test_a_missing_trainer_package_is_named_before_anything_starts(tmp_path, mon
 
 
 def test_smoke_command_launches_verls_trainer_with_the_recipe():
-    from zero_mismatch_plugin.verl_cpu.launch import cpu_environment, smoke_command
+    from zero_mismatch_plugin.integrations.verl.cpu.launch import cpu_environment, smoke_command
 
     command = smoke_command(["trainer.total_training_steps=2"])
-    assert command[1:] == ["-m", "zero_mismatch_plugin.cli", "recipes", "run", "cpu_smoke",
+    assert command[1:] == ["-m", "zero_mismatch_plugin.tools.cli", "recipes", "run", "cpu_smoke",
                            "trainer.total_training_steps=2"]
     env = cpu_environment({"VERL_PLATFORM": "nvidia", "PATH": "/bin"})
     assert env["ZMRL_VERL_PLATFORM"] == "cpu" and "VERL_PLATFORM" not in env and env["PATH"] == "/bin"
 
 
 def test_recipes_run_builds_missing_inputs_and_launches_on_the_cpu_platform(tmp_path, monkeypatch):
-    from zero_mismatch_plugin import recipes
+    from zero_mismatch_plugin.tools import recipes
 
     monkeypatch.chdir(tmp_path)
     launched = []
@@ -81,7 +81,7 @@ def test_recipes_run_builds_missing_inputs_and_launches_on_the_cpu_platform(tmp_
 
 
 def test_recipes_run_keeps_the_users_model_and_data(tmp_path, monkeypatch):
-    from zero_mismatch_plugin import recipes
+    from zero_mismatch_plugin.tools import recipes
 
     monkeypatch.chdir(tmp_path)
     launched = []
@@ -92,14 +92,14 @@ def test_recipes_run_keeps_the_users_model_and_data(tmp_path, monkeypatch):
 
 
 def test_other_recipes_launch_without_the_cpu_environment():
-    from zero_mismatch_plugin import recipes
+    from zero_mismatch_plugin.tools import recipes
 
     command = recipes.launch_command("reinforce_zero", ["x=1"])
     assert command[0] != "env" and not any(arg.startswith("ZMRL_VERL_PLATFORM") for arg in command)
 
 
 def test_a_dry_run_prints_the_command_and_builds_nothing(tmp_path, monkeypatch, capsys):
-    from zero_mismatch_plugin import recipes
+    from zero_mismatch_plugin.tools import recipes
 
     monkeypatch.chdir(tmp_path)
     assert recipes.run_recipe("cpu_smoke", ["trainer.total_training_steps=3"], dry_run=True, err=lambda text: None) == 0
@@ -115,22 +115,22 @@ ENV = "ray_kwargs.ray_init.runtime_env.env_vars"
 
 
 def _checked(overrides):
-    from zero_mismatch_plugin.config_checks.alignment import trainer_alignment
-    from zero_mismatch_plugin.recipes import check_recipe, compose_recipe
+    from zero_mismatch_plugin.tools.config_checks.alignment import trainer_alignment
+    from zero_mismatch_plugin.tools.recipes import check_recipe, compose_recipe
 
     cfg = compose_recipe("cpu_smoke", overrides)
     return trainer_alignment(cfg), check_recipe(cfg)
 
 
 def test_cpu_smoke_trainer_is_aligned_through_the_fsdp_switch():
-    from zero_mismatch_plugin.config_checks.alignment import ALIGNED
+    from zero_mismatch_plugin.tools.config_checks.alignment import ALIGNED
 
     alignment, problems = _checked([])
     assert alignment.status == ALIGNED and not [p for p in problems if p.fatal]
 
 
 def test_cpu_smoke_refuses_vllms_batch_invariant_mode_and_unaligned_fsdp_layouts():
-    from zero_mismatch_plugin.config_checks.alignment import NOT_ALIGNED, TURNED_OFF
+    from zero_mismatch_plugin.tools.config_checks.alignment import NOT_ALIGNED, TURNED_OFF
 
     _, problems = _checked([f"{ENV}.VLLM_BATCH_INVARIANT='1'"])
     assert any(p.fatal and "Triton" in str(p) for p in problems), problems

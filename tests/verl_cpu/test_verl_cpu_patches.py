@@ -8,7 +8,7 @@ from importlib import metadata
 
 import pytest
 
-from zero_mismatch_plugin.verl_cpu import patches, vllm_metadata
+from zero_mismatch_plugin.integrations.verl.cpu import patches, vllm_metadata
 
 
 def test_other_verl_versions_are_refused(monkeypatch):

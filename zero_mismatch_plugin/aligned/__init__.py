@@ -1,15 +1,15 @@
-"""Trainer-side forward that reproduces vLLM's sampled-token logprobs bit for bit.
+"""The op layer: vLLM's own kernels as trainer ops with backward passes, and the logprob tail.
 
-Import the pieces lazily: nothing here imports vLLM until a runtime is created.
+Nothing here imports vLLM until a runtime is created. The trainer faces built on it are in
+:mod:`zero_mismatch_plugin.faces`.
 """
 
-from .numerics import CONSISTENT, FAST, MODE_ENV, current_mode, set_mode
-from .packing import PackedBatch, pack
-from .sampling import SamplingTransform, ZeroMismatchViolation
-from .vllm_compat import UnsupportedVllmError
+from zero_mismatch_plugin.aligned.numerics import CONSISTENT, FAST, MODE_ENV, current_mode, set_mode
+from zero_mismatch_plugin.aligned.packing import PackedBatch, pack
+from zero_mismatch_plugin.aligned.sampling import SamplingTransform, ZeroMismatchViolation
+from zero_mismatch_plugin.aligned.vllm_compat import UnsupportedVllmError
 
 __all__ = [
-    "AlignedCausalLM",
     "CONSISTENT",
     "FAST",
     "MODE_ENV",
@@ -22,10 +22,3 @@ __all__ = [
     "set_mode",
 ]
 
-
-def __getattr__(name):
-    if name == "AlignedCausalLM":
-        from .model import AlignedCausalLM
-
-        return AlignedCausalLM
-    raise AttributeError(name)

@@ -34,11 +34,11 @@ import torch
 from torch import nn
 from torch.autograd import Function
 
-from ..architectures import LORA_TARGETS as ALIGNED_LORA_TARGETS
-from ..architectures import MLA_LORA_TARGETS, MOE_CHECKPOINT_NAMES, REFUSED_LORA_TARGETS
-from ..architectures import VOCAB_LORA_ARCHITECTURES, VOCAB_LORA_TARGETS
-from .derived import DerivedWeight
-from .ops import _observable
+from zero_mismatch_plugin.tables.architectures import LORA_TARGETS as ALIGNED_LORA_TARGETS
+from zero_mismatch_plugin.tables.architectures import MLA_LORA_TARGETS, MOE_CHECKPOINT_NAMES, REFUSED_LORA_TARGETS
+from zero_mismatch_plugin.tables.architectures import VOCAB_LORA_ARCHITECTURES, VOCAB_LORA_TARGETS
+from zero_mismatch_plugin.aligned.derived import DerivedWeight
+from zero_mismatch_plugin.aligned.ops import _observable
 
 ATTENTION_TARGETS = ALIGNED_LORA_TARGETS[:4]
 MLP_TARGETS = ALIGNED_LORA_TARGETS[4:]
@@ -153,7 +153,7 @@ class LoRAConfig:
 def unsupported_lora_settings(config: dict, supported: tuple[str, ...] = ALIGNED_LORA_TARGETS) -> list[str]:
     """Every setting of a PEFT adapter config the aligned LoRA path does not run, with the change
     that fixes it; ``supported``: the model's targets (:func:`supported_lora_targets`)."""
-    from .lora_formats import unsupported_target_parameters
+    from zero_mismatch_plugin.aligned.lora_formats import unsupported_target_parameters
 
     out = unsupported_target_parameters(config)
     peft_type = config.get("peft_type", "LORA")
@@ -364,7 +364,7 @@ _EXPERT_MODULE_NAME = re.compile(
 def _moe_checkpoint_names(model_config):
     """The checkpoint's MoE module names (block, gate, (gate, up, down) of an expert, shared), or
     None for a dense model (or a config that names no architecture)."""
-    from ..architectures import MOE_ARCHITECTURES, describe
+    from zero_mismatch_plugin.tables.architectures import MOE_ARCHITECTURES, describe
 
     if (getattr(model_config, "architectures", None) or [None])[0] not in MOE_ARCHITECTURES:
         return None
@@ -414,7 +414,7 @@ def _routed_expert_layers(model_config) -> tuple[dict[int, int], dict[str, tuple
     """({MoE layer: number of routed experts}, {target: (out, in)} of one routed expert, the
     checkpoint's name of the shared expert module or None, {target: (out, in)} of the shared
     expert); empty for a dense model."""
-    from ..architectures import describe
+    from zero_mismatch_plugin.tables.architectures import describe
 
     blocks = describe(model_config)
     if blocks.moe is None:
@@ -482,7 +482,7 @@ class LoRAAdapter(nn.Module):
                 if self.shared_name:
                     layer.shared_expert = _expert_module(lora_config.r, shared_shapes)
             elif index in moe_layers and fused_experts:
-                from .lora_formats import FusedExpertLoRA
+                from zero_mismatch_plugin.aligned.lora_formats import FusedExpertLoRA
 
                 layer.experts = FusedExpertLoRA(lora_config.r, moe_layers[index], expert_shapes)
             self.layers.append(layer)
@@ -502,7 +502,7 @@ class LoRAAdapter(nn.Module):
         for i, target, pair in self.pairs():
             yield peft_tensor_name(i, target, "A"), pair.lora_A
             yield peft_tensor_name(i, target, "B"), pair.lora_B
-        from .lora_formats import FusedExpertLoRA
+        from zero_mismatch_plugin.aligned.lora_formats import FusedExpertLoRA
 
         for i in range(len(self.layers)):
             experts = getattr(self.layers[i], "experts", None)
@@ -535,7 +535,7 @@ class LoRAAdapter(nn.Module):
 
     def expert_pairs(self, layer: int) -> list[dict[str, _LoRAPair]] | None:
         """The adapter of each routed expert of MoE layer ``layer`` ({target: pair}), or None."""
-        from .lora_formats import FusedExpertLoRA
+        from zero_mismatch_plugin.aligned.lora_formats import FusedExpertLoRA
 
         experts = getattr(self.layers[layer], "experts", None)
         if isinstance(experts, FusedExpertLoRA):  # a 3-D expert adapter: views of its fused tensors
@@ -603,7 +603,7 @@ def build_adapter(
     and ``lm_head`` only when named)."""
     from transformers import AutoConfig
 
-    from ..architectures import describe
+    from zero_mismatch_plugin.tables.architectures import describe
 
     model_config = AutoConfig.from_pretrained(str(model_dir))
     targets = supported_lora_targets(model_config) if targets is None else targets
@@ -826,7 +826,7 @@ def lora_linears(runtime, adapter: LoRAAdapter, base_ops: list[dict], merged=MER
     stacked in each; ``mapping``: the token mapping to share with other calls (a new one by default)."""
     mapping = mapping or _TokenMapping(runtime)
     if adapter.lora_config.target_parameters:
-        from .lora_formats import check_engine_serves_fused_experts
+        from zero_mismatch_plugin.aligned.lora_formats import check_engine_serves_fused_experts
 
         check_engine_serves_fused_experts(runtime)
     out = []
@@ -849,7 +849,7 @@ def lora_linears(runtime, adapter: LoRAAdapter, base_ops: list[dict], merged=MER
             )
         experts = adapter.expert_pairs(i)
         if experts is not None:
-            from .moe import AlignedMoELoRA
+            from zero_mismatch_plugin.aligned.moe import AlignedMoELoRA
 
             layer["experts"] = AlignedMoELoRA(runtime, ops["experts"], experts, adapter.lora_config, mapping)
         out.append(layer)

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .lora import CONFIG_FILE, EXPERT_TARGETS, _LoRAPair
+from zero_mismatch_plugin.aligned.lora import CONFIG_FILE, EXPERT_TARGETS, _LoRAPair
 
 # The fused expert parameters PEFT adapts and the module of each one's A and B in the adapter's
 # tensor names: PEFT nests gate_up_proj's inside whatever the order of target_parameters (a set to

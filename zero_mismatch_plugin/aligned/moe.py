@@ -19,13 +19,13 @@ import itertools
 import torch
 from torch.autograd import Function
 
-from .derived import DerivedWeight
-from .ops import _observable
-from .runtime import VllmRuntime
-from ..architectures import MoeBlocks
-from ..patching.shared import row_invariant_sigmoid
+from zero_mismatch_plugin.aligned.derived import DerivedWeight
+from zero_mismatch_plugin.aligned.ops import _observable
+from zero_mismatch_plugin.aligned.runtime import VllmRuntime
+from zero_mismatch_plugin.tables.architectures import MoeBlocks
+from zero_mismatch_plugin.fork_patches.shared import row_invariant_sigmoid
 # Shared with verl's rollout weight reload (the verl fork patch carries its source): re-exported here.
-from ..patching.shared import reprocess_moe_as_first_load  # noqa: F401
+from zero_mismatch_plugin.fork_patches.shared import reprocess_moe_as_first_load  # noqa: F401
 
 _layer_ids = itertools.count()
 
@@ -157,7 +157,7 @@ class AlignedMoE:
         # vLLM's own choice (a LoRA-capable GPU kernel) stands.
         self.lora_capable = runtime.vllm_config.lora_config is not None
         if self.lora_capable:
-            from ..vllm_cpu_moe_lora import use_cpu_lora_experts
+            from zero_mismatch_plugin.integrations.vllm.cpu_moe_lora import use_cpu_lora_experts
 
             use_cpu_lora_experts(self.experts.quant_method)
             experts_cls = getattr(self.experts.quant_method, "experts_cls", None)
@@ -430,7 +430,7 @@ class AlignedMoELoRA:
     def _punica(self, num_tokens: int):
         wrapper = self.mapping.get(num_tokens)
         if self.runtime.platform == "cpu":
-            from ..vllm_cpu_moe_lora import with_torch_moe_lora
+            from zero_mismatch_plugin.integrations.vllm.cpu_moe_lora import with_torch_moe_lora
 
             with_torch_moe_lora(wrapper)  # the CPU wrapper has no expert-LoRA methods of its own
         return wrapper

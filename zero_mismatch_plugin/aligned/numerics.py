@@ -38,8 +38,8 @@ BATCH_INVARIANT_ENV = "VLLM_BATCH_INVARIANT"
 
 def current_mode() -> str | None:
     """``ZMRL_NUMERICS`` (None when unset); any other value than :data:`MODES` is refused with
-    :class:`~zero_mismatch_plugin.switches.SwitchError` (:mod:`zero_mismatch_plugin.switches`)."""
-    from zero_mismatch_plugin.switches import choice
+    :class:`~zero_mismatch_plugin.tables.switches.SwitchError` (:mod:`zero_mismatch_plugin.tables.switches`)."""
+    from zero_mismatch_plugin.tables.switches import choice
 
     return choice(MODE_ENV)
 
@@ -95,7 +95,7 @@ def temporary_environment(values: dict[str, str]):
 
 def batch_invariance_on() -> bool:
     """Whether vLLM's batch-invariant overrides are installed in this process."""
-    from .vllm_compat import batch_invariant_module
+    from zero_mismatch_plugin.aligned.vllm_compat import batch_invariant_module
 
     return bool(getattr(batch_invariant_module(), "_batch_invariant_MODE", False))
 
@@ -120,7 +120,7 @@ def _enable_batch_invariance() -> Callable[[], None] | None:
     again, or None when it was on already (then it is not ours to turn off)."""
     import torch
 
-    from .vllm_compat import batch_invariant_module
+    from zero_mismatch_plugin.aligned.vllm_compat import batch_invariant_module
 
     module = batch_invariant_module()
     if getattr(module, "_batch_invariant_MODE", False):
@@ -193,7 +193,7 @@ def enable_consistent_numerics(platform: str | None = None) -> ConsistentNumeric
     it turned on.
     """
     if platform is None:
-        from .vllm_compat import platform_kind
+        from zero_mismatch_plugin.aligned.vllm_compat import platform_kind
 
         platform = platform_kind()
     before = dict(os.environ)
@@ -230,7 +230,7 @@ def set_mode(mode: str, platform: str | None = None) -> dict[str, str]:
     """
     global _selected
     if platform is None:
-        from .vllm_compat import platform_kind
+        from zero_mismatch_plugin.aligned.vllm_compat import platform_kind
 
         platform = platform_kind()
     env = engine_env(mode, platform)

@@ -13,8 +13,8 @@ import functools
 import torch
 from torch.autograd import Function
 
-from .derived import DerivedWeight, cast_like_engine
-from .runtime import KernelLayer, VllmRuntime
+from zero_mismatch_plugin.aligned.derived import DerivedWeight, cast_like_engine
+from zero_mismatch_plugin.aligned.runtime import KernelLayer, VllmRuntime
 
 
 # ----- The hook point for inspection (``zmrl bisect``) ------------------------------------

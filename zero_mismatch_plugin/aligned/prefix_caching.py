@@ -26,7 +26,7 @@ PROVEN_PLATFORMS = ("cpu",)
 def unproven_reason(hf_config, platform: str) -> str | None:
     """``None`` when a prefix-cache hit is proven to give the bits of a miss (and of the trainer)
     for this checkpoint on this platform; otherwise why not, as a sentence."""
-    from ..architectures import describe
+    from zero_mismatch_plugin.tables.architectures import describe
 
     if platform not in PROVEN_PLATFORMS:
         return f"prefix-cache hits are not proven bitwise equal to misses on {platform} (only on {', '.join(PROVEN_PLATFORMS)})"
@@ -46,7 +46,7 @@ def unproven_reason(hf_config, platform: str) -> str | None:
 def keep_prefix_caching(hf_config, platform: str, environ, lora: bool = False) -> tuple[bool, str]:
     """(keep the engine's prefix caching?, why) in consistent mode. ``environ`` holds
     ``ZMRL_ALLOW_PREFIX_CACHING`` when the user set it; ``lora``: the engine serves LoRA adapters."""
-    from zero_mismatch_plugin.switches import flag
+    from zero_mismatch_plugin.tables.switches import flag
 
     allow = flag(ALLOW_ENV, environ)  # "1" / "0" / unset; any other value raises, naming the ones it takes
     if allow is False:

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-from . import numerics
-from .vllm_compat import platform_kind, require_vllm
+from zero_mismatch_plugin.aligned import numerics
+from zero_mismatch_plugin.aligned.vllm_compat import platform_kind, require_vllm
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ def engine_args_for(model_dir: str | os.PathLike, dtype: str = "float32", **over
 
     Includes the weight-sync worker extension (harmless in the trainer's config).
     """
-    from .weight_sync import WORKER_EXTENSION
+    from zero_mismatch_plugin.aligned.weight_sync import WORKER_EXTENSION
 
     args = dict(
         model=str(model_dir),
@@ -183,7 +183,7 @@ class VllmRuntime:
     def attention(
         self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, sliding_window: int | None = None
     ):
-        from .attention_backend import BackendPagedAttention
+        from zero_mismatch_plugin.aligned.attention_backend import BackendPagedAttention
 
         return BackendPagedAttention(self, num_heads, num_kv_heads, head_dim, scale, sliding_window)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 
-from zero_mismatch_plugin import upstream_versions
+from zero_mismatch_plugin.tables import upstream_versions
 
 # vLLM moved its batch-invariant module; both locations have shipped.
 BATCH_INVARIANT_MODULES = (
@@ -52,7 +52,7 @@ def require_vllm():
     import vllm
 
     major_minor = parse_version(vllm.__version__)
-    from zero_mismatch_plugin.switches import enabled
+    from zero_mismatch_plugin.tables.switches import enabled
 
     allow_untested = enabled(ALLOW_UNTESTED_ENV)  # "1" / "0" / unset; any other value raises
     if major_minor not in SUPPORTED_VLLM and not allow_untested:

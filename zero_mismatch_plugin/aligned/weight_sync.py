@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from zero_mismatch_plugin.patching.shared import repack_shared_cpu_weights
+from zero_mismatch_plugin.fork_patches.shared import repack_shared_cpu_weights
 
 WORKER_EXTENSION = "zero_mismatch_plugin.aligned.weight_sync.WeightSyncExtension"
 
@@ -48,7 +48,7 @@ class WeightSyncExtension:
         weights = [decode(item) for item in encoded]
         device = self.device if hasattr(self, "device") else torch.device("cpu")
         weights = [(n, t.to(device)) for n, t in weights]
-        from .moe import reprocess_moe_as_first_load
+        from zero_mismatch_plugin.aligned.moe import reprocess_moe_as_first_load
 
         # CPU MoE layers: pad and pre-pack the new expert weights as at the first load.
         reprocess_moe_as_first_load(self.model_runner.get_model())

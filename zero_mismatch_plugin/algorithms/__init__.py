@@ -1,0 +1,1 @@
+"""The seeds' formulas as framework-free torch functions, and per-token metrics of the mismatch."""

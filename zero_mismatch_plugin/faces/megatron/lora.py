@@ -1,0 +1,183 @@
+"""LoRA in the Megatron face: a frozen GPTModel plus a trainable adapter, with vLLM's LoRA arithmetic.
+
+Each targeted linear module (``linear_qkv``, ``linear_proj``, ``linear_fc1``, ``linear_fc2``)
+carries a :class:`MegatronLoRA` holding the adapter's A and B per vLLM output slice (names
+mapped to and from PEFT's by :mod:`.convert`); its forward is the op layer's
+:class:`~zero_mismatch_plugin.aligned.lora.AlignedLoRALinear` over the module's own base op, so
+the update is added in vLLM's row order (before megatron's grouped-qkv permutation) and the
+backward reaches A and B only. In an MoE layer the MLP targets sit on every routed expert's
+``linear_fc1`` / ``linear_fc2`` (``mlp.experts.local_experts.{e}``), which the MoE layer runs as
+:class:`~zero_mismatch_plugin.aligned.moe.AlignedMoELoRA` (vLLM's MoE layer with the experts'
+LoRA context) over its base MoE op, and on the shared expert's linears (``mlp.shared_experts``:
+dense LoRA as above). For Llama and Qwen3 (``VOCAB_LORA_ARCHITECTURES``) an ``embed_tokens``
+adapter sits on ``embedding.word_embeddings`` (megatron-core's embedding, whose output is replaced
+by the op layer's :class:`~zero_mismatch_plugin.aligned.lora.AlignedLoRAEmbedding` over the same
+weight: the same lookup plus vLLM's LoRA rows) and an ``lm_head`` adapter on ``output_layer``
+(:class:`~zero_mismatch_plugin.aligned.lora.AlignedLoRALogits` over the output layer's head).
+Nothing here defines an autograd op.
+"""
+
+from __future__ import annotations
+
+import os
+
+from torch import nn
+
+from zero_mismatch_plugin.aligned.lora import (
+    LoRAAdapter,
+    _LoRAPair,
+    _routed_expert_layers,
+    _target_shapes,
+    _TokenMapping,
+    AlignedLoRAEmbedding,
+    AlignedLoRALinear,
+    AlignedLoRALogits,
+    write_peft_adapter,
+)
+from zero_mismatch_plugin.tables.architectures import VOCAB_LORA_TARGETS
+from zero_mismatch_plugin.faces.megatron import convert
+from zero_mismatch_plugin.faces.megatron.modules import AlignedOutputLayer
+
+
+class MegatronLoRA(nn.Module):
+    """The adapter of one megatron linear: ``{target: (lora_A [r, in], lora_B [out, r])}`` for
+    the PEFT targets among the linear's vLLM slices ``slices`` (sizes ``out_sizes``)."""
+
+    def __init__(self, slices, out_sizes, pairs: dict, lora_config, mapping: _TokenMapping):
+        super().__init__()
+        self.slices = tuple(slices)
+        self.out_sizes = list(out_sizes)
+        for target, pair in pairs.items():  # parameters named <linear>.lora.<target>.lora_A / _B
+            self.add_module(target, pair)
+        self.targets = tuple(pairs)
+        self.lora_config = lora_config
+        self.mapping = mapping
+        self._op = None
+
+    def op(self, runtime, base_op):
+        """vLLM's LoRA linear over ``base_op`` (rebuilt when the base op is)."""
+        if self._op is None or self._op.base is not base_op:
+            pairs = [getattr(self, t) if t in self.targets else None for t in self.slices]
+            self._op = AlignedLoRALinear(runtime, base_op, pairs, self.lora_config, self.mapping, self.out_sizes)
+        return self._op
+
+
+class MegatronVocabLoRA(nn.Module):
+    """The adapter of megatron's word embedding (``embed_tokens``: A [r, vocab], B [hidden, r]) or
+    output layer (``lm_head``: A [r, hidden], B [vocab, r]), PEFT's layout."""
+
+    def __init__(self, target: str, pair: _LoRAPair, lora_config, runtime):
+        super().__init__()
+        self.add_module(target, pair)  # parameters named <module>.lora.<target>.lora_A / _B
+        self.target = target
+        self.lora_config = lora_config
+        # Every logits row is a sampled row of the adapter (as in the aligned face's lora_vocab_ops).
+        self.mapping = _TokenMapping(runtime, sampled_rows=target == "lm_head")
+        self._op = None
+
+    def op(self, runtime, base):
+        """vLLM's LoRA embedding over the embedding weight ``base``, or its LoRA logits layer over
+        the output layer's head ``base`` (rebuilt when the base is)."""
+        built = None if self._op is None else self._op.weight if self.target == "embed_tokens" else self._op.head
+        if built is not base:
+            kind = AlignedLoRAEmbedding if self.target == "embed_tokens" else AlignedLoRALogits
+            self._op = kind(runtime, base, getattr(self, self.target), self.lora_config, self.mapping)
+        return self._op
+
+
+def _embedding_with_lora(word_embeddings, args, output):
+    """Forward hook of megatron's word embedding carrying an adapter: its output becomes that of
+    vLLM's LoRA embedding over the same weight (token ids [b, s] -> [b, s, hidden])."""
+    ids = args[0]
+    lora = word_embeddings.lora
+    out = lora.op(lora.mapping.runtime, word_embeddings.weight)(ids.reshape(-1))
+    return out.view(*ids.shape, out.shape[-1])
+
+
+def attach_lora(model, runtime, adapter_dir: str | os.PathLike):
+    """Freeze ``model`` (a GPTModel with the aligned spec) and attach the PEFT adapter in
+    ``adapter_dir`` to its linears (routed experts and shared experts included), word embedding and
+    output layer; returns the adapter's :class:`~..aligned.lora.LoRAConfig`.
+
+    ``runtime`` must be built with the engine's LoRA arguments (``lora_engine_args``).
+    """
+    hf = runtime.hf_config
+    adapter = LoRAAdapter.from_dir(adapter_dir, hf, convert.megatron_blocks(hf).head_dim, vocab=True)
+    lora_config = adapter.lora_config
+    if lora_config.target_parameters:
+        raise NotImplementedError(
+            f"{adapter_dir}: a 3-D expert adapter (target_parameters) runs in the aligned model face only; the "
+            "Megatron face reads per-expert adapters (target_modules gate_proj, up_proj, down_proj)"
+        )
+    vocab_pairs = {t: adapter.vocab_pair(t) for t in VOCAB_LORA_TARGETS if adapter.vocab_pair(t) is not None}
+    if "lm_head" in vocab_pairs and getattr(model, "share_embeddings_and_output_weights", False):
+        raise NotImplementedError(
+            f"{adapter_dir}: an lm_head adapter on a model whose output layer is tied to the embedding "
+            "(tie_word_embeddings) is not covered in the Megatron face; drop lm_head from target_modules "
+            "or use the aligned model face"
+        )
+    vocab_names = {convert.megatron_vocab_lora_name(t, which) for t in VOCAB_LORA_TARGETS for which in "AB"}
+    tensors = {n: t for n, t in convert.peft_to_megatron_lora(adapter.peft_state()).items() if n not in vocab_names}
+    out_features = _out_features(hf)
+    mapping = _TokenMapping(runtime)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    linears = {}  # megatron linear -> (expert, {target: pair})
+    for name, tensor in tensors.items():
+        layer, target, which, expert = convert.parse_megatron_lora_name(name)
+        if which == "A":
+            pair = _LoRAPair(lora_config.r, tensor.shape[1], out_features[expert][target])
+            pair.lora_A.data.copy_(tensor)
+            pair.lora_B.data.copy_(tensors[convert.megatron_lora_name(layer, target, "B", expert)])
+            linears.setdefault(convert.lora_linear_name(layer, target, expert), (expert, {}))[1][target] = pair
+    modules = dict(model.named_modules())
+    missing = sorted(name for name in linears if name not in modules)
+    if missing:
+        raise ValueError(f"{adapter_dir}: the model has no megatron linear {missing[:4]} for the adapter")
+    for name, (expert, pairs) in linears.items():
+        module = modules[name]
+        slices = convert.lora_slices(next(iter(pairs)))
+        sizes = [out_features[expert][t] for t in slices]
+        module.lora = MegatronLoRA(slices, sizes, {t: p.to(module.weight.device) for t, p in pairs.items()},
+                                   lora_config, mapping)
+    _attach_vocab_lora(model, runtime, vocab_pairs, lora_config)
+    return lora_config
+
+
+def _attach_vocab_lora(model, runtime, pairs: dict, lora_config) -> None:
+    """Put the ``embed_tokens`` / ``lm_head`` adapters ``pairs`` on megatron's word embedding and
+    output layer (which must be the aligned one)."""
+    modules = dict(model.named_modules())
+    for target, pair in pairs.items():
+        module = modules[convert.MEGATRON_VOCAB_LORA_MODULES[target]]
+        if target == "lm_head" and not isinstance(module, AlignedOutputLayer):
+            raise ValueError(f"an lm_head adapter needs the aligned output layer, the model has {type(module).__name__}")
+        if target == "embed_tokens" and getattr(module, "lora", None) is None:  # one hook, however often attached
+            module.register_forward_hook(_embedding_with_lora)
+        module.lora = MegatronVocabLoRA(target, pair.to(module.weight.device), lora_config, runtime)
+
+
+def _out_features(hf_config) -> dict:
+    """{expert: {target: output features}} of the linears an adapter can target: ``None`` a
+    layer's own, each routed expert's index, ``convert.SHARED_EXPERT`` the shared expert's."""
+    blocks = convert.megatron_blocks(hf_config)
+    _, routed, _, shared = _routed_expert_layers(hf_config)
+    out = {None: _target_shapes(hf_config, blocks.head_dim), convert.SHARED_EXPERT: shared}
+    out.update(dict.fromkeys(range(blocks.moe.num_experts if blocks.moe else 0), routed))
+    return {expert: {target: out_f for target, (out_f, _) in shapes.items()} for expert, shapes in out.items()}
+
+
+def lora_parameters(model):
+    """(Megatron-face name, parameter) of every adapter matrix of ``model``."""
+    return [(n, p) for n, p in model.named_parameters() if ".lora." in n]
+
+
+def adapter_state(model) -> dict:
+    """The model's adapter under PEFT's names (detached), what the engine loads."""
+    hf_config = next((m.mapping.runtime.hf_config for m in model.modules() if isinstance(m, MegatronLoRA)), None)
+    return convert.megatron_to_peft_lora({n: p.detach() for n, p in lora_parameters(model)}, hf_config)
+
+
+def save_adapter(model, lora_config, adapter_dir: str | os.PathLike):
+    """Write the model's adapter in PEFT's format, for a ``LoRARequest`` to load."""
+    return write_peft_adapter(adapter_dir, lora_config, adapter_state(model))

@@ -1,0 +1,710 @@
+"""megatron-core modules whose forward is vLLM's kernel (through the aligned ops).
+
+Each class here has the constructor signature and the parameter names of the megatron-core module
+it replaces in a layer spec (``WrappedTorchNorm``, ``ColumnParallelLinear``/``RowParallelLinear``,
+``DotProductAttention``, ``MLP``, the GPT output layer), so checkpoints, optimizers and
+``sharded_state_dict`` see the usual megatron-core parameters. The computation is vLLM's: the
+forward of every op calls the vLLM layer instance built by :class:`~..aligned.runtime.VllmRuntime`
+on the tensors vLLM's model code would pass it (token-major ``[T, features]``), and the backward is
+the analytic gradient in fp32 (vLLM's kernels are forward-only).
+
+Tensor parallelism is not implemented: every module holds the full weight (TP=1).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch import nn
+
+from zero_mismatch_plugin.aligned import ops
+from zero_mismatch_plugin.aligned.runtime import VllmRuntime
+from zero_mismatch_plugin.aligned.sampling import vllm_label_logprobs
+from zero_mismatch_plugin.tables.architectures import describe
+
+# vLLM layer instances that hold no trainable state (rotary cos/sin cache, attention backend)
+# are shared by all layers built from one runtime, as vLLM shares one rotary embedding.
+_SHARED: "weakref.WeakKeyDictionary[VllmRuntime, dict]" = weakref.WeakKeyDictionary()
+
+
+def _shared(runtime: VllmRuntime, key, build):
+    cache = _SHARED.setdefault(runtime, {})
+    if key not in cache:
+        cache[key] = build()
+    return cache[key]
+
+
+def _flat(x: torch.Tensor) -> torch.Tensor:
+    """[..., features] -> [tokens, features], the layout vLLM's kernels are called with."""
+    return x.reshape(-1, x.shape[-1])
+
+
+# ----- Norms -------------------------------------------------------------------------------
+
+
+class AlignedRMSNormModule(nn.Module):
+    """Replaces ``WrappedTorchNorm`` (RMSNorm) for the input / pre-MLP / q / k / final norms."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, *, runtime: VllmRuntime, **_):
+        super().__init__()
+        if getattr(config, "normalization", "RMSNorm") != "RMSNorm":
+            raise NotImplementedError(
+                f"aligned megatron spec: normalization={config.normalization!r}; only RMSNorm"
+            )
+        if getattr(config, "layernorm_zero_centered_gamma", False):
+            raise NotImplementedError("aligned megatron spec: zero-centered RMSNorm gamma")
+        self.config = config
+        self.runtime = runtime
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
+        setattr(self.weight, "sequence_parallel", False)
+        self._op = None
+
+    def _kernel(self) -> ops.AlignedRMSNorm:
+        # Rebuilt if the Parameter object was replaced (e.g. by a model conversion).
+        if self._op is None or self._op.weight is not self.weight:
+            self._op = ops.AlignedRMSNorm(self.runtime, self.weight, self.eps)
+        return self._op
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        return self._kernel()(_flat(x)).reshape(shape)
+
+
+# ----- Linears -----------------------------------------------------------------------------
+
+
+def _megatron_parameter(data: torch.Tensor) -> nn.Parameter:
+    """A parameter with the attributes megatron's DDP / optimizer read on a TP=1 parameter."""
+    param = nn.Parameter(data)
+    setattr(param, "allreduce", True)
+    setattr(param, "sequence_parallel", False)
+    return param
+
+
+def _linear_weight(config, output_size: int, input_size: int, init_method) -> nn.Parameter:
+    weight = _megatron_parameter(torch.empty(output_size, input_size, dtype=config.params_dtype))
+    if init_method is not None and getattr(config, "perform_initialization", True):
+        with torch.no_grad():
+            init_method(weight)
+    return weight
+
+
+class AlignedLinearModule(nn.Module):
+    """Replaces ``ColumnParallelLinear`` / ``RowParallelLinear`` (TP=1) with vLLM's linear.
+
+    The bias, when present, is applied inside vLLM's linear (one fused ``F.linear``-style call,
+    as vLLM does) and never returned for a later add, whatever ``skip_bias_add`` says: a separate
+    bias add rounds differently.
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        config,
+        init_method=None,
+        bias: bool = True,
+        runtime: VllmRuntime,
+        tp_group=None,
+        **_,
+    ):
+        super().__init__()
+        if getattr(config, "tensor_model_parallel_size", 1) != 1:
+            raise NotImplementedError("aligned megatron spec: tensor parallelism (TP > 1)")
+        self.config = config
+        self.runtime = runtime
+        self.input_size = input_size
+        self.output_size = output_size
+        self.weight = _linear_weight(config, output_size, input_size, init_method)
+        self.bias = (
+            _megatron_parameter(torch.zeros(output_size, dtype=config.params_dtype)) if bias else None
+        )
+        # engine_rows[i]: the megatron row computing vLLM's output i (None: same layout).
+        self.register_buffer("engine_rows", None, persistent=False)
+        self._op = None
+        # A LoRA adapter on this linear (``megatron.lora.attach_lora``): forward through vLLM's LoRA linear.
+        self.lora = None
+
+    def _kernel(self) -> ops.AlignedLinear:
+        # Rebuilt if a Parameter object was replaced (e.g. by a model conversion).
+        sources = [self.weight] + ([self.bias] if self.bias is not None else [])
+        if self._op is None or any(a is not b for a, b in zip(self._op.params, sources)):
+            biases = None if self.bias is None else [self.bias]
+            self._op = ops.AlignedLinear(self.runtime, [self.weight], biases, engine_rows=self.engine_rows)
+        return self._op
+
+    def op(self):
+        """vLLM's linear, or with an adapter attached vLLM's LoRA linear over it."""
+        return self._kernel() if self.lora is None else self.lora.op(self.runtime, self._kernel())
+
+    def forward(self, x: torch.Tensor, *args, **kwargs):
+        out = self.op()(_flat(x))
+        return out.reshape(*x.shape[:-1], out.shape[-1]), None
+
+    def refresh(self) -> None:
+        self._kernel().derived.refresh()
+
+
+def qkv_row_order(num_heads: int, num_query_groups: int, head_dim: int) -> torch.Tensor:
+    """engine_rows between megatron's fused qkv and vLLM's ``[q; k; v]``: the megatron row of
+    each of vLLM's output rows.
+
+    megatron stores, per query group g: the group's ``num_heads / num_query_groups`` query heads,
+    then its key head, then its value head. vLLM's ``QKVParallelLinear`` stacks all query heads,
+    then all key heads, then all value heads.
+    """
+    per_group = num_heads // num_query_groups
+    group_rows = (per_group + 2) * head_dim
+    q_rows, k_rows, v_rows = [], [], []
+    for g in range(num_query_groups):
+        base = g * group_rows
+        q_rows.append(torch.arange(base, base + per_group * head_dim))
+        k_rows.append(torch.arange(base + per_group * head_dim, base + (per_group + 1) * head_dim))
+        v_rows.append(torch.arange(base + (per_group + 1) * head_dim, base + group_rows))
+    return torch.cat(q_rows + k_rows + v_rows)
+
+
+class AlignedQKVLinearModule(AlignedLinearModule):
+    """``linear_qkv``: megatron's grouped layout, computed as vLLM's ``[q; k; v]`` GEMM."""
+
+    def __init__(self, input_size: int, output_size: int, *, config, runtime: VllmRuntime, **kw):
+        super().__init__(input_size, output_size, config=config, runtime=runtime, **kw)
+        head_dim = config.kv_channels
+        groups = config.num_query_groups or config.num_attention_heads
+        expected = (config.num_attention_heads + 2 * groups) * head_dim
+        if output_size != expected:
+            raise NotImplementedError(
+                f"aligned megatron spec: linear_qkv of {output_size} rows, expected {expected} "
+                "(dense GQA attention; gated or latent attention is not supported)"
+            )
+        self.engine_rows = qkv_row_order(config.num_attention_heads, groups, head_dim)
+
+
+# ----- Activation / MLP --------------------------------------------------------------------
+
+
+def _mlp_class():
+    from megatron.core.transformer.mlp import MLP
+
+    class AlignedMLP(MLP):
+        """megatron's dense MLP with vLLM's ``SiluAndMul`` between fc1 ([gate; up]) and fc2."""
+
+        def __init__(self, config, submodules, *args, runtime: VllmRuntime, **kwargs):
+            if not (config.gated_linear_unit and config.activation_func is torch.nn.functional.silu):
+                raise NotImplementedError("aligned megatron spec: only SwiGLU MLPs (silu, gated)")
+            if getattr(config, "use_te_activation_func", False):
+                raise NotImplementedError("aligned megatron spec: use_te_activation_func")
+            super().__init__(config, submodules, *args, **kwargs)
+            self.runtime = runtime
+            self.act = ops.AlignedSiluAndMul(runtime)
+
+        def forward(self, hidden_states, per_token_scale=None, **kwargs):
+            if per_token_scale is not None:
+                raise NotImplementedError("aligned megatron spec: per-token-scaled MLP (MoE)")
+            gate_up, _ = self.linear_fc1(hidden_states)
+            shape = gate_up.shape
+            intermediate = self.act(_flat(gate_up)).reshape(*shape[:-1], shape[-1] // 2)
+            return self.linear_fc2(intermediate)
+
+    return AlignedMLP
+
+
+# Classes that subclass megatron-core's, defined on first use (megatron-core imported lazily).
+_DEFINED: dict = {}
+
+
+def _defined(define):
+    if define not in _DEFINED:
+        _DEFINED[define] = define()
+    return _DEFINED[define]
+
+
+def aligned_mlp_class():
+    return _defined(_mlp_class)
+
+
+# ----- Mixture of Experts -------------------------------------------------------------------
+
+
+def _op_over(holder, key: str, params: list, build):
+    """The op ``build()`` over ``params``, kept on ``holder`` and rebuilt if a Parameter object
+    was replaced (e.g. by a model conversion); in-place updates are the op's own business."""
+    cached = holder.__dict__.get(key)
+    if cached is None or len(cached[0]) != len(params) or any(a is not b for a, b in zip(cached[0], params)):
+        cached = (list(params), build())
+        holder.__dict__[key] = cached
+    return cached[1]
+
+
+class AlignedRouter(nn.Module):
+    """The ``router`` of megatron's MoE layer as the aligned MoE layer uses it: megatron's router
+    parameters (``weight`` [E, H]; the ``expert_bias`` buffer where the routing has a selection
+    bias) and vLLM's gate linear for the logits (``router(x)`` -> [T, E]). Choosing the experts
+    and weighting them is vLLM's router, inside the op layer's MoE op."""
+
+    def __init__(self, config, pg_collection=None, *, runtime: VllmRuntime, **_):
+        super().__init__()
+        self.config = config
+        self.runtime = runtime
+        self.layer_number = None
+        experts = config.num_moe_experts
+        self.weight = _megatron_parameter(torch.empty(experts, config.hidden_size, dtype=config.params_dtype))
+        if getattr(config, "perform_initialization", True):
+            with torch.no_grad():
+                config.init_method(self.weight)
+        if config.moe_router_enable_expert_bias:
+            # megatron's names; finalize_model_grads reads both (and leaves the bias unchanged at
+            # moe_router_bias_update_rate=0, which the aligned spec requires).
+            self.register_buffer("expert_bias", torch.zeros(experts, dtype=torch.float32))
+            self.register_buffer("local_tokens_per_expert", torch.zeros(experts), persistent=False)
+        else:
+            self.expert_bias = None
+
+    def set_layer_number(self, layer_number: int) -> None:
+        self.layer_number = layer_number
+
+    def _kernel(self) -> ops.AlignedLinear:
+        return _op_over(self, "_op", [self.weight], lambda: ops.AlignedLinear(self.runtime, [self.weight]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._kernel()(x)
+
+    def refresh(self) -> None:
+        self._kernel().derived.refresh()
+
+
+def moe_config_mismatches(config, blocks) -> list[str]:
+    """How megatron's MoE settings in ``config`` differ from the MoE layers of the checkpoint
+    vLLM serves (``blocks``: its :class:`~..architectures.Blocks`), as settings to change."""
+    moe = blocks.moe
+    if moe is None:
+        return ["num_moe_experts: the checkpoint vLLM serves has no MoE layers"]
+    wanted = dict(
+        num_moe_experts=moe.num_experts,
+        moe_router_topk=moe.top_k,
+        moe_ffn_hidden_size=moe.moe_intermediate_size,
+        moe_shared_expert_intermediate_size=moe.shared_expert_intermediate_size or None,
+        moe_shared_expert_gate=moe.shared_expert_gate,
+        moe_router_score_function=moe.scoring_func,
+        moe_router_enable_expert_bias=moe.e_score_correction_bias,
+    )
+    out = [f"{k}={v!r} (not {getattr(config, k, None)!r})" for k, v in wanted.items() if getattr(config, k, None) != v]
+    freq = getattr(config, "moe_layer_freq", 1)
+    layers = range(config.num_layers)
+    pattern = [int(i % freq == 0) for i in layers] if isinstance(freq, int) else list(freq)
+    engine = [int(blocks.mlp_kind(i) == "moe") for i in layers]
+    if pattern != engine:
+        out.append(f"moe_layer_freq={engine} (not {freq!r}): the checkpoint's MoE and dense layers")
+    return out
+
+
+def _moe_layer_class():
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    from zero_mismatch_plugin.aligned.moe import AlignedMoE, AlignedMoELoRA, moe_mlp
+
+    class AlignedMoELayer(MoELayer):
+        """megatron-core's MoE layer (router, experts, shared experts: megatron's modules and
+        parameter names) computed as vLLM computes it: the router's logits by vLLM's gate linear,
+        expert choice, experts and combine by the op layer's MoE op (vLLM's fused-MoE layer fed
+        the experts' ``linear_fc1``/``linear_fc2`` weights), the shared expert by vLLM's linears
+        and ``SiluAndMul``. No token dispatch: expert parallelism is 1."""
+
+        def __init__(self, config, submodules=None, layer_number=None, pg_collection=None, *, runtime: VllmRuntime, **_):
+            blocks = describe(runtime.hf_config)
+            problems = moe_config_mismatches(config, blocks)
+            if problems:
+                raise NotImplementedError(
+                    "aligned megatron MoE layer: megatron's config differs from the checkpoint vLLM "
+                    "serves; set " + "; ".join(problems)
+                )
+            super().__init__(config, submodules, layer_number=layer_number, pg_collection=pg_collection)
+            if self.num_local_experts != config.num_moe_experts:
+                raise NotImplementedError("aligned megatron MoE layer: expert parallelism > 1")
+            if not isinstance(self.router, AlignedRouter):
+                raise NotImplementedError("aligned megatron MoE layer: its router must be AlignedRouter")
+            self.runtime = runtime
+            self.moe = blocks.moe
+            self.act = _shared(runtime, "silu_and_mul", lambda: ops.AlignedSiluAndMul(runtime))
+
+        def _experts_op(self) -> AlignedMoE:
+            fc1 = [e.linear_fc1.weight for e in self.experts.local_experts]
+            fc2 = [e.linear_fc2.weight for e in self.experts.local_experts]
+            bias = self.router.expert_bias
+            return _op_over(
+                self,
+                "_experts",
+                fc1 + fc2 + [bias],
+                lambda: AlignedMoE(self.runtime, self.moe, self.config.hidden_size, None, None, fc2, bias, gate_up=fc1),
+            )
+
+        def _routed_op(self):
+            """The experts' op, with an adapter on the routed experts (``lora`` on every local
+            expert's ``linear_fc1`` and ``linear_fc2``, :func:`..lora.attach_lora`) vLLM's MoE
+            layer with their LoRA updates over it."""
+            base = self._experts_op()
+            local = self.experts.local_experts
+            adapters = [(getattr(e.linear_fc1, "lora", None), getattr(e.linear_fc2, "lora", None)) for e in local]
+            if all(a is None and b is None for a, b in adapters):
+                return base
+            if any(a is None or b is None for a, b in adapters):
+                raise ValueError("aligned megatron MoE layer: an adapter on some routed experts' linears only; "
+                                 "attach it to linear_fc1 and linear_fc2 of every expert (megatron.lora.attach_lora)")
+            experts = [{t: getattr(lora, t) for lora in pair for t in lora.targets} for pair in adapters]
+            params = [p for e in experts for pair in e.values() for p in (pair.lora_A, pair.lora_B)]
+            first = adapters[0][0]
+            return _op_over(
+                self,
+                "_routed_lora",
+                [base] + params,
+                lambda: AlignedMoELoRA(self.runtime, base, experts, first.lora_config, first.mapping),
+            )
+
+        def _shared_ops(self):
+            shared = self.shared_experts
+            if shared is None:
+                return None
+            gate = None
+            if shared.gate_weight is not None:
+                weight = shared.gate_weight
+                gate = _op_over(shared, "_gate", [weight], lambda: ops.AlignedLinear(self.runtime, [weight]))
+            return (shared.linear_fc1.op(), self.act, shared.linear_fc2.op(), gate)
+
+        def forward(self, hidden_states, intermediate_tensors=None, padding_mask=None):
+            if intermediate_tensors is not None:
+                raise NotImplementedError("aligned megatron MoE layer: partial (CUDA-graph) MoE forwards")
+            out = moe_mlp(_flat(hidden_states), self.router, self._routed_op(), self._shared_ops())
+            return out.reshape(hidden_states.shape), None
+
+        def refresh(self) -> None:
+            """Re-derive the experts' and the shared expert gate's engine layouts (the router
+            and the shared expert's linears are modules of their own)."""
+            self._experts_op().derived.refresh()
+            shared = self._shared_ops()
+            if shared is not None and shared[3] is not None:
+                shared[3].derived.refresh()
+
+    return AlignedMoELayer
+
+
+def aligned_moe_layer_class():
+    return _defined(_moe_layer_class)
+
+
+# ----- Rotary embedding and core attention ------------------------------------------------
+
+
+def _packed_seq_lens(packed_seq_params) -> list[int]:
+    """The sequence lengths of a packed (THD) batch, kept on its ``PackedSeqParams``: every layer
+    (rotary and attention) of one forward sees the same object, and reading cu_seqlens on the host
+    is a device sync."""
+    cu = packed_seq_params.cu_seqlens_q_padded
+    if cu is None:
+        cu = packed_seq_params.cu_seqlens_q
+    cached = getattr(packed_seq_params, "_zmrl_seq_lens", None)
+    if cached is None or cached[0] is not cu:
+        # Padding, if any, trails each sequence: causal rows before it are unaffected.
+        cached = (cu, [int(n) for n in torch.diff(cu.cpu()).tolist() if int(n) > 0])
+        packed_seq_params._zmrl_seq_lens = cached
+    return list(cached[1])
+
+
+def _batch_plan(attention: ops.AlignedAttention, packed_seq_params, seq_lens: list[int]):
+    """The attention plan of one packed batch, built by its first layer and kept on its
+    ``PackedSeqParams`` for the others (unpacked input: built per call)."""
+    if packed_seq_params is None:
+        return attention.plan(seq_lens)
+    plans = packed_seq_params.__dict__.setdefault("_zmrl_plans", {})
+    key = (id(attention), tuple(seq_lens))
+    if key not in plans:
+        plans[key] = (attention, attention.plan(seq_lens))  # holding attention keeps its id unique
+    return plans[key][1]
+
+
+def _token_major(query, key, value, attention_mask, packed_seq_params):
+    """q, k, v as vLLM's ``[T, heads * D]`` (sequence after sequence), their lengths, and the
+    megatron layout to return to (``None``: packed ``thd``; ``(s, b)``: ``sbhd``).
+
+    Accepts megatron's ``sbhd`` layout (each batch column one causal sequence, no padding mask)
+    and packed ``thd`` input (``packed_seq_params.cu_seqlens_q``), which verl uses.
+    """
+    if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
+        seq_lens = _packed_seq_lens(packed_seq_params)
+        tokens = query.shape[0]
+        if sum(seq_lens) != tokens:
+            raise ValueError(f"cu_seqlens cover {sum(seq_lens)} tokens, query has {tokens}")
+        flat = [None if t is None else t.reshape(tokens, -1) for t in (query, key, value)]
+        return (*flat, seq_lens, None)
+    if packed_seq_params is not None:
+        raise NotImplementedError(
+            f"aligned megatron spec: packed qkv_format={packed_seq_params.qkv_format!r}"
+        )
+    if attention_mask is not None:
+        raise NotImplementedError(
+            "aligned megatron spec: explicit attention masks (padded bshd batches); "
+            "use packed THD input (verl: use_remove_padding=True) or unpadded sequences"
+        )
+    s, b = query.shape[0], query.shape[1]
+    flat = [None if t is None else t.transpose(0, 1).reshape(b * s, -1) for t in (query, key, value)]
+    return (*flat, [s] * b, (s, b))
+
+
+def _megatron_layout(x2d: torch.Tensor, layout, like: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`_token_major` for one tensor, back to the shape of ``like``."""
+    if layout is None:
+        return x2d.reshape(like.shape)
+    s, b = layout
+    return x2d.view(b, s, *like.shape[2:]).transpose(0, 1)
+
+
+def _positions(seq_lens: list[int], device) -> torch.Tensor:
+    return torch.cat([torch.arange(n, device=device) for n in seq_lens])
+
+
+def _shared_rotary(runtime: VllmRuntime, head_dim: int) -> ops.AlignedRotary:
+    hf = runtime.hf_config
+    max_pos = getattr(hf, "max_position_embeddings", 8192)
+    rope = getattr(hf, "rope_parameters", None)
+    partial = describe(hf).partial_rotary_factor
+    if partial != 1.0:  # vLLM's GLM-4.5 turns the leading part of each head only
+        rope = {**(rope or {}), "partial_rotary_factor": partial}
+    return _shared(
+        runtime, ("rotary", head_dim, max_pos), lambda: ops.AlignedRotary(runtime, head_dim, max_pos, rope)
+    )
+
+
+def _layer_window(config, layer_number: int) -> int | None:
+    """vLLM's sliding window of megatron layer ``layer_number`` (1-based), read the way megatron's
+    own attention reads ``window_size`` / ``window_attn_skip_freq``; ``None``: full attention."""
+    from megatron.core.transformer.utils import is_layer_window_attention
+
+    from zero_mismatch_plugin.faces.megatron.spec import vllm_window
+
+    window_size = getattr(config, "window_size", None)
+    if not is_layer_window_attention(window_size, getattr(config, "window_attn_skip_freq", None), layer_number):
+        return None
+    window = vllm_window(window_size)
+    if window is None:
+        raise NotImplementedError(
+            f"aligned megatron spec: window_size={window_size!r}; only causal windows (left, 0)"
+        )
+    return window
+
+
+class AlignedRotaryApplication(nn.Module):
+    """The ``rotary_application`` spec hook (patched megatron-core): vLLM's rotary embedding.
+
+    Called by megatron's ``Attention.forward`` in place of ``apply_rotary_pos_emb`` on q and k,
+    with megatron's layout. megatron's own frequencies (``rotary_pos_emb``) are not used: the
+    rotation is vLLM's kernel with vLLM's cos/sin cache, at positions 0.. within each sequence.
+    """
+
+    def __init__(self, config, *, runtime: VllmRuntime, **_):
+        super().__init__()
+        if getattr(config, "context_parallel_size", 1) != 1:
+            raise NotImplementedError("aligned megatron spec: context parallelism (CP > 1)")
+        self.rotary = _shared_rotary(runtime, config.kv_channels)
+
+    def forward(self, query, key, rotary_pos_emb=None, packed_seq_params=None, inference_context=None):
+        if inference_context is not None:
+            raise NotImplementedError("aligned megatron spec: megatron's inference (KV-cache) path")
+        q, k, _, seq_lens, layout = _token_major(query, key, None, None, packed_seq_params)
+        q, k = self.rotary(_positions(seq_lens, query.device), q, k)
+        return _megatron_layout(q, layout, query), _megatron_layout(k, layout, key)
+
+
+class AlignedCoreAttention(nn.Module):
+    """Replaces ``DotProductAttention`` with vLLM's attention backend (and, on stock
+    megatron-core, vLLM's rotary embedding first).
+
+    On stock megatron-core, megatron applies the rotary embedding in ``Attention.forward`` just
+    before core attention, with its own cos/sin; that application is switched off after
+    construction (:func:`..spec.apply_post_construction_swaps`) and the rotation vLLM applies is
+    done here, on the same q and k, at the same point in the data flow. With the megatron-lm
+    spec-hook patch the spec's ``rotary_application`` rotates instead and this module is built
+    with ``rotates_qk=False``.
+    """
+
+    def __init__(
+        self,
+        config,
+        layer_number: int,
+        attn_mask_type=None,
+        attention_type: str = "self",
+        attention_dropout=None,
+        softmax_scale=None,
+        cp_comm_type=None,
+        pg_collection=None,
+        *,
+        runtime: VllmRuntime,
+        rotates_qk: bool = True,
+        **_,
+    ):
+        super().__init__()
+        if attention_type != "self":
+            raise NotImplementedError("aligned megatron spec: cross attention")
+        if getattr(config, "context_parallel_size", 1) != 1:
+            raise NotImplementedError("aligned megatron spec: context parallelism (CP > 1)")
+        dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        if dropout:
+            raise NotImplementedError("aligned megatron spec: attention dropout (vLLM has none)")
+        self.sliding_window = _layer_window(config, layer_number)
+        # A provider built elsewhere (Megatron-Bridge in verl) must carry the window vLLM runs.
+        engine_window = describe(runtime.hf_config).window_of(layer_number - 1)
+        if self.sliding_window != engine_window:
+            raise NotImplementedError(
+                f"aligned megatron spec: layer {layer_number} has sliding window {self.sliding_window} in "
+                f"megatron's config but {engine_window} in the checkpoint vLLM serves; set window_size="
+                f"{None if engine_window is None else (engine_window - 1, 0)} (and window_attn_skip_freq per layer)"
+            )
+        self.config = config
+        self.runtime = runtime
+        self.layer_number = layer_number
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_query_groups or config.num_attention_heads
+        self.head_dim = config.kv_channels
+        # vLLM's Llama/Qwen attention uses head_dim ** -0.5.
+        self.scale = softmax_scale if softmax_scale is not None else self.head_dim**-0.5
+        self.rotates_qk = rotates_qk
+        self.rotary = _shared_rotary(runtime, self.head_dim) if rotates_qk else None
+        self.attention = _shared(
+            runtime,
+            ("attention", self.num_heads, self.num_kv_heads, self.head_dim, self.scale, self.sliding_window),
+            lambda: ops.AlignedAttention(
+                runtime, self.num_heads, self.num_kv_heads, self.head_dim, self.scale, self.sliding_window
+            ),
+        )
+        # Set by apply_post_construction_swaps once megatron's own rotary is switched off.
+        self.applies_rotary = False
+
+    def forward(
+        self,
+        query,
+        key,
+        value,
+        attention_mask=None,
+        attn_mask_type=None,
+        attention_bias=None,
+        packed_seq_params=None,
+    ):
+        if self.rotates_qk and not self.applies_rotary:
+            raise RuntimeError(
+                "AlignedCoreAttention used without apply_post_construction_swaps(model): "
+                "megatron would rotate q/k itself and the rotation would be applied twice"
+            )
+        if attention_bias is not None:
+            raise NotImplementedError("aligned megatron spec: attention bias")
+        q, k, v, seq_lens, layout = _token_major(query, key, value, attention_mask, packed_seq_params)
+        if self.rotates_qk:
+            q, k = self.rotary(_positions(seq_lens, query.device), q, k)
+        plan = _batch_plan(self.attention, packed_seq_params, seq_lens)
+        out = self.attention(q, k, v.contiguous(), plan, seq_lens)
+        if layout is None:
+            return out
+        s, b = layout
+        return out.view(b, s, -1).transpose(0, 1)
+
+
+# ----- Output layer ------------------------------------------------------------------------
+
+
+class _MegatronLogits(ops.AlignedLogits):
+    def _build(self, sources):
+        # A megatron output weight may carry padded vocabulary rows; vLLM's head has exactly
+        # vocab_size rows before its own padding.
+        return super()._build([sources[0][: self.vocab_size]])
+
+
+class AlignedOutputLayer(nn.Module):
+    """Replaces GPTModel's ``output_layer``: vLLM's lm_head + ``LogitsProcessor`` (head dtype
+    honoured, fp32 in consistent mode), returning logits of vLLM's width (the model vocabulary).
+    """
+
+    def __init__(self, runtime: VllmRuntime, weight: nn.Parameter | None, vocab_size: int):
+        super().__init__()
+        self.runtime = runtime
+        self.vocab_size = vocab_size
+        self.weight = weight  # None when tied: GPTModel passes the embedding weight
+        self.sequence_parallel = False
+        self._head = None
+        # An lm_head adapter (``megatron.lora.attach_lora``): logits through vLLM's LoRA logits layer.
+        self.lora = None
+
+    def _kernel(self, weight: torch.Tensor) -> ops.AlignedLogits:
+        if weight.shape[0] != self.vocab_size:
+            raise NotImplementedError(
+                f"aligned output layer: weight has {weight.shape[0]} rows, the model vocabulary "
+                f"{self.vocab_size}; padded megatron vocabularies are not supported "
+                "(make_vocab_size_divisible_by / should_pad_vocab off)"
+            )
+        if self._head is None or self._head.weight is not weight:
+            self._head = _MegatronLogits(self.runtime, weight, self.vocab_size)
+        return self._head
+
+    def forward(self, hidden_states, weight=None, runtime_gather_output=None):
+        weight = self.weight if weight is None else weight
+        if weight is None:
+            raise ValueError("aligned output layer: no weight (tied model without weight=)")
+        s, b, h = hidden_states.shape
+        # vLLM computes logits for tokens in sequence order; megatron's rows are [s, b].
+        tokens = hidden_states.transpose(0, 1).reshape(b * s, h)
+        head = self._kernel(weight)
+        logits = (head if self.lora is None else self.lora.op(self.runtime, head))(tokens)
+        return logits.view(b, s, -1).transpose(0, 1), None
+
+    def refresh(self) -> None:
+        if self._head is not None:
+            self._head.derived.refresh()
+
+
+class AlignedOutputLayerModule(AlignedOutputLayer):
+    """The ``output_layer`` spec hook (patched megatron-core): built by GPTModel with the
+    arguments of ``ColumnParallelLinear`` (TP=1), holding its own ``[vocab, hidden]`` weight
+    unless GPTModel ties it to the embedding (``skip_weight_param_allocation``)."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        config,
+        init_method=None,
+        bias: bool = False,
+        skip_weight_param_allocation: bool = False,
+        runtime: VllmRuntime,
+        tp_group=None,
+        **_,
+    ):
+        if bias:
+            raise NotImplementedError("aligned output layer: a bias on the output layer")
+        if getattr(config, "tensor_model_parallel_size", 1) != 1:
+            raise NotImplementedError("aligned output layer: vocabulary parallelism (TP > 1)")
+        weight = None
+        if not skip_weight_param_allocation:
+            weight = _linear_weight(config, output_size, input_size, init_method)
+        super().__init__(runtime, weight, output_size)
+
+
+# ----- Per-token logprob -------------------------------------------------------------------
+
+
+class AlignedTokenLogprob(nn.Module):
+    """The ``token_logprob`` spec hook (patched megatron-core): vLLM's sampler logprob of each
+    label, ``[b, s]``, from megatron's ``[s, b, V]`` logits. GPTModel returns its negation as
+    the per-token loss, so ``-model(..., labels=labels)`` is vLLM's logprob bit for bit.
+
+    ``temperature`` is the sampling temperature of the rollout (T = 1 by default).
+    """
+
+    def __init__(self, config=None, *, temperature: float = 1.0, **_):
+        super().__init__()
+        if not temperature > 0:
+            raise ValueError(f"aligned token logprob: temperature must be > 0, got {temperature}")
+        self.temperature = float(temperature)
+
+    def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        rows = logits.transpose(0, 1)  # [b, s, V], the labels' layout
+        return vllm_label_logprobs(rows, labels, self.temperature if self.temperature != 1.0 else None)

@@ -1,0 +1,1 @@
+"""Integrations by upstream (vLLM, verl, Megatron), with the one runtime-patch mechanism."""

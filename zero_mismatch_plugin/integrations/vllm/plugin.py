@@ -1,0 +1,268 @@
+"""vLLM general plugin: the engine side of zero mismatch, applied in every vLLM process.
+
+vLLM calls :func:`register` in the main process (when ``EngineArgs`` is created), in the
+EngineCore and in every worker. It does nothing unless ``ZMRL_NUMERICS`` is set (see
+:mod:`zero_mismatch_plugin.aligned.numerics`). With ``ZMRL_NUMERICS=consistent`` it:
+
+* fixes the engine settings that decide which numbers are computed and recorded, when the
+  engine config is built: lm_head in fp32 (``hf_overrides.head_dtype``), ``processed_logprobs``
+  (the distribution actually sampled from), eager execution (compiled graphs round differently
+  from the trainer's eager ops), a seed, prefix caching only where a hit is proven to give the
+  bits of a miss (:mod:`zero_mismatch_plugin.aligned.prefix_caching`), and the weight-sync worker
+  extension;
+* on CUDA/ROCm/XPU sets ``VLLM_BATCH_INVARIANT=1`` for every process;
+* on CPU, where vLLM's batch-invariant mode cannot run, disables split-KV decode attention,
+  pads single-row GEMMs to two rows (see :mod:`zero_mismatch_plugin.aligned.cpu_gemm`) and
+  applies the CPU MLA fixes of :mod:`zero_mismatch_plugin.integrations.vllm.cpu_mla` and the row-count-invariant
+  MoE sigmoids of :mod:`zero_mismatch_plugin.integrations.vllm.cpu_sigmoid`, and gives a base request batched
+  with LoRA requests no adapter (``LORA_BASE_ROWS``, ``LORA_BASE_EMBEDDING_ROWS``), and serves LoRA
+  on MoE experts (:mod:`zero_mismatch_plugin.integrations.vllm.cpu_moe_lora`).
+
+``ZMRL_NUMERICS=fast`` only adds the weight-sync worker extension. Safe to call repeatedly.
+
+Each change to a vLLM function is a :class:`~zero_mismatch_plugin.integrations.patches.FunctionPatch`
+of the plugin's one patch mechanism (:data:`PATCHES`, for vLLM :data:`~zero_mismatch_plugin.integrations.vllm.patch_kinds.SUPPORTED_VLLM_VERSIONS`;
+any other version is refused): :func:`applied` lists them, and :func:`remove` puts the originals
+back and restores the environment variables :func:`register` set.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+
+from zero_mismatch_plugin.integrations import patches as runtime_patches
+from zero_mismatch_plugin.integrations.patches import FunctionPatch
+from zero_mismatch_plugin.integrations.vllm.cpu_mla import CONSISTENT_MODE_PATCHES as CPU_MLA_PATCHES
+from zero_mismatch_plugin.integrations.vllm.cpu_moe_lora import PATCHES as CPU_MOE_LORA_PATCHES
+from zero_mismatch_plugin.integrations.vllm.cpu_sigmoid import CONSISTENT_MODE_PATCHES as CPU_SIGMOID_PATCHES
+from zero_mismatch_plugin.integrations.vllm.patch_kinds import consistent_cpu_vllm_patch, vllm_patch
+
+logger = logging.getLogger(__name__)
+
+PREFIX_CACHING_ENV = "ZMRL_ALLOW_PREFIX_CACHING"  # read by aligned.prefix_caching
+
+# What register() found in os.environ before it set a variable for vLLM's processes (None: unset).
+_saved_env: dict[str, str | None] = {}
+
+def register() -> None:
+    from zero_mismatch_plugin.aligned import numerics
+
+    mode = numerics.current_mode()
+    if mode is None:
+        return
+    runtime_patches.apply(ENGINE_ARGS)
+    if mode != numerics.CONSISTENT:
+        return
+    try:
+        from zero_mismatch_plugin.aligned.vllm_compat import platform_kind
+
+        platform = platform_kind()
+    except Exception as exc:  # a plugin must not take the engine down
+        logger.error("zero-mismatch plugin: cannot determine the vLLM platform: %s", exc)
+        return
+    _set_engine_env(numerics.engine_env(mode, platform))
+    if platform == "cpu":
+        for patch in CPU_CONSISTENT_MODE_PATCHES:
+            runtime_patches.apply(patch)
+
+
+def _set_engine_env(values: dict[str, str]) -> None:
+    """Set the variables vLLM's processes read, remembering the first value found for each."""
+    from zero_mismatch_plugin.aligned.numerics import set_environment
+
+    changed = {key: value for key, value in values.items() if os.environ.get(key) != value}
+    for key, previous in set_environment(changed).items():
+        _saved_env.setdefault(key, previous)
+
+
+def applied() -> list[str]:
+    """The names of the plugin's vLLM patches in place in this process (or waiting for their
+    module to be imported)."""
+    return sorted(patch.name for patch in PATCHES
+                  if runtime_patches.is_applied(patch) or runtime_patches.is_pending(patch))
+
+
+def remove() -> list[str]:
+    """Put back every vLLM function the plugin patched in this process and the environment
+    variables it set; return the names of the patches removed."""
+    from zero_mismatch_plugin.aligned.numerics import restore_environment
+
+    removed = applied()
+    for patch in reversed(PATCHES):
+        runtime_patches.remove(patch)
+    restore_environment(_saved_env)
+    _saved_env.clear()
+    return removed
+
+
+def _pad_single_row_gemms(original):
+    from zero_mismatch_plugin.aligned.cpu_gemm import pad_single_row
+
+    def dispatch_cpu_unquantized_gemm(layer, remove_weight):
+        original(layer, remove_weight)
+        if hasattr(layer, "cpu_linear"):
+            layer.cpu_linear = pad_single_row(layer.cpu_linear)
+
+    return dispatch_cpu_unquantized_gemm
+
+
+CPU_GEMM = consistent_cpu_vllm_patch(
+    "vllm.model_executor.layers.utils:dispatch_cpu_unquantized_gemm", _pad_single_row_gemms,
+    name="cpu-gemm",
+    why="oneDNN's single-row GEMM rounds differently from the same row in a larger batch "
+        "(K >= 2048): every CPU linear pads one-row inputs to two rows",
+)
+
+
+def consistent_engine_settings(args) -> list[str]:
+    """Apply the consistent-mode settings to an ``EngineArgs``; return what was changed."""
+    changed = []
+
+    def setattr_if(name, value):
+        if getattr(args, name, None) != value:
+            setattr(args, name, value)
+            changed.append(f"{name}={value!r}")
+
+    overrides = args.hf_overrides
+    if overrides is None:
+        args.hf_overrides = {"head_dtype": "float32"}
+        changed.append("hf_overrides.head_dtype='float32'")
+    elif isinstance(overrides, dict) and "head_dtype" not in overrides:
+        args.hf_overrides = {**overrides, "head_dtype": "float32"}
+        changed.append("hf_overrides.head_dtype='float32'")
+    elif callable(overrides):
+
+        def with_fp32_head(config, _inner=overrides):
+            config = _inner(config)
+            if getattr(config, "head_dtype", None) is None:
+                config.head_dtype = "float32"
+            return config
+
+        args.hf_overrides = with_fp32_head
+        changed.append("hf_overrides.head_dtype='float32'")
+    if args.logprobs_mode == "raw_logprobs":
+        setattr_if("logprobs_mode", "processed_logprobs")
+    setattr_if("enforce_eager", True)
+    if args.seed is None:
+        setattr_if("seed", 0)
+    from zero_mismatch_plugin.aligned.prefix_caching import engine_hf_config
+
+    hf_config = functools.cache(lambda: engine_hf_config(args))  # read once, and only where a decision needs it
+    if _needs_cpu_mla_pin(args, hf_config):
+        setattr_if("attention_backend", "CPU_MLA")
+    if getattr(args, "enable_prefix_caching", None) is not False:
+        keep, why = _prefix_caching_decision(args, hf_config)
+        if not keep:
+            setattr_if("enable_prefix_caching", False)
+            logger.warning("zero-mismatch (consistent): prefix caching off: %s", why)
+    return changed
+
+
+def _needs_cpu_mla_pin(args, hf_config) -> bool:
+    """Whether an MLA model on CPU needs its attention backend pinned to ``CPU_MLA``: on a host
+    with AMX tiles vLLM picks ``AMX_MLA`` (128-token blocks, chunked prefill), which the aligned
+    trainer does not follow; ``CPU_MLA`` is what it follows on every host (docs/hosts.md).
+    ``hf_config`` returns the model's transformers config."""
+    from zero_mismatch_plugin.aligned.vllm_compat import platform_kind
+
+    if getattr(args, "attention_backend", None) is not None or getattr(
+            getattr(args, "attention_config", None), "backend", None) is not None:
+        return False  # the user's choice stands; the trainer's pre-check refuses a backend it does not follow
+    if platform_kind() != "cpu":
+        return False
+    config = hf_config()
+    text_config = getattr(config, "text_config", None) or config
+    return getattr(text_config, "kv_lora_rank", None) is not None and getattr(text_config, "model_type", "") != "deepseek_v4"
+
+
+def _prefix_caching_decision(args, hf_config) -> tuple[bool, str]:
+    from zero_mismatch_plugin.aligned import prefix_caching
+    from zero_mismatch_plugin.aligned.vllm_compat import platform_kind
+
+    from zero_mismatch_plugin.tables.switches import flag
+
+    # Unset: the architecture decides (a bad value is refused here); set: the config is not read.
+    config = hf_config() if flag(PREFIX_CACHING_ENV) is None else None
+    lora = bool(getattr(args, "enable_lora", False))
+    return prefix_caching.keep_prefix_caching(config, platform_kind(), os.environ, lora=lora)
+
+
+def _engine_settings(original):
+    from zero_mismatch_plugin.aligned import numerics
+    from zero_mismatch_plugin.aligned.weight_sync import WORKER_EXTENSION
+
+    def create_engine_config(self, *args, **kwargs):
+        mode = numerics.current_mode()
+        if mode is not None and not self.worker_extension_cls:
+            self.worker_extension_cls = WORKER_EXTENSION
+        if mode == numerics.CONSISTENT:
+            changed = consistent_engine_settings(self)
+            if changed:
+                logger.info("zero-mismatch (consistent): engine settings %s", ", ".join(changed))
+        return original(self, *args, **kwargs)
+
+    return create_engine_config
+
+
+ENGINE_ARGS = vllm_patch(
+    "vllm.engine.arg_utils:EngineArgs.create_engine_config", _engine_settings,
+    name="engine-args",
+    why="the engine settings that decide which numbers are computed and recorded (fp32 lm_head, "
+        "processed_logprobs, eager, seed, prefix caching only where proven) and the weight-sync worker extension",
+    when="ZMRL_NUMERICS set (consistent: all settings; fast: the worker extension only)",
+)
+
+def _shrink_without_adapter_rows(original):
+    def bgmv_shrink(inputs, lora_b_weights, output_tensor, lora_indices_tensor, scaling=1.0):
+        original(inputs, lora_b_weights, output_tensor, lora_indices_tensor, scaling)
+        no_adapter = lora_indices_tensor < 0
+        if bool(no_adapter.any()):
+            # Zero buffer rows: the expand then adds exactly 0 to a base request's output.
+            output_tensor[: no_adapter.shape[0]].masked_fill_(no_adapter[:, None], 0)
+
+    return bgmv_shrink
+
+
+# vLLM's torch LoRA ops (the CPU punica path) select each token's adapter by indexing the stacked
+# slots with its slot index; a token without adapter has index -1, which selects the LAST slot, so
+# a base request batched with adapter requests ran the last slot's adapter whenever that slot was
+# loaded (always with max_loras=1). The GPU kernels skip index -1.
+def _cpu_lora_op_patch(op: str, wrapper, name: str, why: str) -> FunctionPatch:
+    """A patch of one of vLLM's torch LoRA ops, also where the CPU punica wrapper imported it."""
+    return consistent_cpu_vllm_patch(f"vllm.lora.ops.torch_ops.lora_ops:{op}", wrapper, name=name, why=why,
+                                     bound_in=("vllm.lora.ops.torch_ops", "vllm.lora.punica_wrapper.punica_cpu"))
+
+
+LORA_BASE_ROWS = _cpu_lora_op_patch(
+    "bgmv_shrink", _shrink_without_adapter_rows, "cpu-lora-base-rows",
+    "a base request batched with LoRA requests got the last adapter slot's update (slot index -1): "
+    "its shrink rows are made 0, so its output is the base output",
+)
+
+
+def _expand_without_adapter_rows(original):
+    def bgmv_expand(inputs, lora_b_weights, output_tensor, lora_indices_tensor, add_inputs=True):
+        rows = (lora_indices_tensor[: output_tensor.shape[0]] < 0).nonzero()[:, 0]
+        kept = output_tensor.index_select(0, rows) if rows.numel() else None
+        original(inputs, lora_b_weights, output_tensor, lora_indices_tensor, add_inputs)
+        if kept is not None:
+            output_tensor.index_copy_(0, rows, kept)  # a token without adapter keeps its output
+
+    return bgmv_expand
+
+
+# The LoRA embedding has no shrink: its A rows are looked up with offset 0 (slot 0's rows) for a
+# token without adapter and the expand then indexes B with -1 (the last slot), so with both slots
+# loaded a base request got an embedding update made of two adapters' halves.
+LORA_BASE_EMBEDDING_ROWS = _cpu_lora_op_patch(
+    "bgmv_expand", _expand_without_adapter_rows, "cpu-lora-base-embedding-rows",
+    "a base request batched with LoRA requests got an embedding adapter update (slot 0's A rows, the "
+    "last slot's B): the expand leaves rows of slot index -1 unchanged, as the GPU kernels skip them",
+)
+
+# What register() applies on CPU in consistent mode; PATCHES adds the engine settings.
+CPU_CONSISTENT_MODE_PATCHES = (CPU_GEMM, *CPU_MLA_PATCHES, *CPU_SIGMOID_PATCHES, LORA_BASE_ROWS,
+                               LORA_BASE_EMBEDDING_ROWS, *CPU_MOE_LORA_PATCHES)
+PATCHES: list[FunctionPatch] = [ENGINE_ARGS, *CPU_CONSISTENT_MODE_PATCHES]

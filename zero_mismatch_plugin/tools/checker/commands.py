@@ -1,0 +1,268 @@
+"""Command-line handlers of ``zmrl check`` and ``zmrl bisect`` (argument parsing is in ``cli``)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from zero_mismatch_plugin.tools.checker import checkpoint_inputs
+from zero_mismatch_plugin.tools.checker import engine as eng
+from zero_mismatch_plugin.tools.checker import inputs
+from zero_mismatch_plugin.tools.checker.backends import BackendUnavailable, load_backend
+from zero_mismatch_plugin.tools.checker.checks import CHECK_NAMES, CheckOptions, count_steps, run_checks
+
+# Ops listed after the first differing one in the bisect table (the rest are consequences).
+OPS_SHOWN_AFTER_FIRST = 3
+
+
+def parse_batch_sizes(text: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise inputs.CheckerInputError(f"--batch-sizes must be comma-separated integers, got {text!r}") from None
+    if not sizes or any(b < 1 for b in sizes):
+        raise inputs.CheckerInputError(f"--batch-sizes must be positive integers, got {text!r}")
+    return sizes
+
+
+def validated_inputs(args) -> tuple[int, list[list[int]]]:
+    """(max_model_len, prompt token ids) once every input has been checked; nothing is started.
+
+    The checkpoint as the chosen ``--trainer`` face builds it is checked here too
+    (:func:`.checkpoint_inputs.precheck_model`), and last its weights are read once for NaN and
+    infinities (:func:`.checkpoint_inputs.require_finite_weights`)."""
+    inputs.require_at_least("--num-prompts", args.num_prompts)
+    inputs.require_at_least("--max-tokens", args.max_tokens)
+    inputs.require_seed(args.seed)
+    config = checkpoint_inputs.read_checkpoint_config(args.model)
+    max_model_len = inputs.resolve_max_model_len(config, args.max_model_len)
+    inputs.require_json_destination(args.json)
+    checkpoint_inputs.precheck_model(args.model, args.trainer)
+    checkpoint_inputs.load_tokenizer(args.model)
+    vocab = config.get("vocab_size") if isinstance(config.get("vocab_size"), int) else None
+    prompts = eng.load_prompts(args.model, args.prompts, args.num_prompts, vocab)
+    inputs.require_prompts_fit(prompts, args.max_tokens, max_model_len)
+    checkpoint_inputs.require_finite_weights(checkpoint_inputs.weight_files(args.model))
+    return max_model_len, prompts
+
+
+def apply_numerics(mode: str | None) -> str:
+    """Select the numerics mode for both sides before anything vLLM starts (default consistent)."""
+    from zero_mismatch_plugin.aligned.numerics import CONSISTENT, current_mode, set_mode
+
+    mode = mode or current_mode() or CONSISTENT  # a bad ZMRL_NUMERICS is refused, naming what it takes
+    set_mode(mode)
+    return mode
+
+
+def _progress(total: int, quiet: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, file=sys.stderr, disable=quiet, dynamic_ncols=True, leave=False)
+
+
+def _write_json(path: str, payload: dict) -> None:
+    if path == "-":
+        print(json.dumps(payload, indent=2))
+        return
+    with open(path, "w", encoding="utf-8") as handle:
+        json.dump(payload, handle, indent=2)
+
+
+def format_check_table(results, skipped, header: str) -> str:
+    width = max(len(name) for name in CHECK_NAMES)
+    lines = [header, f"{'check'.ljust(width)}  result  figures", f"{'-' * width}  ------  -------"]
+    for name in CHECK_NAMES:
+        if name in results:
+            r = results[name]
+            lines.append(f"{name.ljust(width)}  {'PASS' if r.passed else 'FAIL':6s}  {r.summary}")
+        elif name in skipped:
+            lines.append(f"{name.ljust(width)}  {'skip':6s}  not run: {skipped[name]}")
+    failed = [n for n, r in results.items() if not r.passed]
+    lines.append("")
+    lines.append(
+        f"{len(results) - len(failed)}/{len(results)} checks passed"
+        + (f"; failed: {', '.join(failed)}" if failed else "")
+    )
+    return "\n".join(lines)
+
+
+def lora_options(args) -> dict:
+    """The trainer backend's options for ``--lora ADAPTER_DIR`` (checked before anything starts)."""
+    lora_dir = getattr(args, "lora", None)
+    if lora_dir is None:
+        return {}
+    if args.trainer not in ("aligned", "megatron"):
+        raise inputs.CheckerInputError(f"--lora is supported with --trainer aligned or megatron, not {args.trainer!r}")
+    checkpoint_inputs.validate_adapter(lora_dir)
+    try:
+        lora_config, _ = eng.served_adapter(args.model, lora_dir)
+    except NotImplementedError as error:
+        raise inputs.CheckerInputError(str(error)) from None
+    if args.trainer == "megatron":
+        _refuse_megatron_adapter(args.model, lora_config.targets)
+    return {"lora_dir": lora_dir}
+
+
+def _refuse_megatron_adapter(model_dir, targets) -> None:
+    """The Megatron face adapts what the aligned face does (the targets ``served_adapter`` checked:
+    decoder linears, routed and shared experts, embed_tokens / lm_head where the engine adapts them)
+    except on multi-head latent attention models and an lm_head tied to the embedding."""
+    from transformers import AutoConfig
+
+    from zero_mismatch_plugin.tables.architectures import describe
+
+    blocks = describe(AutoConfig.from_pretrained(str(model_dir)))
+    mla = blocks.attention == "mla"
+    refused = [t for t in targets if mla or (t == "lm_head" and blocks.tied_head)]
+    if refused:
+        why = "on a multi-head latent attention model" if mla else "with lm_head tied to embed_tokens"
+        raise inputs.CheckerInputError(
+            f"--trainer megatron serves LoRA on the decoder linears, MoE experts and embed_tokens / lm_head, but "
+            f"not on multi-head latent attention models or a tied lm_head; this adapter targets {refused} {why}. "
+            "Use --trainer aligned, which runs those adapters too."
+        )
+
+
+def check_command(args) -> int:
+    try:
+        batch_sizes = parse_batch_sizes(args.batch_sizes)
+        max_model_len, prompts = validated_inputs(args)
+        lora = lora_options(args)
+        mode = apply_numerics(args.numerics)
+        prefix_caching = args.prefix_caching == "on"
+        budget = eng.prefill_budget(
+            args.model, max_model_len, seed=args.seed, full_vocab=args.full_vocab, prefix_caching=prefix_caching,
+            **lora,
+        )
+        inputs.require_prompts_within_budget(prompts, budget)
+        backend = load_backend(args.trainer, args.model, max_model_len=max_model_len, seed=args.seed, **lora)
+    except (BackendUnavailable, ValueError, OSError) as error:
+        print(f"ERROR: {error}", file=sys.stderr)
+        return 2
+    options = CheckOptions(
+        num_prompts=args.num_prompts,
+        max_tokens=args.max_tokens,
+        batch_sizes=batch_sizes,
+        full_vocab=args.full_vocab,
+        max_model_len=max_model_len,
+        prefix_caching=prefix_caching,
+        model_dir=str(args.model),
+        seed=args.seed,
+        lora_dir=lora.get("lora_dir"),
+    )
+    with eng.open_engine(
+        args.model, max_model_len, seed=args.seed, full_vocab=args.full_vocab, prefix_caching=prefix_caching, **lora
+    ) as llm:
+        progress = _progress(count_steps(options, len(prompts)), args.quiet)
+        try:
+            results, skipped = run_checks(llm, backend, prompts, options, progress)
+        finally:
+            progress.close()
+    header = (
+        f"zmrl check: {args.model}"
+        + (f" + LoRA {lora['lora_dir']}" if lora else "")
+        + f" | trainer {args.trainer} | numerics {mode} | "
+        f"{len(prompts)} prompts x {args.max_tokens} tokens, T=1 | prefix caching {args.prefix_caching}"
+    )
+    if args.json != "-":
+        print(format_check_table(results, skipped, header))
+    if args.json:
+        try:
+            _write_json(args.json, {name: r.as_dict() for name, r in results.items()})
+        except OSError as error:
+            print(f"ERROR: cannot write {args.json}: {error}", file=sys.stderr)
+            return 2
+        if args.json != "-":
+            print(f"JSON: {args.json}")
+    return 0 if all(r.passed for r in results.values()) else 1
+
+
+def format_bisect_table(result, header: str) -> str:
+    lines = [header]
+    first = result.first
+    if first is None:
+        lines.append(
+            f"no difference: all {len(result.ops)} compared ops are bitwise equal "
+            f"({result.tokens} tokens, {result.target_tokens} scored)"
+        )
+    else:
+        lines.append(f"first differing op: {first.name}  {first.problem}")
+    lines.append("")
+    width = max(len(op.name) for op in result.ops) if result.ops else 10
+    lines.append(f"{'op'.ljust(width)}  bitwise  max |Δ|    equal")
+    shown_after = 0
+    past_first = False
+    for op in result.ops:
+        if past_first:
+            if shown_after == OPS_SHOWN_AFTER_FIRST:
+                rest = sum(1 for o in result.ops if not o.equal) - 1 - shown_after
+                lines.append(f"... {len(result.ops) - result.ops.index(op)} more ops ({max(rest, 0)} more differ)")
+                break
+            shown_after += 1
+        mark = "equal" if op.equal else ("NaN/inf" if op.non_finite else "DIFF")
+        lines.append(
+            f"{op.name.ljust(width)}  {mark:7s}  {op.max_abs_diff:<9.3g}  {100 * op.equal_fraction:.1f}%"
+            + (f"  {op.shape_mismatch}" if op.shape_mismatch else "")
+        )
+        if op.name == result.first_differing_op:
+            past_first = True
+    if result.not_compared:
+        lines.append(f"not compared (exposed by one side only): {', '.join(result.not_compared)}")
+    return "\n".join(lines)
+
+
+def _refuse_mla_bisect(model_dir) -> None:
+    """vLLM's MLA attention splits a batch into prefill and decode steps from the engine's
+    scheduler metadata, which vLLM's modules run outside the engine do not have."""
+    from transformers import AutoConfig
+
+    from zero_mismatch_plugin.tables.architectures import describe
+
+    if describe(AutoConfig.from_pretrained(str(model_dir))).attention == "mla":
+        raise inputs.CheckerInputError(
+            f"{model_dir}: zmrl bisect does not run multi-head latent attention (DeepSeek-V2/V3) models yet; "
+            "use zmrl check, which compares the trainer with a live engine on them (with --lora too)"
+        )
+
+
+def bisect_command(args) -> int:
+    from zero_mismatch_plugin.tools.checker.bisect import bisect_input, run_bisect
+    from zero_mismatch_plugin.tools.checker.engine_modules import EngineModules
+
+    try:
+        max_model_len, prompts = validated_inputs(args)
+        _refuse_mla_bisect(args.model)
+        lora = lora_options(args)
+        mode = apply_numerics(args.numerics)
+        backend = load_backend(args.trainer, args.model, max_model_len=max_model_len, seed=args.seed, **lora)
+    except (BackendUnavailable, ValueError, OSError) as error:
+        print(f"ERROR: {error}", file=sys.stderr)
+        return 2
+    progress = _progress(2, args.quiet)
+    try:
+        progress.set_description("vLLM modules")
+        with EngineModules(args.model, max_model_len=max_model_len, seed=args.seed, **lora) as modules:
+            progress.update(1)
+            progress.set_description("forward, both sides")
+            vocab = modules.runtime.hf_config.vocab_size
+            batch = bisect_input(prompts, args.max_tokens, vocab, seed=args.seed)
+            result = run_bisect(modules, backend, batch)
+            progress.update(1)
+    finally:
+        progress.close()
+    header = (
+        f"zmrl bisect: {args.model}" + (f" + LoRA {lora['lora_dir']}" if lora else "")
+        + f" | vLLM modules vs trainer {args.trainer} | numerics {mode}"
+    )
+    if args.json != "-":
+        print(format_bisect_table(result, header))
+    if args.json:
+        try:
+            _write_json(args.json, result.as_dict())
+        except OSError as error:
+            print(f"ERROR: cannot write {args.json}: {error}", file=sys.stderr)
+            return 2
+        if args.json != "-":
+            print(f"JSON: {args.json}")
+    return 0 if result.first_differing_op is None else 1

@@ -1,0 +1,65 @@
+"""Trainer backend for ``zmrl check --trainer megatron``: an aligned megatron-core GPTModel.
+
+Answers the checker's three questions (see ``zero_mismatch_plugin.tools.checker.backends``) for a
+packed batch, run as megatron's packed THD input. Intermediates are recorded at the op layer
+(:mod:`.recording`), under the checker's canonical op names; ``qkv_proj`` is reported in vLLM's
+``[q; k; v]`` column order.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from zero_mismatch_plugin.aligned.sampling import SamplingTransform
+from zero_mismatch_plugin.tables.architectures import describe
+from zero_mismatch_plugin.integrations.megatron.standalone import MegatronScorer, packed_logits, token_logprobs_from_logits
+from zero_mismatch_plugin.tools.checker import oplist
+from zero_mismatch_plugin.tools.checker.recording import OpRecorder
+
+
+class MegatronBackend:
+    name = "megatron"
+
+    def __init__(self, model_dir: Path, max_model_len: int = 256, seed: int = 0, lora_dir=None):
+        lora = {}
+        if lora_dir is not None:
+            from zero_mismatch_plugin.tools.checker.engine import served_adapter
+
+            lora = served_adapter(model_dir, lora_dir)[1]
+        self.scorer = MegatronScorer.from_model_dir(model_dir, max_model_len=max_model_len, seed=seed, **lora)
+        self.model = self.scorer.model.eval()
+        self.runtime = self.scorer.runtime
+        self.lora_linears = frozenset()
+        if lora_dir is not None:
+            from zero_mismatch_plugin.faces.megatron.lora import attach_lora
+
+            self.lora_linears = oplist.lora_linears(attach_lora(self.model, self.runtime, lora_dir).targets)
+        self.vocab_size = self.runtime.hf_config.vocab_size
+        self.blocks = describe(self.runtime.hf_config)
+        self.qk_norm = self.blocks.qk_norm
+
+    @torch.no_grad()
+    def token_logprobs(self, batch) -> torch.Tensor:
+        return token_logprobs_from_logits(packed_logits(self.model, batch), batch).float()
+
+    @torch.no_grad()
+    def full_logprobs(self, batch) -> torch.Tensor:
+        logits = packed_logits(self.model, batch)
+        rows = logits.index_select(0, batch.target_rows.to(logits.device))
+        return SamplingTransform().logprobs(rows).float()
+
+    @torch.no_grad()
+    def intermediates(self, batch, perturb=None) -> dict:
+        """The model's forward with every op of the op layer recorded (the Megatron modules call
+        the same ops as the aligned model, in vLLM's order; an MoE layer's router, experts with
+        their choice, and shared expert too)."""
+        order = oplist.op_names(
+            self.runtime.hf_config.num_hidden_layers, self.qk_norm, self.blocks, lora=self.lora_linears
+        )
+        with OpRecorder(perturb) as recorder:
+            with recorder.op_layer(order):
+                logits = packed_logits(self.model, batch)
+            recorder.keep_head(logits.index_select(0, batch.target_rows.to(logits.device)))
+        return recorder.ops

@@ -1,0 +1,299 @@
+"""Whether the trainer side of a run is aligned: consistent numerics promise diff 0, and only the
+aligned trainer forward can keep that promise, for the models and layouts it covers. verl has two
+engines it runs in: Megatron (``ZMRL_MEGATRON_ALIGNED=1``: vLLM's kernels inside verl's Megatron
+engine, docs/megatron.md) and FSDP (``ZMRL_FSDP_ALIGNED=1``: the op layer inside verl's FSDP2
+units, :mod:`zero_mismatch_plugin.faces.fsdp`); a config with an FSDP actor that
+sets the FSDP switch is judged by the FSDP engine.
+
+The architectures they cover come from one list
+(:data:`zero_mismatch_plugin.tables.architectures.SUPPORTED_ARCHITECTURES`, shared by both faces): verl's
+Megatron engine runs the dense decoders (its MoE and MLA models need Megatron-Bridge), the FSDP
+engine also the Mixture-of-Experts ones (every expert in one process inside a layer's FSDP unit),
+neither MLA. The model features and parallel layouts the Megatron engine refuses are the aligned
+spec's own check (:func:`zero_mismatch_plugin.faces.megatron.spec.unsupported_features`), fed from the
+verl config and the model's ``config.json``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+
+from omegaconf import DictConfig
+
+from zero_mismatch_plugin.tables import architectures
+from zero_mismatch_plugin.integrations.verl.megatron_engine import ENABLE_ENV
+from zero_mismatch_plugin.faces.fsdp import ENABLE_ENV as FSDP_ENABLE_ENV
+
+from zero_mismatch_plugin.tools.config_checks.cluster import MEGATRON, ROLLOUT, uses_megatron
+from zero_mismatch_plugin.tools.config_checks.lora import lora_gaps as _lora_gaps
+from zero_mismatch_plugin.tools.config_checks.lora import lora_targets  # noqa: F401 - the config checks' public name
+from zero_mismatch_plugin.tools.config_checks.numerics import env_switch, is_consistent
+from zero_mismatch_plugin.tools.config_checks.problems import Problem
+from zero_mismatch_plugin.tools.config_checks.values import ENV_VARS_KEY, ConfigValueError, read
+
+ALIGNED_SWITCH_KEY = f"{ENV_VARS_KEY}.{ENABLE_ENV}"
+# Appended by `--allow-unaligned-trainer`: `++` sets the variable whether or not the config has it.
+UNALIGNED_OVERRIDE = f"++{ALIGNED_SWITCH_KEY}='0'"
+ARCHITECTURE_KEY = "zmrl.architecture"
+# verl's FSDP engine has its own switch (zero_mismatch_plugin.faces.fsdp); a config
+# that sets it with an FSDP actor is judged by it.
+FSDP_SWITCH_KEY = f"{ENV_VARS_KEY}.{FSDP_ENABLE_ENV}"
+FSDP_UNALIGNED_OVERRIDE = f"++{FSDP_SWITCH_KEY}='0'"
+OVERRIDE_HINT = (f"To train anyway with the trainer unaligned, pass --allow-unaligned-trainer (it adds "
+                 f"{UNALIGNED_OVERRIDE}); diff 0 then cannot hold")
+
+STANDARD = "standard kernels"
+ALIGNED = "aligned"
+NOT_ALIGNED = "NOT aligned"
+TURNED_OFF = "NOT aligned (turned off)"
+NOT_ENABLED = "NOT aligned (not enabled)"
+MODEL_UNKNOWN = "aligned if the model is one of the supported dense decoders (its architecture is not known yet)"
+
+
+@dataclass(frozen=True)
+class Architecture:
+    name: str | None
+    source: str
+    features: dict = field(default_factory=dict)  # megatron-style feature flags read from config.json
+
+
+@dataclass(frozen=True)
+class TrainerAlignment:
+    status: str
+    gaps: tuple[str, ...] = ()
+
+    def describe(self) -> str:
+        return self.status + (f": missing {'; '.join(self.gaps)}" if self.gaps else "")
+
+
+def _model_dir(cfg: DictConfig) -> tuple[str, Path]:
+    key = "actor_rollout_ref.model.hf_config_path"
+    path = read(cfg, key)
+    if path is None:
+        key = "actor_rollout_ref.model.path"
+        path = read(cfg, key)
+    return key, Path(path).expanduser()
+
+
+def _features(hf_config: dict) -> dict:
+    """The config.json fields the aligned spec's feature check knows, under megatron's names."""
+    experts = next((hf_config[k] for k in ("num_experts", "num_local_experts", "n_routed_experts")
+                    if hf_config.get(k)), None)
+    # Qwen2 configs carry a window with use_sliding_window=false; Mistral's has no switch: a window is on.
+    sliding = hf_config.get("sliding_window") if hf_config.get("use_sliding_window", True) else None
+    name = (hf_config.get("architectures") or [None])[0]
+    if isinstance(sliding, int) and architectures.windows_covered(name, hf_config.get("layer_types")):
+        sliding = (sliding - 1, 0)  # megatron-core's causal window for vLLM's window
+    return {"num_moe_experts": experts, "multi_latent_attention": bool(hf_config.get("kv_lora_rank")),
+            "window_size": sliding}
+
+
+def model_architecture(cfg: DictConfig) -> Architecture:
+    """From the local ``config.json`` of the model when there is one, else the recipe's ``zmrl.architecture``."""
+    key, directory = _model_dir(cfg)
+    config_file = directory / "config.json"
+    if config_file.is_file():
+        try:
+            hf_config = json.loads(config_file.read_text(encoding="utf-8"))
+            name = (hf_config.get("architectures") or [None])[0]
+        except (OSError, ValueError, AttributeError, TypeError) as error:
+            raise ConfigValueError(key, f"{config_file} is not a readable model config ({error}): "
+                                        "point the key at a checkpoint directory") from None
+        if not isinstance(name, str):
+            raise ConfigValueError(key, f"{config_file} names no architecture (its \"architectures\" list is "
+                                        "missing or empty)")
+        return Architecture(name, str(config_file), _features(hf_config))
+    declared = read(cfg, ARCHITECTURE_KEY)
+    if declared is not None:
+        return Architecture(declared, ARCHITECTURE_KEY)
+    return Architecture(None, f"{key} {str(directory)!r} has no local config.json and {ARCHITECTURE_KEY} is not set")
+
+
+def _fsdp_feature_gaps(features: dict) -> list[str]:
+    """The model features the FSDP actor's layer forward does not run (fsdp_aligned.AlignedFSDPForward)."""
+    gaps = []
+    if features.get("multi_latent_attention"):
+        gaps.append("multi-head latent attention in verl's FSDP actor")
+    if features.get("window_size") is not None:
+        gaps.append("sliding-window attention in verl's FSDP actor")
+    return gaps
+
+
+def _architecture_gaps(architecture: Architecture, fsdp: bool) -> list[str]:
+    """What keeps the model off the aligned forward of the engine the config trains with (verl's
+    FSDP engine when ``fsdp``, else its Megatron engine)."""
+    from zero_mismatch_plugin.faces.megatron.spec import unsupported_features
+
+    if architecture.name is None:
+        return []
+    # Read at call time. MoE checkpoints run aligned in verl's FSDP engine, not in its Megatron
+    # engine; MLA ones only in the package's own aligned model.
+    if fsdp:
+        gaps = _fsdp_feature_gaps(architecture.features)
+        not_in_engine, engine = architectures.MLA_ARCHITECTURES, "verl's FSDP engine"
+    else:
+        gaps = unsupported_features(SimpleNamespace(**architecture.features))
+        not_in_engine = (*architectures.MOE_ARCHITECTURES, *architectures.MLA_ARCHITECTURES)
+        engine = "verl's Megatron engine"
+    supported = tuple(a for a in architectures.SUPPORTED_ARCHITECTURES if a not in not_in_engine)
+    if architecture.name not in supported:
+        where = ""
+        if architecture.name in architectures.MOE_ARCHITECTURES and not fsdp:
+            where = ("verl's FSDP engine covers it (zm_engine: fsdp_aligned), its Megatron engine does not "
+                     "yet: ")
+        elif architecture.name in not_in_engine:
+            where = f"the aligned model face covers it, {engine} does not yet: "
+        gaps.insert(0, f"a path for {architecture.name} (from {architecture.source}: {where}the aligned forward "
+                       f"in {engine} covers {', '.join(supported)})")
+    elif architecture.source.endswith("config.json"):
+        gaps += _face_feature_gaps(Path(architecture.source).parent, "aligned" if fsdp else "megatron")
+    return gaps
+
+
+def _face_feature_gaps(model_dir: Path, face: str) -> list[str]:
+    """The settings of a supported architecture that the trainer ``face`` does not build: the same
+    pre-check ``zmrl check`` runs, on the checkpoint's own config (one transformers cannot read is
+    left to the engine's and the checker's own refusals)."""
+    from transformers import AutoConfig
+
+    try:
+        architectures.precheck(AutoConfig.from_pretrained(str(model_dir)), face)
+    except NotImplementedError as unsupported:
+        return [str(unsupported)]
+    except (OSError, ValueError, TypeError, KeyError):
+        pass
+    return []
+
+
+def uses_fsdp_switch(cfg: DictConfig) -> bool:
+    """An FSDP actor whose config sets the FSDP engine's aligned switch."""
+    return not uses_megatron(cfg) and env_switch(cfg, FSDP_ENABLE_ENV) is not None
+
+
+def switch_key(cfg: DictConfig) -> str:
+    return FSDP_SWITCH_KEY if uses_fsdp_switch(cfg) else ALIGNED_SWITCH_KEY
+
+
+def _fsdp_engine_gaps(cfg: DictConfig) -> list[str]:
+    """The FSDP engine settings the aligned forward runs under (fsdp_aligned.check_engine_supported)."""
+    gaps = []
+    for key, wanted in (("actor_rollout_ref.actor.strategy", "fsdp2"),
+                        ("actor_rollout_ref.actor.ulysses_sequence_parallel_size", 1),
+                        ("actor_rollout_ref.model.use_fused_kernels", False)):
+        if read(cfg, key) != wanted:
+            gaps.append(f"{key}={str(wanted).lower() if isinstance(wanted, bool) else wanted}")
+    return gaps
+
+
+def _engine_gaps(cfg: DictConfig) -> list[str]:
+    """The Megatron engine settings the aligned forward is built into (docs/megatron.md), or the
+    FSDP engine's when the config uses that engine's switch."""
+    from zero_mismatch_plugin.faces.megatron.spec import unsupported_features
+
+    if uses_fsdp_switch(cfg):
+        return _fsdp_engine_gaps(cfg)
+    if not uses_megatron(cfg):
+        return [f"verl's Megatron engine (actor strategy is {read(cfg, 'actor_rollout_ref.actor.strategy')!r}; "
+                "the aligned forward patches that engine): add the zm_engine: megatron group or model_engine=megatron"]
+    tp = read(cfg, f"{MEGATRON}.tensor_model_parallel_size")
+    layout = SimpleNamespace(tensor_model_parallel_size=tp,
+                             pipeline_model_parallel_size=read(cfg, f"{MEGATRON}.pipeline_model_parallel_size"),
+                             context_parallel_size=read(cfg, f"{MEGATRON}.context_parallel_size"),
+                             sequence_parallel=tp > 1 and read(cfg, f"{MEGATRON}.sequence_parallel"))
+    gaps = [f"{feature} in the trainer" for feature in unsupported_features(layout)]
+    for key in ("expert_model_parallel_size", "expert_tensor_parallel_size"):
+        size = read(cfg, f"{MEGATRON}.{key}")
+        if size not in (None, 1):
+            gaps.append(f"{key} {size} in the trainer (the aligned MoE layer runs every expert in one process)")
+    for key, wanted in ((f"{MEGATRON}.use_mbridge", True), (f"{MEGATRON}.vanilla_mbridge", False),
+                        (f"{MEGATRON}.use_remove_padding", True), ("actor_rollout_ref.model.use_fused_kernels", False)):
+        if read(cfg, key) is not wanted:
+            gaps.append(f"{key}={str(wanted).lower()}")
+    return gaps
+
+
+def _rollout_gaps(cfg: DictConfig, architecture: Architecture) -> list[str]:
+    """The aligned forward reproduces one single-GPU vLLM replica's arithmetic; for a
+    Mixture-of-Experts model that includes vLLM's one-process MoE layer (no data or expert
+    parallelism spreading its experts or tokens over processes)."""
+    gaps = []
+    for key, name in (("tensor_model_parallel_size", "tensor"), ("pipeline_model_parallel_size", "pipeline")):
+        size = read(cfg, f"{ROLLOUT}.{key}")
+        if size != 1:
+            gaps.append(f"rollout {name} parallelism {size} (the aligned forward reproduces a 1-GPU vLLM replica)")
+    if architecture.features.get("num_moe_experts") or architecture.name in architectures.MOE_ARCHITECTURES:
+        for key in ("data_parallel_size", "expert_parallel_size"):
+            size = read(cfg, f"{ROLLOUT}.{key}")
+            if size not in (None, 1):
+                gaps.append(f"rollout {key} {size} (vLLM's MoE layer then spans processes; the aligned MoE op is "
+                            "its one-process layer)")
+    return gaps
+
+
+def alignment_gaps(cfg: DictConfig, architecture: Architecture) -> list[str]:
+    """What the aligned trainer forward lacks to reproduce this config's rollout bit for bit."""
+    gaps = _architecture_gaps(architecture, uses_fsdp_switch(cfg)) + _engine_gaps(cfg) + _lora_gaps(cfg)
+    return gaps + _rollout_gaps(cfg, architecture)
+
+
+def aligned_switch(cfg: DictConfig) -> bool | None:
+    """The engine's aligned switch: True ("1"), False ("0") or None (unset)."""
+    return env_switch(cfg, FSDP_ENABLE_ENV if uses_fsdp_switch(cfg) else ENABLE_ENV)
+
+
+def trainer_alignment(cfg: DictConfig) -> TrainerAlignment:
+    """Whether the trainer's logprobs are vLLM's bits for this config, and if not, what is missing."""
+    if not is_consistent(cfg):
+        return TrainerAlignment(STANDARD)
+    switch = aligned_switch(cfg)
+    architecture = model_architecture(cfg)
+    gaps = tuple(alignment_gaps(cfg, architecture))
+    if switch is False:
+        return TrainerAlignment(TURNED_OFF, gaps)
+    if switch is not True:
+        return TrainerAlignment(NOT_ENABLED, gaps)
+    if gaps:
+        return TrainerAlignment(NOT_ALIGNED, gaps)
+    if architecture.name is None:
+        return TrainerAlignment(MODEL_UNKNOWN)
+    return TrainerAlignment(ALIGNED)
+
+
+def _unaligned_warning(gaps: tuple[str, ...], key: str) -> Problem:
+    why = f" The aligned forward would also lack: {'; '.join(gaps)}." if gaps else ""
+    return Problem(key,
+                   "TRAINER NOT ALIGNED: \"0\" runs the trainer on its own kernels while ZMRL_NUMERICS=consistent; "
+                   "its logprobs are not vLLM's bits, so diff 0 CANNOT hold (rollout_probs_diff will not read 0, "
+                   f"bitwise_equal_fraction will not read 1).{why}", fatal=False)
+
+
+def _override_hint(cfg: DictConfig) -> str:
+    if uses_fsdp_switch(cfg):
+        return f"To train anyway with the trainer unaligned, pass {FSDP_UNALIGNED_OVERRIDE}; diff 0 then cannot hold"
+    return OVERRIDE_HINT
+
+
+def alignment_problems(cfg: DictConfig) -> list[Problem]:
+    switch = aligned_switch(cfg)  # a value other than "1" / "0" was reported by the value checks already
+    alignment = trainer_alignment(cfg)
+    if alignment.status == NOT_ENABLED:
+        return [Problem(switch_key(cfg), "ZMRL_NUMERICS=consistent promises diff 0, which needs the aligned "
+                                            "trainer forward: set it to \"1\" (the zm_numerics: consistent group "
+                                            f"does). {_override_hint(cfg)}")]
+    if alignment.status == NOT_ALIGNED:
+        return [Problem(switch_key(cfg), "the aligned trainer forward does not cover this run, so diff 0 cannot "
+                                            f"hold; missing: {'; '.join(alignment.gaps)}. {_override_hint(cfg)}")]
+    if alignment.status == MODEL_UNKNOWN:
+        return [Problem(ARCHITECTURE_KEY, f"cannot tell whether the aligned trainer forward covers the model: "
+                                          f"{model_architecture(cfg).source}. Point model.path at a local "
+                                          f"checkpoint, or set ++{ARCHITECTURE_KEY}=<its config.json architectures[0]>")]
+    if alignment.status == TURNED_OFF:
+        return [_unaligned_warning(alignment.gaps, switch_key(cfg))]
+    if alignment.status == STANDARD and switch is True:
+        return [Problem(switch_key(cfg), "the aligned trainer forward is on without ZMRL_NUMERICS=consistent: "
+                                            "the engine side is not batch-invariant, so parity is not expected",
+                        fatal=False)]
+    return []
