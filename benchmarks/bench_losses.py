@@ -64,7 +64,7 @@ def main() -> None:
     from zero_mismatch_plugin.algorithms import formulas
     from verl.trainer.config.algorithm import RolloutCorrectionConfig
     from verl.trainer.ppo.core_algos import get_policy_loss_fn
-    from verl_batches import actor_config
+    from support.verl_batches import actor_config
 
     pi, mu, advantages, mask = make_batch(args.batch, args.length)
     verl_config = actor_config("bypass_mode")

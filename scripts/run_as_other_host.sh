@@ -11,6 +11,6 @@ exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@" \
   tests/aligned/test_row_invariant_kernels.py \
   "tests/aligned/test_aligned_cpu_gemm.py::test_host_vllm_gemm_probe_is_reported" \
   "tests/aligned/test_aligned_cpu_gemm.py::test_lone_sequence_decode_at_large_k_is_bitwise_equal" \
-  "tests/aligned/test_aligned_mla.py::test_trainer_logprobs_bitwise_equal_engine" \
-  "tests/aligned/test_aligned_expert_lora.py::test_engine_serves_expert_lora_and_alone_equals_batched[qwen3_moe]" \
-  "tests/aligned/test_aligned_expert_lora.py::test_trainer_bitwise_equal_engine_at_batch_1_and_8_and_mixed[qwen3_moe]"
+  "tests/faces/aligned_model/test_aligned_mla.py::test_trainer_logprobs_bitwise_equal_engine" \
+  "tests/faces/aligned_model/test_aligned_expert_lora.py::test_engine_serves_expert_lora_and_alone_equals_batched[qwen3_moe]" \
+  "tests/faces/aligned_model/test_aligned_expert_lora.py::test_trainer_bitwise_equal_engine_at_batch_1_and_8_and_mixed[qwen3_moe]"

@@ -13,7 +13,7 @@ from zero_mismatch_plugin.tables.switches import default_cpu_kv_cache_space  # n
 
 default_cpu_kv_cache_space()  # 1 GiB unless set; a value vLLM's CPU engine would die on stops the session here
 
-from vllm_session import MAX_MODEL_LEN, Engines, prompts_for, rollout  # noqa: E402
+from support.vllm_session import MAX_MODEL_LEN, Engines, prompts_for, rollout  # noqa: E402
 
 
 # DeepSeek-V3's rope scaling, shrunk: yarn over 4x the 128 original positions, mscale in the softmax scale.
@@ -68,6 +68,19 @@ def engines(checkpoints):
     holder.close()
 
 
+@pytest.fixture(scope="module")
+def consistent_mode():
+    """Consistent numerics while a module's tests run, undone afterwards.
+
+    Engines read ZMRL_NUMERICS when they are created (inside these tests), a GPU trainer needs
+    vLLM's batch-invariant mode in this process; the rest of the test session sees neither.
+    """
+    from zero_mismatch_plugin.aligned.numerics import consistent_numerics
+
+    with consistent_numerics():
+        yield
+
+
 @pytest.fixture(scope="session")
 def trainers(checkpoints):
     """Aligned trainer models (one per checkpoint), created on first use."""
@@ -97,7 +110,7 @@ def make_prompts():
 
 # Modules whose every test is a whole verl process (Ray, FSDP and an engine, minutes each): run
 # first, so that the suite does not end with one worker running them while the other idles.
-WHOLE_PROCESS_MODULES = ("tests/verl_cpu/test_main_ppo_sync.py", "tests/verl_cpu/test_main_ppo_async.py")
+WHOLE_PROCESS_MODULES = ("tests/integrations/verl/cpu/test_main_ppo_sync.py", "tests/integrations/verl/cpu/test_main_ppo_async.py")
 
 
 def _whole_process_first(item) -> int:
@@ -114,7 +127,7 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_terminal_summary(terminalreporter):
-    """Counts of tests/test_bad_input.py by outcome (the measure of the bad-input table)."""
+    """Counts of tests/tools/test_bad_input.py by outcome (the measure of the bad-input table)."""
     from collections import Counter
 
     counts = Counter()

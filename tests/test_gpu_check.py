@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+from support import REPO  # noqa: E402
 TRAINER_PARTS = ("op_backward_float64", "aligned_forward_batch_invariant", "aligned_backward_float64")
 
 

@@ -10,7 +10,7 @@ import sys
 import sysconfig
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from support import REPO  # noqa: E402
 CHECK = REPO / "scripts" / "assert_installed_from.py"
 SITE = Path(sysconfig.get_path("purelib")).resolve()
 ZMRL = Path(sys.executable).parent / "zmrl"

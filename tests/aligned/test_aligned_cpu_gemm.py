@@ -11,7 +11,7 @@ host. Runs last among the engine tests (file order): it needs its own checkpoint
 import pytest
 import torch
 
-from vllm_session import prompts_for, rollout
+from support.vllm_session import prompts_for, rollout
 
 from zero_mismatch_plugin.aligned import pack
 from zero_mismatch_plugin.aligned.cpu_gemm import (

@@ -1,0 +1,10 @@
+"""The aligned model's tests run in consistent mode (the fixture is tests/conftest.py's)."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _every_module_in_consistent_mode(consistent_mode):
+    yield

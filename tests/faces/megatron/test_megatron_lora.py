@@ -1,0 +1,162 @@
+"""The Megatron face with LoRA: a frozen aligned GPTModel plus a rank-8 adapter on every linear
+against a LoRA-enabled vLLM engine serving the same adapter (CPU, gloo, world size 1).
+
+Its own engine (enable_lora), started after the session's shared engine is shut down; the sync
+test goes last because it changes the adapter on both sides.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from support.vllm_session import MAX_MODEL_LEN, prompts_for, rollout
+
+from zero_mismatch_plugin.aligned import pack
+from zero_mismatch_plugin.aligned.lora import build_adapter, lora_engine_args
+from zero_mismatch_plugin.faces.megatron import convert
+
+# Relative L2 error allowed between the Megatron face's and the aligned face's fp32 adapter
+# gradients (the aligned face is checked against float64 in test_aligned_lora.py).
+GRAD_REL_TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def consistent_mode():
+    from zero_mismatch_plugin.aligned.numerics import consistent_numerics
+
+    with consistent_numerics():
+        yield
+
+
+@pytest.fixture(scope="module")
+def adapter(checkpoints, tmp_path_factory, consistent_mode):
+    return build_adapter(tmp_path_factory.mktemp("megatron_lora") / "r8", checkpoints["llama"], r=8, lora_alpha=16, seed=21)
+
+
+@pytest.fixture(scope="module")
+def lora_llm(checkpoints, adapter, engines):
+    from vllm import LLM
+
+    from zero_mismatch_plugin.aligned.runtime import engine_args_for, shutdown_engine
+
+    engines.close()  # at most one engine alive
+    llm = LLM(**engine_args_for(checkpoints["llama"], max_model_len=MAX_MODEL_LEN, seed=0, **lora_engine_args(adapter)))
+    yield llm
+    shutdown_engine(llm)
+
+
+@pytest.fixture(scope="module")
+def runtime(checkpoints, adapter):
+    from zero_mismatch_plugin.aligned.runtime import VllmRuntime
+    from zero_mismatch_plugin.integrations.megatron.standalone import init_single_process
+
+    init_single_process()
+    return VllmRuntime(checkpoints["llama"], max_model_len=MAX_MODEL_LEN, seed=0, **lora_engine_args(adapter))
+
+
+@pytest.fixture(scope="module")
+def model(runtime, adapter):
+    from zero_mismatch_plugin.faces.megatron.lora import attach_lora
+    from zero_mismatch_plugin.integrations.megatron.standalone import build_gpt_model
+
+    gpt = build_gpt_model(runtime, aligned=True)
+    gpt.lora_config = attach_lora(gpt, runtime, adapter)
+    return gpt
+
+
+def generate(llm, prompts, request, seed=0):
+    """(prompts, responses, μ) of one batch, two samples per prompt, every request with ``request``."""
+    return rollout(llm, prompts, seed=seed, n=2, max_tokens=16, lora_request=request)
+
+
+def megatron_logprobs(model, prompts, responses):
+    from zero_mismatch_plugin.integrations.megatron.standalone import packed_logits, token_logprobs_from_logits
+
+    batch = pack(prompts, responses)
+    return token_logprobs_from_logits(packed_logits(model, batch), batch)
+
+
+def _assert_bitwise(logprobs, mu, what):
+    assert torch.equal(logprobs, mu), (
+        f"{what}: {(logprobs == mu).float().mean().item():.1%} of {mu.numel()} tokens bitwise equal, "
+        f"max |diff| {(logprobs - mu).abs().max().item():.3g}"
+    )
+
+
+def _request(name, adapter_id, path):
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest(name, adapter_id, str(path))
+
+
+def test_megatron_lora_bitwise_equal_engine(lora_llm, model, runtime, adapter):
+    from zero_mismatch_plugin.integrations.megatron.standalone import build_gpt_model
+
+    prompts, responses, mu = generate(lora_llm, prompts_for(runtime.model_dir), _request("r8", 1, adapter))
+    with torch.no_grad():
+        _assert_bitwise(megatron_logprobs(model, prompts, responses), mu, "megatron + LoRA")
+        # The adapter is really in the forward: the same GPTModel without it gives other numbers.
+        assert not torch.equal(megatron_logprobs(build_gpt_model(runtime, aligned=True), prompts, responses), mu)
+    # The adapter's matrices went through convert's name mapping and back unchanged.
+    from zero_mismatch_plugin.aligned.lora import WEIGHTS_FILE
+    from safetensors.torch import load_file
+    from zero_mismatch_plugin.faces.megatron.lora import adapter_state
+
+    on_disk = load_file(str(adapter / WEIGHTS_FILE))
+    state = adapter_state(model)
+    assert set(state) == set(on_disk) and all(torch.equal(state[n], on_disk[n]) for n in on_disk)
+
+
+def test_megatron_lora_gradients_only_on_a_and_b(lora_llm, model, runtime, adapter, checkpoints):
+    from zero_mismatch_plugin.faces.aligned_model import AlignedCausalLM
+    from zero_mismatch_plugin.faces.megatron.lora import lora_parameters
+
+    prompts, responses, _ = generate(lora_llm, prompts_for(runtime.model_dir), _request("r8", 1, adapter), seed=100)
+    coeffs = torch.randn(sum(len(r) for r in responses), generator=torch.Generator().manual_seed(0))
+    model.zero_grad(set_to_none=True)
+    (megatron_logprobs(model, prompts, responses) * coeffs).sum().backward()
+    adapter_names = {n for n, _ in lora_parameters(model)}
+    assert len(adapter_names) == 2 * 7 * 2  # A and B of 7 targets in 2 layers
+    for name, p in model.named_parameters():
+        if name in adapter_names:
+            assert p.requires_grad and p.grad is not None and p.grad.abs().max() > 0, name
+        else:
+            assert p.grad is None and not p.requires_grad, name
+    grads = convert.megatron_to_peft_lora({n: p.grad for n, p in lora_parameters(model)})
+    model.zero_grad(set_to_none=True)
+
+    aligned = AlignedCausalLM.from_pretrained(checkpoints["llama"], max_model_len=MAX_MODEL_LEN, seed=0,
+                                              lora_dir=adapter, **lora_engine_args(adapter))
+    (aligned.token_logprobs(pack(prompts, responses)) * coeffs).sum().backward()
+    worst = 0.0
+    for i, target, pair in aligned.lora.pairs():
+        for which, p in (("A", pair.lora_A), ("B", pair.lora_B)):
+            g = grads[f"base_model.model.model.layers.{i}.{'self_attn' if target in ('q_proj', 'k_proj', 'v_proj', 'o_proj') else 'mlp'}.{target}.lora_{which}.weight"]
+            rel = ((g - p.grad).norm() / p.grad.norm()).item()
+            worst = max(worst, rel)
+            assert rel < GRAD_REL_TOL, f"layer {i} {target} lora_{which}: relative difference {rel:.3g}"
+    print(f"megatron vs aligned LoRA gradients: worst relative difference {worst:.3g}")
+
+
+def test_megatron_lora_equal_again_after_optimizer_step_and_adapter_sync(lora_llm, model, runtime, tmp_path):
+    from zero_mismatch_plugin.faces.megatron.lora import lora_parameters, save_adapter
+
+    prompts = prompts_for(runtime.model_dir)
+    before = generate(lora_llm, prompts, _request("r8", 1, model_adapter_dir(model, tmp_path, "v0")), seed=200)
+    optimizer = torch.optim.AdamW([p for _, p in lora_parameters(model)], lr=2e-2)
+    (-megatron_logprobs(model, before[0], before[1]).mean()).backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    path = save_adapter(model, model.lora_config, tmp_path / "v1")
+    after = generate(lora_llm, prompts, _request("r8-v1", 2, path), seed=200)
+    # Same seeds: only the new adapter can have changed the rollout.
+    assert after[1] != before[1] or not torch.equal(after[2], before[2])
+    with torch.no_grad():
+        _assert_bitwise(megatron_logprobs(model, after[0], after[1]), after[2], "megatron + LoRA after sync")
+
+
+def model_adapter_dir(model, tmp_path, name):
+    from zero_mismatch_plugin.faces.megatron.lora import save_adapter
+
+    return save_adapter(model, model.lora_config, tmp_path / name)
