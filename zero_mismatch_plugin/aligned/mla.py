@@ -167,7 +167,7 @@ class AlignedMLAAttention:
         """The latent cache [blocks, 16, kv_lora_rank + rope]: each sequence's rows in its own blocks,
         the slots after its last row zero. Every decode row of a sequence reads the same blocks: the
         kernel reads only the first ``seq_len`` slots (later ones, the sequence's later rows here
-        and stale data in the engine, do not change its bits: tests/aligned/test_aligned_mla.py)."""
+        and stale data in the engine, do not change its bits: tests/faces/aligned_model/test_aligned_mla.py)."""
         latent = torch.cat([kv_c_normed, k_pe], dim=-1)
         cache = latent.new_zeros(plan.num_blocks * BLOCK_SIZE, latent.shape[-1])
         cache[plan.cache_rows] = latent

@@ -7,8 +7,8 @@ every row of prompt + response at once. Zero mismatch needs all three to give th
 Proven (bitwise, hit == miss == trainer, with hits asserted through ``num_cached_tokens``) on vLLM's
 CPU backend for the dense decoders of :mod:`..architectures`, with and without sliding windows:
 multi-turn rollouts that re-send the conversation, across block boundaries and with a partially
-filled last block (``tests/aligned/test_aligned_prefix_caching.py``,
-``tests/aligned/test_aligned_sliding_window.py``: every-layer and interleaved windows). There
+filled last block (``tests/faces/aligned_model/test_aligned_prefix_caching.py``,
+``tests/faces/aligned_model/test_aligned_sliding_window.py``: every-layer and interleaved windows). There
 consistent mode keeps prefix caching as the engine arguments say (on by default). Everywhere else (MoE, MLA, other architectures, GPU
 backends, LoRA serving) it is not proven, and consistent mode turns it off, saying why.
 
