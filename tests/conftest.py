@@ -13,7 +13,11 @@ from zero_mismatch_plugin.tables.switches import default_cpu_kv_cache_space  # n
 
 default_cpu_kv_cache_space()  # 1 GiB unless set; a value vLLM's CPU engine would die on stops the session here
 
+from support.engine_pool import EnginePool  # noqa: E402
 from support.vllm_session import MAX_MODEL_LEN, Engines, prompts_for, rollout  # noqa: E402
+
+ENGINE_POOLS = []  # this process's pool, for the summary of engine starts
+SHARED = {}  # the session's engines and trainers, once created
 
 
 # DeepSeek-V3's rope scaling, shrunk: yarn over 4x the 128 original positions, mscale in the softmax scale.
@@ -62,10 +66,18 @@ def checkpoints(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def engines(checkpoints):
-    holder = Engines(checkpoints)
-    yield holder
-    holder.close()
+def engine_pool():
+    """Every engine the session's tests share, keyed by engine configuration (support/engine_pool.py)."""
+    pool = EnginePool()
+    ENGINE_POOLS.append(pool)
+    yield pool
+    pool.close()
+
+
+@pytest.fixture(scope="session")
+def engines(engine_pool, checkpoints):
+    SHARED["engines"] = Engines(engine_pool, checkpoints)
+    return SHARED["engines"]
 
 
 @pytest.fixture(scope="module")
@@ -79,6 +91,20 @@ def consistent_mode():
 
     with consistent_numerics():
         yield
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _checkpoint_weights_for_the_next_module():
+    """A test may train a shared trainer and sync its engine (the pair stays equal); the next
+    module gets both fresh from the checkpoint."""
+    yield
+    engines, trainers = SHARED.get("engines"), SHARED.get("trainers")
+    for name in engines.updated if engines else ():
+        engines.discard(name)
+        if trainers:
+            trainers.forget(name)
+    if engines:
+        engines.updated.clear()
 
 
 @pytest.fixture(scope="session")
@@ -95,6 +121,8 @@ def trainers(checkpoints):
             )
         return cache[name]
 
+    get.forget = lambda name: cache.pop(name, None)  # a test changed its weights
+    SHARED["trainers"] = get
     return get
 
 
@@ -126,7 +154,36 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=_whole_process_first)
 
 
+def _engine_summary(pools) -> dict:
+    started = [start for pool in pools for start in pool.started]
+    return {"started": len(started), "seconds": round(sum(s for _, s in started), 1),
+            "reused": sum(pool.reused for pool in pools)}
+
+
+def pytest_sessionfinish(session):
+    if hasattr(session.config, "workeroutput"):  # an xdist worker: hand the figures to the controller
+        import json
+
+        session.config.workeroutput["engine_pool"] = json.dumps(_engine_summary(ENGINE_POOLS))
+
+
+ENGINE_SUMMARIES = []
+
+
+def pytest_testnodedown(node, error):
+    import json
+
+    if "engine_pool" in getattr(node, "workeroutput", {}):
+        ENGINE_SUMMARIES.append(json.loads(node.workeroutput["engine_pool"]))
+
+
 def pytest_terminal_summary(terminalreporter):
+    summaries = ENGINE_SUMMARIES or ([_engine_summary(ENGINE_POOLS)] if ENGINE_POOLS else [])
+    if summaries:
+        terminalreporter.write_line(
+            f"shared engines: {sum(s['started'] for s in summaries)} started "
+            f"({sum(s['seconds'] for s in summaries):.0f} s), {sum(s['reused'] for s in summaries)} requests reused one")
+
     """Counts of tests/tools/test_bad_input.py by outcome (the measure of the bad-input table)."""
     from collections import Counter
 

@@ -886,10 +886,9 @@ def test_megatron_spec_hooks_build_a_model_bitwise_equal_to_the_engine(
     from support.vllm_session import MAX_MODEL_LEN
 
     monkeypatch.setenv("ZMRL_NUMERICS", "consistent")
-    # A fresh engine on the checkpoint's own weights (earlier tests may have synced others into it).
-    engines.close()
+    # The shared engine holds the checkpoint's own weights (a module that syncs others into it
+    # hands it back when it ends, tests/conftest.py).
     prompts, responses, mu = make_rollout(engines.get("llama"), make_prompts(checkpoints["llama"]), seed=5)
-    engines.close()
     torch.save({"prompts": prompts, "responses": responses, "mu": mu}, tmp_path / "rollout.pt")
     script = (MEGATRON_SCRIPT.replace("PATCHED", repr(str(patched_megatron)))
               .replace("MAX_MODEL_LEN", str(MAX_MODEL_LEN))

@@ -148,6 +148,7 @@ def check_update_and_sync(engines, trainers, name):
     assert torch.equal(logprobs, after_mu), (
         f"after sync: {(logprobs == after_mu).float().mean().item():.1%} equal"
     )
+    engines.updated.add(name)  # both hold updated weights until the module ends (tests/conftest.py)
 
 
 def windowed_conversations(engines, checkpoints, name, seed):
@@ -291,32 +292,8 @@ def assert_lora_bitwise(trainer_lp, rows, what):
     )
 
 
-class LoRAEngines:
-    """One LoRA-enabled engine (``engine_kwargs``) alive at a time, the session's shared engine
-    shut first."""
+def lora_engines(engines, engine_kwargs):
+    """The session's engines with LoRA (``engine_kwargs``), from the same pool as ``engines``."""
+    from support.vllm_session import Engines
 
-    def __init__(self, shared, checkpoints, engine_kwargs):
-        self.shared = shared
-        self.checkpoints = checkpoints
-        self.engine_kwargs = engine_kwargs
-        self.name = None
-        self.llm = None
-
-    def get(self, name):
-        if self.name != name:
-            self.close()
-            self.shared.close()
-            from vllm import LLM
-
-            from zero_mismatch_plugin.aligned.runtime import engine_args_for
-
-            self.llm = LLM(**engine_args_for(self.checkpoints[name], **self.engine_kwargs))
-            self.name = name
-        return self.llm
-
-    def close(self):
-        if self.llm is not None:
-            from zero_mismatch_plugin.aligned.runtime import shutdown_engine
-
-            shutdown_engine(self.llm)
-            self.llm, self.name = None, None
+    return Engines(engines.pool, engines.checkpoints, **engine_kwargs)

@@ -1,17 +1,10 @@
-"""A live vLLM engine shared by every test in the session, and helpers to roll out with it.
-
-Starting an engine costs ~30 s on CPU, so each checkpoint's engine is started once per test
-session and reused; at most one engine is alive at a time (starting another shuts the previous
-one down) to keep memory bounded.
-"""
+"""Rollouts from live vLLM engines, and the engines' shared forms the tests ask for."""
 
 from __future__ import annotations
 
 import contextlib
 
 import torch
-
-from zero_mismatch_plugin.aligned.runtime import shutdown_engine
 
 MAX_MODEL_LEN = 256
 NUM_PROMPTS = 8
@@ -20,30 +13,28 @@ RESPONSE_TOKENS = 24
 
 
 class Engines:
-    """Lazily started vLLM engines, one alive at a time."""
+    """The session's engine of each tiny checkpoint by name (``max_model_len`` MAX_MODEL_LEN, seed 0,
+    plus ``engine_kwargs``), from the engine pool."""
 
-    def __init__(self, checkpoints):
+    def __init__(self, pool, checkpoints, **engine_kwargs):
+        self.pool = pool
         self.checkpoints = checkpoints
-        self.name = None
-        self.llm = None
+        self.engine_kwargs = {"max_model_len": MAX_MODEL_LEN, "seed": 0, **engine_kwargs}
+        self.updated: set[str] = set()  # names whose engine a test synced new weights into
 
     def get(self, name: str):
-        if self.name == name:
-            return self.llm
-        self.close()
-        from vllm import LLM
+        return self.pool.get(self.checkpoints[name], **self.engine_kwargs)
 
-        from zero_mismatch_plugin.aligned.runtime import engine_args_for
+    def fresh(self, name: str):
+        """The engine of ``name`` on its checkpoint's weights (restarted if a test synced others into it)."""
+        if name in self.updated:
+            self.discard(name)
+            self.updated.remove(name)
+        return self.get(name)
 
-        self.llm = LLM(**engine_args_for(self.checkpoints[name], max_model_len=MAX_MODEL_LEN, seed=0))
-        self.name = name
-        return self.llm
-
-    def close(self):
-        if self.llm is not None:
-            shutdown_engine(self.llm)
-            self.llm = None
-            self.name = None
+    def discard(self, name: str) -> None:
+        """Shut the engine of ``name`` (a test changed its weights)."""
+        self.pool.discard(self.get(name))
 
 
 def prompts_for(checkpoint, num_prompts=NUM_PROMPTS, corpus_seed=7):

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from support.aligned_checks import assert_lora_bitwise as assert_bitwise
-from support.aligned_checks import GRAD_REL_TOL, LoRAEngines
+from support.aligned_checks import GRAD_REL_TOL, lora_engines
 from support.aligned_checks import lora_generate as generate
 from support.aligned_checks import lora_score as score
 from support.vllm_session import MAX_MODEL_LEN, prompts_for
@@ -53,10 +53,8 @@ def adapter(checkpoints, model, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def engine(engines, checkpoints, model):
-    holder = LoRAEngines(engines, checkpoints, LORA_ENGINE)
-    yield holder
-    holder.close()
+def engine(engines):
+    return lora_engines(engines, LORA_ENGINE)
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +75,7 @@ def test_stock_engine_cannot_serve_lora_on_an_moe_model(engines, checkpoints, mo
     vLLM picks the Triton experts for a LoRA engine, which fail on a CPU."""
     from vllm import LLM, SamplingParams
 
-    engines.close()
+    engines.pool.make_room()  # room for the engine started here
     request = request_for(build_adapter(tmp_path / "adapter", checkpoints[MODEL]))
     monkeypatch.delenv("ZMRL_NUMERICS", raising=False)
     llm = None

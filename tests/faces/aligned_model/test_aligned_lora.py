@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from support.aligned_checks import assert_lora_bitwise as assert_bitwise
-from support.aligned_checks import LoRAEngines
+from support.aligned_checks import lora_engines as engines_with_lora
 from support.aligned_checks import lora_score as score
 from support.vllm_session import MAX_MODEL_LEN, prompts_for
 
@@ -44,10 +44,8 @@ def model(request):
 
 
 @pytest.fixture(scope="module")
-def lora_engines(engines, checkpoints):
-    holder = LoRAEngines(engines, checkpoints, dict(max_logprobs=-1, **LORA_ENGINE))
-    yield holder
-    holder.close()
+def lora_engines(engines):
+    return engines_with_lora(engines, dict(max_logprobs=-1, **LORA_ENGINE))
 
 
 @pytest.fixture(scope="module")
@@ -247,7 +245,7 @@ def test_zmrl_check_lora_passes_every_check(trainer, checkpoints, adapters, lora
 
     from zero_mismatch_plugin.tools import cli
 
-    lora_engines.close()  # the checker starts its own engine
+    lora_engines.pool.make_room()  # room for the engine started here
     out = tmp_path / "check.json"
     code = cli.main([
         "check", "--model", str(checkpoints["llama"]), "--lora", str(adapters["llama", "r32"]), "--trainer", trainer,

@@ -7,14 +7,13 @@ session's shared engine is shut first.
 
 from __future__ import annotations
 
-import contextlib
 import types
 
 import pytest
 import torch
 
 from support.aligned_checks import assert_lora_bitwise as assert_bitwise
-from support.aligned_checks import GRAD_REL_TOL, LoRAEngines
+from support.aligned_checks import GRAD_REL_TOL, lora_engines
 from support.aligned_checks import lora_generate as generate
 from support.aligned_checks import lora_score as score
 from support.vllm_session import MAX_MODEL_LEN, prompts_for
@@ -52,9 +51,8 @@ def engine_args(adapter):
 
 
 @pytest.fixture(scope="module")
-def engine(engines, checkpoints, engine_args):
-    with contextlib.closing(LoRAEngines(engines, checkpoints, engine_args)) as holder:
-        yield holder
+def engine(engines, engine_args):
+    return lora_engines(engines, engine_args)
 
 
 @pytest.fixture(scope="module")
@@ -275,4 +273,4 @@ def test_request_without_is_3d_lora_weight_fails_the_engine(engine, checkpoints,
             generate(llm, prompts_for(checkpoints[MODEL])[:1], [LoRARequest("plain", 21, str(adapter))])
         print(f"3-D adapter without is_3d_lora_weight: {type(failure.value).__name__}: {failure.value}")
     finally:
-        engine.close()
+        engine.discard(MODEL)  # the engine died

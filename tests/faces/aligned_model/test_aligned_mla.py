@@ -23,11 +23,11 @@ def engine_accepts_functions(engines):
     """Lets ``collective_rpc`` carry a function to the engine's worker (to take one runtime patch
     out there). Engine and client read the switch when they (de)serialize, so the module's engines
     start with it set and are closed when the module ends."""
-    engines.close()
+    engines.pool.make_room()  # room for the engine started here
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
         yield
-        engines.close()
+        engines.pool.close()  # the engines started with the switch set end with the module
 
 
 def _engine_and_trainer_logprobs(engines, trainers, name, prompts, seed):

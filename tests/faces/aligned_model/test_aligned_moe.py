@@ -293,11 +293,9 @@ def test_qwen2_moe_trainer_equals_vllm_modules_teacher_forced(checkpoints, engin
     from zero_mismatch_plugin.faces.aligned_model import AlignedCausalLM
     from zero_mismatch_plugin.tools.checker.engine_modules import EngineModules
 
-    engines.close()
     trainer = AlignedCausalLM.from_pretrained(checkpoints["qwen2_moe"], max_model_len=256, seed=0)
-    llm = engines.get("qwen2_moe")
+    llm = engines.fresh("qwen2_moe")
     prompts, responses, mu = rollout(llm, prompts_for(trainer.runtime.model_dir))
-    engines.close()  # one vLLM model at a time in memory
     batch = pack(prompts, responses)
     with torch.no_grad():
         ours = trainer.token_logprobs(batch)

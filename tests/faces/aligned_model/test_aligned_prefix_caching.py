@@ -28,7 +28,7 @@ def llama_block32(checkpoints, engines):
     from zero_mismatch_plugin.faces.aligned_model import AlignedCausalLM
     from zero_mismatch_plugin.aligned.runtime import engine_args_for, shutdown_engine
 
-    engines.close()  # one engine alive at a time
+    engines.pool.make_room()  # room for the engine started here
     kwargs = dict(max_model_len=MAX_MODEL_LEN, seed=0, block_size=BLOCK_SIZE)
     llm = LLM(**engine_args_for(checkpoints["llama"], **kwargs))
     trainer = AlignedCausalLM.from_pretrained(checkpoints["llama"], **kwargs)

@@ -119,7 +119,7 @@ def test_lora_actor_logprobs_equal_the_lora_engine_and_gradients_reach_the_adapt
     assert aligned.runtime.vllm_config.lora_config.max_lora_rank == ENGINE_LORA["max_lora_rank"]
     adapter_dir = _write_adapter(model, tmp_path / "adapter")
 
-    engines.close()  # one engine alive at a time
+    engines.pool.make_room()  # room for the engine started here
     rows = _rollout(checkpoint, adapter_dir, prompts_for(checkpoint))
     mu = torch.cat([r[2] for r in rows])
     batch = pack([r[0] for r in rows], [r[1] for r in rows])

@@ -49,7 +49,7 @@ def lora_llm(engines, checkpoints, family):
 
     from zero_mismatch_plugin.aligned.runtime import engine_args_for, shutdown_engine
 
-    engines.close()  # at most one engine alive
+    engines.pool.make_room()  # room for the engine started here
     llm = LLM(**engine_args_for(checkpoints[family], **LORA_ENGINE))
     yield llm
     shutdown_engine(llm)

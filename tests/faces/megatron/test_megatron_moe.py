@@ -161,7 +161,7 @@ def test_zmrl_check_with_megatron_trainer_passes_on_moe_checkpoint(checkpoints, 
     per-layer expert-selection agreement with vLLM's router included."""
     from zero_mismatch_plugin.tools import cli
 
-    engines.close()  # the check starts its own engine; one at a time
+    engines.pool.make_room()  # room for the engine started here
     code = cli.main(["check", "--model", str(checkpoints["qwen3_moe"]), "--trainer", "megatron", "--quiet",
                      "--num-prompts", "4", "--max-tokens", "8", "--batch-sizes", "1,4"])
     out = capsys.readouterr().out
@@ -183,7 +183,7 @@ def test_zmrl_bisect_with_megatron_trainer_compares_every_moe_op_equal(checkpoin
     from zero_mismatch_plugin.tables.architectures import describe
     from zero_mismatch_plugin.tools.checker import oplist
 
-    engines.close()  # vLLM's modules are built in this process; one vLLM model at a time
+    engines.pool.make_room()  # room for the engine started here
     out = tmp_path / "bisect.json"
     code = cli.main(["bisect", "--model", str(checkpoints[family]), "--trainer", "megatron",
                      "--max-model-len", "256", "--json", str(out), "--quiet"])

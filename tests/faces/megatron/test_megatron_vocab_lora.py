@@ -45,7 +45,7 @@ def lora_llm(checkpoints, adapter, engines):
 
     from zero_mismatch_plugin.aligned.runtime import engine_args_for, shutdown_engine
 
-    engines.close()  # at most one engine alive
+    engines.pool.make_room()  # room for the engine started here
     llm = LLM(**engine_args_for(checkpoints["llama"], max_model_len=MAX_MODEL_LEN, seed=0, **LORA_ENGINE))
     yield llm
     shutdown_engine(llm)

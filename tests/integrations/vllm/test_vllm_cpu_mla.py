@@ -303,7 +303,7 @@ def test_stock_vllm_cpu_mla_gives_identical_prompts_different_logprobs(mla_check
     """Negative control: without the plugin's numerics, the batched divergence reproduces. The
     backend is named, as consistent mode names it: on a host with AMX tiles stock vLLM would pick
     AMX_MLA, which takes no fp32 weights."""
-    engines.close()  # one engine alive at a time
+    engines.pool.make_room()  # room for the engine started here
     monkeypatch.delenv("ZMRL_NUMERICS", raising=False)
     (alone, _), pair, mixed, _ = _logprobs_alone_paired_and_mixed(mla_checkpoint, attention_backend="CPU_MLA")
     first_token_gap = abs(pair[0][0][0] - pair[1][0][0])
@@ -315,7 +315,7 @@ def test_stock_vllm_cpu_mla_gives_identical_prompts_different_logprobs(mla_check
 def test_consistent_mode_mla_is_batch_invariant_and_computes_the_model(mla_checkpoint, engines, monkeypatch):
     from zero_mismatch_plugin.integrations.vllm import plugin as vllm_plugin
 
-    engines.close()
+    engines.pool.make_room()  # room for the engine started here
     monkeypatch.setenv("ZMRL_NUMERICS", "consistent")
     vllm_plugin.register()  # vLLM loads its plugins once per process, maybe while the mode was unset
     alone, pair, mixed, (one_token_alone, one_token_after_longer) = _logprobs_alone_paired_and_mixed(mla_checkpoint)

@@ -53,7 +53,7 @@ def _cli_json(argv, tmp_path, capsys):
 def test_check_lora_passes_on_experts_mla_and_vocabulary_adapters(
     model, checkpoints, adapters, engines, numerics_environ, tmp_path, capsys
 ):
-    engines.close()  # the check starts its own engine: one alive at a time
+    engines.pool.make_room()  # room for the engine started here
     code, report, table = _cli_json(
         ["check", "--model", str(checkpoints[model]), "--lora", str(adapters[model]), "--trainer", "aligned",
          "--num-prompts", "4", "--max-tokens", "12", "--batch-sizes", "1,2"],
@@ -176,7 +176,7 @@ def test_check_and_bisect_lora_serve_a_peft_3d_expert_adapter(checkpoints, engin
     LoRARequest kills the engine), bisect's LoRA manager likewise; both bitwise."""
     from zero_mismatch_plugin.aligned.lora_formats import build_fused_expert_adapter
 
-    engines.close()
+    engines.pool.make_room()  # room for the engine started here
     adapter = build_fused_expert_adapter(tmp_path / "peft_3d", checkpoints["qwen3_moe"], r=8, seed=17)
     code, report, table = _cli_json(
         ["check", "--model", str(checkpoints["qwen3_moe"]), "--lora", str(adapter), "--trainer", "aligned",
