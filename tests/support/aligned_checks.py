@@ -292,8 +292,8 @@ def assert_lora_bitwise(trainer_lp, rows, what):
     )
 
 
-def lora_engines(engines, engine_kwargs):
-    """The session's engines with LoRA (``engine_kwargs``), from the same pool as ``engines``."""
+def lora_engines(engines, engine_kwargs, module: str):
+    """Engines with LoRA (``engine_kwargs``) for the tests of ``module``, from the same pool as ``engines``."""
     from support.vllm_session import Engines
 
-    return Engines(engines.pool, engines.checkpoints, **engine_kwargs)
+    return Engines(engines.pool, engines.checkpoints, scope=module, **engine_kwargs)

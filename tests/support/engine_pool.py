@@ -36,12 +36,14 @@ class EnginePool:
         self.started: list[tuple[str, float]] = []  # (model, seconds) per start
         self.reused = 0
 
-    def get(self, checkpoint, **overrides):
-        """The engine of ``engine_args_for(checkpoint, **overrides)`` under the current environment."""
+    def get(self, checkpoint, scope=None, **overrides):
+        """The engine of ``engine_args_for(checkpoint, **overrides)`` under the current environment;
+        one of its own for each ``scope`` given (an engine with LoRA caches adapters by their id,
+        which another module may give to another adapter)."""
         from zero_mismatch_plugin.aligned.runtime import engine_args_for
 
         args = engine_args_for(checkpoint, **overrides)
-        key = engine_key(args)
+        key = (scope, engine_key(args))
         if key in self._alive:
             self._alive.move_to_end(key)
             self.reused += 1

@@ -16,14 +16,15 @@ class Engines:
     """The session's engine of each tiny checkpoint by name (``max_model_len`` MAX_MODEL_LEN, seed 0,
     plus ``engine_kwargs``), from the engine pool."""
 
-    def __init__(self, pool, checkpoints, **engine_kwargs):
+    def __init__(self, pool, checkpoints, scope=None, **engine_kwargs):
         self.pool = pool
         self.checkpoints = checkpoints
+        self.scope = scope
         self.engine_kwargs = {"max_model_len": MAX_MODEL_LEN, "seed": 0, **engine_kwargs}
         self.updated: set[str] = set()  # names whose engine a test synced new weights into
 
     def get(self, name: str):
-        return self.pool.get(self.checkpoints[name], **self.engine_kwargs)
+        return self.pool.get(self.checkpoints[name], scope=self.scope, **self.engine_kwargs)
 
     def fresh(self, name: str):
         """The engine of ``name`` on its checkpoint's weights (restarted if a test synced others into it)."""

@@ -22,13 +22,13 @@ from support.aligned_checks import lora_score as score
 from support.vllm_session import MAX_MODEL_LEN, prompts_for
 
 from zero_mismatch_plugin.aligned import pack
-from zero_mismatch_plugin.aligned.lora import (
+from zero_mismatch_plugin.aligned.lora.names import (
     MLP_TARGETS,
-    build_adapter,
     expert_target_names,
     peft_expert_module_name,
     supported_lora_targets,
 )
+from zero_mismatch_plugin.aligned.lora.adapter import build_adapter
 from zero_mismatch_plugin.aligned.runtime import engine_args_for, shutdown_engine
 
 MODEL = "qwen3_moe"
@@ -54,7 +54,7 @@ def adapter(checkpoints, model, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(engines):
-    return lora_engines(engines, LORA_ENGINE)
+    return lora_engines(engines, LORA_ENGINE, __name__)
 
 
 @pytest.fixture(scope="module")

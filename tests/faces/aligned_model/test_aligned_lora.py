@@ -21,7 +21,8 @@ from support.aligned_checks import lora_score as score
 from support.vllm_session import MAX_MODEL_LEN, prompts_for
 
 from zero_mismatch_plugin.aligned import SamplingTransform, pack
-from zero_mismatch_plugin.aligned.lora import build_adapter, merged_lora_weight
+from zero_mismatch_plugin.aligned.lora.adapter import build_adapter
+from zero_mismatch_plugin.aligned.lora.ops import merged_lora_weight
 from zero_mismatch_plugin.aligned.runtime import engine_args_for, shutdown_engine
 
 MODELS = ("llama", "qwen3")
@@ -45,7 +46,7 @@ def model(request):
 
 @pytest.fixture(scope="module")
 def lora_engines(engines):
-    return engines_with_lora(engines, dict(max_logprobs=-1, **LORA_ENGINE))
+    return engines_with_lora(engines, dict(max_logprobs=-1, **LORA_ENGINE), __name__)
 
 
 @pytest.fixture(scope="module")

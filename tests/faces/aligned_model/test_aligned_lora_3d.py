@@ -19,8 +19,10 @@ from support.aligned_checks import lora_score as score
 from support.vllm_session import MAX_MODEL_LEN, prompts_for
 
 from zero_mismatch_plugin.aligned import pack
-from zero_mismatch_plugin.aligned.lora import lora_engine_args
-from zero_mismatch_plugin.aligned.lora_formats import FUSED_EXPERT_MODULES, build_fused_expert_adapter, lora_request
+from zero_mismatch_plugin.aligned.lora.peft import lora_engine_args
+from zero_mismatch_plugin.aligned.lora.names import FUSED_EXPERT_MODULES
+from zero_mismatch_plugin.aligned.lora.peft import lora_request
+from zero_mismatch_plugin.aligned.lora.fused_experts import build_fused_expert_adapter
 
 MODEL = "qwen3_moe"
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
@@ -52,7 +54,7 @@ def engine_args(adapter):
 
 @pytest.fixture(scope="module")
 def engine(engines, engine_args):
-    return lora_engines(engines, engine_args)
+    return lora_engines(engines, engine_args, __name__)
 
 
 @pytest.fixture(scope="module")
@@ -233,7 +235,7 @@ def test_unsupported_3d_settings_are_refused_naming_the_fix(adapter, tmp_path, c
     import json
     import shutil
 
-    from zero_mismatch_plugin.aligned.lora import read_lora_config
+    from zero_mismatch_plugin.aligned.lora.peft import read_lora_config
 
     changed = shutil.copytree(adapter, tmp_path / "changed")
     config = json.loads((changed / "adapter_config.json").read_text())
@@ -245,7 +247,7 @@ def test_unsupported_3d_settings_are_refused_naming_the_fix(adapter, tmp_path, c
 def test_3d_adapter_on_a_model_without_experts_is_refused(adapter, checkpoints):
     from transformers import AutoConfig
 
-    from zero_mismatch_plugin.aligned.lora import LoRAAdapter
+    from zero_mismatch_plugin.aligned.lora.adapter import LoRAAdapter
 
     dense = AutoConfig.from_pretrained(str(checkpoints["qwen3"]))
     with pytest.raises(NotImplementedError, match="the model has no routed experts"):

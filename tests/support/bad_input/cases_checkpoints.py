@@ -116,7 +116,7 @@ def _token_ids() -> str:
 @functools.cache
 def tiny_adapter() -> str:
     """A real rank-8 PEFT adapter on every linear of the tiny Llama (built once)."""
-    from zero_mismatch_plugin.aligned.lora import build_adapter
+    from zero_mismatch_plugin.aligned.lora.adapter import build_adapter
 
     return str(build_adapter(_workdir() / "adapter", tiny_model(), r=8, lora_alpha=16, seed=3))
 
