@@ -10,7 +10,7 @@ from unittest import mock
 import pytest
 import torch
 
-from zero_mismatch_plugin.fork_patches.shared import row_invariant_bmm, row_invariant_linear
+from zero_mismatch_plugin.aligned.row_invariant import row_invariant_bmm, row_invariant_linear
 
 _real_bmm = torch.bmm
 

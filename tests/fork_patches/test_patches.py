@@ -20,7 +20,12 @@ import pytest
 
 from zero_mismatch_plugin import fork_patches
 from zero_mismatch_plugin.tools.cli import main as zmrl
-from zero_mismatch_plugin.fork_patches import PatchError, edits, formatpatch, series, shared
+from zero_mismatch_plugin.fork_patches import PatchError, formatpatch, generate, series
+from zero_mismatch_plugin.fork_patches.edits import verl as verl_edits
+from zero_mismatch_plugin.fork_patches.edits import vllm_gpu_functions
+from zero_mismatch_plugin.fork_patches.edits.edit import Edit, EditError, apply_edits
+from zero_mismatch_plugin.fork_patches.messages import MESSAGES
+from zero_mismatch_plugin.integrations.verl import checks as verl_checks
 
 from support import REPO  # noqa: E402
 
@@ -73,38 +78,53 @@ def test_manifest_entries_are_complete_and_name_real_tests(manifest):
         assert patch.versions and all(re.fullmatch(r"\d+\.\d+\.\d+\S*", v) for v in patch.versions)
         assert sorted(set(fork_patches.diff_targets(patch.diff_path.read_text()))) == sorted(patch.files)
         assert all(f.startswith(manifest.upstreams[patch.upstream].package + "/") for f in patch.files)
-        assert patch.purpose.strip() and patch.name in edits.EDITS
+        assert patch.purpose.strip() and patch.name in generate.EDITS
         test_path, _, test_name = patch.test.partition("::")
         assert test_path == "tests/fork_patches/test_patches.py" and f"\ndef {test_name}(" in this_file, patch.test
-    assert set(edits.EDITS) == {p.name for p in manifest.patches}
+    assert set(generate.EDITS) == {p.name for p in manifest.patches}
 
 
 def test_shipped_diffs_are_exactly_what_their_edits_render(manifest):
-    rendered = edits.render_all(manifest)
+    rendered = generate.render_all(manifest)
     for patch in manifest.patches:
         assert patch.diff_path.read_text(encoding="utf-8") == rendered[patch.name], (
-            f"{patch.diff} is stale: run python -m zero_mismatch_plugin.fork_patches.edits --write")
+            f"{patch.diff} is stale: run python -m zero_mismatch_plugin.fork_patches.generate --write")
 
 
 def test_code_shared_with_the_plugin_is_in_the_diffs_verbatim(manifest):
-    """The runtime functions of .shared appear in the patched upstream source line for line."""
+    """The plugin's functions that the patches carry appear in the patched upstream source line for line."""
+    from zero_mismatch_plugin.aligned import cpu_lora_experts, cpu_weight_reload, row_invariant
+    from zero_mismatch_plugin.integrations.verl.cpu import rollout_weight_reload
+    from zero_mismatch_plugin.integrations.vllm import cpu_mla as vllm_cpu_mla
+
     diffs = {p.name: p.diff_path.read_text(encoding="utf-8") for p in manifest.patches}
-    for patch_name, fn in (("verl-reject-unknown-names", shared.require_registered_name),
-                           ("verl-policy-loss-rollout-logprobs", shared.accepts_keyword),
-                           ("vllm-ep-combine-rank-order", shared.reduce_scatterv_in_rank_order),
-                           ("vllm-mamba-state-slot-writes-once", shared.last_write_per_slot),
-                           ("vllm-cpu-mla-one-token-prompt-decoded", shared.first_steps_counted_as_computed),
-                           ("vllm-cpu-mla-one-token-prompt-decoded", shared.only_cpu_mla_attention)):
+    for patch_name, fn in (("verl-reject-unknown-names", verl_checks.require_registered_name),
+                           ("verl-policy-loss-rollout-logprobs", verl_checks.accepts_keyword),
+                           ("verl-cpu-training", cpu_weight_reload.repack_shared_cpu_weights),
+                           ("verl-cpu-training", cpu_weight_reload.reprocess_moe_as_first_load),
+                           ("verl-cpu-training", rollout_weight_reload.reload_plain_weights_on_cpu),
+                           ("vllm-ep-combine-rank-order", vllm_gpu_functions.reduce_scatterv_in_rank_order),
+                           ("vllm-mamba-state-slot-writes-once", vllm_gpu_functions.last_write_per_slot),
+                           ("vllm-cpu-mla-batch-invariant", row_invariant.rotary_on_rows),
+                           ("vllm-cpu-mla-batch-invariant", row_invariant.row_invariant_bmm),
+                           ("vllm-cpu-mla-batch-invariant", row_invariant.on_one_thread),
+                           ("vllm-cpu-moe-sigmoid-row-invariant", row_invariant.row_invariant_sigmoid),
+                           ("vllm-cpu-mla-one-token-prompt-decoded", vllm_cpu_mla.first_steps_counted_as_computed),
+                           ("vllm-cpu-mla-one-token-prompt-decoded", vllm_cpu_mla.only_cpu_mla_attention),
+                           ("vllm-cpu-moe-lora-experts", row_invariant.row_invariant_linear),
+                           ("vllm-cpu-moe-lora-experts", cpu_lora_experts.add_moe_lora),
+                           ("vllm-cpu-moe-lora-experts", cpu_lora_experts.cpu_moe_experts),
+                           ("vllm-cpu-moe-lora-experts", cpu_lora_experts.cpu_lora_experts_apply)):
         added = "".join(line[1:] + "\n" for line in diffs[patch_name].splitlines()
                         if line.startswith("+") and not line.startswith("+++"))
         assert textwrap.dedent(__import__("inspect").getsource(fn)) in added
 
 
 def test_an_edit_whose_anchor_is_not_unique_is_refused():
-    with pytest.raises(edits.EditError, match="2 times"):
-        edits.apply_edits("x = 1\nx = 1\n", [edits.Edit("f.py", "x = 1\n", "x = 2\n")], "f.py")
-    with pytest.raises(edits.EditError, match="0 times"):
-        edits.apply_edits("x = 1\n", [edits.Edit("f.py", "y = 1\n", "y = 2\n")], "f.py")
+    with pytest.raises(EditError, match="2 times"):
+        apply_edits("x = 1\nx = 1\n", [Edit("f.py", "x = 1\n", "x = 2\n")], "f.py")
+    with pytest.raises(EditError, match="0 times"):
+        apply_edits("x = 1\n", [Edit("f.py", "y = 1\n", "y = 2\n")], "f.py")
 
 
 # ----- check ----------------------------------------------------------------------------------
@@ -195,11 +215,11 @@ def test_git_am_applies_each_series_to_a_pristine_repository_of_the_pinned_files
         result = _git(["am", *(str(p.diff_path) for p in patches)], repository)
         assert result.returncode == 0, result.stdout + result.stderr
         log = _git(["log", "--format=%s", f"-{len(patches)}"], repository).stdout.splitlines()
-        assert log == [edits.MESSAGES[p.name].subject for p in reversed(patches)]
+        assert log == [MESSAGES[p.name].subject for p in reversed(patches)]
         expected = {}
         installed = fork_patches.installed_root(manifest.upstreams[upstream])
         for patch in patches:
-            for change in edits.render_changes(edits.EDITS[patch.name],
+            for change in generate.render_changes(generate.EDITS[patch.name],
                                                lambda p: expected.get(p) or (installed / p).read_text()):
                 expected[change.path] = change.after
         for relative, text in expected.items():
@@ -310,7 +330,7 @@ def test_apply_patches_a_checkout_of_the_pinned_version(manifest, tmp_path, caps
     expected = {}
     installed = fork_patches.installed_root(manifest.upstreams["verl"])
     for patch in manifest.for_upstream("verl"):  # the rendered texts, chained as applied
-        changes = edits.render_changes(edits.EDITS[patch.name], lambda p: expected.get(p) or (installed / p).read_text())
+        changes = generate.render_changes(generate.EDITS[patch.name], lambda p: expected.get(p) or (installed / p).read_text())
         expected.update({change.path: change.after for change in changes})
     for relative, text in expected.items():
         assert (checkout / relative).read_text() == text
@@ -332,7 +352,7 @@ def test_apply_refuses_another_version_and_changes_nothing(manifest, tmp_path, c
 def test_apply_is_all_or_nothing(manifest, tmp_path):
     checkout = _fake_verl_checkout(manifest, tmp_path / "verl-fork", "0.9.1")
     # The last patch's file differs from upstream, so that patch cannot apply.
-    engine = checkout / edits.ENGINE
+    engine = checkout / verl_edits.ENGINE
     engine.write_text(engine.read_text().replace("    def optimizer_step(self):\n", "    def optimizer_step(self, x=0):\n"))
     before = _tree_digest(checkout)
     with pytest.raises(PatchError, match=r"nothing was changed:\n  verl-megatron-engine-hooks: fails: "
@@ -356,7 +376,7 @@ def test_apply_patches_a_megatron_lm_checkout_and_refuses_another_version(manife
 
     fork = checkout("Megatron-LM", lambda text: text)
     assert zmrl(["patches", "apply", "--to", str(fork)]) == 0
-    for change in edits.render_changes(edits.EDITS[patch.name], lambda p: (installed / p).read_text()):
+    for change in generate.render_changes(generate.EDITS[patch.name], lambda p: (installed / p).read_text()):
         assert (fork / change.path).read_text() == change.after
     assert "applied megatron-lm-spec-hooks" in capsys.readouterr().out
 
@@ -431,7 +451,7 @@ def test_a_patch_half_applied_by_hand_is_refused_and_nothing_changes(manifest, t
     checkout = _fake_verl_checkout(manifest, tmp_path / "verl-fork", "0.9.1")
     patch = manifest.by_name("verl-reject-unknown-names")  # two hunks in verl/utils/config.py
     config = checkout / "verl/utils/config.py"
-    [change] = edits.render_changes(edits.EDITS[patch.name][1:], lambda p: config.read_text())
+    [change] = generate.render_changes(generate.EDITS[patch.name][1:], lambda p: config.read_text())
     config.write_text(change.after)  # only the second edit (the first hunk of the patch) done by hand
     before = _tree_digest(checkout)
     with pytest.raises(PatchError, match=r"verl-reject-unknown-names: fails: verl/utils/config.py:85 "
@@ -606,9 +626,9 @@ def test_verl_unknown_names_are_rejected_when_the_config_is_validated(patched_ve
 
 def test_shared_name_check_is_what_the_plugin_can_call_too():
     registry = {"grpo": None}
-    assert shared.require_registered_name("k", "grpo", registry, "estimator") == "grpo"
+    assert verl_checks.require_registered_name("k", "grpo", registry, "estimator") == "grpo"
     with pytest.raises(ValueError, match=r"k='grp' is not a registered estimator; registered: \['grpo'\]"):
-        shared.require_registered_name("k", "grp", registry, "estimator")
+        verl_checks.require_registered_name("k", "grp", registry, "estimator")
 
 
 MU_SCRIPT = """
@@ -683,10 +703,10 @@ def test_shared_keyword_detection():
     def takes_any(a, **kwargs): ...
     def positional_only(rollout_log_probs, /): ...
     def lacks(a): ...
-    assert shared.accepts_keyword(takes, "rollout_log_probs")
-    assert shared.accepts_keyword(takes_any, "rollout_log_probs")
-    assert not shared.accepts_keyword(positional_only, "rollout_log_probs")
-    assert not shared.accepts_keyword(lacks, "rollout_log_probs")
+    assert verl_checks.accepts_keyword(takes, "rollout_log_probs")
+    assert verl_checks.accepts_keyword(takes_any, "rollout_log_probs")
+    assert not verl_checks.accepts_keyword(positional_only, "rollout_log_probs")
+    assert not verl_checks.accepts_keyword(lacks, "rollout_log_probs")
 
 
 ENGINE_SCRIPT = """
@@ -1067,7 +1087,7 @@ def test_shared_rank_order_reduce_scatter_single_process():
 
     init_single_process()
     x = torch.arange(12.0).reshape(4, 3)
-    out = shared.reduce_scatterv_in_rank_order(x, dist.group.WORLD, [4], 0)
+    out = vllm_gpu_functions.reduce_scatterv_in_rank_order(x, dist.group.WORLD, [4], 0)
     assert torch.equal(out, x)
 
 
@@ -1203,9 +1223,9 @@ def test_vllm_state_slot_copies_write_each_slot_once(patched_vllm_files):
 
 
 def test_shared_last_write_per_slot():
-    assert shared.last_write_per_slot([7, 7, 3, 7, 5]) == [2, 3, 4]
-    assert shared.last_write_per_slot([1, 2, 3]) == [0, 1, 2]
-    assert shared.last_write_per_slot([]) == []
+    assert vllm_gpu_functions.last_write_per_slot([7, 7, 3, 7, 5]) == [2, 3, 4]
+    assert vllm_gpu_functions.last_write_per_slot([1, 2, 3]) == [0, 1, 2]
+    assert vllm_gpu_functions.last_write_per_slot([]) == []
 
 
 CPU_MLA_SCRIPT = LOAD_PATCHED + """
@@ -1263,11 +1283,25 @@ def test_vllm_cpu_mla_rotary_rows_gemm_dispatch_and_bmm(patched_vllm_files):
     assert stock["kv_b_proj_on_aten"] and not stock["one_row_as_eight"], stock
 
 
-def test_shared_rotary_on_rows_and_row_invariant_bmm_match_the_runtime_patches():
+def test_shared_rotary_on_rows_and_row_invariant_bmm_match_the_runtime_patches(monkeypatch):
+    import torch
+
+    from zero_mismatch_plugin.aligned import mla, row_invariant
+    from zero_mismatch_plugin.fork_patches.edits import vllm as vllm_edits
     from zero_mismatch_plugin.integrations.vllm import cpu_mla as vllm_cpu_mla
 
-    assert vllm_cpu_mla.rotate_rows_in_place is shared.rotary_on_rows
-    assert vllm_cpu_mla.row_invariant_bmm is shared.row_invariant_bmm
+    assert vllm_edits.rotary_on_rows is row_invariant.rotary_on_rows
+    assert vllm_edits.row_invariant_bmm is mla.row_invariant_bmm is row_invariant.row_invariant_bmm
+    assert vllm_edits.on_one_thread is mla.on_one_thread is row_invariant.on_one_thread
+    # The runtime patches look the kernels up in row_invariant when applied or called.
+    calls = []
+    monkeypatch.setattr(row_invariant, "rotary_on_rows", lambda *args: calls.append("rotary"))
+    monkeypatch.setattr(row_invariant, "row_invariant_bmm", lambda *args, out=None: calls.append("bmm"))
+    monkeypatch.setattr(row_invariant, "on_one_thread", lambda kernel: calls.append("one thread"))
+    vllm_cpu_mla.rotary_on_rows(None)(None, None, torch.zeros(1, 1, 1))
+    vllm_cpu_mla.TorchWithRowInvariantBmm(torch).bmm(None, None)
+    vllm_cpu_mla.decode_on_one_thread(None)
+    assert calls == ["rotary", "bmm", "one thread"]
 
 
 CPU_MLA_ONE_TOKEN_PROMPT_SCRIPT = LOAD_PATCHED + """
@@ -1328,9 +1362,11 @@ def test_vllm_cpu_mla_one_token_prompt_is_a_decode_wherever_it_stands(patched_vl
 def test_shared_one_token_prompt_functions_are_the_runtime_patches():
     from zero_mismatch_plugin.integrations.vllm import cpu_mla as vllm_cpu_mla
 
-    assert vllm_cpu_mla.first_steps_counted_as_computed is shared.first_steps_counted_as_computed
-    assert vllm_cpu_mla.only_cpu_mla_attention is shared.only_cpu_mla_attention
-    counted = shared.first_steps_counted_as_computed([0, 0, 5, 0], [1, 7, 1, 2], 1)
+    from zero_mismatch_plugin.fork_patches.edits import vllm as vllm_edits
+
+    assert vllm_edits.first_steps_counted_as_computed is vllm_cpu_mla.first_steps_counted_as_computed
+    assert vllm_edits.only_cpu_mla_attention is vllm_cpu_mla.only_cpu_mla_attention
+    counted = vllm_cpu_mla.first_steps_counted_as_computed([0, 0, 5, 0], [1, 7, 1, 2], 1)
     assert counted.tolist() == [1, 0, 5, 0]
 
 
@@ -1468,18 +1504,33 @@ def test_vllm_cpu_moe_lora_experts_select_apply_and_update(patched_vllm_files):
 
 
 def test_shared_moe_lora_functions_are_the_runtime_patches_and_the_trainers():
+    from zero_mismatch_plugin.aligned import cpu_lora_experts
+    from zero_mismatch_plugin.fork_patches.edits import vllm as vllm_edits
     from zero_mismatch_plugin.integrations.vllm import cpu_moe_lora as vllm_cpu_moe_lora
 
-    assert vllm_cpu_moe_lora.add_moe_lora is shared.add_moe_lora
-    assert vllm_cpu_moe_lora.cpu_lora_experts_apply is shared.cpu_lora_experts_apply
+    assert vllm_edits.add_moe_lora is cpu_lora_experts.add_moe_lora
+    assert vllm_edits.cpu_moe_experts is cpu_lora_experts.cpu_moe_experts
+    assert vllm_edits.cpu_lora_experts_apply is cpu_lora_experts.cpu_lora_experts_apply
+    # The punica patches are the trainer's torch updates (with_torch_moe_lora binds the same).
+    for runtime_patch, trainers in ((vllm_cpu_moe_lora._add_lora_w13_in_torch, cpu_lora_experts.add_lora_w13_in_torch),
+                                    (vllm_cpu_moe_lora._add_lora_w2_in_torch, cpu_lora_experts.add_lora_w2_in_torch)):
+        assert runtime_patch(None).__code__ is trainers(None).__code__
 
 
 def test_shared_row_invariant_sigmoid_is_the_runtime_patches_and_the_trainers():
-    from zero_mismatch_plugin.integrations.vllm import cpu_sigmoid as vllm_cpu_sigmoid
-    from zero_mismatch_plugin.aligned import moe
+    import torch
 
-    assert vllm_cpu_sigmoid.row_invariant_sigmoid is shared.row_invariant_sigmoid
-    assert moe.row_invariant_sigmoid is shared.row_invariant_sigmoid  # router backward, shared-expert gate
+    from zero_mismatch_plugin.aligned import cpu_lora_experts, moe, row_invariant
+    from zero_mismatch_plugin.fork_patches.edits import vllm as vllm_edits
+    from zero_mismatch_plugin.integrations.vllm import cpu_sigmoid as vllm_cpu_sigmoid
+
+    assert vllm_edits.row_invariant_sigmoid is row_invariant.row_invariant_sigmoid
+    assert moe.row_invariant_sigmoid is row_invariant.row_invariant_sigmoid  # router backward, shared-expert gate
+    assert cpu_lora_experts.row_invariant_sigmoid is row_invariant.row_invariant_sigmoid  # the LoRA experts' SiLU
+    x = torch.randn(37, 5, generator=torch.Generator().manual_seed(0))
+    with vllm_cpu_sigmoid.row_invariant_sigmoids()():
+        in_the_engine = torch.sigmoid(x)
+    assert torch.equal(in_the_engine, row_invariant.row_invariant_sigmoid(x))
 
 
 VERL_CPU_SCRIPT = """
@@ -1538,9 +1589,15 @@ def test_verl_cpu_training_gloo_backend_cpu_weight_reload_and_logger(patched_ver
     assert "flush=True" in Path(installed.__file__).read_text(encoding="utf-8")
 
 
-def test_shared_cpu_weight_reload_is_what_the_runtime_patch_calls():
-    from zero_mismatch_plugin.aligned import weight_sync
+def test_shared_cpu_weight_reload_is_what_the_runtime_patch_calls(monkeypatch):
+    from zero_mismatch_plugin.aligned import cpu_weight_reload, weight_sync
     from zero_mismatch_plugin.integrations.verl.cpu import patches as cpu_patches
+    from zero_mismatch_plugin.integrations.verl.cpu import rollout_weight_reload
 
-    assert cpu_patches.reload_plain_weights_on_cpu is shared.reload_plain_weights_on_cpu
-    assert weight_sync.repack_shared_cpu_weights is shared.repack_shared_cpu_weights
+    assert verl_edits.reload_plain_weights_on_cpu is rollout_weight_reload.reload_plain_weights_on_cpu
+    for name in ("repack_shared_cpu_weights", "reprocess_moe_as_first_load"):
+        fn = getattr(cpu_weight_reload, name)
+        assert getattr(verl_edits, name) is getattr(weight_sync, name) is getattr(rollout_weight_reload, name) is fn
+    # The runtime patch calls it (looked up when the patch is applied).
+    monkeypatch.setattr(rollout_weight_reload, "reload_plain_weights_on_cpu", lambda *args: True)
+    assert cpu_patches._cpu_reload_weights(lambda *args, **kwargs: "verl")(object()) is None

