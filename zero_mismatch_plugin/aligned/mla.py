@@ -9,7 +9,7 @@ cache of its sequence (16-token blocks), and the result goes out through ``W_UV`
 does both in one forward: prompt rows through the engine's prefill backend, response rows through
 the decode kernel over a cache it builds from all rows' latents, each decode row attending its
 sequence up to itself. The two ``bmm`` are computed as the plugin's patched engine computes them
-(:func:`~zero_mismatch_plugin.fork_patches.shared.row_invariant_bmm`: every call eight rows, the last
+(:func:`~zero_mismatch_plugin.aligned.row_invariant.row_invariant_bmm`: every call eight rows, the last
 chunk zero-padded) and ``kv_b_proj`` runs vLLM's CPU GEMM dispatch, as
 :mod:`zero_mismatch_plugin.integrations.vllm.cpu_mla` makes the engine do.
 
@@ -25,9 +25,9 @@ from types import SimpleNamespace
 import torch
 from torch.autograd import Function
 
-from zero_mismatch_plugin.fork_patches.shared import on_one_thread, row_invariant_bmm
+from zero_mismatch_plugin.aligned.row_invariant import on_one_thread, row_invariant_bmm
 from zero_mismatch_plugin.aligned.derived import DerivedWeight, cast_like_engine
-from zero_mismatch_plugin.aligned.ops import AlignedLinear, _observable, masked_positions
+from zero_mismatch_plugin.aligned.ops import AlignedLinear, masked_positions, observable
 
 BLOCK_SIZE = 16  # vLLM's CPU MLA forces 16-token cache blocks; its decode kernel reads no other size
 
@@ -144,7 +144,7 @@ class AlignedMLAAttention:
                                      m.qk_nope_head_dim, m.v_head_dim)
         return w_uk.permute(1, 2, 0), w_uv.transpose(0, 1)
 
-    @_observable
+    @observable
     def __call__(self, q, kv_c_normed, k_pe, plan: MlaPlan):
         return _MLAFn.apply(q, kv_c_normed, k_pe, self.kv_b_weight, self, plan)
 

@@ -20,12 +20,11 @@ import torch
 from torch.autograd import Function
 
 from zero_mismatch_plugin.aligned.derived import DerivedWeight
-from zero_mismatch_plugin.aligned.ops import _observable
+from zero_mismatch_plugin.aligned.ops import observable
 from zero_mismatch_plugin.aligned.runtime import VllmRuntime
 from zero_mismatch_plugin.tables.architectures import MoeBlocks
-from zero_mismatch_plugin.fork_patches.shared import row_invariant_sigmoid
-# Shared with verl's rollout weight reload (the verl fork patch carries its source): re-exported here.
-from zero_mismatch_plugin.fork_patches.shared import reprocess_moe_as_first_load  # noqa: F401
+from zero_mismatch_plugin.aligned.cpu_weight_reload import reprocess_moe_as_first_load
+from zero_mismatch_plugin.aligned.row_invariant import row_invariant_sigmoid
 
 _layer_ids = itertools.count()
 
@@ -157,7 +156,7 @@ class AlignedMoE:
         # vLLM's own choice (a LoRA-capable GPU kernel) stands.
         self.lora_capable = runtime.vllm_config.lora_config is not None
         if self.lora_capable:
-            from zero_mismatch_plugin.integrations.vllm.cpu_moe_lora import use_cpu_lora_experts
+            from zero_mismatch_plugin.aligned.cpu_lora_experts import use_cpu_lora_experts
 
             use_cpu_lora_experts(self.experts.quant_method)
             experts_cls = getattr(self.experts.quant_method, "experts_cls", None)
@@ -255,7 +254,7 @@ class AlignedMoE:
         self.last_topk_ids = ids.clone()
         return out, ids.clone()
 
-    @_observable
+    @observable
     def __call__(self, hidden: torch.Tensor, router_logits: torch.Tensor, params: list | None = None) -> torch.Tensor:
         """``params``: tensors with the values of ``params`` to take the gradients instead (views
         of stacked expert weights taken in this forward, so that autograd runs their backward with
@@ -430,7 +429,7 @@ class AlignedMoELoRA:
     def _punica(self, num_tokens: int):
         wrapper = self.mapping.get(num_tokens)
         if self.runtime.platform == "cpu":
-            from zero_mismatch_plugin.integrations.vllm.cpu_moe_lora import with_torch_moe_lora
+            from zero_mismatch_plugin.aligned.cpu_lora_experts import with_torch_moe_lora
 
             with_torch_moe_lora(wrapper)  # the CPU wrapper has no expert-LoRA methods of its own
         return wrapper
@@ -438,7 +437,7 @@ class AlignedMoELoRA:
     def kernel(self, hidden: torch.Tensor, router_logits: torch.Tensor):
         return self.base.kernel(hidden, router_logits, self.lora_context(hidden.shape[0]))
 
-    @_observable
+    @observable
     def __call__(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         return _MoELoRAFn.apply(hidden, router_logits, self, *self.params)
 

@@ -34,7 +34,7 @@ def observed(observer):
         _observer = previous
 
 
-def _observable(call):
+def observable(call):
     @functools.wraps(call)
     def observable_call(self, *args):
         if _observer is None:
@@ -75,7 +75,7 @@ class AlignedRMSNorm:
         # vLLM may update x and residual in place (fused kernels); keep autograd's copies intact.
         return self.module(x.clone(), residual.clone())
 
-    @_observable
+    @observable
     def __call__(self, x, residual=None):
         if residual is None:
             return _RMSNormFn.apply(x, self.weight, self)
@@ -129,7 +129,7 @@ class AlignedRotary:
         self.rotary_dim = self.module.rotary_dim
         self.is_neox_style = self.module.is_neox_style
 
-    @_observable
+    @observable
     def __call__(self, positions, q, k):
         return _RotaryFn.apply(positions, q, k, self)
 
@@ -181,7 +181,7 @@ class AlignedSiluAndMul:
     def __init__(self, runtime: VllmRuntime):
         self.module = runtime.silu_and_mul()
 
-    @_observable
+    @observable
     def __call__(self, x):
         return _SiluAndMulFn.apply(x, self)
 
@@ -259,7 +259,7 @@ class AlignedLinear:
             out = out.index_select(-1, self.trainer_cols.to(out.device))
         return out
 
-    @_observable
+    @observable
     def __call__(self, x):
         return _LinearFn.apply(x, self, *self.params)
 
@@ -315,7 +315,7 @@ class AlignedLogits:
     def kernel(self, hidden):
         return self.processor(self.derived.get(), hidden)
 
-    @_observable
+    @observable
     def __call__(self, hidden):
         return _LogitsFn.apply(hidden, self.weight, self)
 
@@ -362,7 +362,7 @@ class AlignedAttention:
         function of the lengths (vLLM's CPU backend records the thread count in it, for one)."""
         return self.kernel.metadata(seq_lens)
 
-    @_observable
+    @observable
     def __call__(self, q, k, v, plan, seq_lens):
         return _AttentionFn.apply(q, k, v, self, plan, seq_lens)
 

@@ -1,15 +1,8 @@
 """vLLM's configuration and layer instances, used as the forward kernels of the aligned ops.
 
-The aligned trainer does not re-implement vLLM's numerics: it builds the same ``VllmConfig`` the
-engine builds for the same checkpoint and engine arguments, instantiates vLLM's own layers
-(``RMSNorm``, ``SiluAndMul``, the rotary embedding, the linear and lm_head methods, the attention
-backend implementation, ``LogitsProcessor``) under that config, and calls them. Their dispatch
-(``forward_cpu``, ``forward_cuda`` with batch invariance, IR op priorities, oneDNN packing) is
-therefore vLLM's, on every platform.
-
-Building a runtime changes no process-wide state: consistent numerics on a GPU (vLLM's
-batch-invariant mode in this process) is switched on by the caller beforehand, with
-:func:`~.numerics.enable_consistent_numerics` or :func:`~.numerics.set_mode`.
+The trainer builds the engine's ``VllmConfig`` for the same checkpoint and engine arguments and
+calls vLLM's own layers built under it, so their dispatch is vLLM's on every platform. Building a
+runtime changes no process-wide state (``docs/zero-mismatch.md``).
 """
 
 from __future__ import annotations
@@ -31,14 +24,15 @@ logger = logging.getLogger(__name__)
 # be built from the same values; ``engine_args_for`` returns them for both.
 NUMERIC_ENGINE_DEFAULTS = dict(enforce_eager=True)
 
+# The engine's worker extension receiving the trainer's weights (``weight_sync.WeightSyncExtension``).
+WORKER_EXTENSION = "zero_mismatch_plugin.aligned.weight_sync.WeightSyncExtension"
+
 
 def engine_args_for(model_dir: str | os.PathLike, dtype: str = "float32", **overrides) -> dict:
     """Keyword arguments for ``vllm.LLM`` / ``EngineArgs`` that the aligned trainer mirrors.
 
     Includes the weight-sync worker extension (harmless in the trainer's config).
     """
-    from zero_mismatch_plugin.aligned.weight_sync import WORKER_EXTENSION
-
     args = dict(
         model=str(model_dir),
         dtype=dtype,

@@ -7,7 +7,7 @@ processing (oneDNN re-packing on CPU) — the same code that loaded the checkpoi
 is reset afterwards: cached KV blocks were computed with the old weights.
 
 Tensors travel as raw bytes with dtype and shape, which every vLLM RPC transport carries as is.
-The engine must be created with ``worker_extension_cls=WORKER_EXTENSION`` (``engine_args_for``
+The engine must be created with ``worker_extension_cls=runtime.WORKER_EXTENSION`` (``engine_args_for``
 and the plugin's consistent mode set it).
 """
 
@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from zero_mismatch_plugin.fork_patches.shared import repack_shared_cpu_weights
-
-WORKER_EXTENSION = "zero_mismatch_plugin.aligned.weight_sync.WeightSyncExtension"
+from zero_mismatch_plugin.aligned.cpu_weight_reload import repack_shared_cpu_weights, reprocess_moe_as_first_load
 
 _BYTE_VIEWS = {torch.bfloat16: torch.int16, torch.float16: torch.int16}
 
@@ -48,8 +46,6 @@ class WeightSyncExtension:
         weights = [decode(item) for item in encoded]
         device = self.device if hasattr(self, "device") else torch.device("cpu")
         weights = [(n, t.to(device)) for n, t in weights]
-        from zero_mismatch_plugin.aligned.moe import reprocess_moe_as_first_load
-
         # CPU MoE layers: pad and pre-pack the new expert weights as at the first load.
         reprocess_moe_as_first_load(self.model_runner.get_model())
         self.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
