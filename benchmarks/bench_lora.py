@@ -44,7 +44,8 @@ def main():
     from zero_mismatch_plugin.aligned import pack
 
     from zero_mismatch_plugin.faces.aligned_model import AlignedCausalLM
-    from zero_mismatch_plugin.aligned.lora import build_adapter, lora_engine_args
+    from zero_mismatch_plugin.aligned.lora.peft import lora_engine_args
+    from zero_mismatch_plugin.aligned.lora.adapter import build_adapter
 
     seq = args.prompt_len + args.response_len
     with tempfile.TemporaryDirectory() as tmp:

@@ -48,7 +48,9 @@ def main():
     import torch
 
     from zero_mismatch_plugin.faces.aligned_model import AlignedCausalLM
-    from zero_mismatch_plugin.aligned.lora import EXPERT_TARGETS, build_adapter, lora_engine_args
+    from zero_mismatch_plugin.aligned.lora.names import EXPERT_TARGETS
+    from zero_mismatch_plugin.aligned.lora.peft import lora_engine_args
+    from zero_mismatch_plugin.aligned.lora.adapter import build_adapter
     from zero_mismatch_plugin.aligned.moe import experts_with_lora, routing_weights
     from zero_mismatch_plugin.tools.tiny_models import build_tiny_model
 

@@ -5,7 +5,7 @@ Two parts, either or both:
 
 * ``--part forward``: one verl ``FSDPEngineWithLMHead`` (fsdp2, fp32, the CPU platform, one gloo
   rank) built in this process from the cpu_smoke model; the same micro-batch goes through verl's
-  ``forward_step`` with the aligned patch (``fsdp_aligned``) removed and applied, alternating, so
+  ``forward_step`` with the aligned patch (``fsdp_engine``) removed and applied, alternating, so
   load from other processes hits both alike. Timed: the no-grad forward (verl's old-logprob
   recompute) and forward + backward (the training micro-step). Medians and their ratio.
 * ``--part step``: ``zmrl recipes run cpu_smoke`` (real verl processes: Ray, vLLM rollout,
@@ -85,7 +85,7 @@ def _timed(function, repeats_inner: int = 3) -> float:
 def bench_forward(args) -> None:
     import torch
 
-    from zero_mismatch_plugin.faces import fsdp as fsdp_aligned
+    from zero_mismatch_plugin.integrations.verl import fsdp_engine
     from zero_mismatch_plugin.integrations.verl.cpu.smoke_assets import build_smoke_model
 
     work = Path(tempfile.mkdtemp(prefix="zmrl-bench-verl-"))
@@ -107,14 +107,14 @@ def bench_forward(args) -> None:
 
     times = {(side, kind): [] for side in ("stock", "aligned") for kind in ("forward", "forward+backward")}
     for side in ("stock", "aligned"):  # warm-up: the first aligned call builds the vLLM runtime and ops
-        (fsdp_aligned.apply if side == "aligned" else fsdp_aligned.remove)()
+        (fsdp_engine.apply if side == "aligned" else fsdp_engine.remove)()
         no_grad(), with_grad()
     for _ in range(args.repeats):
         for side in ("stock", "aligned"):
-            (fsdp_aligned.apply if side == "aligned" else fsdp_aligned.remove)()
+            (fsdp_engine.apply if side == "aligned" else fsdp_engine.remove)()
             times[(side, "forward")].append(_timed(no_grad))
             times[(side, "forward+backward")].append(_timed(with_grad))
-    fsdp_aligned.remove()
+    fsdp_engine.remove()
     tokens = args.batch * (args.prompt_len + args.response_len)
     print(f"verl FSDPEngineWithLMHead.forward_step, fsdp2 fp32, 1 rank, cpu_smoke model, micro-batch "
           f"{args.batch} x {args.prompt_len + args.response_len} tokens ({tokens}), "

@@ -115,8 +115,9 @@ def _mistral(**extra):
 def test_megatron_window_is_read_per_layer_like_megatron_reads_it():
     from types import SimpleNamespace
 
+    from zero_mismatch_plugin.faces.megatron.convert import vllm_window
     from zero_mismatch_plugin.faces.megatron.modules import _layer_window
-    from zero_mismatch_plugin.faces.megatron.spec import unsupported_features, vllm_window
+    from zero_mismatch_plugin.faces.megatron.spec import unsupported_features
 
     assert vllm_window((11, 0)) == 12 and vllm_window((11, 3)) is None and vllm_window(4096) is None
     every = SimpleNamespace(window_size=(11, 0), window_attn_skip_freq=None)

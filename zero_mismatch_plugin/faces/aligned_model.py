@@ -1,10 +1,8 @@
-"""The aligned trainer model: the dense decoders of :mod:`..architectures`, built from the aligned ops.
+"""The aligned trainer model: the decoders of :mod:`..architectures`, built from the aligned ops.
 
 Parameters carry the Hugging Face checkpoint names and live in fp32 on the trainer; the forward
-runs vLLM's kernels in vLLM's order (embedding, per layer: [fused residual-add] RMSNorm, merged
-qkv linear, [q/k RMSNorm], rotary, paged attention, o_proj, fused residual-add RMSNorm, merged
-gate_up linear, SiluAndMul, down_proj; final fused residual-add RMSNorm, LogitsProcessor) so the
-sampled-token logprobs it returns are the engine's bits.
+runs vLLM's kernels in vLLM's order (:func:`decoder_layer`), so its sampled-token logprobs are the
+engine's bits.
 """
 
 from __future__ import annotations
@@ -399,7 +397,7 @@ class AlignedCausalLM(nn.Module):
     def load_adapter(self, lora_dir: str | os.PathLike) -> None:
         """Attach the PEFT adapter in ``lora_dir`` (trainable, ``self.lora``) and freeze the base:
         targeted linears then run vLLM's LoRA arithmetic (:mod:`.lora`), never a merged weight."""
-        from zero_mismatch_plugin.aligned.lora import LoRAAdapter
+        from zero_mismatch_plugin.aligned.lora.adapter import LoRAAdapter
 
         adapter = LoRAAdapter.from_dir(lora_dir, self.config, self.head_dim, vocab=True)
         for p in self.parameters():
@@ -411,7 +409,12 @@ class AlignedCausalLM(nn.Module):
         self.lora_enabled = getattr(self, "lora", None) is not None
         self.lora_ops = [{} for _ in self.layer_ops]
         if self.lora_enabled:
-            from zero_mismatch_plugin.aligned.lora import MERGED_TARGETS, MLA_MERGED_TARGETS, MLA_Q_LORA_MERGED_TARGETS, lora_linears
+            from zero_mismatch_plugin.aligned.lora.names import (
+                MERGED_TARGETS,
+                MLA_MERGED_TARGETS,
+                MLA_Q_LORA_MERGED_TARGETS,
+            )
+            from zero_mismatch_plugin.aligned.lora.ops import lora_linears
 
             merged = MERGED_TARGETS
             if self.blocks.attention == "mla":
@@ -423,7 +426,7 @@ class AlignedCausalLM(nn.Module):
         # embed_tokens / lm_head adapters: vLLM's LoRA embedding and logits layers on the trainer's A, B.
         self.lora_vocab_ops = {}
         if self.lora_enabled:
-            from zero_mismatch_plugin.aligned.lora import lora_vocab_ops
+            from zero_mismatch_plugin.aligned.lora.vocab_ops import lora_vocab_ops
 
             self.lora_vocab_ops = lora_vocab_ops(self.runtime, self.lora, self.model.embed_tokens.weight, self.logits_head)
 

@@ -129,7 +129,7 @@ REGISTRY: dict[str, str] = {
     "vLLM, in every engine process (vLLM general plugin, ZMRL_NUMERICS)": "zero_mismatch_plugin.integrations.vllm.plugin:PATCHES",
     "verl Megatron engine (ZMRL_MEGATRON_ALIGNED=1)": "zero_mismatch_plugin.integrations.verl.megatron_engine:PATCHES",
     "verl CPU platform (ZMRL_VERL_PLATFORM=cpu)": "zero_mismatch_plugin.integrations.verl.cpu.patches:PATCHES",
-    "verl FSDP engine (ZMRL_FSDP_ALIGNED=1)": "zero_mismatch_plugin.faces.fsdp:PATCHES",
+    "verl FSDP engine (ZMRL_FSDP_ALIGNED=1)": "zero_mismatch_plugin.integrations.verl.fsdp_engine:PATCHES",
 }
 
 # target -> (patch, what undoing it needs), while applied.

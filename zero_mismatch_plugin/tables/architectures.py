@@ -522,30 +522,3 @@ def describe(config) -> Blocks:
 # baseline; its engine side is the aligned coverage, so it is held to the aligned face's entries).
 TRAINER_FACES = ("aligned", "megatron", "hf")
 
-
-def precheck(config, face: str = "aligned") -> Blocks:
-    """:func:`describe` for the trainer ``face`` chosen (one of :data:`TRAINER_FACES`), meant to
-    run before any engine, model or trainer is built: raises ``NotImplementedError`` naming every
-    setting that face does not cover and what to change (for "megatron" also the Megatron face's
-    own refusals: multi-head latent attention, and those of ``megatron.convert.megatron_blocks``,
-    which this imports, with torch, for that face only). For a model the face covers it returns
-    what :func:`describe` returns. ``config`` is the checkpoint's transformers config (its
-    ``AutoConfig``, whose defaults describe reads); for a checkpoint directory, with the refusal
-    worded for the command line, see ``checker.checkpoint_inputs.precheck_model``."""
-    if face not in TRAINER_FACES:
-        raise ValueError(f"unknown trainer face {face!r}; expected one of {', '.join(TRAINER_FACES)}")
-    blocks = describe(config)
-    if face != "megatron":
-        return blocks
-    if blocks.mla is not None:
-        raise NotImplementedError(
-            f"{blocks.architecture}: not supported by the Megatron face: multi-head latent attention "
-            "(the aligned trainer model covers it)"
-        )
-    from zero_mismatch_plugin.faces.megatron.convert import megatron_blocks
-
-    try:
-        megatron_blocks(config)
-    except ValueError as error:
-        raise NotImplementedError(f"{blocks.architecture}: not supported by the Megatron face: {error}") from None
-    return blocks

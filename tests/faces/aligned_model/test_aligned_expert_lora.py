@@ -255,7 +255,8 @@ def test_runtime_patches_select_the_cpu_lora_experts_and_removal_restores_stock(
     from vllm.model_executor.layers.fused_moe.oracle import unquantized
 
     from zero_mismatch_plugin.integrations import patches as runtime_patches
-    from zero_mismatch_plugin.integrations.vllm.cpu_moe_lora import PATCHES, cpu_lora_experts_class
+    from zero_mismatch_plugin.aligned.cpu_lora_experts import cpu_lora_experts_class
+    from zero_mismatch_plugin.integrations.vllm.cpu_moe_lora import PATCHES
 
     config = types.SimpleNamespace(is_lora_enabled=True)
     ids = torch.tensor([[0, 1], [1, 0]])

@@ -18,12 +18,9 @@ from test_aligned_lora import LORA_ENGINE, assert_bitwise, generate, lora_engine
 from torch import nn
 from support.vllm_session import prompts_for
 
-from zero_mismatch_plugin.aligned.lora import (
-    LoRAConfig,
-    build_adapter,
-    supported_lora_targets,
-    write_peft_adapter,
-)
+from zero_mismatch_plugin.aligned.lora.names import supported_lora_targets
+from zero_mismatch_plugin.aligned.lora.peft import LoRAConfig, write_peft_adapter
+from zero_mismatch_plugin.aligned.lora.adapter import build_adapter
 
 MODELS = ("deepseek_v2", "deepseek_v3_yarn")
 # The linears vLLM 0.31 wraps with a LoRA layer in an MLA decoder layer, under its module names.
@@ -192,7 +189,7 @@ def _float64_reference(trainer):
     from torch.nn.utils.parametrize import register_parametrization
     from transformers import AutoModelForCausalLM
 
-    from zero_mismatch_plugin.aligned.lora import _PARENT
+    from zero_mismatch_plugin.aligned.lora.names import PARENT_MODULE
 
     model = AutoModelForCausalLM.from_pretrained(str(trainer.runtime.model_dir), dtype=torch.float64)
     base = {k: v.detach().double() for k, v in trainer.state_dict().items() if not k.startswith("lora.")}
@@ -201,7 +198,7 @@ def _float64_reference(trainer):
     params = {}
     for i, target, pair in trainer.lora.pairs():
         delta = _LoRADelta(pair.lora_A, pair.lora_B, trainer.lora.lora_config.scaling)
-        register_parametrization(model.get_submodule(f"model.layers.{i}.{_PARENT[target]}.{target}"), "weight", delta)
+        register_parametrization(model.get_submodule(f"model.layers.{i}.{PARENT_MODULE[target]}.{target}"), "weight", delta)
         params[f"layers.{i}.{target}.lora_A"], params[f"layers.{i}.{target}.lora_B"] = delta.lora_A, delta.lora_B
     return model.eval(), params
 
@@ -242,7 +239,8 @@ def test_engine_serves_embedding_and_lm_head_adapters_for_llama_only(lora_engine
     test). The aligned model face adapts both for Llama (``test_aligned_vocab_lora.py``); readers
     of the decoder linears only (the Megatron face, ``zmrl check``) refuse them, naming why."""
     from zero_mismatch_plugin.faces.aligned_model import AlignedCausalLM
-    from zero_mismatch_plugin.aligned.lora import LoRAAdapter, read_lora_config
+    from zero_mismatch_plugin.aligned.lora.peft import read_lora_config
+    from zero_mismatch_plugin.aligned.lora.adapter import LoRAAdapter
 
     llm = lora_engines.get("llama")
     layers = llm.collective_rpc(_engine_embedding_lora_layers)[0]

@@ -27,7 +27,7 @@ from zero_mismatch_plugin.tools.tiny_models import MOE_FAMILIES
 # sigmoid rounds the tail of a call (the last numel % 32 elements on AVX-512) with another formula
 # than the rest, so GLM-4.5's sigmoid router scores and Qwen2-MoE's shared-expert gate ([M, 1])
 # had bits that depended on the engine step's token count; in consistent mode both sides compute
-# those sigmoids with patching.shared.row_invariant_sigmoid (the engine through vllm_cpu_sigmoid).
+# those sigmoids with aligned.row_invariant.row_invariant_sigmoid (the engine through vllm_cpu_sigmoid).
 ENGINE_INVARIANT = ("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe")
 
 
@@ -323,9 +323,9 @@ def _row_variance(sigmoid, width, reference_rows=3000):
 
 @pytest.mark.parametrize("width", [1, 8, 20, 64, 160])
 def test_row_invariant_sigmoid_gives_each_row_the_same_bits_at_every_row_count(width):
-    """patching.shared.row_invariant_sigmoid: a row's bits do not depend on how many rows the call
+    """aligned.row_invariant.row_invariant_sigmoid: a row's bits do not depend on how many rows the call
     holds (asserted at every M); torch.sigmoid's own variance on this host is printed."""
-    from zero_mismatch_plugin.fork_patches.shared import row_invariant_sigmoid
+    from zero_mismatch_plugin.aligned.row_invariant import row_invariant_sigmoid
 
     stock = _row_variance(torch.sigmoid, width)
     print(f"width {width}: torch.sigmoid differs from the 3000-row call at {len(stock)} of "

@@ -17,7 +17,7 @@ from test_aligned_mla_lora import lora_trainers  # noqa: F401 - a fixture (one t
 from support.vllm_session import prompts_for
 
 from zero_mismatch_plugin.aligned import SamplingTransform, pack
-from zero_mismatch_plugin.aligned.lora import build_adapter
+from zero_mismatch_plugin.aligned.lora.adapter import build_adapter
 from zero_mismatch_plugin.tables.architectures import LORA_TARGETS, VOCAB_LORA_TARGETS
 
 MODELS = ("llama", "qwen3")  # qwen3's tiny checkpoint ties lm_head to embed_tokens; llama's does not

@@ -16,8 +16,8 @@ import torch
 
 from zero_mismatch_plugin.aligned.packing import pack
 from zero_mismatch_plugin.faces import fsdp as fsdp_aligned
-from zero_mismatch_plugin.faces.fsdp import (AlignedFSDPForward, PackedMicroBatch,
-                                                            UnsupportedFSDPFeature)
+from zero_mismatch_plugin.faces.fsdp import AlignedFSDPForward, PackedMicroBatch
+from zero_mismatch_plugin.tables.switches import FSDP_ALIGNED
 
 PROMPT_LENS = (5, 9, 3)
 RESPONSE_LENS = (4, 2, 6)
@@ -156,37 +156,6 @@ def test_fsdp2_units_give_the_aligned_models_logits_and_gradients(process_group,
     assert all("forward" not in vars(module) for module in model.modules()), "the HF forwards are back"
 
 
-def test_packed_micro_batch_reads_verls_jagged_layout():
-    from tensordict import TensorDict
-    from verl.utils import tensordict_utils as tu
-
-    ids = [torch.tensor([5, 6, 7]), torch.tensor([8, 9])]
-    micro_batch = TensorDict({
-        "input_ids": torch.nested.as_nested_tensor(ids, layout=torch.jagged),
-        "position_ids": torch.nested.as_nested_tensor([torch.arange(3), torch.arange(2)], layout=torch.jagged),
-        "temperature": torch.tensor([0.5, 1.0]),
-    }, batch_size=[2])
-    tu.assign_non_tensor(micro_batch, use_remove_padding=False)
-    packed = fsdp_aligned.packed_micro_batch(micro_batch)
-    assert packed.seq_lens == [3, 2]
-    assert packed.input_ids.tolist() == [5, 6, 7, 8, 9]
-    assert packed.positions.tolist() == [0, 1, 2, 0, 1]
-    # verl's labels: the next token of the packed stream (a sequence's last row is never read).
-    assert packed.labels.tolist() == [6, 7, 8, 9, 5]
-    assert packed.temperature.tolist() == [0.5, 0.5, 0.5, 1.0, 1.0]
-
-
-def test_unsupported_engine_settings_are_refused_naming_the_fix():
-    engine = types.SimpleNamespace(_is_lora=True, ulysses_sequence_parallel_size=2, _qat_enabled=False,
-                                   engine_config=types.SimpleNamespace(strategy="fsdp2"),
-                                   model_config=types.SimpleNamespace(lora={"merge": True}))
-    with pytest.raises(UnsupportedFSDPFeature) as error:
-        fsdp_aligned.check_engine_supported(engine)
-    message = str(error.value)
-    assert "lora.merge=false" in message and "ulysses_sequence_parallel_size=1" in message
-    assert fsdp_aligned.ENABLE_ENV in message
-
-
 def test_unsupported_architecture_is_refused(tmp_path):
     config = types.SimpleNamespace(architectures=["GPT2LMHeadModel"])
     with pytest.raises(NotImplementedError, match="GPT2LMHeadModel"):
@@ -198,38 +167,5 @@ def test_windowed_and_latent_attention_checkpoints_are_refused_naming_the_switch
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(str(checkpoints[name]))
-    with pytest.raises(NotImplementedError, match=f"{fsdp_aligned.ENABLE_ENV}=0"):
+    with pytest.raises(NotImplementedError, match=f"{FSDP_ALIGNED}=0"):
         AlignedFSDPForward(runtime=None, hf_config=config)
-
-
-def test_patch_is_reversible_and_version_gated(monkeypatch):
-    import verl
-    from verl.workers.engine.fsdp import transformer_impl as ti
-
-    from zero_mismatch_plugin.integrations.patches import UnsupportedVersion, applied
-
-    originals = (ti.FSDPEngineWithLMHead.__dict__["forward_step"], ti.FSDPEngine.__dict__["optimizer_step"],
-                 ti.FSDPEngine.__dict__["load_checkpoint"])
-    fsdp_aligned.apply()
-    try:
-        assert {patch.name for patch in fsdp_aligned.PATCHES} <= set(applied())
-        assert ti.FSDPEngineWithLMHead.forward_step is not originals[0]
-        assert ti.FSDPEngineWithLMHead.forward_step.__wrapped__ is originals[0]
-    finally:
-        fsdp_aligned.remove()
-    assert (ti.FSDPEngineWithLMHead.__dict__["forward_step"], ti.FSDPEngine.__dict__["optimizer_step"],
-            ti.FSDPEngine.__dict__["load_checkpoint"]) == originals
-    monkeypatch.setattr(verl, "__version__", "0.9.0")
-    with pytest.raises(UnsupportedVersion, match="0.9.0"):
-        fsdp_aligned.apply()
-    assert not fsdp_aligned.is_active()
-
-
-def test_switch_reads_the_environment(monkeypatch):
-    monkeypatch.delenv(fsdp_aligned.ENABLE_ENV, raising=False)
-    assert not fsdp_aligned.maybe_apply()
-    monkeypatch.setenv(fsdp_aligned.ENABLE_ENV, "1")
-    try:
-        assert fsdp_aligned.maybe_apply() and fsdp_aligned.is_active()
-    finally:
-        fsdp_aligned.remove()

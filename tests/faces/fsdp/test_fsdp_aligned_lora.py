@@ -16,11 +16,12 @@ import torch
 from test_fsdp_aligned import _fsdp2_model, _full, _packed, _target_logprob_sum, process_group  # noqa: F401
 from support.vllm_session import MAX_MODEL_LEN, prompts_for
 
-from zero_mismatch_plugin.aligned.lora import lora_engine_args_for_rank, peft_tensor_name, write_peft_adapter
+from zero_mismatch_plugin.aligned.lora.names import peft_tensor_name
+from zero_mismatch_plugin.aligned.lora.peft import lora_engine_args_for_rank, write_peft_adapter
 from zero_mismatch_plugin.aligned.packing import pack
 from zero_mismatch_plugin.faces import fsdp as fsdp_aligned
-from zero_mismatch_plugin.faces.fsdp import (AlignedFSDPForward, PackedMicroBatch,
-                                                            UnsupportedFSDPFeature)
+from zero_mismatch_plugin.faces.fsdp import AlignedFSDPForward, PackedMicroBatch, UnsupportedFSDPFeature
+from zero_mismatch_plugin.integrations.verl import fsdp_engine
 
 LORA_RANK = 8
 LORA_ALPHA = 16
@@ -114,7 +115,7 @@ def test_lora_actor_logprobs_equal_the_lora_engine_and_gradients_reach_the_adapt
         module=model, _is_lora=True, ulysses_sequence_parallel_size=1, _qat_enabled=False,
         engine_config=types.SimpleNamespace(strategy="fsdp2"),
         model_config=types.SimpleNamespace(local_path=str(checkpoint), lora={"merge": False}))
-    aligned = fsdp_aligned.aligned_state(engine)
+    aligned = fsdp_engine.aligned_state(engine)
     assert aligned.lora_config.scaling == LORA_ALPHA / LORA_RANK
     assert aligned.runtime.vllm_config.lora_config.max_lora_rank == ENGINE_LORA["max_lora_rank"]
     adapter_dir = _write_adapter(model, tmp_path / "adapter")
@@ -176,17 +177,17 @@ def test_lora_settings_vllm_does_not_serve_are_refused(checkpoints, settings, fi
     model = _verl_lora(AutoModelForCausalLM.from_pretrained(str(checkpoints["llama"])), **settings)
     with pytest.raises(UnsupportedFSDPFeature, match=fix) as error:
         fsdp_aligned.peft_lora_config(model)
-    assert fsdp_aligned.ENABLE_ENV in str(error.value)
+    assert fsdp_engine.ENABLE_ENV in str(error.value)
 
 
 def test_lora_on_moe_layers_is_refused_naming_the_switch(checkpoints):
     from transformers import AutoConfig
 
-    from zero_mismatch_plugin.aligned.lora import LoRAConfig
+    from zero_mismatch_plugin.aligned.lora.peft import LoRAConfig
 
     config = AutoConfig.from_pretrained(str(checkpoints["qwen3_moe"]))
     lora_config = LoRAConfig(r=LORA_RANK, lora_alpha=LORA_ALPHA, targets=("q_proj",))
-    with pytest.raises(NotImplementedError, match=f"Mixture-of-Experts.*{fsdp_aligned.ENABLE_ENV}=0"):
+    with pytest.raises(NotImplementedError, match=f"Mixture-of-Experts.*{fsdp_engine.ENABLE_ENV}=0"):
         AlignedFSDPForward(runtime=None, hf_config=config, lora_config=lora_config)
 
 
@@ -199,7 +200,7 @@ def _fsdp_lora_config(checkpoint, **model):
         "actor_rollout_ref": {"actor": {"strategy": "fsdp2"},
                               "model": {"path": str(checkpoint), "lora_rank": LORA_RANK, "target_modules": "all-linear",
                                         "lora": {"rank": 0, "merge": False}, **model}},
-        "ray_kwargs": {"ray_init": {"runtime_env": {"env_vars": {fsdp_aligned.ENABLE_ENV: "1"}}}},
+        "ray_kwargs": {"ray_init": {"runtime_env": {"env_vars": {fsdp_engine.ENABLE_ENV: "1"}}}},
     })
 
 

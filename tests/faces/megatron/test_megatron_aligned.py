@@ -133,9 +133,10 @@ def test_checker_backend_reports_engine_bits(mg_checkpoints, mg_rollout):
     """``MegatronBackend`` (for ``zmrl check --trainer megatron``): μ bitwise, canonical op
     names, and a planted difference in one op reaches the logprobs."""
     from zero_mismatch_plugin.tools.checker import oplist
+    from zero_mismatch_plugin.tools.checker.engine import engine_settings
     from zero_mismatch_plugin.tools.checker.megatron_backend import MegatronBackend
 
-    backend = MegatronBackend(mg_checkpoints["llama"], max_model_len=256, seed=0)
+    backend = MegatronBackend(engine_settings(mg_checkpoints["llama"], max_model_len=256, seed=0))
     prompts, responses, mu = mg_rollout(seed=0)
     batch = pack(prompts, responses)
     assert torch.equal(backend.token_logprobs(batch), mu)

@@ -19,7 +19,8 @@ import torch
 from support.vllm_session import MAX_MODEL_LEN, prompts_for, rollout
 
 from zero_mismatch_plugin.aligned import pack
-from zero_mismatch_plugin.aligned.lora import WEIGHTS_FILE, build_adapter
+from zero_mismatch_plugin.aligned.lora.peft import WEIGHTS_FILE
+from zero_mismatch_plugin.aligned.lora.adapter import build_adapter
 from zero_mismatch_plugin.faces.megatron import convert
 
 MODELS = ("qwen3_moe", "qwen2_moe", "glm4_moe", "mixtral")
@@ -189,7 +190,7 @@ def test_megatron_expert_lora_gradients_equal_aligned_face_and_base_gets_none(lo
 
     aligned = AlignedCausalLM.from_pretrained(checkpoints[family], lora_dir=adapter, **LORA_ENGINE)
     (aligned.token_logprobs(pack(prompts, responses)) * coeffs).sum().backward()
-    expected = {name: p.grad for name, p in aligned.lora._named_matrices()}
+    expected = {name: p.grad for name, p in aligned.lora.named_matrices()}
     assert set(grads) == set(expected)
     rel = {}
     for name, g in expected.items():

@@ -13,7 +13,8 @@ import torch
 from support.vllm_session import MAX_MODEL_LEN, prompts_for, rollout
 
 from zero_mismatch_plugin.aligned import pack
-from zero_mismatch_plugin.aligned.lora import build_adapter, lora_engine_args
+from zero_mismatch_plugin.aligned.lora.peft import lora_engine_args
+from zero_mismatch_plugin.aligned.lora.adapter import build_adapter
 from zero_mismatch_plugin.faces.megatron import convert
 
 # Relative L2 error allowed between the Megatron face's and the aligned face's fp32 adapter
@@ -99,7 +100,7 @@ def test_megatron_lora_bitwise_equal_engine(lora_llm, model, runtime, adapter):
         # The adapter is really in the forward: the same GPTModel without it gives other numbers.
         assert not torch.equal(megatron_logprobs(build_gpt_model(runtime, aligned=True), prompts, responses), mu)
     # The adapter's matrices went through convert's name mapping and back unchanged.
-    from zero_mismatch_plugin.aligned.lora import WEIGHTS_FILE
+    from zero_mismatch_plugin.aligned.lora.peft import WEIGHTS_FILE
     from safetensors.torch import load_file
     from zero_mismatch_plugin.faces.megatron.lora import adapter_state
 

@@ -247,7 +247,7 @@ def test_megatron_moe_settings_vllm_does_not_run_are_refused(settings, message):
 def test_megatron_moe_config_that_differs_from_the_engine_checkpoint_is_refused(checkpoints):
     """A provider built elsewhere (as verl's Megatron-Bridge does) must route as vLLM does."""
     from zero_mismatch_plugin.tables.architectures import describe
-    from zero_mismatch_plugin.faces.megatron.modules import moe_config_mismatches
+    from zero_mismatch_plugin.faces.megatron.moe import moe_config_mismatches
 
     hf = _hf_config(checkpoints, "glm4_moe")
     config = convert.transformer_config_from_hf(hf)

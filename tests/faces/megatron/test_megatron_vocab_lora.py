@@ -25,7 +25,9 @@ from test_megatron_lora import (  # noqa: F401 - fixtures
 from support.vllm_session import MAX_MODEL_LEN, prompts_for, rollout
 
 from zero_mismatch_plugin.aligned import pack
-from zero_mismatch_plugin.aligned.lora import build_adapter, lora_engine_args_for_rank, peft_tensor_name, PEFT_VOCAB_NAMES
+from zero_mismatch_plugin.aligned.lora.names import peft_tensor_name, PEFT_VOCAB_NAMES
+from zero_mismatch_plugin.aligned.lora.peft import lora_engine_args_for_rank
+from zero_mismatch_plugin.aligned.lora.adapter import build_adapter
 from zero_mismatch_plugin.tables.architectures import LORA_TARGETS, VOCAB_LORA_TARGETS
 from zero_mismatch_plugin.faces.megatron import convert
 
@@ -68,7 +70,7 @@ def _rollout(llm, prompts, path, seed, name="vocab-r8", adapter_id=1):
 def test_megatron_vocab_lora_bitwise_equal_engine(lora_llm, model, runtime, adapter):
     from safetensors.torch import load_file
 
-    from zero_mismatch_plugin.aligned.lora import WEIGHTS_FILE
+    from zero_mismatch_plugin.aligned.lora.peft import WEIGHTS_FILE
     from zero_mismatch_plugin.faces.megatron.lora import adapter_state, lora_parameters
 
     assert VOCAB_PARAMETERS <= {n for n, _ in lora_parameters(model)}

@@ -1,18 +1,8 @@
 """Checkpoints of :mod:`zero_mismatch_plugin.tables.architectures` <-> megatron-core GPTModel (TP=1, EP=1).
 
-Layouts that differ between the Hugging Face / vLLM checkpoint and megatron-core:
-
-* ``linear_qkv``: megatron interleaves per query group ``[q heads of the group; k; v]``; the
-  checkpoint has separate ``q_proj``, ``k_proj``, ``v_proj`` (vLLM stacks them ``[q; k; v]``).
-* ``linear_fc1``: ``[gate; up]`` in megatron, the same order as vLLM's ``gate_up_proj`` and as
-  its experts' ``w13``; so is each expert's and the shared expert's ``linear_fc1``.
-* separate norms (local spec): ``input_layernorm`` / ``pre_mlp_layernorm`` / ``final_layernorm``.
-* MoE layers (megatron's local MoE spec): ``mlp.router.weight`` (+ ``mlp.router.expert_bias``, a
-  buffer, for ``e_score_correction_bias``), ``mlp.experts.local_experts.E.linear_fc1/2``,
-  ``mlp.shared_experts.linear_fc1/2`` and ``gate_weight``.
-
-Used to load the checkpoint the engine serves into a megatron model (standalone use and tests;
-verl loads through Megatron-Bridge) and to send a megatron model's weights back to the engine.
+Loads the checkpoint the engine serves into a megatron model (standalone use and tests; verl loads
+through Megatron-Bridge) and sends a megatron model's weights back to the engine; the layouts that
+differ (grouped qkv, ``[gate; up]`` fc1, MoE names): docs/megatron.md.
 """
 
 from __future__ import annotations
@@ -96,11 +86,23 @@ def megatron_windows(blocks: Blocks) -> dict:
     return out
 
 
+def vllm_window(window_size) -> int | None:
+    """vLLM's ``sliding_window`` (tokens a query sees, itself included) for megatron-core's causal
+    ``window_size=(left, 0)``; ``None`` for anything else."""
+    try:
+        left, right = window_size
+    except (TypeError, ValueError):
+        return None
+    if isinstance(left, int) and left >= 0 and right == 0:
+        return left + 1
+    return None
+
+
 def megatron_moe(blocks: Blocks, num_layers: int) -> dict:
     """megatron-core's MoE settings for the checkpoint's Mixture-of-Experts layers ({} if none).
 
     They describe the layers; the aligned MoE layer computes them with vLLM's router and experts
-    (:class:`.modules.AlignedMoELayer`), so megatron's own load balancing, aux losses and
+    (:class:`.moe.AlignedMoELayer`), so megatron's own load balancing, aux losses and
     expert-bias updates are off.
     """
     moe = blocks.moe
@@ -338,7 +340,7 @@ def megatron_vocab_lora_name(target: str, which: str) -> str:
 
 def _vocab_lora_names() -> dict[str, str]:
     """{PEFT name: Megatron-face name} of the vocabulary adapters' A and B."""
-    from zero_mismatch_plugin.aligned.lora import PEFT_VOCAB_NAMES
+    from zero_mismatch_plugin.aligned.lora.names import PEFT_VOCAB_NAMES
 
     return {peft: megatron_vocab_lora_name(target, which)
             for target, names in PEFT_VOCAB_NAMES.items() for peft, which in zip(names, "AB")}
@@ -361,7 +363,7 @@ def peft_to_megatron_lora(state: dict) -> dict:
     """PEFT adapter tensors (``base_model.model.model.layers.{i}...lora_A.weight``, routed experts'
     ``mlp.experts.{e}.gate_proj`` ..., the shared expert's, embed_tokens' and lm_head's) -> the Megatron face's adapter
     parameter names; the tensors themselves are unchanged."""
-    from zero_mismatch_plugin.aligned.lora import parse_peft_expert_tensor_name, parse_peft_tensor_name
+    from zero_mismatch_plugin.aligned.lora.names import parse_peft_expert_tensor_name, parse_peft_tensor_name
 
     vocab = _vocab_lora_names()
     out = {}
@@ -384,7 +386,11 @@ def megatron_to_peft_lora(state: dict, hf_config=None) -> dict:
     """The Megatron face's adapter parameters (or their gradients) -> PEFT names. ``hf_config``:
     the checkpoint's config, which names the experts' modules (needed only for an adapter on
     experts)."""
-    from zero_mismatch_plugin.aligned.lora import peft_expert_module_name, peft_shared_expert_module_name, peft_tensor_name
+    from zero_mismatch_plugin.aligned.lora.names import (
+        peft_expert_module_name,
+        peft_shared_expert_module_name,
+        peft_tensor_name,
+    )
 
     vocab = {megatron: peft for peft, megatron in _vocab_lora_names().items()}
     out = {}

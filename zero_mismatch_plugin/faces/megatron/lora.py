@@ -1,20 +1,8 @@
 """LoRA in the Megatron face: a frozen GPTModel plus a trainable adapter, with vLLM's LoRA arithmetic.
 
-Each targeted linear module (``linear_qkv``, ``linear_proj``, ``linear_fc1``, ``linear_fc2``)
-carries a :class:`MegatronLoRA` holding the adapter's A and B per vLLM output slice (names
-mapped to and from PEFT's by :mod:`.convert`); its forward is the op layer's
-:class:`~zero_mismatch_plugin.aligned.lora.AlignedLoRALinear` over the module's own base op, so
-the update is added in vLLM's row order (before megatron's grouped-qkv permutation) and the
-backward reaches A and B only. In an MoE layer the MLP targets sit on every routed expert's
-``linear_fc1`` / ``linear_fc2`` (``mlp.experts.local_experts.{e}``), which the MoE layer runs as
-:class:`~zero_mismatch_plugin.aligned.moe.AlignedMoELoRA` (vLLM's MoE layer with the experts'
-LoRA context) over its base MoE op, and on the shared expert's linears (``mlp.shared_experts``:
-dense LoRA as above). For Llama and Qwen3 (``VOCAB_LORA_ARCHITECTURES``) an ``embed_tokens``
-adapter sits on ``embedding.word_embeddings`` (megatron-core's embedding, whose output is replaced
-by the op layer's :class:`~zero_mismatch_plugin.aligned.lora.AlignedLoRAEmbedding` over the same
-weight: the same lookup plus vLLM's LoRA rows) and an ``lm_head`` adapter on ``output_layer``
-(:class:`~zero_mismatch_plugin.aligned.lora.AlignedLoRALogits` over the output layer's head).
-Nothing here defines an autograd op.
+Each targeted linear (routed and shared experts included) carries a :class:`MegatronLoRA`, the word
+embedding and output layer a :class:`MegatronVocabLoRA`; their forwards are the op layer's LoRA ops
+over the module's own base op, so the backward reaches A and B only (docs/lora.md, "The Megatron face").
 """
 
 from __future__ import annotations
@@ -23,17 +11,12 @@ import os
 
 from torch import nn
 
-from zero_mismatch_plugin.aligned.lora import (
-    LoRAAdapter,
-    _LoRAPair,
-    _routed_expert_layers,
-    _target_shapes,
-    _TokenMapping,
-    AlignedLoRAEmbedding,
-    AlignedLoRALinear,
-    AlignedLoRALogits,
-    write_peft_adapter,
-)
+from zero_mismatch_plugin.aligned.derived import OpCache
+from zero_mismatch_plugin.aligned.lora.peft import write_peft_adapter
+from zero_mismatch_plugin.aligned.lora.targets import LoRAPair, routed_expert_layers, target_shapes
+from zero_mismatch_plugin.aligned.lora.adapter import LoRAAdapter
+from zero_mismatch_plugin.aligned.lora.ops import TokenMapping, AlignedLoRALinear
+from zero_mismatch_plugin.aligned.lora.vocab_ops import AlignedLoRAEmbedding, AlignedLoRALogits
 from zero_mismatch_plugin.tables.architectures import VOCAB_LORA_TARGETS
 from zero_mismatch_plugin.faces.megatron import convert
 from zero_mismatch_plugin.faces.megatron.modules import AlignedOutputLayer
@@ -43,7 +26,7 @@ class MegatronLoRA(nn.Module):
     """The adapter of one megatron linear: ``{target: (lora_A [r, in], lora_B [out, r])}`` for
     the PEFT targets among the linear's vLLM slices ``slices`` (sizes ``out_sizes``)."""
 
-    def __init__(self, slices, out_sizes, pairs: dict, lora_config, mapping: _TokenMapping):
+    def __init__(self, slices, out_sizes, pairs: dict, lora_config, mapping: TokenMapping):
         super().__init__()
         self.slices = tuple(slices)
         self.out_sizes = list(out_sizes)
@@ -52,37 +35,38 @@ class MegatronLoRA(nn.Module):
         self.targets = tuple(pairs)
         self.lora_config = lora_config
         self.mapping = mapping
-        self._op = None
+        self._aligned_ops = OpCache()
 
     def op(self, runtime, base_op):
         """vLLM's LoRA linear over ``base_op`` (rebuilt when the base op is)."""
-        if self._op is None or self._op.base is not base_op:
+
+        def build():
             pairs = [getattr(self, t) if t in self.targets else None for t in self.slices]
-            self._op = AlignedLoRALinear(runtime, base_op, pairs, self.lora_config, self.mapping, self.out_sizes)
-        return self._op
+            return AlignedLoRALinear(runtime, base_op, pairs, self.lora_config, self.mapping, self.out_sizes)
+
+        return self._aligned_ops.get("linear", [base_op], build)
 
 
 class MegatronVocabLoRA(nn.Module):
     """The adapter of megatron's word embedding (``embed_tokens``: A [r, vocab], B [hidden, r]) or
     output layer (``lm_head``: A [r, hidden], B [vocab, r]), PEFT's layout."""
 
-    def __init__(self, target: str, pair: _LoRAPair, lora_config, runtime):
+    def __init__(self, target: str, pair: LoRAPair, lora_config, runtime):
         super().__init__()
         self.add_module(target, pair)  # parameters named <module>.lora.<target>.lora_A / _B
         self.target = target
         self.lora_config = lora_config
         # Every logits row is a sampled row of the adapter (as in the aligned face's lora_vocab_ops).
-        self.mapping = _TokenMapping(runtime, sampled_rows=target == "lm_head")
-        self._op = None
+        self.mapping = TokenMapping(runtime, sampled_rows=target == "lm_head")
+        self._aligned_ops = OpCache()
 
     def op(self, runtime, base):
         """vLLM's LoRA embedding over the embedding weight ``base``, or its LoRA logits layer over
         the output layer's head ``base`` (rebuilt when the base is)."""
-        built = None if self._op is None else self._op.weight if self.target == "embed_tokens" else self._op.head
-        if built is not base:
-            kind = AlignedLoRAEmbedding if self.target == "embed_tokens" else AlignedLoRALogits
-            self._op = kind(runtime, base, getattr(self, self.target), self.lora_config, self.mapping)
-        return self._op
+        kind = AlignedLoRAEmbedding if self.target == "embed_tokens" else AlignedLoRALogits
+        pair = getattr(self, self.target)
+        return self._aligned_ops.get(
+            self.target, [base], lambda: kind(runtime, base, pair, self.lora_config, self.mapping))
 
 
 def _embedding_with_lora(word_embeddings, args, output):
@@ -97,7 +81,7 @@ def _embedding_with_lora(word_embeddings, args, output):
 def attach_lora(model, runtime, adapter_dir: str | os.PathLike):
     """Freeze ``model`` (a GPTModel with the aligned spec) and attach the PEFT adapter in
     ``adapter_dir`` to its linears (routed experts and shared experts included), word embedding and
-    output layer; returns the adapter's :class:`~..aligned.lora.LoRAConfig`.
+    output layer; returns the adapter's :class:`~zero_mismatch_plugin.aligned.lora.peft.LoRAConfig`.
 
     ``runtime`` must be built with the engine's LoRA arguments (``lora_engine_args``).
     """
@@ -119,14 +103,14 @@ def attach_lora(model, runtime, adapter_dir: str | os.PathLike):
     vocab_names = {convert.megatron_vocab_lora_name(t, which) for t in VOCAB_LORA_TARGETS for which in "AB"}
     tensors = {n: t for n, t in convert.peft_to_megatron_lora(adapter.peft_state()).items() if n not in vocab_names}
     out_features = _out_features(hf)
-    mapping = _TokenMapping(runtime)
+    mapping = TokenMapping(runtime)
     for p in model.parameters():
         p.requires_grad_(False)
     linears = {}  # megatron linear -> (expert, {target: pair})
     for name, tensor in tensors.items():
         layer, target, which, expert = convert.parse_megatron_lora_name(name)
         if which == "A":
-            pair = _LoRAPair(lora_config.r, tensor.shape[1], out_features[expert][target])
+            pair = LoRAPair(lora_config.r, tensor.shape[1], out_features[expert][target])
             pair.lora_A.data.copy_(tensor)
             pair.lora_B.data.copy_(tensors[convert.megatron_lora_name(layer, target, "B", expert)])
             linears.setdefault(convert.lora_linear_name(layer, target, expert), (expert, {}))[1][target] = pair
@@ -161,8 +145,8 @@ def _out_features(hf_config) -> dict:
     """{expert: {target: output features}} of the linears an adapter can target: ``None`` a
     layer's own, each routed expert's index, ``convert.SHARED_EXPERT`` the shared expert's."""
     blocks = convert.megatron_blocks(hf_config)
-    _, routed, _, shared = _routed_expert_layers(hf_config)
-    out = {None: _target_shapes(hf_config, blocks.head_dim), convert.SHARED_EXPERT: shared}
+    _, routed, _, shared = routed_expert_layers(hf_config)
+    out = {None: target_shapes(hf_config, blocks.head_dim), convert.SHARED_EXPERT: shared}
     out.update(dict.fromkeys(range(blocks.moe.num_experts if blocks.moe else 0), routed))
     return {expert: {target: out_f for target, (out_f, _) in shapes.items()} for expert, shapes in out.items()}
 

@@ -1,41 +1,25 @@
-"""megatron-core modules whose forward is vLLM's kernel (through the aligned ops).
-
-Each class here has the constructor signature and the parameter names of the megatron-core module
-it replaces in a layer spec (``WrappedTorchNorm``, ``ColumnParallelLinear``/``RowParallelLinear``,
-``DotProductAttention``, ``MLP``, the GPT output layer), so checkpoints, optimizers and
-``sharded_state_dict`` see the usual megatron-core parameters. The computation is vLLM's: the
-forward of every op calls the vLLM layer instance built by :class:`~..aligned.runtime.VllmRuntime`
-on the tensors vLLM's model code would pass it (token-major ``[T, features]``), and the backward is
-the analytic gradient in fp32 (vLLM's kernels are forward-only).
-
-Tensor parallelism is not implemented: every module holds the full weight (TP=1).
+"""megatron-core's dense layer modules (norms, linears, MLP, attention, output layer, per-token
+logprob) with vLLM's numerics: each keeps the constructor and parameter names of the module it
+replaces in a layer spec and forwards through the op layer. TP = 1 (every module holds the full
+weight); how and why: docs/megatron.md.
 """
 
 from __future__ import annotations
 
-import weakref
+import functools
 
 import torch
 from torch import nn
 
 from zero_mismatch_plugin.aligned import ops
+from zero_mismatch_plugin.aligned.derived import OpCache, shared_ops
 from zero_mismatch_plugin.aligned.runtime import VllmRuntime
 from zero_mismatch_plugin.aligned.sampling import vllm_label_logprobs
+from zero_mismatch_plugin.faces.megatron.convert import vllm_window
 from zero_mismatch_plugin.tables.architectures import describe
 
-# vLLM layer instances that hold no trainable state (rotary cos/sin cache, attention backend)
-# are shared by all layers built from one runtime, as vLLM shares one rotary embedding.
-_SHARED: "weakref.WeakKeyDictionary[VllmRuntime, dict]" = weakref.WeakKeyDictionary()
 
-
-def _shared(runtime: VllmRuntime, key, build):
-    cache = _SHARED.setdefault(runtime, {})
-    if key not in cache:
-        cache[key] = build()
-    return cache[key]
-
-
-def _flat(x: torch.Tensor) -> torch.Tensor:
+def flat_tokens(x: torch.Tensor) -> torch.Tensor:
     """[..., features] -> [tokens, features], the layout vLLM's kernels are called with."""
     return x.reshape(-1, x.shape[-1])
 
@@ -59,23 +43,22 @@ class AlignedRMSNormModule(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
         setattr(self.weight, "sequence_parallel", False)
-        self._op = None
+        self._aligned_ops = OpCache()
 
     def _kernel(self) -> ops.AlignedRMSNorm:
         # Rebuilt if the Parameter object was replaced (e.g. by a model conversion).
-        if self._op is None or self._op.weight is not self.weight:
-            self._op = ops.AlignedRMSNorm(self.runtime, self.weight, self.eps)
-        return self._op
+        return self._aligned_ops.get(
+            "norm", [self.weight], lambda: ops.AlignedRMSNorm(self.runtime, self.weight, self.eps))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        return self._kernel()(_flat(x)).reshape(shape)
+        return self._kernel()(flat_tokens(x)).reshape(shape)
 
 
 # ----- Linears -----------------------------------------------------------------------------
 
 
-def _megatron_parameter(data: torch.Tensor) -> nn.Parameter:
+def megatron_parameter(data: torch.Tensor) -> nn.Parameter:
     """A parameter with the attributes megatron's DDP / optimizer read on a TP=1 parameter."""
     param = nn.Parameter(data)
     setattr(param, "allreduce", True)
@@ -84,7 +67,7 @@ def _megatron_parameter(data: torch.Tensor) -> nn.Parameter:
 
 
 def _linear_weight(config, output_size: int, input_size: int, init_method) -> nn.Parameter:
-    weight = _megatron_parameter(torch.empty(output_size, input_size, dtype=config.params_dtype))
+    weight = megatron_parameter(torch.empty(output_size, input_size, dtype=config.params_dtype))
     if init_method is not None and getattr(config, "perform_initialization", True):
         with torch.no_grad():
             init_method(weight)
@@ -120,28 +103,27 @@ class AlignedLinearModule(nn.Module):
         self.output_size = output_size
         self.weight = _linear_weight(config, output_size, input_size, init_method)
         self.bias = (
-            _megatron_parameter(torch.zeros(output_size, dtype=config.params_dtype)) if bias else None
+            megatron_parameter(torch.zeros(output_size, dtype=config.params_dtype)) if bias else None
         )
         # engine_rows[i]: the megatron row computing vLLM's output i (None: same layout).
         self.register_buffer("engine_rows", None, persistent=False)
-        self._op = None
+        self._aligned_ops = OpCache()
         # A LoRA adapter on this linear (``megatron.lora.attach_lora``): forward through vLLM's LoRA linear.
         self.lora = None
 
     def _kernel(self) -> ops.AlignedLinear:
         # Rebuilt if a Parameter object was replaced (e.g. by a model conversion).
-        sources = [self.weight] + ([self.bias] if self.bias is not None else [])
-        if self._op is None or any(a is not b for a, b in zip(self._op.params, sources)):
-            biases = None if self.bias is None else [self.bias]
-            self._op = ops.AlignedLinear(self.runtime, [self.weight], biases, engine_rows=self.engine_rows)
-        return self._op
+        biases = None if self.bias is None else [self.bias]
+        return self._aligned_ops.get(
+            "linear", [self.weight, *(biases or [])],
+            lambda: ops.AlignedLinear(self.runtime, [self.weight], biases, engine_rows=self.engine_rows))
 
     def op(self):
         """vLLM's linear, or with an adapter attached vLLM's LoRA linear over it."""
         return self._kernel() if self.lora is None else self.lora.op(self.runtime, self._kernel())
 
     def forward(self, x: torch.Tensor, *args, **kwargs):
-        out = self.op()(_flat(x))
+        out = self.op()(flat_tokens(x))
         return out.reshape(*x.shape[:-1], out.shape[-1]), None
 
     def refresh(self) -> None:
@@ -186,7 +168,9 @@ class AlignedQKVLinearModule(AlignedLinearModule):
 # ----- Activation / MLP --------------------------------------------------------------------
 
 
-def _mlp_class():
+@functools.cache
+def aligned_mlp_class():
+    """``AlignedMLP``, defined on first use (megatron-core is imported then)."""
     from megatron.core.transformer.mlp import MLP
 
     class AlignedMLP(MLP):
@@ -206,192 +190,10 @@ def _mlp_class():
                 raise NotImplementedError("aligned megatron spec: per-token-scaled MLP (MoE)")
             gate_up, _ = self.linear_fc1(hidden_states)
             shape = gate_up.shape
-            intermediate = self.act(_flat(gate_up)).reshape(*shape[:-1], shape[-1] // 2)
+            intermediate = self.act(flat_tokens(gate_up)).reshape(*shape[:-1], shape[-1] // 2)
             return self.linear_fc2(intermediate)
 
     return AlignedMLP
-
-
-# Classes that subclass megatron-core's, defined on first use (megatron-core imported lazily).
-_DEFINED: dict = {}
-
-
-def _defined(define):
-    if define not in _DEFINED:
-        _DEFINED[define] = define()
-    return _DEFINED[define]
-
-
-def aligned_mlp_class():
-    return _defined(_mlp_class)
-
-
-# ----- Mixture of Experts -------------------------------------------------------------------
-
-
-def _op_over(holder, key: str, params: list, build):
-    """The op ``build()`` over ``params``, kept on ``holder`` and rebuilt if a Parameter object
-    was replaced (e.g. by a model conversion); in-place updates are the op's own business."""
-    cached = holder.__dict__.get(key)
-    if cached is None or len(cached[0]) != len(params) or any(a is not b for a, b in zip(cached[0], params)):
-        cached = (list(params), build())
-        holder.__dict__[key] = cached
-    return cached[1]
-
-
-class AlignedRouter(nn.Module):
-    """The ``router`` of megatron's MoE layer as the aligned MoE layer uses it: megatron's router
-    parameters (``weight`` [E, H]; the ``expert_bias`` buffer where the routing has a selection
-    bias) and vLLM's gate linear for the logits (``router(x)`` -> [T, E]). Choosing the experts
-    and weighting them is vLLM's router, inside the op layer's MoE op."""
-
-    def __init__(self, config, pg_collection=None, *, runtime: VllmRuntime, **_):
-        super().__init__()
-        self.config = config
-        self.runtime = runtime
-        self.layer_number = None
-        experts = config.num_moe_experts
-        self.weight = _megatron_parameter(torch.empty(experts, config.hidden_size, dtype=config.params_dtype))
-        if getattr(config, "perform_initialization", True):
-            with torch.no_grad():
-                config.init_method(self.weight)
-        if config.moe_router_enable_expert_bias:
-            # megatron's names; finalize_model_grads reads both (and leaves the bias unchanged at
-            # moe_router_bias_update_rate=0, which the aligned spec requires).
-            self.register_buffer("expert_bias", torch.zeros(experts, dtype=torch.float32))
-            self.register_buffer("local_tokens_per_expert", torch.zeros(experts), persistent=False)
-        else:
-            self.expert_bias = None
-
-    def set_layer_number(self, layer_number: int) -> None:
-        self.layer_number = layer_number
-
-    def _kernel(self) -> ops.AlignedLinear:
-        return _op_over(self, "_op", [self.weight], lambda: ops.AlignedLinear(self.runtime, [self.weight]))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._kernel()(x)
-
-    def refresh(self) -> None:
-        self._kernel().derived.refresh()
-
-
-def moe_config_mismatches(config, blocks) -> list[str]:
-    """How megatron's MoE settings in ``config`` differ from the MoE layers of the checkpoint
-    vLLM serves (``blocks``: its :class:`~..architectures.Blocks`), as settings to change."""
-    moe = blocks.moe
-    if moe is None:
-        return ["num_moe_experts: the checkpoint vLLM serves has no MoE layers"]
-    wanted = dict(
-        num_moe_experts=moe.num_experts,
-        moe_router_topk=moe.top_k,
-        moe_ffn_hidden_size=moe.moe_intermediate_size,
-        moe_shared_expert_intermediate_size=moe.shared_expert_intermediate_size or None,
-        moe_shared_expert_gate=moe.shared_expert_gate,
-        moe_router_score_function=moe.scoring_func,
-        moe_router_enable_expert_bias=moe.e_score_correction_bias,
-    )
-    out = [f"{k}={v!r} (not {getattr(config, k, None)!r})" for k, v in wanted.items() if getattr(config, k, None) != v]
-    freq = getattr(config, "moe_layer_freq", 1)
-    layers = range(config.num_layers)
-    pattern = [int(i % freq == 0) for i in layers] if isinstance(freq, int) else list(freq)
-    engine = [int(blocks.mlp_kind(i) == "moe") for i in layers]
-    if pattern != engine:
-        out.append(f"moe_layer_freq={engine} (not {freq!r}): the checkpoint's MoE and dense layers")
-    return out
-
-
-def _moe_layer_class():
-    from megatron.core.transformer.moe.moe_layer import MoELayer
-
-    from zero_mismatch_plugin.aligned.moe import AlignedMoE, AlignedMoELoRA, moe_mlp
-
-    class AlignedMoELayer(MoELayer):
-        """megatron-core's MoE layer (router, experts, shared experts: megatron's modules and
-        parameter names) computed as vLLM computes it: the router's logits by vLLM's gate linear,
-        expert choice, experts and combine by the op layer's MoE op (vLLM's fused-MoE layer fed
-        the experts' ``linear_fc1``/``linear_fc2`` weights), the shared expert by vLLM's linears
-        and ``SiluAndMul``. No token dispatch: expert parallelism is 1."""
-
-        def __init__(self, config, submodules=None, layer_number=None, pg_collection=None, *, runtime: VllmRuntime, **_):
-            blocks = describe(runtime.hf_config)
-            problems = moe_config_mismatches(config, blocks)
-            if problems:
-                raise NotImplementedError(
-                    "aligned megatron MoE layer: megatron's config differs from the checkpoint vLLM "
-                    "serves; set " + "; ".join(problems)
-                )
-            super().__init__(config, submodules, layer_number=layer_number, pg_collection=pg_collection)
-            if self.num_local_experts != config.num_moe_experts:
-                raise NotImplementedError("aligned megatron MoE layer: expert parallelism > 1")
-            if not isinstance(self.router, AlignedRouter):
-                raise NotImplementedError("aligned megatron MoE layer: its router must be AlignedRouter")
-            self.runtime = runtime
-            self.moe = blocks.moe
-            self.act = _shared(runtime, "silu_and_mul", lambda: ops.AlignedSiluAndMul(runtime))
-
-        def _experts_op(self) -> AlignedMoE:
-            fc1 = [e.linear_fc1.weight for e in self.experts.local_experts]
-            fc2 = [e.linear_fc2.weight for e in self.experts.local_experts]
-            bias = self.router.expert_bias
-            return _op_over(
-                self,
-                "_experts",
-                fc1 + fc2 + [bias],
-                lambda: AlignedMoE(self.runtime, self.moe, self.config.hidden_size, None, None, fc2, bias, gate_up=fc1),
-            )
-
-        def _routed_op(self):
-            """The experts' op, with an adapter on the routed experts (``lora`` on every local
-            expert's ``linear_fc1`` and ``linear_fc2``, :func:`..lora.attach_lora`) vLLM's MoE
-            layer with their LoRA updates over it."""
-            base = self._experts_op()
-            local = self.experts.local_experts
-            adapters = [(getattr(e.linear_fc1, "lora", None), getattr(e.linear_fc2, "lora", None)) for e in local]
-            if all(a is None and b is None for a, b in adapters):
-                return base
-            if any(a is None or b is None for a, b in adapters):
-                raise ValueError("aligned megatron MoE layer: an adapter on some routed experts' linears only; "
-                                 "attach it to linear_fc1 and linear_fc2 of every expert (megatron.lora.attach_lora)")
-            experts = [{t: getattr(lora, t) for lora in pair for t in lora.targets} for pair in adapters]
-            params = [p for e in experts for pair in e.values() for p in (pair.lora_A, pair.lora_B)]
-            first = adapters[0][0]
-            return _op_over(
-                self,
-                "_routed_lora",
-                [base] + params,
-                lambda: AlignedMoELoRA(self.runtime, base, experts, first.lora_config, first.mapping),
-            )
-
-        def _shared_ops(self):
-            shared = self.shared_experts
-            if shared is None:
-                return None
-            gate = None
-            if shared.gate_weight is not None:
-                weight = shared.gate_weight
-                gate = _op_over(shared, "_gate", [weight], lambda: ops.AlignedLinear(self.runtime, [weight]))
-            return (shared.linear_fc1.op(), self.act, shared.linear_fc2.op(), gate)
-
-        def forward(self, hidden_states, intermediate_tensors=None, padding_mask=None):
-            if intermediate_tensors is not None:
-                raise NotImplementedError("aligned megatron MoE layer: partial (CUDA-graph) MoE forwards")
-            out = moe_mlp(_flat(hidden_states), self.router, self._routed_op(), self._shared_ops())
-            return out.reshape(hidden_states.shape), None
-
-        def refresh(self) -> None:
-            """Re-derive the experts' and the shared expert gate's engine layouts (the router
-            and the shared expert's linears are modules of their own)."""
-            self._experts_op().derived.refresh()
-            shared = self._shared_ops()
-            if shared is not None and shared[3] is not None:
-                shared[3].derived.refresh()
-
-    return AlignedMoELayer
-
-
-def aligned_moe_layer_class():
-    return _defined(_moe_layer_class)
 
 
 # ----- Rotary embedding and core attention ------------------------------------------------
@@ -471,8 +273,8 @@ def _shared_rotary(runtime: VllmRuntime, head_dim: int) -> ops.AlignedRotary:
     partial = describe(hf).partial_rotary_factor
     if partial != 1.0:  # vLLM's GLM-4.5 turns the leading part of each head only
         rope = {**(rope or {}), "partial_rotary_factor": partial}
-    return _shared(
-        runtime, ("rotary", head_dim, max_pos), lambda: ops.AlignedRotary(runtime, head_dim, max_pos, rope)
+    return shared_ops(runtime).get(
+        ("rotary", head_dim, max_pos), [], lambda: ops.AlignedRotary(runtime, head_dim, max_pos, rope)
     )
 
 
@@ -480,8 +282,6 @@ def _layer_window(config, layer_number: int) -> int | None:
     """vLLM's sliding window of megatron layer ``layer_number`` (1-based), read the way megatron's
     own attention reads ``window_size`` / ``window_attn_skip_freq``; ``None``: full attention."""
     from megatron.core.transformer.utils import is_layer_window_attention
-
-    from zero_mismatch_plugin.faces.megatron.spec import vllm_window
 
     window_size = getattr(config, "window_size", None)
     if not is_layer_window_attention(window_size, getattr(config, "window_attn_skip_freq", None), layer_number):
@@ -570,9 +370,9 @@ class AlignedCoreAttention(nn.Module):
         self.scale = softmax_scale if softmax_scale is not None else self.head_dim**-0.5
         self.rotates_qk = rotates_qk
         self.rotary = _shared_rotary(runtime, self.head_dim) if rotates_qk else None
-        self.attention = _shared(
-            runtime,
+        self.attention = shared_ops(runtime).get(
             ("attention", self.num_heads, self.num_kv_heads, self.head_dim, self.scale, self.sliding_window),
+            [],
             lambda: ops.AlignedAttention(
                 runtime, self.num_heads, self.num_kv_heads, self.head_dim, self.scale, self.sliding_window
             ),
@@ -629,7 +429,7 @@ class AlignedOutputLayer(nn.Module):
         self.vocab_size = vocab_size
         self.weight = weight  # None when tied: GPTModel passes the embedding weight
         self.sequence_parallel = False
-        self._head = None
+        self._aligned_ops = OpCache()
         # An lm_head adapter (``megatron.lora.attach_lora``): logits through vLLM's LoRA logits layer.
         self.lora = None
 
@@ -640,9 +440,8 @@ class AlignedOutputLayer(nn.Module):
                 f"{self.vocab_size}; padded megatron vocabularies are not supported "
                 "(make_vocab_size_divisible_by / should_pad_vocab off)"
             )
-        if self._head is None or self._head.weight is not weight:
-            self._head = _MegatronLogits(self.runtime, weight, self.vocab_size)
-        return self._head
+        # Rebuilt for another weight (tied: the embedding weight GPTModel passes).
+        return self._aligned_ops.get("head", [weight], lambda: _MegatronLogits(self.runtime, weight, self.vocab_size))
 
     def forward(self, hidden_states, weight=None, runtime_gather_output=None):
         weight = self.weight if weight is None else weight
@@ -656,8 +455,8 @@ class AlignedOutputLayer(nn.Module):
         return logits.view(b, s, -1).transpose(0, 1), None
 
     def refresh(self) -> None:
-        if self._head is not None:
-            self._head.derived.refresh()
+        for head in self._aligned_ops.ops():
+            head.derived.refresh()
 
 
 class AlignedOutputLayerModule(AlignedOutputLayer):

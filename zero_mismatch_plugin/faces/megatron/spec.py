@@ -1,21 +1,8 @@
-"""The aligned megatron-core spec, and the swaps stock megatron-core's spec cannot express.
+"""The aligned megatron-core spec: dense and MoE layers built from :mod:`.modules` and :mod:`.moe`.
 
-:func:`aligned_layer_spec` starts from megatron-core's ``get_gpt_layer_local_spec()`` and replaces
-the input / pre-MLP / q / k norms, ``linear_qkv``, ``linear_proj``, ``linear_fc1``, ``linear_fc2``,
-the core attention and the MLP (for its activation) with the modules of :mod:`.modules`.
-:func:`aligned_moe_layer_spec` is the same layer around megatron-core's local MoE spec, computed
-by the op layer's MoE op; :func:`aligned_layer_specs` places dense and MoE layers as
-``moe_layer_freq`` says.
-
-Stock megatron-core builds three more things outside the layer spec: the rotary embedding
-application, the final norm (``TransformerBlock`` uses a default norm class for a layer spec) and
-the output layer; :func:`apply_post_construction_swaps` replaces those on the constructed model.
-
-With the megatron-lm spec-hook patch (``patches/megatron-lm/``) a spec reaches all of them:
-:func:`aligned_model_spec` returns a ``GPTModelSubmodules`` block spec whose layers carry a
-``rotary_application`` and which names the final norm, the output layer and the per-token
-logprob, so the model GPTModel builds from it needs no swap. :func:`aligned_gpt_spec` picks
-whichever the installed megatron-core supports.
+Stock megatron-core builds the rotary application, the final norm and the output layer outside
+the layer spec: :func:`apply_post_construction_swaps` replaces them on the built model; with the
+megatron-lm spec-hook patch :func:`aligned_model_spec` reaches them (docs/megatron.md).
 """
 
 from __future__ import annotations
@@ -24,6 +11,7 @@ import copy
 import functools
 
 from zero_mismatch_plugin.aligned.runtime import VllmRuntime
+from zero_mismatch_plugin.faces.megatron.convert import vllm_window
 from zero_mismatch_plugin.faces.megatron.modules import (
     AlignedCoreAttention,
     AlignedLinearModule,
@@ -32,11 +20,10 @@ from zero_mismatch_plugin.faces.megatron.modules import (
     AlignedQKVLinearModule,
     AlignedRMSNormModule,
     AlignedRotaryApplication,
-    AlignedRouter,
     AlignedTokenLogprob,
     aligned_mlp_class,
-    aligned_moe_layer_class,
 )
+from zero_mismatch_plugin.faces.megatron.moe import AlignedRouter, aligned_moe_layer_class
 
 # GPTModel.position_embedding_type after the swap: megatron skips its own rotary for any value
 # other than rope/yarn/mrope; the rotation is done by AlignedCoreAttention.
@@ -45,18 +32,6 @@ ALIGNED_ROPE = "vllm_rope"
 
 class UnsupportedMegatronFeature(NotImplementedError):
     """A megatron-core feature the aligned spec does not reproduce vLLM's numerics for."""
-
-
-def vllm_window(window_size) -> int | None:
-    """vLLM's ``sliding_window`` (tokens a query sees, itself included) for megatron-core's causal
-    ``window_size=(left, 0)``; ``None`` for anything else."""
-    try:
-        left, right = window_size
-    except (TypeError, ValueError):
-        return None
-    if isinstance(left, int) and left >= 0 and right == 0:
-        return left + 1
-    return None
 
 
 def unsupported_features(config) -> list[str]:
@@ -184,7 +159,7 @@ def aligned_layer_spec(config, runtime: VllmRuntime):
 def aligned_moe_layer_spec(config, runtime: VllmRuntime):
     """The aligned layer spec of an MoE layer: megatron-core's local MoE spec (``MoELayer`` with
     ``SequentialMLP`` experts and ``SharedExpertMLP``) with the layer computed by
-    :class:`.modules.AlignedMoELayer`, the router :class:`.modules.AlignedRouter` and the shared
+    :class:`.moe.AlignedMoELayer`, the router :class:`.moe.AlignedRouter` and the shared
     expert's linears vLLM's; attention and norms as :func:`aligned_layer_spec`."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.spec_utils import ModuleSpec

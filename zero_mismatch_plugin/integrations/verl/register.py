@@ -73,13 +73,13 @@ _apply_megatron_patch_if_enabled()
 def _apply_fsdp_patch_if_enabled() -> None:
     """ZMRL_FSDP_ALIGNED=1: make verl's FSDP engine compute vLLM's logprobs (lazily: the patch is
     applied when verl imports its FSDP engine module)."""
-    from zero_mismatch_plugin.faces import fsdp as fsdp_aligned
+    from zero_mismatch_plugin.integrations.verl import fsdp_engine
 
     try:
-        fsdp_aligned.maybe_apply()
+        fsdp_engine.maybe_apply()
     except Exception:
         logger.error("zero_mismatch_plugin: %s, but the aligned FSDP patch could NOT be applied in process %d; "
-                     "the trainer will NOT match vLLM's logprobs.", shown(fsdp_aligned.ENABLE_ENV), os.getpid(),
+                     "the trainer will NOT match vLLM's logprobs.", shown(fsdp_engine.ENABLE_ENV), os.getpid(),
                      exc_info=True)
         raise
 

@@ -1,0 +1,171 @@
+"""megatron-core's MoE layer and router with vLLM's numerics (the op layer's MoE op), TP = EP = 1."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+
+from zero_mismatch_plugin.aligned import ops
+from zero_mismatch_plugin.aligned.derived import OpCache, shared_ops
+from zero_mismatch_plugin.aligned.runtime import VllmRuntime
+from zero_mismatch_plugin.faces.megatron.modules import flat_tokens, megatron_parameter
+from zero_mismatch_plugin.tables.architectures import describe
+
+
+class AlignedRouter(nn.Module):
+    """The ``router`` of megatron's MoE layer as the aligned MoE layer uses it: megatron's router
+    parameters (``weight`` [E, H]; the ``expert_bias`` buffer where the routing has a selection
+    bias) and vLLM's gate linear for the logits (``router(x)`` -> [T, E]). Choosing the experts
+    and weighting them is vLLM's router, inside the op layer's MoE op."""
+
+    def __init__(self, config, pg_collection=None, *, runtime: VllmRuntime, **_):
+        super().__init__()
+        self.config = config
+        self.runtime = runtime
+        self.layer_number = None
+        experts = config.num_moe_experts
+        self.weight = megatron_parameter(torch.empty(experts, config.hidden_size, dtype=config.params_dtype))
+        if getattr(config, "perform_initialization", True):
+            with torch.no_grad():
+                config.init_method(self.weight)
+        if config.moe_router_enable_expert_bias:
+            # megatron's names; finalize_model_grads reads both (and leaves the bias unchanged at
+            # moe_router_bias_update_rate=0, which the aligned spec requires).
+            self.register_buffer("expert_bias", torch.zeros(experts, dtype=torch.float32))
+            self.register_buffer("local_tokens_per_expert", torch.zeros(experts), persistent=False)
+        else:
+            self.expert_bias = None
+        self._aligned_ops = OpCache()
+
+    def set_layer_number(self, layer_number: int) -> None:
+        self.layer_number = layer_number
+
+    def _kernel(self) -> ops.AlignedLinear:
+        # Rebuilt if the Parameter object was replaced (e.g. by a model conversion).
+        return self._aligned_ops.get("gate", [self.weight], lambda: ops.AlignedLinear(self.runtime, [self.weight]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._kernel()(x)
+
+    def refresh(self) -> None:
+        self._kernel().derived.refresh()
+
+
+def moe_config_mismatches(config, blocks) -> list[str]:
+    """How megatron's MoE settings in ``config`` differ from the MoE layers of the checkpoint
+    vLLM serves (``blocks``: its :class:`~..architectures.Blocks`), as settings to change."""
+    moe = blocks.moe
+    if moe is None:
+        return ["num_moe_experts: the checkpoint vLLM serves has no MoE layers"]
+    wanted = dict(
+        num_moe_experts=moe.num_experts,
+        moe_router_topk=moe.top_k,
+        moe_ffn_hidden_size=moe.moe_intermediate_size,
+        moe_shared_expert_intermediate_size=moe.shared_expert_intermediate_size or None,
+        moe_shared_expert_gate=moe.shared_expert_gate,
+        moe_router_score_function=moe.scoring_func,
+        moe_router_enable_expert_bias=moe.e_score_correction_bias,
+    )
+    out = [f"{k}={v!r} (not {getattr(config, k, None)!r})" for k, v in wanted.items() if getattr(config, k, None) != v]
+    freq = getattr(config, "moe_layer_freq", 1)
+    layers = range(config.num_layers)
+    pattern = [int(i % freq == 0) for i in layers] if isinstance(freq, int) else list(freq)
+    engine = [int(blocks.mlp_kind(i) == "moe") for i in layers]
+    if pattern != engine:
+        out.append(f"moe_layer_freq={engine} (not {freq!r}): the checkpoint's MoE and dense layers")
+    return out
+
+
+
+@functools.cache
+def aligned_moe_layer_class():
+    """``AlignedMoELayer``, defined on first use (megatron-core is imported then)."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    from zero_mismatch_plugin.aligned.moe import AlignedMoE, AlignedMoELoRA, moe_mlp
+
+    class AlignedMoELayer(MoELayer):
+        """megatron-core's MoE layer (router, experts, shared experts: megatron's modules and
+        parameter names) computed as vLLM computes it: the router's logits by vLLM's gate linear,
+        expert choice, experts and combine by the op layer's MoE op (vLLM's fused-MoE layer fed
+        the experts' ``linear_fc1``/``linear_fc2`` weights), the shared expert by vLLM's linears
+        and ``SiluAndMul``. No token dispatch: expert parallelism is 1."""
+
+        def __init__(self, config, submodules=None, layer_number=None, pg_collection=None, *, runtime: VllmRuntime, **_):
+            blocks = describe(runtime.hf_config)
+            problems = moe_config_mismatches(config, blocks)
+            if problems:
+                raise NotImplementedError(
+                    "aligned megatron MoE layer: megatron's config differs from the checkpoint vLLM "
+                    "serves; set " + "; ".join(problems)
+                )
+            super().__init__(config, submodules, layer_number=layer_number, pg_collection=pg_collection)
+            if self.num_local_experts != config.num_moe_experts:
+                raise NotImplementedError("aligned megatron MoE layer: expert parallelism > 1")
+            if not isinstance(self.router, AlignedRouter):
+                raise NotImplementedError("aligned megatron MoE layer: its router must be AlignedRouter")
+            self.runtime = runtime
+            self.moe = blocks.moe
+            self.act = shared_ops(runtime).get("silu_and_mul", [], lambda: ops.AlignedSiluAndMul(runtime))
+            # Rebuilt if a Parameter object was replaced (e.g. by a model conversion).
+            self._aligned_ops = OpCache()
+
+        def _experts_op(self) -> AlignedMoE:
+            fc1 = [e.linear_fc1.weight for e in self.experts.local_experts]
+            fc2 = [e.linear_fc2.weight for e in self.experts.local_experts]
+            bias = self.router.expert_bias
+            return self._aligned_ops.get(
+                "experts",
+                fc1 + fc2 + [bias],
+                lambda: AlignedMoE(self.runtime, self.moe, self.config.hidden_size, None, None, fc2, bias, gate_up=fc1),
+            )
+
+        def _routed_op(self):
+            """The experts' op, with an adapter on the routed experts (``lora`` on every local
+            expert's ``linear_fc1`` and ``linear_fc2``, :func:`..lora.attach_lora`) vLLM's MoE
+            layer with their LoRA updates over it."""
+            base = self._experts_op()
+            local = self.experts.local_experts
+            adapters = [(getattr(e.linear_fc1, "lora", None), getattr(e.linear_fc2, "lora", None)) for e in local]
+            if all(a is None and b is None for a, b in adapters):
+                return base
+            if any(a is None or b is None for a, b in adapters):
+                raise ValueError("aligned megatron MoE layer: an adapter on some routed experts' linears only; "
+                                 "attach it to linear_fc1 and linear_fc2 of every expert (megatron.lora.attach_lora)")
+            experts = [{t: getattr(lora, t) for lora in pair for t in lora.targets} for pair in adapters]
+            params = [p for e in experts for pair in e.values() for p in (pair.lora_A, pair.lora_B)]
+            first = adapters[0][0]
+            return self._aligned_ops.get(
+                "routed_lora",
+                [base] + params,
+                lambda: AlignedMoELoRA(self.runtime, base, experts, first.lora_config, first.mapping),
+            )
+
+        def _shared_ops(self):
+            shared = self.shared_experts
+            if shared is None:
+                return None
+            gate = None
+            if shared.gate_weight is not None:
+                weight = shared.gate_weight
+                gate = self._aligned_ops.get(
+                    "shared_expert_gate", [weight], lambda: ops.AlignedLinear(self.runtime, [weight]))
+            return (shared.linear_fc1.op(), self.act, shared.linear_fc2.op(), gate)
+
+        def forward(self, hidden_states, intermediate_tensors=None, padding_mask=None):
+            if intermediate_tensors is not None:
+                raise NotImplementedError("aligned megatron MoE layer: partial (CUDA-graph) MoE forwards")
+            out = moe_mlp(flat_tokens(hidden_states), self.router, self._routed_op(), self._shared_ops())
+            return out.reshape(hidden_states.shape), None
+
+        def refresh(self) -> None:
+            """Re-derive the experts' and the shared expert gate's engine layouts (the router
+            and the shared expert's linears are modules of their own)."""
+            self._experts_op().derived.refresh()
+            shared = self._shared_ops()
+            if shared is not None and shared[3] is not None:
+                shared[3].derived.refresh()
+
+    return AlignedMoELayer
