@@ -1,4 +1,4 @@
-"""The pre-checks other commands can call: ``architectures.precheck`` (a config, a trainer face),
+"""The pre-checks other commands can call: ``faces.precheck`` (a config, a trainer face),
 ``checker.checkpoint_inputs.precheck_model`` (a checkpoint directory) and the adapter reader's
 ``malformed_lora_settings``. Configs only, no weights and no engine (the command-line cases are
 in ``tests/support/bad_input/cases_cli.py`` and ``cases_checkpoints.py``)."""
@@ -10,8 +10,9 @@ import json
 import pytest
 from transformers import DeepseekV2Config, LlamaConfig
 
-from zero_mismatch_plugin.aligned.lora import malformed_lora_settings
-from zero_mismatch_plugin.tables.architectures import TRAINER_FACES, describe, precheck
+from zero_mismatch_plugin.aligned.lora.peft import malformed_lora_settings
+from zero_mismatch_plugin.faces import precheck
+from zero_mismatch_plugin.tables.architectures import TRAINER_FACES, describe
 from zero_mismatch_plugin.tools.checker.checkpoint_inputs import config_value_problems, precheck_model
 from zero_mismatch_plugin.tools.checker.inputs import CheckerInputError
 

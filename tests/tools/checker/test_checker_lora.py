@@ -15,7 +15,7 @@ import torch
 
 from support.vllm_session import restored_environ
 from zero_mismatch_plugin.tools import cli
-from zero_mismatch_plugin.aligned.lora import build_adapter
+from zero_mismatch_plugin.aligned.lora.adapter import build_adapter
 from zero_mismatch_plugin.tools.checker import oplist
 from zero_mismatch_plugin.tools.checker.backends import load_backend
 

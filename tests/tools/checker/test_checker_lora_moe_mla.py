@@ -19,7 +19,7 @@ import torch
 
 from test_checker_lora import numerics_environ  # noqa: F401 - a fixture
 from zero_mismatch_plugin.tools import cli
-from zero_mismatch_plugin.aligned.lora import build_adapter
+from zero_mismatch_plugin.aligned.lora.adapter import build_adapter
 from zero_mismatch_plugin.tables.architectures import LORA_TARGETS, VOCAB_LORA_TARGETS
 from zero_mismatch_plugin.tools.checker import oplist
 from zero_mismatch_plugin.tools.checker.backends import load_backend
@@ -174,7 +174,7 @@ def test_check_and_bisect_lora_serve_a_peft_3d_expert_adapter(checkpoints, engin
     """A PEFT-written 3-D expert adapter (transformers 5's fused experts): the check's engine is
     started with enable_mixed_moe_lora_format and its requests carry is_3d_lora_weight (a plain
     LoRARequest kills the engine), bisect's LoRA manager likewise; both bitwise."""
-    from zero_mismatch_plugin.aligned.lora_formats import build_fused_expert_adapter
+    from zero_mismatch_plugin.aligned.lora.fused_experts import build_fused_expert_adapter
 
     engines.pool.make_room()  # room for the engine started here
     adapter = build_fused_expert_adapter(tmp_path / "peft_3d", checkpoints["qwen3_moe"], r=8, seed=17)

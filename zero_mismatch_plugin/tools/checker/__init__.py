@@ -1,11 +1,8 @@
 """Mismatch checker and bisector (``zmrl check``, ``zmrl bisect``).
 
-``check`` runs a real vLLM engine and a trainer backend on the same weights and reports, as
-pass/fail with figures, whether the trainer reproduces the engine's logprobs bit for bit, and
-whether the engine itself is consistent across batch composition, prefix-cache hits and
-prefill vs decode. ``bisect`` runs vLLM's own modules and the trainer's side by side on one input
-and names the first op whose output differs. Trainer backends are pluggable
-(:mod:`.backends`).
+``check`` runs a vLLM engine and a trainer backend (:mod:`.backends`) on the same weights and
+reports whether the trainer reproduces the engine's logprobs bit for bit, and whether the engine
+is consistent with itself; ``bisect`` names the first op that differs. See docs/alignment-playbook.md.
 """
 
 import importlib

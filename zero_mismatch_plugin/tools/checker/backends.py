@@ -1,33 +1,23 @@
 """Trainer backends the checker compares with the engine, and the registry that names them.
 
-A backend is the trainer side of ``zmrl check`` / ``zmrl bisect``: it loads a checkpoint
-directory and answers three questions about a packed batch (:class:`~zero_mismatch_plugin.aligned.PackedBatch`,
-prompt + response per sequence, targets = the response tokens):
-
-* :meth:`TrainerBackend.token_logprobs` — logprob of every target token, [R] float32;
-* :meth:`TrainerBackend.full_logprobs` — all-vocabulary logprobs at the target rows, [R, V];
-* :meth:`TrainerBackend.intermediates` — every op's output under the canonical names of
-  :mod:`.oplist` (ops a backend cannot expose are simply absent and are not compared), with an
-  optional ``perturb(name, tensor) -> tensor`` applied to an op's output before the rest of the
-  forward uses it (how the bisector's own tests plant a difference).
-
-Backends are registered in :data:`.registry.TRAINER_BACKENDS` as ``"module:callable"`` strings,
-imported only when chosen, so a backend whose framework is not installed costs nothing until
-asked for. A new one is one line there; the callable is called as
-``factory(model_dir, max_model_len=..., seed=...)``.
+A backend loads a checkpoint directory and answers, for a packed batch, the target tokens'
+logprobs, the all-vocabulary logprobs at the target rows, and every op's output under the names
+of :mod:`.oplist` (:class:`TrainerBackend`). Backends are ``"module:callable"`` strings in
+:data:`.registry.TRAINER_BACKENDS`, imported when chosen and called with the run's
+:class:`~.engine.EngineSettings`. See docs/alignment-playbook.md.
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib
-from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 import torch
 
 from zero_mismatch_plugin.tables import upstream_versions
 from zero_mismatch_plugin.tools.checker import oplist
+from zero_mismatch_plugin.tools.checker.engine import EngineSettings, engine_settings
 from zero_mismatch_plugin.tools.checker.recording import OpRecorder, Perturb
 from zero_mismatch_plugin.tools.checker.registry import KNOWN_TRAINERS, TRAINER_BACKENDS
 
@@ -56,9 +46,9 @@ class TrainerBackend(Protocol):
     def intermediates(self, batch, perturb: Perturb | None = None) -> dict: ...
 
 
-def load_backend(name: str, model_dir, max_model_len: int, seed: int = 0, **options) -> TrainerBackend:
-    """Build the backend registered as ``name`` for ``model_dir`` (``options``: backend-specific,
-    e.g. the aligned backend's ``lora_dir``)."""
+def load_backend(name: str, model_dir, max_model_len: int, seed: int = 0, lora_dir=None) -> TrainerBackend:
+    """Build the backend registered as ``name`` from the :func:`~.engine.engine_settings` of
+    ``model_dir`` (with ``lora_dir``: the PEFT adapter the engine serves)."""
     target = TRAINER_BACKENDS.get(name)
     if target is None:
         if name in KNOWN_TRAINERS:
@@ -73,7 +63,7 @@ def load_backend(name: str, model_dir, max_model_len: int, seed: int = 0, **opti
         raise BackendUnavailable(
             f"trainer backend {name!r} ({target}) cannot be loaded here: {error}"
         ) from error
-    backend = factory(Path(model_dir), max_model_len=max_model_len, seed=seed, **options)
+    backend = factory(engine_settings(model_dir, max_model_len, seed, lora_dir=lora_dir))
     if not isinstance(backend, TrainerBackend):
         raise BackendUnavailable(f"{target} does not implement the TrainerBackend interface")
     return backend
@@ -87,15 +77,12 @@ class AlignedBackend:
 
     name = "aligned"
 
-    def __init__(self, model_dir: Path, max_model_len: int = 256, seed: int = 0, lora_dir=None):
+    def __init__(self, settings: EngineSettings):
         from zero_mismatch_plugin.faces.aligned_model import AlignedCausalLM
 
-        lora = {}
-        if lora_dir is not None:
-            from zero_mismatch_plugin.tools.checker.engine import served_adapter
-
-            lora = dict(lora_dir=lora_dir, **served_adapter(model_dir, lora_dir)[1])
-        self.model = AlignedCausalLM.from_pretrained(model_dir, max_model_len=max_model_len, seed=seed, **lora)
+        self.model = AlignedCausalLM.from_pretrained(
+            settings.model_dir, lora_dir=settings.lora_dir, **settings.trainer_args
+        )
         self.vocab_size = self.model.vocab_size
 
     @torch.no_grad()
@@ -134,10 +121,10 @@ class HFBackend:
 
     name = "hf"
 
-    def __init__(self, model_dir: Path, max_model_len: int = 256, seed: int = 0):
+    def __init__(self, settings: EngineSettings):
         from transformers import AutoModelForCausalLM
 
-        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(settings.model_dir, dtype=torch.float32).eval()
         self.vocab_size = self.model.config.vocab_size
         self.qk_norm = hasattr(self.model.model.layers[0].self_attn, "q_norm")
 

@@ -1,16 +1,9 @@
 """``zmrl bisect``: the first op whose output differs between vLLM's modules and the trainer's.
 
-Both sides get the same packed input (prompts plus fixed pseudo-random response tokens, teacher
-forced) and report every intermediate output under the names of :mod:`.oplist`. They are
-compared in execution order; the first op whose output is not bitwise equal is where the two
-computations part. A NaN or an infinity in an op's output, on either side, fails that op: it is
-reported as non-finite values, never as equal. Everything after it differs too, as a consequence, so it is reported, not
-blamed. An op only one side exposes is listed as not compared.
-
-No engine is started: the engine side is vLLM's model built in this process (see
-:mod:`.engine_modules`), which computes what the engine's forward computes for the same
-teacher-forced input. Decode-time effects (batch composition, prefill vs decode, prefix cache)
-are what ``zmrl check`` measures.
+Both sides run the same teacher-forced input and report every op under the names of :mod:`.oplist`;
+compared in execution order, the first op not bitwise equal (non-finite values fail) is named and
+what follows is reported, not blamed. No engine is started: vLLM's model is built in this process
+(:mod:`.engine_modules`). See docs/alignment-playbook.md.
 """
 
 from __future__ import annotations

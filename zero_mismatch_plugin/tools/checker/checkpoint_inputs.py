@@ -1,24 +1,9 @@
 """The checkpoint and adapter directories ``zmrl check`` / ``zmrl bisect`` refuse before any work.
 
-One place for everything that can be wrong with the files a run reads, each refused with a
-:class:`~.inputs.CheckerInputError` naming the file and the field or tensor, before any engine,
-vLLM model or trainer is built:
-
-* ``config.json``: a JSON object, an architecture the aligned forward supports, values of the
-  JSON type transformers and vLLM read them as (``"vocab_size": "512"`` is refused, not coerced),
-  finite numbers everywhere (``NaN`` / ``Infinity`` are valid to Python's JSON reader), a
-  ``dtype`` / ``torch_dtype`` torch knows;
-* the weights: every ``*.safetensors`` file a readable safetensors file (its 8-byte header
-  length against the file size, the header, the tensors' byte ranges), the shards a
-  ``model.safetensors.index.json`` names present, the embedding's shape and the decoder layers
-  those of config.json, and every floating-point weight finite;
-* the tokenizer the engine loads (and the checker, for text prompts);
-* the model as the chosen trainer face would build it (:func:`precheck_model`: the same
-  :func:`~zero_mismatch_plugin.tables.architectures.describe` every face runs, so an unsupported feature
-  of a supported architecture is refused here, not after the engine has sampled);
-* a PEFT adapter directory (``--lora``): ``adapter_config.json`` (through the adapter reader's
-  own checks, :func:`zero_mismatch_plugin.aligned.lora.malformed_lora_settings`) and
-  ``adapter_model.safetensors`` as the weights above.
+Everything that can be wrong with the files a run reads (``config.json``, the safetensors weights,
+the tokenizer, the model as the chosen trainer face builds it, a ``--lora`` adapter) is refused
+with a :class:`~.inputs.CheckerInputError` naming the file and the field or tensor, before any
+engine, vLLM model or trainer is built. The list: docs/diagnostics.md, "Inputs the other commands refuse".
 """
 
 from __future__ import annotations
@@ -434,9 +419,9 @@ def precheck_model(model_dir, trainer: str = "aligned"):
     """The checkpoint's :class:`~zero_mismatch_plugin.tables.architectures.Blocks` as the ``trainer``
     face ("aligned", "megatron" or "hf") would build it, refused with a
     :class:`~.inputs.CheckerInputError` naming every setting it does not cover and what to
-    change, before anything is built (:func:`zero_mismatch_plugin.tables.architectures.precheck`).
+    change, before anything is built (:func:`zero_mismatch_plugin.faces.precheck`).
     Run it after :func:`read_checkpoint_config` (config.json is then known to be well typed)."""
-    from zero_mismatch_plugin.tables.architectures import precheck
+    from zero_mismatch_plugin.faces import precheck
 
     config_file = Path(model_dir) / CONFIG_FILE
     config = transformers_config(model_dir)
@@ -452,7 +437,7 @@ def precheck_model(model_dir, trainer: str = "aligned"):
 
 
 def _covered(config, face: str) -> bool:
-    from zero_mismatch_plugin.tables.architectures import precheck
+    from zero_mismatch_plugin.faces import precheck
 
     try:
         precheck(config, face=face)
@@ -481,13 +466,13 @@ def transformers_config(model_dir):
 
 def validate_adapter(adapter_dir) -> dict:
     """A PEFT adapter directory (``--lora``): ``adapter_config.json`` a JSON object the adapter
-    reader can read (:func:`zero_mismatch_plugin.aligned.lora.malformed_lora_settings`: types,
+    reader can read (:func:`zero_mismatch_plugin.aligned.lora.peft.malformed_lora_settings`: types,
     finite numbers), ``adapter_model.safetensors`` a readable safetensors file with finite tensors
     (adapters are small: every tensor is read, see :func:`non_finite_tensors`). Whether the
     engine serves it on this model is :func:`..engine.served_adapter`'s check. Returns the config."""
-    from zero_mismatch_plugin.aligned.lora import CONFIG_FILE as ADAPTER_CONFIG
-    from zero_mismatch_plugin.aligned.lora import WEIGHTS_FILE as ADAPTER_WEIGHTS
-    from zero_mismatch_plugin.aligned.lora import malformed_lora_settings
+    from zero_mismatch_plugin.aligned.lora.peft import CONFIG_FILE as ADAPTER_CONFIG
+    from zero_mismatch_plugin.aligned.lora.peft import WEIGHTS_FILE as ADAPTER_WEIGHTS
+    from zero_mismatch_plugin.aligned.lora.peft import malformed_lora_settings
 
     path = Path(adapter_dir)
     if not path.is_dir():

@@ -25,25 +25,26 @@ def parse_batch_sizes(text: str) -> tuple[int, ...]:
     return sizes
 
 
-def validated_inputs(args) -> tuple[int, list[list[int]]]:
-    """(max_model_len, prompt token ids) once every input has been checked; nothing is started.
+def validated_inputs(args):
+    """(max_model_len, prompt token ids, the checkpoint's blocks) once every input has been
+    checked; nothing is started.
 
     The checkpoint as the chosen ``--trainer`` face builds it is checked here too
-    (:func:`.checkpoint_inputs.precheck_model`), and last its weights are read once for NaN and
-    infinities (:func:`.checkpoint_inputs.require_finite_weights`)."""
+    (:func:`.checkpoint_inputs.precheck_model`, which returns the blocks), and last its weights are
+    read once for NaN and infinities (:func:`.checkpoint_inputs.require_finite_weights`)."""
     inputs.require_at_least("--num-prompts", args.num_prompts)
     inputs.require_at_least("--max-tokens", args.max_tokens)
     inputs.require_seed(args.seed)
     config = checkpoint_inputs.read_checkpoint_config(args.model)
     max_model_len = inputs.resolve_max_model_len(config, args.max_model_len)
     inputs.require_json_destination(args.json)
-    checkpoint_inputs.precheck_model(args.model, args.trainer)
+    blocks = checkpoint_inputs.precheck_model(args.model, args.trainer)
     checkpoint_inputs.load_tokenizer(args.model)
     vocab = config.get("vocab_size") if isinstance(config.get("vocab_size"), int) else None
     prompts = eng.load_prompts(args.model, args.prompts, args.num_prompts, vocab)
     inputs.require_prompts_fit(prompts, args.max_tokens, max_model_len)
     checkpoint_inputs.require_finite_weights(checkpoint_inputs.weight_files(args.model))
-    return max_model_len, prompts
+    return max_model_len, prompts, blocks
 
 
 def apply_numerics(mode: str | None) -> str:
@@ -88,33 +89,44 @@ def format_check_table(results, skipped, header: str) -> str:
 
 
 def lora_options(args) -> dict:
-    """The trainer backend's options for ``--lora ADAPTER_DIR`` (checked before anything starts)."""
+    """The backends' and the engine's options for ``--lora ADAPTER_DIR``: the flag and the adapter's
+    files checked before anything starts (whether the engine and the trainer face serve it is
+    :func:`run_settings`' check)."""
     lora_dir = getattr(args, "lora", None)
     if lora_dir is None:
         return {}
     if args.trainer not in ("aligned", "megatron"):
         raise inputs.CheckerInputError(f"--lora is supported with --trainer aligned or megatron, not {args.trainer!r}")
     checkpoint_inputs.validate_adapter(lora_dir)
-    try:
-        lora_config, _ = eng.served_adapter(args.model, lora_dir)
-    except NotImplementedError as error:
-        raise inputs.CheckerInputError(str(error)) from None
-    if args.trainer == "megatron":
-        _refuse_megatron_adapter(args.model, lora_config.targets)
     return {"lora_dir": lora_dir}
 
 
-def _refuse_megatron_adapter(model_dir, targets) -> None:
+def run_settings(args, max_model_len: int, lora: dict) -> eng.EngineSettings:
+    """The run's :func:`.engine.engine_settings`; an adapter the engine or the ``--trainer`` face
+    does not serve is refused here, naming what to change."""
+    try:
+        settings = eng.engine_settings(
+            args.model,
+            max_model_len,
+            seed=args.seed,
+            full_vocab=getattr(args, "full_vocab", False),
+            prefix_caching=getattr(args, "prefix_caching", "on") == "on",
+            **lora,
+        )
+    except NotImplementedError as error:
+        raise inputs.CheckerInputError(str(error)) from None
+    if args.trainer == "megatron":
+        _refuse_megatron_adapter(settings)
+    return settings
+
+
+def _refuse_megatron_adapter(settings: eng.EngineSettings) -> None:
     """The Megatron face adapts what the aligned face does (the targets ``served_adapter`` checked:
     decoder linears, routed and shared experts, embed_tokens / lm_head where the engine adapts them)
     except on multi-head latent attention models and an lm_head tied to the embedding."""
-    from transformers import AutoConfig
-
-    from zero_mismatch_plugin.tables.architectures import describe
-
-    blocks = describe(AutoConfig.from_pretrained(str(model_dir)))
+    blocks = settings.blocks
     mla = blocks.attention == "mla"
-    refused = [t for t in targets if mla or (t == "lm_head" and blocks.tied_head)]
+    refused = [t for t in settings.lora_targets if mla or (t == "lm_head" and blocks.tied_head)]
     if refused:
         why = "on a multi-head latent attention model" if mla else "with lm_head tied to embed_tokens"
         raise inputs.CheckerInputError(
@@ -127,16 +139,12 @@ def _refuse_megatron_adapter(model_dir, targets) -> None:
 def check_command(args) -> int:
     try:
         batch_sizes = parse_batch_sizes(args.batch_sizes)
-        max_model_len, prompts = validated_inputs(args)
+        max_model_len, prompts, _ = validated_inputs(args)
         lora = lora_options(args)
+        settings = run_settings(args, max_model_len, lora)
         mode = apply_numerics(args.numerics)
-        prefix_caching = args.prefix_caching == "on"
-        budget = eng.prefill_budget(
-            args.model, max_model_len, seed=args.seed, full_vocab=args.full_vocab, prefix_caching=prefix_caching,
-            **lora,
-        )
-        inputs.require_prompts_within_budget(prompts, budget)
-        backend = load_backend(args.trainer, args.model, max_model_len=max_model_len, seed=args.seed, **lora)
+        inputs.require_prompts_within_budget(prompts, eng.prefill_budget(settings))
+        backend = load_backend(args.trainer, settings.model_dir, settings.max_model_len, settings.seed, **lora)
     except (BackendUnavailable, ValueError, OSError) as error:
         print(f"ERROR: {error}", file=sys.stderr)
         return 2
@@ -146,13 +154,14 @@ def check_command(args) -> int:
         batch_sizes=batch_sizes,
         full_vocab=args.full_vocab,
         max_model_len=max_model_len,
-        prefix_caching=prefix_caching,
-        model_dir=str(args.model),
+        prefix_caching=settings.prefix_caching,
+        model_dir=settings.model_dir,
         seed=args.seed,
         lora_dir=lora.get("lora_dir"),
     )
     with eng.open_engine(
-        args.model, max_model_len, seed=args.seed, full_vocab=args.full_vocab, prefix_caching=prefix_caching, **lora
+        settings.model_dir, settings.max_model_len, seed=settings.seed, full_vocab=settings.full_vocab,
+        prefix_caching=settings.prefix_caching, **lora,
     ) as llm:
         progress = _progress(count_steps(options, len(prompts)), args.quiet)
         try:
@@ -212,14 +221,10 @@ def format_bisect_table(result, header: str) -> str:
     return "\n".join(lines)
 
 
-def _refuse_mla_bisect(model_dir) -> None:
+def _refuse_mla_bisect(model_dir, blocks) -> None:
     """vLLM's MLA attention splits a batch into prefill and decode steps from the engine's
     scheduler metadata, which vLLM's modules run outside the engine do not have."""
-    from transformers import AutoConfig
-
-    from zero_mismatch_plugin.tables.architectures import describe
-
-    if describe(AutoConfig.from_pretrained(str(model_dir))).attention == "mla":
+    if blocks.attention == "mla":
         raise inputs.CheckerInputError(
             f"{model_dir}: zmrl bisect does not run multi-head latent attention (DeepSeek-V2/V3) models yet; "
             "use zmrl check, which compares the trainer with a live engine on them (with --lora too)"
@@ -231,18 +236,19 @@ def bisect_command(args) -> int:
     from zero_mismatch_plugin.tools.checker.engine_modules import EngineModules
 
     try:
-        max_model_len, prompts = validated_inputs(args)
-        _refuse_mla_bisect(args.model)
+        max_model_len, prompts, blocks = validated_inputs(args)
+        _refuse_mla_bisect(args.model, blocks)
         lora = lora_options(args)
+        settings = run_settings(args, max_model_len, lora)
         mode = apply_numerics(args.numerics)
-        backend = load_backend(args.trainer, args.model, max_model_len=max_model_len, seed=args.seed, **lora)
+        backend = load_backend(args.trainer, settings.model_dir, settings.max_model_len, settings.seed, **lora)
     except (BackendUnavailable, ValueError, OSError) as error:
         print(f"ERROR: {error}", file=sys.stderr)
         return 2
     progress = _progress(2, args.quiet)
     try:
         progress.set_description("vLLM modules")
-        with EngineModules(args.model, max_model_len=max_model_len, seed=args.seed, **lora) as modules:
+        with EngineModules(settings.model_dir, settings.max_model_len, settings.seed, **lora) as modules:
             progress.update(1)
             progress.set_description("forward, both sides")
             vocab = modules.runtime.hf_config.vocab_size

@@ -1,9 +1,17 @@
-"""The engine side of ``zmrl check``: starting vLLM, prompts, and generation helpers."""
+"""The engine side of ``zmrl check``: its settings, starting vLLM, prompts, and generation helpers.
+
+:func:`engine_settings` turns the checker's arguments into one :class:`EngineSettings` value that
+the engine, the trainer backends and vLLM's own modules are all built from.
+"""
 
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from zero_mismatch_plugin.tables.architectures import Blocks
 
 # Logprobs the engine returns per position for the distribution check when the full vocabulary
 # is not requested (vLLM's default ``max_logprobs``).
@@ -40,35 +48,86 @@ class Completion:
     num_cached_tokens: int = 0
 
 
-def engine_kwargs(
-    model_dir, max_model_len: int, seed: int, full_vocab: bool, lora_dir=None, prefix_caching: bool = True
-) -> dict:
-    """``vllm.LLM`` arguments for the checker's engine (those the aligned trainer mirrors, plus
-    prefix caching as asked for and enough returned logprobs; with ``lora_dir``, LoRA serving
-    sized for that adapter)."""
-    from zero_mismatch_plugin.aligned.runtime import engine_args_for
+# VLLM_CPU_KVCACHE_SPACE the checker's engine runs with where the environment does not set it (GiB).
+DEFAULT_CPU_KV_CACHE_GIB = "1"
 
-    extra = served_adapter(model_dir, lora_dir)[1] if lora_dir is not None else {}
-    return engine_args_for(
-        model_dir,
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """The checker's engine and what every trainer side mirrors of it (from :func:`engine_settings`)."""
+
+    model_dir: str
+    max_model_len: int
+    seed: int
+    full_vocab: bool
+    prefix_caching: bool
+    blocks: Blocks  # the checkpoint as ``tables.architectures.describe`` reads it
+    # ``VllmRuntime(model_dir, **trainer_args)``: the aligned and Megatron trainers, vLLM's own modules.
+    trainer_args: dict
+    # ``vllm.LLM(**llm_args)``: the engine arguments the trainer mirrors, plus prefix caching and logprobs.
+    llm_args: dict
+    # Set while vLLM builds the engine's config and starts its processes (:func:`engine_environment`).
+    environment: dict
+    lora_dir: str | None = None
+    lora_targets: tuple[str, ...] = ()  # the adapter's target modules, checked against the model
+
+
+def engine_settings(
+    model_dir, max_model_len: int, seed: int = 0, full_vocab: bool = False, lora_dir=None, prefix_caching: bool = True
+) -> EngineSettings:
+    """The checker's arguments as the engine's configuration, read once: ``vllm.LLM``'s arguments
+    (those the aligned trainer mirrors, prefix caching as asked for, enough returned logprobs;
+    with ``lora_dir``, LoRA serving sized for that adapter, see :func:`served_adapter`), the
+    environment vLLM reads while it starts, and the checkpoint's blocks."""
+    import os
+
+    from transformers import AutoConfig
+
+    from zero_mismatch_plugin.aligned.runtime import engine_args_for
+    from zero_mismatch_plugin.tables.architectures import describe
+    from zero_mismatch_plugin.tables.switches import ALLOW_PREFIX_CACHING, CPU_KV_CACHE_SPACE
+
+    model_config = AutoConfig.from_pretrained(str(model_dir))
+    trainer_args = dict(max_model_len=max_model_len, seed=seed)
+    lora_targets = ()
+    if lora_dir is not None:
+        lora_config, lora_args = served_adapter(model_config, lora_dir)
+        trainer_args.update(lora_args)
+        lora_targets = tuple(lora_config.targets)
+    llm_args = engine_args_for(
+        model_dir, enable_prefix_caching=prefix_caching, max_logprobs=-1 if full_vocab else DEFAULT_TOP_K, **trainer_args
+    )
+    environment = {}
+    if prefix_caching:
+        # Consistent mode turns prefix caching off where it is not proven; the prefix-cache check is
+        # how it gets proven, so the engine keeps it on. Every other check resets the cache first.
+        environment[ALLOW_PREFIX_CACHING] = "1"
+    if CPU_KV_CACHE_SPACE not in os.environ:
+        environment[CPU_KV_CACHE_SPACE] = DEFAULT_CPU_KV_CACHE_GIB
+    return EngineSettings(
+        model_dir=str(model_dir),
         max_model_len=max_model_len,
         seed=seed,
-        enable_prefix_caching=prefix_caching,
-        max_logprobs=-1 if full_vocab else DEFAULT_TOP_K,
-        **extra,
+        full_vocab=full_vocab,
+        prefix_caching=prefix_caching,
+        blocks=describe(model_config),
+        trainer_args=trainer_args,
+        llm_args=llm_args,
+        environment=environment,
+        lora_dir=None if lora_dir is None else str(lora_dir),
+        lora_targets=lora_targets,
     )
 
 
-def served_adapter(model_dir, lora_dir):
-    """(the adapter's ``LoRAConfig``, the engine arguments serving it) for the checkpoint in
-    ``model_dir``: its targets checked against what the aligned path adapts on that model (dense
-    or MLA projections, routed and shared experts, embed_tokens / lm_head where the engine adapts
-    them), the engine's ``max_lora_rank`` sized for its rank."""
-    from transformers import AutoConfig
+def served_adapter(model_config, lora_dir):
+    """(the adapter's ``LoRAConfig``, the engine arguments serving it) for the model of
+    ``model_config`` (its transformers config): the adapter's targets checked against what the
+    aligned path adapts on that model (dense or MLA projections, routed and shared experts,
+    embed_tokens / lm_head where the engine adapts them), the engine's ``max_lora_rank`` sized
+    for its rank."""
+    from zero_mismatch_plugin.aligned.lora.names import supported_lora_targets
+    from zero_mismatch_plugin.aligned.lora.peft import lora_engine_args_for_config, read_lora_config
 
-    from zero_mismatch_plugin.aligned.lora import lora_engine_args_for_config, read_lora_config, supported_lora_targets
-
-    model_config = AutoConfig.from_pretrained(str(model_dir))
     config = read_lora_config(lora_dir, supported_lora_targets(model_config, vocab=True))
     return config, lora_engine_args_for_config(config)
 
@@ -78,7 +137,7 @@ class AdapterEngine:
     runs against the adapter without knowing about it."""
 
     def __init__(self, llm, lora_dir):
-        from zero_mismatch_plugin.aligned.lora_formats import lora_request
+        from zero_mismatch_plugin.aligned.lora.peft import lora_request
 
         self.llm = llm
         self.lora_request = lora_request("zmrl-check", 1, lora_dir)
@@ -91,59 +150,56 @@ class AdapterEngine:
         return getattr(self.llm, name)
 
 
-def _prefix_caching_environment(prefix_caching: bool) -> dict[str, str]:
-    # Consistent mode turns prefix caching off where it is not proven; the prefix-cache check is
-    # how it gets proven, so with it on the engine keeps it on regardless. Every other check
-    # resets the cache before generating.
-    from zero_mismatch_plugin.integrations.vllm.plugin import PREFIX_CACHING_ENV
-
-    return {PREFIX_CACHING_ENV: "1"} if prefix_caching else {}
-
-
 @contextlib.contextmanager
-def open_engine(
-    model_dir, max_model_len: int, seed: int = 0, full_vocab: bool = False, lora_dir=None, prefix_caching: bool = True
-):
-    """Start one vLLM engine for the checks; shut it down afterwards."""
-    from zero_mismatch_plugin.tables.switches import default_cpu_kv_cache_space
-
-    default_cpu_kv_cache_space()  # 1 GiB unless set; a value vLLM's CPU engine would die on is refused
-    from vllm import LLM
-
+def engine_environment(settings: EngineSettings):
+    """``settings.environment`` in ``os.environ`` for the block, then what was there: for vLLM
+    building the engine's config and starting its processes (which inherit it). A
+    ``VLLM_CPU_KVCACHE_SPACE`` vLLM's CPU engine would die on is refused, by name."""
     from zero_mismatch_plugin.aligned.numerics import temporary_environment
-    from zero_mismatch_plugin.aligned.runtime import shutdown_engine
+    from zero_mismatch_plugin.tables.switches import cpu_kv_cache_space
 
-    with temporary_environment(_prefix_caching_environment(prefix_caching)):
-        llm = LLM(**engine_kwargs(model_dir, max_model_len, seed, full_vocab, lora_dir, prefix_caching))
-    try:
-        yield llm if lora_dir is None else AdapterEngine(llm, lora_dir)
-    finally:
-        shutdown_engine(llm)
+    with temporary_environment(settings.environment):
+        cpu_kv_cache_space()
+        yield
+
+
+def vllm_config(settings: EngineSettings):
+    """The ``VllmConfig`` an engine of ``settings`` runs with (no engine is started)."""
+    with engine_environment(settings):
+        from vllm.engine.arg_utils import EngineArgs
+
+        return EngineArgs(**settings.llm_args).create_engine_config()
+
+
+def prefill_budget(settings: EngineSettings) -> int:
+    """Tokens an engine of ``settings`` starts prefills per step, from its config alone (no
+    engine is started): what :func:`split_by_budget` allows per prompt."""
+    return int(vllm_config(settings).scheduler_config.max_num_batched_tokens)
 
 
 def engine_config(
     model_dir, max_model_len: int, seed: int = 0, full_vocab: bool = False, lora_dir=None, prefix_caching: bool = True
 ):
     """The ``VllmConfig`` the engine of :func:`open_engine` would run with (no engine is started)."""
-    from zero_mismatch_plugin.tables.switches import cpu_kv_cache_space
-
-    cpu_kv_cache_space()  # vLLM's CPU platform reads it here already: refuse a bad value by name
-    from vllm.engine.arg_utils import EngineArgs
-
-    from zero_mismatch_plugin.aligned.numerics import temporary_environment
-
-    with temporary_environment(_prefix_caching_environment(prefix_caching)):
-        kwargs = engine_kwargs(model_dir, max_model_len, seed, full_vocab, lora_dir, prefix_caching)
-        return EngineArgs(**kwargs).create_engine_config()
+    return vllm_config(engine_settings(model_dir, max_model_len, seed, full_vocab, lora_dir, prefix_caching))
 
 
-def prefill_budget(
+@contextlib.contextmanager
+def open_engine(
     model_dir, max_model_len: int, seed: int = 0, full_vocab: bool = False, lora_dir=None, prefix_caching: bool = True
-) -> int:
-    """Tokens the engine :func:`open_engine` would start prefills per step, from its config alone
-    (no engine is started): what :func:`split_by_budget` allows per prompt."""
-    config = engine_config(model_dir, max_model_len, seed, full_vocab, lora_dir, prefix_caching)
-    return int(config.scheduler_config.max_num_batched_tokens)
+):
+    """Start one vLLM engine of :func:`engine_settings` for these arguments; shut it down afterwards."""
+    from zero_mismatch_plugin.aligned.runtime import shutdown_engine
+
+    settings = engine_settings(model_dir, max_model_len, seed, full_vocab, lora_dir, prefix_caching)
+    with engine_environment(settings):
+        from vllm import LLM
+
+        llm = LLM(**settings.llm_args)
+    try:
+        yield llm if settings.lora_dir is None else AdapterEngine(llm, settings.lora_dir)
+    finally:
+        shutdown_engine(llm)
 
 
 def engine_block_size(llm) -> int:

@@ -16,8 +16,8 @@ import contextlib
 import torch
 
 from zero_mismatch_plugin.tables import upstream_versions
-from zero_mismatch_plugin.tables.architectures import describe
 from zero_mismatch_plugin.tools.checker import oplist
+from zero_mismatch_plugin.tools.checker.engine import engine_settings
 from zero_mismatch_plugin.tools.checker.recording import OpRecorder, first_of_pair
 
 # vLLM versions whose ``MoERunner`` hands (shared output, routed output) through
@@ -120,20 +120,17 @@ def single_process_group(runtime):
 class EngineModules:
     """vLLM's model for one checkpoint, outside the engine. Use as a context manager."""
 
-    def __init__(self, model_dir, max_model_len: int = 256, seed: int = 0, lora_dir=None, **engine_kwargs):
-        """``lora_dir``: a PEFT adapter the model serves, as the engine does (``enable_lora``,
-        vLLM's LoRA manager wrapping the linears, every token mapped to the adapter)."""
+    def __init__(self, model_dir, max_model_len: int = 256, seed: int = 0, lora_dir=None):
+        """Built from the :func:`~.engine.engine_settings` of these arguments; ``lora_dir``: a PEFT
+        adapter the model serves, as the engine does (``enable_lora``, vLLM's LoRA manager wrapping
+        the linears, every token mapped to the adapter)."""
         from zero_mismatch_plugin.aligned.runtime import VllmRuntime
 
-        self.lora_dir = lora_dir
-        self.lora_linears = frozenset()
-        if lora_dir is not None:
-            from zero_mismatch_plugin.tools.checker.engine import served_adapter
-
-            lora_config, lora_args = served_adapter(model_dir, lora_dir)
-            engine_kwargs = {**engine_kwargs, **lora_args}
-            self.lora_linears = oplist.lora_linears(lora_config.targets)
-        self.runtime = VllmRuntime(model_dir, max_model_len=max_model_len, seed=seed, **engine_kwargs)
+        settings = engine_settings(model_dir, max_model_len, seed, lora_dir=lora_dir)
+        self.lora_dir = settings.lora_dir
+        self.lora_linears = oplist.lora_linears(settings.lora_targets)
+        self.blocks = settings.blocks
+        self.runtime = VllmRuntime(settings.model_dir, **settings.trainer_args)
         self.model = None
         self.lora_manager = None
         self._stack = contextlib.ExitStack()
@@ -179,17 +176,15 @@ class EngineModules:
             self.paged.builder = self.paged.backend.get_builder_cls()(
                 self.paged.spec, list(self.attention_layers), rt.vllm_config, rt.device
             )
-        config = rt.hf_config
-        self.num_layers = config.num_hidden_layers
+        self.num_layers = rt.hf_config.num_hidden_layers
         self.qk_norm = _submodule(self.model.model.layers[0], "self_attn.q_norm") is not None
-        self.blocks = describe(config)
 
     def _load_lora(self):
         """What the engine's model runner does with ``enable_lora``: vLLM's LoRA manager replaces
         the supported linears with their LoRA layers; the adapter is loaded when activated."""
         from vllm.v1.worker.lora_model_runner_mixin import LoRAModelRunnerMixin
 
-        from zero_mismatch_plugin.aligned.lora_formats import lora_request
+        from zero_mismatch_plugin.aligned.lora.peft import lora_request
 
         runner = LoRAModelRunnerMixin()
         self.model = runner.load_lora_model(self.model, self.runtime.vllm_config, self.runtime.device)

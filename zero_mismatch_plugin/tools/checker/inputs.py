@@ -1,10 +1,8 @@
 """What ``zmrl check`` / ``zmrl bisect`` refuse before any engine or model is built.
 
-Starting vLLM takes tens of seconds and ``check`` runs for minutes, so every input that cannot
-work is refused first, with a message that says what to change: option values, the prompts file
-(line by line), whether each prompt plus its response fits ``--max-model-len``, and where the
-JSON result would be written. The checkpoint and adapter directories (config.json, weights,
-tokenizer, the model as the trainer face builds it) are :mod:`.checkpoint_inputs`'.
+Option values, the prompts file (line by line), whether each prompt plus its response fits
+``--max-model-len``, and where the JSON result goes, each refused with a message that says what to
+change; the checkpoint and adapter directories are :mod:`.checkpoint_inputs`'. See docs/diagnostics.md.
 """
 
 from __future__ import annotations
@@ -21,19 +19,6 @@ JSONL_SUFFIXES = (".jsonl", ".json")
 
 class CheckerInputError(ValueError):
     """An input the checker cannot run with; the message says what to change."""
-
-
-# The checkpoint's checks, which lived here, are :mod:`.checkpoint_inputs`' (which imports this
-# module): still reachable under their old names.
-_MOVED = ("read_checkpoint_config", "require_supported_architecture", "supported_architectures")
-
-
-def __getattr__(name: str):
-    if name in _MOVED:
-        from zero_mismatch_plugin.tools.checker import checkpoint_inputs
-
-        return getattr(checkpoint_inputs, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def require_at_least(option: str, value: int, minimum: int = 1) -> None:

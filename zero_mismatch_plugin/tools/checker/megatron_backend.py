@@ -8,36 +8,29 @@ packed batch, run as megatron's packed THD input. Intermediates are recorded at 
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
 from zero_mismatch_plugin.aligned.sampling import SamplingTransform
-from zero_mismatch_plugin.tables.architectures import describe
 from zero_mismatch_plugin.integrations.megatron.standalone import MegatronScorer, packed_logits, token_logprobs_from_logits
 from zero_mismatch_plugin.tools.checker import oplist
+from zero_mismatch_plugin.tools.checker.engine import EngineSettings
 from zero_mismatch_plugin.tools.checker.recording import OpRecorder
 
 
 class MegatronBackend:
     name = "megatron"
 
-    def __init__(self, model_dir: Path, max_model_len: int = 256, seed: int = 0, lora_dir=None):
-        lora = {}
-        if lora_dir is not None:
-            from zero_mismatch_plugin.tools.checker.engine import served_adapter
-
-            lora = served_adapter(model_dir, lora_dir)[1]
-        self.scorer = MegatronScorer.from_model_dir(model_dir, max_model_len=max_model_len, seed=seed, **lora)
+    def __init__(self, settings: EngineSettings):
+        self.scorer = MegatronScorer.from_model_dir(settings.model_dir, **settings.trainer_args)
         self.model = self.scorer.model.eval()
         self.runtime = self.scorer.runtime
-        self.lora_linears = frozenset()
-        if lora_dir is not None:
+        if settings.lora_dir is not None:
             from zero_mismatch_plugin.faces.megatron.lora import attach_lora
 
-            self.lora_linears = oplist.lora_linears(attach_lora(self.model, self.runtime, lora_dir).targets)
+            attach_lora(self.model, self.runtime, settings.lora_dir)
+        self.lora_linears = oplist.lora_linears(settings.lora_targets)
         self.vocab_size = self.runtime.hf_config.vocab_size
-        self.blocks = describe(self.runtime.hf_config)
+        self.blocks = settings.blocks
         self.qk_norm = self.blocks.qk_norm
 
     @torch.no_grad()

@@ -1,26 +1,9 @@
 """Canonical names of the ops of a decoder, in execution order, and bitwise comparison.
 
-Both sides of a bisection (vLLM's own modules, and a trainer backend) report their intermediate
-outputs under these names, so the comparison does not depend on how either side groups its code.
-Each value is a tensor whose first dimension is the token (or target row) and whose remaining
-dimensions are flattened before comparing; an op with two outputs (rotary: q and k) reports a
-tuple. A fused residual-add + RMSNorm reports two entries: ``<norm>.input`` (the residual sum,
-what the norm reads) and ``<norm>`` (the normalised output), so an error in the addition is not
-blamed on the norm.
-
-A Mixture-of-Experts MLP reports the router logits (``router``), the experts the router chose
-(``topk_ids``: [tokens, top_k] expert ids in slot order), the routed experts' combined output as
-vLLM's MoE layer returns it (``experts``, after any routed scaling) and, if there is one, the
-shared expert's ops (``shared_expert.*``, ``shared_expert_gate``).
-
-With a LoRA adapter each wrapped linear is followed by its two LoRA steps (``<linear>.lora_shrink``,
-``<linear>.lora_expand``), the shared expert's linears included. An adapter on the routed experts
-is inside ``experts`` (vLLM's MoE layer adds it within its fused computation), one on
-embed_tokens / lm_head inside ``embed`` / ``logits``.
-
-Bitwise means equal and finite: a NaN or an infinity on either side is a failure of that op
-(reported as non-finite values, with how many on each side), never "equal", even where both
-sides hold the same NaN: a forward that produces one has already failed, whatever the other does.
+Both sides of a bisection report their op outputs under these names, so the comparison does not
+depend on how either side groups its code; a fused residual-add + norm reports ``<norm>.input``
+and ``<norm>``. Bitwise means equal and finite: a NaN or an infinity on either side fails that op.
+The names (MoE, LoRA): docs/alignment-playbook.md, docs/lora.md.
 """
 
 from __future__ import annotations

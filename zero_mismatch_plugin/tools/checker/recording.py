@@ -1,18 +1,9 @@
 """The one recorder of ``zmrl bisect``: every op output of one forward, under its canonical name.
 
-Every side of a bisection records through :class:`OpRecorder` (names and comparison: :mod:`.oplist`).
-It attaches in one of two ways:
-
-* **the op layer** (:meth:`OpRecorder.op_layer`): both trainer faces, the aligned model and the
-  Megatron spec, run every op through :func:`zero_mismatch_plugin.aligned.ops.observed`. A call
-  is named by its kind and its order: the faces run the ops in vLLM's order (that is what makes
-  them bitwise), so the n-th norm call of a forward is the n-th norm of the canonical list;
-* **module hooks** (:meth:`OpRecorder.on_output`, :meth:`OpRecorder.on_input`): vLLM's own model
-  and transformers' are ``nn.Module`` trees; a hook names its output after its role and the
-  decoder layer running (:meth:`OpRecorder.track_layers`).
-
-A ``perturb(name, value) -> value`` given to the recorder changes an op's output (in the compared
-layout) before the rest of the forward uses it: how the bisector's tests plant a difference.
+Every side records through :class:`OpRecorder`: the trainer faces through the op layer's
+observation point (:meth:`OpRecorder.op_layer`, a call named by its kind and order), vLLM's and
+transformers' module trees through hooks (:meth:`OpRecorder.on_output`, :meth:`OpRecorder.on_input`).
+An optional ``perturb(name, value)`` plants a difference for the bisector's tests.
 """
 
 from __future__ import annotations
@@ -89,7 +80,7 @@ class OpRecorder:
         differ between faces; the caller records the target rows with :meth:`keep_head`."""
         from zero_mismatch_plugin.aligned import ops
         from zero_mismatch_plugin.aligned.moe import AlignedMoE, AlignedMoELoRA
-        from zero_mismatch_plugin.aligned.lora import LoRAStep
+        from zero_mismatch_plugin.aligned.lora.ops import LoRAStep
 
         kinds = {
             ops.AlignedRMSNorm: "norm",
@@ -200,9 +191,9 @@ class OpRecorder:
     def on_lora_linear(self, module, kind: str) -> None:
         """A vLLM LoRA layer (``BaseLinearLayerWithLoRA``): its base output as ``kind``, then its
         two punica steps as ``kind.lora_shrink`` and ``kind.lora_expand``. The layer is handed a
-        :class:`~zero_mismatch_plugin.aligned.lora.SteppedPunica` over its wrapper through its own
+        :class:`~zero_mismatch_plugin.aligned.lora.ops.SteppedPunica` over its wrapper through its own
         ``set_mapping``; the wrapper is put back on exit."""
-        from zero_mismatch_plugin.aligned.lora import SteppedPunica
+        from zero_mismatch_plugin.aligned.lora.ops import SteppedPunica
 
         recorder = self
 
