@@ -1,10 +1,7 @@
 """Per-update diagnostics of the rollout-to-learner gap, framework-free.
 
-Names follow verl's ``rollout_corr/*`` metrics wherever the meaning is identical, so a
-run that uses this plugin and one that uses verl's own rollout correction can be read
-with the same dashboards (see docs/algorithms.md, "Metrics"). Masked (padding) positions
-are never read, whatever they hold. The two logprobs and the mask must have one shape: a
-``(B,)`` mask would otherwise select whole rows, a ``(T,)`` logprob broadcast over the batch
+Names follow verl's ``rollout_corr/*`` metrics wherever the meaning is identical (docs/algorithms.md,
+"Metrics"). Masked positions are never read; the two logprobs and the mask must have one shape
 (``ValueError`` naming the input).
 """
 

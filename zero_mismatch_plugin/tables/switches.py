@@ -1,22 +1,9 @@
 """Every environment switch of the plugin, and the one way each is read.
 
-A switch is read in the process that acts on it (the vLLM plugin in every vLLM process, the aligned
-trainer patches in every verl process, the CPU platform on opting in) and checked in the verl
-config that hands it to those processes (``ray_kwargs.ray_init.runtime_env.env_vars``, by
-``zmrl validate-config`` and ``zmrl recipes run``). Both go through :func:`flag` or :func:`choice`,
-so the config check and the runtime accept the same spellings and refuse the same values:
-
-* exactly the spellings listed in :data:`SWITCHES`: ``"1"`` / ``"0"`` for a boolean switch, the
-  listed names for a choice (case and surrounding spaces count: ``"true"``, ``" 1"`` and
-  ``"Consistent"`` are refused, not guessed);
-* unset, or set to the empty string: the switch's documented default;
-* anything else: :class:`SwitchError` (a ``ValueError``) naming the variable, the value found and
-  the values allowed.
-
-``VLLM_CPU_KVCACHE_SPACE`` is vLLM's, not the plugin's; :func:`cpu_kv_cache_space` checks it where
-the plugin starts or configures a CPU engine, before vLLM would fail with its engine-core traceback.
-
-Imports nothing heavy: every process of a run imports it.
+The config checks and the processes that act on a switch both read it through :func:`flag` or
+:func:`choice`: exactly the spellings in :data:`SWITCHES`, unset or empty for the default, anything
+else a :class:`SwitchError`. Imports nothing heavy: every process of a run imports it. See
+docs/recipes.md, "How the switches are read".
 """
 
 from __future__ import annotations

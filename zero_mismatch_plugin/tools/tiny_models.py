@@ -1,10 +1,8 @@
-"""Tiny randomly initialised checkpoints with a local tokenizer: dense Llama, Mistral, Qwen2, Qwen3 and
-CWM (interleaved sliding-window and full-attention layers), and Mixture-of-Experts Qwen3-MoE, Qwen2-MoE, Mixtral and GLM-4.5 shapes.
+"""Tiny randomly initialised checkpoints with a local tokenizer, built without hub access.
 
-Everything is built on the local machine (no hub access): a byte-level BPE tokenizer is trained
-on a small generated corpus, a model is randomly initialised from a transformers config, and both
-are saved with ``save_pretrained`` so that vLLM, transformers and the aligned trainer all load the
-same directory.
+Dense Llama, Mistral, Qwen2, Qwen3 and CWM, Mixture-of-Experts Qwen3-MoE, Qwen2-MoE, Mixtral and
+GLM-4.5 shapes, and DeepSeek-V2/V3 (MLA): a byte-level BPE tokenizer trained on a generated corpus
+and a random model, saved with ``save_pretrained`` for vLLM, transformers and the aligned trainer.
 """
 
 from __future__ import annotations

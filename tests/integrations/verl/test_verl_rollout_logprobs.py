@@ -24,7 +24,7 @@ from support.verl_batches import actor_config
 from zero_mismatch_plugin.algorithms import formulas
 
 from zero_mismatch_plugin import fork_patches
-from zero_mismatch_plugin.fork_patches import shared
+from zero_mismatch_plugin.integrations.verl.checks import accepts_keyword
 from zero_mismatch_plugin.integrations.verl.estimators import InvalidBatchError
 from zero_mismatch_plugin.integrations.verl.losses import flash_reinforce_policy_loss, reinforce_zero_policy_loss
 
@@ -80,7 +80,7 @@ def _config(loss_mode: str, pi, mu, mask):
 def test_registered_losses_take_the_keyword_the_patched_ppo_loss_passes(loss_mode):
     from verl.trainer.ppo.core_algos import get_policy_loss_fn
 
-    assert shared.accepts_keyword(get_policy_loss_fn(loss_mode), "rollout_log_probs")
+    assert accepts_keyword(get_policy_loss_fn(loss_mode), "rollout_log_probs")
 
 
 @pytest.mark.parametrize("loss_mode", sorted(LOSSES))

@@ -105,7 +105,7 @@ def test_bmm_runs_every_call_as_eight_rows_and_writes_into_out():
 
 
 def test_decode_kernel_runs_on_one_thread_and_the_count_is_restored():
-    from zero_mismatch_plugin.fork_patches.shared import on_one_thread
+    from zero_mismatch_plugin.aligned.row_invariant import on_one_thread
 
     seen = []
     threads = torch.get_num_threads()
@@ -238,7 +238,7 @@ def test_one_token_prompt_patch_leaves_other_attention_backends_to_vllm():
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionMetadataBuilder
     from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend
 
-    from zero_mismatch_plugin.fork_patches.shared import only_cpu_mla_attention
+    from zero_mismatch_plugin.integrations.vllm.cpu_mla import only_cpu_mla_attention
 
     assert CPUAttentionMetadataBuilder.reorder_batch_threshold is None
     seen = []

@@ -6,7 +6,7 @@ import pytest
 
 from zero_mismatch_plugin.aligned import numerics
 from zero_mismatch_plugin.aligned.vllm_compat import platform_kind
-from zero_mismatch_plugin.aligned.weight_sync import WORKER_EXTENSION
+from zero_mismatch_plugin.aligned.runtime import WORKER_EXTENSION
 
 pytestmark = pytest.mark.usefixtures("consistent_mode")
 

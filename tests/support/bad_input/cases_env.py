@@ -56,9 +56,9 @@ def with_env(run, **values):
 
 
 def fsdp_maybe_apply():
-    from zero_mismatch_plugin.faces import fsdp as fsdp_aligned
+    from zero_mismatch_plugin.integrations.verl import fsdp_engine
 
-    return fsdp_aligned.maybe_apply()
+    return fsdp_engine.maybe_apply()
 
 
 def megatron_maybe_apply():

@@ -119,11 +119,11 @@ def verl_applied() -> Path:
 
 def verl_half_applied() -> Path:
     """Only the first hunk of verl-reject-unknown-names done by hand."""
-    from zero_mismatch_plugin.fork_patches import edits
+    from zero_mismatch_plugin.fork_patches import generate
 
     checkout = verl_checkout()
     config = checkout / "verl/utils/config.py"
-    [change] = edits.render_changes(edits.EDITS["verl-reject-unknown-names"][1:], lambda p: config.read_text())
+    [change] = generate.render_changes(generate.EDITS["verl-reject-unknown-names"][1:], lambda p: config.read_text())
     config.write_text(change.after)
     return checkout
 

@@ -7,7 +7,8 @@ from omegaconf import OmegaConf
 
 from types import SimpleNamespace
 
-from zero_mismatch_plugin.aligned.lora import supported_lora_targets, unsupported_lora_settings
+from zero_mismatch_plugin.aligned.lora.names import supported_lora_targets
+from zero_mismatch_plugin.aligned.lora.peft import unsupported_lora_settings
 from zero_mismatch_plugin.aligned.numerics import CONSISTENT, MODE_ENV
 from zero_mismatch_plugin.tools.config_checks import check_config
 from zero_mismatch_plugin.tools.config_checks.lora import TARGETS_KEY, lora_gaps, lora_problems, lora_targets

@@ -1,12 +1,8 @@
 """verl advantage estimators ``reinforce_zero`` and ``flash_reinforce``.
 
-verl calls them on the driver as
-``fn(token_level_rewards, response_mask, config=<algorithm config>, index=<uids>, ...)``
-and expects ``(advantages, returns)``, both ``(B, T)``.
-
-Both compute in float64 and return the rewards' dtype; padding (mask 0) is never read and
-gets advantage 0. Inputs they cannot train on correctly raise :class:`InvalidBatchError`
-with a message that says what to change (docs/algorithms.md, "Bad input").
+verl calls them on the driver as ``fn(token_level_rewards, response_mask, config=..., index=<uids>, ...)``
+and expects ``(advantages, returns)``, both ``(B, T)``. Computed in float64, returned in the rewards'
+dtype; padding gets advantage 0. Bad batches raise :class:`InvalidBatchError` (docs/algorithms.md).
 """
 
 from __future__ import annotations

@@ -1,27 +1,9 @@
 """verl policy losses ``reinforce_zero`` and ``flash_reinforce``.
 
-verl's ``ppo_loss`` calls them as
-``fn(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights)``,
-and, with the verl patch 0003 (or a verl that does the same), also with
-``rollout_log_probs=`` the rollout engine's own logprob mu (None when the batch has none).
-
-The behaviour logprob mu of every formula (IS ratio pi/mu, FlashREINFORCE's trust-region
-KL) is
-
-* ``rollout_log_probs`` when given, whatever ``old_log_prob`` is: in decoupled mode
-  ``old_log_prob`` is the trainer's recompute pi_old, and the gap
-  log pi - log mu = (log pi - log pi_old) + (log pi_old - log mu) is reported in its two
-  parts (``zero_mismatch/recompute_vs_current/*``, ``zero_mismatch/rollout_vs_recompute/*``);
-* ``old_log_prob`` otherwise, which is mu only in bypass mode
-  (``algorithm.rollout_correction.bypass_mode=true``).
-
-The per-token terms come from :mod:`zero_mismatch_plugin.algorithms.formulas`; aggregation goes
-through verl's ``agg_loss`` with the global batch info, so data parallelism and
-micro-batching give the gradient of one big batch.
-
-Every input is selected with the response mask before any arithmetic, so masked positions
-are never read; inputs the losses cannot train on raise :class:`InvalidBatchError` naming
-what to change (docs/algorithms.md, "Bad input: the losses").
+Called by verl's ``ppo_loss``, with ``rollout_log_probs=`` (the engine's own μ) where verl passes
+it; μ is that input when given, else ``old_log_prob`` (μ only in bypass mode). Per-token terms come
+from :mod:`zero_mismatch_plugin.algorithms.formulas`, aggregation through verl's ``agg_loss``;
+masked positions are never read. See docs/algorithms.md ("rollout_log_probs", "Bad input: the losses").
 """
 
 from __future__ import annotations

@@ -1,34 +1,9 @@
 """Runtime patch of verl's Megatron engine: aligned mcore spec + vLLM's logprob arithmetic.
 
-Enabled by ``ZMRL_MEGATRON_ALIGNED=1`` (see :func:`maybe_apply`) or by calling :func:`apply`;
-undone by :func:`remove`, which puts back the exact original callables. The changes are entries
-of the plugin's one patch mechanism (:mod:`zero_mismatch_plugin.integrations.patches`, listed in
-:data:`PATCHES`): only for the verl versions in :data:`SUPPORTED_VERL_VERSIONS` (the engine
-module's internals were checked there); any other version is refused with
-:class:`~zero_mismatch_plugin.integrations.patches.UnsupportedVersion`.
-
-What changes in ``verl.workers.engine.megatron.transformer_impl``:
-
-* ``MegatronEngine._build_tf_config``: after verl's own body, the Megatron-Bridge provider's
-  ``transformer_layer_spec`` becomes the aligned spec (built from ``get_gpt_layer_local_spec``)
-  and a pre-wrap hook applies the post-construction swaps (rotary, final norm, output layer).
-  Both use a :class:`~..aligned.runtime.VllmRuntime` of the checkpoint the actor loads.
-* ``MegatronEngineWithLMHead._lm_head_logits_processor``: verl divides the (bf16) logits by the
-  temperature in place and takes ``-vocab_parallel_cross_entropy``; the patch divides fp32 logits
-  by the fp32 temperature and takes ``log_softmax(dim=-1, dtype=float32)`` (vLLM's
-  ``Sampler.apply_temperature`` + ``Sampler.compute_logprobs``), then gathers the labels.
-* ``MegatronEngine.optimizer_step`` / ``load_checkpoint``: afterwards the engine-layout weight
-  copies are re-derived (megatron writes updated weights through ``param.data``).
-
-On a verl fork with ``patches/verl/0004-megatron-engine-hooks.patch`` nothing is replaced: the
-same functions are registered in the engine module's ``ENGINE_HOOKS`` and
-``LM_HEAD_LOGITS_PROCESSOR`` (:data:`HOOK_PATCHES`), and :func:`remove` takes them out again.
-On a megatron-core with the megatron-lm spec-hook patch the provider gets the whole-model spec and
-no pre-wrap swaps.
-
-In consistent numerics the worker switches the trainer side on
-(:func:`~..aligned.numerics.enable_consistent_numerics`: vLLM's batch-invariant mode on a GPU)
-before it builds the runtime of the actor's checkpoint.
+On by ``ZMRL_MEGATRON_ALIGNED=1`` (:func:`maybe_apply`) or :func:`apply`; :func:`remove` puts the
+originals back. Entries of the plugin's one patch mechanism (:data:`PATCHES`, verl
+:data:`SUPPORTED_VERL_VERSIONS` only); on a verl fork with the engine-hooks patch the same
+functions go into its hooks instead (:data:`HOOK_PATCHES`). What changes and why: docs/megatron.md.
 """
 
 from __future__ import annotations

@@ -1,29 +1,9 @@
 """vLLM general plugin: the engine side of zero mismatch, applied in every vLLM process.
 
-vLLM calls :func:`register` in the main process (when ``EngineArgs`` is created), in the
-EngineCore and in every worker. It does nothing unless ``ZMRL_NUMERICS`` is set (see
-:mod:`zero_mismatch_plugin.aligned.numerics`). With ``ZMRL_NUMERICS=consistent`` it:
-
-* fixes the engine settings that decide which numbers are computed and recorded, when the
-  engine config is built: lm_head in fp32 (``hf_overrides.head_dtype``), ``processed_logprobs``
-  (the distribution actually sampled from), eager execution (compiled graphs round differently
-  from the trainer's eager ops), a seed, prefix caching only where a hit is proven to give the
-  bits of a miss (:mod:`zero_mismatch_plugin.aligned.prefix_caching`), and the weight-sync worker
-  extension;
-* on CUDA/ROCm/XPU sets ``VLLM_BATCH_INVARIANT=1`` for every process;
-* on CPU, where vLLM's batch-invariant mode cannot run, disables split-KV decode attention,
-  pads single-row GEMMs to two rows (see :mod:`zero_mismatch_plugin.aligned.cpu_gemm`) and
-  applies the CPU MLA fixes of :mod:`zero_mismatch_plugin.integrations.vllm.cpu_mla` and the row-count-invariant
-  MoE sigmoids of :mod:`zero_mismatch_plugin.integrations.vllm.cpu_sigmoid`, and gives a base request batched
-  with LoRA requests no adapter (``LORA_BASE_ROWS``, ``LORA_BASE_EMBEDDING_ROWS``), and serves LoRA
-  on MoE experts (:mod:`zero_mismatch_plugin.integrations.vllm.cpu_moe_lora`).
-
-``ZMRL_NUMERICS=fast`` only adds the weight-sync worker extension. Safe to call repeatedly.
-
-Each change to a vLLM function is a :class:`~zero_mismatch_plugin.integrations.patches.FunctionPatch`
-of the plugin's one patch mechanism (:data:`PATCHES`, for vLLM :data:`~zero_mismatch_plugin.integrations.vllm.patch_kinds.SUPPORTED_VLLM_VERSIONS`;
-any other version is refused): :func:`applied` lists them, and :func:`remove` puts the originals
-back and restores the environment variables :func:`register` set.
+:func:`register` does nothing unless ``ZMRL_NUMERICS`` is set. ``consistent`` fixes the engine
+settings (fp32 lm_head, ``processed_logprobs``, eager, a seed, prefix caching only where proven,
+the weight-sync extension) and on CPU applies :data:`CPU_CONSISTENT_MODE_PATCHES`; ``fast`` adds
+the extension only. :func:`applied` lists the patches, :func:`remove` undoes them. See docs/zero-mismatch.md.
 """
 
 from __future__ import annotations
@@ -47,6 +27,8 @@ PREFIX_CACHING_ENV = "ZMRL_ALLOW_PREFIX_CACHING"  # read by aligned.prefix_cachi
 _saved_env: dict[str, str | None] = {}
 
 def register() -> None:
+    """The engine side for ``ZMRL_NUMERICS`` in this process (vLLM calls it in the main process, the
+    EngineCore and every worker); safe to call repeatedly."""
     from zero_mismatch_plugin.aligned import numerics
 
     mode = numerics.current_mode()
@@ -191,7 +173,7 @@ def _prefix_caching_decision(args, hf_config) -> tuple[bool, str]:
 
 def _engine_settings(original):
     from zero_mismatch_plugin.aligned import numerics
-    from zero_mismatch_plugin.aligned.weight_sync import WORKER_EXTENSION
+    from zero_mismatch_plugin.aligned.runtime import WORKER_EXTENSION
 
     def create_engine_config(self, *args, **kwargs):
         mode = numerics.current_mode()

@@ -1,10 +1,8 @@
 """The one place a composed verl config is checked, for ``zmrl validate-config`` and ``zmrl recipes run``.
 
-:func:`check_config` reads every value through :mod:`.values` (one typed reader, one policy for
-absent / null / mistyped values), reports every bad value at once, and only then runs the checks
-that compute with the values: the algorithms' requirements (:mod:`.algorithms`), sampling and the
-consistent switch (:mod:`.numerics`), the cluster layout and batch arithmetic (:mod:`.cluster`),
-and whether the trainer side is aligned (:mod:`.alignment`).
+:func:`check_config` reads every value through :mod:`.values` and reports every bad one at once;
+only then do the checks that compute with the values run (:mod:`.algorithms`, :mod:`.numerics`,
+:mod:`.cluster`, :mod:`.lora`, :mod:`.alignment`). See docs/recipes.md, "What the checks cover".
 """
 
 from __future__ import annotations

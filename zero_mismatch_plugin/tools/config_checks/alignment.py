@@ -1,23 +1,14 @@
-"""Whether the trainer side of a run is aligned: consistent numerics promise diff 0, and only the
-aligned trainer forward can keep that promise, for the models and layouts it covers. verl has two
-engines it runs in: Megatron (``ZMRL_MEGATRON_ALIGNED=1``: vLLM's kernels inside verl's Megatron
-engine, docs/megatron.md) and FSDP (``ZMRL_FSDP_ALIGNED=1``: the op layer inside verl's FSDP2
-units, :mod:`zero_mismatch_plugin.faces.fsdp`); a config with an FSDP actor that
-sets the FSDP switch is judged by the FSDP engine.
+"""Whether the trainer side of a run is aligned: consistent numerics promise diff 0, which only
+the aligned trainer forward keeps, for the models and layouts it covers.
 
-The architectures they cover come from one list
-(:data:`zero_mismatch_plugin.tables.architectures.SUPPORTED_ARCHITECTURES`, shared by both faces): verl's
-Megatron engine runs the dense decoders (its MoE and MLA models need Megatron-Bridge), the FSDP
-engine also the Mixture-of-Experts ones (every expert in one process inside a layer's FSDP unit),
-neither MLA. The model features and parallel layouts the Megatron engine refuses are the aligned
-spec's own check (:func:`zero_mismatch_plugin.faces.megatron.spec.unsupported_features`), fed from the
-verl config and the model's ``config.json``.
+verl's Megatron engine (``ZMRL_MEGATRON_ALIGNED``) and its FSDP engine (``ZMRL_FSDP_ALIGNED``, for
+an FSDP actor that sets it) each cover their part of ``architectures.SUPPORTED_ARCHITECTURES``;
+what a config lacks is listed as gaps. See docs/recipes.md, "Which trainer paths are aligned".
 """
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -25,20 +16,20 @@ from omegaconf import DictConfig
 
 from zero_mismatch_plugin.tables import architectures
 from zero_mismatch_plugin.integrations.verl.megatron_engine import ENABLE_ENV
-from zero_mismatch_plugin.faces.fsdp import ENABLE_ENV as FSDP_ENABLE_ENV
+from zero_mismatch_plugin.integrations.verl.fsdp_engine import ENABLE_ENV as FSDP_ENABLE_ENV
 
 from zero_mismatch_plugin.tools.config_checks.cluster import MEGATRON, ROLLOUT, uses_megatron
 from zero_mismatch_plugin.tools.config_checks.lora import lora_gaps as _lora_gaps
-from zero_mismatch_plugin.tools.config_checks.lora import lora_targets  # noqa: F401 - the config checks' public name
 from zero_mismatch_plugin.tools.config_checks.numerics import env_switch, is_consistent
 from zero_mismatch_plugin.tools.config_checks.problems import Problem
-from zero_mismatch_plugin.tools.config_checks.values import ENV_VARS_KEY, ConfigValueError, read
+from zero_mismatch_plugin.tools.config_checks.trained_model import (
+    ARCHITECTURE_KEY, Architecture, model_architecture, uses_fsdp_switch)
+from zero_mismatch_plugin.tools.config_checks.values import ENV_VARS_KEY, read
 
 ALIGNED_SWITCH_KEY = f"{ENV_VARS_KEY}.{ENABLE_ENV}"
 # Appended by `--allow-unaligned-trainer`: `++` sets the variable whether or not the config has it.
 UNALIGNED_OVERRIDE = f"++{ALIGNED_SWITCH_KEY}='0'"
-ARCHITECTURE_KEY = "zmrl.architecture"
-# verl's FSDP engine has its own switch (zero_mismatch_plugin.faces.fsdp); a config
+# verl's FSDP engine has its own switch (zero_mismatch_plugin.integrations.verl.fsdp_engine); a config
 # that sets it with an FSDP actor is judged by it.
 FSDP_SWITCH_KEY = f"{ENV_VARS_KEY}.{FSDP_ENABLE_ENV}"
 FSDP_UNALIGNED_OVERRIDE = f"++{FSDP_SWITCH_KEY}='0'"
@@ -54,62 +45,12 @@ MODEL_UNKNOWN = "aligned if the model is one of the supported dense decoders (it
 
 
 @dataclass(frozen=True)
-class Architecture:
-    name: str | None
-    source: str
-    features: dict = field(default_factory=dict)  # megatron-style feature flags read from config.json
-
-
-@dataclass(frozen=True)
 class TrainerAlignment:
     status: str
     gaps: tuple[str, ...] = ()
 
     def describe(self) -> str:
         return self.status + (f": missing {'; '.join(self.gaps)}" if self.gaps else "")
-
-
-def _model_dir(cfg: DictConfig) -> tuple[str, Path]:
-    key = "actor_rollout_ref.model.hf_config_path"
-    path = read(cfg, key)
-    if path is None:
-        key = "actor_rollout_ref.model.path"
-        path = read(cfg, key)
-    return key, Path(path).expanduser()
-
-
-def _features(hf_config: dict) -> dict:
-    """The config.json fields the aligned spec's feature check knows, under megatron's names."""
-    experts = next((hf_config[k] for k in ("num_experts", "num_local_experts", "n_routed_experts")
-                    if hf_config.get(k)), None)
-    # Qwen2 configs carry a window with use_sliding_window=false; Mistral's has no switch: a window is on.
-    sliding = hf_config.get("sliding_window") if hf_config.get("use_sliding_window", True) else None
-    name = (hf_config.get("architectures") or [None])[0]
-    if isinstance(sliding, int) and architectures.windows_covered(name, hf_config.get("layer_types")):
-        sliding = (sliding - 1, 0)  # megatron-core's causal window for vLLM's window
-    return {"num_moe_experts": experts, "multi_latent_attention": bool(hf_config.get("kv_lora_rank")),
-            "window_size": sliding}
-
-
-def model_architecture(cfg: DictConfig) -> Architecture:
-    """From the local ``config.json`` of the model when there is one, else the recipe's ``zmrl.architecture``."""
-    key, directory = _model_dir(cfg)
-    config_file = directory / "config.json"
-    if config_file.is_file():
-        try:
-            hf_config = json.loads(config_file.read_text(encoding="utf-8"))
-            name = (hf_config.get("architectures") or [None])[0]
-        except (OSError, ValueError, AttributeError, TypeError) as error:
-            raise ConfigValueError(key, f"{config_file} is not a readable model config ({error}): "
-                                        "point the key at a checkpoint directory") from None
-        if not isinstance(name, str):
-            raise ConfigValueError(key, f"{config_file} names no architecture (its \"architectures\" list is "
-                                        "missing or empty)")
-        return Architecture(name, str(config_file), _features(hf_config))
-    declared = read(cfg, ARCHITECTURE_KEY)
-    if declared is not None:
-        return Architecture(declared, ARCHITECTURE_KEY)
-    return Architecture(None, f"{key} {str(directory)!r} has no local config.json and {ARCHITECTURE_KEY} is not set")
 
 
 def _fsdp_feature_gaps(features: dict) -> list[str]:
@@ -159,8 +100,10 @@ def _face_feature_gaps(model_dir: Path, face: str) -> list[str]:
     left to the engine's and the checker's own refusals)."""
     from transformers import AutoConfig
 
+    from zero_mismatch_plugin.faces import precheck
+
     try:
-        architectures.precheck(AutoConfig.from_pretrained(str(model_dir)), face)
+        precheck(AutoConfig.from_pretrained(str(model_dir)), face)
     except NotImplementedError as unsupported:
         return [str(unsupported)]
     except (OSError, ValueError, TypeError, KeyError):
@@ -168,17 +111,12 @@ def _face_feature_gaps(model_dir: Path, face: str) -> list[str]:
     return []
 
 
-def uses_fsdp_switch(cfg: DictConfig) -> bool:
-    """An FSDP actor whose config sets the FSDP engine's aligned switch."""
-    return not uses_megatron(cfg) and env_switch(cfg, FSDP_ENABLE_ENV) is not None
-
-
 def switch_key(cfg: DictConfig) -> str:
     return FSDP_SWITCH_KEY if uses_fsdp_switch(cfg) else ALIGNED_SWITCH_KEY
 
 
 def _fsdp_engine_gaps(cfg: DictConfig) -> list[str]:
-    """The FSDP engine settings the aligned forward runs under (fsdp_aligned.check_engine_supported)."""
+    """The FSDP engine settings the aligned forward runs under (fsdp_engine.check_engine_supported)."""
     gaps = []
     for key, wanted in (("actor_rollout_ref.actor.strategy", "fsdp2"),
                         ("actor_rollout_ref.actor.ulysses_sequence_parallel_size", 1),

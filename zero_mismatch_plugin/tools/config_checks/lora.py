@@ -10,6 +10,8 @@ from zero_mismatch_plugin.tables import architectures
 from zero_mismatch_plugin.tools.config_checks.cluster import lora_rank
 from zero_mismatch_plugin.tools.config_checks.numerics import is_consistent
 from zero_mismatch_plugin.tools.config_checks.problems import Problem
+from zero_mismatch_plugin.tools.config_checks.trained_model import model_architecture, uses_fsdp_switch
+from zero_mismatch_plugin.tools.config_checks.values import ConfigValueError
 
 TARGETS_KEY = "actor_rollout_ref.model.lora.target_modules"
 # Every name the aligned LoRA path adapts, under the checkpoint's and megatron-core's names.
@@ -32,9 +34,6 @@ def lora_targets(cfg: DictConfig) -> list[str]:
 def _architecture_in(cfg: DictConfig, names) -> bool:
     """The model (from its local config.json or ``zmrl.architecture``) is one of ``names``; False
     when the config names none."""
-    from zero_mismatch_plugin.tools.config_checks.alignment import model_architecture
-    from zero_mismatch_plugin.tools.config_checks.values import ConfigValueError
-
     try:
         return model_architecture(cfg).name in names
     except (ConfigValueError, TypeError):
@@ -69,8 +68,6 @@ def lora_gaps(cfg: DictConfig) -> list[str]:
     on the MLA projections vLLM adapts) and in verl's FSDP actor on dense decoders (unmerged sync),
     not in verl's Megatron engine, whose LoRA wiring (Megatron-Bridge PEFT) is not installed here;
     targets outside those linears never are."""
-    from zero_mismatch_plugin.tools.config_checks.alignment import uses_fsdp_switch
-
     rank = lora_rank(cfg)
     if rank <= 0:
         return []

@@ -1,15 +1,9 @@
 """``zmrl validate-config``: compose a verl config as verl would and check it, reporting every
 problem at once with the key to change.
 
-Hydra is only used to compose the config (:func:`compose_verl_config`), exactly as
-``python -m verl.trainer.main_ppo --config-path DIR --config-name NAME overrides...`` would; the
-checks themselves live in :mod:`zero_mismatch_plugin.tools.config_checks`, shared with ``zmrl recipes run``.
-
-What Hydra would answer with a hint that misleads is answered here instead
-(:class:`ConfigComposeError`): an override of a key the config does not have names the existing
-keys close to it (Hydra's own advice, ``+key=value``, would add the misspelt key, which nothing
-reads, and the check would then read "config OK"); a config name that is not in the directory
-names the ones that are; an override without ``=`` says what an override looks like.
+Hydra only composes (:func:`compose_verl_config`); the checks are :mod:`zero_mismatch_plugin.tools.config_checks`'.
+Where Hydra's own hint would mislead (a misspelt key, an unknown config name, an override without
+``=``), :class:`ConfigComposeError` says what to change instead (docs/recipes.md).
 """
 
 from __future__ import annotations

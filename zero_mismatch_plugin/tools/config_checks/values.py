@@ -1,17 +1,8 @@
 """Typed reads of a composed verl config, with one policy for absent, null and mistyped values.
 
-Every key a check reads is listed in :data:`KEYS` with its type and range. The policy
-(docs/recipes.md, "How the checks read values"):
-
-* **absent**: the key takes the value verl's own ``ppo_trainer`` config gives it (``Key.default``);
-  a key with no such default is required;
-* **null**: an error naming the key and its type, except for the keys where verl gives null a
-  meaning (``Key.nullable``; the meaning is in ``Key.help``);
-* **wrong type or out of range**: an error naming the key, the expected type or range and the
-  value found. Booleans are not integers here, and integers are accepted where a number is due.
-
-Hydra does not type-check overrides on verl's config (``actor_rollout_ref.rollout.n=abc`` composes
-to the string ``'abc'``), so this is where such a value is caught, before any check computes with it.
+Every key a check reads is in :data:`KEYS` with its type and range: absent takes verl's
+``ppo_trainer`` default (or is required), null is an error unless verl gives it a meaning, a wrong
+type or range is an error naming the key. See docs/recipes.md, "How the checks read values".
 """
 
 from __future__ import annotations

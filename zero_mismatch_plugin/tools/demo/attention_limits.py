@@ -1,27 +1,9 @@
 """How long a sequence the demo's engine and aligned learner keep bitwise on this host's CPU.
 
-vLLM's CPU attention (the VEC kernel that runs the demo's fp32 model on x86) walks a query tile's
-keys in KV tiles and folds each tile into a running softmax, so a row's bits depend on where the
-KV tile boundaries fall. The KV tile's length comes from half the L2 cache minus what the query
-tile takes: the more query rows in a tile, the shorter its KV tiles.
-
-- The engine computes a response token in a decode step (one query row: a KV tile of thousands of
-  tokens) or, for a turn's first token, in the short prefill chunk that follows a prefix-cache hit.
-- The aligned learner computes every row of prompt + response in one forward, in query tiles of
-  up to the kernel's default query tile, whose KV tiles are the shortest the kernel uses.
-
-Up to that shortest KV tile every row sees all its keys in one tile on both sides, and the two are
-bitwise equal. Past it the learner's rows sum their softmax over two tiles where the engine's sum
-over one: on a host with 512 KiB of L2 per core the bound is 224 tokens, and a ``--turns 9``
-conversation (about 250 tokens) stops being bitwise from its ninth turn on, while ``--turns 8``
-(at most 224 tokens) stays bitwise.
-
-:func:`bitwise_context_tokens` computes that bound with the kernel's own tile arithmetic (vLLM
-0.31.0, ``csrc/cpu/cpu_attn_impl.hpp``: ``AttentionScheduler::calcu_default_tile_size`` and
-``calcu_tile_size_with_constant_q``; ``cpu_attn_vec.hpp``: the VEC constants), so the demo refuses
-a conversation that cannot stay bitwise before it starts any work. Where the kernel is another one
-(ARM, POWER, ...), the bound is unknown: the run's own check (every same-version sample bitwise, or
-the demo fails) is what stands.
+vLLM's CPU attention folds keys into its softmax in KV tiles sized from the L2 cache, shorter for
+the learner's full forward than for the engine's decode steps; :func:`bitwise_context_tokens`
+computes the shortest tile with the kernel's own arithmetic (vLLM 0.31.0), so the demo refuses a
+conversation longer than that up front. See docs/demo.md.
 """
 
 from __future__ import annotations

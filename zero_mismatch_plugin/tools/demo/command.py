@@ -136,7 +136,7 @@ def validated_config(algo: str, kernels: str, lag: int, updates: int, seed: int,
 def _require_served_rank(rank: int) -> None:
     """vLLM serves adapters up to its largest ``max_lora_rank``: refuse a larger ``--lora`` now, not
     when the engine starts."""
-    from zero_mismatch_plugin.aligned.lora import lora_engine_args_for_rank
+    from zero_mismatch_plugin.aligned.lora.peft import lora_engine_args_for_rank
 
     try:
         lora_engine_args_for_rank(rank)

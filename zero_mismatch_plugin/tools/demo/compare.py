@@ -1,19 +1,8 @@
 """``zmrl demo --compare``: the papers' aligned-vs-standard contrast on one CPU.
 
-Every variant runs the same task, model, seeds, lag and learning rate against one vLLM engine
-(fp32, consistent numerics); only the learner's forward and the off-policy correction differ:
-
-1. ``aligned``: REINFORCE Zero with the aligned forward (vLLM's kernels, bitwise-equal logprobs);
-2. ``standard_is``: the paper's "IS" baseline (verl's bypass-mode REINFORCE loss, unclipped token
-   IS) with a bf16 mixed-precision learner against the fp32 engine;
-3. ``standard_is_seq_gate``: the same plus verl's sequence gate;
-4. ``standard_is_token_gate``: the same plus verl's token gate;
-5. ``sync_aligned``: REINFORCE Zero, aligned, synchronous (lag 0): the reference.
-
-The baselines' settings are the shipped ablation recipes' (:mod:`.corrections`). Each run writes
-the demo's files under ``OUT/seed-S/VARIANT/``; the comparison over all runs (figures from
-``zmrl report``'s code, the paper's numbers beside them, plots like the paper's Figures 1 and 3)
-goes to ``OUT/``.
+Every variant (:data:`VARIANTS`) runs the same task, model, seeds, lag and learning rate against one
+fp32 vLLM engine in consistent numerics; only the learner's forward and the off-policy correction
+differ. Runs go to ``OUT/seed-S/VARIANT/``, the comparison to ``OUT/``. See docs/compare.md.
 """
 
 from __future__ import annotations

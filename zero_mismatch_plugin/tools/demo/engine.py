@@ -1,19 +1,9 @@
 """The rollout engine in a process of its own, and the learner's handle on it.
 
-Why a process, and why the engine inside it runs in-process: vLLM's default CPU layout is a client
-in the caller plus an EngineCore process and a worker process that busy-wait on each other's
-shared-memory queues. While it generates, that layout keeps two cores busy (measured on 2 cores:
-worker ~1.0 core, EngineCore ~0.9 core mostly spinning, client ~0.1), so a learner updating at the
-same time only gets the cycles it takes from the spinner (a busy Python thread next to the
-client left generation as fast as alone; a busy second process made it ~1.8x slower). Here one
-child process holds the whole engine in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, one
-OpenMP thread: ~0.8 core while generating, none while waiting) together with the rollout loop,
-so the learner's process does no rollout work and the two run side by side on separate cores. Samples come back through a queue; weights go out through a
-shared-memory :class:`~.rollout.WeightMailbox` (a memory copy per update, no pickling).
-
-Requests to the child: ``("run", run_id, task, plan, mailbox)``, ``("published", version)``,
-``("stop",)``, ``("close",)``. Replies: ``("ready",)``, ``("chunk", run_id, chunk)``,
-``("error", run_id, traceback)``, ``("done", run_id)``.
+One child process holds the whole engine in-process (one OpenMP thread) with the rollout loop, so
+generation and the learner's update run side by side on separate cores; samples come back through
+a queue, weights go out through a shared-memory :class:`~.rollout.WeightMailbox`. Why, and the
+message protocol: docs/demo.md.
 """
 
 from __future__ import annotations
@@ -235,7 +225,7 @@ def start_engine(model_dir, max_model_len: int, seed: int = 0, lora_rank: int | 
     set_mode("consistent")
     engine_args = None
     if lora_rank is not None:
-        from zero_mismatch_plugin.aligned.lora import lora_engine_args_for_rank
+        from zero_mismatch_plugin.aligned.lora.peft import lora_engine_args_for_rank
 
         engine_args = lora_engine_args_for_rank(lora_rank)
     return EngineProcess(model_dir, max_model_len, seed, engine_args)

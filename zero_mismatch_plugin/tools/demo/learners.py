@@ -96,7 +96,8 @@ class LoRALearner(AlignedLearner):
         from pathlib import Path
 
         from zero_mismatch_plugin.faces.aligned_model import AlignedCausalLM
-        from zero_mismatch_plugin.aligned.lora import build_adapter, lora_engine_args_for_rank
+        from zero_mismatch_plugin.aligned.lora.peft import lora_engine_args_for_rank
+        from zero_mismatch_plugin.aligned.lora.adapter import build_adapter
 
         from zero_mismatch_plugin.tools.demo.engine import ENGINE_ARGS
 
@@ -158,14 +159,9 @@ class StandardLearner(Learner):
 class MixedPrecisionLearner(StandardLearner):
     """The transformers forward in bf16 mixed precision, as verl's FSDP engine trains by default.
 
-    The parameters (what the optimizer updates and the engine receives) stay fp32 master weights;
-    every forward runs on a bf16 copy of them (FSDP ``MixedPrecision(param_dtype=bf16,
-    reduce_dtype=fp32)``) inside ``torch.autocast(bf16)`` (verl's ``forward_step``), and the bf16
-    gradients reach the fp32 master weights through the cast. The logits come out in bf16; their
-    logprobs are taken in fp32 by verl's ``logprobs_from_logits`` (on GPUs verl uses flash-attn's
-    cross entropy, which computes in fp32; its CPU fallback would take a bf16 log-softmax). Both
-    the IS ratio and the gradient come from this forward: the mismatch against the fp32 engine is
-    the bf16 rounding of weights and activations, which is what a bf16 trainer has.
+    fp32 master weights, every forward on a bf16 copy inside ``torch.autocast(bf16)``, logprobs in
+    fp32 through verl's ``logprobs_from_logits``: the mismatch against the fp32 engine is a bf16
+    trainer's (docs/compare.md, "The mismatch source").
     """
 
     kernels = STANDARD_BF16

@@ -1,13 +1,8 @@
 """Rollout: a vLLM engine that keeps generating with the newest weights it has.
 
-This is the code the engine's process runs (see :mod:`.engine`): the learner publishes its weights
-after every update into a shared-memory :class:`WeightMailbox`; before each chunk the rollout loop
-loads the newest published version into the engine and stamps every sample with that version.
-
-The lag bound is enforced at the source: chunk ``c`` feeds update ``c // chunks_per_update``, and
-it is only generated once the learner has published version ``update - K`` or newer, so every
-sample reaches the learner at most K versions old. With K = 0 this is synchronous RL (the engine
-waits for the update, then samples with the fresh weights); with K >= 1 the engine runs ahead.
+The code the engine's process runs (:mod:`.engine`): before each chunk it loads the newest version
+from the :class:`WeightMailbox` and stamps every sample with it; a chunk is generated only once its
+update is at most K versions ahead of the published weights (docs/demo.md, "The rollout and the lag bound").
 """
 
 from __future__ import annotations
@@ -70,7 +65,7 @@ class RolloutPlan:
     lag: int
     total_chunks: int
     turns: int = 1  # >1: each conversation is re-sent with its response and a new question
-    # A LoRA run (``aligned.lora.LoRAConfig``): the published weights are the adapter's tensors,
+    # A LoRA run (``aligned.lora.peft.LoRAConfig``): the published weights are the adapter's tensors,
     # served as a new adapter version, never loaded into the base.
     lora: object | None = None
 
@@ -211,7 +206,7 @@ def adapter_request(adapter_root, lora_config, version: int, weights):
     ``LoRARequest`` of a fresh id, loaded by vLLM's own adapter loading when first requested."""
     from vllm.lora.request import LoRARequest
 
-    from zero_mismatch_plugin.aligned.lora import write_peft_adapter
+    from zero_mismatch_plugin.aligned.lora.peft import write_peft_adapter
 
     adapter_id = next(_ADAPTER_IDS)
     path = write_peft_adapter(Path(adapter_root) / f"adapter-{adapter_id}", lora_config, dict(weights))

@@ -1,18 +1,8 @@
 """The learner loop: asynchronous RL against a live engine, one weight version per update.
 
-Per update ``k`` (the learner holds weight version k):
-
-1. take the next chunks from the rollout (their samples are at most K versions old);
-2. measure the kernel gap: for every sample, the learner's logprob **with the weights that sampled
-   it** (version v, kept for the last K versions) against the engine's recorded μ. At lag 0 this
-   is the training forward itself; at lag > 0 samples of older versions get a no-grad forward
-   under their own version's weights. With aligned kernels every token is bitwise equal;
-3. train: the learner's logprob with version k, advantages and loss from verl's registry
-   (``get_adv_estimator_fn`` / ``get_policy_loss_fn``), backward, clip, optimizer step;
-4. publish version k + 1 to the rollout, which loads it before its next chunk.
-
-The IS ratio ρ = π_θk / μ_v therefore splits as the decomposition it is meant to show:
-log π_θk − log μ_v = (log π_θk − log π_θv) [weight lag] + (log π_θv − log μ_v) [kernel mismatch].
+Per update: take the next chunks, measure the kernel gap with the weights that sampled each sample,
+train through verl's registry, publish the next version. The IS log-ratio then splits into weight
+lag and kernel mismatch (docs/demo.md, "The learner loop").
 """
 
 from __future__ import annotations

@@ -1,17 +1,8 @@
 """The demo's tasks: a verifiable reward for a tiny randomly initialised model.
 
-Prompts are short question-like lines from the tiny corpus. Two rewards, both in [0, 1] with
-partial credit per token:
-
-- ``digits`` (``zmrl demo``): the fraction of response tokens that are digit tokens (tokens that
-  decode to digits, optionally after a space). A random model starts near chance (about 36 of
-  512 tokens) and learns it within a few hundred small updates by moving probability onto those
-  tokens: one global shift, so it saturates early.
-- ``chain`` (``zmrl demo --compare``): digits alternating odd and even. A response token earns
-  half its credit for being a digit token and the other half for having the other parity than
-  the digit token before it (the first token: for any digit). The first half is the digit task's
-  global shift; the second depends on the token before, a mapping the model has to learn over
-  the digit tokens, so the reward keeps climbing after the digit half is learnt.
+``digits`` (``zmrl demo``): the digit reward (:mod:`zero_mismatch_plugin.algorithms.digit_reward`)
+over response tokens. ``chain`` (``zmrl demo --compare``): digits alternating odd and even. See
+docs/demo.md, "The tasks".
 """
 
 from __future__ import annotations
@@ -19,6 +10,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
+from zero_mismatch_plugin.algorithms.digit_reward import digit_share, is_digit_piece
 from zero_mismatch_plugin.tools.tiny_models import tiny_corpus
 
 PROMPT_POOL_SIZE = 256
@@ -26,11 +18,6 @@ MAX_PROMPT_TOKENS = 12
 DIGITS = "digits"
 CHAIN = "chain"
 TASKS = (DIGITS, CHAIN)
-
-
-def is_digit_text(text: str) -> bool:
-    stripped = text.strip()
-    return bool(stripped) and stripped.isdigit() and text.lstrip(" ") == stripped
 
 
 def _prompt_pool(tokenizer, seed: int) -> list[list[int]]:
@@ -70,26 +57,25 @@ class Task:
 
 @dataclass
 class DigitTask(Task):
-    """Answer with digits: reward = digit tokens / response tokens."""
+    """Answer with digits: the digit reward over the response's tokens (digit tokens / response tokens)."""
 
-    digit_token_ids: frozenset[int] = frozenset()
+    token_texts: dict[int, str] = field(default_factory=dict)  # each token id's text, decoded alone
 
     @classmethod
     def from_tokenizer(cls, tokenizer, seed: int = 0) -> "DigitTask":
         vocab_size = len(tokenizer)
-        digit_ids = frozenset(i for i in range(vocab_size) if is_digit_text(tokenizer.decode([i])))
-        if not digit_ids:
+        texts = {i: tokenizer.decode([i]) for i in range(vocab_size)}
+        if not any(map(is_digit_piece, texts.values())):
             raise ValueError("the tokenizer has no digit tokens; the digit task needs some")
-        return cls(prompts=_prompt_pool(tokenizer, seed), vocab_size=vocab_size, digit_token_ids=digit_ids)
+        return cls(prompts=_prompt_pool(tokenizer, seed), vocab_size=vocab_size, token_texts=texts)
 
     def reward(self, prompt: list[int], response: list[int]) -> float:
-        if not response:
-            return 0.0
-        return sum(t in self.digit_token_ids for t in response) / len(response)
+        # An id the tokenizer does not have (a model vocabulary padded past it) is no digit.
+        return digit_share([self.token_texts.get(t, "") for t in response])
 
     @property
     def chance_reward(self) -> float:
-        return len(self.digit_token_ids) / self.vocab_size
+        return digit_share(list(self.token_texts.values()))
 
     def describe(self, response_tokens: int) -> str:
         return f"answer with digits (reward = digit tokens / {response_tokens} response tokens)"
@@ -104,7 +90,7 @@ class ChainTask(Task):
     @classmethod
     def from_tokenizer(cls, tokenizer, seed: int = 0) -> "ChainTask":
         vocab_size = len(tokenizer)
-        values = {i: int(text) for i in range(vocab_size) if is_digit_text(text := tokenizer.decode([i]))}
+        values = {i: int(text) for i in range(vocab_size) if is_digit_piece(text := tokenizer.decode([i]))}
         if not values or len({v % 2 for v in values.values()}) < 2:
             raise ValueError("the chain task needs odd and even digit tokens in the tokenizer")
         return cls(prompts=_prompt_pool(tokenizer, seed), vocab_size=vocab_size, digit_values=values)

@@ -1,21 +1,9 @@
 """The shipped Hydra recipes and ``zmrl recipes list | show | run``.
 
-Each top-level ``*.yaml`` in this directory is a recipe: a primary Hydra config composed on
-verl's ``ppo_trainer`` (``hydra.searchpath: [pkg://verl.trainer.config]``). The ``zm_*``
-sub-directories are the Hydra groups the recipes share (algorithm, async mode and lag,
-numerics, engine, model, LoRA, task, experiment, run bookkeeping).
-
-verl's launcher resolves a relative ``--config-path`` against its own package directory, so the
-command this module builds passes this directory as an absolute path. From any shell the same
-recipes are reachable as ``--config-path=pkg://zero_mismatch_plugin.tools.recipes``.
-
-The checks are :mod:`zero_mismatch_plugin.tools.config_checks`, the same ones ``zmrl validate-config``
-applies: the plugin's own requirements (:func:`zero_mismatch_plugin.tools.config_checks.validate_config.validate_config`)
-plus :func:`recipe_problems`, what verl only finds out on a cluster (the parallel layout against the
-GPU count, batch divisibility, the separate-async trainer's preconditions, the static-CP
-normalization caveat), what exact logprob parity needs when the consistent switch is on, and
-whether the trainer side is aligned (:func:`trainer_alignment`). Validation
-(:func:`validate_recipe`) is separate from launching (:func:`run_recipe`).
+Each top-level ``*.yaml`` here is a recipe composed on verl's ``ppo_trainer``; the ``zm_*``
+directories are the groups they share. :func:`validate_recipe` applies the config checks
+(:mod:`zero_mismatch_plugin.tools.config_checks`), :func:`run_recipe` then launches verl with this
+directory as an absolute ``--config-path``. See docs/recipes.md.
 """
 
 from __future__ import annotations

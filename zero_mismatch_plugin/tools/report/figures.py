@@ -1,10 +1,8 @@
 """Which metric keys feed each diagnostic, and the run-level figures computed from them.
 
-Each quantity has an ordered list of candidate keys: the plugin's own metrics as verl logs
-them (``actor/`` prefix), the same names without the prefix (verl's driver-side
-rollout-correction metrics, or a plain JSONL log), and verl's standard names. The first
-candidate the run logged is used and named in the report; later candidates that were also
-logged are listed, never mixed in.
+Each quantity reads the first of its candidate keys the run logged (the plugin's ``actor/`` metrics,
+the same without the prefix, verl's standard names); later candidates also logged are listed,
+never mixed in. See docs/diagnostics.md, "The figures".
 """
 
 from __future__ import annotations

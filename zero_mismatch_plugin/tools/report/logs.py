@@ -1,14 +1,8 @@
 """Reading metric logs: verl's ``file`` logger output and plain JSONL.
 
-verl's ``file`` backend (``FileLogger`` in ``verl/utils/tracking.py``) writes one line per
-``Tracking.log(data, step)`` call, ``{"step": <int>, "data": {<metric>: <value>, ...}}``, to
-``$VERL_FILE_LOGGER_PATH`` or ``$VERL_FILE_LOGGER_ROOT/<project>/<experiment>.jsonl``. It
-serialises with orjson, which writes NaN and ±inf as ``null``. The trainers call ``log`` more
-than once for some steps (validation metrics and training metrics separately), so consecutive
-records sharing a step are merged. A step lower than the one before starts another run: a file
-holding several runs (appended or concatenated) is read as one run per segment.
-
-A plain JSONL log has the metrics at the top level: ``{"step": <int>, <metric>: <value>, ...}``.
+verl's records (``{"step": ..., "data": {...}}``, NaN and ±inf written as ``null``) and plain ones
+(metrics at the top level) are read alike; consecutive records of one step are merged, and a step
+lower than the one before starts another run. See docs/diagnostics.md, "Which logs it reads".
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """verl's own trainer on a CPU: a CPU platform for verl's registry and the patches it needs.
 
-Opt in with ``ZMRL_VERL_PLATFORM=cpu``. Importing this package then registers
-:class:`~.platform.PlatformCPU` under the name ``cpu`` and selects it (``VERL_PLATFORM=cpu``)
-in this process, and applies the CPU runtime patches of :mod:`.patches`. Without the variable
-importing it changes nothing and imports nothing heavy. verl imports it in every process when
-it is named in ``VERL_USE_EXTERNAL_MODULES`` (or when the plugin's ``verl.plugins`` entry point
-imports it).
+Opt in with ``ZMRL_VERL_PLATFORM=cpu``: importing this package then registers and selects
+:class:`~.platform.PlatformCPU` and applies :mod:`.patches`; without it, importing changes nothing
+and imports nothing heavy. See docs/recipes.md, "verl's own trainer on a CPU".
 """
 
 from __future__ import annotations

@@ -1,16 +1,9 @@
 """A gloo checkpoint engine: verl's trainer-to-rollout weight sync between processes on a CPU.
 
-verl's ``separate_async`` trainer runs the rollout on its own device slots and pushes weights
-after each update through a checkpoint engine; the shipped ones (nccl, hccl, nixl, mooncake)
-need accelerators. This one broadcasts the same buckets over a gloo process group built for each
-update from a TCP store on the trainer's rank 0. Select it with
-``actor_rollout_ref.rollout.checkpoint_engine.backend=gloo`` and
-``...checkpoint_engine.custom_backend_module=zero_mismatch_plugin.integrations.verl.cpu.gloo_checkpoint_engine``
-(verl imports that module in the trainer and the rollout workers, which registers the engine).
-
-Protocol per bucket, from rank 0 (trainer rank 0) to ranks 1..R (rollout workers): the length of
-a pickled header, the header (chunk metadata, payload length, last-bucket flag), the payload.
-Other trainer ranks only walk the weight generator, which FSDP needs them to do collectively.
+Selected with ``checkpoint_engine.backend=gloo`` and ``custom_backend_module`` naming this module
+(importing it registers the engine). Each bucket goes from trainer rank 0 to the rollout workers
+over a gloo group built per update: header length, pickled header, payload. See docs/recipes.md,
+"verl's own trainer on a CPU".
 """
 
 from __future__ import annotations

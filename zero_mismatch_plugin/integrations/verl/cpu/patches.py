@@ -1,10 +1,8 @@
 """Runtime patches verl 0.9.1 needs to train on a CPU.
 
-Each patch replaces one function or method of verl with a wrapper that handles the CPU case and
-otherwise calls verl's original. They are :class:`~zero_mismatch_plugin.integrations.patches.FunctionPatch`
-entries of the plugin's one patch mechanism: applied only for the verl versions in
-:data:`SUPPORTED_VERL_VERSIONS` (any other is refused), lazily when their module is imported, and
-:func:`remove_all` puts every original back.
+Each wraps one verl function, handling the CPU case and otherwise calling the original; entries of
+the plugin's one patch mechanism (:data:`SUPPORTED_VERL_VERSIONS` only, applied lazily, undone by
+:func:`remove_all`). Fork form: ``verl/0005`` (docs/patches.md).
 """
 
 from __future__ import annotations
@@ -13,7 +11,6 @@ import logging
 from functools import partial
 
 from zero_mismatch_plugin.tables import upstream_versions
-from zero_mismatch_plugin.fork_patches.shared import reload_plain_weights_on_cpu
 from zero_mismatch_plugin.integrations.patches import (FunctionPatch, UnsupportedVersion, apply, installed_version,
                                                    is_applied, is_pending, patch_at, remove)
 
@@ -61,6 +58,9 @@ PROCESS_GROUP_BACKEND = verl_patch(
 
 
 def _cpu_reload_weights(original):
+    # Imported when the patch is applied (verl loaded): the receiver's module imports torch.
+    from zero_mismatch_plugin.integrations.verl.cpu.rollout_weight_reload import reload_plain_weights_on_cpu
+
     def update_weights_from_ipc(self, peft_config: dict = None, base_sync_done=False, use_shm: bool = False):
         if reload_plain_weights_on_cpu(self, peft_config, use_shm, base_sync_done):
             return None

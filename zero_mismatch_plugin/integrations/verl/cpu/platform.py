@@ -1,16 +1,9 @@
 """A CPU platform for verl's platform registry (``verl/plugin/platform/``).
 
-verl 0.9.1 resolves its device once per process through ``get_platform()``; without a CPU
-entry it falls back to CUDA and the first process group asks for NCCL. :class:`PlatformCPU`
-answers every question of ``PlatformBase`` for a host without accelerators: device ``cpu``,
-collectives over gloo, no IPC, no profiler ranges, no CUDA runtime.
-
-Ray placement: verl reserves one *device slot* per trainer/rollout rank and reads the slot's
-accelerator id when it starts a vLLM server, so slots must be a resource Ray reports as an
-accelerator. The CPU platform therefore counts slots with Ray's logical ``GPU`` resource, which
-Ray accepts on a host without GPUs when ``ray.init(num_gpus=N)`` declares them
-(``ray_kwargs.ray_init.num_gpus`` in the config). No CUDA call is made: the slot only decides
-placement, and a CPU torch ignores the ``CUDA_VISIBLE_DEVICES`` Ray sets for it.
+:class:`PlatformCPU` answers verl's ``PlatformBase`` for a host without accelerators: device
+``cpu``, gloo collectives, no IPC, profiler ranges or CUDA runtime. Device slots are Ray's logical
+``GPU`` resource (``ray_kwargs.ray_init.num_gpus``), for placement only. See docs/recipes.md,
+"verl's own trainer on a CPU".
 """
 
 from __future__ import annotations

