@@ -148,17 +148,10 @@ def check_command(args) -> int:
     except (BackendUnavailable, ValueError, OSError) as error:
         print(f"ERROR: {error}", file=sys.stderr)
         return 2
-    options = CheckOptions(
-        num_prompts=args.num_prompts,
-        max_tokens=args.max_tokens,
-        batch_sizes=batch_sizes,
-        full_vocab=args.full_vocab,
-        max_model_len=max_model_len,
-        prefix_caching=settings.prefix_caching,
-        model_dir=settings.model_dir,
-        seed=args.seed,
-        lora_dir=lora.get("lora_dir"),
-    )
+    # The engine's settings the checks read come from the one settings value.
+    engine_fields = ("full_vocab", "max_model_len", "prefix_caching", "model_dir", "seed", "lora_dir")
+    options = CheckOptions(num_prompts=args.num_prompts, max_tokens=args.max_tokens, batch_sizes=batch_sizes,
+                           **{name: getattr(settings, name) for name in engine_fields})
     with eng.open_engine(
         settings.model_dir, settings.max_model_len, seed=settings.seed, full_vocab=settings.full_vocab,
         prefix_caching=settings.prefix_caching, **lora,
