@@ -25,7 +25,7 @@ from zero_mismatch_plugin.fork_patches.edits import verl as verl_edits
 from zero_mismatch_plugin.fork_patches.edits import vllm_gpu_functions
 from zero_mismatch_plugin.fork_patches.edits.edit import Edit, EditError, apply_edits
 from zero_mismatch_plugin.fork_patches.messages import MESSAGES
-from zero_mismatch_plugin.integrations.verl import checks as verl_checks
+from zero_mismatch_plugin.integrations.verl import call_guards as verl_guards
 
 from support import REPO  # noqa: E402
 
@@ -98,8 +98,8 @@ def test_code_shared_with_the_plugin_is_in_the_diffs_verbatim(manifest):
     from zero_mismatch_plugin.integrations.vllm import cpu_mla as vllm_cpu_mla
 
     diffs = {p.name: p.diff_path.read_text(encoding="utf-8") for p in manifest.patches}
-    for patch_name, fn in (("verl-reject-unknown-names", verl_checks.require_registered_name),
-                           ("verl-policy-loss-rollout-logprobs", verl_checks.accepts_keyword),
+    for patch_name, fn in (("verl-reject-unknown-names", verl_guards.require_registered_name),
+                           ("verl-policy-loss-rollout-logprobs", verl_guards.accepts_keyword),
                            ("verl-cpu-training", cpu_weight_reload.repack_shared_cpu_weights),
                            ("verl-cpu-training", cpu_weight_reload.reprocess_moe_as_first_load),
                            ("verl-cpu-training", rollout_weight_reload.reload_plain_weights_on_cpu),
@@ -626,9 +626,9 @@ def test_verl_unknown_names_are_rejected_when_the_config_is_validated(patched_ve
 
 def test_shared_name_check_is_what_the_plugin_can_call_too():
     registry = {"grpo": None}
-    assert verl_checks.require_registered_name("k", "grpo", registry, "estimator") == "grpo"
+    assert verl_guards.require_registered_name("k", "grpo", registry, "estimator") == "grpo"
     with pytest.raises(ValueError, match=r"k='grp' is not a registered estimator; registered: \['grpo'\]"):
-        verl_checks.require_registered_name("k", "grp", registry, "estimator")
+        verl_guards.require_registered_name("k", "grp", registry, "estimator")
 
 
 MU_SCRIPT = """
@@ -703,10 +703,10 @@ def test_shared_keyword_detection():
     def takes_any(a, **kwargs): ...
     def positional_only(rollout_log_probs, /): ...
     def lacks(a): ...
-    assert verl_checks.accepts_keyword(takes, "rollout_log_probs")
-    assert verl_checks.accepts_keyword(takes_any, "rollout_log_probs")
-    assert not verl_checks.accepts_keyword(positional_only, "rollout_log_probs")
-    assert not verl_checks.accepts_keyword(lacks, "rollout_log_probs")
+    assert verl_guards.accepts_keyword(takes, "rollout_log_probs")
+    assert verl_guards.accepts_keyword(takes_any, "rollout_log_probs")
+    assert not verl_guards.accepts_keyword(positional_only, "rollout_log_probs")
+    assert not verl_guards.accepts_keyword(lacks, "rollout_log_probs")
 
 
 ENGINE_SCRIPT = """

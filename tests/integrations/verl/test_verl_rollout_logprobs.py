@@ -24,7 +24,7 @@ from support.verl_batches import actor_config
 from zero_mismatch_plugin.algorithms import formulas
 
 from zero_mismatch_plugin import fork_patches
-from zero_mismatch_plugin.integrations.verl.checks import accepts_keyword
+from zero_mismatch_plugin.integrations.verl.call_guards import accepts_keyword
 from zero_mismatch_plugin.integrations.verl.estimators import InvalidBatchError
 from zero_mismatch_plugin.integrations.verl.losses import flash_reinforce_policy_loss, reinforce_zero_policy_loss
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from zero_mismatch_plugin.aligned.cpu_weight_reload import repack_shared_cpu_weights, reprocess_moe_as_first_load
 from zero_mismatch_plugin.fork_patches.edits.edit import Edit, source_of
-from zero_mismatch_plugin.integrations.verl.checks import accepts_keyword, require_registered_name
+from zero_mismatch_plugin.integrations.verl.call_guards import accepts_keyword, require_registered_name
 from zero_mismatch_plugin.integrations.verl.cpu.rollout_weight_reload import reload_plain_weights_on_cpu
 
 VERL_PLUGIN_LOAD_WARNING = [

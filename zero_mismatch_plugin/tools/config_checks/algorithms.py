@@ -89,7 +89,7 @@ def unregistered_name_problems(cfg: DictConfig) -> list[Problem]:
     import verl  # noqa: F401  (loads every verl.plugins entry point, this plugin's included)
     from verl.trainer.ppo import core_algos
 
-    from zero_mismatch_plugin.integrations.verl.checks import require_registered_name
+    from zero_mismatch_plugin.integrations.verl.call_guards import require_registered_name
 
     problems = []
     for key, registry, kind in (

@@ -1,4 +1,4 @@
-"""Two checks that verl makes once patched: is a configured name registered, does a loss take a keyword.
+"""Two guards verl runs once patched: is a configured name registered, does a loss take a keyword.
 
 The verl fork patches (verl-reject-unknown-names, verl-policy-loss-rollout-logprobs) carry their
 source (``inspect.getsource``) and ``zmrl validate-config`` runs the first, so each is
