@@ -1,14 +1,8 @@
 """vLLM's attention backend, driven the way the engine's model runner drives it.
 
-A real vLLM ``Attention`` layer is built under the engine's config, so the backend the engine
-selected (CPU_ATTN on CPU; FLASH_ATTN / TRITON_ATTN / ... on GPUs, with ``num_splits`` pinned in
-batch-invariant mode) is the one used here. Metadata come from that backend's own builder, the
-keys/values go through its KV-cache write into a scratch paged cache, and ``impl.forward`` runs
-the kernel: every query row attends its own sequence's cache, as a decode step does in the engine.
-
-A sliding window is the layer's own setting (``per_layer_sliding_window``, as vLLM's model code
-passes it per layer): the backend's impl masks with it and its metadata builder plans the work for
-it, exactly as in the engine's KV-cache group of that window.
+A real vLLM ``Attention`` layer under the engine's config: the engine's backend, its metadata
+builder, its KV-cache write into a scratch paged cache and ``impl.forward``; every query row
+attends its own sequence's cache, as a decode step does. See docs/zero-mismatch.md.
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
 """Batch (in)variance of vLLM's CPU GEMM, and the invariant decode path.
 
-vLLM's CPU linears run on a pre-packed oneDNN handle. Whether a single-row GEMM (M=1, what a lone
-decoding sequence produces) rounds like M>=2 is a property of the host (ISA, thread count,
-oneDNN's kernel choice): on an AVX-512 Xeon (fp32, 1 or 2 threads) M=1 differs from M>=2 once K
-reaches ~2048, while all M>=2 give the same bits for a row; on an AVX2-only EPYC every M agreed.
-Where M=1 differs, the engine cannot be compared with a packed trainer forward when it decodes
-one sequence alone at such K. In consistent mode the vLLM plugin wraps every CPU linear so that
-an M=1 call runs as M=2 (the row plus a zero row) and keeps the first row; :func:`probe_linear`
-checks, for a concrete layer, that the rows it produces do not depend on M, and
-:func:`require_invariant` refuses a layer where they still do (a host where M>=2 varies too).
+On some hosts vLLM's oneDNN linear rounds a one-row call (a lone decoding sequence) unlike M >= 2;
+consistent mode runs it as two rows. :func:`probe_linear` checks a layer's rows against M and
+:func:`require_invariant` refuses a variant one. See docs/hosts.md.
 """
 
 from __future__ import annotations

@@ -1,20 +1,8 @@
 """Multi-head latent attention (DeepSeek-V2/V3) as vLLM's CPU MLA backend (``CPU_MLA``) computes it.
 
-The engine computes a sequence's attention two ways. The prompt is one prefill step: the latent
-``kv_c_normed`` goes up through ``kv_b_proj`` to per-head keys and values and the MLA prefill
-backend (``CPU_SDPA_MLA``: dense attention per request) attends them. Every later token (each
-response token, and a one-token prompt) is a decode step of one query: its no-rope query is
-absorbed into the latent space (``q_nope @ W_UK``), ``_C.mla_decode_kvcache`` attends the latent
-cache of its sequence (16-token blocks), and the result goes out through ``W_UV``. The trainer
-does both in one forward: prompt rows through the engine's prefill backend, response rows through
-the decode kernel over a cache it builds from all rows' latents, each decode row attending its
-sequence up to itself. The two ``bmm`` are computed as the plugin's patched engine computes them
-(:func:`~zero_mismatch_plugin.aligned.row_invariant.row_invariant_bmm`: every call eight rows, the last
-chunk zero-padded) and ``kv_b_proj`` runs vLLM's CPU GEMM dispatch, as
-:mod:`zero_mismatch_plugin.integrations.vllm.cpu_mla` makes the engine do.
-
-The backward is that of the equivalent dense attention (the absorbed decode is the same function
-of its inputs), recomputed in fp32 with torch's autograd: :func:`mla_dense_attention`.
+Prompt rows go through the engine's prefill backend; every other row is a decode step of one
+query (``W_UK`` absorbed, ``_C.mla_decode_kvcache``, ``W_UV``). The backward is the equivalent
+dense attention's (:func:`mla_dense_attention`). See docs/vllm-cpu-mla.md, "The aligned trainer".
 """
 
 from __future__ import annotations

@@ -1,15 +1,8 @@
 """The Mixture-of-Experts op: vLLM's router and fused-experts layer forward, torch backward.
 
-The forward is vLLM's own MoE layer (``FusedMoEFactory`` -> ``MoERunner``: the router of the
-platform, ``CPURouter`` on CPU, then the routed experts' kernel, ``CPUUnquantizedExperts`` ->
-``_C.cpu_fused_moe`` on CPU) built under the engine's ``VllmConfig`` and fed the trainer's expert
-weights through the layer's own weight loader and post-load processing (intermediate padding,
-pre-packing). Its numerics (an approximate exp in SiLU, the top-k combine in slot order, the
-padded intermediate size) are therefore the engine's, and are not repeated here.
-
-The backward is plain fp32 torch: the experts (gate, up, down), and the router logits through the
-top-k weights; the selection itself (which experts) is piecewise constant and has no gradient.
-The router's gate linear and any shared expert are composed from the dense ops of :mod:`.ops`.
+The forward is vLLM's own MoE layer built under the engine's ``VllmConfig`` and loaded with the
+trainer's expert weights, so its numerics are the engine's; the backward is plain fp32 torch
+(experts, and router logits through the top-k weights). See docs/zero-mismatch.md.
 """
 
 from __future__ import annotations

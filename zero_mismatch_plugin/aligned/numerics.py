@@ -1,22 +1,8 @@
 """The one consistent/fast switch, shared by the engine (through the vLLM plugin) and the trainer.
 
-``ZMRL_NUMERICS`` is read in every process: the vLLM plugin applies the engine side of the mode in
-each vLLM process, the aligned trainer follows it on CPU. Switching it once, before the engine
-starts, flips both sides together.
-
-* ``consistent``: the engine and the trainer take paths whose bits do not depend on batch
-  composition. On CUDA/ROCm/XPU this is vLLM's batch-invariant mode (``VLLM_BATCH_INVARIANT=1``)
-  in both processes. On CPU, vLLM's batch-invariant mode does not run (Triton kernels), so the
-  switch selects the invariant CPU paths instead: no split-KV attention, and decode GEMMs with a
-  single row padded to two rows where oneDNN's single-row kernel rounds differently; shapes that
-  stay batch-variant are refused.
-* ``fast``: nothing is changed; trainer and engine bits may differ.
-* unset: the plugin leaves vLLM untouched.
-
-The switch is explicit: :func:`set_mode`, :func:`enable_consistent_numerics` (a handle whose
-``undo()`` restores what was there) or ``with consistent_numerics():``. Building a trainer never
-changes ``os.environ`` or vLLM's process-wide state; it refuses consistent mode on a GPU whose
-batch-invariant mode was not switched on (:func:`require_trainer_numerics`).
+``ZMRL_NUMERICS`` (``consistent``, ``fast`` or unset) is read in every process; set it once,
+before the engine starts, with :func:`set_mode`, :func:`enable_consistent_numerics` or
+``with consistent_numerics():``. Building a trainer never switches it. See docs/zero-mismatch.md.
 """
 
 from __future__ import annotations

@@ -1,19 +1,8 @@
 """Whether consistent mode keeps vLLM's prefix cache on for a checkpoint.
 
-On a prefix-cache hit the engine computes only the rest of the prompt, as a chunk whose rows attend
-the cached blocks; on a miss it computes the whole prompt. The trainer computes neither way: it runs
-every row of prompt + response at once. Zero mismatch needs all three to give the same bits.
-
-Proven (bitwise, hit == miss == trainer, with hits asserted through ``num_cached_tokens``) on vLLM's
-CPU backend for the dense decoders of :mod:`..architectures`, with and without sliding windows:
-multi-turn rollouts that re-send the conversation, across block boundaries and with a partially
-filled last block (``tests/faces/aligned_model/test_aligned_prefix_caching.py``,
-``tests/faces/aligned_model/test_aligned_sliding_window.py``: every-layer and interleaved windows). There
-consistent mode keeps prefix caching as the engine arguments say (on by default). Everywhere else (MoE, MLA, other architectures, GPU
-backends, LoRA serving) it is not proven, and consistent mode turns it off, saying why.
-
-``ZMRL_ALLOW_PREFIX_CACHING=1`` keeps it on where it is not proven (unverified); ``=0`` turns it off
-everywhere.
+On where a hit is proven bitwise equal to a miss and to the trainer (dense decoders on CPU), off
+elsewhere, saying why; ``ZMRL_ALLOW_PREFIX_CACHING`` overrides. See docs/zero-mismatch.md,
+"Prefix caching in consistent mode".
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """The engine's sampling transform, reproduced on the trainer's logits.
 
-Which logprob the rollout records depends on vLLM's ``logprobs_mode``: ``raw_logprobs`` is
-``log_softmax`` of the model's logits, ``processed_logprobs`` is ``log_softmax`` of what was
-actually sampled from (logits / T, then the top-k/top-p mask). For importance sampling the
-behaviour policy is the processed one. Zero mismatch therefore needs either T=1 and no
-truncation (raw == processed) or the processed mode with the engine's mask replayed; anything
-else is refused (or, with ``strict=False``, reported loudly).
+Reproduces the logprob vLLM records under its ``logprobs_mode`` (raw, or processed with the
+engine's top-k/top-p mask replayed) and refuses what cannot be reproduced. See
+docs/zero-mismatch.md, "Sampling parity".
 """
 
 from __future__ import annotations

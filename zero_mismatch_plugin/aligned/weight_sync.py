@@ -1,14 +1,8 @@
 """Trainer -> engine weight sync through vLLM's own weight-loading path.
 
-The trainer's parameters (checkpoint names, cast to the engine dtype) are sent to every worker,
-where :class:`WeightSyncExtension` hands them to the worker's ``reload_weights``: the model's
-``load_weights`` (q/k/v and gate/up stacking, vocab padding) followed by vLLM's post-load
-processing (oneDNN re-packing on CPU) — the same code that loaded the checkpoint. The prefix cache
-is reset afterwards: cached KV blocks were computed with the old weights.
-
-Tensors travel as raw bytes with dtype and shape, which every vLLM RPC transport carries as is.
-The engine must be created with ``worker_extension_cls=runtime.WORKER_EXTENSION`` (``engine_args_for``
-and the plugin's consistent mode set it).
+:class:`WeightSyncExtension` hands the trainer's parameters to each worker's ``reload_weights``
+and resets the prefix cache. The engine needs ``worker_extension_cls=runtime.WORKER_EXTENSION``.
+See docs/zero-mismatch.md, "Weight sync".
 """
 
 from __future__ import annotations

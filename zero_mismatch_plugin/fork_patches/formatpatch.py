@@ -1,11 +1,7 @@
 """Patches in the form ``git format-patch --full-index --zero-commit --no-signature`` writes.
 
-Each file is a one-commit mail: a ``From`` line, ``From:`` / ``Date:`` / ``Subject:``
-headers, the commit message, a diffstat, then one ``diff --git`` section per file with an
-``index <old>..<new> <mode>`` line. The old blob id is the git object id of the pinned
-upstream file, so ``git am -3`` on a fork whose history holds that file can fall back to a
-three-way merge when the fork's text has drifted. ``patch -p1`` and ``git apply`` read the
-same files (they skip the mail header).
+One-commit mails whose ``index`` lines name the pinned upstream files' blobs, so ``git am -3``
+can merge on a drifted fork; ``patch -p1`` and ``git apply`` read them too. See docs/patches.md.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """``zmrl patches check``: every patch against the installed pinned upstream, with every tool a fork uses.
 
-For each upstream the files its series touches are copied out of site-packages (never
-written there) into three throwaway directories, and the series is applied in order with
-``patch -p1``, with ``git apply``, and with ``git am -3`` on a git repository whose one
-commit holds the pinned files. The three results must be the same bytes, and each patch's
-``index`` lines must name the blobs of the files it is applied to and produces, which is
-what lets ``git am -3`` fall back to a three-way merge on a fork that has drifted.
+Applies each series to copies of the installed files with ``patch -p1``, ``git apply`` and
+``git am -3``; the results must be the same bytes and the ``index`` lines must name the right
+blobs. See docs/patches.md, "Checking the set: check".
 """
 
 from __future__ import annotations

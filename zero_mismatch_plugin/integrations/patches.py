@@ -1,26 +1,8 @@
 """The one mechanism for every change the plugin makes to someone else's code at run time.
 
-A patch changes one thing in vLLM, verl or megatron-core. There are two kinds:
-
-* :class:`FunctionPatch` replaces one function, method or module attribute with
-  ``build(original)``;
-* :class:`HookRegistration` appends one function to a hook list that the other project provides
-  for plugins (a fork carrying one of the plugin's format-patches has such lists).
-
-Every patch is
-
-* **named** (``name``; :func:`applied` lists what is in place),
-* **version-gated**: it states the package and the versions it was written against, and
-  :func:`apply` refuses any other installed version with :class:`UnsupportedVersion`, naming both,
-* **reversible**: :func:`remove` puts the original back (also where another module had bound it
-  by name, ``bound_in``) or takes the hook out again, and
-* **lazy**: a patch of a module that is not imported yet is applied by a post-import hook the
-  moment that module finishes executing, before any other module can bind its functions by name;
-  so a plugin entry point can register patches without importing heavy modules.
-
-Every patch of the plugin is listed in :data:`REGISTRY` (``zmrl patches list`` prints them next to
-the fork patches). Source changes a fork must carry instead live in
-:mod:`zero_mismatch_plugin.fork_patches`.
+:class:`FunctionPatch` replaces a function, method or attribute; :class:`HookRegistration` appends
+to a fork's hook list. Each is named, version-gated, reversible and lazy, and is listed in
+:data:`REGISTRY`. See docs/architecture.md, "Adding a patch"; fork patches: docs/patches.md.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """vLLM's own model, built outside the engine and run teacher-forced with every op recorded.
 
-This is the engine side of a bisection. The model class, its layers, its weight loading and
-post-load processing (oneDNN packing on CPU) are vLLM's, created under the ``VllmConfig`` the
-engine builds for the same checkpoint and engine arguments. What the engine's model runner
-normally provides is supplied here: a one-process distributed group (vLLM's layers ask for their
-tensor-parallel rank), a scratch paged KV cache per attention layer, attention metadata from the
-backend's own builder, and the forward context carrying them. Forward hooks on vLLM's modules
-record each op's output under the canonical names of :mod:`.oplist` (:mod:`.recording`).
+The engine side of a bisection: vLLM's model under the engine's ``VllmConfig``, with what the
+model runner normally provides supplied here; forward hooks record each op under the names of
+:mod:`.oplist`. See docs/alignment-playbook.md (``zmrl bisect``).
 """
 
 from __future__ import annotations
