@@ -86,7 +86,7 @@ def bench_forward(args) -> None:
     import torch
 
     from zero_mismatch_plugin.integrations.verl import fsdp_engine
-    from zero_mismatch_plugin.integrations.verl.cpu.smoke_assets import build_smoke_model
+    from zero_mismatch_plugin.tools.smoke_assets import build_smoke_model
 
     work = Path(tempfile.mkdtemp(prefix="zmrl-bench-verl-"))
     model_dir = build_smoke_model(work / "model")
@@ -131,7 +131,7 @@ def bench_forward(args) -> None:
 
 def bench_step(args) -> None:
     from zero_mismatch_plugin.integrations.verl.cpu.launch import run_smoke
-    from zero_mismatch_plugin.integrations.verl.cpu.smoke_assets import build_smoke_inputs
+    from zero_mismatch_plugin.tools.smoke_assets import build_smoke_inputs
 
     work = Path(tempfile.mkdtemp(prefix="zmrl-bench-verl-step-"))
     inputs = build_smoke_inputs(work / "inputs", count=64)

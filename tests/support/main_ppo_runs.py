@@ -32,7 +32,7 @@ STALENESS_MIN = "training/off_policy/trajectory_staleness/min"
 
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory):
-    from zero_mismatch_plugin.integrations.verl.cpu.smoke_assets import build_smoke_inputs
+    from zero_mismatch_plugin.tools.smoke_assets import build_smoke_inputs
 
     return build_smoke_inputs(tmp_path_factory.mktemp("cpu_smoke_inputs"), count=32)
 
@@ -49,7 +49,7 @@ def moe_inputs(inputs, tmp_path_factory):
     from transformers import AutoTokenizer
 
     from zero_mismatch_plugin.tools.tiny_models import build_tiny_model
-    from zero_mismatch_plugin.integrations.verl.cpu.smoke_assets import PLAIN_CHAT_TEMPLATE, SMOKE_SHAPE
+    from zero_mismatch_plugin.tools.smoke_assets import PLAIN_CHAT_TEMPLATE, SMOKE_SHAPE
 
     model = build_tiny_model(tmp_path_factory.mktemp("cpu_smoke_moe") / "qwen3_moe", family="qwen3_moe", seed=0,
                              **{**SMOKE_SHAPE, "moe_intermediate_size": 64})

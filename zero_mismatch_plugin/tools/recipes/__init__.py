@@ -232,7 +232,7 @@ def _with_smoke_inputs(overrides: Sequence[str], inputs_dir: Path, build: bool =
     if all(key in given for key in SMOKE_INPUT_KEYS):
         return list(overrides)
     from zero_mismatch_plugin.integrations.verl.cpu.launch import input_overrides
-    from zero_mismatch_plugin.integrations.verl.cpu.smoke_assets import build_smoke_inputs, smoke_input_overrides
+    from zero_mismatch_plugin.tools.smoke_assets import build_smoke_inputs, smoke_input_overrides
 
     inputs = build_smoke_inputs(inputs_dir) if build else smoke_input_overrides(inputs_dir)
     return [*input_overrides({key: path for key, path in inputs.items() if key not in given}), *overrides]

@@ -16,7 +16,7 @@ def test_digit_reward_is_the_share_of_digit_characters(text, expected):
 def test_dataset_rows_have_verls_rl_layout(tmp_path):
     import pandas as pd
 
-    from zero_mismatch_plugin.integrations.verl.cpu.smoke_assets import DATA_SOURCE, build_smoke_dataset
+    from zero_mismatch_plugin.tools.smoke_assets import DATA_SOURCE, build_smoke_dataset
 
     frame = pd.read_parquet(build_smoke_dataset(tmp_path, count=5))
     assert len(frame) == 5 and set(frame["data_source"]) == {DATA_SOURCE}
@@ -30,7 +30,7 @@ def test_dataset_rows_have_verls_rl_layout(tmp_path):
 def test_model_tokenizer_formats_a_chat_with_the_generation_prompt(tmp_path):
     from transformers import AutoTokenizer
 
-    from zero_mismatch_plugin.integrations.verl.cpu.smoke_assets import build_smoke_model
+    from zero_mismatch_plugin.tools.smoke_assets import build_smoke_model
 
     tokenizer = AutoTokenizer.from_pretrained(str(build_smoke_model(tmp_path / "model")))
     text = tokenizer.apply_chat_template([{"role": "user", "content": "question: two"}],
