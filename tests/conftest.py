@@ -99,8 +99,8 @@ def _checkpoint_weights_for_the_next_module():
     module gets both fresh from the checkpoint."""
     yield
     engines, trainers = SHARED.get("engines"), SHARED.get("trainers")
-    for name in engines.updated if engines else ():
-        engines.discard(name)
+    for name, llm in engines.updated.items() if engines else ():
+        engines.pool.discard(llm)  # by the object: the environment it started in may be gone by now
         if trainers:
             trainers.forget(name)
     if engines:

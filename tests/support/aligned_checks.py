@@ -148,7 +148,7 @@ def check_update_and_sync(engines, trainers, name):
     assert torch.equal(logprobs, after_mu), (
         f"after sync: {(logprobs == after_mu).float().mean().item():.1%} equal"
     )
-    engines.updated.add(name)  # both hold updated weights until the module ends (tests/conftest.py)
+    engines.updated[name] = llm  # both hold updated weights until the module ends (tests/conftest.py)
 
 
 def windowed_conversations(engines, checkpoints, name, seed):

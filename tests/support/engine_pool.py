@@ -58,6 +58,14 @@ class EnginePool:
         self._alive[key] = llm
         return llm
 
+    def drop(self, checkpoint, scope=None, **overrides) -> None:
+        """Shut the engine :meth:`get` would return for these arguments, if one is alive (none is started)."""
+        from zero_mismatch_plugin.aligned.runtime import engine_args_for
+
+        key = (scope, engine_key(engine_args_for(checkpoint, **overrides)))
+        if key in self._alive:
+            self._shut(key)
+
     def discard(self, llm) -> None:
         """Shut ``llm`` now (its weights or state no longer match its checkpoint)."""
         for key, alive in list(self._alive.items()):

@@ -21,7 +21,7 @@ class Engines:
         self.checkpoints = checkpoints
         self.scope = scope
         self.engine_kwargs = {"max_model_len": MAX_MODEL_LEN, "seed": 0, **engine_kwargs}
-        self.updated: set[str] = set()  # names whose engine a test synced new weights into
+        self.updated: dict = {}  # name -> the engine a test synced new weights into
 
     def get(self, name: str):
         return self.pool.get(self.checkpoints[name], scope=self.scope, **self.engine_kwargs)
@@ -29,13 +29,12 @@ class Engines:
     def fresh(self, name: str):
         """The engine of ``name`` on its checkpoint's weights (restarted if a test synced others into it)."""
         if name in self.updated:
-            self.discard(name)
-            self.updated.remove(name)
+            self.pool.discard(self.updated.pop(name))
         return self.get(name)
 
     def discard(self, name: str) -> None:
         """Shut the engine of ``name`` (a test changed its weights)."""
-        self.pool.discard(self.get(name))
+        self.pool.drop(self.checkpoints[name], scope=self.scope, **self.engine_kwargs)
 
 
 def prompts_for(checkpoint, num_prompts=NUM_PROMPTS, corpus_seed=7):
