@@ -9,6 +9,10 @@ import pytest
 
 # vLLM reads these when its processes start; set before anything imports vLLM.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# One thread per process (two pytest workers share 2 cores), and each engine the suite starts runs
+# its tiny model in one process, as a one-thread worker would: ~10 s sooner per engine start.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("ZMRL_CPU_ENGINE_ONE_PROCESS", "1")
 from zero_mismatch_plugin.tables.switches import default_cpu_kv_cache_space  # noqa: E402
 
 default_cpu_kv_cache_space()  # 1 GiB unless set; a value vLLM's CPU engine would die on stops the session here
@@ -136,22 +140,43 @@ def make_prompts():
     return prompts_for
 
 
-# Modules whose every test is a whole verl process (Ray, FSDP and an engine, minutes each): run
-# first, so that the suite does not end with one worker running them while the other idles.
-WHOLE_PROCESS_MODULES = ("tests/integrations/verl/cpu/test_main_ppo_sync.py", "tests/integrations/verl/cpu/test_main_ppo_async.py")
+# Seconds each module took in a recorded run of the suite (``--record-module-durations``). Under
+# ``--dist loadscope`` a worker takes whole modules in collection order: the longest go out first
+# (longest-processing-time order), so that the suite does not end with one worker running a long
+# module while the other idles. A module missing from the table counts as the longest.
+MODULE_DURATIONS = Path(__file__).with_name("module_durations.json")
 
 
-def _whole_process_first(item) -> int:
-    """The module's place in WHOLE_PROCESS_MODULES; every other module after them, as collected."""
-    module = Path(item.path).relative_to(item.config.rootpath).as_posix()
-    return WHOLE_PROCESS_MODULES.index(module) if module in WHOLE_PROCESS_MODULES else len(WHOLE_PROCESS_MODULES)
+def pytest_addoption(parser):
+    parser.addoption("--record-module-durations", metavar="PATH", default=None,
+                     help="write each test module's total seconds (setup, call, teardown) as JSON to PATH")
+
+
+def _recorded_durations() -> dict:
+    import json
+
+    return json.loads(MODULE_DURATIONS.read_text()) if MODULE_DURATIONS.exists() else {}
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """Under ``--dist loadscope`` (pyproject's addopts) a worker takes a whole module, which keeps
-    a module's engines on one worker, and modules are handed out in collection order."""
-    items.sort(key=_whole_process_first)
+    durations = _recorded_durations()
+    unknown = max(durations.values(), default=0.0) + 1.0
+
+    def longest_first(item) -> float:
+        module = Path(item.path).relative_to(config.rootpath).as_posix()
+        return -durations.get(module, unknown)
+
+    items.sort(key=longest_first)  # stable: a module's tests keep their order
+
+
+MODULE_SECONDS: dict = {}
+
+
+def pytest_runtest_logreport(report):
+    """Per module, the seconds of every phase of its tests (on the xdist controller: every worker's)."""
+    module = report.nodeid.split("::")[0]
+    MODULE_SECONDS[module] = MODULE_SECONDS.get(module, 0.0) + report.duration
 
 
 def _engine_summary(pools) -> dict:
@@ -161,10 +186,15 @@ def _engine_summary(pools) -> dict:
 
 
 def pytest_sessionfinish(session):
-    if hasattr(session.config, "workeroutput"):  # an xdist worker: hand the figures to the controller
-        import json
+    import json
 
+    if hasattr(session.config, "workeroutput"):  # an xdist worker: hand the figures to the controller
         session.config.workeroutput["engine_pool"] = json.dumps(_engine_summary(ENGINE_POOLS))
+        return
+    path = session.config.getoption("--record-module-durations")
+    if path:
+        ordered = dict(sorted(((m, round(s, 1)) for m, s in MODULE_SECONDS.items()), key=lambda kv: -kv[1]))
+        Path(path).write_text(json.dumps(ordered, indent=1) + "\n")
 
 
 ENGINE_SUMMARIES = []

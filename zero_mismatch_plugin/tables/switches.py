@@ -19,6 +19,7 @@ FSDP_ALIGNED = "ZMRL_FSDP_ALIGNED"
 ALLOW_PREFIX_CACHING = "ZMRL_ALLOW_PREFIX_CACHING"
 ALLOW_UNSUPPORTED_VLLM = "ZMRL_ALLOW_UNSUPPORTED_VLLM"
 VERL_PLATFORM = "ZMRL_VERL_PLATFORM"
+CPU_ENGINE_ONE_PROCESS = "ZMRL_CPU_ENGINE_ONE_PROCESS"
 PREFIX = "ZMRL_"
 
 ON, OFF = "1", "0"
@@ -68,6 +69,8 @@ SWITCHES: dict[str, Switch] = {switch.name: switch for switch in (
     _flag(ALLOW_UNSUPPORTED_VLLM, "try a vLLM version the aligned trainer was not tested with", "refuse it",
           "refuse it"),
     Switch(VERL_PLATFORM, (("cpu", "verl's CPU platform, from this plugin"),), "verl detects the accelerator"),
+    _flag(CPU_ENGINE_ONE_PROCESS, "a CPU engine of world size 1 runs its model in the EngineCore process "
+          "(one thread; starts sooner)", "vLLM's worker process", "vLLM's worker process"),
 )}
 
 
