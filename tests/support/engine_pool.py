@@ -13,8 +13,8 @@ import time
 from collections import OrderedDict
 
 # Alive at once per worker: each engine holds its KV cache (VLLM_CPU_KVCACHE_SPACE, 1 GiB in the
-# suite) and two processes that imported vLLM.
-DEFAULT_CAPACITY = 2
+# suite) and one process that imported vLLM (ZMRL_CPU_ENGINE_ONE_PROCESS; two without it).
+DEFAULT_CAPACITY = 3
 CAPACITY_ENV = "ZMRL_TEST_ENGINE_POOL_SIZE"
 ENVIRONMENT_PREFIXES = ("ZMRL_", "VLLM_")
 
