@@ -1,6 +1,6 @@
 """vLLM general plugin: the engine side of zero mismatch, applied in every vLLM process.
 
-:func:`register` does nothing unless ``ZMRL_NUMERICS`` is set. ``consistent`` fixes the engine
+:func:`register` does nothing unless ``ZMRL_NUMERICS`` (or ``ZMRL_CPU_ENGINE_ONE_PROCESS``) is set. ``consistent`` fixes the engine
 settings (fp32 lm_head, ``processed_logprobs``, eager, a seed, prefix caching only where proven,
 the weight-sync extension) and on CPU applies :data:`CPU_CONSISTENT_MODE_PATCHES`; ``fast`` adds
 the extension only. :func:`applied` lists the patches, :func:`remove` undoes them. See docs/zero-mismatch.md.
@@ -248,7 +248,8 @@ LORA_BASE_EMBEDDING_ROWS = _cpu_lora_op_patch(
     "last slot's B): the expand leaves rows of slot index -1 unchanged, as the GPU kernels skip them",
 )
 
-# What register() applies on CPU in consistent mode; PATCHES adds the engine settings.
+# What register() applies on CPU in consistent mode; PATCHES adds the engine settings and the
+# one-process CPU engine (applied whatever the mode, when its switch is on).
 CPU_CONSISTENT_MODE_PATCHES = (CPU_GEMM, *CPU_MLA_PATCHES, *CPU_SIGMOID_PATCHES, LORA_BASE_ROWS,
                                LORA_BASE_EMBEDDING_ROWS, *CPU_MOE_LORA_PATCHES)
 PATCHES: list[FunctionPatch] = [ENGINE_ARGS, *CPU_CONSISTENT_MODE_PATCHES, ONE_PROCESS]
