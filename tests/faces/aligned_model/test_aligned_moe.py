@@ -291,6 +291,7 @@ def test_qwen2_moe_trainer_equals_vllm_modules_teacher_forced(checkpoints, engin
     vLLM's own model run teacher-forced on the same packed batch, bitwise, and the engine's μ.
     A fresh engine and trainer: the family tests above update the shared ones' weights."""
     from zero_mismatch_plugin.faces.aligned_model import AlignedCausalLM
+    from zero_mismatch_plugin.tools.checker.engine import engine_settings
     from zero_mismatch_plugin.tools.checker.engine_modules import EngineModules
 
     trainer = AlignedCausalLM.from_pretrained(checkpoints["qwen2_moe"], max_model_len=256, seed=0)
@@ -299,7 +300,7 @@ def test_qwen2_moe_trainer_equals_vllm_modules_teacher_forced(checkpoints, engin
     batch = pack(prompts, responses)
     with torch.no_grad():
         ours = trainer.token_logprobs(batch)
-    with EngineModules(trainer.runtime.model_dir, max_model_len=256, seed=0) as modules:
+    with EngineModules(engine_settings(trainer.runtime.model_dir, 256, seed=0)) as modules:
         full = modules.forward(batch)
     reference = full.gather(1, batch.target_ids[:, None].to(full.device))[:, 0]
     print(f"qwen2_moe: trainer vs engine μ: {(ours == mu).float().mean().item():.1%} of {mu.numel()} "

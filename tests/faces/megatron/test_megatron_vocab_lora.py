@@ -135,8 +135,9 @@ def test_megatron_checker_backend_serves_vocab_adapter(lora_llm, runtime, adapte
     """``zmrl check --trainer megatron --lora``'s trainer side: the engine arguments of the adapter
     served (vocabulary targets included) and its logprobs the engine's."""
     from zero_mismatch_plugin.tools.checker.backends import load_backend
+    from zero_mismatch_plugin.tools.checker.engine import engine_settings
 
-    backend = load_backend("megatron", checkpoints["llama"], max_model_len=MAX_MODEL_LEN, lora_dir=adapter)
+    backend = load_backend("megatron", engine_settings(checkpoints["llama"], MAX_MODEL_LEN, lora_dir=adapter))
     assert VOCAB_PARAMETERS <= {n for n, _ in backend.model.named_parameters()}
     prompts, responses, mu = _rollout(lora_llm, prompts_for(runtime.model_dir), adapter, seed=704)
     _assert_bitwise(backend.token_logprobs(pack(prompts, responses)), mu, "checker's megatron backend + vocab LoRA")

@@ -45,9 +45,15 @@ def llama(checkpoints):
 
 
 @pytest.fixture(scope="module")
-def engine(module_environ, llama, engines):
+def shared_settings(module_environ, llama):
+    """The settings of the module's one engine."""
+    return checker_engine.engine_settings(llama, MAX_MODEL_LEN, seed=0, full_vocab=True)
+
+
+@pytest.fixture(scope="module")
+def engine(shared_settings, engines):
     engines.pool.make_room()  # room for the engine started here
-    with checker_engine.open_engine(llama, MAX_MODEL_LEN, seed=0, full_vocab=True) as llm:
+    with checker_engine.open_engine(shared_settings) as llm:
         yield llm
 
 
@@ -58,13 +64,10 @@ def cli_uses_engine(engine, monkeypatch):
     prefix_caching = []  # what each run asked for; the shared engine has it on
 
     @contextlib.contextmanager
-    def shared_engine(model_dir, max_model_len, seed=0, full_vocab=False, prefix_caching_on=True):
-        requested.append((max_model_len, seed))
-        prefix_caching.append(prefix_caching_on)
+    def open_engine(settings):
+        requested.append((settings.max_model_len, settings.seed))
+        prefix_caching.append(settings.prefix_caching)
         yield engine
-
-    def open_engine(*args, prefix_caching=True, **kwargs):
-        return shared_engine(*args, prefix_caching_on=prefix_caching, **kwargs)
 
     monkeypatch.setattr(checker_engine, "open_engine", open_engine)
     yield prefix_caching
@@ -82,7 +85,10 @@ def run_cli(argv, tmp_path, capsys):
 # ----- zmrl check ---------------------------------------------------------------------------
 
 
-def test_check_aligned_trainer_passes_every_check(llama, cli_uses_engine, tmp_path, capsys):
+def test_check_aligned_trainer_passes_every_check(llama, cli_uses_engine, tmp_path, capsys, monkeypatch):
+    built = []  # the run turns its arguments into the engine's settings once; all else reads that value
+    settings_of = checker_engine.engine_settings
+    monkeypatch.setattr(checker_engine, "engine_settings", lambda *args, **kwargs: built.append(args) or settings_of(*args, **kwargs))
     code, report, table = run_cli(
         ["check", "--model", str(llama), "--trainer", "aligned", "--max-model-len", str(MAX_MODEL_LEN), "--full-vocab"],
         tmp_path,
@@ -111,6 +117,7 @@ def test_check_aligned_trainer_passes_every_check(llama, cli_uses_engine, tmp_pa
     assert cli_uses_engine == [True]  # --prefix-caching on is the default
     assert report["prefill_vs_decode"]["tokens"] == 8 * 24
     assert "5/5 checks passed" in table and "PASS" in table
+    assert len(built) == 1, built
 
 
 def test_check_hf_trainer_reports_its_gap_and_the_engine_checks_pass(llama, cli_uses_engine, tmp_path, capsys):
@@ -230,8 +237,8 @@ def _prompts(model_dir, n=4):
     return checker_engine.load_prompts(model_dir, None, n)
 
 
-def test_batch_composition_check_catches_a_batch_variant_op(engine, llama):
-    options = CheckOptions(num_prompts=4, max_tokens=12, batch_sizes=(1, 2, 4), max_model_len=MAX_MODEL_LEN)
+def test_batch_composition_check_catches_a_batch_variant_op(engine, shared_settings, llama):
+    options = CheckOptions(shared_settings, num_prompts=4, max_tokens=12, batch_sizes=(1, 2, 4))
     prompts = _prompts(llama)
     # Rounds differently whenever more than one row is computed: a lone decode step (1 row)
     # is untouched, the same step inside a batch is not.
@@ -249,8 +256,8 @@ def test_batch_composition_check_catches_a_batch_variant_op(engine, llama):
     assert clean.passed is True and clean.figures["max_abs_diff"] == 0.0
 
 
-def test_prefix_cache_and_prefill_vs_decode_checks_catch_shape_dependent_rounding(engine, llama):
-    options = CheckOptions(num_prompts=4, max_tokens=12, max_model_len=MAX_MODEL_LEN)
+def test_prefix_cache_and_prefill_vs_decode_checks_catch_shape_dependent_rounding(engine, shared_settings, llama):
+    options = CheckOptions(shared_settings, num_prompts=4, max_tokens=12)
     prompts = _prompts(llama)
     # Rounds differently for steps of at most 16 rows: the suffix prefill after a cache hit
     # (8 rows) but not the full prefill of a miss (136 rows); decode steps (a few rows) but not
@@ -287,7 +294,8 @@ def test_check_prefix_caching_off_skips_the_prefix_check(llama, cli_uses_engine,
 def test_prefix_caching_switch_reaches_the_engine_config(llama, module_environ):
     """The engine the checker starts runs with prefix caching exactly as asked (no engine started)."""
     for asked in (True, False):
-        config = checker_engine.engine_config(llama, MAX_MODEL_LEN, seed=0, prefix_caching=asked)
+        settings = checker_engine.engine_settings(llama, MAX_MODEL_LEN, seed=0, prefix_caching=asked)
+        config = checker_engine.vllm_config(settings)
         assert config.cache_config.enable_prefix_caching is asked
 
 
@@ -326,11 +334,12 @@ def test_cli_trainer_choices_are_the_checker_known_trainers():
 
 def test_registry_line_adds_a_backend_and_a_broken_one_is_reported(llama, monkeypatch, module_environ):
     monkeypatch.setitem(TRAINER_BACKENDS, "transformers-again", "zero_mismatch_plugin.tools.checker.backends:HFBackend")
-    backend = load_backend("transformers-again", llama, max_model_len=MAX_MODEL_LEN)
+    settings = checker_engine.engine_settings(llama, MAX_MODEL_LEN)
+    backend = load_backend("transformers-again", settings)
     assert backend.name == "hf"
     monkeypatch.setitem(TRAINER_BACKENDS, "broken", "zero_mismatch_plugin.no_such_module:Backend")
     with pytest.raises(BackendUnavailable, match="cannot be loaded here"):
-        load_backend("broken", llama, max_model_len=MAX_MODEL_LEN)
+        load_backend("broken", settings)
 
 
 # ----- zmrl bisect ----------------------------------------------------------------------------
@@ -375,7 +384,7 @@ def test_bisect_hf_trainer_reports_consistently(llama, tmp_path, capsys, module_
 def vllm_modules(llama, module_environ):
     from zero_mismatch_plugin.tools.checker.engine_modules import EngineModules
 
-    with EngineModules(llama, max_model_len=MAX_MODEL_LEN, seed=0) as modules:
+    with EngineModules(checker_engine.engine_settings(llama, MAX_MODEL_LEN, seed=0)) as modules:
         yield modules
 
 
@@ -391,7 +400,7 @@ def test_hf_first_difference_is_where_the_records_first_differ(llama, vllm_modul
     order, whose recorded outputs differ, and the ops before it got bit-identical inputs."""
     from zero_mismatch_plugin.tools.checker.bisect import run_bisect
 
-    hf = load_backend("hf", llama, max_model_len=MAX_MODEL_LEN)
+    hf = load_backend("hf", checker_engine.engine_settings(llama, MAX_MODEL_LEN))
     result = run_bisect(vllm_modules, hf, bisect_batch)
     engine_ops, hf_ops = {}, hf.intermediates(bisect_batch)
     vllm_modules.forward(bisect_batch, engine_ops)
@@ -418,7 +427,7 @@ def test_bisect_names_a_planted_one_ulp_difference_exactly(planted, llama, vllm_
 
 @pytest.fixture(scope="module")
 def aligned_backend(llama, module_environ):
-    return load_backend("aligned", llama, max_model_len=MAX_MODEL_LEN)
+    return load_backend("aligned", checker_engine.engine_settings(llama, MAX_MODEL_LEN))
 
 
 def test_bisect_control_without_perturbation_and_qwen3_names(checkpoints, module_environ, aligned_backend, vllm_modules, bisect_batch):
@@ -427,8 +436,9 @@ def test_bisect_control_without_perturbation_and_qwen3_names(checkpoints, module
 
     assert run_bisect(vllm_modules, aligned_backend, bisect_batch).first_differing_op is None
     qwen3 = checkpoints["qwen3"]
-    backend = load_backend("aligned", qwen3, max_model_len=MAX_MODEL_LEN)
-    with EngineModules(qwen3, max_model_len=MAX_MODEL_LEN, seed=0) as modules:
+    settings = checker_engine.engine_settings(qwen3, MAX_MODEL_LEN, seed=0)
+    backend = load_backend("aligned", settings)
+    with EngineModules(settings) as modules:
         batch = bisect_input(_prompts(qwen3, 2), 6, modules.runtime.hf_config.vocab_size)
         result = run_bisect(modules, backend, batch)
     assert result.first_differing_op is None and result.not_compared == []

@@ -18,6 +18,7 @@ from zero_mismatch_plugin.tools import cli
 from zero_mismatch_plugin.aligned.lora.adapter import build_adapter
 from zero_mismatch_plugin.tools.checker import oplist
 from zero_mismatch_plugin.tools.checker.backends import load_backend
+from zero_mismatch_plugin.tools.checker.engine import engine_settings
 
 MAX_MODEL_LEN = 256
 ALL_LINEARS = frozenset({"qkv_proj", "o_proj", "gate_up_proj", "down_proj"})
@@ -73,7 +74,7 @@ def test_megatron_bisect_lora_finds_every_op_equal(checkpoints, llama_adapter, n
 def lora_modules(checkpoints, llama_adapter, numerics_environ):
     from zero_mismatch_plugin.tools.checker.engine_modules import EngineModules
 
-    with EngineModules(checkpoints["llama"], max_model_len=MAX_MODEL_LEN, seed=0, lora_dir=llama_adapter) as modules:
+    with EngineModules(engine_settings(checkpoints["llama"], MAX_MODEL_LEN, seed=0, lora_dir=llama_adapter)) as modules:
         yield modules
 
 
@@ -98,7 +99,7 @@ def test_bisect_lora_names_a_planted_fault_in_one_lora_op(
     linear included, stays bitwise equal."""
     from zero_mismatch_plugin.tools.checker.bisect import run_bisect
 
-    backend = load_backend("aligned", checkpoints["llama"], max_model_len=MAX_MODEL_LEN, lora_dir=llama_adapter)
+    backend = load_backend("aligned", engine_settings(checkpoints["llama"], MAX_MODEL_LEN, lora_dir=llama_adapter))
     assert run_bisect(lora_modules, backend, lora_batch).first_differing_op is None  # control
     layer = int(first.split(".")[1])
     param = getattr(backend.model.lora.pair(layer, target), f"lora_{which}")
@@ -132,8 +133,9 @@ def test_bisect_lora_on_a_subset_of_targets_with_qk_norms(checkpoints, numerics_
 
     qwen3 = checkpoints["qwen3"]
     adapter = build_adapter(tmp_path / "qv", qwen3, r=16, lora_alpha=32, targets=("q_proj", "v_proj"), seed=13)
-    backend = load_backend("aligned", qwen3, max_model_len=MAX_MODEL_LEN, lora_dir=adapter)
-    with EngineModules(qwen3, max_model_len=MAX_MODEL_LEN, seed=0, lora_dir=adapter) as modules:
+    settings = engine_settings(qwen3, MAX_MODEL_LEN, seed=0, lora_dir=adapter)
+    backend = load_backend("aligned", settings)
+    with EngineModules(settings) as modules:
         vocab = modules.runtime.hf_config.vocab_size
         batch = bisect_input(load_prompts(qwen3, None, 2, vocab), 6, vocab)
         result = run_bisect(modules, backend, batch)

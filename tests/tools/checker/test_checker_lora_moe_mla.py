@@ -23,6 +23,7 @@ from zero_mismatch_plugin.aligned.lora.adapter import build_adapter
 from zero_mismatch_plugin.tables.architectures import LORA_TARGETS, VOCAB_LORA_TARGETS
 from zero_mismatch_plugin.tools.checker import oplist
 from zero_mismatch_plugin.tools.checker.backends import load_backend
+from zero_mismatch_plugin.tools.checker.engine import engine_settings
 
 MAX_MODEL_LEN = 256
 ALL_LINEARS = frozenset({"qkv_proj", "o_proj", "gate_up_proj", "down_proj"})
@@ -80,13 +81,13 @@ def test_expert_selection_agrees_only_when_vllms_modules_serve_the_adapter(check
     from zero_mismatch_plugin.tools.checker.engine_modules import EngineModules
 
     model_dir, adapter = checkpoints["qwen3_moe"], adapters["qwen3_moe"]
-    backend = load_backend("aligned", model_dir, max_model_len=MAX_MODEL_LEN, lora_dir=adapter)
+    backend = load_backend("aligned", engine_settings(model_dir, MAX_MODEL_LEN, lora_dir=adapter))
     gen = torch.Generator().manual_seed(0)
     completions = [Completion(p, torch.randint(0, 512, (12,), generator=gen).tolist(), [])
                    for p in load_prompts(model_dir, None, 4)]
     agreement = {}
     for served in (adapter, None):
-        with EngineModules(model_dir, max_model_len=MAX_MODEL_LEN, seed=0, lora_dir=served) as modules:
+        with EngineModules(engine_settings(model_dir, MAX_MODEL_LEN, seed=0, lora_dir=served)) as modules:
             agreement[served] = expert_selection_check(backend, completions, modules).figures["min_agreement"]
     print(f"expert-set agreement: with the adapter served {agreement[adapter]}, without {agreement[None]}")
     assert agreement[adapter] == 1.0 and agreement[None] < 1.0
@@ -195,8 +196,9 @@ def _side_by_side(model_dir, adapter):
     from zero_mismatch_plugin.tools.checker.engine import load_prompts
     from zero_mismatch_plugin.tools.checker.engine_modules import EngineModules
 
-    backend = load_backend("aligned", model_dir, max_model_len=MAX_MODEL_LEN, lora_dir=adapter)
-    modules = EngineModules(model_dir, max_model_len=MAX_MODEL_LEN, seed=0, lora_dir=adapter)
+    settings = engine_settings(model_dir, MAX_MODEL_LEN, seed=0, lora_dir=adapter)
+    backend = load_backend("aligned", settings)
+    modules = EngineModules(settings)
     vocab = modules.runtime.hf_config.vocab_size
     return modules, backend, bisect_input(load_prompts(model_dir, None, 3, vocab), 8, vocab)
 

@@ -19,6 +19,7 @@ from support.bisect_planting import assert_bisect_names_one_ulp_planted_in
 from zero_mismatch_plugin.tools import cli
 from zero_mismatch_plugin.tools.checker import oplist
 from zero_mismatch_plugin.tools.checker.backends import load_backend
+from zero_mismatch_plugin.tools.checker.engine import engine_settings
 from zero_mismatch_plugin.tools.tiny_models import MOE_FAMILIES
 
 MAX_MODEL_LEN = 256
@@ -75,7 +76,7 @@ def _completions(model_dir, n=4, response_tokens=12):
 def qwen3_moe_modules(checkpoints, consistent_environ):
     from zero_mismatch_plugin.tools.checker.engine_modules import EngineModules
 
-    with EngineModules(checkpoints["qwen3_moe"], max_model_len=MAX_MODEL_LEN, seed=0) as modules:
+    with EngineModules(engine_settings(checkpoints["qwen3_moe"], MAX_MODEL_LEN, seed=0)) as modules:
         yield modules
 
 
@@ -86,7 +87,7 @@ def test_expert_selection_drops_below_one_with_a_router_perturbed_on_the_trainer
 
     model_dir = checkpoints["qwen3_moe"]
     completions = _completions(model_dir)
-    backend = load_backend("aligned", model_dir, max_model_len=MAX_MODEL_LEN)
+    backend = load_backend("aligned", engine_settings(model_dir, MAX_MODEL_LEN))
     clean = expert_selection_check(backend, completions, qwen3_moe_modules)
     assert clean.passed and clean.figures["per_layer"] == {"0": 1.0, "1": 1.0}
 
@@ -105,7 +106,7 @@ def test_expert_selection_of_transformers_is_reported_consistently(checkpoints, 
     from zero_mismatch_plugin.tools.checker.checks import expert_selection_check
 
     model_dir = checkpoints["qwen3_moe"]
-    result = expert_selection_check(load_backend("hf", model_dir, max_model_len=MAX_MODEL_LEN),
+    result = expert_selection_check(load_backend("hf", engine_settings(model_dir, MAX_MODEL_LEN)),
                                     _completions(model_dir), qwen3_moe_modules)
     print(f"transformers on this host: {result.summary}")
     assert set(result.figures["per_layer"]) == {"0", "1"}
@@ -148,8 +149,9 @@ def qwen2_moe_side_by_side(checkpoints, consistent_environ):
     from zero_mismatch_plugin.tools.checker.engine_modules import EngineModules
 
     model_dir = checkpoints["qwen2_moe"]
-    backend = load_backend("aligned", model_dir, max_model_len=MAX_MODEL_LEN)
-    with EngineModules(model_dir, max_model_len=MAX_MODEL_LEN, seed=0) as modules:
+    settings = engine_settings(model_dir, MAX_MODEL_LEN, seed=0)
+    backend = load_backend("aligned", settings)
+    with EngineModules(settings) as modules:
         batch = bisect_input([c.prompt for c in _completions(model_dir, 3)], 8, modules.runtime.hf_config.vocab_size)
         yield modules, backend, batch
 

@@ -17,7 +17,7 @@ import torch
 
 from zero_mismatch_plugin.tables import upstream_versions
 from zero_mismatch_plugin.tools.checker import oplist
-from zero_mismatch_plugin.tools.checker.engine import EngineSettings, engine_settings
+from zero_mismatch_plugin.tools.checker.engine import EngineSettings
 from zero_mismatch_plugin.tools.checker.recording import OpRecorder, Perturb
 from zero_mismatch_plugin.tools.checker.registry import KNOWN_TRAINERS, TRAINER_BACKENDS
 
@@ -46,9 +46,8 @@ class TrainerBackend(Protocol):
     def intermediates(self, batch, perturb: Perturb | None = None) -> dict: ...
 
 
-def load_backend(name: str, model_dir, max_model_len: int, seed: int = 0, lora_dir=None) -> TrainerBackend:
-    """Build the backend registered as ``name`` from the :func:`~.engine.engine_settings` of
-    ``model_dir`` (with ``lora_dir``: the PEFT adapter the engine serves)."""
+def load_backend(name: str, settings: EngineSettings) -> TrainerBackend:
+    """Build the backend registered as ``name`` from the run's ``settings``."""
     target = TRAINER_BACKENDS.get(name)
     if target is None:
         if name in KNOWN_TRAINERS:
@@ -63,7 +62,7 @@ def load_backend(name: str, model_dir, max_model_len: int, seed: int = 0, lora_d
         raise BackendUnavailable(
             f"trainer backend {name!r} ({target}) cannot be loaded here: {error}"
         ) from error
-    backend = factory(engine_settings(model_dir, max_model_len, seed, lora_dir=lora_dir))
+    backend = factory(settings)
     if not isinstance(backend, TrainerBackend):
         raise BackendUnavailable(f"{target} does not implement the TrainerBackend interface")
     return backend

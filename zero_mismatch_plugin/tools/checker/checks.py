@@ -45,18 +45,12 @@ class CheckSkipped(Exception):
 
 @dataclass
 class CheckOptions:
+    # The engine's settings (full vocabulary, max_model_len, prefix caching: off skips the
+    # prefix-cache check); vLLM's own modules of the expert-selection check are built from them.
+    settings: eng.EngineSettings
     num_prompts: int = 8
     max_tokens: int = 24
     batch_sizes: tuple[int, ...] = (1, 2, 8)
-    full_vocab: bool = False
-    max_model_len: int = 256
-    prefix_caching: bool = True  # False: the engine runs without it and the prefix-cache check is skipped
-    # The checkpoint and seed of the engine (for vLLM's own modules in the expert-selection check);
-    # None: read from the engine's config.
-    model_dir: str | None = None
-    seed: int = 0
-    # The PEFT adapter the engine serves (None: the base model); vLLM's own modules serve it too.
-    lora_dir: str | None = None
 
 
 @dataclass
@@ -286,8 +280,7 @@ def _run_expert_selection(llm, backend, completions, options: CheckOptions) -> C
             "vLLM's modules are not run outside the engine for multi-head latent attention: the "
             "expert choice is not recorded (the sampled-token and distribution checks cover the experts)"
         )
-    model_dir = options.model_dir or model_config.model
-    with EngineModules(model_dir, max_model_len=options.max_model_len, seed=options.seed, lora_dir=options.lora_dir) as modules:
+    with EngineModules(options.settings) as modules:
         return expert_selection_check(backend, completions, modules)
 
 
@@ -390,13 +383,13 @@ def prefix_cache_check(llm, prompts, options: CheckOptions, progress=None, backe
     The verdict is the engine's own (hit == miss). With a trainer ``backend`` the figures also
     give the trainer against the engine's logprobs on the hit: implied by the sampled-token check
     when hit == miss, shown so that a run reads the trainer's agreement on a hit directly."""
-    if not options.prefix_caching:
+    if not options.settings.prefix_caching:
         raise CheckSkipped("--prefix-caching off")
     if not eng.engine_prefix_caching(llm):
         raise CheckSkipped("the engine runs without prefix caching")
     block = eng.engine_block_size(llm)
     length = block + PREFIX_TAIL_TOKENS
-    if length + options.max_tokens > options.max_model_len:
+    if length + options.max_tokens > options.settings.max_model_len:
         raise CheckSkipped(
             f"a cache hit needs a prompt longer than one KV block ({block} tokens): "
             f"--max-model-len must be at least {length + options.max_tokens}"
@@ -493,13 +486,13 @@ def run_checks(
     if progress is not None:
         progress.set_description("rollout")
     seeds = [BASE_SEED + i for i in range(len(prompts))]
-    top = -1 if options.full_vocab else eng.DEFAULT_TOP_K
+    top = -1 if options.settings.full_vocab else eng.DEFAULT_TOP_K
     completions = eng.generate(llm, prompts, seeds, options.max_tokens, logprobs=top)
     _tick(progress, "trainer: sampled tokens")
     results[SAMPLED_TOKEN] = sampled_token_check(backend, completions)
     _tick(progress, "trainer: full distribution")
     vocab = int(llm.llm_engine.vllm_config.model_config.get_vocab_size())
-    results[FULL_DISTRIBUTION] = full_distribution_check(backend, completions, options.full_vocab, vocab)
+    results[FULL_DISTRIBUTION] = full_distribution_check(backend, completions, options.settings.full_vocab, vocab)
     _tick(progress, "expert selection")
     try:
         results[EXPERT_SELECTION] = _run_expert_selection(llm, backend, completions, options)

@@ -89,8 +89,8 @@ def format_check_table(results, skipped, header: str) -> str:
 
 
 def lora_options(args) -> dict:
-    """The backends' and the engine's options for ``--lora ADAPTER_DIR``: the flag and the adapter's
-    files checked before anything starts (whether the engine and the trainer face serve it is
+    """:func:`run_settings`' options for ``--lora ADAPTER_DIR``: the flag and the adapter's files
+    checked before anything starts (whether the engine and the trainer face serve it is
     :func:`run_settings`' check)."""
     lora_dir = getattr(args, "lora", None)
     if lora_dir is None:
@@ -144,18 +144,12 @@ def check_command(args) -> int:
         settings = run_settings(args, max_model_len, lora)
         mode = apply_numerics(args.numerics)
         inputs.require_prompts_within_budget(prompts, eng.prefill_budget(settings))
-        backend = load_backend(args.trainer, settings.model_dir, settings.max_model_len, settings.seed, **lora)
+        backend = load_backend(args.trainer, settings)
     except (BackendUnavailable, ValueError, OSError) as error:
         print(f"ERROR: {error}", file=sys.stderr)
         return 2
-    # The engine's settings the checks read come from the one settings value.
-    engine_fields = ("full_vocab", "max_model_len", "prefix_caching", "model_dir", "seed", "lora_dir")
-    options = CheckOptions(num_prompts=args.num_prompts, max_tokens=args.max_tokens, batch_sizes=batch_sizes,
-                           **{name: getattr(settings, name) for name in engine_fields})
-    with eng.open_engine(
-        settings.model_dir, settings.max_model_len, seed=settings.seed, full_vocab=settings.full_vocab,
-        prefix_caching=settings.prefix_caching, **lora,
-    ) as llm:
+    options = CheckOptions(settings, num_prompts=args.num_prompts, max_tokens=args.max_tokens, batch_sizes=batch_sizes)
+    with eng.open_engine(settings) as llm:
         progress = _progress(count_steps(options, len(prompts)), args.quiet)
         try:
             results, skipped = run_checks(llm, backend, prompts, options, progress)
@@ -234,14 +228,14 @@ def bisect_command(args) -> int:
         lora = lora_options(args)
         settings = run_settings(args, max_model_len, lora)
         mode = apply_numerics(args.numerics)
-        backend = load_backend(args.trainer, settings.model_dir, settings.max_model_len, settings.seed, **lora)
+        backend = load_backend(args.trainer, settings)
     except (BackendUnavailable, ValueError, OSError) as error:
         print(f"ERROR: {error}", file=sys.stderr)
         return 2
     progress = _progress(2, args.quiet)
     try:
         progress.set_description("vLLM modules")
-        with EngineModules(settings.model_dir, settings.max_model_len, settings.seed, **lora) as modules:
+        with EngineModules(settings) as modules:
             progress.update(1)
             progress.set_description("forward, both sides")
             vocab = modules.runtime.hf_config.vocab_size

@@ -177,21 +177,11 @@ def prefill_budget(settings: EngineSettings) -> int:
     return int(vllm_config(settings).scheduler_config.max_num_batched_tokens)
 
 
-def engine_config(
-    model_dir, max_model_len: int, seed: int = 0, full_vocab: bool = False, lora_dir=None, prefix_caching: bool = True
-):
-    """The ``VllmConfig`` the engine of :func:`open_engine` would run with (no engine is started)."""
-    return vllm_config(engine_settings(model_dir, max_model_len, seed, full_vocab, lora_dir, prefix_caching))
-
-
 @contextlib.contextmanager
-def open_engine(
-    model_dir, max_model_len: int, seed: int = 0, full_vocab: bool = False, lora_dir=None, prefix_caching: bool = True
-):
-    """Start one vLLM engine of :func:`engine_settings` for these arguments; shut it down afterwards."""
+def open_engine(settings: EngineSettings):
+    """Start one vLLM engine of ``settings``; shut it down afterwards."""
     from zero_mismatch_plugin.aligned.runtime import shutdown_engine
 
-    settings = engine_settings(model_dir, max_model_len, seed, full_vocab, lora_dir, prefix_caching)
     with engine_environment(settings):
         from vllm import LLM
 

@@ -13,7 +13,7 @@ import torch
 
 from zero_mismatch_plugin.tables import upstream_versions
 from zero_mismatch_plugin.tools.checker import oplist
-from zero_mismatch_plugin.tools.checker.engine import engine_settings
+from zero_mismatch_plugin.tools.checker.engine import EngineSettings
 from zero_mismatch_plugin.tools.checker.recording import OpRecorder, first_of_pair
 
 # vLLM versions whose ``MoERunner`` hands (shared output, routed output) through
@@ -116,13 +116,12 @@ def single_process_group(runtime):
 class EngineModules:
     """vLLM's model for one checkpoint, outside the engine. Use as a context manager."""
 
-    def __init__(self, model_dir, max_model_len: int = 256, seed: int = 0, lora_dir=None):
-        """Built from the :func:`~.engine.engine_settings` of these arguments; ``lora_dir``: a PEFT
-        adapter the model serves, as the engine does (``enable_lora``, vLLM's LoRA manager wrapping
-        the linears, every token mapped to the adapter)."""
+    def __init__(self, settings: EngineSettings):
+        """Built from the run's ``settings``; their adapter (``lora_dir``), if any, is served as the
+        engine does (``enable_lora``, vLLM's LoRA manager wrapping the linears, every token mapped
+        to the adapter)."""
         from zero_mismatch_plugin.aligned.runtime import VllmRuntime
 
-        settings = engine_settings(model_dir, max_model_len, seed, lora_dir=lora_dir)
         self.lora_dir = settings.lora_dir
         self.lora_linears = oplist.lora_linears(settings.lora_targets)
         self.blocks = settings.blocks
