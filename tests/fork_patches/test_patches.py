@@ -1,18 +1,16 @@
 """The upstream patches: manifest, generation, check / apply, and the behaviour each patch adds.
 
 Behaviour is exercised on a copy of the installed upstream package with every patch applied,
-imported in a subprocess ahead of the installed one (the installed files are never written).
+imported in a child Python ahead of the installed one (the installed files are never written).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 import shutil
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -27,7 +25,7 @@ from zero_mismatch_plugin.fork_patches.edits.edit import Edit, EditError, apply_
 from zero_mismatch_plugin.fork_patches.messages import MESSAGES
 from zero_mismatch_plugin.integrations.verl import call_guards as verl_guards
 
-from support import REPO  # noqa: E402
+from support.preloaded_python import PreloadedPython
 
 
 @pytest.fixture(scope="module")
@@ -41,12 +39,26 @@ def patched_verl(tmp_path_factory, manifest):
     return fork_patches.copy_patched_package(manifest, "verl", tmp_path_factory.mktemp("patched-verl"))
 
 
+SERVER = {}  # the module's preloaded Python, started by the first script
+
+
+def preloaded_python() -> PreloadedPython:
+    if "python" not in SERVER:
+        SERVER["python"] = PreloadedPython()
+    return SERVER["python"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _close_preloaded_python():
+    yield
+    if "python" in SERVER:
+        SERVER.pop("python").close()
+
+
 def run_python(script: str, *path_first: Path, env: dict | None = None) -> subprocess.CompletedProcess:
-    environment = {**os.environ, **(env or {})}
-    environment["PYTHONPATH"] = os.pathsep.join([*map(str, path_first), str(REPO / "tests"),
-                                                 environment.get("PYTHONPATH", "")])
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True,
-                          env=environment, timeout=300)
+    """``python -c script`` with ``path_first`` ahead on the path, forked from a process that has
+    imported torch and the other unpatched third-party modules once (support/preloaded_python.py)."""
+    return preloaded_python().run(textwrap.dedent(script), path_first=path_first, env=env, timeout=300)
 
 
 def script_result(script: str, *path_first: Path) -> dict:
@@ -1045,19 +1057,16 @@ print("RESULT " + json.dumps(result), flush=True)
 
 
 def _run_ep_ranks(tmp_path, root: str, modes: str) -> list[dict]:
-    script = tmp_path / "ep_rank.py"
-    script.write_text(EP_RANK_SCRIPT)
     store = tmp_path / f"store-{modes}-{bool(root)}"
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo"}
-    procs = [subprocess.Popen([sys.executable, str(script), str(rank), root, str(store), modes],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    python = preloaded_python()
+    ranks = [python.start(EP_RANK_SCRIPT, str(rank), root, str(store), modes, env={"GLOO_SOCKET_IFNAME": "lo"})
              for rank in range(3)]
     results = []
-    for proc in procs:
-        out, err = proc.communicate(timeout=400)
-        assert proc.returncode == 0, out + err[-4000:]
-        line = next(l for l in out.splitlines() if l.startswith("RESULT "))
-        results.append(__import__("json").loads(line[len("RESULT "):]))
+    for rank in ranks:
+        done = python.wait(rank, timeout=400)
+        assert done.returncode == 0, done.stdout + done.stderr[-4000:]
+        line = next(l for l in done.stdout.splitlines() if l.startswith("RESULT "))
+        results.append(json.loads(line[len("RESULT "):]))
     return results
 
 

@@ -1,0 +1,152 @@
+"""A Python process that has imported the heavy third-party modules once and forks one child per
+script: each script then starts in about a second instead of paying torch's and transformers'
+imports again (about 70% of a vLLM script's import time here).
+
+Only modules that no fork patch touches are preloaded (never vllm, verl, megatron or this
+package), so a child still imports a patched copy ahead of the installed one, as a fresh
+interpreter would. A child runs as ``python -c SCRIPT`` does: ``__name__ == "__main__"``, the
+given paths first on ``sys.path`` and in ``PYTHONPATH``, the given environment, its own
+stdout and stderr.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parents[1]
+
+# Third-party modules the fork-patch scripts import and that take most of their start-up time.
+PRELOADED = ("torch", "numpy", "transformers", "transformers.configuration_utils", "transformers.modeling_utils",
+             "openai", "networkx", "sympy", "click", "fastapi", "aiohttp", "pydantic", "omegaconf", "hydra", "ray")
+# Upstreams the fork patches edit: a child must import them itself, patched copy first.
+NEVER_PRELOADED = ("vllm", "verl", "megatron", "zero_mismatch_plugin")
+
+
+def _run_child(request: dict) -> None:
+    """In the forked child: become ``python -c script`` with the request's paths and environment."""
+    import builtins
+    import importlib
+    import traceback
+
+    for fd, path, flags in ((0, os.devnull, os.O_RDONLY), (1, request["stdout"], os.O_WRONLY | os.O_TRUNC),
+                            (2, request["stderr"], os.O_WRONLY | os.O_TRUNC)):
+        os.dup2(os.open(path, flags), fd)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    os.environ.clear()
+    os.environ.update(request["env"])
+    sys.path[0:0] = request["path_first"]
+    importlib.invalidate_caches()
+    if request.get("cwd"):
+        os.chdir(request["cwd"])
+    sys.argv = ["-c", *request["args"]]
+    code = 0
+    try:
+        exec(compile(request["script"], "<string>", "exec"), {"__name__": "__main__", "__builtins__": builtins})
+    except SystemExit as stop:
+        if stop.code is None or isinstance(stop.code, int):
+            code = stop.code or 0
+        else:
+            print(stop.code, file=sys.stderr)
+            code = 1
+    except BaseException:  # noqa: BLE001 - a script's failure is reported as a fresh interpreter would
+        traceback.print_exc()
+        code = 1
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def serve() -> None:
+    """The server: preload, then answer ``start`` (fork a child) and ``wait`` (its exit code) requests,
+    one JSON line each, on stdin / the original stdout."""
+    import importlib
+
+    replies = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # a stray print must not corrupt the replies
+    for name in PRELOADED:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass
+    leaked = sorted({m.split(".")[0] for m in sys.modules} & set(NEVER_PRELOADED))
+    if leaked:
+        raise SystemExit(f"preloading imported {leaked}, which the scripts must import themselves")
+    replies.write(json.dumps({"ready": True}) + "\n")
+    for line in sys.stdin:
+        request = json.loads(line)
+        if request["op"] == "start":
+            pid = os.fork()
+            if pid == 0:
+                _run_child(request)
+            replies.write(json.dumps({"pid": pid}) + "\n")
+        elif request["op"] == "wait":
+            _, status = os.waitpid(request["pid"], 0)
+            replies.write(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}) + "\n")
+
+
+class PreloadedPython:
+    """The client: ``run`` and ``start``/``wait`` mirror ``subprocess.run`` / ``Popen`` for ``python -c``."""
+
+    def __init__(self):
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
+        self._server = subprocess.Popen([sys.executable, "-c", "from support.preloaded_python import serve; serve()"],
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        self._outputs = tempfile.TemporaryDirectory(prefix="preloaded-python-")
+        self._count = 0
+        assert self._reply(timeout=300) == {"ready": True}
+
+    def _reply(self, timeout: float | None) -> dict:
+        ready, _, _ = select.select([self._server.stdout], [], [], timeout)
+        if not ready:
+            raise TimeoutError
+        line = self._server.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the preloaded Python server exited ({self._server.wait()})")
+        return json.loads(line)
+
+    def _request(self, request: dict, timeout: float | None = None) -> dict:
+        self._server.stdin.write(json.dumps(request) + "\n")
+        self._server.stdin.flush()
+        return self._reply(timeout)
+
+    def start(self, script: str, *args: str, path_first=(), env: dict | None = None, cwd=None) -> dict:
+        """Fork a child running ``script``; a handle for :meth:`wait`."""
+        self._count += 1
+        out = Path(self._outputs.name) / str(self._count)
+        handle = {"stdout": f"{out}.out", "stderr": f"{out}.err", "args": list(map(str, args))}
+        for path in (handle["stdout"], handle["stderr"]):
+            Path(path).touch()
+        paths = [*map(str, path_first), str(TESTS)]
+        environment = {**os.environ, **(env or {})}
+        environment["PYTHONPATH"] = os.pathsep.join([*paths, environment.get("PYTHONPATH", "")])
+        reply = self._request({"op": "start", "script": script, "path_first": paths, "env": environment,
+                               "cwd": None if cwd is None else str(cwd), **handle})
+        return {**handle, "pid": reply["pid"], "script": script}
+
+    def wait(self, handle: dict, timeout: float = 300) -> subprocess.CompletedProcess:
+        self._server.stdin.write(json.dumps({"op": "wait", "pid": handle["pid"]}) + "\n")
+        self._server.stdin.flush()
+        try:
+            reply = self._reply(timeout)
+        except TimeoutError:
+            os.kill(handle["pid"], signal.SIGKILL)
+            self._reply(None)
+            raise subprocess.TimeoutExpired(["python", "-c", handle["script"]], timeout) from None
+        return subprocess.CompletedProcess(["python", "-c", handle["script"], *handle["args"]], reply["returncode"],
+                                           Path(handle["stdout"]).read_text(), Path(handle["stderr"]).read_text())
+
+    def run(self, script: str, *args: str, path_first=(), env: dict | None = None, timeout: float = 300):
+        return self.wait(self.start(script, *args, path_first=path_first, env=env), timeout)
+
+    def close(self) -> None:
+        self._server.stdin.close()
+        self._server.wait(timeout=60)
+        self._outputs.cleanup()
