@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -25,7 +26,8 @@ from zero_mismatch_plugin.fork_patches.edits.edit import Edit, EditError, apply_
 from zero_mismatch_plugin.fork_patches.messages import MESSAGES
 from zero_mismatch_plugin.integrations.verl import call_guards as verl_guards
 
-from support.preloaded_python import PreloadedPython
+from support import preloaded_python
+from support.preloaded_python import run_script as run_python
 
 
 @pytest.fixture(scope="module")
@@ -37,28 +39,6 @@ def manifest():
 def patched_verl(tmp_path_factory, manifest):
     """A full copy of the installed verl with every verl patch applied."""
     return fork_patches.copy_patched_package(manifest, "verl", tmp_path_factory.mktemp("patched-verl"))
-
-
-SERVER = {}  # the module's preloaded Python, started by the first script
-
-
-def preloaded_python() -> PreloadedPython:
-    if "python" not in SERVER:
-        SERVER["python"] = PreloadedPython()
-    return SERVER["python"]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _close_preloaded_python():
-    yield
-    if "python" in SERVER:
-        SERVER.pop("python").close()
-
-
-def run_python(script: str, *path_first: Path, env: dict | None = None) -> subprocess.CompletedProcess:
-    """``python -c script`` with ``path_first`` ahead on the path, forked from a process that has
-    imported torch and the other unpatched third-party modules once (support/preloaded_python.py)."""
-    return preloaded_python().run(textwrap.dedent(script), path_first=path_first, env=env, timeout=300)
 
 
 def script_result(script: str, *path_first: Path) -> dict:
@@ -1058,8 +1038,8 @@ print("RESULT " + json.dumps(result), flush=True)
 
 def _run_ep_ranks(tmp_path, root: str, modes: str) -> list[dict]:
     store = tmp_path / f"store-{modes}-{bool(root)}"
-    python = preloaded_python()
-    ranks = [python.start(EP_RANK_SCRIPT, str(rank), root, str(store), modes, env={"GLOO_SOCKET_IFNAME": "lo"})
+    python = preloaded_python.shared()
+    ranks = [python.start(EP_RANK_SCRIPT, str(rank), root, str(store), modes, env={**os.environ, "GLOO_SOCKET_IFNAME": "lo"})
              for rank in range(3)]
     results = []
     for rank in ranks:

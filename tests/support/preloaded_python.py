@@ -11,6 +11,7 @@ stdout and stderr.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import select
@@ -18,6 +19,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import textwrap
 from pathlib import Path
 
 TESTS = Path(__file__).resolve().parents[1]
@@ -43,8 +45,7 @@ def _run_child(request: dict) -> None:
     os.environ.update(request["env"])
     sys.path[0:0] = request["path_first"]
     importlib.invalidate_caches()
-    if request.get("cwd"):
-        os.chdir(request["cwd"])
+    os.chdir(request["cwd"])
     sys.argv = ["-c", *request["args"]]
     code = 0
     try:
@@ -125,10 +126,10 @@ class PreloadedPython:
         for path in (handle["stdout"], handle["stderr"]):
             Path(path).touch()
         paths = [*map(str, path_first), str(TESTS)]
-        environment = {**os.environ, **(env or {})}
+        environment = dict(os.environ if env is None else env)  # as subprocess takes it: the whole environment
         environment["PYTHONPATH"] = os.pathsep.join([*paths, environment.get("PYTHONPATH", "")])
         reply = self._request({"op": "start", "script": script, "path_first": paths, "env": environment,
-                               "cwd": None if cwd is None else str(cwd), **handle})
+                               "cwd": str(cwd or os.getcwd()), **handle})
         return {**handle, "pid": reply["pid"], "script": script}
 
     def wait(self, handle: dict, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -147,6 +148,25 @@ class PreloadedPython:
         return self.wait(self.start(script, *args, path_first=path_first, env=env), timeout)
 
     def close(self) -> None:
-        self._server.stdin.close()
-        self._server.wait(timeout=60)
+        if self._server.poll() is None:
+            self._server.stdin.close()
+            self._server.wait(timeout=60)
         self._outputs.cleanup()
+
+
+_SHARED: list[PreloadedPython] = []
+
+
+def shared() -> PreloadedPython:
+    """This process's server: started on first use (a few seconds), closed when the process exits."""
+    if not _SHARED:
+        _SHARED.append(PreloadedPython())
+        atexit.register(_SHARED[0].close)
+    return _SHARED[0]
+
+
+def run_script(script: str, *path_first, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    """``python -c script`` (dedented) with ``path_first`` ahead on the path and ``env`` added to this
+    process's environment, forked from :func:`shared`."""
+    return shared().run(textwrap.dedent(script), path_first=path_first, env={**os.environ, **(env or {})},
+                        timeout=timeout)

@@ -1,9 +1,10 @@
-"""verl must find the plugin through its entry point, in a fresh interpreter, and a
-failure to register must be loud."""
+"""verl must find the plugin through its entry point, in an interpreter that has not imported verl
+yet (a child of support/preloaded_python.py), and a failure to register must be loud."""
 
 import os
 import subprocess
-import sys
+
+from support import preloaded_python
 
 PROBE = (
     "import sys, verl\n"
@@ -15,8 +16,7 @@ PROBE = (
 
 
 def _run(code: str, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240,
-                          env={**os.environ, **env})
+    return preloaded_python.shared().run(code, env={**os.environ, **env}, timeout=240)
 
 
 def test_import_verl_registers_estimators_and_losses_through_the_entry_point():

@@ -9,11 +9,6 @@ patches applied (and, for contrast, stock verl, which never passes mu).
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
 
 import pytest
 import torch
@@ -28,7 +23,8 @@ from zero_mismatch_plugin.integrations.verl.call_guards import accepts_keyword
 from zero_mismatch_plugin.integrations.verl.estimators import InvalidBatchError
 from zero_mismatch_plugin.integrations.verl.losses import flash_reinforce_policy_loss, reinforce_zero_policy_loss
 
-from support import REPO  # noqa: E402
+from support.preloaded_python import run_script
+
 LOSSES = {"reinforce_zero": reinforce_zero_policy_loss, "flash_reinforce": flash_reinforce_policy_loss}
 RESPONSE_LENS = [5, 3, 7, 1, 4, 6]
 ADVANTAGES = [0.7, -0.3, 1.2, -1.0, 0.5, 0.4]
@@ -199,14 +195,6 @@ def patched_verl(tmp_path_factory):
     return fork_patches.copy_patched_package(fork_patches.load_manifest(), "verl", tmp_path_factory.mktemp("patched-verl"))
 
 
-def _run_python(script: str, *path_first: Path) -> subprocess.CompletedProcess:
-    environment = dict(os.environ)
-    environment["PYTHONPATH"] = os.pathsep.join([*map(str, path_first), str(REPO / "tests"),
-                                                 environment.get("PYTHONPATH", "")])
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True,
-                          env=environment, timeout=300)
-
-
 # One batch through verl's ppo_loss in decoupled mode (rollout_is null, bypass off): old_log_probs
 # is the trainer's recompute pi_old, rollout_log_probs the engine's mu.
 PPO_LOSS_SETUP = """
@@ -290,10 +278,10 @@ STOCK_PPO_LOSS_CHECKS = """
 
 def test_patched_verl_decoupled_mode_trains_on_mu_and_reports_the_split(patched_verl):
     script = PPO_LOSS_SETUP + PATCHED_PPO_LOSS_CHECKS.replace("PATCHED_ROOT", repr(str(patched_verl)))
-    result = _run_python(script, patched_verl)
+    result = run_script(script, patched_verl)
     assert result.returncode == 0 and "PATCHED OK" in result.stdout, result.stdout + result.stderr[-6000:]
 
 
 def test_stock_verl_decoupled_mode_still_trains_on_old_log_prob():
-    result = _run_python(PPO_LOSS_SETUP + STOCK_PPO_LOSS_CHECKS)
+    result = run_script(PPO_LOSS_SETUP + STOCK_PPO_LOSS_CHECKS)
     assert result.returncode == 0 and "STOCK OK" in result.stdout, result.stdout + result.stderr[-6000:]

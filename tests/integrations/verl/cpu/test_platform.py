@@ -9,6 +9,7 @@ import sys
 
 import pytest
 import torch
+from support import preloaded_python
 
 OPT_IN = {"ZMRL_VERL_PLATFORM": "cpu", "VERL_USE_EXTERNAL_MODULES": "zero_mismatch_plugin.integrations.verl.cpu"}
 
@@ -20,11 +21,15 @@ PROBE = (
 )
 
 
-def _run(code: str, **env: str) -> subprocess.CompletedProcess:
+def _environment(**env: str) -> dict:
     clean = {k: v for k, v in os.environ.items()
              if k not in ("ZMRL_VERL_PLATFORM", "VERL_PLATFORM", "VERL_USE_EXTERNAL_MODULES", "VERL_ENGINE_DEVICE")}
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240,
-                          env={**clean, **env})
+    return {**clean, **env}
+
+
+def _run(code: str, **env: str) -> subprocess.CompletedProcess:
+    """``python -c code`` in an interpreter that has not imported verl (support/preloaded_python.py)."""
+    return preloaded_python.shared().run(code, env=_environment(**env), timeout=240)
 
 
 def test_opted_in_process_resolves_verl_platform_to_cpu_with_gloo():
@@ -129,6 +134,8 @@ def test_a_failed_opt_in_is_logged_at_error_level_not_only_raised():
 def test_importing_the_package_without_opt_in_loads_nothing_heavy():
     code = ("import sys\nimport zero_mismatch_plugin.integrations.verl.cpu\n"
             "print(sorted(m for m in ('verl', 'torch', 'vllm') if m in sys.modules))\n")
-    result = _run(code)
+    # A fresh interpreter: the preloaded one has torch already.
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240,
+                            env=_environment())
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["[]"]
