@@ -159,8 +159,8 @@ def test_unsupported_configurations_fail_clearly():
 
 def test_import_verl_applies_the_patch_through_the_entry_point_when_enabled():
     import os
-    import subprocess
-    import sys
+
+    from support import preloaded_python
 
     probe = ("import verl\n"
              "from verl.workers.engine.megatron import transformer_impl as engine\n"
@@ -169,7 +169,7 @@ def test_import_verl_applies_the_patch_through_the_entry_point_when_enabled():
     results = {}
     for enabled in ("1", None):
         run_env = dict(env, ZMRL_MEGATRON_ALIGNED=enabled) if enabled else env
-        result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, env=run_env)
+        result = preloaded_python.shared().run(probe, env=run_env, timeout=300)  # verl not imported yet
         assert result.returncode == 0, result.stderr[-3000:]
         results[enabled] = result.stdout.split()[-1]
     assert results == {"1": "True", None: "False"}

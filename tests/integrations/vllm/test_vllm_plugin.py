@@ -173,11 +173,10 @@ print("SWITCH OK")
 
 
 def test_gpu_switch_is_explicit_and_undone_exactly(checkpoints):
-    import subprocess
-    import sys
+    from support import preloaded_python
 
-    result = subprocess.run([sys.executable, "-c", GPU_SWITCH_SCRIPT, str(checkpoints["llama"])],
-                            capture_output=True, text=True, timeout=600)
+    # A Python that has not imported vLLM (support/preloaded_python.py).
+    result = preloaded_python.shared().run(GPU_SWITCH_SCRIPT, str(checkpoints["llama"]), timeout=600)
     print(result.stdout)
     assert result.returncode == 0 and "SWITCH OK" in result.stdout, result.stdout + result.stderr[-4000:]
 

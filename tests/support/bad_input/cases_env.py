@@ -15,8 +15,6 @@ from support import REPO
 
 import contextlib
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 from support.bad_input import CliResult, error, result, run_cli
@@ -90,9 +88,11 @@ def expected(name: str, value: str, first: str) -> str:
     return rf"{name}='{value}': expected '{first}' \("
 
 
-def _subprocess(code: str, **values: str) -> CliResult:
-    env = {**os.environ, **values}
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+def _fresh_python(code: str, **values: str) -> CliResult:
+    from support import preloaded_python
+
+    # A Python that has not imported vLLM or verl yet (support/preloaded_python.py).
+    done = preloaded_python.shared().run(code, env={**os.environ, **values}, timeout=600)
     return CliResult(done.returncode, done.stdout, done.stderr)
 
 
@@ -155,11 +155,11 @@ RUNTIME = [
     # In the framework processes: vLLM calls the plugin's hook unguarded (the engine must not start);
     # verl's plugin loader logs an entry point's exception at DEBUG, so the plugin logs it at ERROR.
     result("vllm-plugin-hook-numerics-garbage",
-           lambda: _subprocess("from vllm.plugins import load_general_plugins\nload_general_plugins()\n",
+           lambda: _fresh_python("from vllm.plugins import load_general_plugins\nload_general_plugins()\n",
                                ZMRL_NUMERICS="garbage"),
            framework_says("ZMRL_NUMERICS='garbage': expected 'consistent' (", exit_non_zero=True), SWITCHES_DOC),
     result("verl-worker-import-fsdp-aligned-maybe",
-           lambda: _subprocess("import verl\n", ZMRL_FSDP_ALIGNED="maybe"),
+           lambda: _fresh_python("import verl\n", ZMRL_FSDP_ALIGNED="maybe"),
            framework_says("ZMRL_FSDP_ALIGNED='maybe': expected '1' (", exit_non_zero=False), SWITCHES_DOC),
 ]
 
