@@ -1,15 +1,24 @@
-"""The op layer's modules import one another without cycles (module- and function-level imports)."""
+"""The package's modules import one another without cycles and only downwards through the layers
+(module- and function-level imports, read from the source)."""
 
 from __future__ import annotations
 
 import ast
-import importlib
 from pathlib import Path
 
-import zero_mismatch_plugin.aligned as aligned
+import zero_mismatch_plugin
 
-ROOT = Path(aligned.__file__).parent
-PACKAGE = aligned.__name__
+ROOT = Path(zero_mismatch_plugin.__file__).parent
+PACKAGE = zero_mismatch_plugin.__name__
+# Layer -> the layers it must never import (docs/architecture.md): tables and algorithms stand alone,
+# the op layer sits under the faces, the faces under the integrations, the tools on top.
+NEVER_IMPORTS = {
+    "tables": ("algorithms", "aligned", "faces", "integrations", "fork_patches", "tools"),
+    "algorithms": ("tables", "aligned", "faces", "integrations", "fork_patches", "tools"),
+    "aligned": ("faces", "integrations", "fork_patches", "tools"),
+    "faces": ("integrations", "fork_patches", "tools"),
+    "integrations": ("tools",),
+}
 
 
 def _module_name(path: Path) -> str:
@@ -18,7 +27,7 @@ def _module_name(path: Path) -> str:
 
 
 def _import_graph() -> dict[str, set[str]]:
-    """{module: the op-layer modules it imports}, with the packages each import runs first."""
+    """{module: the package's modules it imports}, with the packages each import runs first."""
     paths = {_module_name(p): p for p in ROOT.rglob("*.py")}
     graph = {}
     for name, path in paths.items():
@@ -67,20 +76,30 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
-def test_no_import_cycle_in_the_op_layer():
+def _layer(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else None
+
+
+def _upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(f"{module} -> {dep}" for module, deps in graph.items() for dep in deps
+                  if _layer(dep) in NEVER_IMPORTS.get(_layer(module), ()))
+
+
+def test_no_import_cycle_in_the_package():
     graph = _import_graph()
-    assert f"{PACKAGE}.lora.ops" in graph and f"{PACKAGE}.runtime" in graph
+    assert f"{PACKAGE}.aligned.lora.ops" in graph and f"{PACKAGE}.tools.cli" in graph
     assert _cycle(graph) is None, " -> ".join(_cycle(graph))
 
 
-def test_a_planted_cycle_is_found():
+def test_no_layer_imports_a_layer_above_it():
+    graph = _import_graph()
+    assert set(NEVER_IMPORTS) | {"fork_patches", "tools"} == {_layer(m) for m in graph} - {None}
+    assert _upward_imports(graph) == []
+
+
+def test_a_planted_cycle_and_a_planted_upward_import_are_found():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}
     assert _cycle(graph) == ["a", "b", "c", "a"]
-
-
-def test_the_worker_extension_names_the_weight_sync_class():
-    from zero_mismatch_plugin.aligned.runtime import WORKER_EXTENSION
-    from zero_mismatch_plugin.aligned.weight_sync import WeightSyncExtension
-
-    module, _, cls = WORKER_EXTENSION.rpartition(".")
-    assert getattr(importlib.import_module(module), cls) is WeightSyncExtension
+    planted = {f"{PACKAGE}.aligned.ops": {f"{PACKAGE}.faces.fsdp"}, f"{PACKAGE}.faces.fsdp": set()}
+    assert _upward_imports(planted) == [f"{PACKAGE}.aligned.ops -> {PACKAGE}.faces.fsdp"]
