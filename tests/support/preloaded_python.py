@@ -1,6 +1,5 @@
 """A Python process that has imported the heavy third-party modules once and forks one child per
-script: each script then starts in about a second instead of paying torch's and transformers'
-imports again (about 70% of a vLLM script's import time here).
+script, so no script pays torch's and transformers' imports again (most of a vLLM script's start).
 
 Only modules that no fork patch touches are preloaded (never vllm, verl, megatron or this
 package), so a child still imports a patched copy ahead of the installed one, as a fresh
@@ -24,7 +23,7 @@ from pathlib import Path
 
 TESTS = Path(__file__).resolve().parents[1]
 
-# Third-party modules the fork-patch scripts import and that take most of their start-up time.
+# Third-party modules the scripts import and that take most of their start-up time.
 PRELOADED = ("torch", "numpy", "transformers", "transformers.configuration_utils", "transformers.modeling_utils",
              "openai", "networkx", "sympy", "click", "fastapi", "aiohttp", "pydantic", "omegaconf", "hydra", "ray")
 # Upstreams the fork patches edit: a child must import them itself, patched copy first.
