@@ -36,8 +36,9 @@ def _run_child(request: dict) -> None:
     import importlib
     import traceback
 
-    for fd, path, flags in ((0, os.devnull, os.O_RDONLY), (1, request["stdout"], os.O_WRONLY | os.O_TRUNC),
-                            (2, request["stderr"], os.O_WRONLY | os.O_TRUNC)):
+    written = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+    for fd, path, flags in ((0, os.devnull, os.O_RDONLY), (1, request["stdout"], written),
+                            (2, request["stderr"], written)):
         os.dup2(os.open(path, flags), fd)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     os.environ.clear()
@@ -122,8 +123,6 @@ class PreloadedPython:
         self._count += 1
         out = Path(self._outputs.name) / str(self._count)
         handle = {"stdout": f"{out}.out", "stderr": f"{out}.err", "args": list(map(str, args))}
-        for path in (handle["stdout"], handle["stderr"]):
-            Path(path).touch()
         paths = [*map(str, path_first), str(TESTS)]
         environment = dict(os.environ if env is None else env)  # as subprocess takes it: the whole environment
         environment["PYTHONPATH"] = os.pathsep.join([*paths, environment.get("PYTHONPATH", "")])
@@ -132,10 +131,8 @@ class PreloadedPython:
         return {**handle, "pid": reply["pid"], "script": script}
 
     def wait(self, handle: dict, timeout: float = 300) -> subprocess.CompletedProcess:
-        self._server.stdin.write(json.dumps({"op": "wait", "pid": handle["pid"]}) + "\n")
-        self._server.stdin.flush()
         try:
-            reply = self._reply(timeout)
+            reply = self._request({"op": "wait", "pid": handle["pid"]}, timeout)
         except TimeoutError:
             os.kill(handle["pid"], signal.SIGKILL)
             self._reply(None)
