@@ -272,8 +272,9 @@ def test_runtime_patches_select_the_cpu_lora_experts_and_removal_restores_stock(
         return y
 
     # The plugin may have applied them already in this process (an engine started earlier in
-    # consistent mode): the test puts back whichever state it found.
-    was_applied = [runtime_patches.is_applied(p) for p in PATCHES]
+    # consistent mode), or left them waiting for their module's import: the test puts back
+    # whichever state it found (a waiting patch comes back applied, its module now imported).
+    was_applied = [runtime_patches.is_applied(p) or runtime_patches.is_pending(p) for p in PATCHES]
     for patch in PATCHES:
         runtime_patches.remove(patch)
     try:
