@@ -20,6 +20,7 @@ ALLOW_PREFIX_CACHING = "ZMRL_ALLOW_PREFIX_CACHING"
 ALLOW_UNSUPPORTED_VLLM = "ZMRL_ALLOW_UNSUPPORTED_VLLM"
 VERL_PLATFORM = "ZMRL_VERL_PLATFORM"
 CPU_ENGINE_ONE_PROCESS = "ZMRL_CPU_ENGINE_ONE_PROCESS"
+CPU_ENGINE_FORK = "ZMRL_CPU_ENGINE_FORK"
 PREFIX = "ZMRL_"
 
 ON, OFF = "1", "0"
@@ -71,6 +72,8 @@ SWITCHES: dict[str, Switch] = {switch.name: switch for switch in (
     Switch(VERL_PLATFORM, (("cpu", "verl's CPU platform, from this plugin"),), "verl detects the accelerator"),
     _flag(CPU_ENGINE_ONE_PROCESS, "a CPU engine of world size 1 runs its model in the EngineCore process "
           "(one thread; starts sooner)", "vLLM's worker process", "vLLM's worker process"),
+    _flag(CPU_ENGINE_FORK, f"with {CPU_ENGINE_ONE_PROCESS}=1, that EngineCore is forked from a fork server "
+          "that imported vLLM once (starts sooner)", "spawned", "spawned"),
 )}
 
 

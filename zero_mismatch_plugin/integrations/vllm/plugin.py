@@ -14,7 +14,7 @@ import os
 
 from zero_mismatch_plugin.integrations import patches as runtime_patches
 from zero_mismatch_plugin.integrations.patches import FunctionPatch
-from zero_mismatch_plugin.integrations.vllm.cpu_engine_process import ONE_PROCESS
+from zero_mismatch_plugin.integrations.vllm.cpu_engine_process import FORK_SERVER, ONE_PROCESS
 from zero_mismatch_plugin.integrations.vllm.cpu_mla import CONSISTENT_MODE_PATCHES as CPU_MLA_PATCHES
 from zero_mismatch_plugin.integrations.vllm.cpu_moe_lora import PATCHES as CPU_MOE_LORA_PATCHES
 from zero_mismatch_plugin.integrations.vllm.cpu_sigmoid import CONSISTENT_MODE_PATCHES as CPU_SIGMOID_PATCHES
@@ -31,10 +31,12 @@ def register() -> None:
     """The engine side for ``ZMRL_NUMERICS`` in this process (vLLM calls it in the main process, the
     EngineCore and every worker); safe to call repeatedly."""
     from zero_mismatch_plugin.aligned import numerics
-    from zero_mismatch_plugin.tables.switches import CPU_ENGINE_ONE_PROCESS, enabled
+    from zero_mismatch_plugin.tables.switches import CPU_ENGINE_FORK, CPU_ENGINE_ONE_PROCESS, enabled
 
     if enabled(CPU_ENGINE_ONE_PROCESS):
         runtime_patches.apply(ONE_PROCESS)
+        if enabled(CPU_ENGINE_FORK):
+            runtime_patches.apply(FORK_SERVER)
     mode = numerics.current_mode()
     if mode is None:
         return
@@ -252,4 +254,4 @@ LORA_BASE_EMBEDDING_ROWS = _cpu_lora_op_patch(
 # one-process CPU engine (applied whatever the mode, when its switch is on).
 CPU_CONSISTENT_MODE_PATCHES = (CPU_GEMM, *CPU_MLA_PATCHES, *CPU_SIGMOID_PATCHES, LORA_BASE_ROWS,
                                LORA_BASE_EMBEDDING_ROWS, *CPU_MOE_LORA_PATCHES)
-PATCHES: list[FunctionPatch] = [ENGINE_ARGS, *CPU_CONSISTENT_MODE_PATCHES, ONE_PROCESS]
+PATCHES: list[FunctionPatch] = [ENGINE_ARGS, *CPU_CONSISTENT_MODE_PATCHES, ONE_PROCESS, FORK_SERVER]
