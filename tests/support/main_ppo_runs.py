@@ -17,10 +17,6 @@ import math
 
 import pytest
 
-# Trainer and rollout both compute fp32 logprobs of the same weights; with verl's stock forward
-# they differ by rounding only (about 1e-6 here). bf16 autocast or unsynced rollout weights
-# put them 1e-2 or more apart.
-SAME_WEIGHTS_LOGPROB_DIFF = 1e-4
 DIFF = "actor/zero_mismatch/log_prob_abs_diff_max"
 BITWISE = "actor/zero_mismatch/bitwise_equal_fraction"
 # Per step, over the batch's trajectories: versions between the weights that sampled a trajectory's

@@ -3,8 +3,9 @@
 In-process, one gloo rank: an HF checkpoint (dense, or Mixture-of-Experts with transformers'
 stacked experts) wrapped by verl's own ``apply_fsdp2`` computes the same logits and the same
 parameter gradients, bit for bit, as the aligned model (``AlignedCausalLM``, whose logprobs the
-aligned tests compare against vLLM's engine), also after an optimizer step. The end-to-end check against vLLM's μ inside verl's trainer is
-``test_main_ppo_cpu.py``.
+aligned tests compare against vLLM's engine), also after an optimizer step; its logprobs are the
+engine's μ where verl's own forward's are not (the negative control). The end-to-end check against
+vLLM's μ inside verl's trainer is ``tests/integrations/verl/cpu/test_main_ppo_*.py``.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 from zero_mismatch_plugin.aligned.packing import pack
 from zero_mismatch_plugin.faces import fsdp as fsdp_aligned
 from zero_mismatch_plugin.faces.fsdp import AlignedFSDPForward, PackedMicroBatch
+from zero_mismatch_plugin.integrations.verl import fsdp_engine
 from zero_mismatch_plugin.tables.switches import FSDP_ALIGNED
 
 PROMPT_LENS = (5, 9, 3)
@@ -76,6 +78,34 @@ def _target_logprob_sum(logits, batch):
 
 def _full(tensor):
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def _verl_fsdp_engine(model, checkpoint, lora=False):
+    """The attributes of verl's FSDP engine that the patched ``forward_step`` reads to build the
+    aligned forward."""
+    return types.SimpleNamespace(
+        module=model, _is_lora=lora, ulysses_sequence_parallel_size=1, _qat_enabled=False,
+        engine_config=types.SimpleNamespace(strategy="fsdp2"),
+        model_config=types.SimpleNamespace(local_path=str(checkpoint), lora={"merge": False} if lora else {}))
+
+
+def _actor_logprobs(aligned, model, batch):
+    """The actor's logprobs of the response tokens as the patched ``forward_step`` computes them."""
+    temperature = torch.ones(batch.input_ids.numel())
+    packed = PackedMicroBatch(batch.input_ids, batch.positions, batch.seq_lens, cu_seqlens=None,
+                              labels=torch.roll(batch.input_ids, -1), temperature=temperature)
+    log_probs, _ = fsdp_aligned.aligned_log_probs(aligned.logits(model, packed), packed)
+    return log_probs.index_select(0, batch.target_rows)
+
+
+def _verl_forward_logprobs(model, rows):
+    """verl's own (HF + PEFT) forward, one sequence at a time: the logprobs without the patch."""
+    out = []
+    for prompt, response, _ in rows:
+        ids = torch.tensor([prompt + response])
+        logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1]
+        out.append(logits.log_softmax(-1).gather(-1, torch.tensor(response)[:, None])[:, 0])
+    return torch.cat(out)
 
 
 def _reference_grads(reference) -> dict:
@@ -154,6 +184,26 @@ def test_fsdp2_units_give_the_aligned_models_logits_and_gradients(process_group,
 
     fsdp_aligned.uninstall(model)
     assert all("forward" not in vars(module) for module in model.modules()), "the HF forwards are back"
+
+
+def test_actor_logprobs_are_the_engines_and_verls_own_forward_is_not(process_group, checkpoints, engines):
+    """The patched forward_step's logprobs of a rollout are the engine's μ bit for bit; verl's own
+    HF forward of the same FSDP2 model is close to μ and not equal (the negative control of the
+    aligned actor inside verl's trainer)."""
+    from support.vllm_session import prompts_for, rollout
+
+    checkpoint = checkpoints["llama"]
+    model = _fsdp2_model(checkpoint)
+    aligned = fsdp_engine.aligned_state(_verl_fsdp_engine(model, checkpoint))
+    prompts, responses, mu = rollout(engines.get("llama"), prompts_for(checkpoint))
+    batch = pack(prompts, responses)
+    with torch.no_grad():
+        actor = _actor_logprobs(aligned, model, batch)
+        fsdp_aligned.uninstall(model)
+        verls_own = _verl_forward_logprobs(model, list(zip(prompts, responses, mu)))
+    assert torch.equal(actor, mu), (actor - mu).abs().max().item()
+    assert not torch.equal(verls_own, mu)
+    torch.testing.assert_close(verls_own, mu, rtol=0, atol=1e-4)  # ... though the same weights in fp32
 
 
 def test_unsupported_architecture_is_refused(tmp_path):

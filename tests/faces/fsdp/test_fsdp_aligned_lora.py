@@ -13,14 +13,15 @@ import types
 
 import pytest
 import torch
-from test_fsdp_aligned import _fsdp2_model, _full, _packed, _target_logprob_sum, process_group  # noqa: F401
+from test_fsdp_aligned import (_actor_logprobs, _fsdp2_model, _full, _packed, _target_logprob_sum,  # noqa: F401
+                               _verl_forward_logprobs, _verl_fsdp_engine, process_group)
 from support.vllm_session import MAX_MODEL_LEN, prompts_for
 
 from zero_mismatch_plugin.aligned.lora.names import peft_tensor_name
 from zero_mismatch_plugin.aligned.lora.peft import lora_engine_args_for_rank, write_peft_adapter
 from zero_mismatch_plugin.aligned.packing import pack
 from zero_mismatch_plugin.faces import fsdp as fsdp_aligned
-from zero_mismatch_plugin.faces.fsdp import AlignedFSDPForward, PackedMicroBatch, UnsupportedFSDPFeature
+from zero_mismatch_plugin.faces.fsdp import AlignedFSDPForward, UnsupportedFSDPFeature
 from zero_mismatch_plugin.integrations.verl import fsdp_engine
 
 LORA_RANK = 8
@@ -83,25 +84,6 @@ def _rollout(checkpoint, adapter_dir, prompts):
     return rows
 
 
-def _actor_logprobs(aligned, model, batch):
-    """The actor's logprobs of the response tokens as the patched ``forward_step`` computes them."""
-    temperature = torch.ones(batch.input_ids.numel())
-    packed = PackedMicroBatch(batch.input_ids, batch.positions, batch.seq_lens, cu_seqlens=None,
-                              labels=torch.roll(batch.input_ids, -1), temperature=temperature)
-    log_probs, _ = fsdp_aligned.aligned_log_probs(aligned.logits(model, packed), packed)
-    return log_probs.index_select(0, batch.target_rows)
-
-
-def _verl_forward_logprobs(model, rows):
-    """verl's own (HF + PEFT) forward, one sequence at a time: the logprobs without the patch."""
-    out = []
-    for prompt, response, _ in rows:
-        ids = torch.tensor([prompt + response])
-        logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1]
-        out.append(logits.log_softmax(-1).gather(-1, torch.tensor(response)[:, None])[:, 0])
-    return torch.cat(out)
-
-
 # With gradient checkpointing (verl's default) the backward calls each layer again.
 @pytest.mark.parametrize("family,gradient_checkpointing", [("llama", False), ("qwen3", True)])
 def test_lora_actor_logprobs_equal_the_lora_engine_and_gradients_reach_the_adapter(
@@ -110,12 +92,7 @@ def test_lora_actor_logprobs_equal_the_lora_engine_and_gradients_reach_the_adapt
 
     checkpoint = checkpoints[family]
     model = _fsdp2_model(checkpoint, gradient_checkpointing, prepare=_verl_lora)
-    # The engine's aligned forward as the patched forward_step builds it (the engine's attributes it reads).
-    engine = types.SimpleNamespace(
-        module=model, _is_lora=True, ulysses_sequence_parallel_size=1, _qat_enabled=False,
-        engine_config=types.SimpleNamespace(strategy="fsdp2"),
-        model_config=types.SimpleNamespace(local_path=str(checkpoint), lora={"merge": False}))
-    aligned = fsdp_engine.aligned_state(engine)
+    aligned = fsdp_engine.aligned_state(_verl_fsdp_engine(model, checkpoint, lora=True))
     assert aligned.lora_config.scaling == LORA_ALPHA / LORA_RANK
     assert aligned.runtime.vllm_config.lora_config.max_lora_rank == ENGINE_LORA["max_lora_rank"]
     adapter_dir = _write_adapter(model, tmp_path / "adapter")
