@@ -19,7 +19,7 @@ import multiprocessing.forkserver
 import os
 
 from zero_mismatch_plugin.integrations.vllm.patch_kinds import vllm_patch
-from zero_mismatch_plugin.tables.switches import CPU_ENGINE_FORK, CPU_ENGINE_ONE_PROCESS
+from zero_mismatch_plugin.tables.switches import CPU_ENGINE_FORK, CPU_ENGINE_ONE_PROCESS, enabled
 
 
 def _keep_uniprocess_executor(original):
@@ -50,8 +50,10 @@ ONE_PROCESS = vllm_patch(
 )
 
 
-# What the fork server imports once: the EngineCore, its one-process executor and the CPU worker.
-ENGINE_FORK_SERVER_PRELOAD = ("vllm.v1.engine.core", "vllm.v1.executor.uniproc_executor", "vllm.v1.worker.cpu_worker")
+# What the fork server imports once: the EngineCore, its one-process executor and the CPU worker,
+# and the in-process engine of ``vllm.LLM`` (the demo's engine process runs one).
+ENGINE_FORK_SERVER_PRELOAD = ("vllm.v1.engine.core", "vllm.v1.executor.uniproc_executor", "vllm.v1.worker.cpu_worker",
+                              "vllm.entrypoints.llm")
 
 
 class _ProcessWithCallersEnvironment(multiprocessing.context.ForkServerProcess):
@@ -75,13 +77,22 @@ class _EngineForkServerContext(multiprocessing.context.ForkServerContext):
 _ENGINE_FORK_SERVER = _EngineForkServerContext()
 
 
+def engine_fork_server() -> multiprocessing.context.BaseContext:
+    """The multiprocessing context whose processes come from the engine fork server."""
+    multiprocessing.forkserver.set_forkserver_preload(list(ENGINE_FORK_SERVER_PRELOAD))
+    return _ENGINE_FORK_SERVER
+
+
+def engine_process_context() -> multiprocessing.context.BaseContext:
+    """For a process that runs a vLLM engine: the fork server with ``ZMRL_CPU_ENGINE_FORK=1``,
+    else spawn."""
+    return engine_fork_server() if enabled(CPU_ENGINE_FORK) else multiprocessing.get_context("spawn")
+
+
 def _engine_cores_from_a_fork_server(original):
     def get_mp_context():
         context = original()
-        if context.get_start_method() != "spawn":
-            return context
-        multiprocessing.forkserver.set_forkserver_preload(list(ENGINE_FORK_SERVER_PRELOAD))
-        return _ENGINE_FORK_SERVER
+        return engine_fork_server() if context.get_start_method() == "spawn" else context
 
     return get_mp_context
 

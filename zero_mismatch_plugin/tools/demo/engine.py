@@ -15,7 +15,7 @@ import signal
 import traceback
 
 from zero_mismatch_plugin.aligned.numerics import temporary_environment
-
+from zero_mismatch_plugin.integrations.vllm.cpu_engine_process import engine_process_context
 from zero_mismatch_plugin.tools.demo.rollout import Chunk, Inbox, RolloutPlan, WeightMailbox, produce_chunks
 from zero_mismatch_plugin.tools.demo.task import Task
 
@@ -90,7 +90,7 @@ class EngineProcess:
     """
 
     def __init__(self, model_dir, max_model_len: int, seed: int = 0, engine_args: dict | None = None):
-        context = multiprocessing.get_context("spawn")
+        context = engine_process_context()  # spawned, or from the engine fork server (ZMRL_CPU_ENGINE_FORK)
         self._requests = context.Queue()
         self._replies = context.Queue()
         self._lock = context.Lock()
