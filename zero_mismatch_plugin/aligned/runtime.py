@@ -2,7 +2,8 @@
 
 The trainer builds the engine's ``VllmConfig`` for the same checkpoint and engine arguments and
 calls vLLM's own layers built under it, so their dispatch is vLLM's on every platform. Building a
-runtime changes no process-wide state (``docs/zero-mismatch.md``).
+runtime sets no numerics switch (``docs/zero-mismatch.md``); it runs the plugin's engine side for
+the current environment, as every engine process does at its start.
 """
 
 from __future__ import annotations
@@ -45,6 +46,24 @@ def engine_args_for(model_dir: str | os.PathLike, dtype: str = "float32", **over
 
 ENGINE_SHUTDOWN_GRACE_S = 1.0
 
+# This package's entry in vLLM's general-plugin group (pyproject.toml).
+ENGINE_PLUGIN = "zero_mismatch"
+
+
+def load_engine_plugin() -> None:
+    """Run this package's vLLM general plugin for the current environment, as an engine process
+    does when it starts.
+
+    vLLM runs its general plugins once per process (``vllm.plugins.load_general_plugins``): after
+    a stock engine was created in this process, the engine-side patches of a later consistent
+    environment would be missing here while every new engine process has them.
+    """
+    from vllm.plugins import DEFAULT_PLUGINS_GROUP, load_plugins_by_group
+
+    plugin = load_plugins_by_group(DEFAULT_PLUGINS_GROUP).get(ENGINE_PLUGIN)
+    if plugin is not None:  # not installed, or left out by VLLM_PLUGINS: no engine runs it either
+        plugin()
+
 
 def shutdown_engine(llm) -> None:
     """Stop a ``vllm.LLM``'s engine processes now, not when the object is collected.
@@ -70,8 +89,9 @@ class VllmRuntime:
         self.platform = platform_kind()
         self.mode = numerics.current_mode()
         # The numerics switch is the caller's (numerics.enable_consistent_numerics): building a
-        # trainer changes no process-wide state, and refuses what would not match the engine.
+        # trainer switches nothing, and refuses what would not match the engine.
         numerics.require_trainer_numerics(self.mode, self.platform)
+        load_engine_plugin()
         self.model_dir = Path(model_dir)
         kwargs = engine_args_for(model_dir, dtype=dtype, **engine_kwargs)
         # Only config-level arguments matter here; the trainer never allocates an engine.

@@ -83,6 +83,27 @@ def test_vllm_changes_are_named_and_removable_with_the_environment(checkpoints, 
     assert _config(checkpoints["llama"], enforce_eager=False).model_config.enforce_eager
 
 
+def test_a_trainer_built_after_a_stock_engine_has_the_engine_side_of_its_environment(checkpoints, monkeypatch):
+    """vLLM runs its plugins once per process: after a stock engine was created here, building a
+    trainer under the consistent environment still brings what every new engine process runs (on a
+    host where torch's sigmoid tail rounds by call size, the GLM-4.5 router differed without it)."""
+    import vllm.plugins
+
+    from zero_mismatch_plugin.aligned import runtime
+    from zero_mismatch_plugin.integrations.vllm import plugin as vllm_plugin
+
+    vllm_plugin.remove()  # as after a stock engine: nothing of the plugin in this process ...
+    monkeypatch.setattr(vllm.plugins, "plugins_loaded", True)  # ... and vLLM will not load it again
+    try:
+        assert _config(checkpoints["llama"]) is not None and vllm_plugin.applied() == []  # the fault, planted
+        runtime.VllmRuntime(checkpoints["llama"], max_model_len=256)
+        assert vllm_plugin.applied() == sorted(
+            patch.name for patch in (vllm_plugin.PATCHES if platform_kind() == "cpu" else [vllm_plugin.ENGINE_ARGS]))
+    finally:
+        monkeypatch.undo()
+        vllm_plugin.register()
+
+
 def test_other_vllm_versions_are_refused_by_the_plugin(monkeypatch):
     import vllm
 

@@ -131,11 +131,6 @@ class EngineModules:
         self._stack = contextlib.ExitStack()
 
     def __enter__(self) -> "EngineModules":
-        from zero_mismatch_plugin.integrations.vllm import plugin
-
-        # The engine side of this environment, as an engine process loads it: vLLM loads its
-        # plugins once per process, maybe under another environment (an earlier stock engine).
-        plugin.register()
         try:
             self._stack.enter_context(single_process_group(self.runtime))
             self._load()
