@@ -19,7 +19,7 @@ import pytest
 
 from zero_mismatch_plugin import fork_patches
 from zero_mismatch_plugin.tools.cli import main as zmrl
-from zero_mismatch_plugin.fork_patches import PatchError, formatpatch, generate, series
+from zero_mismatch_plugin.fork_patches import PatchError, checkout_writes, formatpatch, generate, series
 from zero_mismatch_plugin.fork_patches.edits import verl as verl_edits
 from zero_mismatch_plugin.fork_patches.edits import vllm_gpu_functions
 from zero_mismatch_plugin.fork_patches.edits.edit import Edit, EditError, apply_edits
@@ -469,7 +469,7 @@ def test_apply_restores_the_checkout_when_a_write_fails_midway_and_a_rerun_works
     checkout = _fake_verl_checkout(manifest, tmp_path / "verl-fork", "0.9.1")
     before = _tree_digest(checkout)
     writer = FailingWriter(succeed=2)
-    monkeypatch.setattr(series, "write_file", writer)
+    monkeypatch.setattr(checkout_writes, "write_file", writer)
     with pytest.raises(PatchError, match=r"could not write .*/verl/workers/utils/losses.py \(\[Errno 28\] No space "
                        r"left on device\); the files written before it were restored"):
         fork_patches.apply_to(checkout)
@@ -482,7 +482,7 @@ def test_apply_restores_the_checkout_when_a_write_fails_midway_and_a_rerun_works
 
 def test_apply_names_the_files_it_could_not_restore(manifest, tmp_path, monkeypatch):
     checkout = _fake_verl_checkout(manifest, tmp_path / "verl-fork", "0.9.1")
-    monkeypatch.setattr(series, "write_file", FailingWriter(succeed=1, then_always=True))
+    monkeypatch.setattr(checkout_writes, "write_file", FailingWriter(succeed=1, then_always=True))
     with pytest.raises(PatchError, match=r"could not restore verl/__init__.py \(.*No space left.*\): "
                        r"restore them from version control"):
         fork_patches.apply_to(checkout)
@@ -1276,7 +1276,7 @@ def test_shared_rotary_on_rows_and_row_invariant_bmm_match_the_runtime_patches(m
     import torch
 
     from zero_mismatch_plugin.aligned import mla, row_invariant
-    from zero_mismatch_plugin.fork_patches.edits import vllm as vllm_edits
+    from zero_mismatch_plugin.fork_patches.edits import vllm_cpu as vllm_edits
     from zero_mismatch_plugin.integrations.vllm import cpu_mla as vllm_cpu_mla
 
     assert vllm_edits.rotary_on_rows is row_invariant.rotary_on_rows
@@ -1351,7 +1351,7 @@ def test_vllm_cpu_mla_one_token_prompt_is_a_decode_wherever_it_stands(patched_vl
 def test_shared_one_token_prompt_functions_are_the_runtime_patches():
     from zero_mismatch_plugin.integrations.vllm import cpu_mla as vllm_cpu_mla
 
-    from zero_mismatch_plugin.fork_patches.edits import vllm as vllm_edits
+    from zero_mismatch_plugin.fork_patches.edits import vllm_cpu as vllm_edits
 
     assert vllm_edits.first_steps_counted_as_computed is vllm_cpu_mla.first_steps_counted_as_computed
     assert vllm_edits.only_cpu_mla_attention is vllm_cpu_mla.only_cpu_mla_attention
@@ -1494,7 +1494,7 @@ def test_vllm_cpu_moe_lora_experts_select_apply_and_update(patched_vllm_files):
 
 def test_shared_moe_lora_functions_are_the_runtime_patches_and_the_trainers():
     from zero_mismatch_plugin.aligned import cpu_lora_experts
-    from zero_mismatch_plugin.fork_patches.edits import vllm as vllm_edits
+    from zero_mismatch_plugin.fork_patches.edits import vllm_cpu as vllm_edits
     from zero_mismatch_plugin.integrations.vllm import cpu_moe_lora as vllm_cpu_moe_lora
 
     assert vllm_edits.add_moe_lora is cpu_lora_experts.add_moe_lora
@@ -1510,7 +1510,7 @@ def test_shared_row_invariant_sigmoid_is_the_runtime_patches_and_the_trainers():
     import torch
 
     from zero_mismatch_plugin.aligned import cpu_lora_experts, moe, row_invariant
-    from zero_mismatch_plugin.fork_patches.edits import vllm as vllm_edits
+    from zero_mismatch_plugin.fork_patches.edits import vllm_cpu as vllm_edits
     from zero_mismatch_plugin.integrations.vllm import cpu_sigmoid as vllm_cpu_sigmoid
 
     assert vllm_edits.row_invariant_sigmoid is row_invariant.row_invariant_sigmoid

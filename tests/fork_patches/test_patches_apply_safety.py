@@ -23,7 +23,7 @@ from unittest import mock
 import pytest
 
 from zero_mismatch_plugin import fork_patches
-from zero_mismatch_plugin.fork_patches import series
+from zero_mismatch_plugin.fork_patches import checkout_writes
 
 from support import REPO  # noqa: E402
 WORK_DIR = ".zmrl-apply"  # where apply keeps its journal while it runs (docs/patches.md)
@@ -176,7 +176,7 @@ def test_every_original_is_backed_up_and_journalled_before_the_first_file_is_wri
     def first_write(path, data):
         raise _Killed
 
-    monkeypatch.setattr(series, "write_file", first_write)
+    monkeypatch.setattr(checkout_writes, "write_file", first_write)
     with pytest.raises(_Killed):
         fork_patches.apply_to(checkout)
     work = checkout / WORK_DIR

