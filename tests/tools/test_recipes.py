@@ -518,9 +518,20 @@ def test_the_unaligned_override_is_loud_and_launches_only_with_the_switch_off(ca
     assert f"warning: {SWITCH}: TRAINER NOT ALIGNED" in capsys.readouterr().err
 
 
-def test_list_names_every_recipe_and_whether_its_trainer_is_aligned(capsys):
-    assert zmrl(["recipes", "list"]) == 0
-    out = capsys.readouterr().out
+@pytest.fixture(scope="module")
+def recipes_listed() -> str:
+    """What `zmrl recipes list` prints (it composes every recipe: run once for the module)."""
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert zmrl(["recipes", "list"]) == 0
+    return out.getvalue()
+
+
+def test_list_names_every_recipe_and_whether_its_trainer_is_aligned(recipes_listed):
+    out = recipes_listed
     for name in recipe_names():
         assert f"  {name}\n" in out
         trainer = out.split(f"  {name}\n", 1)[1].splitlines()[1].strip()
@@ -636,7 +647,7 @@ def test_verls_launcher_hands_the_aligned_switch_to_every_ray_worker(monkeypatch
 
 
 @pytest.mark.parametrize("name", MOE_FSDP)
-def test_moe_recipes_train_aligned_in_verls_fsdp_engine(name, capsys):
+def test_moe_recipes_train_aligned_in_verls_fsdp_engine(name, recipes_listed):
     """The Qwen3-30B-A3B recipes train with verl's FSDP2 engine and its aligned forward
     (zm_engine: fsdp_aligned), which runs MoE layers through the op layer's MoE op; `zmrl recipes
     list` says aligned. Would the FSDP engine stop covering MoE, the status would name the gap."""
@@ -653,8 +664,7 @@ def test_moe_recipes_train_aligned_in_verls_fsdp_engine(name, capsys):
     assert sel(cfg, "actor_rollout_ref.rollout.dtype") == "bfloat16"
     rollout = rollout_layout(cfg)
     assert (rollout.tp, rollout.dp, rollout.pp, rollout.ep) == (1, 1, 1, 1), "1-GPU replicas, one-process experts"
-    assert zmrl(["recipes", "list"]) == 0
-    listed = capsys.readouterr().out.split(f"  {name}\n", 1)[1].splitlines()[1].strip()
+    listed = recipes_listed.split(f"  {name}\n", 1)[1].splitlines()[1].strip()
     assert listed == "trainer: aligned", listed
 
 
