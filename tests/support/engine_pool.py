@@ -34,7 +34,6 @@ class EnginePool:
     def __init__(self, capacity: int | None = None):
         self.capacity = capacity or int(os.environ.get(CAPACITY_ENV) or DEFAULT_CAPACITY)
         self._alive: OrderedDict[tuple, object] = OrderedDict()
-        self._aliases: dict[tuple, tuple] = {}  # a key after an engine's start -> the key it started under
         self.started: list[tuple[str, float]] = []  # (model, seconds) per start
         self.reused = 0
 
@@ -45,7 +44,7 @@ class EnginePool:
         from zero_mismatch_plugin.aligned.runtime import engine_args_for
 
         args = engine_args_for(checkpoint, **overrides)
-        key = self._canonical((scope, engine_key(args)))
+        key = (scope, engine_key(args))
         if key in self._alive:
             self._alive.move_to_end(key)
             self.reused += 1
@@ -57,19 +56,16 @@ class EnginePool:
         began = time.monotonic()
         llm = LLM(**args)
         self.started.append((os.path.basename(str(checkpoint)), time.monotonic() - began))
-        self._alive[key] = llm
-        # The first start in a process writes variables of vLLM's own (VLLM_WORKER_MULTIPROC_METHOD, ...):
-        # the same request made afterwards names this engine, not a new one.
-        after = (scope, engine_key(args))
-        if after != key:
-            self._aliases[after] = key
+        # Keyed by the environment after the start: the first start in a process writes variables of
+        # vLLM's own (VLLM_WORKER_MULTIPROC_METHOD, ...), which every later request then sees.
+        self._alive[(scope, engine_key(args))] = llm
         return llm
 
     def drop(self, checkpoint, scope=None, **overrides) -> None:
         """Shut the engine :meth:`get` would return for these arguments, if one is alive (none is started)."""
         from zero_mismatch_plugin.aligned.runtime import engine_args_for
 
-        key = self._canonical((scope, engine_key(engine_args_for(checkpoint, **overrides))))
+        key = (scope, engine_key(engine_args_for(checkpoint, **overrides)))
         if key in self._alive:
             self._shut(key)
 
@@ -89,11 +85,7 @@ class EnginePool:
         while self._alive:
             self._shut(next(iter(self._alive)))
 
-    def _canonical(self, key: tuple) -> tuple:
-        return self._aliases.get(key, key)
-
     def _shut(self, key) -> None:
         from zero_mismatch_plugin.aligned.runtime import shutdown_engine
 
-        self._aliases = {after: started for after, started in self._aliases.items() if started != key}
         shutdown_engine(self._alive.pop(key))
