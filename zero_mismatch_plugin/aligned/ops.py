@@ -294,13 +294,17 @@ class _LinearFn(Function):
 class AlignedLogits:
     """vLLM's ``LogitsProcessor`` over a padded lm_head (head dtype honoured, vocab sliced)."""
 
-    def __init__(self, runtime: VllmRuntime, weight: torch.nn.Parameter, vocab_size: int):
+    def __init__(self, runtime: VllmRuntime, weight: torch.nn.Parameter, vocab_size: int, *,
+                 padded_vocab: int | None = None, full_vocab: int | None = None):
+        """``padded_vocab`` / ``full_vocab``: for one tensor-parallel rank's shard of the head, the
+        rows that rank's GEMM has (vLLM pads the whole vocabulary, not each shard) and the whole
+        vocabulary (the processor's slice keeps all of the shard's columns)."""
         self.runtime = runtime
         self.weight = weight
         self.vocab_size = vocab_size
-        self.padded_vocab = runtime.padded_vocab_size(vocab_size)
+        self.padded_vocab = runtime.padded_vocab_size(vocab_size) if padded_vocab is None else padded_vocab
         self.method = runtime.embedding_method()
-        self.processor = runtime.logits_processor(vocab_size)
+        self.processor = runtime.logits_processor(full_vocab or vocab_size)
         self.derived = DerivedWeight([weight], self._build)
 
     def _build(self, sources):

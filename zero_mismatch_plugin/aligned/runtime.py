@@ -44,6 +44,27 @@ def engine_args_for(model_dir: str | os.PathLike, dtype: str = "float32", **over
     return args
 
 
+CPU_THREADS_BIND = "VLLM_CPU_OMP_THREADS_BIND"
+
+
+def cpu_engine_thread_binding(tensor_parallel_size: int) -> dict[str, str]:
+    """The environment a vllm-cpu engine of ``tensor_parallel_size`` ranks needs on this host ({} if
+    none): vLLM binds each rank to a NUMA node of its own and refuses more ranks than nodes, so on a
+    one-node host each rank gets its own share of the allowed cores (``VLLM_CPU_OMP_THREADS_BIND``
+    as ``0|1``), unless the environment binds them already."""
+    if tensor_parallel_size == 1 or os.environ.get(CPU_THREADS_BIND) or platform_kind() != "cpu":
+        return {}
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < tensor_parallel_size:
+        raise ValueError(
+            f"a CPU engine at tensor_parallel_size={tensor_parallel_size} needs a core per rank, this process "
+            f"may use {len(cores)}; lower the tensor parallelism or set {CPU_THREADS_BIND}"
+        )
+    per_rank = len(cores) // tensor_parallel_size
+    shares = [cores[i * per_rank:(i + 1) * per_rank] for i in range(tensor_parallel_size)]
+    return {CPU_THREADS_BIND: "|".join(",".join(map(str, share)) for share in shares)}
+
+
 ENGINE_SHUTDOWN_GRACE_S = 1.0
 
 # This package's entry in vLLM's general-plugin group (pyproject.toml).

@@ -1,4 +1,4 @@
-"""Checkpoints of :mod:`zero_mismatch_plugin.tables.architectures` <-> megatron-core GPTModel (TP=1, EP=1).
+"""Checkpoints of :mod:`zero_mismatch_plugin.tables.architectures` <-> megatron-core GPTModel (any TP, EP=1).
 
 Loads the checkpoint the engine serves into a megatron model (standalone use and tests; verl loads
 through Megatron-Bridge) and sends a megatron model's weights back to the engine; the layouts that
@@ -13,6 +13,7 @@ import re
 import torch
 
 from zero_mismatch_plugin.aligned.checkpoint import copy_checkpoint, read_checkpoint
+from zero_mismatch_plugin.faces.megatron import parallel
 from zero_mismatch_plugin.tables.architectures import MOE_CHECKPOINT_NAMES, Blocks, describe
 
 
@@ -264,15 +265,26 @@ def model_tensors(model) -> dict:
     return tensors
 
 
+def _tensor_parallel_group(model):
+    return parallel.tensor_parallel_group(getattr(model, "config", None))
+
+
 def load_hf_checkpoint(model, model_dir: str | os.PathLike, hf_config) -> None:
-    """Copy the checkpoint in ``model_dir`` into a GPTModel (in place, exact names checked)."""
+    """Copy the checkpoint in ``model_dir`` into a GPTModel (in place, exact names checked); under
+    tensor parallelism each rank takes its part (:func:`.parallel.shard`)."""
     mapped = hf_to_megatron(read_checkpoint(model_dir), hf_config)
+    group = _tensor_parallel_group(model)
+    if group is not None:
+        rank, size = parallel.group_rank(group), parallel.group_size(group)
+        mapped = {name: parallel.shard(name, full, rank, size) for name, full in mapped.items()}
     copy_checkpoint(model_tensors(model), mapped)
 
 
 def engine_weights(model, hf_config, dtype) -> list[tuple[str, torch.Tensor]]:
-    """(checkpoint name, tensor in the engine dtype) for every weight of a GPTModel."""
-    state = {k: p.detach() for k, p in model_tensors(model).items()}
+    """(checkpoint name, tensor in the engine dtype) for every weight of a GPTModel; under tensor
+    parallelism the full tensors, gathered from every rank (a collective: all ranks call it)."""
+    group = _tensor_parallel_group(model)
+    state = {k: parallel.gather_full(k, p.detach(), group) for k, p in model_tensors(model).items()}
     return [(k, v.to(dtype)) for k, v in megatron_to_hf(state, hf_config).items()]
 
 

@@ -86,6 +86,11 @@ def attach_lora(model, runtime, adapter_dir: str | os.PathLike):
     ``runtime`` must be built with the engine's LoRA arguments (``lora_engine_args``).
     """
     hf = runtime.hf_config
+    tp = getattr(getattr(model, "config", None), "tensor_model_parallel_size", 1) or 1
+    if tp != 1:
+        raise NotImplementedError(
+            f"{adapter_dir}: LoRA adapters in the Megatron face run at tensor parallelism 1 (this model has {tp})"
+        )
     adapter = LoRAAdapter.from_dir(adapter_dir, hf, convert.megatron_blocks(hf).head_dim, vocab=True)
     lora_config = adapter.lora_config
     if lora_config.target_parameters:

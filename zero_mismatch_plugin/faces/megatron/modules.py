@@ -1,7 +1,8 @@
 """megatron-core's dense layer modules (norms, linears, MLP, attention, output layer, per-token
 logprob) with vLLM's numerics: each keeps the constructor and parameter names of the module it
-replaces in a layer spec and forwards through the op layer. TP = 1 (every module holds the full
-weight); how and why: docs/megatron.md.
+replaces in a layer spec and forwards through the op layer. Under tensor parallelism each module
+holds the engine rank's part and crosses ranks with megatron-core's collectives
+(:mod:`.parallel`); how and why: docs/megatron.md.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from zero_mismatch_plugin.aligned import ops
 from zero_mismatch_plugin.aligned.derived import OpCache, shared_ops
 from zero_mismatch_plugin.aligned.runtime import VllmRuntime
 from zero_mismatch_plugin.aligned.sampling import vllm_label_logprobs
+from zero_mismatch_plugin.faces.megatron import parallel
 from zero_mismatch_plugin.faces.megatron.convert import vllm_window
 from zero_mismatch_plugin.tables.architectures import describe
 
@@ -42,7 +44,10 @@ class AlignedRMSNormModule(nn.Module):
         self.runtime = runtime
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
-        setattr(self.weight, "sequence_parallel", False)
+        # Under sequence parallelism each rank normalizes its own tokens: megatron sums this
+        # weight's gradient over the tensor-parallel ranks (finalize_model_grads).
+        group = parallel.tensor_parallel_group(config)
+        setattr(self.weight, "sequence_parallel", parallel.uses_sequence_parallel(config, group))
         self._aligned_ops = OpCache()
 
     def _kernel(self) -> ops.AlignedRMSNorm:
@@ -75,12 +80,17 @@ def _linear_weight(config, output_size: int, input_size: int, init_method) -> nn
 
 
 class AlignedLinearModule(nn.Module):
-    """Replaces ``ColumnParallelLinear`` / ``RowParallelLinear`` (TP=1) with vLLM's linear.
+    """Replaces ``ColumnParallelLinear`` with vLLM's linear (:class:`AlignedRowParallelLinearModule`
+    replaces ``RowParallelLinear``).
 
     The bias, when present, is applied inside vLLM's linear (one fused ``F.linear``-style call,
     as vLLM does) and never returned for a later add, whatever ``skip_bias_add`` says: a separate
-    bias add rounds differently.
+    bias add rounds differently. Under tensor parallelism the module holds this rank's output
+    rows and returns this rank's outputs (megatron's ``gather_output=False``).
     """
+
+    # The dim of the full weight split over tensor-parallel ranks: 0 column-, 1 row-parallel.
+    partition_dim = 0
 
     def __init__(
         self,
@@ -95,16 +105,27 @@ class AlignedLinearModule(nn.Module):
         **_,
     ):
         super().__init__()
-        if getattr(config, "tensor_model_parallel_size", 1) != 1:
-            raise NotImplementedError("aligned megatron spec: tensor parallelism (TP > 1)")
         self.config = config
         self.runtime = runtime
         self.input_size = input_size
         self.output_size = output_size
-        self.weight = _linear_weight(config, output_size, input_size, init_method)
-        self.bias = (
-            megatron_parameter(torch.zeros(output_size, dtype=config.params_dtype)) if bias else None
-        )
+        self.tp_group = parallel.tensor_parallel_group(config, tp_group)
+        self.sequence_parallel = parallel.uses_sequence_parallel(config, self.tp_group)
+        tp = parallel.group_size(self.tp_group)
+        rows, columns = output_size, input_size
+        if self.partition_dim == 0:
+            rows = parallel.divide(output_size, tp, "output size")
+        else:
+            columns = parallel.divide(input_size, tp, "input size")
+            if bias and tp > 1:
+                # vLLM adds a row-parallel bias on rank 0 before its all-reduce.
+                raise NotImplementedError("aligned megatron spec: a row-parallel bias under tensor parallelism")
+        self.weight = _linear_weight(config, rows, columns, init_method)
+        self.bias = megatron_parameter(torch.zeros(rows, dtype=config.params_dtype)) if bias else None
+        if tp > 1:
+            parallel.mark_partitioned(self.weight, self.partition_dim)
+            if self.bias is not None:
+                parallel.mark_partitioned(self.bias, 0)
         # engine_rows[i]: the megatron row computing vLLM's output i (None: same layout).
         self.register_buffer("engine_rows", None, persistent=False)
         self._aligned_ops = OpCache()
@@ -123,11 +144,24 @@ class AlignedLinearModule(nn.Module):
         return self._kernel() if self.lora is None else self.lora.op(self.runtime, self._kernel())
 
     def forward(self, x: torch.Tensor, *args, **kwargs):
+        x = parallel.column_input(x, self.tp_group, self.sequence_parallel)
         out = self.op()(flat_tokens(x))
         return out.reshape(*x.shape[:-1], out.shape[-1]), None
 
     def refresh(self) -> None:
         self._kernel().derived.refresh()
+
+
+class AlignedRowParallelLinearModule(AlignedLinearModule):
+    """Replaces ``RowParallelLinear``: this rank's input columns through vLLM's linear, the ranks'
+    partial outputs summed (reduce-scattered along tokens under sequence parallelism)."""
+
+    partition_dim = 1
+
+    def forward(self, x: torch.Tensor, *args, **kwargs):
+        out = self.op()(flat_tokens(x))
+        out = out.reshape(*x.shape[:-1], out.shape[-1])
+        return parallel.row_output(out, self.tp_group, self.sequence_parallel), None
 
 
 def qkv_row_order(num_heads: int, num_query_groups: int, head_dim: int) -> torch.Tensor:
@@ -162,7 +196,12 @@ class AlignedQKVLinearModule(AlignedLinearModule):
                 f"aligned megatron spec: linear_qkv of {output_size} rows, expected {expected} "
                 "(dense GQA attention; gated or latent attention is not supported)"
             )
-        self.engine_rows = qkv_row_order(config.num_attention_heads, groups, head_dim)
+        tp = parallel.group_size(self.tp_group)
+        self.engine_rows = qkv_row_order(
+            parallel.divide(config.num_attention_heads, tp, "num_attention_heads"),
+            parallel.divide(groups, tp, "num_query_groups (vLLM would replicate key/value heads)"),
+            head_dim,
+        )
 
 
 # ----- Activation / MLP --------------------------------------------------------------------
@@ -363,8 +402,10 @@ class AlignedCoreAttention(nn.Module):
         self.config = config
         self.runtime = runtime
         self.layer_number = layer_number
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_query_groups or config.num_attention_heads
+        # This rank's heads: the engine rank of the same index runs the same ones.
+        tp = parallel.group_size(parallel.tensor_parallel_group(config, getattr(pg_collection, "tp", None)))
+        self.num_heads = config.num_attention_heads // tp
+        self.num_kv_heads = (config.num_query_groups or config.num_attention_heads) // tp
         self.head_dim = config.kv_channels
         # vLLM's Llama/Qwen attention uses head_dim ** -0.5.
         self.scale = softmax_scale if softmax_scale is not None else self.head_dim**-0.5
@@ -418,40 +459,73 @@ class _MegatronLogits(ops.AlignedLogits):
         return super()._build([sources[0][: self.vocab_size]])
 
 
+def vocab_shard_rows(runtime: VllmRuntime, vocab_size: int, tp: int) -> int:
+    """The vocabulary rows of one tensor-parallel rank, refused unless they are the engine rank's.
+
+    vLLM's lm_head pads the vocabulary to a multiple of 64 and splits the padded rows evenly;
+    megatron splits the vocabulary itself evenly. Both agree when no padding is needed.
+    """
+    if tp == 1:
+        return vocab_size
+    padded = runtime.padded_vocab_size(vocab_size)
+    if padded != vocab_size:
+        raise NotImplementedError(
+            f"aligned output layer: vocabulary {vocab_size} under tensor parallelism {tp}: vLLM pads it to "
+            f"{padded} rows before splitting them over its ranks, megatron splits {vocab_size}; the ranks "
+            "would hold different rows. Use a checkpoint whose vocabulary is a multiple of 64, or TP 1"
+        )
+    return parallel.divide(vocab_size, tp, "vocabulary size")
+
+
 class AlignedOutputLayer(nn.Module):
     """Replaces GPTModel's ``output_layer``: vLLM's lm_head + ``LogitsProcessor`` (head dtype
     honoured, fp32 in consistent mode), returning logits of vLLM's width (the model vocabulary).
+
+    Under tensor parallelism each rank computes its vocabulary rows' logits (the engine rank's
+    lm_head GEMM) and the shards are concatenated, as vLLM gathers them before its logprobs.
     """
 
-    def __init__(self, runtime: VllmRuntime, weight: nn.Parameter | None, vocab_size: int):
+    def __init__(self, runtime: VllmRuntime, weight: nn.Parameter | None, vocab_size: int, *, config=None, tp_group=None):
         super().__init__()
         self.runtime = runtime
         self.vocab_size = vocab_size
+        self.tp_group = parallel.tensor_parallel_group(config, tp_group)
+        self.sequence_parallel = parallel.uses_sequence_parallel(config, self.tp_group)
+        self.shard_rows = vocab_shard_rows(runtime, vocab_size, parallel.group_size(self.tp_group))
         self.weight = weight  # None when tied: GPTModel passes the embedding weight
-        self.sequence_parallel = False
         self._aligned_ops = OpCache()
         # An lm_head adapter (``megatron.lora.attach_lora``): logits through vLLM's LoRA logits layer.
         self.lora = None
 
     def _kernel(self, weight: torch.Tensor) -> ops.AlignedLogits:
-        if weight.shape[0] != self.vocab_size:
+        if weight.shape[0] != self.shard_rows:
             raise NotImplementedError(
                 f"aligned output layer: weight has {weight.shape[0]} rows, the model vocabulary "
-                f"{self.vocab_size}; padded megatron vocabularies are not supported "
-                "(make_vocab_size_divisible_by / should_pad_vocab off)"
+                f"{self.vocab_size} ({self.shard_rows} per tensor-parallel rank); padded megatron "
+                "vocabularies are not supported (make_vocab_size_divisible_by / should_pad_vocab off)"
             )
+        if self.shard_rows == self.vocab_size:
+            build = lambda: _MegatronLogits(self.runtime, weight, self.vocab_size)  # noqa: E731
+        else:
+            # The engine rank's shard: exactly these rows, no padding of its own.
+            build = lambda: ops.AlignedLogits(  # noqa: E731
+                self.runtime, weight, self.shard_rows, padded_vocab=self.shard_rows, full_vocab=self.vocab_size)
         # Rebuilt for another weight (tied: the embedding weight GPTModel passes).
-        return self._aligned_ops.get("head", [weight], lambda: _MegatronLogits(self.runtime, weight, self.vocab_size))
+        return self._aligned_ops.get("head", [weight], build)
 
     def forward(self, hidden_states, weight=None, runtime_gather_output=None):
         weight = self.weight if weight is None else weight
         if weight is None:
             raise ValueError("aligned output layer: no weight (tied model without weight=)")
+        if self.lora is not None and self.tp_group is not None:
+            raise NotImplementedError("aligned output layer: an lm_head adapter under tensor parallelism")
+        hidden_states = parallel.column_input(hidden_states, self.tp_group, self.sequence_parallel)
         s, b, h = hidden_states.shape
         # vLLM computes logits for tokens in sequence order; megatron's rows are [s, b].
         tokens = hidden_states.transpose(0, 1).reshape(b * s, h)
         head = self._kernel(weight)
         logits = (head if self.lora is None else self.lora.op(self.runtime, head))(tokens)
+        logits = parallel.gather_vocab(logits, self.tp_group)
         return logits.view(b, s, -1).transpose(0, 1), None
 
     def refresh(self) -> None:
@@ -479,12 +553,14 @@ class AlignedOutputLayerModule(AlignedOutputLayer):
     ):
         if bias:
             raise NotImplementedError("aligned output layer: a bias on the output layer")
-        if getattr(config, "tensor_model_parallel_size", 1) != 1:
-            raise NotImplementedError("aligned output layer: vocabulary parallelism (TP > 1)")
+        group = parallel.tensor_parallel_group(config, tp_group)
         weight = None
         if not skip_weight_param_allocation:
-            weight = _linear_weight(config, output_size, input_size, init_method)
-        super().__init__(runtime, weight, output_size)
+            tp = parallel.group_size(group)
+            weight = _linear_weight(config, vocab_shard_rows(runtime, output_size, tp), input_size, init_method)
+            if tp > 1:
+                parallel.mark_partitioned(weight, 0)
+        super().__init__(runtime, weight, output_size, config=config, tp_group=group)
 
 
 # ----- Per-token logprob -------------------------------------------------------------------

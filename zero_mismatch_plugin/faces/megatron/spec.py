@@ -20,6 +20,7 @@ from zero_mismatch_plugin.faces.megatron.modules import (
     AlignedQKVLinearModule,
     AlignedRMSNormModule,
     AlignedRotaryApplication,
+    AlignedRowParallelLinearModule,
     AlignedTokenLogprob,
     aligned_mlp_class,
 )
@@ -45,14 +46,13 @@ def unsupported_features(config) -> list[str]:
         problems += _moe_problems(get)
     if get("multi_latent_attention"):
         problems.append("multi-latent attention (MLA)")
-    if get("tensor_model_parallel_size", 1) != 1:
-        problems.append("tensor parallelism > 1")
+    tp = get("tensor_model_parallel_size", 1) or 1
+    if tp != 1 and get("num_moe_experts"):
+        problems.append("tensor parallelism > 1 with MoE layers")
     if get("pipeline_model_parallel_size", 1) != 1:
         problems.append("pipeline parallelism > 1")
     if get("context_parallel_size", 1) != 1:
         problems.append("context parallelism > 1")
-    if get("sequence_parallel"):
-        problems.append("sequence parallelism")
     if get("mtp_num_layers"):
         problems.append("multi-token prediction layers")
     if get("normalization", "RMSNorm") != "RMSNorm":
@@ -140,7 +140,7 @@ def aligned_layer_spec(config, runtime: VllmRuntime):
     layer.pre_mlp_layernorm = norm()
     attention = layer.self_attention.submodules
     attention.linear_qkv = ModuleSpec(module=AlignedQKVLinearModule, params=params)
-    attention.linear_proj = ModuleSpec(module=AlignedLinearModule, params=params)
+    attention.linear_proj = ModuleSpec(module=AlignedRowParallelLinearModule, params=params)
     attention.core_attention = ModuleSpec(module=AlignedCoreAttention, params=params)
     if attention.q_layernorm is not IdentityOp:
         attention.q_layernorm = norm()
@@ -149,7 +149,7 @@ def aligned_layer_spec(config, runtime: VllmRuntime):
     mlp.module = aligned_mlp_class()
     mlp.params = {**(mlp.params or {}), **params}
     mlp.submodules.linear_fc1 = ModuleSpec(module=AlignedLinearModule, params=params)
-    mlp.submodules.linear_fc2 = ModuleSpec(module=AlignedLinearModule, params=params)
+    mlp.submodules.linear_fc2 = ModuleSpec(module=AlignedRowParallelLinearModule, params=params)
     # The local spec fills these in from the TE-style fused names for checkpoint conversion;
     # with separate norms the plain names are already right.
     layer.sharded_state_dict_keys_map = {}
@@ -174,7 +174,7 @@ def aligned_moe_layer_spec(config, runtime: VllmRuntime):
     mlp.submodules.router = functools.partial(AlignedRouter, runtime=runtime)
     shared = mlp.submodules.shared_experts.submodules
     shared.linear_fc1 = ModuleSpec(module=AlignedLinearModule, params={"runtime": runtime})
-    shared.linear_fc2 = ModuleSpec(module=AlignedLinearModule, params={"runtime": runtime})
+    shared.linear_fc2 = ModuleSpec(module=AlignedRowParallelLinearModule, params={"runtime": runtime})
     spec.submodules.mlp = mlp
     return spec
 
@@ -199,11 +199,9 @@ def aligned_layer_specs(config, runtime: VllmRuntime) -> list:
 
 
 def aligned_block_spec(config, runtime: VllmRuntime):
-    """The decoder spec for stock megatron-core: the layer spec itself for a dense model
-    (``TransformerBlock`` repeats it), else a ``TransformerBlockSubmodules`` of the per-layer
-    specs with vLLM's RMSNorm as the final norm."""
-    if not getattr(config, "num_moe_experts", None):
-        return aligned_layer_spec(config, runtime)
+    """The decoder spec for stock megatron-core: a ``TransformerBlockSubmodules`` of the per-layer
+    specs with vLLM's RMSNorm as the final norm (megatron's own final norm, built from a bare
+    layer spec, refuses sequence parallelism)."""
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
@@ -314,7 +312,7 @@ def apply_post_construction_swaps(model, runtime: VllmRuntime):
         weight = getattr(old, "weight", None)
         if gpt.share_embeddings_and_output_weights:
             weight = None  # GPTModel passes the embedding weight at each call
-        head = AlignedOutputLayer(runtime, weight, vocab)
+        head = AlignedOutputLayer(runtime, weight, vocab, config=gpt.config)
         gpt.output_layer = head
     return model
 

@@ -19,6 +19,7 @@ from zero_mismatch_plugin.aligned.packing import PackedBatch, pack
 from zero_mismatch_plugin.aligned.runtime import VllmRuntime
 from zero_mismatch_plugin.aligned.sampling import SamplingTransform, recorded_logprobs
 from zero_mismatch_plugin.faces.megatron import convert
+from zero_mismatch_plugin.faces.megatron.parallel import cpu_megatron_collectives
 from zero_mismatch_plugin.faces.megatron.spec import aligned_gpt_spec, apply_post_construction_swaps
 
 
@@ -70,16 +71,14 @@ def cpu_stock_megatron():
         return
     from megatron.core.tensor_parallel import random as mrandom
 
-    saved = (torch.cuda.current_device, mrandom._CUDA_RNG_STATE_TRACKER,
-             mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED)
-    torch.cuda.current_device = lambda: "cpu"
+    saved = (mrandom._CUDA_RNG_STATE_TRACKER, mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED)
     mrandom._CUDA_RNG_STATE_TRACKER = _NoDropoutRngTracker()
     mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
     try:
-        yield
+        with cpu_megatron_collectives():
+            yield
     finally:
-        (torch.cuda.current_device, mrandom._CUDA_RNG_STATE_TRACKER,
-         mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED) = saved
+        mrandom._CUDA_RNG_STATE_TRACKER, mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = saved
 
 
 def build_gpt_model(runtime: VllmRuntime, aligned: bool = True, load: bool = True, **config_overrides):
@@ -120,16 +119,25 @@ def packed_seq_params(seq_lens: list[int], device=None):
     )
 
 
-def packed_logits(model, batch: PackedBatch) -> torch.Tensor:
-    """Logits [T, V] of a packed (THD) batch through an aligned GPTModel."""
+def packed_logits(model, batch: PackedBatch, tokens_multiple_of: int = 1) -> torch.Tensor:
+    """Logits [T, V] of a packed (THD) batch through an aligned GPTModel.
+
+    ``tokens_multiple_of``: sequence parallelism splits the tokens evenly over the ranks; the
+    batch is padded with one sequence of its own after the real ones (no real row attends to it).
+    """
     device = next(model.parameters()).device
-    ids = batch.input_ids.to(device).unsqueeze(0)
-    positions = batch.positions.to(device).unsqueeze(0)
-    params = packed_seq_params(batch.seq_lens, device)
+    ids, positions, seq_lens = batch.input_ids, batch.positions, list(batch.seq_lens)
+    pad = -len(ids) % tokens_multiple_of
+    if pad:
+        ids = torch.cat([ids, torch.zeros(pad, dtype=ids.dtype)])
+        positions = torch.cat([positions, torch.arange(pad, dtype=positions.dtype)])
+        seq_lens.append(pad)
+    params = packed_seq_params(seq_lens, device)
     # A spec-hooked model keeps megatron's rope type, whose frequencies GPTModel still computes.
     with cpu_stock_megatron():
-        logits = model(input_ids=ids, position_ids=positions, attention_mask=None, packed_seq_params=params)
-    return logits[0]
+        logits = model(input_ids=ids.to(device).unsqueeze(0), position_ids=positions.to(device).unsqueeze(0),
+                       attention_mask=None, packed_seq_params=params)
+    return logits[0][: len(batch.input_ids)]
 
 
 def per_sequence_logits(model, batch: PackedBatch) -> torch.Tensor:

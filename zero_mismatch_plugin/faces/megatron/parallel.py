@@ -1,0 +1,165 @@
+"""Tensor and sequence parallelism of the Megatron face, with megatron-core's own collectives.
+
+A rank of the face holds what the rank of the same index in a vLLM engine at the same
+``tensor_parallel_size`` holds: the same query groups, the same MLP columns, the same vocabulary
+rows. Each rank's GEMMs therefore have the engine rank's shapes and inputs. What crosses ranks:
+
+* row-parallel outputs (``linear_proj``, ``linear_fc2``): one sum of the ranks' partials, as
+  vLLM's all-reduce after its ``RowParallelLinear``; with two ranks the sum has one order;
+* under sequence parallelism, gathers along tokens before column-parallel GEMMs and a
+  reduce-scatter (the same one sum per element) after row-parallel ones; norms run on each
+  rank's tokens, row by row as in the engine;
+* the output layer's vocabulary shards, concatenated before the logprob (vLLM gathers its
+  logits before ``compute_logprobs``; a vocab-parallel cross entropy is other arithmetic).
+
+Why the layout must match the engine's: docs/megatron.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+
+def tensor_parallel_group(config, tp_group=None):
+    """The tensor-parallel group a module of ``config`` runs in; ``None`` at TP = 1."""
+    if tp_group is not None:
+        return tp_group if tp_group.size() > 1 else None
+    if (getattr(config, "tensor_model_parallel_size", 1) or 1) == 1:
+        return None
+    from megatron.core import parallel_state
+
+    return parallel_state.get_tensor_model_parallel_group()
+
+
+def group_size(group) -> int:
+    return 1 if group is None else group.size()
+
+
+def group_rank(group) -> int:
+    return 0 if group is None else torch.distributed.get_rank(group)
+
+
+def divide(total: int, parts: int, what: str) -> int:
+    if total % parts:
+        raise ValueError(f"aligned megatron spec: {what} ({total}) is not divisible by tensor parallelism {parts}")
+    return total // parts
+
+
+def uses_sequence_parallel(config, group) -> bool:
+    return bool(getattr(config, "sequence_parallel", False)) and group is not None
+
+
+def mark_partitioned(param: torch.nn.Parameter, dim: int) -> None:
+    """megatron's tensor-parallel attributes on a sharded parameter (grad-norm, checkpoints)."""
+    from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+    set_tensor_model_parallel_attributes(param, is_parallel=True, dim=dim, stride=1)
+
+
+def column_input(x: torch.Tensor, group, sequence_parallel: bool) -> torch.Tensor:
+    """The input of a column-parallel GEMM: every token on every rank (gathered along tokens
+    under sequence parallelism), with the gradient summed over the ranks in the backward."""
+    if group is None:
+        return x
+    from megatron.core.tensor_parallel import mappings
+
+    with cpu_megatron_collectives():
+        if sequence_parallel:
+            return mappings.gather_from_sequence_parallel_region(x, group=group)
+        return mappings.copy_to_tensor_model_parallel_region(x, group=group)
+
+
+def row_output(partial: torch.Tensor, group, sequence_parallel: bool) -> torch.Tensor:
+    """The ranks' partial outputs of a row-parallel GEMM summed (reduce-scattered along tokens
+    under sequence parallelism)."""
+    if group is None:
+        return partial
+    from megatron.core.tensor_parallel import mappings
+
+    with cpu_megatron_collectives():
+        if sequence_parallel:
+            return mappings.reduce_scatter_to_sequence_parallel_region(partial, group=group)
+        return mappings.reduce_from_tensor_model_parallel_region(partial, group=group)
+
+
+def gather_vocab(logits: torch.Tensor, group) -> torch.Tensor:
+    """The ranks' vocabulary shards of the logits, concatenated along the last dim in rank order."""
+    if group is None:
+        return logits
+    from megatron.core.tensor_parallel import mappings
+
+    with cpu_megatron_collectives():
+        return mappings.gather_from_tensor_model_parallel_region(logits, group=group)
+
+
+@contextlib.contextmanager
+def cpu_megatron_collectives():
+    """megatron-core 0.16's gathers allocate their outputs on ``torch.cuda.current_device()``;
+    on a CPU-only machine they get the CPU for the call (a no-op with CUDA)."""
+    if torch.cuda.is_available():
+        yield
+        return
+    saved = torch.cuda.current_device
+    torch.cuda.current_device = lambda: "cpu"
+    try:
+        yield
+    finally:
+        torch.cuda.current_device = saved
+
+
+# ----- Checkpoint shards -------------------------------------------------------------------
+
+# How each megatron tensor is split over tensor-parallel ranks: rows, columns, or fc1's
+# [gate; up] halves split each (megatron keeps [gate_r; up_r] on rank r, as vLLM's merged
+# column-parallel linear does). Anything else is replicated.
+_ROW_SHARDED = ("linear_qkv.weight", "linear_qkv.bias", "embedding.word_embeddings.weight", "output_layer.weight")
+_COLUMN_SHARDED = ("linear_proj.weight", "linear_fc2.weight")
+_HALVES_SHARDED = ("linear_fc1.weight",)
+
+
+def shard_layout(name: str) -> str | None:
+    """``"rows"``, ``"columns"``, ``"halves"`` or ``None`` (replicated) for a megatron name."""
+    if name.endswith(_HALVES_SHARDED):
+        return "halves"
+    if name.endswith(_ROW_SHARDED):
+        return "rows"
+    if name.endswith(_COLUMN_SHARDED):
+        return "columns"
+    return None
+
+
+def shard(name: str, full: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    """Rank ``rank``'s part of the full megatron tensor ``name``."""
+    layout = shard_layout(name)
+    if size == 1 or layout is None:
+        return full
+    if layout == "rows":
+        return full.chunk(size, dim=0)[rank]
+    if layout == "columns":
+        return full.chunk(size, dim=1)[rank]
+    gate, up = full.chunk(2, dim=0)
+    return torch.cat([gate.chunk(size, dim=0)[rank], up.chunk(size, dim=0)[rank]])
+
+
+def unshard(name: str, parts: list[torch.Tensor]) -> torch.Tensor:
+    """The full megatron tensor ``name`` from every rank's part (inverse of :func:`shard`)."""
+    layout = shard_layout(name)
+    if len(parts) == 1 or layout is None:
+        return parts[0]
+    if layout == "rows":
+        return torch.cat(parts, dim=0)
+    if layout == "columns":
+        return torch.cat(parts, dim=1)
+    halves = [p.chunk(2, dim=0) for p in parts]
+    return torch.cat([h[0] for h in halves] + [h[1] for h in halves])
+
+
+def gather_full(name: str, local: torch.Tensor, group) -> torch.Tensor:
+    """The full tensor ``name`` on every rank of ``group`` from each rank's part."""
+    if group is None or shard_layout(name) is None:
+        return local
+    parts = [torch.empty_like(local) for _ in range(group.size())]
+    torch.distributed.all_gather(parts, local.contiguous(), group=group)
+    return unshard(name, parts)
