@@ -150,6 +150,18 @@ def hf_token_logprobs(model, prompts, responses):
     return torch.cat(out)
 
 
+def float64_hf_model(model_dir, hf_state: dict):
+    """The checkpoint's transformers model in float64 holding ``hf_state`` (checkpoint names), as
+    a reference for gradients."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float64)
+    missing, unexpected = model.load_state_dict({k: v.detach().double() for k, v in hf_state.items()}, strict=False)
+    assert not unexpected and not missing, (missing, unexpected)
+    model.get_input_embeddings().padding_idx = None  # the pad token's row has a gradient in vLLM's model
+    return model
+
+
 @contextlib.contextmanager
 def demo_engine(model_dir, max_model_len: int, lora_rank: int | None = None):
     """The demo's rollout engine (its own process) in consistent numerics, serving LoRA adapters

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from support.vllm_session import hf_token_logprobs
+from support.vllm_session import float64_hf_model, hf_token_logprobs
 from zero_mismatch_plugin.aligned import pack
 from zero_mismatch_plugin.faces.megatron import convert
 from zero_mismatch_plugin.integrations.megatron.standalone import (
@@ -98,17 +98,6 @@ def test_verl_provider_injection_builds_bitwise_model(mg_runtime, mg_rollout):
     assert torch.equal(logprobs, mu), _report("injected spec", logprobs, mu)
 
 
-def _hf_float64_reference(runtime, megatron_state):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(runtime.model_dir), dtype=torch.float64)
-    hf_state = {k: v.detach().double() for k, v in convert.megatron_to_hf(megatron_state, runtime.hf_config).items()}
-    missing, unexpected = model.load_state_dict(hf_state, strict=False)
-    assert not unexpected and not missing, (missing, unexpected)
-    model.get_input_embeddings().padding_idx = None  # the pad token's row has a gradient in vLLM's model
-    return model
-
-
 def test_backward_matches_float64_reference(mg_runtime, mg_rollout):
     prompts, responses, _ = mg_rollout(seed=90, n=1)
     model = build_gpt_model(mg_runtime, aligned=True).train()
@@ -118,7 +107,8 @@ def test_backward_matches_float64_reference(mg_runtime, mg_rollout):
     assert all(p.grad is not None for p in named.values())
     grads = convert.megatron_to_hf({k: p.grad for k, p in named.items()}, mg_runtime.hf_config)
 
-    reference = _hf_float64_reference(mg_runtime, {k: p.detach() for k, p in named.items()})
+    state = convert.megatron_to_hf({k: p.detach() for k, p in named.items()}, mg_runtime.hf_config)
+    reference = float64_hf_model(mg_runtime.model_dir, state)
     (hf_token_logprobs(reference, prompts, responses) * coeffs.double()).sum().backward()
     worst = 0.0
     for name, ref in reference.named_parameters():

