@@ -568,6 +568,28 @@ def test_aligned_recipes_enable_the_aligned_megatron_forward(name):
     assert lora_rank(cfg) == 0
 
 
+MEGATRON_TP = "actor_rollout_ref.actor.megatron.tensor_model_parallel_size"
+ROLLOUT_TP = "actor_rollout_ref.rollout.tensor_model_parallel_size"
+
+
+@pytest.mark.parametrize("trainer_tp,rollout_tp,says,not_said", [
+    # Equal TP: the only gap left is verl's own Megatron engine, not the layout.
+    (2, 2, "tensor_model_parallel_size 2 in verl's Megatron engine", "rollout tensor parallelism"),
+    (2, 1, f"rollout tensor parallelism 1 with trainer tensor parallelism 2 (each trainer rank reproduces the "
+           f"rollout rank of its index: set {ROLLOUT_TP} and {MEGATRON_TP} equal)", None),
+    (1, 4, f"rollout tensor parallelism 4 with trainer tensor parallelism 1 (each trainer rank reproduces the "
+           f"rollout rank of its index: set {ROLLOUT_TP}=1)", "in verl's Megatron engine"),
+])
+def test_trainer_and_rollout_tensor_parallelism_must_be_equal(trainer_tp, rollout_tp, says, not_said):
+    name = next(n for n in ALIGNED if SPEC[n]["engine"] == "megatron")
+    cfg = compose_verl_config(TOP_LEVEL_RECIPES, name, [f"{MEGATRON_TP}={trainer_tp}", f"{ROLLOUT_TP}={rollout_tp}"])
+    alignment = trainer_alignment(cfg)
+    said = alignment.describe()
+    assert alignment.status == ALIGNMENT_NOT_ALIGNED and says in said, said
+    assert not_said is None or not_said not in said, said
+    assert "tensor parallelism > 1 in the trainer" not in said  # the Megatron face itself runs TP > 1
+
+
 def test_show_prints_the_composed_config_with_overrides(capsys):
     assert zmrl(["recipes", "show", "mi355x_deepseek_v4_flash_grpo_sync", "trainer.save_freq=6"]) == 0
     shown = OmegaConf.create(capsys.readouterr().out)

@@ -139,7 +139,7 @@ def test_unsupported_configurations_fail_clearly():
     for extra, word in [
         (dict(num_moe_experts=8, expert_model_parallel_size=2), "expert parallelism"),
         (dict(multi_latent_attention=True), "MLA"),
-        (dict(tensor_model_parallel_size=2), "tensor parallelism"),
+        (dict(tensor_model_parallel_size=2, num_moe_experts=8), "tensor parallelism > 1 with MoE layers"),
         (dict(use_transformer_engine_full_layer_spec=True), "Transformer Engine"),
         (dict(hidden_dropout=0.1), "dropout"),
     ]:
@@ -154,6 +154,10 @@ def test_unsupported_configurations_fail_clearly():
     engine.engine_config.use_fused_kernels = False
     engine.engine_config.use_remove_padding = False
     with pytest.raises(UnsupportedMegatronFeature, match="use_remove_padding"):
+        megatron_engine.inject_aligned_spec(engine, runtime=object())
+    engine.engine_config.use_remove_padding = True
+    engine.provider.tensor_model_parallel_size = 2
+    with pytest.raises(UnsupportedMegatronFeature, match="tensor_model_parallel_size=2 in verl's Megatron engine"):
         megatron_engine.inject_aligned_spec(engine, runtime=object())
 
 

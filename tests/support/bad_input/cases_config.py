@@ -422,7 +422,9 @@ ALIGNMENT = [
           r"missing: verl's Megatron engine \(actor strategy is 'fsdp'"),
     error("aligned-forward-with-tensor-parallelism",
           lambda: validate("actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2"),
-          r"missing: tensor parallelism > 1 in the trainer"),
+          r"missing: tensor_model_parallel_size 2 in verl's Megatron engine .*rollout tensor parallelism 1 with trainer "
+          r"tensor parallelism 2 .*set actor_rollout_ref.rollout.tensor_model_parallel_size and "
+          r"actor_rollout_ref.actor.megatron.tensor_model_parallel_size equal"),
     error("aligned-forward-with-lora", lambda: validate("actor_rollout_ref.model.lora.rank=8"),
           r"missing: LoRA adapters \(rank 8\)"),
     error("aligned-forward-with-fused-kernels", lambda: validate("actor_rollout_ref.model.use_fused_kernels=true"),

@@ -49,6 +49,12 @@ def engine_has_hooks(ti) -> bool:
 
 # ----- vLLM's logprob arithmetic -----------------------------------------------------------
 
+VERL_TENSOR_PARALLEL_REFUSAL = (
+    "tensor_model_parallel_size={tp} in verl's Megatron engine: the aligned output layer returns the whole "
+    "vocabulary on every rank, verl's logprob and entropy kernels here take vocabulary shards; set "
+    "tensor_model_parallel_size=1 (the Megatron face itself runs TP > 1: zmrl check --tensor-parallel)"
+)
+
 
 def _tensor_parallel_size() -> int:
     from megatron.core import parallel_state
@@ -78,7 +84,7 @@ def aligned_lm_head_logits_processor(
     ti = _engine_module()
     assert logits.shape[:2] == label.shape[:2]
     if _tensor_parallel_size() != 1:
-        raise NotImplementedError("aligned logprobs: vocabulary-parallel logits (TP > 1)")
+        raise NotImplementedError(VERL_TENSOR_PARALLEL_REFUSAL.format(tp=_tensor_parallel_size()))
     # verl's guard for padding rows, kept as is.
     temperature[temperature <= 0] = 1e-8
     scaled = vllm_scaled_logits(logits, temperature)
@@ -169,6 +175,9 @@ def inject_aligned_spec(engine, runtime=None) -> None:
     if getattr(engine, "peft_cls", None) is not None:
         raise UnsupportedMegatronFeature("LoRA / PEFT on the aligned Megatron spec")
     require_supported(provider)
+    tp = getattr(provider, "tensor_model_parallel_size", 1) or 1
+    if tp != 1:
+        raise UnsupportedMegatronFeature(VERL_TENSOR_PARALLEL_REFUSAL.format(tp=tp))
     backend = getattr(provider, "attention_backend", None)
     if backend is not None and getattr(backend, "name", str(backend)) == "local":
         # Megatron-Bridge then overwrites core_attention with megatron's DotProductAttention.

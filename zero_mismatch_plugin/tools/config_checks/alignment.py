@@ -142,6 +142,12 @@ def _engine_gaps(cfg: DictConfig) -> list[str]:
                              context_parallel_size=read(cfg, f"{MEGATRON}.context_parallel_size"),
                              sequence_parallel=tp > 1 and read(cfg, f"{MEGATRON}.sequence_parallel"))
     gaps = [f"{feature} in the trainer" for feature in unsupported_features(layout)]
+    if (tp or 1) > 1:
+        # The Megatron face's output layer returns the whole vocabulary on every rank; verl's
+        # Megatron engine computes logprobs and entropy with vocabulary-parallel kernels.
+        gaps.append(f"tensor_model_parallel_size {tp} in verl's Megatron engine (the Megatron face runs it bitwise "
+                    "on its own ranks, `zmrl check --tensor-parallel`; verl's vocabulary-parallel logprob and "
+                    "entropy kernels do not take its gathered logits yet)")
     for key in ("expert_model_parallel_size", "expert_tensor_parallel_size"):
         size = read(cfg, f"{MEGATRON}.{key}")
         if size not in (None, 1):
@@ -154,14 +160,22 @@ def _engine_gaps(cfg: DictConfig) -> list[str]:
 
 
 def _rollout_gaps(cfg: DictConfig, architecture: Architecture) -> list[str]:
-    """The aligned forward reproduces one single-GPU vLLM replica's arithmetic; for a
-    Mixture-of-Experts model that includes vLLM's one-process MoE layer (no data or expert
-    parallelism spreading its experts or tokens over processes)."""
+    """The aligned forward reproduces a vLLM replica at the trainer's tensor parallelism (each
+    trainer rank computes what the rollout rank of its index computes; verl's FSDP engine runs the
+    face at TP 1) and no pipeline parallelism; for a Mixture-of-Experts model that includes vLLM's
+    one-process MoE layer (no data or expert parallelism spreading its experts or tokens over
+    processes)."""
     gaps = []
-    for key, name in (("tensor_model_parallel_size", "tensor"), ("pipeline_model_parallel_size", "pipeline")):
-        size = read(cfg, f"{ROLLOUT}.{key}")
-        if size != 1:
-            gaps.append(f"rollout {name} parallelism {size} (the aligned forward reproduces a 1-GPU vLLM replica)")
+    rollout_tp = read(cfg, f"{ROLLOUT}.tensor_model_parallel_size")
+    trainer_tp = 1 if uses_fsdp_switch(cfg) or not uses_megatron(cfg) else read(cfg, f"{MEGATRON}.tensor_model_parallel_size") or 1
+    if rollout_tp != trainer_tp:
+        change = (f"set {ROLLOUT}.tensor_model_parallel_size={trainer_tp}" if trainer_tp == 1 else
+                  f"set {ROLLOUT}.tensor_model_parallel_size and {MEGATRON}.tensor_model_parallel_size equal")
+        gaps.append(f"rollout tensor parallelism {rollout_tp} with trainer tensor parallelism {trainer_tp} (each "
+                    f"trainer rank reproduces the rollout rank of its index: {change})")
+    size = read(cfg, f"{ROLLOUT}.pipeline_model_parallel_size")
+    if size != 1:
+        gaps.append(f"rollout pipeline parallelism {size} (the aligned forward reproduces one pipeline stage)")
     if architecture.features.get("num_moe_experts") or architecture.name in architectures.MOE_ARCHITECTURES:
         for key in ("data_parallel_size", "expert_parallel_size"):
             size = read(cfg, f"{ROLLOUT}.{key}")
