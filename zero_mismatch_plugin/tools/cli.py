@@ -308,6 +308,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--full-vocab", action="store_true", help="compare all vocabulary logprobs (default: the engine's top-20)"
     )
     check.add_argument(
+        "--tensor-parallel", type=int, default=1, metavar="N",
+        help="engine tensor_parallel_size N, and with --trainer megatron the Megatron face on N torchrun ranks "
+             "(megatron's tensor_model_parallel_size; default 1)",
+    )
+    check.add_argument(
+        "--sequence-parallel", action="store_true",
+        help="with --tensor-parallel N > 1: megatron's sequence parallelism in the trainer",
+    )
+    check.add_argument(
         "--prefix-caching", choices=("on", "off"), default="on",
         help="engine prefix caching (default on: the prefix-cache check compares a hit with a miss and the "
              "trainer on the hit; off: the engine runs without it and that check is skipped)",

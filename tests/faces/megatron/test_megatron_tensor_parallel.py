@@ -48,13 +48,31 @@ def _tp2_engine(checkpoint):
 
 
 @pytest.fixture(scope="module")
-def tp2_llama_engine(mg_checkpoints):
-    """The module's own engine (the step test syncs new weights into it)."""
-    from zero_mismatch_plugin.aligned.runtime import shutdown_engine
+def tp2_check_settings(mg_checkpoints):
+    from zero_mismatch_plugin.tools.checker.engine import engine_settings
 
-    llm = _tp2_engine(mg_checkpoints["llama"])
-    yield llm
-    shutdown_engine(llm)
+    return engine_settings(mg_checkpoints["llama"], ENGINE_KWARGS["max_model_len"], seed=0, tensor_parallel=TP,
+                           sequence_parallel=True)
+
+
+@pytest.fixture(scope="module")
+def tp2_llama_engine(tp2_check_settings):
+    """The module's own engine, started as ``zmrl check --tensor-parallel 2`` starts it (the check
+    test runs on it; the step test then syncs new weights into it)."""
+    from zero_mismatch_plugin.tools.checker.engine import open_engine
+
+    with open_engine(tp2_check_settings) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def tp2_group():
+    """Two torchrun ranks of the Megatron face, for the whole module (the last test kills one)."""
+    from zero_mismatch_plugin.integrations.megatron.distributed import Layout
+    from zero_mismatch_plugin.integrations.megatron.rank_group import RankGroup
+
+    with RankGroup(Layout(TP)) as group:
+        yield group
 
 
 @pytest.fixture(scope="module")
@@ -75,8 +93,8 @@ def tp2_rollouts(mg_checkpoints, tp2_llama_engine):
 
 
 @pytest.fixture(scope="module")
-def tp2_results(mg_checkpoints, tp2_rollouts):
-    """{family: {layout name: run_request's result}} from one torchrun of two ranks; the Llama
+def tp2_results(mg_checkpoints, tp2_rollouts, tp2_group):
+    """{family: {layout name: run_request's result}} from the module's two ranks; the Llama
     request also takes one training step."""
     from zero_mismatch_plugin.integrations.megatron.distributed import Layout, ScoreRequest, launch
 
@@ -85,7 +103,7 @@ def tp2_results(mg_checkpoints, tp2_rollouts):
         ScoreRequest(str(mg_checkpoints[f]), ENGINE_KWARGS, *tp2_rollouts[f][:2], step=STEP if f == "llama" else None)
         for f in families
     ]
-    results = launch(requests, [Layout(TP), Layout(TP, sequence_parallel=True)])
+    results = launch(requests, [Layout(TP), Layout(TP, sequence_parallel=True)], tp2_group)
     return dict(zip(families, results))
 
 
@@ -169,6 +187,33 @@ def test_gradients_at_tp2_agree_with_the_one_process_face(step_gradients, tp2_re
     assert worst_tp2 <= 1.5 * worst_tp1
 
 
+def test_zmrl_check_at_tensor_parallel_2_passes_every_check(tp2_check_settings, tp2_llama_engine, monkeypatch, capsys, tmp_path):
+    """``zmrl check --trainer megatron --tensor-parallel 2 --sequence-parallel`` on the module's
+    engine (the command's own engine start is what the fixture does)."""
+    import json
+
+    from zero_mismatch_plugin.tools import cli
+    from zero_mismatch_plugin.tools.checker import engine as checker_engine
+
+    @contextlib.contextmanager
+    def module_engine(settings):
+        assert settings == tp2_check_settings
+        yield tp2_llama_engine
+
+    monkeypatch.setattr(checker_engine, "open_engine", module_engine)
+    out = tmp_path / "check.json"
+    code = cli.main(["check", "--model", tp2_check_settings.model_dir, "--trainer", "megatron", "--tensor-parallel", "2",
+                     "--sequence-parallel", "--max-model-len", str(ENGINE_KWARGS["max_model_len"]), "--quiet",
+                     "--json", str(out)])
+    table = capsys.readouterr().out
+    report = json.loads(out.read_text())
+    assert code == 0, table
+    assert "trainer megatron | tensor parallel 2 + sequence parallel" in table and "5/5 checks passed" in table
+    assert all(entry["pass"] is True for entry in report.values()), report
+    assert report["sampled_token"]["bitwise_equal_fraction"] == 1.0
+    assert report["prefix_cache"]["trainer_on_hit_bitwise_equal_fraction"] == 1.0
+
+
 def test_after_a_step_at_tp2_sp_and_one_sync_the_engine_is_bitwise_again(tp2_llama_engine, tp2_rollouts, tp2_results):
     """The ranks' shards reach the TP-2 engine as full tensors (one gather) through vLLM's loader."""
     from zero_mismatch_plugin.aligned.weight_sync import load_named_weights
@@ -182,3 +227,38 @@ def test_after_a_step_at_tp2_sp_and_one_sync_the_engine_is_bitwise_again(tp2_lla
     completions = [SimpleNamespace(prompt=p, tokens=r) for p, r in zip(prompts, responses)]
     engine_after = torch.tensor([v for row in rescore(tp2_llama_engine, completions) for v in row])
     assert torch.equal(engine_after, after), f"{int((engine_after != after).sum())} of {after.numel()} tokens differ"
+
+
+def test_a_rank_killed_mid_call_fails_the_call_within_60_s_naming_the_rank(tp2_group, tp2_results, mg_checkpoints, tp2_rollouts):
+    """Rank 1 is stopped, a call is sent (rank 0 waits for it in a collective), then rank 1 is killed."""
+    import signal
+    import threading
+    import time
+
+    from zero_mismatch_plugin.aligned.packing import pack
+    from zero_mismatch_plugin.integrations.megatron.distributed import Layout, RankModel
+    from zero_mismatch_plugin.integrations.megatron.rank_group import RankFailure
+
+    prompts, responses, _ = tp2_rollouts["llama"]
+    spec = RankModel.of(mg_checkpoints["llama"], ENGINE_KWARGS, Layout(TP))
+    outcome = {}
+
+    def call():
+        try:
+            outcome["value"] = tp2_group.call("token_logprobs", spec, pack(prompts, responses))
+        except RankFailure as failure:
+            outcome["failure"] = failure
+            outcome["at"] = time.monotonic()
+
+    victim = tp2_group.rank_pids[1]
+    os.kill(victim, signal.SIGSTOP)
+    caller = threading.Thread(target=call)
+    caller.start()
+    time.sleep(1.0)
+    killed_at = time.monotonic()
+    os.kill(victim, signal.SIGKILL)
+    caller.join(90)
+    assert not caller.is_alive() and "value" not in outcome
+    said = str(outcome["failure"])
+    assert outcome["at"] - killed_at <= 60, outcome["at"] - killed_at
+    assert "token_logprobs: " in said and "rank 1 (killed by SIGKILL) failed first" in said, said

@@ -1,21 +1,17 @@
-"""The Megatron face on megatron-core's own parallelism: one process per rank, started by torchrun.
+"""The Megatron face on megatron-core's own parallelism: what each rank runs.
 
-:func:`launch` starts ``torchrun`` on :func:`main` with a job file (checkpoint, engine arguments,
-prompt+response pairs, the layouts to score them at) and returns what rank 0 wrote: each
-layout's per-sequence logprobs, the same tensors :class:`.standalone.MegatronScorer` returns in
-one process. Collectives run over gloo on CPU with a timeout, so a rank that dies makes the
-others fail instead of waiting (torchrun then stops the group).
+A :class:`Layout` names megatron's parallel sizes and the engine arguments of the rollout it is
+bitwise with; the functions in :data:`RANK_CALLS` run on every rank of a
+:class:`.rank_group.RankGroup` (torchrun), each rank building the engine rank's part of the
+model. :func:`launch` scores prompt+response pairs at some layouts on one group. Collectives run
+over gloo on CPU with a timeout, so a rank that dies makes the others fail instead of waiting.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-import subprocess
-import sys
-import tempfile
 from datetime import timedelta
-from pathlib import Path
 
 import torch
 
@@ -70,10 +66,24 @@ class TrainStep:
     lr: float = 1e-3
 
 
+@dataclasses.dataclass(frozen=True)
+class RankModel:
+    """The aligned model of one checkpoint at one layout, as the ranks build it: engine arguments
+    of the rollout (the layout adds its own, e.g. ``tensor_parallel_size``) as sorted items."""
+
+    model_dir: str
+    engine_items: tuple
+    layout: Layout
+
+    @classmethod
+    def of(cls, model_dir, engine_kwargs: dict, layout: Layout) -> "RankModel":
+        return cls(str(model_dir), tuple(sorted(engine_kwargs.items())), layout)
+
+
 @dataclasses.dataclass
 class ScoreRequest:
-    """Prompt+response pairs of one checkpoint to score, with the engine arguments of their rollout
-    (the layout adds its own, e.g. ``tensor_parallel_size``), and optionally a step to take."""
+    """Prompt+response pairs of one checkpoint to score, with the engine arguments of their rollout,
+    and optionally a step to take."""
 
     model_dir: str
     engine_kwargs: dict
@@ -87,27 +97,28 @@ def step_coefficients(step: TrainStep, num_tokens: int) -> torch.Tensor:
 
 
 class _RankRun:
-    """One request at one layout on this rank: the aligned model of the engine rank's layout."""
+    """This rank's part of a :class:`RankModel`: the aligned model of the engine rank's layout."""
 
-    def __init__(self, request: ScoreRequest, layout: Layout, dtype: str = "float32"):
-        from zero_mismatch_plugin.aligned.packing import pack
+    def __init__(self, spec: RankModel, dtype: str = "float32"):
         from zero_mismatch_plugin.aligned.runtime import VllmRuntime
         from zero_mismatch_plugin.integrations.megatron.standalone import build_gpt_model
 
-        self.runtime = VllmRuntime(request.model_dir, dtype=dtype, **{**request.engine_kwargs, **layout.engine_kwargs()})
-        self.model = build_gpt_model(self.runtime, aligned=True, **layout.config_overrides())
-        self.batch = pack(request.prompts, request.responses)
+        layout = spec.layout
+        self.runtime = VllmRuntime(spec.model_dir, dtype=dtype, **{**dict(spec.engine_items), **layout.engine_kwargs()})
+        self.model = build_gpt_model(self.runtime, aligned=True, **layout.config_overrides()).eval()
         self.multiple = layout.tensor_model_parallel_size if layout.sequence_parallel else 1
 
-    def logprobs(self, model=None) -> torch.Tensor:
-        from zero_mismatch_plugin.integrations.megatron.standalone import packed_logits, token_logprobs_from_logits
+    def logits(self, batch, model=None) -> torch.Tensor:
+        from zero_mismatch_plugin.integrations.megatron.standalone import packed_logits
 
-        return token_logprobs_from_logits(packed_logits(model or self.model, self.batch, self.multiple), self.batch)
+        return packed_logits(model or self.model, batch, self.multiple)
 
-    def per_sequence(self, values: torch.Tensor) -> list[torch.Tensor]:
-        return self.batch.split_per_sequence(values.detach().cpu())
+    def logprobs(self, batch, model=None) -> torch.Tensor:
+        from zero_mismatch_plugin.integrations.megatron.standalone import token_logprobs_from_logits
 
-    def step(self, step: TrainStep) -> dict:
+        return token_logprobs_from_logits(self.logits(batch, model), batch)
+
+    def step(self, batch, step: TrainStep) -> dict:
         """Gradients (full, checkpoint names), the logprobs after the step, and the full weights."""
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.distributed.finalize_model_grads import finalize_model_grads
@@ -120,7 +131,7 @@ class _RankRun:
         with cpu_stock_megatron():
             ddp = DistributedDataParallel(self.model.config, DistributedDataParallelConfig(), self.model)
             ddp.train()
-            values = self.logprobs(ddp)
+            values = self.logprobs(batch, ddp)
             (values * step_coefficients(step, values.numel())).sum().backward()
             # megatron's own reductions: data-parallel grads, and over tensor-parallel ranks the
             # norms that see only this rank's tokens (SP) or heads (q/k norms).
@@ -131,60 +142,65 @@ class _RankRun:
                 p.add_(p.main_grad, alpha=-step.lr)
         ddp.eval()
         with torch.no_grad():
-            after = self.logprobs(ddp)
-        return dict(grads=convert.megatron_to_hf(grads, hf), logprobs_after=self.per_sequence(after),
+            after = self.logprobs(batch, ddp)
+        return dict(grads=convert.megatron_to_hf(grads, hf), logprobs_after=batch.split_per_sequence(after.cpu()),
                     weights=convert.engine_weights(self.model, hf, self.runtime.dtype))
+
+
+# The models a rank has built, for calls that only read them (a step builds its own).
+_BUILT: dict[RankModel, _RankRun] = {}
+
+
+def _built(spec: RankModel) -> _RankRun:
+    if spec not in _BUILT:
+        _BUILT[spec] = _RankRun(spec)
+    return _BUILT[spec]
 
 
 def run_request(request: ScoreRequest, layout: Layout) -> dict:
     """``{"logprobs": per-sequence logprobs}`` (plus :meth:`_RankRun.step`'s results with a step)."""
-    run = _RankRun(request, layout)
+    from zero_mismatch_plugin.aligned.packing import pack
+
+    spec = RankModel.of(request.model_dir, request.engine_kwargs, layout)
+    run = _RankRun(spec) if request.step is not None else _built(spec)
+    batch = pack(request.prompts, request.responses)
     with torch.no_grad():
-        result = {"logprobs": run.per_sequence(run.logprobs())}
+        result = {"logprobs": batch.split_per_sequence(run.logprobs(batch).cpu())}
     if request.step is not None:
-        result.update(run.step(request.step))
+        result.update(run.step(batch, request.step))
     return result
 
 
-def main(argv=None) -> int:
-    """One rank of a job written by :func:`launch` (``python -m ... JOB OUT``)."""
-    import torch.distributed as dist
-
-    job_path, out_path = (argv or sys.argv[1:])[:2]
-    job = torch.load(job_path, weights_only=False)
-    torch.set_num_threads(1)
-    init_ranks(job["layouts"][0], job["timeout_s"])
-    results = [{layout.name: run_request(request, layout) for layout in job["layouts"]} for request in job["requests"]]
-    dist.barrier()
-    if dist.get_rank() == 0:
-        torch.save(results, out_path)
-    dist.destroy_process_group()
-    return 0
+@torch.no_grad()
+def token_logprobs(spec: RankModel, batch) -> torch.Tensor:
+    return _built(spec).logprobs(batch).float().cpu()
 
 
-def torchrun_command(nproc: int, *args: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-            "-m", __name__, *args]
+@torch.no_grad()
+def target_logits(spec: RankModel, batch) -> torch.Tensor:
+    """The logits of the rows that score response tokens (whole vocabulary)."""
+    logits = _built(spec).logits(batch)
+    return logits.index_select(0, batch.target_rows.to(logits.device)).cpu()
 
 
-def launch(requests: list[ScoreRequest], layouts: list[Layout], timeout_s: float = COLLECTIVE_TIMEOUT_S,
-           run_timeout_s: float = 900.0) -> list[dict]:
-    """Score every request at each layout in one torchrun (the layouts share one world size);
-    returns, per request, {layout name: :func:`run_request`'s result}."""
+# What a rank group's ranks can be asked to run (rank_group.RankGroup.call).
+RANK_CALLS = {
+    "run_request": run_request,
+    "token_logprobs": token_logprobs,
+    "target_logits": target_logits,
+}
+
+
+def launch(requests: list[ScoreRequest], layouts: list[Layout], group=None, timeout_s: float = COLLECTIVE_TIMEOUT_S) -> list[dict]:
+    """Score every request at each layout on one rank group (``group``, else one started for the
+    call; the layouts share its world size); returns, per request, {layout name:
+    :func:`run_request`'s result}."""
+    from zero_mismatch_plugin.integrations.megatron.rank_group import RankGroup
+
     sizes = {layout.world_size for layout in layouts}
-    if len(sizes) != 1:
-        raise ValueError(f"one launch runs layouts of one world size, got {sorted(sizes)}")
-    with tempfile.TemporaryDirectory(prefix="zmrl-ranks-") as tmp:
-        job, out = Path(tmp) / "job.pt", Path(tmp) / "out.pt"
-        torch.save(dict(requests=requests, layouts=layouts, timeout_s=timeout_s), job)
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        completed = subprocess.run(torchrun_command(sizes.pop(), str(job), str(out)), env=env,
-                                   capture_output=True, text=True, timeout=run_timeout_s)
-        if completed.returncode != 0 or not out.exists():
-            tail = (completed.stdout + completed.stderr)[-6000:]
-            raise RuntimeError(f"torchrun exited with {completed.returncode}:\n{tail}")
-        return torch.load(out, weights_only=False)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    if len(sizes) != 1 or (group is not None and sizes != {group.layout.world_size}):
+        raise ValueError(f"one launch runs layouts of one world size, that of its rank group; got {sorted(sizes)}")
+    if group is None:
+        with RankGroup(layouts[0], timeout_s=timeout_s) as own:
+            return launch(requests, layouts, own)
+    return [{layout.name: group.call("run_request", request, layout) for layout in layouts} for request in requests]

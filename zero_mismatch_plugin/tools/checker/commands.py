@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 
+from zero_mismatch_plugin.integrations.megatron.rank_group import RankFailure
 from zero_mismatch_plugin.tools.checker import checkpoint_inputs
 from zero_mismatch_plugin.tools.checker import engine as eng
 from zero_mismatch_plugin.tools.checker import inputs
@@ -104,6 +105,16 @@ def lora_options(args) -> dict:
 def run_settings(args, max_model_len: int, lora: dict) -> eng.EngineSettings:
     """The run's :func:`.engine.engine_settings`; an adapter the engine or the ``--trainer`` face
     does not serve is refused here, naming what to change."""
+    tensor_parallel = getattr(args, "tensor_parallel", 1)
+    sequence_parallel = getattr(args, "sequence_parallel", False)
+    if tensor_parallel < 1:
+        raise inputs.CheckerInputError(f"--tensor-parallel {tensor_parallel}: give a number of ranks, 1 or more")
+    if (tensor_parallel > 1 or sequence_parallel) and args.trainer != "megatron":
+        raise inputs.CheckerInputError(
+            f"--tensor-parallel / --sequence-parallel run the Megatron face on several ranks: use --trainer megatron "
+            f"(--trainer {args.trainer} runs in one process)")
+    if sequence_parallel and tensor_parallel == 1:
+        raise inputs.CheckerInputError("--sequence-parallel splits tokens over tensor-parallel ranks: give --tensor-parallel 2 or more")
     try:
         settings = eng.engine_settings(
             args.model,
@@ -111,6 +122,8 @@ def run_settings(args, max_model_len: int, lora: dict) -> eng.EngineSettings:
             seed=args.seed,
             full_vocab=getattr(args, "full_vocab", False),
             prefix_caching=getattr(args, "prefix_caching", "on") == "on",
+            tensor_parallel=tensor_parallel,
+            sequence_parallel=sequence_parallel,
             **lora,
         )
     except NotImplementedError as error:
@@ -145,20 +158,28 @@ def check_command(args) -> int:
         mode = apply_numerics(args.numerics)
         inputs.require_prompts_within_budget(prompts, eng.prefill_budget(settings))
         backend = load_backend(args.trainer, settings)
-    except (BackendUnavailable, ValueError, OSError) as error:
+    except (BackendUnavailable, RankFailure, ValueError, OSError) as error:
         print(f"ERROR: {error}", file=sys.stderr)
         return 2
     options = CheckOptions(settings, num_prompts=args.num_prompts, max_tokens=args.max_tokens, batch_sizes=batch_sizes)
-    with eng.open_engine(settings) as llm:
-        progress = _progress(count_steps(options, len(prompts)), args.quiet)
-        try:
-            results, skipped = run_checks(llm, backend, prompts, options, progress)
-        finally:
-            progress.close()
+    try:
+        with eng.open_engine(settings) as llm:
+            progress = _progress(count_steps(options, len(prompts)), args.quiet)
+            try:
+                results, skipped = run_checks(llm, backend, prompts, options, progress)
+            finally:
+                progress.close()
+    except RankFailure as error:
+        print(f"ERROR: {error}", file=sys.stderr)
+        return 2
+    finally:
+        getattr(backend, "close", lambda: None)()  # a backend on torchrun ranks stops them
+    layout = f" | tensor parallel {settings.tensor_parallel}" if settings.tensor_parallel > 1 else ""
+    layout += " + sequence parallel" if settings.sequence_parallel else ""
     header = (
         f"zmrl check: {args.model}"
         + (f" + LoRA {lora['lora_dir']}" if lora else "")
-        + f" | trainer {args.trainer} | numerics {mode} | "
+        + f" | trainer {args.trainer}{layout} | numerics {mode} | "
         f"{len(prompts)} prompts x {args.max_tokens} tokens, T=1 | prefix caching {args.prefix_caching}"
     )
     if args.json != "-":

@@ -70,10 +70,15 @@ class EngineSettings:
     environment: dict
     lora_dir: str | None = None
     lora_targets: tuple[str, ...] = ()  # the adapter's target modules, checked against the model
+    # The engine's tensor_parallel_size; a trainer face of the same tensor parallelism runs on as many
+    # ranks (sequence parallelism is the trainer's own choice).
+    tensor_parallel: int = 1
+    sequence_parallel: bool = False
 
 
 def engine_settings(
-    model_dir, max_model_len: int, seed: int = 0, full_vocab: bool = False, lora_dir=None, prefix_caching: bool = True
+    model_dir, max_model_len: int, seed: int = 0, full_vocab: bool = False, lora_dir=None, prefix_caching: bool = True,
+    tensor_parallel: int = 1, sequence_parallel: bool = False,
 ) -> EngineSettings:
     """The checker's arguments as the engine's configuration, read once: ``vllm.LLM``'s arguments
     (those the aligned trainer mirrors, prefix caching as asked for, enough returned logprobs;
@@ -83,7 +88,7 @@ def engine_settings(
 
     from transformers import AutoConfig
 
-    from zero_mismatch_plugin.aligned.runtime import engine_args_for
+    from zero_mismatch_plugin.aligned.runtime import cpu_engine_thread_binding, engine_args_for
     from zero_mismatch_plugin.tables.architectures import describe
     from zero_mismatch_plugin.tables.switches import ALLOW_PREFIX_CACHING, CPU_KV_CACHE_SPACE
 
@@ -98,6 +103,11 @@ def engine_settings(
         model_dir, enable_prefix_caching=prefix_caching, max_logprobs=-1 if full_vocab else DEFAULT_TOP_K, **trainer_args
     )
     environment = {}
+    if tensor_parallel != 1:
+        if lora_dir is not None:
+            raise NotImplementedError("--lora runs at --tensor-parallel 1 (the Megatron face's adapters run in one process)")
+        llm_args["tensor_parallel_size"] = tensor_parallel
+        environment.update(cpu_engine_thread_binding(tensor_parallel))
     if prefix_caching:
         # Consistent mode turns prefix caching off where it is not proven; the prefix-cache check is
         # how it gets proven, so the engine keeps it on. Every other check resets the cache first.
@@ -116,6 +126,8 @@ def engine_settings(
         environment=environment,
         lora_dir=None if lora_dir is None else str(lora_dir),
         lora_targets=lora_targets,
+        tensor_parallel=tensor_parallel,
+        sequence_parallel=sequence_parallel,
     )
 
 

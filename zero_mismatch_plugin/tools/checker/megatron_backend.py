@@ -3,7 +3,8 @@
 Answers the checker's three questions (see ``zero_mismatch_plugin.tools.checker.backends``) for a
 packed batch, run as megatron's packed THD input. Intermediates are recorded at the op layer
 (:mod:`.recording`), under the checker's canonical op names; ``qkv_proj`` is reported in vLLM's
-``[q; k; v]`` column order.
+``[q; k; v]`` column order. With ``--tensor-parallel N`` the model runs on N torchrun ranks
+(:class:`DistributedMegatronBackend`), which answer the logprob questions.
 """
 
 from __future__ import annotations
@@ -15,6 +16,54 @@ from zero_mismatch_plugin.integrations.megatron.standalone import MegatronScorer
 from zero_mismatch_plugin.tools.checker import oplist
 from zero_mismatch_plugin.tools.checker.engine import EngineSettings
 from zero_mismatch_plugin.tools.checker.recording import OpRecorder
+
+
+def megatron_backend(settings: EngineSettings):
+    """The one-process backend, or at the engine's tensor parallelism the ranks' backend."""
+    if settings.tensor_parallel == 1 and not settings.sequence_parallel:
+        return MegatronBackend(settings)
+    return DistributedMegatronBackend(settings)
+
+
+class DistributedMegatronBackend:
+    """The Megatron face on ``settings.tensor_parallel`` ranks (megatron-core's tensor parallelism,
+    sequence parallelism if asked), each rank the engine rank of its index."""
+
+    name = "megatron"
+
+    def __init__(self, settings: EngineSettings):
+        from zero_mismatch_plugin.integrations.megatron.distributed import Layout, RankModel
+        from zero_mismatch_plugin.integrations.megatron.rank_group import RankGroup
+
+        if settings.lora_dir is not None:
+            raise NotImplementedError("LoRA adapters in the Megatron face run at --tensor-parallel 1")
+        self.layout = Layout(settings.tensor_parallel, settings.sequence_parallel)
+        self.spec = RankModel.of(settings.model_dir, settings.trainer_args, self.layout)
+        self.group = RankGroup(self.layout)
+        self.group.call("token_logprobs", self.spec, _empty_batch())  # build the model on every rank now
+        self.blocks = settings.blocks
+        self.qk_norm = self.blocks.qk_norm
+
+    def token_logprobs(self, batch) -> torch.Tensor:
+        return self.group.call("token_logprobs", self.spec, batch)
+
+    def full_logprobs(self, batch) -> torch.Tensor:
+        return SamplingTransform().logprobs(self.group.call("target_logits", self.spec, batch)).float()
+
+    def intermediates(self, batch, perturb=None) -> dict:
+        raise NotImplementedError(
+            f"per-op records of the Megatron face are taken in one process; --tensor-parallel {self.layout.tensor_model_parallel_size} "
+            "checks the logprobs (run zmrl bisect at --tensor-parallel 1 to name an op)"
+        )
+
+    def close(self) -> None:
+        self.group.close()
+
+
+def _empty_batch():
+    from zero_mismatch_plugin.aligned.packing import pack
+
+    return pack([[0, 0]], [[0]])
 
 
 class MegatronBackend:

@@ -8,7 +8,7 @@ importing torch.
 TRAINER_BACKENDS: dict[str, str] = {
     "aligned": "zero_mismatch_plugin.tools.checker.backends:AlignedBackend",
     "hf": "zero_mismatch_plugin.tools.checker.backends:HFBackend",
-    "megatron": "zero_mismatch_plugin.tools.checker.megatron_backend:MegatronBackend",
+    "megatron": "zero_mismatch_plugin.tools.checker.megatron_backend:megatron_backend",
 }
 
 # Trainers the command line accepts. One of them missing from TRAINER_BACKENDS (an installation

@@ -1,0 +1,226 @@
+"""A torchrun group of Megatron-face ranks that serves calls from the process that started it.
+
+The parent (:class:`RankGroup`) starts ``torchrun`` on :func:`serve`; rank 0 connects back over an
+authenticated local socket, receives each call, broadcasts it to the other ranks, and returns its
+result (every rank computes it; the logprobs are whole on each). A rank that dies is found by
+torchrun, which stops the others; the parent then raises :class:`RankFailure` naming the rank and
+its exit (or, if torchrun itself hangs, after the collective timeout plus a margin).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import re
+import secrets
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from datetime import timedelta
+from multiprocessing.connection import Client, Listener
+from pathlib import Path
+
+import torch
+
+from zero_mismatch_plugin.integrations.megatron.distributed import COLLECTIVE_TIMEOUT_S, RANK_CALLS, Layout, init_ranks
+
+# How long the ranks may take to start (import vLLM and megatron-core, build the process group).
+START_TIMEOUT_S = 300.0
+STOP = "stop"
+# Seconds torchrun gets, after a rank failed, to stop the others and print its summary.
+TORCHRUN_GRACE_S = 20.0
+# How long idle ranks wait for the next call.
+IDLE_DAYS = 7
+
+
+class RankFailure(RuntimeError):
+    """A rank of the group died, failed, or the group stopped answering."""
+
+
+# Plain pickle, not the connection's own: torch registers reducers there that pass tensors as
+# file descriptors of this process's shared memory, which a process torchrun started cannot open.
+def _send(conn, obj) -> None:
+    conn.send_bytes(pickle.dumps(obj))
+
+
+def _recv(conn):
+    return pickle.loads(conn.recv_bytes())
+
+
+def _exit_words(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def failed_rank(log: str) -> str | None:
+    """'rank N (<how it exited>)' from torchrun's failure summary, if it printed one."""
+    root = log.rfind("Root Cause")
+    if root < 0:
+        return None
+    rank = re.search(r"rank\s*:\s*(\d+)", log[root:])
+    code = re.search(r"exitcode\s*:\s*(-?\d+)", log[root:])
+    if rank is None or code is None:
+        return None
+    return f"rank {rank.group(1)} ({_exit_words(int(code.group(1)))})"
+
+
+class RankGroup:
+    """``with RankGroup(layout) as group: group.call("token_logprobs", model, batch)``."""
+
+    def __init__(self, layout: Layout, timeout_s: float = COLLECTIVE_TIMEOUT_S, start_timeout_s: float = START_TIMEOUT_S):
+        self.layout = layout
+        self.timeout_s = timeout_s
+        self._dir = tempfile.TemporaryDirectory(prefix="zmrl-ranks-")
+        self.log_path = Path(self._dir.name) / "ranks.log"
+        key = secrets.token_bytes(32)
+        self._listener = Listener(("127.0.0.1", 0), authkey=key)
+        host, port = self._listener.address
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "ZMRL_RANK_GROUP_KEY": key.hex()}
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   f"--nproc-per-node={layout.world_size}", "-m", __name__,
+                   f"{host}:{port}", repr(layout.tensor_model_parallel_size), repr(layout.sequence_parallel), repr(timeout_s)]
+        self._log = open(self.log_path, "w")
+        self.process = subprocess.Popen(command, env=env, stdout=self._log, stderr=subprocess.STDOUT,
+                                        start_new_session=True)
+        self._conn = None
+        try:
+            self._conn = self._accept(start_timeout_s)
+            self.rank_pids = _recv(self._conn)
+        except BaseException:
+            self.close()
+            raise
+
+    def _accept(self, timeout_s: float):
+        accepted = []
+        thread = threading.Thread(target=lambda: accepted.append(self._listener.accept()), daemon=True)
+        thread.start()
+        deadline = time.monotonic() + timeout_s
+        while thread.is_alive():
+            thread.join(0.5)
+            if self.process.poll() is not None:
+                raise self._failure("the ranks exited while starting")
+            if time.monotonic() > deadline:
+                raise self._failure(f"rank 0 did not connect within {timeout_s:.0f} s")
+        return accepted[0]
+
+    def log_tail(self, chars: int = 4000) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")[-chars:]
+
+    def _failure(self, what: str) -> RankFailure:
+        try:
+            # torchrun stops the other ranks itself and then prints which rank failed and how.
+            self.process.wait(TORCHRUN_GRACE_S)
+        except subprocess.TimeoutExpired:
+            self._stop_process()
+        log = self.log_path.read_text(errors="replace")
+        rank = failed_rank(log)
+        cause = f"{rank} failed first" if rank else f"torchrun exited with {_exit_words(self.process.returncode)}"
+        return RankFailure(f"Megatron-face ranks ({self.layout.name}): {what}; {cause}. Last lines of the ranks' log "
+                           f"({self.log_path}):\n{log[-4000:]}")
+
+    def call(self, name: str, *args):
+        """Run ``RANK_CALLS[name](*args)`` on every rank; rank 0's result."""
+        if self._conn is None:
+            raise RankFailure("the rank group is closed")
+        try:
+            _send(self._conn, (name, args))
+        except (OSError, EOFError):
+            raise self._failure(f"{name}: rank 0 is gone") from None
+        # A live group answers or fails within the collective timeout; torchrun needs a moment more.
+        deadline = time.monotonic() + self.timeout_s + 30.0
+        while not self._conn.poll(0.5):
+            if self.process.poll() is not None:
+                raise self._failure(f"{name}: a rank died")
+            if time.monotonic() > deadline:
+                raise self._failure(f"{name}: no answer within {self.timeout_s + 30.0:.0f} s")
+        try:
+            ok, value = _recv(self._conn)
+        except (OSError, EOFError):
+            raise self._failure(f"{name}: rank 0 is gone") from None
+        if not ok:
+            raise RankFailure(f"Megatron-face ranks ({self.layout.name}): {name} failed:\n{value}")
+        return value
+
+    def _stop_process(self) -> None:
+        try:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            self.process.wait(10)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            try:
+                os.killpg(self.process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.process.wait()
+
+    def close(self) -> None:
+        if self._conn is not None:
+            try:
+                _send(self._conn, (STOP, ()))
+                self.process.wait(30)
+            except (OSError, EOFError, subprocess.TimeoutExpired):
+                pass
+            self._conn.close()
+            self._conn = None
+        if self.process.poll() is None:
+            self._stop_process()
+        self._listener.close()
+        self._log.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        self._dir.cleanup()
+
+
+def serve(address: str, layout: Layout, timeout_s: float) -> int:
+    """One rank: set up the process group, then run the parent's calls until it says stop."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    init_ranks(layout, timeout_s)
+    rank = dist.get_rank()
+    # Between calls the ranks wait for the parent's next one as long as it takes: the calls are
+    # broadcast in a group of their own, without the collective timeout (a dead rank still fails
+    # it at once: its connections reset).
+    calls = dist.new_group(backend="gloo", timeout=timedelta(days=IDLE_DAYS))
+    pids = [None] * dist.get_world_size()
+    dist.all_gather_object(pids, os.getpid())
+    conn = None
+    if rank == 0:
+        host, port = address.rsplit(":", 1)
+        conn = Client((host, int(port)), authkey=bytes.fromhex(os.environ["ZMRL_RANK_GROUP_KEY"]))
+        _send(conn, pids)
+    while True:
+        message = [_recv(conn) if rank == 0 else None]
+        dist.broadcast_object_list(message, src=0, group=calls)
+        name, args = message[0]
+        if name == STOP:
+            break
+        try:
+            outcome = (True, RANK_CALLS[name](*args))
+        except Exception:  # noqa: BLE001 - reported to the parent, the group stays up
+            outcome = (False, f"rank {rank}: {traceback.format_exc()}")
+        outcomes = [None] * dist.get_world_size()
+        dist.all_gather_object(outcomes, (outcome[0], None if outcome[0] else outcome[1]))
+        errors = [text for ok, text in outcomes if not ok]
+        if rank == 0:
+            _send(conn, outcome if not errors else (False, "\n".join(errors)))
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    address, tp, sp, timeout = sys.argv[1:5]
+    sys.exit(serve(address, Layout(int(tp), sp == "True"), float(timeout)))
