@@ -96,7 +96,8 @@ def tp2_rollouts(mg_checkpoints, tp2_llama_engine):
 def tp2_results(mg_checkpoints, tp2_rollouts, tp2_group):
     """{family: {layout name: run_request's result}} from the module's two ranks; the Llama
     request also takes one training step."""
-    from zero_mismatch_plugin.integrations.megatron.distributed import Layout, ScoreRequest, launch
+    from zero_mismatch_plugin.integrations.megatron.distributed import Layout, ScoreRequest
+    from zero_mismatch_plugin.integrations.megatron.rank_group import launch
 
     families = list(tp2_rollouts)
     requests = [

@@ -3,7 +3,7 @@
 A :class:`Layout` names megatron's parallel sizes and the engine arguments of the rollout it is
 bitwise with; the functions in :data:`RANK_CALLS` run on every rank of a
 :class:`.rank_group.RankGroup` (torchrun), each rank building the engine rank's part of the
-model. :func:`launch` scores prompt+response pairs at some layouts on one group. Collectives run
+model. :func:`.rank_group.launch` scores prompt+response pairs at some layouts on one group. Collectives run
 over gloo on CPU with a timeout, so a rank that dies makes the others fail instead of waiting.
 """
 
@@ -190,17 +190,3 @@ RANK_CALLS = {
     "target_logits": target_logits,
 }
 
-
-def launch(requests: list[ScoreRequest], layouts: list[Layout], group=None, timeout_s: float = COLLECTIVE_TIMEOUT_S) -> list[dict]:
-    """Score every request at each layout on one rank group (``group``, else one started for the
-    call; the layouts share its world size); returns, per request, {layout name:
-    :func:`run_request`'s result}."""
-    from zero_mismatch_plugin.integrations.megatron.rank_group import RankGroup
-
-    sizes = {layout.world_size for layout in layouts}
-    if len(sizes) != 1 or (group is not None and sizes != {group.layout.world_size}):
-        raise ValueError(f"one launch runs layouts of one world size, that of its rank group; got {sorted(sizes)}")
-    if group is None:
-        with RankGroup(layouts[0], timeout_s=timeout_s) as own:
-            return launch(requests, layouts, own)
-    return [{layout.name: group.call("run_request", request, layout) for layout in layouts} for request in requests]

@@ -26,7 +26,8 @@ from pathlib import Path
 
 import torch
 
-from zero_mismatch_plugin.integrations.megatron.distributed import COLLECTIVE_TIMEOUT_S, RANK_CALLS, Layout, init_ranks
+from zero_mismatch_plugin.integrations.megatron.distributed import (
+    COLLECTIVE_TIMEOUT_S, RANK_CALLS, Layout, ScoreRequest, init_ranks)
 
 # How long the ranks may take to start (import vLLM and megatron-core, build the process group).
 START_TIMEOUT_S = 300.0
@@ -83,10 +84,14 @@ class RankGroup:
         key = secrets.token_bytes(32)
         self._listener = Listener(("127.0.0.1", 0), authkey=key)
         host, port = self._listener.address
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "ZMRL_RANK_GROUP_KEY": key.hex()}
+        # The handshake key goes through a file only this user can read (the directory is 0700),
+        # not the environment, which every rank and its children would inherit.
+        key_path = Path(self._dir.name) / "handshake.key"
+        key_path.write_bytes(key)
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                    f"--nproc-per-node={layout.world_size}", "-m", __name__,
-                   f"{host}:{port}", repr(layout.tensor_model_parallel_size), repr(layout.sequence_parallel), repr(timeout_s)]
+                   f"{host}:{port}", str(key_path), repr(layout.tensor_model_parallel_size), repr(layout.sequence_parallel), repr(timeout_s)]
         self._log = open(self.log_path, "w")
         self.process = subprocess.Popen(command, env=env, stdout=self._log, stderr=subprocess.STDOUT,
                                         start_new_session=True)
@@ -183,7 +188,7 @@ class RankGroup:
         self._dir.cleanup()
 
 
-def serve(address: str, layout: Layout, timeout_s: float) -> int:
+def serve(address: str, key_path: str, layout: Layout, timeout_s: float) -> int:
     """One rank: set up the process group, then run the parent's calls until it says stop."""
     import torch.distributed as dist
 
@@ -199,7 +204,7 @@ def serve(address: str, layout: Layout, timeout_s: float) -> int:
     conn = None
     if rank == 0:
         host, port = address.rsplit(":", 1)
-        conn = Client((host, int(port)), authkey=bytes.fromhex(os.environ["ZMRL_RANK_GROUP_KEY"]))
+        conn = Client((host, int(port)), authkey=Path(key_path).read_bytes())
         _send(conn, pids)
     while True:
         message = [_recv(conn) if rank == 0 else None]
@@ -221,6 +226,19 @@ def serve(address: str, layout: Layout, timeout_s: float) -> int:
     return 0
 
 
+def launch(requests: list[ScoreRequest], layouts: list[Layout], group=None, timeout_s: float = COLLECTIVE_TIMEOUT_S) -> list[dict]:
+    """Score every request at each layout on one rank group (``group``, else one started for the
+    call; the layouts share its world size); returns, per request, {layout name:
+    :func:`run_request`'s result}."""
+    sizes = {layout.world_size for layout in layouts}
+    if len(sizes) != 1 or (group is not None and sizes != {group.layout.world_size}):
+        raise ValueError(f"one launch runs layouts of one world size, that of its rank group; got {sorted(sizes)}")
+    if group is None:
+        with RankGroup(layouts[0], timeout_s=timeout_s) as own:
+            return launch(requests, layouts, own)
+    return [{layout.name: group.call("run_request", request, layout) for layout in layouts} for request in requests]
+
+
 if __name__ == "__main__":
-    address, tp, sp, timeout = sys.argv[1:5]
-    sys.exit(serve(address, Layout(int(tp), sp == "True"), float(timeout)))
+    address, key_file, tp, sp, timeout = sys.argv[1:6]
+    sys.exit(serve(address, key_file, Layout(int(tp), sp == "True"), float(timeout)))
