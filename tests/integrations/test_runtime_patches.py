@@ -175,7 +175,7 @@ def test_registry_lists_every_runtime_patch_of_the_plugin():
     assert not missing, f"patches missing from integrations.patches.REGISTRY: {missing}"
     names = [patch.name for patch in registered]
     assert len(names) == len(set(names)), names
-    assert {patch.package for patch in registered} == {"vllm", "verl"}
+    assert {patch.package for patch in registered} == {"vllm", "verl", "megatron.core"}
     for patch in registered:
         info = runtime_patches.describe(patch)
         assert all(info[key] for key in ("name", "package", "versions", "target", "why")), info
@@ -195,7 +195,7 @@ def test_patches_list_shows_the_runtime_patches_next_to_the_fork_patches(capsys)
         assert patch.why in runtime
 
 
-@pytest.mark.parametrize("package", ["vllm", "verl"])
+@pytest.mark.parametrize("package", ["vllm", "verl", "megatron.core"])
 def test_every_patch_refuses_a_planted_other_version_of_its_package(package, monkeypatch):
     import importlib
 

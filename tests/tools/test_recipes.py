@@ -699,7 +699,7 @@ def test_moe_in_verls_megatron_engine_with_expert_parallelism_is_still_a_gap():
     assert alignment.status == ALIGNMENT_NOT_ALIGNED
     said = alignment.describe()
     assert "a path for Qwen3MoeForCausalLM" in said and "its Megatron engine does not yet" in said
-    assert "expert_model_parallel_size 8 in the trainer" in said
+    assert "expert_model_parallel_size 8 in verl's Megatron engine" in said
 
 
 @pytest.mark.parametrize("override,gap", [

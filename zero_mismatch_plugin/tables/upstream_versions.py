@@ -6,3 +6,4 @@ fork patches carry their own pins in ``fork_patches/diffs/manifest.yaml``.)"""
 VLLM = ("0.31.0",)
 VERL = ("0.9.1",)
 TRANSFORMERS = ("5.10.4",)
+MEGATRON_CORE = ("0.16.1",)

@@ -229,7 +229,6 @@ def test_moe_layout_map_round_trips_and_describes_the_layers(checkpoints, family
 @pytest.mark.parametrize(
     "settings, message",
     [
-        (dict(expert_model_parallel_size=2), "expert parallelism > 1"),
         (dict(expert_tensor_parallel_size=2), "expert tensor parallelism"),
         (dict(moe_grouped_gemm=True), "moe_grouped_gemm"),
         (dict(moe_aux_loss_coeff=1e-3), "auxiliary losses"),

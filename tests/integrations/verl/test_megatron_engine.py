@@ -137,7 +137,7 @@ def test_unsupported_configurations_fail_clearly():
     base = dict(normalization="RMSNorm", gated_linear_unit=True, hidden_dropout=0.0, attention_dropout=0.0)
     require_supported(SimpleNamespace(**base))
     for extra, word in [
-        (dict(num_moe_experts=8, expert_model_parallel_size=2), "expert parallelism"),
+        (dict(num_moe_experts=8, expert_tensor_parallel_size=2), "expert tensor parallelism"),
         (dict(multi_latent_attention=True), "MLA"),
         (dict(tensor_model_parallel_size=2, num_moe_experts=8), "tensor parallelism > 1 with MoE layers"),
         (dict(use_transformer_engine_full_layer_spec=True), "Transformer Engine"),
@@ -158,6 +158,10 @@ def test_unsupported_configurations_fail_clearly():
     engine.engine_config.use_remove_padding = True
     engine.provider.tensor_model_parallel_size = 2
     with pytest.raises(UnsupportedMegatronFeature, match="tensor_model_parallel_size=2 in verl's Megatron engine"):
+        megatron_engine.inject_aligned_spec(engine, runtime=object())
+    engine.provider.tensor_model_parallel_size = 1
+    engine.provider.expert_model_parallel_size = 2
+    with pytest.raises(UnsupportedMegatronFeature, match="expert_model_parallel_size=2 in verl's Megatron engine"):
         megatron_engine.inject_aligned_spec(engine, runtime=object())
 
 

@@ -277,15 +277,27 @@ def load_hf_checkpoint(model, model_dir: str | os.PathLike, hf_config) -> None:
     if group is not None:
         rank, size = parallel.group_rank(group), parallel.group_size(group)
         mapped = {name: parallel.shard(name, full, rank, size) for name, full in mapped.items()}
+    config = getattr(model, "config", None)
+    mapped = parallel.local_experts_of(mapped, getattr(config, "num_moe_experts", None) or 0,
+                                       parallel.expert_parallel_group(config))
     copy_checkpoint(model_tensors(model), mapped)
 
 
 def engine_weights(model, hf_config, dtype) -> list[tuple[str, torch.Tensor]]:
-    """(checkpoint name, tensor in the engine dtype) for every weight of a GPTModel; under tensor
-    parallelism the full tensors, gathered from every rank (a collective: all ranks call it)."""
+    """(checkpoint name, tensor in the engine dtype) for every weight of a GPTModel; under tensor or
+    expert parallelism the full tensors, gathered from every rank (a collective: all ranks call it)."""
+    return [(k, v.to(dtype)) for k, v in megatron_to_hf(full_tensors(model, model_tensors(model)), hf_config).items()]
+
+
+def full_tensors(model, tensors: dict) -> dict:
+    """Full tensors by megatron name (every routed expert under its global number) from this rank's
+    parts of ``tensors`` (the model's parameters, or their gradients): gathered over the
+    tensor- and expert-parallel ranks (collectives: all ranks call it)."""
+    config = getattr(model, "config", None)
     group = _tensor_parallel_group(model)
-    state = {k: parallel.gather_full(k, p.detach(), group) for k, p in model_tensors(model).items()}
-    return [(k, v.to(dtype)) for k, v in megatron_to_hf(state, hf_config).items()]
+    state = {k: parallel.gather_full(k, t.detach(), group) for k, t in tensors.items()}
+    return parallel.gather_experts(state, getattr(config, "num_moe_experts", None) or 0,
+                                   parallel.expert_parallel_group(config))
 
 
 def sync_weights_to_engine(llm, model, hf_config, dtype) -> None:

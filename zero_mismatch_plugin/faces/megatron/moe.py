@@ -1,4 +1,9 @@
-"""megatron-core's MoE layer and router with vLLM's numerics (the op layer's MoE op), TP = EP = 1."""
+"""megatron-core's MoE layer and router with vLLM's numerics (the op layer's MoE op), TP = 1.
+
+At expert parallelism > 1 each rank holds megatron's share of the experts; every (token, slot) row
+goes through megatron's own token dispatcher (``allgather`` or ``alltoall``) to the rank of its
+expert and back, and the slots are summed as vLLM's one-process kernel sums them
+(:mod:`..aligned.expert_parallel`)."""
 
 from __future__ import annotations
 
@@ -101,9 +106,12 @@ def aligned_moe_layer_class():
                     "aligned megatron MoE layer: megatron's config differs from the checkpoint vLLM "
                     "serves; set " + "; ".join(problems)
                 )
+            if (getattr(config, "expert_model_parallel_size", 1) or 1) > 1:
+                from zero_mismatch_plugin.integrations.megatron.cpu_patches import expert_parallel_on_cpu
+
+                expert_parallel_on_cpu()  # megatron's all-to-all dispatcher on a CPU
             super().__init__(config, submodules, layer_number=layer_number, pg_collection=pg_collection)
-            if self.num_local_experts != config.num_moe_experts:
-                raise NotImplementedError("aligned megatron MoE layer: expert parallelism > 1")
+            self.expert_parallel = self.num_local_experts != config.num_moe_experts
             if not isinstance(self.router, AlignedRouter):
                 raise NotImplementedError("aligned megatron MoE layer: its router must be AlignedRouter")
             self.runtime = runtime
@@ -113,6 +121,8 @@ def aligned_moe_layer_class():
             self._aligned_ops = OpCache()
 
         def _experts_op(self) -> AlignedMoE:
+            if self.expert_parallel:
+                return self._local_experts_op()
             fc1 = [e.linear_fc1.weight for e in self.experts.local_experts]
             fc2 = [e.linear_fc2.weight for e in self.experts.local_experts]
             bias = self.router.expert_bias
@@ -157,13 +167,63 @@ def aligned_moe_layer_class():
         def forward(self, hidden_states, intermediate_tensors=None, padding_mask=None):
             if intermediate_tensors is not None:
                 raise NotImplementedError("aligned megatron MoE layer: partial (CUDA-graph) MoE forwards")
-            out = moe_mlp(flat_tokens(hidden_states), self.router, self._routed_op(), self._shared_ops())
+            routed = self._expert_parallel_routed if self.expert_parallel else self._routed_op()
+            out = moe_mlp(flat_tokens(hidden_states), self.router, routed, self._shared_ops())
             return out.reshape(hidden_states.shape), None
+
+        # ----- expert parallelism -----------------------------------------------------------
+
+        def _local_experts_op(self):
+            from zero_mismatch_plugin.aligned.expert_parallel import AlignedExpertRows
+
+            fc1 = [e.linear_fc1.weight for e in self.experts.local_experts]
+            fc2 = [e.linear_fc2.weight for e in self.experts.local_experts]
+            return self._aligned_ops.get(
+                "local_experts", fc1 + fc2,
+                lambda: AlignedExpertRows(self.runtime, self.moe, self.config.hidden_size, fc1, fc2))
+
+        def _engine_router(self):
+            from zero_mismatch_plugin.aligned.expert_parallel import EngineRouter
+
+            bias = self.router.expert_bias
+            return self._aligned_ops.get("engine_router", [bias], lambda: EngineRouter(self.runtime, self.moe, bias))
+
+        def _expert_parallel_routed(self, x, router_logits):
+            """The routed experts' output [T, H] at expert parallelism: the engine's router, then
+            each (token, slot) row dispatched by megatron to its expert's rank as a token routed to
+            that one expert with probability 1, its output returned unsummed, and the slots summed
+            in the engine kernel's order and rounding."""
+            from zero_mismatch_plugin.aligned.expert_parallel import probe_combine_arithmetic, slot_order_combine
+            from zero_mismatch_plugin.faces.megatron.parallel import cpu_megatron_collectives
+
+            router = self._engine_router()
+            weights, ids = router.route(x, router_logits)
+            tokens, k = ids.shape
+            rows = x.repeat_interleave(k, dim=0)
+            routing_map = torch.nn.functional.one_hot(ids.reshape(-1), self.config.num_moe_experts).bool()
+            probs = routing_map.to(x.dtype)
+            dispatcher = self.token_dispatcher
+            with cpu_megatron_collectives():
+                rows, probs = dispatcher.dispatch_preprocess(rows, routing_map, probs)
+                rows, probs = dispatcher.token_dispatch(rows, probs)
+                rows, tokens_per_expert, _ = dispatcher.dispatch_postprocess(rows, probs)
+                counts = torch.as_tensor(tokens_per_expert, device=rows.device).long()
+                local_ids = torch.repeat_interleave(torch.arange(len(counts), device=rows.device), counts)
+                out = self._local_experts_op()(rows, local_ids)
+                out = dispatcher.combine_preprocess(out)
+                out = dispatcher.token_combine(out)
+                out = dispatcher.combine_postprocess(out)
+            arithmetic = probe_combine_arithmetic(self.runtime, self.moe, self.config.hidden_size)
+            routed = slot_order_combine(out.reshape(tokens, k, -1), weights, arithmetic)
+            scale = router.output_scale()
+            return (routed * scale if scale != 1.0 else routed).to(x.dtype)
 
         def refresh(self) -> None:
             """Re-derive the experts' and the shared expert gate's engine layouts (the router
             and the shared expert's linears are modules of their own)."""
             self._experts_op().derived.refresh()
+            if self.expert_parallel:
+                self._engine_router().derived.refresh()
             shared = self._shared_ops()
             if shared is not None and shared[3] is not None:
                 shared[3].derived.refresh()

@@ -18,6 +18,7 @@ Why the layout must match the engine's: docs/megatron.md.
 from __future__ import annotations
 
 import contextlib
+import re
 
 import torch
 
@@ -120,7 +121,10 @@ _HALVES_SHARDED = ("linear_fc1.weight",)
 
 
 def shard_layout(name: str) -> str | None:
-    """``"rows"``, ``"columns"``, ``"halves"`` or ``None`` (replicated) for a megatron name."""
+    """``"rows"``, ``"columns"``, ``"halves"`` or ``None`` (replicated) for a megatron name. Routed
+    experts are whole on their rank (expert tensor parallelism 1)."""
+    if _LOCAL_EXPERT.match(name):
+        return None
     if name.endswith(_HALVES_SHARDED):
         return "halves"
     if name.endswith(_ROW_SHARDED):
@@ -163,3 +167,57 @@ def gather_full(name: str, local: torch.Tensor, group) -> torch.Tensor:
     parts = [torch.empty_like(local) for _ in range(group.size())]
     torch.distributed.all_gather(parts, local.contiguous(), group=group)
     return unshard(name, parts)
+
+
+# ----- Experts over expert-parallel ranks ---------------------------------------------------
+
+# A routed expert's tensors: megatron numbers a rank's experts from 0 (its local experts).
+_LOCAL_EXPERT = re.compile(r"^(.*\.mlp\.experts\.local_experts\.)(\d+)(\..+)$")
+
+
+def expert_parallel_group(config):
+    """The expert-parallel group of a model of ``config``; ``None`` at expert parallelism 1."""
+    if (getattr(config, "expert_model_parallel_size", 1) or 1) == 1:
+        return None
+    from megatron.core import parallel_state
+
+    return parallel_state.get_expert_model_parallel_group()
+
+
+def _experts_per_rank(num_experts: int, group) -> int:
+    return divide(num_experts, group_size(group), "the number of routed experts")
+
+
+def local_experts_of(tensors: dict, num_experts: int, group) -> dict:
+    """The tensors this expert-parallel rank holds, from full ones (experts under global
+    numbers): its routed experts (megatron's contiguous share) renumbered from 0, the rest as is."""
+    if group is None:
+        return tensors
+    per, rank = _experts_per_rank(num_experts, group), group_rank(group)
+    out = {}
+    for name, tensor in tensors.items():
+        match = _LOCAL_EXPERT.match(name)
+        if match is None:
+            out[name] = tensor
+        elif rank * per <= int(match.group(2)) < (rank + 1) * per:
+            out[f"{match.group(1)}{int(match.group(2)) - rank * per}{match.group(3)}"] = tensor
+    return out
+
+
+def gather_experts(tensors: dict, num_experts: int, group) -> dict:
+    """Every rank's routed experts under their global numbers, on every rank of ``group`` (a
+    collective: all ranks call it with the same names); other tensors as they are."""
+    if group is None:
+        return tensors
+    per = _experts_per_rank(num_experts, group)
+    out = {}
+    for name, tensor in tensors.items():
+        match = _LOCAL_EXPERT.match(name)
+        if match is None:
+            out[name] = tensor
+            continue
+        parts = [torch.empty_like(tensor) for _ in range(group.size())]
+        torch.distributed.all_gather(parts, tensor.contiguous(), group=group)
+        for rank, part in enumerate(parts):
+            out[f"{match.group(1)}{rank * per + int(match.group(2))}{match.group(3)}"] = part
+    return out

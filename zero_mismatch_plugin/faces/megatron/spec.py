@@ -88,8 +88,6 @@ def _any_nonzero(value) -> bool:
 # (setting -> refused?, what to say): the MoE settings the aligned MoE layer (vLLM's one-process
 # router and experts, megatron's per-expert parameters) cannot run.
 _MOE_REFUSALS = (
-    (lambda get: (get("expert_model_parallel_size", 1) or 1) != 1,
-     "expert parallelism > 1 (expert_model_parallel_size: use 1)"),
     (lambda get: (get("expert_tensor_parallel_size", 1) or 1) != 1,
      "expert tensor parallelism > 1 (expert_tensor_parallel_size: use 1)"),
     (lambda get: get("moe_grouped_gemm"),

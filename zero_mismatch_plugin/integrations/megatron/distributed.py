@@ -19,28 +19,54 @@ import torch
 COLLECTIVE_TIMEOUT_S = 30.0
 
 
+DISPATCHERS = ("alltoall", "allgather")
+
+
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """A megatron-core parallel layout (megatron's names)."""
+    """A megatron-core parallel layout (megatron's names). The world is ``tensor_model_parallel_size
+    * data_parallel_size`` ranks; the expert-parallel ranks are drawn from them as megatron draws
+    them (expert tensor parallelism 1), so ``expert_model_parallel_size`` must divide the world."""
 
     tensor_model_parallel_size: int = 1
     sequence_parallel: bool = False
+    expert_model_parallel_size: int = 1
+    moe_token_dispatcher_type: str = "alltoall"
+    data_parallel_size: int = 1
+
+    def __post_init__(self):
+        if self.moe_token_dispatcher_type not in DISPATCHERS:
+            raise ValueError(f"moe_token_dispatcher_type={self.moe_token_dispatcher_type!r}: use one of {DISPATCHERS}")
+        if self.world_size % self.expert_model_parallel_size:
+            raise ValueError(f"expert_model_parallel_size={self.expert_model_parallel_size} does not divide the "
+                             f"{self.world_size} ranks (tensor x data parallel) of layout {self.name}")
 
     @property
     def world_size(self) -> int:
-        return self.tensor_model_parallel_size
+        return self.tensor_model_parallel_size * self.data_parallel_size
 
     @property
     def name(self) -> str:
-        return f"tp{self.tensor_model_parallel_size}" + ("-sp" if self.sequence_parallel else "")
+        name = f"tp{self.tensor_model_parallel_size}" + ("-sp" if self.sequence_parallel else "")
+        if self.expert_model_parallel_size > 1:
+            name += f"-ep{self.expert_model_parallel_size}-{self.moe_token_dispatcher_type}"
+        if self.data_parallel_size > 1:
+            name += f"-dp{self.data_parallel_size}"
+        return name
 
     def engine_kwargs(self) -> dict:
-        """The engine arguments of the rollout this layout is bitwise with."""
+        """The engine arguments of the rollout this layout is bitwise with: the engine's tensor
+        parallelism is the trainer's; its experts all live in one process (the combine is the
+        one-process kernel's, whatever the trainer's expert parallelism)."""
         return {"tensor_parallel_size": self.tensor_model_parallel_size}
 
     def config_overrides(self) -> dict:
-        return {"tensor_model_parallel_size": self.tensor_model_parallel_size,
-                "sequence_parallel": self.sequence_parallel}
+        overrides = {"tensor_model_parallel_size": self.tensor_model_parallel_size,
+                     "sequence_parallel": self.sequence_parallel}
+        if self.expert_model_parallel_size > 1:
+            overrides.update(expert_model_parallel_size=self.expert_model_parallel_size,
+                             moe_token_dispatcher_type=self.moe_token_dispatcher_type)
+        return overrides
 
 
 def init_ranks(layout: Layout, timeout_s: float = COLLECTIVE_TIMEOUT_S) -> None:
@@ -54,7 +80,22 @@ def init_ranks(layout: Layout, timeout_s: float = COLLECTIVE_TIMEOUT_S) -> None:
     if not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=layout.tensor_model_parallel_size)
+    use_layout(layout)
+
+
+def use_layout(layout: Layout) -> None:
+    """megatron's model-parallel state at ``layout`` (set up again if another layout of the same
+    world set it: one rank group serves every layout of its size)."""
+    from megatron.core import parallel_state
+
+    wanted = (layout.tensor_model_parallel_size, layout.expert_model_parallel_size)
+    if parallel_state.model_parallel_is_initialized():
+        current = (parallel_state.get_tensor_model_parallel_world_size(),
+                   parallel_state.get_expert_model_parallel_world_size())
+        if current == wanted:
+            return
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=wanted[0], expert_model_parallel_size=wanted[1])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,6 +137,16 @@ def step_coefficients(step: TrainStep, num_tokens: int) -> torch.Tensor:
     return torch.randn(num_tokens, generator=torch.Generator().manual_seed(step.coefficient_seed))
 
 
+def data_parallel_share(num_sequences: int, ranks: int, rank: int) -> range:
+    """The sequences data-parallel rank ``rank`` of ``ranks`` scores: a contiguous share, the
+    first ``num_sequences % ranks`` ranks one more (every rank at least one)."""
+    if num_sequences < ranks:
+        raise ValueError(f"{num_sequences} sequences cannot give each of {ranks} data-parallel ranks one")
+    per, extra = divmod(num_sequences, ranks)
+    start = rank * per + min(rank, extra)
+    return range(start, start + per + (rank < extra))
+
+
 class _RankRun:
     """This rank's part of a :class:`RankModel`: the aligned model of the engine rank's layout."""
 
@@ -104,39 +155,52 @@ class _RankRun:
         from zero_mismatch_plugin.integrations.megatron.standalone import build_gpt_model
 
         layout = spec.layout
+        use_layout(layout)
         self.runtime = VllmRuntime(spec.model_dir, dtype=dtype, **{**dict(spec.engine_items), **layout.engine_kwargs()})
         self.model = build_gpt_model(self.runtime, aligned=True, **layout.config_overrides()).eval()
         self.multiple = layout.tensor_model_parallel_size if layout.sequence_parallel else 1
+        # megatron's all-gather dispatcher gathers equal token counts from the expert-parallel ranks.
+        self.equal_tokens = layout.expert_model_parallel_size > 1 and layout.moe_token_dispatcher_type == "allgather"
 
     def logits(self, batch, model=None) -> torch.Tensor:
+        from megatron.core import parallel_state
+
         from zero_mismatch_plugin.integrations.megatron.standalone import packed_logits
 
-        return packed_logits(model or self.model, batch, self.multiple)
+        most = 0
+        if self.equal_tokens:
+            count = torch.tensor([batch.num_tokens])
+            torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX,
+                                         group=parallel_state.get_expert_model_parallel_group())
+            most = int(count)
+        return packed_logits(model or self.model, batch, self.multiple, most)
 
     def logprobs(self, batch, model=None) -> torch.Tensor:
         from zero_mismatch_plugin.integrations.megatron.standalone import token_logprobs_from_logits
 
         return token_logprobs_from_logits(self.logits(batch, model), batch)
 
-    def step(self, batch, step: TrainStep) -> dict:
-        """Gradients (full, checkpoint names), the logprobs after the step, and the full weights."""
+    def step(self, batch, step: TrainStep, coefficients: torch.Tensor) -> dict:
+        """Gradients of ``sum(coefficients * logprobs)`` over every data-parallel rank's tokens
+        (full, checkpoint names), this rank's logprobs after the step, and the full weights."""
+        from megatron.core import parallel_state
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
         from zero_mismatch_plugin.faces.megatron import convert
-        from zero_mismatch_plugin.faces.megatron.parallel import gather_full, tensor_parallel_group
         from zero_mismatch_plugin.integrations.megatron.standalone import cpu_stock_megatron
 
-        hf, group = self.runtime.hf_config, tensor_parallel_group(self.model.config)
+        hf = self.runtime.hf_config
         with cpu_stock_megatron():
             ddp = DistributedDataParallel(self.model.config, DistributedDataParallelConfig(), self.model)
             ddp.train()
             values = self.logprobs(batch, ddp)
-            (values * step_coefficients(step, values.numel())).sum().backward()
-            # megatron's own reductions: data-parallel grads, and over tensor-parallel ranks the
-            # norms that see only this rank's tokens (SP) or heads (q/k norms).
+            (values * coefficients).sum().backward()
+            # megatron's own reductions: data-parallel grads (scaled by 1 / data-parallel size), and
+            # over tensor-parallel ranks the norms that see only this rank's tokens (SP) or heads.
             finalize_model_grads([ddp])
-        grads = {name: gather_full(name, p.main_grad, group) for name, p in self.model.named_parameters()}
+        ranks = parallel_state.get_data_parallel_world_size()
+        grads = convert.full_tensors(self.model, {n: p.main_grad * ranks for n, p in self.model.named_parameters()})
         with torch.no_grad():
             for p in self.model.parameters():
                 p.add_(p.main_grad, alpha=-step.lr)
@@ -158,17 +222,40 @@ def _built(spec: RankModel) -> _RankRun:
 
 
 def run_request(request: ScoreRequest, layout: Layout) -> dict:
-    """``{"logprobs": per-sequence logprobs}`` (plus :meth:`_RankRun.step`'s results with a step)."""
+    """``{"logprobs": per-sequence logprobs}`` (plus :meth:`_RankRun.step`'s results with a step)
+    of every sequence; each data-parallel rank scores its share (:func:`data_parallel_share`)."""
+    from megatron.core import parallel_state
+
     from zero_mismatch_plugin.aligned.packing import pack
 
     spec = RankModel.of(request.model_dir, request.engine_kwargs, layout)
     run = _RankRun(spec) if request.step is not None else _built(spec)
-    batch = pack(request.prompts, request.responses)
+    ranks, rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
+    share = data_parallel_share(len(request.prompts), ranks, rank)
+    batch = pack([request.prompts[i] for i in share], [request.responses[i] for i in share])
     with torch.no_grad():
         result = {"logprobs": batch.split_per_sequence(run.logprobs(batch).cpu())}
     if request.step is not None:
-        result.update(run.step(batch, request.step))
+        lengths = [len(r) for r in request.responses]
+        coefficients = step_coefficients(request.step, sum(lengths))
+        first = sum(lengths[: share.start])
+        result.update(run.step(batch, request.step, coefficients[first:first + batch.target_ids.numel()]))
+    for key in ("logprobs", "logprobs_after"):
+        if key in result:
+            result[key] = _all_sequences(result[key])
     return result
+
+
+def _all_sequences(mine: list) -> list:
+    """Every data-parallel rank's per-sequence list, in rank (= sequence) order."""
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_data_parallel_group()
+    if group.size() == 1:
+        return mine
+    parts = [None] * group.size()
+    torch.distributed.all_gather_object(parts, mine, group=group)
+    return [sequence for part in parts for sequence in part]
 
 
 @torch.no_grad()

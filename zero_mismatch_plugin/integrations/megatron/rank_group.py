@@ -9,6 +9,8 @@ its exit (or, if torchrun itself hangs, after the collective timeout plus a marg
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import pickle
 import re
@@ -91,7 +93,7 @@ class RankGroup:
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                    f"--nproc-per-node={layout.world_size}", "-m", __name__,
-                   f"{host}:{port}", str(key_path), repr(layout.tensor_model_parallel_size), repr(layout.sequence_parallel), repr(timeout_s)]
+                   f"{host}:{port}", str(key_path), json.dumps(dataclasses.asdict(layout)), repr(timeout_s)]
         self._log = open(self.log_path, "w")
         self.process = subprocess.Popen(command, env=env, stdout=self._log, stderr=subprocess.STDOUT,
                                         start_new_session=True)
@@ -240,5 +242,5 @@ def launch(requests: list[ScoreRequest], layouts: list[Layout], group=None, time
 
 
 if __name__ == "__main__":
-    address, key_file, tp, sp, timeout = sys.argv[1:6]
-    sys.exit(serve(address, key_file, Layout(int(tp), sp == "True"), float(timeout)))
+    address, key_file, layout_fields, timeout = sys.argv[1:5]
+    sys.exit(serve(address, key_file, Layout(**json.loads(layout_fields)), float(timeout)))

@@ -119,15 +119,17 @@ def packed_seq_params(seq_lens: list[int], device=None):
     )
 
 
-def packed_logits(model, batch: PackedBatch, tokens_multiple_of: int = 1) -> torch.Tensor:
+def packed_logits(model, batch: PackedBatch, tokens_multiple_of: int = 1, min_tokens: int = 0) -> torch.Tensor:
     """Logits [T, V] of a packed (THD) batch through an aligned GPTModel.
 
-    ``tokens_multiple_of``: sequence parallelism splits the tokens evenly over the ranks; the
-    batch is padded with one sequence of its own after the real ones (no real row attends to it).
+    ``tokens_multiple_of``: sequence parallelism splits the tokens evenly over the ranks;
+    ``min_tokens``: megatron's all-gather token dispatcher needs as many tokens on every rank.
+    The batch is padded with one sequence of its own after the real ones (no real row attends to it).
     """
     device = next(model.parameters()).device
     ids, positions, seq_lens = batch.input_ids, batch.positions, list(batch.seq_lens)
-    pad = -len(ids) % tokens_multiple_of
+    pad = max(min_tokens - len(ids), 0)
+    pad += -(len(ids) + pad) % tokens_multiple_of
     if pad:
         ids = torch.cat([ids, torch.zeros(pad, dtype=ids.dtype)])
         positions = torch.cat([positions, torch.arange(pad, dtype=positions.dtype)])

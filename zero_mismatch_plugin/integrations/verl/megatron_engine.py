@@ -55,6 +55,11 @@ VERL_TENSOR_PARALLEL_REFUSAL = (
     "tensor_model_parallel_size=1 (the Megatron face itself runs TP > 1: zmrl check --tensor-parallel)"
 )
 
+VERL_EXPERT_PARALLEL_REFUSAL = (
+    "expert_model_parallel_size={ep} in verl's Megatron engine: not yet run inside verl's engine; set "
+    "expert_model_parallel_size=1 (the Megatron face itself runs EP > 1 bitwise on its own ranks)"
+)
+
 
 def _tensor_parallel_size() -> int:
     from megatron.core import parallel_state
@@ -178,6 +183,9 @@ def inject_aligned_spec(engine, runtime=None) -> None:
     tp = getattr(provider, "tensor_model_parallel_size", 1) or 1
     if tp != 1:
         raise UnsupportedMegatronFeature(VERL_TENSOR_PARALLEL_REFUSAL.format(tp=tp))
+    ep = getattr(provider, "expert_model_parallel_size", 1) or 1
+    if ep != 1:
+        raise UnsupportedMegatronFeature(VERL_EXPERT_PARALLEL_REFUSAL.format(ep=ep))
     backend = getattr(provider, "attention_backend", None)
     if backend is not None and getattr(backend, "name", str(backend)) == "local":
         # Megatron-Bridge then overwrites core_attention with megatron's DotProductAttention.

@@ -148,10 +148,13 @@ def _engine_gaps(cfg: DictConfig) -> list[str]:
         gaps.append(f"tensor_model_parallel_size {tp} in verl's Megatron engine (the Megatron face runs it bitwise "
                     "on its own ranks, `zmrl check --tensor-parallel`; verl's vocabulary-parallel logprob and "
                     "entropy kernels do not take its gathered logits yet)")
-    for key in ("expert_model_parallel_size", "expert_tensor_parallel_size"):
-        size = read(cfg, f"{MEGATRON}.{key}")
-        if size not in (None, 1):
-            gaps.append(f"{key} {size} in the trainer (the aligned MoE layer runs every expert in one process)")
+    ep = read(cfg, f"{MEGATRON}.expert_model_parallel_size")
+    if ep not in (None, 1):
+        gaps.append(f"expert_model_parallel_size {ep} in verl's Megatron engine (the Megatron face runs it bitwise on "
+                    "its own ranks; inside verl's engine it is not run yet)")
+    etp = read(cfg, f"{MEGATRON}.expert_tensor_parallel_size")
+    if etp not in (None, 1):
+        gaps.append(f"expert_tensor_parallel_size {etp} in the trainer (the aligned MoE layer keeps each expert whole)")
     for key, wanted in ((f"{MEGATRON}.use_mbridge", True), (f"{MEGATRON}.vanilla_mbridge", False),
                         (f"{MEGATRON}.use_remove_padding", True), ("actor_rollout_ref.model.use_fused_kernels", False)):
         if read(cfg, key) is not wanted:

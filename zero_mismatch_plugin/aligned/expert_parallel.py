@@ -1,0 +1,243 @@
+"""Expert parallelism in the engine's arithmetic: the router alone, one rank's experts one
+(token, slot) row at a time, and the combine of vLLM's CPU fused-MoE kernel.
+
+vLLM's one-process MoE layer (``_C.cpu_fused_moe``) computes, per token, each chosen expert's
+output ``y_k`` in fp32 (each row on its own: no split-K, threads split the output columns only),
+then the weighted sum in slot order, ``out = y_0 w_0``, ``out = out + y_k w_k`` for k = 1..K-1.
+Whether each step is rounded once (the compiler's fused multiply-add) or twice (a multiply, then
+an add) is the build's: :func:`probe_combine_arithmetic` asks the kernel on this host. A trainer
+whose experts live on several ranks sends each (token, slot) row to the rank holding its expert,
+gets ``y_k`` back (:class:`AlignedExpertRows`: the kernel at top-1 with weight 1, exact), and sums
+the slots as the kernel does (:func:`slot_order_combine`): the bits of the engine at one process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch.autograd import Function
+
+from zero_mismatch_plugin.aligned.derived import DerivedWeight
+from zero_mismatch_plugin.aligned.moe import AlignedMoE, experts_backward, routing_weights
+from zero_mismatch_plugin.aligned.runtime import VllmRuntime
+from zero_mismatch_plugin.tables.architectures import MoeBlocks
+
+FUSED, SEPARATE = "fused multiply-add", "multiply then add"
+
+
+def fused_multiply_add(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """``a * b + c`` of fp32 tensors rounded once (IEEE fma, round to nearest even).
+
+    The product of two fp32 values is exact in fp64; the fp64 sum ``s`` and its error ``e`` (Knuth's
+    two-sum) hold the exact result ``s + e``. Rounding ``s`` to fp32 is the single rounding of
+    ``s + e`` except where ``s`` lies exactly halfway between two fp32 values and ``e`` is not 0:
+    there ``e``'s sign picks the neighbour.
+    """
+    p = a.double() * b.double()
+    c64 = c.double()
+    s = p + c64
+    virtual = s - p
+    e = (p - (s - virtual)) + (c64 - virtual)
+    r = s.float()
+    below = torch.where(r.double() > s, torch.nextafter(r, r.new_tensor(float("-inf"))), r)
+    above = torch.nextafter(below, below.new_tensor(float("inf")))
+    halfway = (below.double() + above.double()) * 0.5 == s
+    return torch.where(halfway & (e > 0), above, torch.where(halfway & (e < 0), below, r))
+
+
+def slot_order_combine(slot_outputs: torch.Tensor, weights: torch.Tensor, arithmetic: str) -> torch.Tensor:
+    """``out = y_0 w_0``, then ``out = out + y_k w_k`` for k = 1..K-1, in fp32 (vLLM's CPU fused-MoE
+    weighted sum; ``arithmetic``: :data:`FUSED` or :data:`SEPARATE`, as :func:`probe_combine_arithmetic`
+    found). ``slot_outputs`` [T, K, H], ``weights`` [T, K]. The gradient is that of ``sum_k y_k w_k``."""
+    if arithmetic not in (FUSED, SEPARATE):
+        raise ValueError(f"arithmetic must be {FUSED!r} or {SEPARATE!r}, not {arithmetic!r}")
+    return _SlotOrderCombineFn.apply(slot_outputs, weights, arithmetic)
+
+
+class _SlotOrderCombineFn(Function):
+    @staticmethod
+    def forward(ctx, slot_outputs, weights, arithmetic):
+        y, w = slot_outputs.float(), weights.float().unsqueeze(-1)
+        ctx.save_for_backward(y, w)
+        out = y[:, 0] * w[:, 0]
+        for k in range(1, y.shape[1]):
+            out = fused_multiply_add(y[:, k], w[:, k], out) if arithmetic == FUSED else out + y[:, k] * w[:, k]
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        y, w = ctx.saved_tensors
+        g = g.float().unsqueeze(1)
+        return g * w, (g * y).sum(-1), None
+
+
+def local_experts(num_experts: int, ranks: int, rank: int) -> range:
+    """The global ids of the experts rank ``rank`` of ``ranks`` holds (megatron's contiguous split)."""
+    if num_experts % ranks:
+        raise ValueError(f"{num_experts} experts do not split over {ranks} expert-parallel ranks")
+    per = num_experts // ranks
+    return range(rank * per, (rank + 1) * per)
+
+
+class EngineRouter:
+    """vLLM's router of an MoE layer, alone: (top-k weights [T, K] fp32, expert ids [T, K]) from the
+    router logits, the weights differentiable (the backward of :func:`.moe.routing_weights`)."""
+
+    def __init__(self, runtime: VllmRuntime, moe: MoeBlocks, correction_bias: torch.Tensor | None = None):
+        from vllm.model_executor.layers.fused_moe.router.router_factory import create_fused_moe_router
+
+        self.runtime, self.moe = runtime, moe
+        self._engine_bias = None
+        if moe.e_score_correction_bias:
+            if correction_bias is None:
+                raise ValueError("this MoE routing needs its e_score_correction_bias")
+            self._engine_bias = torch.zeros(moe.num_experts, dtype=torch.float32, device=runtime.device)
+        with runtime.context():
+            self.router = create_fused_moe_router(
+                top_k=moe.top_k, global_num_experts=moe.num_experts, renormalize=moe.norm_topk_prob,
+                use_grouped_topk=moe.grouped_topk, num_expert_group=moe.n_group, topk_group=moe.topk_group,
+                scoring_func=moe.scoring_func,
+                # As AlignedMoE's runner: grouped routing scales the output, not the weights.
+                routed_scaling_factor=1.0 if moe.grouped_topk else moe.routed_scaling_factor,
+                e_score_correction_bias=self._engine_bias,
+            )
+        self.derived = DerivedWeight([correction_bias], self._copy_bias)
+
+    def _copy_bias(self, sources):
+        if self._engine_bias is not None:
+            self._engine_bias.copy_(sources[0].float())
+        return self.router
+
+    def route(self, hidden: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        from vllm.forward_context import set_forward_context
+
+        router = self.derived.get()
+        logits32 = logits.float() if self.moe.grouped_topk else logits
+        with torch.no_grad(), self.runtime.context(), set_forward_context(
+            None, self.runtime.vllm_config, num_tokens=hidden.shape[0]
+        ):
+            weights, ids = router.select_experts(hidden_states=hidden.detach().clone(),
+                                                 router_logits=logits32.detach().clone(),
+                                                 topk_indices_dtype=torch.int32)
+        return _RoutingWeightsFn.apply(logits, weights.float(), ids, self.moe), ids.long()
+
+    def output_scale(self) -> float:
+        """What the engine's runner multiplies the combined routed output by (grouped routing)."""
+        return self.moe.routed_scaling_factor if self.moe.grouped_topk else 1.0
+
+
+class _RoutingWeightsFn(Function):
+    @staticmethod
+    def forward(ctx, logits, weights, ids, moe):
+        ctx.save_for_backward(logits, ids)
+        ctx.moe = moe
+        return weights
+
+    @staticmethod
+    def backward(ctx, g):
+        logits, ids = ctx.saved_tensors
+        with torch.enable_grad():
+            x = logits.detach().float().requires_grad_(True)
+            (glogits,) = torch.autograd.grad(routing_weights(x, ids, ctx.moe), x, g)
+        return glogits.to(logits.dtype), None, None, None
+
+
+def _one_expert_per_row(moe: MoeBlocks, num_local: int) -> MoeBlocks:
+    return dataclasses.replace(moe, num_experts=num_local, top_k=1, norm_topk_prob=False, scoring_func="softmax",
+                               grouped_topk=False, n_group=None, topk_group=None, e_score_correction_bias=False,
+                               routed_scaling_factor=1.0)
+
+
+class AlignedExpertRows(AlignedMoE):
+    """vLLM's fused experts over one rank's experts (``gate_up`` [2I, H], ``down`` [H, I] each),
+    every row through the one expert ``local_ids`` names with weight 1: the per-slot expert output
+    the engine's kernel weights and sums (exact: ``y * 1``). Backward: fp32 torch."""
+
+    def __init__(self, runtime: VllmRuntime, moe: MoeBlocks, hidden_size: int, gate_up: list, down: list):
+        if runtime.vllm_config.lora_config is not None:
+            raise NotImplementedError("expert parallelism with LoRA on the experts")
+        super().__init__(runtime, _one_expert_per_row(moe, len(down)), hidden_size, None, None, down, gate_up=gate_up)
+
+    def rows(self, x: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
+        from vllm.forward_context import set_forward_context
+
+        runner = self.derived.get()
+        if x.shape[0] == 0:
+            return x.new_zeros(0, self.down[0].shape[0])
+        with torch.no_grad(), self.runtime.context(), set_forward_context(
+            None, self.runtime.vllm_config, num_tokens=x.shape[0]
+        ):
+            return runner.routed_experts.forward_modular(
+                x=x.detach().clone(), topk_weights=torch.ones(x.shape[0], 1, dtype=torch.float32, device=x.device),
+                topk_ids=local_ids.to(torch.int32).view(-1, 1).clone(), shared_experts=None, shared_experts_input=None)
+
+    def __call__(self, x: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
+        return _ExpertRowsFn.apply(x, local_ids, self, *self.params)
+
+
+class _ExpertRowsFn(Function):
+    @staticmethod
+    def forward(ctx, x, local_ids, op: AlignedExpertRows, *params):
+        ctx.save_for_backward(x, local_ids)
+        ctx.op = op
+        return op.rows(x, local_ids)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, local_ids = ctx.saved_tensors
+        op = ctx.op
+        ids = local_ids.long().view(-1, 1)
+        ones = torch.ones(ids.shape, dtype=torch.float32, device=x.device)
+        gx, _, ggate, gup, gdown = experts_backward(x, g, ids, ones, *op.expert_weights(op.params))
+        return (gx.to(x.dtype), None, None, *op.param_grads(ggate, gup, gdown))
+
+
+# (platform, dtype, routing) -> the arithmetic found there
+_FOUND: dict = {}
+
+
+def probe_combine_arithmetic(runtime: VllmRuntime, moe: MoeBlocks, hidden_size: int, seed: int = 0) -> str:
+    """How this host's vLLM CPU fused-MoE kernel rounds its weighted sum: :data:`FUSED` or
+    :data:`SEPARATE`, found by running the kernel at top-K on random experts and comparing it with
+    both sums of its own top-1 outputs; an error if it is neither (no expert-parallel layout is then
+    bitwise on this host). Once per (platform, dtype, routing)."""
+    key = (runtime.platform, str(runtime.dtype), moe)
+    if key not in _FOUND:
+        _FOUND[key] = _measure_combine(runtime, moe, hidden_size, seed)
+    return _FOUND[key]
+
+
+def _measure_combine(runtime, moe, hidden_size, seed) -> str:
+    g = torch.Generator().manual_seed(seed)
+    width, experts = moe.moe_intermediate_size, moe.num_experts
+    gate_up = [torch.randn(2 * width, hidden_size, generator=g) * 0.05 for _ in range(experts)]
+    down = [torch.randn(hidden_size, width, generator=g) * 0.05 for _ in range(experts)]
+    bias = torch.randn(experts, generator=g) * 0.05 if moe.e_score_correction_bias else None
+    full = AlignedMoE(runtime, moe, hidden_size, None, None, down, bias, gate_up=gate_up)
+    x = torch.randn(64, hidden_size, generator=g)
+    logits = torch.randn(64, experts, generator=g)
+    engine_out, _ = full.kernel(x, logits)
+    router = EngineRouter(runtime, moe, bias)
+    with torch.no_grad():
+        weights, ids = router.route(x, logits)
+        rows = AlignedExpertRows(runtime, moe, hidden_size, gate_up, down)
+        y = rows.rows(x.repeat_interleave(moe.top_k, 0), ids.reshape(-1)).view(x.shape[0], moe.top_k, -1)
+        found = {}
+        for arithmetic in (FUSED, SEPARATE):
+            out = slot_order_combine(y, weights, arithmetic) * router.output_scale()
+            found[arithmetic] = torch.equal(out.to(engine_out.dtype), engine_out)
+    return combine_verdict(found)
+
+
+def combine_verdict(found: dict[str, bool]) -> str:
+    """The one arithmetic that reproduced the kernel, or a loud refusal."""
+    matching = [name for name, equal in found.items() if equal]
+    if len(matching) == 1:
+        return matching[0]
+    if not matching:
+        raise NotImplementedError(
+            "vLLM's CPU fused-MoE combine on this host is neither a fused multiply-add nor a multiply "
+            "then an add per slot: expert parallelism cannot reproduce it; use expert_model_parallel_size=1")
+    # Both reproduced it: the probe's data did not tell them apart (no rounding step differed).
+    raise RuntimeError("the combine probe could not tell fused from separate rounding; probe with another seed")

@@ -1,0 +1,93 @@
+"""Runtime patches megatron-core 0.16.1 needs to run expert parallelism on a CPU (gloo).
+
+megatron's all-to-all token dispatcher keeps its split sizes on the GPU and moves them to the host
+on a side CUDA stream; on a CPU they are already host tensors, which ``maybe_move_tensor_to_cpu``
+leaves as tensors, and ``all_to_all_single`` takes no tensor split sizes. Each patch handles the
+CPU case and calls the original otherwise; applied by :func:`expert_parallel_on_cpu` while an
+expert-parallel MoE layer of the Megatron face is built or run, listed by ``zmrl patches list``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from functools import partial
+
+import torch
+
+from zero_mismatch_plugin.integrations.patches import apply, is_applied, patch_at, remove
+from zero_mismatch_plugin.tables import upstream_versions
+
+megatron_patch = partial(patch_at, package="megatron.core", versions=upstream_versions.MEGATRON_CORE,
+                         when="a Megatron-face MoE layer at expert_model_parallel_size > 1 on a CPU")
+
+_DISPATCHER = "megatron.core.transformer.moe.token_dispatcher"
+
+
+class _HostStream:
+    """Stands in for the dispatcher's class-wide CUDA side stream on a CPU: never used there."""
+
+
+def _no_cuda_stream(original):
+    return original if torch.cuda.is_available() else _HostStream()
+
+
+ALLTOALL_SIDE_STREAM = megatron_patch(
+    f"{_DISPATCHER}:MoEAlltoAllTokenDispatcher.cuda_dtoh_stream", _no_cuda_stream,
+    name="megatron-alltoall-no-cuda-stream",
+    why="MoEAlltoAllTokenDispatcher creates a torch.cuda.Stream when it is first built, which a CPU-only torch cannot",
+)
+
+
+def _host_splits(original):
+    def _maybe_dtoh_and_synchronize(self, point, tokens_per_expert=None):
+        if torch.cuda.is_available() or self.drop_and_pad:
+            return original(self, point, tokens_per_expert)
+        if point == self.cuda_dtoh_point:
+            # What the GPU path leaves at this point: split sizes as host numpy arrays, counts as
+            # host tensors (no stream, no event: everything already is on the host).
+            for name in ("input_splits", "output_splits", "output_splits_tp"):
+                value = getattr(self, name, None)
+                if torch.is_tensor(value):
+                    setattr(self, name, value.numpy())
+        return tokens_per_expert
+
+    return _maybe_dtoh_and_synchronize
+
+
+ALLTOALL_HOST_SPLITS = megatron_patch(
+    f"{_DISPATCHER}:MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize", _host_splits,
+    name="megatron-alltoall-host-splits",
+    why="on a CPU the all-to-all split sizes stay tensors (maybe_move_tensor_to_cpu converts CUDA tensors only) and "
+        "all_to_all_single() refuses them; the GPU path's side-stream copy and event do not exist there",
+)
+
+PATCHES = [ALLTOALL_SIDE_STREAM, ALLTOALL_HOST_SPLITS]
+
+
+def expert_parallel_on_cpu() -> None:
+    """Apply the patches (once; they stay until :func:`remove_all`). A no-op with CUDA."""
+    if torch.cuda.is_available():
+        return
+    import megatron.core.transformer.moe.token_dispatcher  # noqa: F401 - the patches' module
+
+    for patch in PATCHES:
+        apply(patch)
+
+
+def remove_all() -> None:
+    for patch in PATCHES:
+        if is_applied(patch):
+            remove(patch)
+
+
+@contextlib.contextmanager
+def patched():
+    """The patches for a block, then as they were before it."""
+    before = [is_applied(p) for p in PATCHES]
+    expert_parallel_on_cpu()
+    try:
+        yield
+    finally:
+        for patch, was in zip(PATCHES, before):
+            if not was and is_applied(patch):
+                remove(patch)
