@@ -106,10 +106,6 @@ def aligned_moe_layer_class():
                     "aligned megatron MoE layer: megatron's config differs from the checkpoint vLLM "
                     "serves; set " + "; ".join(problems)
                 )
-            if (getattr(config, "expert_model_parallel_size", 1) or 1) > 1:
-                from zero_mismatch_plugin.integrations.megatron.cpu_patches import expert_parallel_on_cpu
-
-                expert_parallel_on_cpu()  # megatron's all-to-all dispatcher on a CPU
             super().__init__(config, submodules, layer_number=layer_number, pg_collection=pg_collection)
             self.expert_parallel = self.num_local_experts != config.num_moe_experts
             if not isinstance(self.router, AlignedRouter):

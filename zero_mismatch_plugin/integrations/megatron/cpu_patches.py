@@ -3,13 +3,12 @@
 megatron's all-to-all token dispatcher keeps its split sizes on the GPU and moves them to the host
 on a side CUDA stream; on a CPU they are already host tensors, which ``maybe_move_tensor_to_cpu``
 leaves as tensors, and ``all_to_all_single`` takes no tensor split sizes. Each patch handles the
-CPU case and calls the original otherwise; applied by :func:`expert_parallel_on_cpu` while an
-expert-parallel MoE layer of the Megatron face is built or run, listed by ``zmrl patches list``.
+CPU case and calls the original otherwise; applied by :func:`expert_parallel_on_cpu` when
+``standalone.build_gpt_model`` builds a model at expert parallelism > 1, listed by ``zmrl patches list``.
 """
 
 from __future__ import annotations
 
-import contextlib
 from functools import partial
 
 import torch
@@ -78,16 +77,3 @@ def remove_all() -> None:
     for patch in PATCHES:
         if is_applied(patch):
             remove(patch)
-
-
-@contextlib.contextmanager
-def patched():
-    """The patches for a block, then as they were before it."""
-    before = [is_applied(p) for p in PATCHES]
-    expert_parallel_on_cpu()
-    try:
-        yield
-    finally:
-        for patch, was in zip(PATCHES, before):
-            if not was and is_applied(patch):
-                remove(patch)

@@ -93,6 +93,10 @@ def build_gpt_model(runtime: VllmRuntime, aligned: bool = True, load: bool = Tru
     hf = runtime.hf_config
     init_single_process()
     config = convert.transformer_config_from_hf(hf, params_dtype=runtime.dtype, **config_overrides)
+    if (config.expert_model_parallel_size or 1) > 1:
+        from zero_mismatch_plugin.integrations.megatron.cpu_patches import expert_parallel_on_cpu
+
+        expert_parallel_on_cpu()  # megatron's all-to-all token dispatcher on a CPU
     needs_swaps = False
     if aligned:
         spec, needs_swaps = aligned_gpt_spec(config, runtime)

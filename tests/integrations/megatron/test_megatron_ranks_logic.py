@@ -1,0 +1,81 @@
+"""The rank-side logic of the distributed Megatron face that needs no ranks: layouts, data-parallel
+shares, expert renumbering, and megatron-core's CPU patches for its all-to-all token dispatcher."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from zero_mismatch_plugin.faces.megatron import parallel
+from zero_mismatch_plugin.integrations import patches as runtime_patches
+from zero_mismatch_plugin.integrations.megatron import cpu_patches
+from zero_mismatch_plugin.integrations.megatron.distributed import Layout, data_parallel_share
+
+
+def test_layouts_name_their_sizes_and_refuse_what_megatron_cannot_build():
+    assert Layout(2, True).name == "tp2-sp" and Layout(2).world_size == 2
+    ep = Layout(expert_model_parallel_size=2, data_parallel_size=2, moe_token_dispatcher_type="allgather")
+    assert ep.name == "tp1-ep2-allgather-dp2" and ep.world_size == 2
+    assert ep.config_overrides()["moe_token_dispatcher_type"] == "allgather"
+    assert ep.engine_kwargs() == {"tensor_parallel_size": 1}  # the rollout keeps its experts in one process
+    with pytest.raises(ValueError, match="does not divide"):
+        Layout(expert_model_parallel_size=2)
+    with pytest.raises(ValueError, match="moe_token_dispatcher_type='flex'"):
+        Layout(expert_model_parallel_size=2, data_parallel_size=2, moe_token_dispatcher_type="flex")
+
+
+def test_data_parallel_shares_cover_every_sequence_once_in_order():
+    for n, ranks in ((4, 2), (5, 2), (7, 3), (3, 3)):
+        shares = [data_parallel_share(n, ranks, r) for r in range(ranks)]
+        assert [i for share in shares for i in share] == list(range(n))
+        assert max(map(len, shares)) - min(map(len, shares)) <= 1
+    with pytest.raises(ValueError, match="cannot give each of 4"):
+        data_parallel_share(3, 4, 0)
+
+
+class _Group:
+    def __init__(self, size, rank):
+        self._size, self.rank = size, rank
+
+    def size(self):
+        return self._size
+
+
+def test_a_rank_takes_its_experts_renumbered_and_experts_are_never_split_over_tensor_ranks(monkeypatch):
+    monkeypatch.setattr(parallel, "group_rank", lambda group: group.rank)
+    name = "decoder.layers.0.mlp.experts.local_experts.{}.linear_fc1.weight"
+    full = {name.format(e): torch.full((2, 2), float(e)) for e in range(4)}
+    full["decoder.layers.0.mlp.router.weight"] = torch.zeros(4, 2)
+    mine = parallel.local_experts_of(full, 4, _Group(2, 1))
+    assert sorted(mine) == sorted([name.format(0), name.format(1), "decoder.layers.0.mlp.router.weight"])
+    assert mine[name.format(0)][0, 0] == 2 and mine[name.format(1)][0, 0] == 3
+    assert parallel.shard_layout(name.format(0)) is None  # whole on its rank
+    assert parallel.shard_layout("decoder.layers.0.mlp.linear_fc1.weight") == "halves"
+    assert parallel.local_experts_of(full, 4, None) is full
+
+
+def test_the_all_to_all_dispatcher_patches_keep_split_sizes_on_the_host_and_come_off_again():
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher as Dispatcher
+
+    before = (Dispatcher.__dict__["cuda_dtoh_stream"], Dispatcher._maybe_dtoh_and_synchronize)
+    cpu_patches.expert_parallel_on_cpu()
+    try:
+        assert all(runtime_patches.is_applied(p) for p in cpu_patches.PATCHES)
+        assert Dispatcher.cuda_dtoh_stream is not None  # so __init__ makes no torch.cuda.Stream
+        this = SimpleNamespace(drop_and_pad=False, cuda_dtoh_point="before_permutation_1",
+                               input_splits=torch.tensor([3, 1]), output_splits=torch.tensor([2, 2]),
+                               output_splits_tp=None)
+        counts = torch.tensor([1, 2])
+        assert Dispatcher._maybe_dtoh_and_synchronize(this, "before_permutation_1", counts) is counts
+        assert isinstance(this.input_splits, np.ndarray) and this.input_splits.tolist() == [3, 1]
+        assert isinstance(this.output_splits, np.ndarray) and this.output_splits_tp is None
+        # Another point: nothing moves.
+        other = SimpleNamespace(drop_and_pad=False, cuda_dtoh_point="before_ep_alltoall", input_splits=torch.tensor([1]))
+        Dispatcher._maybe_dtoh_and_synchronize(other, "before_permutation_1")
+        assert torch.is_tensor(other.input_splits)
+    finally:
+        cpu_patches.remove_all()
+    assert (Dispatcher.__dict__["cuda_dtoh_stream"], Dispatcher._maybe_dtoh_and_synchronize) == before
