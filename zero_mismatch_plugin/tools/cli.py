@@ -317,6 +317,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --tensor-parallel N > 1: megatron's sequence parallelism in the trainer",
     )
     check.add_argument(
+        "--expert-parallel", type=int, default=1, metavar="N",
+        help="with --trainer megatron on an MoE checkpoint: the Megatron face's experts on N torchrun ranks "
+             "(megatron's expert_model_parallel_size; the engine keeps its experts in one process; default 1)",
+    )
+    check.add_argument(
+        "--moe-token-dispatcher", choices=("alltoall", "allgather"), default="alltoall",
+        help="with --expert-parallel N > 1: megatron's moe_token_dispatcher_type (default alltoall)",
+    )
+    check.add_argument(
         "--prefix-caching", choices=("on", "off"), default="on",
         help="engine prefix caching (default on: the prefix-cache check compares a hit with a miss and the "
              "trainer on the hit; off: the engine runs without it and that check is skipped)",

@@ -115,3 +115,22 @@ def test_after_a_step_at_ep2_and_one_sync_the_engine_is_bitwise_again(engines, e
     completions = [SimpleNamespace(prompt=p, tokens=r) for p, r in zip(prompts, responses)]
     engine_after = torch.tensor([v for row in rescore(llm, completions) for v in row])
     assert torch.equal(engine_after, after), f"{int((engine_after != after).sum())} of {after.numel()} tokens differ"
+
+
+def test_zmrl_check_at_expert_parallel_2_passes_every_check(checkpoints, tmp_path, capsys):
+    """``zmrl check --trainer megatron --expert-parallel 2`` on the MoE checkpoint, as a user runs it:
+    its own one-process engine and its own two ranks."""
+    import json
+
+    from zero_mismatch_plugin.tools import cli
+
+    out = tmp_path / "check.json"
+    code = cli.main(["check", "--model", str(checkpoints["qwen3_moe"]), "--trainer", "megatron", "--expert-parallel", "2",
+                     "--moe-token-dispatcher", "allgather", "--max-model-len", str(MAX_MODEL_LEN), "--num-prompts", "4",
+                     "--quiet", "--json", str(out)])
+    table = capsys.readouterr().out
+    report = json.loads(out.read_text())
+    assert code == 0, table
+    assert "trainer megatron | expert parallel 2 (allgather)" in table and "checks passed" in table
+    assert all(entry["pass"] is True for entry in report.values()), report
+    assert report["sampled_token"]["bitwise_equal_fraction"] == 1.0

@@ -167,6 +167,13 @@ def aligned_moe_layer_class():
             out = moe_mlp(flat_tokens(hidden_states), self.router, routed, self._shared_ops())
             return out.reshape(hidden_states.shape), None
 
+        @property
+        def last_topk_ids(self):
+            """The experts the engine's router chose in the last forward [T, K] (None before one)."""
+            if self.expert_parallel:
+                return getattr(self, "_last_topk_ids", None)
+            return self._experts_op().last_topk_ids
+
         # ----- expert parallelism -----------------------------------------------------------
 
         def _local_experts_op(self):
@@ -194,6 +201,7 @@ def aligned_moe_layer_class():
 
             router = self._engine_router()
             weights, ids = router.route(x, router_logits)
+            self._last_topk_ids = ids
             tokens, k = ids.shape
             rows = x.repeat_interleave(k, dim=0)
             routing_map = torch.nn.functional.one_hot(ids.reshape(-1), self.config.num_moe_experts).bool()

@@ -270,10 +270,25 @@ def target_logits(spec: RankModel, batch) -> torch.Tensor:
     return logits.index_select(0, batch.target_rows.to(logits.device)).cpu()
 
 
+@torch.no_grad()
+def expert_choices(spec: RankModel, batch) -> dict[int, torch.Tensor]:
+    """Layer index -> the experts the engine's router chose for each token of ``batch`` [T, K], per
+    MoE layer (this rank's tokens: at expert parallelism every data-parallel rank is given the batch)."""
+    run = _built(spec)
+    run.logits(batch)
+    choices = {}
+    for index, layer in enumerate(run.model.decoder.layers):
+        ids = getattr(layer.mlp, "last_topk_ids", None)
+        if ids is not None:
+            choices[index] = ids[: batch.num_tokens].cpu()
+    return choices
+
+
 # What a rank group's ranks can be asked to run (rank_group.RankGroup.call).
 RANK_CALLS = {
     "run_request": run_request,
     "token_logprobs": token_logprobs,
     "target_logits": target_logits,
+    "expert_choices": expert_choices,
 }
 

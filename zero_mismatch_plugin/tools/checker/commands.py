@@ -115,6 +115,16 @@ def run_settings(args, max_model_len: int, lora: dict) -> eng.EngineSettings:
             f"(--trainer {args.trainer} runs in one process)")
     if sequence_parallel and tensor_parallel == 1:
         raise inputs.CheckerInputError("--sequence-parallel splits tokens over tensor-parallel ranks: give --tensor-parallel 2 or more")
+    expert_parallel = getattr(args, "expert_parallel", 1)
+    if expert_parallel < 1:
+        raise inputs.CheckerInputError(f"--expert-parallel {expert_parallel}: give a number of ranks, 1 or more")
+    if expert_parallel > 1 and args.trainer != "megatron":
+        raise inputs.CheckerInputError(
+            f"--expert-parallel runs the Megatron face's experts on several ranks: use --trainer megatron "
+            f"(--trainer {args.trainer} runs in one process)")
+    if expert_parallel > 1 and tensor_parallel > 1:
+        raise inputs.CheckerInputError("--expert-parallel with --tensor-parallel: the Megatron face's MoE layers run at "
+                                       "tensor parallelism 1; give one of them")
     try:
         settings = eng.engine_settings(
             args.model,
@@ -124,10 +134,17 @@ def run_settings(args, max_model_len: int, lora: dict) -> eng.EngineSettings:
             prefix_caching=getattr(args, "prefix_caching", "on") == "on",
             tensor_parallel=tensor_parallel,
             sequence_parallel=sequence_parallel,
+            expert_parallel=expert_parallel,
+            moe_token_dispatcher=getattr(args, "moe_token_dispatcher", "alltoall"),
             **lora,
         )
     except NotImplementedError as error:
         raise inputs.CheckerInputError(str(error)) from None
+    if expert_parallel > 1 and settings.blocks.moe is None:
+        raise inputs.CheckerInputError(f"--expert-parallel {expert_parallel}: {args.model} has no MoE layers; leave it at 1")
+    if expert_parallel > 1 and settings.blocks.moe.num_experts % expert_parallel:
+        raise inputs.CheckerInputError(f"--expert-parallel {expert_parallel} does not divide the checkpoint's "
+                                       f"{settings.blocks.moe.num_experts} experts")
     if args.trainer == "megatron":
         _refuse_megatron_adapter(settings)
     return settings
@@ -176,6 +193,8 @@ def check_command(args) -> int:
         getattr(backend, "close", lambda: None)()  # a backend on torchrun ranks stops them
     layout = f" | tensor parallel {settings.tensor_parallel}" if settings.tensor_parallel > 1 else ""
     layout += " + sequence parallel" if settings.sequence_parallel else ""
+    if settings.expert_parallel > 1:
+        layout += f" | expert parallel {settings.expert_parallel} ({settings.moe_token_dispatcher})"
     header = (
         f"zmrl check: {args.model}"
         + (f" + LoRA {lora['lora_dir']}" if lora else "")

@@ -74,11 +74,16 @@ class EngineSettings:
     # ranks (sequence parallelism is the trainer's own choice).
     tensor_parallel: int = 1
     sequence_parallel: bool = False
+    # The trainer's expert parallelism (megatron's, with this token dispatcher); the engine keeps
+    # every expert in one process, whose combine the face reproduces.
+    expert_parallel: int = 1
+    moe_token_dispatcher: str = "alltoall"
 
 
 def engine_settings(
     model_dir, max_model_len: int, seed: int = 0, full_vocab: bool = False, lora_dir=None, prefix_caching: bool = True,
-    tensor_parallel: int = 1, sequence_parallel: bool = False,
+    tensor_parallel: int = 1, sequence_parallel: bool = False, expert_parallel: int = 1,
+    moe_token_dispatcher: str = "alltoall",
 ) -> EngineSettings:
     """The checker's arguments as the engine's configuration, read once: ``vllm.LLM``'s arguments
     (those the aligned trainer mirrors, prefix caching as asked for, enough returned logprobs;
@@ -128,6 +133,8 @@ def engine_settings(
         lora_targets=lora_targets,
         tensor_parallel=tensor_parallel,
         sequence_parallel=sequence_parallel,
+        expert_parallel=expert_parallel,
+        moe_token_dispatcher=moe_token_dispatcher,
     )
 
 

@@ -3,7 +3,7 @@
 Answers the checker's three questions (see ``zero_mismatch_plugin.tools.checker.backends``) for a
 packed batch, run as megatron's packed THD input. Intermediates are recorded at the op layer
 (:mod:`.recording`), under the checker's canonical op names; ``qkv_proj`` is reported in vLLM's
-``[q; k; v]`` column order. With ``--tensor-parallel N`` the model runs on N torchrun ranks
+``[q; k; v]`` column order. With ``--tensor-parallel N`` or ``--expert-parallel N`` the model runs on N torchrun ranks
 (:class:`DistributedMegatronBackend`), which answer the logprob questions.
 """
 
@@ -20,14 +20,16 @@ from zero_mismatch_plugin.tools.checker.recording import OpRecorder
 
 def megatron_backend(settings: EngineSettings):
     """The one-process backend, or at the engine's tensor parallelism the ranks' backend."""
-    if settings.tensor_parallel == 1 and not settings.sequence_parallel:
+    if settings.tensor_parallel == 1 and not settings.sequence_parallel and settings.expert_parallel == 1:
         return MegatronBackend(settings)
     return DistributedMegatronBackend(settings)
 
 
 class DistributedMegatronBackend:
-    """The Megatron face on ``settings.tensor_parallel`` ranks (megatron-core's tensor parallelism,
-    sequence parallelism if asked), each rank the engine rank of its index."""
+    """The Megatron face on torchrun ranks: ``settings.tensor_parallel`` of them (megatron-core's
+    tensor parallelism, sequence parallelism if asked), each rank the engine rank of its index; or
+    ``settings.expert_parallel`` (megatron's expert parallelism over as many data-parallel ranks,
+    each scoring the whole batch, its experts' rows sent through megatron's token dispatcher)."""
 
     name = "megatron"
 
@@ -37,7 +39,10 @@ class DistributedMegatronBackend:
 
         if settings.lora_dir is not None:
             raise NotImplementedError("LoRA adapters in the Megatron face run at --tensor-parallel 1")
-        self.layout = Layout(settings.tensor_parallel, settings.sequence_parallel)
+        self.layout = Layout(settings.tensor_parallel, settings.sequence_parallel,
+                             expert_model_parallel_size=settings.expert_parallel,
+                             moe_token_dispatcher_type=settings.moe_token_dispatcher,
+                             data_parallel_size=max(1, settings.expert_parallel // settings.tensor_parallel))
         self.spec = RankModel.of(settings.model_dir, settings.trainer_args, self.layout)
         self.group = RankGroup(self.layout)
         self.group.call("token_logprobs", self.spec, _empty_batch())  # build the model on every rank now
@@ -51,10 +56,13 @@ class DistributedMegatronBackend:
         return SamplingTransform().logprobs(self.group.call("target_logits", self.spec, batch)).float()
 
     def intermediates(self, batch, perturb=None) -> dict:
-        raise NotImplementedError(
-            f"per-op records of the Megatron face are taken in one process; --tensor-parallel {self.layout.tensor_model_parallel_size} "
-            "checks the logprobs (run zmrl bisect at --tensor-parallel 1 to name an op)"
-        )
+        """On the ranks only the routers' expert choices are recorded (the expert-selection check)."""
+        if perturb is not None:
+            raise NotImplementedError(
+                f"per-op records of the Megatron face are taken in one process; at layout {self.layout.name} the "
+                "checks compare logprobs and expert choices (run zmrl bisect in one process to name an op)")
+        choices = self.group.call("expert_choices", self.spec, batch)
+        return {oplist.topk_ids_of(f"layers.{index}.experts"): ids for index, ids in choices.items()}
 
     def close(self) -> None:
         self.group.close()
