@@ -56,7 +56,10 @@ class FunctionPatch:
     def _take(self, original) -> None:
         owner = _owner_object(self)
         replacement = _current(owner, self.attribute)
-        setattr(owner, self.attribute, original)
+        if original is ABSENT:  # the patch bound a name the module had left unbound
+            delattr(owner, self.attribute)
+        else:
+            setattr(owner, self.attribute, original)
         _rebind_importers(self, replacement, original)
 
 
@@ -174,10 +177,22 @@ def _owner_object(patch: FunctionPatch):
     return module if patch.owner is None else getattr(module, patch.owner)
 
 
+class _Absent:
+    def __repr__(self) -> str:
+        return "ABSENT"
+
+
+# What ``build`` is given for a module-level name the module left unbound (an optional import
+# that failed); removing the patch unbinds it again.
+ABSENT = _Absent()
+
+
 def _current(owner, attribute: str):
     # A class attribute is read from the class's own dict so that a staticmethod/classmethod
     # wrapper is kept as it is.
-    return owner.__dict__[attribute] if isinstance(owner, type) else getattr(owner, attribute)
+    if isinstance(owner, type):
+        return owner.__dict__[attribute]
+    return getattr(owner, attribute, ABSENT)
 
 
 def _rebind_importers(patch: FunctionPatch, old: Callable, new: Callable) -> None:

@@ -60,8 +60,12 @@ def test_a_rank_takes_its_experts_renumbered_and_experts_are_never_split_over_te
 def test_the_all_to_all_dispatcher_patches_keep_split_sizes_on_the_host_and_come_off_again():
     from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher as Dispatcher
 
+    from megatron.core.transformer.moe import moe_utils
+
+    applied_earlier = any(runtime_patches.is_applied(p) for p in cpu_patches.PATCHES)  # an MoE model built here
+    cpu_patches.remove_all()
     before = (Dispatcher.__dict__["cuda_dtoh_stream"], Dispatcher._maybe_dtoh_and_synchronize)
-    cpu_patches.expert_parallel_on_cpu()
+    cpu_patches.moe_on_cpu()
     try:
         assert all(runtime_patches.is_applied(p) for p in cpu_patches.PATCHES)
         assert Dispatcher.cuda_dtoh_stream is not None  # so __init__ makes no torch.cuda.Stream
@@ -76,6 +80,10 @@ def test_the_all_to_all_dispatcher_patches_keep_split_sizes_on_the_host_and_come
         other = SimpleNamespace(drop_and_pad=False, cuda_dtoh_point="before_ep_alltoall", input_splits=torch.tensor([1]))
         Dispatcher._maybe_dtoh_and_synchronize(other, "before_permutation_1")
         assert torch.is_tensor(other.input_splits)
+        assert moe_utils.te_general_gemm is None  # bound, so the stock router takes its torch GEMM
     finally:
         cpu_patches.remove_all()
     assert (Dispatcher.__dict__["cuda_dtoh_stream"], Dispatcher._maybe_dtoh_and_synchronize) == before
+    assert not hasattr(moe_utils, "te_general_gemm")  # unbound again, as megatron left it
+    if applied_earlier:
+        cpu_patches.moe_on_cpu()

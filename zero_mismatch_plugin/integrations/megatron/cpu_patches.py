@@ -1,10 +1,10 @@
-"""Runtime patches megatron-core 0.16.1 needs to run expert parallelism on a CPU (gloo).
+"""Runtime patches megatron-core 0.16.1 needs to run expert parallelism (and its stock MoE router) on a CPU.
 
 megatron's all-to-all token dispatcher keeps its split sizes on the GPU and moves them to the host
 on a side CUDA stream; on a CPU they are already host tensors, which ``maybe_move_tensor_to_cpu``
 leaves as tensors, and ``all_to_all_single`` takes no tensor split sizes. Each patch handles the
-CPU case and calls the original otherwise; applied by :func:`expert_parallel_on_cpu` when
-``standalone.build_gpt_model`` builds a model at expert parallelism > 1, listed by ``zmrl patches list``.
+CPU case and calls the original otherwise; applied by :func:`moe_on_cpu` when
+``standalone.build_gpt_model`` builds an MoE model, listed by ``zmrl patches list``.
 """
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ from functools import partial
 
 import torch
 
-from zero_mismatch_plugin.integrations.patches import apply, is_applied, patch_at, remove
+from zero_mismatch_plugin.integrations.patches import ABSENT, apply, is_applied, patch_at, remove
 from zero_mismatch_plugin.tables import upstream_versions
 
 megatron_patch = partial(patch_at, package="megatron.core", versions=upstream_versions.MEGATRON_CORE,
-                         when="a Megatron-face MoE layer at expert_model_parallel_size > 1 on a CPU")
+                         when="a megatron-core MoE model built by the plugin on a CPU")
 
 _DISPATCHER = "megatron.core.transformer.moe.token_dispatcher"
 
@@ -60,14 +60,26 @@ ALLTOALL_HOST_SPLITS = megatron_patch(
         "all_to_all_single() refuses them; the GPU path's side-stream copy and event do not exist there",
 )
 
-PATCHES = [ALLTOALL_SIDE_STREAM, ALLTOALL_HOST_SPLITS]
+def _no_transformer_engine_gemm(original):
+    return None if original is ABSENT else original
 
 
-def expert_parallel_on_cpu() -> None:
+ROUTER_GEMM_NAME = megatron_patch(
+    "megatron.core.transformer.moe.moe_utils:te_general_gemm", _no_transformer_engine_gemm,
+    name="megatron-router-gemm-unbound",
+    why="without Transformer Engine moe_utils leaves te_general_gemm unbound and megatron's stock router raises "
+        "NameError testing it for None; bound to None, the router takes its torch GEMM",
+)
+
+PATCHES = [ALLTOALL_SIDE_STREAM, ALLTOALL_HOST_SPLITS, ROUTER_GEMM_NAME]
+
+
+def moe_on_cpu() -> None:
     """Apply the patches (once; they stay until :func:`remove_all`). A no-op with CUDA."""
     if torch.cuda.is_available():
         return
-    import megatron.core.transformer.moe.token_dispatcher  # noqa: F401 - the patches' module
+    import megatron.core.transformer.moe.moe_utils  # noqa: F401 - the patches' modules
+    import megatron.core.transformer.moe.token_dispatcher  # noqa: F401
 
     for patch in PATCHES:
         apply(patch)

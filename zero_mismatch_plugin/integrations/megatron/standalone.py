@@ -93,15 +93,16 @@ def build_gpt_model(runtime: VllmRuntime, aligned: bool = True, load: bool = Tru
     hf = runtime.hf_config
     init_single_process()
     config = convert.transformer_config_from_hf(hf, params_dtype=runtime.dtype, **config_overrides)
-    if (config.expert_model_parallel_size or 1) > 1:
-        from zero_mismatch_plugin.integrations.megatron.cpu_patches import expert_parallel_on_cpu
+    if config.num_moe_experts:
+        from zero_mismatch_plugin.integrations.megatron.cpu_patches import moe_on_cpu
 
-        expert_parallel_on_cpu()  # megatron's all-to-all token dispatcher on a CPU
+        moe_on_cpu()  # megatron's all-to-all token dispatcher and stock router on a CPU
     needs_swaps = False
     if aligned:
         spec, needs_swaps = aligned_gpt_spec(config, runtime)
     else:
-        spec = get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization="RMSNorm")
+        spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, qk_layernorm=config.qk_layernorm,
+                                        normalization="RMSNorm")
     model = GPTModel(config=config, transformer_layer_spec=spec, **convert.gpt_model_kwargs(hf))
     if needs_swaps:
         apply_post_construction_swaps(model, runtime)
