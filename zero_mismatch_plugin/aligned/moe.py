@@ -22,12 +22,14 @@ from zero_mismatch_plugin.aligned.row_invariant import row_invariant_sigmoid
 _layer_ids = itertools.count()
 
 
-def refuse_unsupported_engine(runtime: VllmRuntime) -> None:
-    """Engine settings under which vLLM's MoE layer would not be this one-process layer."""
+def refuse_unsupported_engine(runtime: VllmRuntime, engine_rank_shard: bool = False) -> None:
+    """Engine settings under which vLLM's MoE layer would not be this one-process layer
+    (``engine_rank_shard``: the layer holds one tensor-parallel engine rank's shard of every
+    expert, which that rank runs as this layer runs it)."""
     cfg = runtime.vllm_config
     par = cfg.parallel_config
     problems = []
-    if par.tensor_parallel_size != 1:
+    if par.tensor_parallel_size != 1 and not engine_rank_shard:
         problems.append(f"tensor_parallel_size={par.tensor_parallel_size}: use 1")
     if par.data_parallel_size != 1:
         problems.append(f"data_parallel_size={par.data_parallel_size}: use 1")
@@ -90,6 +92,8 @@ class AlignedMoE:
     ``gate_up``: instead of ``gate`` and ``up`` (pass None for both), per-expert ``[gate; up]``
     parameters ([2I, H], megatron-core's ``linear_fc1`` layout, which is vLLM's ``w13``).
     ``correction_bias``: the per-expert selection bias (sigmoid routing), or None.
+    ``engine_rank_shard``: the weights are one tensor-parallel rank's shards (``moe`` then gives
+    that rank's expert width), the layer computes what that engine rank's layer computes.
     """
 
     def __init__(
@@ -103,8 +107,9 @@ class AlignedMoE:
         correction_bias: torch.nn.Parameter | None = None,
         *,
         gate_up: list | None = None,
+        engine_rank_shard: bool = False,
     ):
-        refuse_unsupported_engine(runtime)
+        refuse_unsupported_engine(runtime, engine_rank_shard)
         if gate_up is not None and (gate is not None or up is not None):
             raise ValueError("give either gate and up or gate_up, not both")
         first = [gate_up] if gate_up is not None else [gate, up]

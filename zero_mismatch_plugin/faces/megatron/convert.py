@@ -274,10 +274,10 @@ def load_hf_checkpoint(model, model_dir: str | os.PathLike, hf_config) -> None:
     tensor parallelism each rank takes its part (:func:`.parallel.shard`)."""
     mapped = hf_to_megatron(read_checkpoint(model_dir), hf_config)
     group = _tensor_parallel_group(model)
-    if group is not None:
-        rank, size = parallel.group_rank(group), parallel.group_size(group)
-        mapped = {name: parallel.shard(name, full, rank, size) for name, full in mapped.items()}
     config = getattr(model, "config", None)
+    if group is not None:
+        rank, size, split = parallel.group_rank(group), parallel.group_size(group), parallel.experts_split(config)
+        mapped = {name: parallel.shard(name, full, rank, size, split) for name, full in mapped.items()}
     mapped = parallel.local_experts_of(mapped, getattr(config, "num_moe_experts", None) or 0,
                                        parallel.expert_parallel_group(config))
     copy_checkpoint(model_tensors(model), mapped)
@@ -295,7 +295,8 @@ def full_tensors(model, tensors: dict) -> dict:
     tensor- and expert-parallel ranks (collectives: all ranks call it)."""
     config = getattr(model, "config", None)
     group = _tensor_parallel_group(model)
-    state = {k: parallel.gather_full(k, t.detach(), group) for k, t in tensors.items()}
+    split = parallel.experts_split(config)
+    state = {k: parallel.gather_full(k, t.detach(), group, split) for k, t in tensors.items()}
     return parallel.gather_experts(state, getattr(config, "num_moe_experts", None) or 0,
                                    parallel.expert_parallel_group(config))
 

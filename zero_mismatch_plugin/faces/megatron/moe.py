@@ -1,4 +1,10 @@
-"""megatron-core's MoE layer and router with vLLM's numerics (the op layer's MoE op), TP = 1.
+"""megatron-core's MoE layer and router with vLLM's numerics (the op layer's MoE op).
+
+At tensor parallelism > 1 (with sequence parallelism, as megatron requires for MoE) each rank holds
+the engine rank's shard of every expert and of the shared expert: the router runs on the rank's
+tokens, logits and tokens are gathered, the rank's shards give a partial output (vLLM's kernel on
+the shard, then the shared expert's partial), and the ranks' partials are summed as vLLM's
+all-reduce after its MoE layer sums them.
 
 At expert parallelism > 1 each rank holds megatron's share of the experts; every (token, slot) row
 goes through megatron's own token dispatcher (``allgather`` or ``alltoall``) to the rank of its
@@ -7,6 +13,7 @@ expert and back, and the slots are summed as vLLM's one-process kernel sums them
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -15,6 +22,7 @@ from torch import nn
 from zero_mismatch_plugin.aligned import ops
 from zero_mismatch_plugin.aligned.derived import OpCache, shared_ops
 from zero_mismatch_plugin.aligned.runtime import VllmRuntime
+from zero_mismatch_plugin.faces.megatron import parallel
 from zero_mismatch_plugin.faces.megatron.modules import flat_tokens, megatron_parameter
 from zero_mismatch_plugin.tables.architectures import describe
 
@@ -108,10 +116,30 @@ def aligned_moe_layer_class():
                 )
             super().__init__(config, submodules, layer_number=layer_number, pg_collection=pg_collection)
             self.expert_parallel = self.num_local_experts != config.num_moe_experts
+            self.tp_group = parallel.tensor_parallel_group(config)
+            moe = blocks.moe
+            if self.tp_group is not None:
+                if self.expert_parallel:
+                    raise NotImplementedError("aligned megatron MoE layer: tensor and expert parallelism together")
+                if not config.sequence_parallel:
+                    raise NotImplementedError("aligned megatron MoE layer at tensor parallelism > 1: set "
+                                              "sequence_parallel=True (megatron requires it for MoE training)")
+                if (config.expert_tensor_parallel_size or 1) != self.tp_group.size():
+                    raise NotImplementedError(
+                        f"aligned megatron MoE layer: expert_tensor_parallel_size={config.expert_tensor_parallel_size} "
+                        f"at tensor parallelism {self.tp_group.size()}: vLLM splits every expert over its "
+                        "tensor-parallel ranks; set them equal")
+                width = parallel.divide(moe.moe_intermediate_size, self.tp_group.size(), "the expert width")
+                moe = dataclasses.replace(moe, moe_intermediate_size=width)
+                # Seen on this rank's tokens (the router) or giving this rank's partial (the shared
+                # expert's gate): megatron's finalize_model_grads sums their grads over the ranks.
+                for weight in (self.router.weight, getattr(self.shared_experts, "gate_weight", None)):
+                    if weight is not None:
+                        setattr(weight, "sequence_parallel", True)
             if not isinstance(self.router, AlignedRouter):
                 raise NotImplementedError("aligned megatron MoE layer: its router must be AlignedRouter")
             self.runtime = runtime
-            self.moe = blocks.moe
+            self.moe = moe
             self.act = shared_ops(runtime).get("silu_and_mul", [], lambda: ops.AlignedSiluAndMul(runtime))
             # Rebuilt if a Parameter object was replaced (e.g. by a model conversion).
             self._aligned_ops = OpCache()
@@ -125,7 +153,8 @@ def aligned_moe_layer_class():
             return self._aligned_ops.get(
                 "experts",
                 fc1 + fc2 + [bias],
-                lambda: AlignedMoE(self.runtime, self.moe, self.config.hidden_size, None, None, fc2, bias, gate_up=fc1),
+                lambda: AlignedMoE(self.runtime, self.moe, self.config.hidden_size, None, None, fc2, bias, gate_up=fc1,
+                                   engine_rank_shard=self.tp_group is not None),
             )
 
         def _routed_op(self):
@@ -163,9 +192,22 @@ def aligned_moe_layer_class():
         def forward(self, hidden_states, intermediate_tensors=None, padding_mask=None):
             if intermediate_tensors is not None:
                 raise NotImplementedError("aligned megatron MoE layer: partial (CUDA-graph) MoE forwards")
+            if self.tp_group is not None:
+                return self._tensor_parallel_forward(hidden_states), None
             routed = self._expert_parallel_routed if self.expert_parallel else self._routed_op()
             out = moe_mlp(flat_tokens(hidden_states), self.router, routed, self._shared_ops())
             return out.reshape(hidden_states.shape), None
+
+        def _tensor_parallel_forward(self, hidden_states):
+            """This rank's tokens in, this rank's tokens out (sequence parallelism): the router on
+            the rank's tokens, its logits and the tokens gathered, the rank's partial MoE output
+            (shards of every expert and of the shared expert), the partials reduce-scattered."""
+            group = self.tp_group
+            local = flat_tokens(hidden_states)
+            logits = parallel.column_input(self.router(local), group, True)
+            tokens = parallel.column_input(local, group, True)
+            partial = moe_mlp(tokens, lambda _: logits, self._routed_op(), self._shared_ops())
+            return parallel.row_output(partial, group, True).reshape(hidden_states.shape)
 
         @property
         def last_topk_ids(self):

@@ -148,10 +148,11 @@ _COLUMN_SHARDED = ("linear_proj.weight", "linear_fc2.weight")
 _HALVES_SHARDED = ("linear_fc1.weight",)
 
 
-def shard_layout(name: str) -> str | None:
+def shard_layout(name: str, experts_split: bool = False) -> str | None:
     """``"rows"``, ``"columns"``, ``"halves"`` or ``None`` (replicated) for a megatron name. Routed
-    experts are whole on their rank (expert tensor parallelism 1)."""
-    if _LOCAL_EXPERT.match(name):
+    experts are split as MLPs are when ``experts_split`` (expert tensor parallelism = tensor
+    parallelism, vLLM's tensor-parallel experts), else whole on their rank."""
+    if _LOCAL_EXPERT.match(name) and not experts_split:
         return None
     if name.endswith(_HALVES_SHARDED):
         return "halves"
@@ -162,9 +163,9 @@ def shard_layout(name: str) -> str | None:
     return None
 
 
-def shard(name: str, full: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+def shard(name: str, full: torch.Tensor, rank: int, size: int, experts_split: bool = False) -> torch.Tensor:
     """Rank ``rank``'s part of the full megatron tensor ``name``."""
-    layout = shard_layout(name)
+    layout = shard_layout(name, experts_split)
     if size == 1 or layout is None:
         return full
     if layout == "rows":
@@ -175,9 +176,9 @@ def shard(name: str, full: torch.Tensor, rank: int, size: int) -> torch.Tensor:
     return torch.cat([gate.chunk(size, dim=0)[rank], up.chunk(size, dim=0)[rank]])
 
 
-def unshard(name: str, parts: list[torch.Tensor]) -> torch.Tensor:
+def unshard(name: str, parts: list[torch.Tensor], experts_split: bool = False) -> torch.Tensor:
     """The full megatron tensor ``name`` from every rank's part (inverse of :func:`shard`)."""
-    layout = shard_layout(name)
+    layout = shard_layout(name, experts_split)
     if len(parts) == 1 or layout is None:
         return parts[0]
     if layout == "rows":
@@ -188,13 +189,18 @@ def unshard(name: str, parts: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([h[0] for h in halves] + [h[1] for h in halves])
 
 
-def gather_full(name: str, local: torch.Tensor, group) -> torch.Tensor:
+def gather_full(name: str, local: torch.Tensor, group, experts_split: bool = False) -> torch.Tensor:
     """The full tensor ``name`` on every rank of ``group`` from each rank's part."""
-    if group is None or shard_layout(name) is None:
+    if group is None or shard_layout(name, experts_split) is None:
         return local
     parts = [torch.empty_like(local) for _ in range(group.size())]
     torch.distributed.all_gather(parts, local.contiguous(), group=group)
-    return unshard(name, parts)
+    return unshard(name, parts, experts_split)
+
+
+def experts_split(config) -> bool:
+    """Whether a model of ``config`` splits each routed expert over the tensor-parallel ranks."""
+    return (getattr(config, "expert_tensor_parallel_size", 1) or 1) > 1
 
 
 # ----- Experts over expert-parallel ranks ---------------------------------------------------

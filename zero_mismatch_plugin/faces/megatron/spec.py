@@ -47,8 +47,8 @@ def unsupported_features(config) -> list[str]:
     if get("multi_latent_attention"):
         problems.append("multi-latent attention (MLA)")
     tp = get("tensor_model_parallel_size", 1) or 1
-    if tp != 1 and get("num_moe_experts"):
-        problems.append("tensor parallelism > 1 with MoE layers")
+    if tp != 1 and get("num_moe_experts") and (get("expert_model_parallel_size", 1) or 1) != 1:
+        problems.append("tensor parallelism > 1 with expert parallelism > 1")
     if get("pipeline_model_parallel_size", 1) != 1:
         problems.append("pipeline parallelism > 1")
     if get("context_parallel_size", 1) != 1:
@@ -88,8 +88,9 @@ def _any_nonzero(value) -> bool:
 # (setting -> refused?, what to say): the MoE settings the aligned MoE layer (vLLM's one-process
 # router and experts, megatron's per-expert parameters) cannot run.
 _MOE_REFUSALS = (
-    (lambda get: (get("expert_tensor_parallel_size", 1) or 1) != 1,
-     "expert tensor parallelism > 1 (expert_tensor_parallel_size: use 1)"),
+    (lambda get: (get("expert_tensor_parallel_size", 1) or 1) not in (1, get("tensor_model_parallel_size", 1) or 1),
+     "expert tensor parallelism other than the tensor parallelism (expert_tensor_parallel_size: vLLM splits "
+     "each expert over its tensor-parallel ranks)"),
     (lambda get: get("moe_grouped_gemm"),
      "moe_grouped_gemm (the aligned MoE layer keeps megatron's per-expert local experts: set it false)"),
     (lambda get: get("moe_latent_size"), "MoE latent projections (moe_latent_size)"),
