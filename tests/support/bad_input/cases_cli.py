@@ -94,6 +94,14 @@ def tiny_mla_moe_model() -> str:
     return str(build_tiny_mla_model(_workdir() / "deepseek-v2-moe", first_k_dense_replace=1, architecture="deepseek_v2"))
 
 
+@functools.cache
+def tiny_moe_model() -> str:
+    """A real tiny Qwen3-MoE checkpoint (built once)."""
+    from zero_mismatch_plugin.tools.tiny_models import build_tiny_model
+
+    return str(build_tiny_model(_workdir() / "qwen3-moe", family="qwen3_moe", seed=0))
+
+
 def mla_config(**changes) -> dict:
     return {**json.loads((Path(tiny_mla_moe_model()) / "config.json").read_text()), **changes}
 
@@ -235,6 +243,9 @@ CASES = [
           r"the Megatron face's MoE layers run at tensor parallelism 1; give one of them"),
     error("check-expert-parallel-zero", check("--trainer", "megatron", "--expert-parallel", "0"),
           r"--expert-parallel 0: give a number of ranks, 1 or more"),
+    error("check-moe-at-tensor-parallel-without-sequence-parallel",
+          lambda: refused(["check", "--model", tiny_moe_model(), "--trainer", "megatron", "--tensor-parallel", "2"]),
+          r"--tensor-parallel 2 on an MoE checkpoint: add --sequence-parallel"),
     error("check-unknown-token-dispatcher", check("--moe-token-dispatcher", "flex"),
           r"argument --moe-token-dispatcher: invalid choice: 'flex'"),
     error("bisect-unknown-numerics", bisect("--numerics", "exact"), r"argument --numerics: invalid choice: 'exact'"),

@@ -140,6 +140,10 @@ def run_settings(args, max_model_len: int, lora: dict) -> eng.EngineSettings:
         )
     except NotImplementedError as error:
         raise inputs.CheckerInputError(str(error)) from None
+    if tensor_parallel > 1 and settings.blocks.moe is not None and not sequence_parallel:
+        raise inputs.CheckerInputError(
+            f"--tensor-parallel {tensor_parallel} on an MoE checkpoint: add --sequence-parallel (megatron runs MoE "
+            "layers at tensor parallelism > 1 only with sequence parallelism)")
     if expert_parallel > 1 and settings.blocks.moe is None:
         raise inputs.CheckerInputError(f"--expert-parallel {expert_parallel}: {args.model} has no MoE layers; leave it at 1")
     if expert_parallel > 1 and settings.blocks.moe.num_experts % expert_parallel:
