@@ -104,7 +104,9 @@ def aligned_moe_layer_class():
         parameter names) computed as vLLM computes it: the router's logits by vLLM's gate linear,
         expert choice, experts and combine by the op layer's MoE op (vLLM's fused-MoE layer fed
         the experts' ``linear_fc1``/``linear_fc2`` weights), the shared expert by vLLM's linears
-        and ``SiluAndMul``. No token dispatch: expert parallelism is 1."""
+        and ``SiluAndMul``. At expert parallelism > 1 megatron's token dispatcher moves the
+        (token, slot) rows (:meth:`_expert_parallel_routed`); at tensor parallelism > 1 each rank
+        computes its shard's partial (:meth:`_tensor_parallel_forward`)."""
 
         def __init__(self, config, submodules=None, layer_number=None, pg_collection=None, *, runtime: VllmRuntime, **_):
             blocks = describe(runtime.hf_config)
