@@ -2,7 +2,8 @@
 checkpoint wrapped by verl's ``apply_fsdp2`` over a two-rank mesh, the aligned FSDP forward on
 each rank's share of the sequences, one backward of ``sum(c * logprob)`` (FSDP2's reduce-scatter),
 one SGD step and the logprobs again. Rank 0 saves every rank's logprobs, the full gradients, the
-full weights and the logprobs after the step to argv[2]; the request (checkpoint, prompts, responses, c) is argv[1]."""
+full weights, the logprobs after the step and those of verl's own (transformers) forward then
+to argv[2]; the request (checkpoint, prompts, responses, c) is argv[1]."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ def main(request_path: str, out_path: str) -> None:
     from zero_mismatch_plugin.aligned.numerics import consistent_numerics
     from zero_mismatch_plugin.aligned.packing import pack
     from zero_mismatch_plugin.aligned.runtime import VllmRuntime
+    from zero_mismatch_plugin.faces import fsdp as fsdp_face
     from zero_mismatch_plugin.faces.fsdp import AlignedFSDPForward, PackedMicroBatch
     from zero_mismatch_plugin.integrations.megatron.distributed import data_parallel_share
 
@@ -59,11 +61,18 @@ def main(request_path: str, out_path: str) -> None:
                    for name, p in model.named_parameters()}
         with torch.no_grad():
             after = logprobs()
+        # The negative control: verl's own (transformers) forward of the same stepped FSDP2 model.
+        fsdp_face.uninstall(model)
+        with torch.no_grad():
+            own = [model(input_ids=torch.tensor([request["prompts"][i] + request["responses"][i]])).logits[0]
+                   [len(request["prompts"][i]) - 1:-1].log_softmax(-1)
+                   .gather(-1, torch.tensor(request["responses"][i])[:, None])[:, 0] for i in share]
     gathered = [None] * world
-    dist.all_gather_object(gathered, (batch.split_per_sequence(values.detach()), batch.split_per_sequence(after)))
+    dist.all_gather_object(gathered, (batch.split_per_sequence(values.detach()), batch.split_per_sequence(after), own))
     if rank == 0:
-        torch.save({"logprobs": [s for part, _ in gathered for s in part],
-                    "logprobs_after": [s for _, part in gathered for s in part], "grads": grads,
+        torch.save({"logprobs": [s for part, _, _ in gathered for s in part],
+                    "logprobs_after": [s for _, part, _ in gathered for s in part],
+                    "own_forward_after": [s for _, _, part in gathered for s in part], "grads": grads,
                     "weights": weights}, out_path)
     dist.barrier()
     dist.destroy_process_group()

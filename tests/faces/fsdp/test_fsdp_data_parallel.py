@@ -10,14 +10,10 @@ stepped weights. Cost: one torchrun of two ranks (~30 s) and the session's Llama
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
+from support.torchrun import run_ranks
 from support.vllm_session import MAX_MODEL_LEN, prompts_for, rollout
 
 LR = 1e-3
@@ -32,13 +28,7 @@ def fsdp_run(checkpoints, engines, tmp_path_factory):
     work = tmp_path_factory.mktemp("fsdp_dp2")
     torch.save(dict(checkpoint=str(checkpoints["llama"]), engine_kwargs=ENGINE_KWARGS, prompts=prompts,
                     responses=responses, coefficients=coefficients, lr=LR), work / "request.pt")
-    script = Path(__file__).resolve().parents[2] / "support" / "fsdp_data_parallel_ranks.py"
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(script.parents[1]), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                           str(script), str(work / "request.pt"), str(work / "out.pt")],
-                          env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    run_ranks("fsdp_data_parallel_ranks.py", 2, work / "request.pt", work / "out.pt")
     return dict(prompts=prompts, responses=responses, mu=mu, coefficients=coefficients, **torch.load(work / "out.pt"))
 
 
@@ -87,3 +77,6 @@ def test_after_a_step_at_dp2_the_engine_with_the_stepped_weights_is_bitwise_agai
     completions = [SimpleNamespace(prompt=p, tokens=r) for p, r in zip(fsdp_run["prompts"], fsdp_run["responses"])]
     engine_after = torch.tensor([v for row in rescore(llm, completions) for v in row])
     assert torch.equal(engine_after, after), f"{int((engine_after != after).sum())} of {after.numel()} tokens differ"
+    # Negative control: verl's own forward of the same stepped model on the ranks is not the engine's.
+    own = torch.cat(fsdp_run["own_forward_after"])
+    assert not torch.equal(own, engine_after) and (own - engine_after).abs().max() < 1e-3

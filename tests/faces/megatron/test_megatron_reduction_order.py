@@ -12,13 +12,11 @@ all-reduce (gloo) another order: the negative controls. Cost: one torchrun of fo
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+
+from support.torchrun import run_ranks
 
 WORLD = 4
 
@@ -26,12 +24,7 @@ WORLD = 4
 @pytest.fixture(scope="module")
 def reductions(tmp_path_factory):
     out = tmp_path_factory.mktemp("reduction_order") / "ranks.json"
-    script = Path(__file__).resolve().parents[2] / "support" / "reduction_order_ranks.py"
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(script.parents[1]), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}",
-                           str(script), str(out)], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    run_ranks("reduction_order_ranks.py", WORLD, out, timeout_s=300)
     result = json.loads(out.read_text())
     return torch.tensor(result["expected"]), result["ranks"]
 
