@@ -85,7 +85,7 @@ def test_shipped_diffs_are_exactly_what_their_edits_render(manifest):
 
 def test_code_shared_with_the_plugin_is_in_the_diffs_verbatim(manifest):
     """The plugin's functions that the patches carry appear in the patched upstream source line for line."""
-    from zero_mismatch_plugin.aligned import cpu_lora_experts, cpu_weight_reload, row_invariant
+    from zero_mismatch_plugin.aligned import cpu_lora_experts, cpu_weight_reload, reductions, row_invariant
     from zero_mismatch_plugin.integrations.verl.cpu import rollout_weight_reload
     from zero_mismatch_plugin.integrations.vllm import cpu_mla as vllm_cpu_mla
 
@@ -106,7 +106,8 @@ def test_code_shared_with_the_plugin_is_in_the_diffs_verbatim(manifest):
                            ("vllm-cpu-moe-lora-experts", row_invariant.row_invariant_linear),
                            ("vllm-cpu-moe-lora-experts", cpu_lora_experts.add_moe_lora),
                            ("vllm-cpu-moe-lora-experts", cpu_lora_experts.cpu_moe_experts),
-                           ("vllm-cpu-moe-lora-experts", cpu_lora_experts.cpu_lora_experts_apply)):
+                           ("vllm-cpu-moe-lora-experts", cpu_lora_experts.cpu_lora_experts_apply),
+                           ("vllm-cpu-all-reduce-rank-order", reductions.rank_order_sum)):
         added = "".join(line[1:] + "\n" for line in diffs[patch_name].splitlines()
                         if line.startswith("+") and not line.startswith("+++"))
         assert textwrap.dedent(__import__("inspect").getsource(fn)) in added
@@ -1067,6 +1068,52 @@ def test_vllm_ep_combine_has_the_same_bits_whatever_the_arrival_order(patched_vl
     # reduce-scatter: the bits change with the arrival order, on every rank.
     stock = _run_ep_ranks(tmp_path, "", "batch_invariant")
     assert all(len(set(r["batch_invariant"])) > 1 for r in stock), stock
+
+
+ALL_REDUCE_RANK_SCRIPT = LOAD_PATCHED + """
+import itertools, json, types
+import torch
+import torch.distributed as dist
+
+rank, root, store = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+world = 4
+communicator = load_patched("vllm.distributed.device_communicators.cpu_communicator", root)
+dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=world)
+# Each column holds 2**25, -2**25, 1 and 0 on the four ranks in one of the 24 orders: its fp32 sum
+# is 1 or 0 depending on the order of the additions, on any IEEE host.
+big = 2.0 ** 25
+table = torch.tensor(list(itertools.permutations([big, -big, 1.0, 0.0])), dtype=torch.float32).t()
+communicator.envs = types.SimpleNamespace(VLLM_BATCH_INVARIANT=True)
+this = types.SimpleNamespace(world_size=world, device_group=dist.group.WORLD, dist_module=dist)
+out = communicator.CpuCommunicator.all_reduce(this, table[rank].clone())
+expected = table[0].clone()
+for r in range(1, world):
+    expected += table[r]
+dist.barrier()
+print("RESULT " + json.dumps({"rank_order": bool(torch.equal(out, expected))}), flush=True)
+"""
+
+
+def _run_all_reduce_ranks(tmp_path, root: str) -> list[dict]:
+    store = tmp_path / f"store-all-reduce-{bool(root)}"
+    python = preloaded_python.shared()
+    ranks = [python.start(ALL_REDUCE_RANK_SCRIPT, str(rank), root, str(store),
+                          env={**os.environ, "GLOO_SOCKET_IFNAME": "lo"}) for rank in range(4)]
+    results = []
+    for rank in ranks:
+        done = python.wait(rank, timeout=400)
+        assert done.returncode == 0, done.stdout + done.stderr[-4000:]
+        line = next(l for l in done.stdout.splitlines() if l.startswith("RESULT "))
+        results.append(json.loads(line[len("RESULT "):]))
+    return results
+
+
+def test_vllm_cpu_all_reduce_sums_in_rank_order_on_every_rank(patched_vllm_files, tmp_path):
+    """Patched vLLM in batch-invariant mode: four ranks' planted partials are added in rank order on
+    every rank. Stock vLLM hands them to its group's all-reduce (gloo here; the shared-memory one in
+    an engine): another order on some rank (the negative control)."""
+    assert all(r["rank_order"] for r in _run_all_reduce_ranks(tmp_path, str(patched_vllm_files)))
+    assert not all(r["rank_order"] for r in _run_all_reduce_ranks(tmp_path, ""))
 
 
 def test_shared_rank_order_reduce_scatter_single_process():

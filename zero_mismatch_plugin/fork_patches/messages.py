@@ -173,6 +173,20 @@ MESSAGES: dict[str, CommitMessage] = {
             "current order.",
         ),
     ),
+    "vllm-cpu-all-reduce-rank-order": CommitMessage(
+        "Sum the CPU tensor-parallel all-reduce in rank order in batch-invariant mode",
+        (
+            "The CPU shared-memory all-reduce lets each rank start its sum from its own partial "
+            "(rank r adds r, r + 1, ... in turn). Floating-point addition is not associative: "
+            "above two ranks the ranks of one engine end up with different bits for the same "
+            "reduced tensor (measured with four ranks), and a trainer that reproduces the "
+            "engine's numerics cannot match all of them.",
+            "With VLLM_BATCH_INVARIANT and more than two ranks, gather every rank's partial and "
+            "add them left to right in rank order on every rank (rank_order_sum, accumulated in "
+            "fp32). Two partials have one sum and keep the shared-memory path; without "
+            "batch-invariant mode nothing changes.",
+        ),
+    ),
     "vllm-cpu-moe-lora-experts": CommitMessage(
         "Serve LoRA on MoE experts on CPU",
         (

@@ -14,6 +14,7 @@ from zero_mismatch_plugin.aligned.row_invariant import (
     row_invariant_linear,
     row_invariant_sigmoid,
 )
+from zero_mismatch_plugin.aligned.reductions import rank_order_sum
 from zero_mismatch_plugin.fork_patches.edits.edit import Edit, source_of
 from zero_mismatch_plugin.integrations.vllm.cpu_mla import first_steps_counted_as_computed, only_cpu_mla_attention
 
@@ -512,10 +513,58 @@ from .punica_base import PunicaWrapperBase
     ),
 ]
 
+CPU_COMMUNICATOR = "vllm/distributed/device_communicators/cpu_communicator.py"
+
+VLLM_CPU_ALL_REDUCE_RANK_ORDER = [
+    Edit(
+        CPU_COMMUNICATOR,
+        old="""\
+from vllm.distributed.utils import pickle
+""",
+        new="""\
+import vllm.envs as envs
+from vllm.distributed.utils import pickle
+""",
+    ),
+    Edit(
+        CPU_COMMUNICATOR,
+        old="""\
+    def all_reduce(self, input_):
+        self.dist_module.all_reduce(input_, group=self.device_group)
+        return input_
+""",
+        new="""\
+    def all_reduce(self, input_):
+        if envs.VLLM_BATCH_INVARIANT and self.world_size > 2:
+            # The shared-memory all-reduce starts each rank's sum from its own partial: above
+            # two ranks the ranks of one engine would hold different bits. Gather the partials
+            # and add them in rank order on every rank.
+            parts = [torch.empty_like(input_) for _ in range(self.world_size)]
+            torch.distributed.all_gather(parts, input_.contiguous(), group=self.device_group)
+            input_.copy_(rank_order_sum(parts))
+            return input_
+        self.dist_module.all_reduce(input_, group=self.device_group)
+        return input_
+""",
+    ),
+    Edit(
+        CPU_COMMUNICATOR,
+        old="""\
+logger = init_logger(__name__)
+""",
+        new="""\
+logger = init_logger(__name__)
+
+
+""" + source_of(rank_order_sum),
+    ),
+]
+
 # Patch name (as in manifest.yaml) -> its edits.
 EDITS: dict[str, list[Edit]] = {
     "vllm-cpu-mla-batch-invariant": VLLM_CPU_MLA_BATCH_INVARIANT,
     "vllm-cpu-moe-sigmoid-row-invariant": VLLM_CPU_MOE_SIGMOID_ROW_INVARIANT,
     "vllm-cpu-mla-one-token-prompt-decoded": VLLM_CPU_MLA_ONE_TOKEN_PROMPT_DECODED,
     "vllm-cpu-moe-lora-experts": VLLM_CPU_MOE_LORA_EXPERTS,
+    "vllm-cpu-all-reduce-rank-order": VLLM_CPU_ALL_REDUCE_RANK_ORDER,
 }

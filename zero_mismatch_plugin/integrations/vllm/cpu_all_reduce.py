@@ -4,7 +4,7 @@ In consistent mode on CPU, ``CpuCommunicator.all_reduce`` of a group of more tha
 gathers the partials and adds them with ``aligned.reductions.rank_order_sum`` (the sum the
 Megatron face's row-parallel layers compute), instead of the shared-memory all-reduce, in which
 each rank starts from its own partial. Two partials have one sum and keep vLLM's path. Why and
-how it was measured: docs/megatron.md, "Parallel layouts" (no fork form yet).
+how it was measured: docs/megatron.md, "Parallel layouts"; fork form: docs/patches.md (``vllm/0008``).
 """
 
 from __future__ import annotations
