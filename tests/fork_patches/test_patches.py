@@ -1037,11 +1037,11 @@ print("RESULT " + json.dumps(result), flush=True)
 """
 
 
-def _run_ep_ranks(tmp_path, root: str, modes: str) -> list[dict]:
-    store = tmp_path / f"store-{modes}-{bool(root)}"
+def _run_rank_script(script: str, world: int, *args: str) -> list[dict]:
+    """``script`` in ``world`` preloaded processes (argv: rank, then ``args``); each rank's RESULT."""
     python = preloaded_python.shared()
-    ranks = [python.start(EP_RANK_SCRIPT, str(rank), root, str(store), modes, env={**os.environ, "GLOO_SOCKET_IFNAME": "lo"})
-             for rank in range(3)]
+    ranks = [python.start(script, str(rank), *args, env={**os.environ, "GLOO_SOCKET_IFNAME": "lo"})
+             for rank in range(world)]
     results = []
     for rank in ranks:
         done = python.wait(rank, timeout=400)
@@ -1049,6 +1049,10 @@ def _run_ep_ranks(tmp_path, root: str, modes: str) -> list[dict]:
         line = next(l for l in done.stdout.splitlines() if l.startswith("RESULT "))
         results.append(json.loads(line[len("RESULT "):]))
     return results
+
+
+def _run_ep_ranks(tmp_path, root: str, modes: str) -> list[dict]:
+    return _run_rank_script(EP_RANK_SCRIPT, 3, root, str(tmp_path / f"store-{modes}-{bool(root)}"), modes)
 
 
 def test_vllm_ep_combine_has_the_same_bits_whatever_the_arrival_order(patched_vllm_files, tmp_path):
@@ -1095,17 +1099,7 @@ print("RESULT " + json.dumps({"rank_order": bool(torch.equal(out, expected))}), 
 
 
 def _run_all_reduce_ranks(tmp_path, root: str) -> list[dict]:
-    store = tmp_path / f"store-all-reduce-{bool(root)}"
-    python = preloaded_python.shared()
-    ranks = [python.start(ALL_REDUCE_RANK_SCRIPT, str(rank), root, str(store),
-                          env={**os.environ, "GLOO_SOCKET_IFNAME": "lo"}) for rank in range(4)]
-    results = []
-    for rank in ranks:
-        done = python.wait(rank, timeout=400)
-        assert done.returncode == 0, done.stdout + done.stderr[-4000:]
-        line = next(l for l in done.stdout.splitlines() if l.startswith("RESULT "))
-        results.append(json.loads(line[len("RESULT "):]))
-    return results
+    return _run_rank_script(ALL_REDUCE_RANK_SCRIPT, 4, root, str(tmp_path / f"store-all-reduce-{bool(root)}"))
 
 
 def test_vllm_cpu_all_reduce_sums_in_rank_order_on_every_rank(patched_vllm_files, tmp_path):
