@@ -27,7 +27,7 @@ def main(request_path: str, out_path: str) -> None:
     from zero_mismatch_plugin.aligned.runtime import VllmRuntime
     from zero_mismatch_plugin.faces import fsdp as fsdp_face
     from zero_mismatch_plugin.faces.fsdp import AlignedFSDPForward, PackedMicroBatch
-    from zero_mismatch_plugin.integrations.megatron.distributed import data_parallel_share
+    from zero_mismatch_plugin.integrations.megatron.distributed import data_parallel_share, share_tokens
 
     request = torch.load(request_path)
     with consistent_numerics():
@@ -41,9 +41,7 @@ def main(request_path: str, out_path: str) -> None:
         batch = pack([request["prompts"][i] for i in share], [request["responses"][i] for i in share])
         packed = PackedMicroBatch(batch.input_ids, batch.positions, batch.seq_lens, cu_seqlens=None, labels=None,
                                   temperature=None)
-        lengths = [len(r) for r in request["responses"]]
-        first = sum(lengths[: share.start])
-        coefficients = request["coefficients"][first:first + batch.target_ids.numel()]
+        coefficients = request["coefficients"][share_tokens(request["responses"], share)]
 
         def logprobs():
             logits = aligned.logits(model, packed).index_select(0, batch.target_rows)

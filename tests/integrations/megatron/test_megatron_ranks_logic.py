@@ -12,7 +12,7 @@ import torch
 from zero_mismatch_plugin.faces.megatron import parallel
 from zero_mismatch_plugin.integrations import patches as runtime_patches
 from zero_mismatch_plugin.integrations.megatron import cpu_patches
-from zero_mismatch_plugin.integrations.megatron.distributed import Layout, data_parallel_share
+from zero_mismatch_plugin.integrations.megatron.distributed import Layout, data_parallel_share, share_tokens
 
 
 def test_layouts_name_their_sizes_and_refuse_what_megatron_cannot_build():
@@ -34,6 +34,8 @@ def test_data_parallel_shares_cover_every_sequence_once_in_order():
         assert max(map(len, shares)) - min(map(len, shares)) <= 1
     with pytest.raises(ValueError, match="cannot give each of 4"):
         data_parallel_share(3, 4, 0)
+    responses = [[1] * 3, [1] * 2, [1] * 4, [1]]
+    assert [share_tokens(responses, data_parallel_share(4, 2, r)) for r in (0, 1)] == [slice(0, 5), slice(5, 10)]
 
 
 class _Group:

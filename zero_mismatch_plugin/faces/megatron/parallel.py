@@ -191,11 +191,11 @@ def unshard(name: str, parts: list[torch.Tensor], experts_split: bool = False) -
 
 def gather_full(name: str, local: torch.Tensor, group, experts_split: bool = False) -> torch.Tensor:
     """The full tensor ``name`` on every rank of ``group`` from each rank's part."""
+    from zero_mismatch_plugin.aligned.reductions import all_gather_parts
+
     if group is None or shard_layout(name, experts_split) is None:
         return local
-    parts = [torch.empty_like(local) for _ in range(group.size())]
-    torch.distributed.all_gather(parts, local.contiguous(), group=group)
-    return unshard(name, parts, experts_split)
+    return unshard(name, all_gather_parts(local, group), experts_split)
 
 
 def experts_split(config) -> bool:
@@ -241,6 +241,8 @@ def local_experts_of(tensors: dict, num_experts: int, group) -> dict:
 def gather_experts(tensors: dict, num_experts: int, group) -> dict:
     """Every rank's routed experts under their global numbers, on every rank of ``group`` (a
     collective: all ranks call it with the same names); other tensors as they are."""
+    from zero_mismatch_plugin.aligned.reductions import all_gather_parts
+
     if group is None:
         return tensors
     per = _experts_per_rank(num_experts, group)
@@ -250,8 +252,6 @@ def gather_experts(tensors: dict, num_experts: int, group) -> dict:
         if match is None:
             out[name] = tensor
             continue
-        parts = [torch.empty_like(tensor) for _ in range(group.size())]
-        torch.distributed.all_gather(parts, tensor.contiguous(), group=group)
-        for rank, part in enumerate(parts):
+        for rank, part in enumerate(all_gather_parts(tensor, group)):
             out[f"{match.group(1)}{rank * per + int(match.group(2))}{match.group(3)}"] = part
     return out

@@ -147,6 +147,12 @@ def data_parallel_share(num_sequences: int, ranks: int, rank: int) -> range:
     return range(start, start + per + (rank < extra))
 
 
+def share_tokens(responses: list, share: range) -> slice:
+    """Where the response tokens of the sequences ``share`` lie among all sequences' tokens."""
+    first = sum(len(r) for r in responses[: share.start])
+    return slice(first, first + sum(len(responses[i]) for i in share))
+
+
 class _RankRun:
     """This rank's part of a :class:`RankModel`: the aligned model of the engine rank's layout."""
 
@@ -218,6 +224,8 @@ _BUILT: dict[RankModel, _RankRun] = {}
 def _built(spec: RankModel) -> _RankRun:
     if spec not in _BUILT:
         _BUILT[spec] = _RankRun(spec)
+    else:
+        use_layout(spec.layout)  # another layout of this world may have set megatron's state since
     return _BUILT[spec]
 
 
@@ -236,10 +244,8 @@ def run_request(request: ScoreRequest, layout: Layout) -> dict:
     with torch.no_grad():
         result = {"logprobs": batch.split_per_sequence(run.logprobs(batch).cpu())}
     if request.step is not None:
-        lengths = [len(r) for r in request.responses]
-        coefficients = step_coefficients(request.step, sum(lengths))
-        first = sum(lengths[: share.start])
-        result.update(run.step(batch, request.step, coefficients[first:first + batch.target_ids.numel()]))
+        coefficients = step_coefficients(request.step, sum(len(r) for r in request.responses))
+        result.update(run.step(batch, request.step, coefficients[share_tokens(request.responses, share)]))
     for key in ("logprobs", "logprobs_after"):
         if key in result:
             result[key] = _all_sequences(result[key])
