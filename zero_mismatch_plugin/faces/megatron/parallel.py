@@ -218,8 +218,10 @@ def expert_parallel_group(config):
     return parallel_state.get_expert_model_parallel_group()
 
 
-def _experts_per_rank(num_experts: int, group) -> int:
-    return divide(num_experts, group_size(group), "the number of routed experts")
+def _experts_of(num_experts: int, group, rank: int) -> range:
+    from zero_mismatch_plugin.aligned.expert_parallel import local_experts
+
+    return local_experts(num_experts, group_size(group), rank)
 
 
 def local_experts_of(tensors: dict, num_experts: int, group) -> dict:
@@ -227,14 +229,14 @@ def local_experts_of(tensors: dict, num_experts: int, group) -> dict:
     numbers): its routed experts (megatron's contiguous share) renumbered from 0, the rest as is."""
     if group is None:
         return tensors
-    per, rank = _experts_per_rank(num_experts, group), group_rank(group)
+    mine = _experts_of(num_experts, group, group_rank(group))
     out = {}
     for name, tensor in tensors.items():
         match = _LOCAL_EXPERT.match(name)
         if match is None:
             out[name] = tensor
-        elif rank * per <= int(match.group(2)) < (rank + 1) * per:
-            out[f"{match.group(1)}{int(match.group(2)) - rank * per}{match.group(3)}"] = tensor
+        elif int(match.group(2)) in mine:
+            out[f"{match.group(1)}{int(match.group(2)) - mine.start}{match.group(3)}"] = tensor
     return out
 
 
@@ -245,7 +247,7 @@ def gather_experts(tensors: dict, num_experts: int, group) -> dict:
 
     if group is None:
         return tensors
-    per = _experts_per_rank(num_experts, group)
+    per = len(_experts_of(num_experts, group, 0))
     out = {}
     for name, tensor in tensors.items():
         match = _LOCAL_EXPERT.match(name)
