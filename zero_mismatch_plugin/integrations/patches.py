@@ -115,7 +115,7 @@ REGISTRY: dict[str, str] = {
     "verl Megatron engine (ZMRL_MEGATRON_ALIGNED=1)": "zero_mismatch_plugin.integrations.verl.megatron_engine:PATCHES",
     "verl CPU platform (ZMRL_VERL_PLATFORM=cpu)": "zero_mismatch_plugin.integrations.verl.cpu.patches:PATCHES",
     "verl FSDP engine (ZMRL_FSDP_ALIGNED=1)": "zero_mismatch_plugin.integrations.verl.fsdp_engine:PATCHES",
-    "megatron-core on a CPU (Megatron-face expert parallelism)": "zero_mismatch_plugin.integrations.megatron.cpu_patches:PATCHES",
+    "megatron-core on a CPU (Megatron-face expert and pipeline parallelism)": "zero_mismatch_plugin.integrations.megatron.cpu_patches:PATCHES",
 }
 
 # target -> (patch, what undoing it needs), while applied.

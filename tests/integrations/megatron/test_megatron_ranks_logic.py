@@ -64,12 +64,12 @@ def test_the_all_to_all_dispatcher_patches_keep_split_sizes_on_the_host_and_come
 
     from megatron.core.transformer.moe import moe_utils
 
-    applied_earlier = any(runtime_patches.is_applied(p) for p in cpu_patches.PATCHES)  # an MoE model built here
+    applied_earlier = any(runtime_patches.is_applied(p) for p in cpu_patches.MOE_PATCHES)  # an MoE model built here
     cpu_patches.remove_all()
     before = (Dispatcher.__dict__["cuda_dtoh_stream"], Dispatcher._maybe_dtoh_and_synchronize)
     cpu_patches.moe_on_cpu()
     try:
-        assert all(runtime_patches.is_applied(p) for p in cpu_patches.PATCHES)
+        assert all(runtime_patches.is_applied(p) for p in cpu_patches.MOE_PATCHES)
         assert Dispatcher.cuda_dtoh_stream is not None  # so __init__ makes no torch.cuda.Stream
         this = SimpleNamespace(drop_and_pad=False, cuda_dtoh_point="before_permutation_1",
                                input_splits=torch.tensor([3, 1]), output_splits=torch.tensor([2, 2]),

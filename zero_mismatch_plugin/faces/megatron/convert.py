@@ -13,7 +13,7 @@ import re
 import torch
 
 from zero_mismatch_plugin.aligned.checkpoint import copy_checkpoint, read_checkpoint
-from zero_mismatch_plugin.faces.megatron import parallel
+from zero_mismatch_plugin.faces.megatron import parallel, pipeline
 from zero_mismatch_plugin.tables.architectures import MOE_CHECKPOINT_NAMES, Blocks, describe
 
 
@@ -61,6 +61,8 @@ def transformer_config_from_hf(hf_config, params_dtype=torch.float32, **override
         hidden_dropout=0.0,
         attention_dropout=0.0,
         params_dtype=params_dtype,
+        pipeline_dtype=params_dtype,  # what stages send each other (read only at pipeline parallelism > 1)
+        batch_p2p_sync=torch.cuda.is_available(),  # a device synchronize after the stages' sends and receives
         bf16=params_dtype == torch.bfloat16,
         fp16=params_dtype == torch.float16,
         use_cpu_initialization=True,
@@ -280,6 +282,7 @@ def load_hf_checkpoint(model, model_dir: str | os.PathLike, hf_config) -> None:
         mapped = {name: parallel.shard(name, full, rank, size, split) for name, full in mapped.items()}
     mapped = parallel.local_experts_of(mapped, getattr(config, "num_moe_experts", None) or 0,
                                        parallel.expert_parallel_group(config))
+    mapped = pipeline.to_stage(mapped, config, megatron_blocks(hf_config).tied_head)
     copy_checkpoint(model_tensors(model), mapped)
 
 
@@ -290,15 +293,16 @@ def engine_weights(model, hf_config, dtype) -> list[tuple[str, torch.Tensor]]:
 
 
 def full_tensors(model, tensors: dict) -> dict:
-    """Full tensors by megatron name (every routed expert under its global number) from this rank's
-    parts of ``tensors`` (the model's parameters, or their gradients): gathered over the
-    tensor- and expert-parallel ranks (collectives: all ranks call it)."""
+    """Full tensors by megatron name (every routed expert and layer under its global number) from
+    this rank's parts of ``tensors`` (the model's parameters, or their gradients): gathered over
+    the tensor-, expert- and pipeline-parallel ranks (collectives: all ranks call it)."""
     config = getattr(model, "config", None)
     group = _tensor_parallel_group(model)
     split = parallel.experts_split(config)
     state = {k: parallel.gather_full(k, t.detach(), group, split) for k, t in tensors.items()}
-    return parallel.gather_experts(state, getattr(config, "num_moe_experts", None) or 0,
-                                   parallel.expert_parallel_group(config))
+    state = parallel.gather_experts(state, getattr(config, "num_moe_experts", None) or 0,
+                                    parallel.expert_parallel_group(config))
+    return pipeline.gather_stages(state, config, getattr(model, "share_embeddings_and_output_weights", False))
 
 
 def sync_weights_to_engine(llm, model, hf_config, dtype) -> None:

@@ -25,6 +25,7 @@ from zero_mismatch_plugin.faces.megatron.modules import (
     aligned_mlp_class,
 )
 from zero_mismatch_plugin.faces.megatron.moe import AlignedRouter, aligned_moe_layer_class
+from zero_mismatch_plugin.faces.megatron.pipeline import stage_layers
 
 # GPTModel.position_embedding_type after the swap: megatron skips its own rotary for any value
 # other than rope/yarn/mrope; the rotation is done by AlignedCoreAttention.
@@ -49,8 +50,8 @@ def unsupported_features(config) -> list[str]:
     tp = get("tensor_model_parallel_size", 1) or 1
     if tp != 1 and get("num_moe_experts") and (get("expert_model_parallel_size", 1) or 1) != 1:
         problems.append("tensor parallelism > 1 with expert parallelism > 1")
-    if get("pipeline_model_parallel_size", 1) != 1:
-        problems.append("pipeline parallelism > 1")
+    if get("virtual_pipeline_model_parallel_size"):
+        problems.append("virtual pipeline stages (virtual_pipeline_model_parallel_size)")
     if get("context_parallel_size", 1) != 1:
         problems.append("context parallelism > 1")
     if get("mtp_num_layers"):
@@ -197,15 +198,21 @@ def aligned_layer_specs(config, runtime: VllmRuntime) -> list:
     return [moe if is_moe else dense for is_moe in moe_layer_pattern(config)]
 
 
+def stage_layer_specs(config, runtime: VllmRuntime) -> list:
+    """The layer specs of this pipeline stage's layers (all layers at pipeline parallelism 1),
+    sliced as megatron's ``get_gpt_decoder_block_spec`` slices its own."""
+    return aligned_layer_specs(config, runtime)[stage_layers(config).start: stage_layers(config).stop]
+
+
 def aligned_block_spec(config, runtime: VllmRuntime):
-    """The decoder spec for stock megatron-core: a ``TransformerBlockSubmodules`` of the per-layer
-    specs with vLLM's RMSNorm as the final norm (megatron's own final norm, built from a bare
+    """The decoder spec for stock megatron-core: a ``TransformerBlockSubmodules`` of this stage's
+    layer specs with vLLM's RMSNorm as the final norm (megatron's own final norm, built from a bare
     layer spec, refuses sequence parallelism)."""
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
     return TransformerBlockSubmodules(
-        layer_specs=aligned_layer_specs(config, runtime),
+        layer_specs=stage_layer_specs(config, runtime),
         layer_norm=ModuleSpec(module=AlignedRMSNormModule, params={"runtime": runtime}),
     )
 
@@ -228,7 +235,6 @@ def aligned_model_spec(config, runtime: VllmRuntime, temperature: float = 1.0, v
     logits processor; ``token_logprob``: vLLM's sampler logprob at ``temperature``.
     """
     from megatron.core.transformer.spec_utils import ModuleSpec
-    from megatron.core.transformer.transformer_block import get_num_layers_to_build
 
     if not megatron_has_spec_hooks():
         raise UnsupportedMegatronFeature(
@@ -240,7 +246,7 @@ def aligned_model_spec(config, runtime: VllmRuntime, temperature: float = 1.0, v
 
     params = {"runtime": runtime}
     layers = []
-    for layer in aligned_layer_specs(config, runtime)[: get_num_layers_to_build(config, vp_stage=vp_stage)]:
+    for layer in stage_layer_specs(config, runtime):
         layer = copy.copy(layer)
         layer.submodules = copy.copy(layer.submodules)
         layer.submodules.self_attention = copy.deepcopy(layer.submodules.self_attention)
@@ -309,8 +315,10 @@ def apply_post_construction_swaps(model, runtime: VllmRuntime):
         old = gpt.output_layer
         vocab = runtime.hf_config.vocab_size
         weight = getattr(old, "weight", None)
-        if gpt.share_embeddings_and_output_weights:
-            weight = None  # GPTModel passes the embedding weight at each call
+        if gpt.share_embeddings_and_output_weights and gpt.pre_process:
+            # GPTModel passes the embedding weight at each call; a last pipeline stage keeps its
+            # own copy of the tied embedding (megatron's) as the output layer's weight.
+            weight = None
         head = AlignedOutputLayer(runtime, weight, vocab, config=gpt.config)
         gpt.output_layer = head
     return model

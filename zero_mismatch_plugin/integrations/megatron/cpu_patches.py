@@ -1,4 +1,5 @@
-"""Runtime patches megatron-core 0.16.1 needs to run expert parallelism (and its stock MoE router) on a CPU.
+"""Runtime patches megatron-core 0.16.1 needs to run expert and pipeline parallelism (and its stock
+MoE router) on a CPU.
 
 megatron's all-to-all token dispatcher keeps its split sizes on the GPU and moves them to the host
 on a side CUDA stream; on a CPU they are already host tensors, which ``maybe_move_tensor_to_cpu``
@@ -71,7 +72,60 @@ ROUTER_GEMM_NAME = megatron_patch(
         "NameError testing it for None; bound to None, the router takes its torch GEMM",
 )
 
-PATCHES = [ALLTOALL_SIDE_STREAM, ALLTOALL_HOST_SPLITS, ROUTER_GEMM_NAME]
+
+class _HostTorch:
+    """``torch`` as megatron's schedules see it on a CPU: the one tensor they place on ``"cuda"`` by
+    name (the token count they add up) goes to the host; everything else is torch itself."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def zeros(*args, device=None, **kwargs):
+        return torch.zeros(*args, device="cpu" if device == "cuda" else device, **kwargs)
+
+
+def _schedules_torch(original):
+    return original if torch.cuda.is_available() else _HostTorch()
+
+
+SCHEDULE_TOKEN_COUNT = megatron_patch(
+    "megatron.core.pipeline_parallel.schedules:torch", _schedules_torch,
+    name="megatron-schedule-host-token-count",
+    why="megatron's forward-backward schedules allocate their token count with device='cuda', which a CPU-only "
+        "torch cannot",
+    when="a megatron-core model at pipeline parallelism > 1 built by the plugin on a CPU",
+)
+
+
+def _host_embedding_copy(original):
+    def setup_embeddings_and_output_layer(self):
+        if torch.cuda.is_available():
+            return original(self)
+        # The first and last stages' copies of a tied embedding meet in an all-reduce after
+        # ``weight.data.cuda()``; on a CPU the data stays where it is.
+        cuda = torch.Tensor.cuda
+        torch.Tensor.cuda = lambda tensor, *args, **kwargs: tensor
+        try:
+            return original(self)
+        finally:
+            torch.Tensor.cuda = cuda
+
+    return setup_embeddings_and_output_layer
+
+
+TIED_EMBEDDING_COPY = megatron_patch(
+    "megatron.core.models.common.language_module.language_module:LanguageModule.setup_embeddings_and_output_layer",
+    _host_embedding_copy,
+    name="megatron-tied-embedding-on-host",
+    why="with tied embeddings over pipeline stages megatron moves the last stage's copy to the GPU before "
+        "all-reducing it with the first stage's",
+    when="a megatron-core model at pipeline parallelism > 1 built by the plugin on a CPU",
+)
+
+MOE_PATCHES = [ALLTOALL_SIDE_STREAM, ALLTOALL_HOST_SPLITS, ROUTER_GEMM_NAME]
+PIPELINE_PATCHES = [SCHEDULE_TOKEN_COUNT, TIED_EMBEDDING_COPY]
+PATCHES = MOE_PATCHES + PIPELINE_PATCHES
 
 
 def moe_on_cpu() -> None:
@@ -81,7 +135,7 @@ def moe_on_cpu() -> None:
     import megatron.core.transformer.moe.moe_utils  # noqa: F401 - the patches' modules
     import megatron.core.transformer.moe.token_dispatcher  # noqa: F401
 
-    for patch in PATCHES:
+    for patch in MOE_PATCHES:
         apply(patch)
 
 
@@ -89,3 +143,14 @@ def remove_all() -> None:
     for patch in PATCHES:
         if is_applied(patch):
             remove(patch)
+
+
+def pipeline_on_cpu() -> None:
+    """Apply the pipeline patches (once; they stay until :func:`remove_all`). A no-op with CUDA."""
+    if torch.cuda.is_available():
+        return
+    import megatron.core.models.common.language_module.language_module  # noqa: F401 - the patches' modules
+    import megatron.core.pipeline_parallel.schedules  # noqa: F401
+
+    for patch in PIPELINE_PATCHES:
+        apply(patch)

@@ -25,14 +25,16 @@ DISPATCHERS = ("alltoall", "allgather")
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """A megatron-core parallel layout (megatron's names). The world is ``tensor_model_parallel_size
-    * data_parallel_size`` ranks; the expert-parallel ranks are drawn from them as megatron draws
-    them (expert tensor parallelism 1), so ``expert_model_parallel_size`` must divide the world."""
+    * pipeline_model_parallel_size * data_parallel_size`` ranks; the expert-parallel ranks are drawn
+    from them as megatron draws them (expert tensor parallelism 1), so ``expert_model_parallel_size``
+    must divide the world."""
 
     tensor_model_parallel_size: int = 1
     sequence_parallel: bool = False
     expert_model_parallel_size: int = 1
     moe_token_dispatcher_type: str = "alltoall"
     data_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
 
     def __post_init__(self):
         if self.moe_token_dispatcher_type not in DISPATCHERS:
@@ -43,13 +45,15 @@ class Layout:
 
     @property
     def world_size(self) -> int:
-        return self.tensor_model_parallel_size * self.data_parallel_size
+        return self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.data_parallel_size
 
     @property
     def name(self) -> str:
         name = f"tp{self.tensor_model_parallel_size}" + ("-sp" if self.sequence_parallel else "")
         if self.expert_model_parallel_size > 1:
             name += f"-ep{self.expert_model_parallel_size}-{self.moe_token_dispatcher_type}"
+        if self.pipeline_model_parallel_size > 1:
+            name += f"-pp{self.pipeline_model_parallel_size}"
         if self.data_parallel_size > 1:
             name += f"-dp{self.data_parallel_size}"
         return name
@@ -62,7 +66,8 @@ class Layout:
 
     def config_overrides(self) -> dict:
         overrides = {"tensor_model_parallel_size": self.tensor_model_parallel_size,
-                     "sequence_parallel": self.sequence_parallel}
+                     "sequence_parallel": self.sequence_parallel,
+                     "pipeline_model_parallel_size": self.pipeline_model_parallel_size}
         if self.expert_model_parallel_size > 1:
             overrides.update(expert_model_parallel_size=self.expert_model_parallel_size,
                              moe_token_dispatcher_type=self.moe_token_dispatcher_type)
@@ -88,14 +93,16 @@ def use_layout(layout: Layout) -> None:
     world set it: one rank group serves every layout of its size)."""
     from megatron.core import parallel_state
 
-    wanted = (layout.tensor_model_parallel_size, layout.expert_model_parallel_size)
+    wanted = (layout.tensor_model_parallel_size, layout.expert_model_parallel_size, layout.pipeline_model_parallel_size)
     if parallel_state.model_parallel_is_initialized():
         current = (parallel_state.get_tensor_model_parallel_world_size(),
-                   parallel_state.get_expert_model_parallel_world_size())
+                   parallel_state.get_expert_model_parallel_world_size(),
+                   parallel_state.get_pipeline_model_parallel_world_size())
         if current == wanted:
             return
         parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=wanted[0], expert_model_parallel_size=wanted[1])
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=wanted[0], expert_model_parallel_size=wanted[1],
+                                             pipeline_model_parallel_size=wanted[2])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,27 +171,51 @@ class _RankRun:
         use_layout(layout)
         self.runtime = VllmRuntime(spec.model_dir, dtype=dtype, **{**dict(spec.engine_items), **layout.engine_kwargs()})
         self.model = build_gpt_model(self.runtime, aligned=True, **layout.config_overrides()).eval()
+        self.layout = layout
+        self.pipelined = layout.pipeline_model_parallel_size > 1
         self.multiple = layout.tensor_model_parallel_size if layout.sequence_parallel else 1
         # megatron's all-gather dispatcher gathers equal token counts from the expert-parallel ranks.
         self.equal_tokens = layout.expert_model_parallel_size > 1 and layout.moe_token_dispatcher_type == "allgather"
 
-    def logits(self, batch, model=None) -> torch.Tensor:
+    def _min_tokens(self, batch) -> int:
         from megatron.core import parallel_state
 
+        if not self.equal_tokens:
+            return 0
+        count = torch.tensor([batch.num_tokens])
+        torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX,
+                                     group=parallel_state.get_expert_model_parallel_group())
+        return int(count)
+
+    def logits(self, batch, model=None) -> torch.Tensor:
         from zero_mismatch_plugin.integrations.megatron.standalone import packed_logits
 
-        most = 0
-        if self.equal_tokens:
-            count = torch.tensor([batch.num_tokens])
-            torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX,
-                                         group=parallel_state.get_expert_model_parallel_group())
-            most = int(count)
-        return packed_logits(model or self.model, batch, self.multiple, most)
+        if self.pipelined:
+            raise ValueError(f"layout {self.layout.name}: the logits stay on the last pipeline stage; use outputs()")
+        return packed_logits(model or self.model, batch, self.multiple, self._min_tokens(batch))
+
+    def outputs(self, batch, model=None, coefficients=None) -> dict:
+        """``{"logprobs", "target_logits"}`` of ``batch`` on every rank (under pipeline parallelism
+        computed on the last stage and sent to the others); with ``coefficients`` the backward of
+        ``sum(coefficients * logprobs)`` runs too (in megatron's schedule under pipeline parallelism)."""
+        from zero_mismatch_plugin.faces.megatron import pipeline
+        from zero_mismatch_plugin.integrations.megatron.standalone import (
+            pipelined_outputs,
+            token_logprobs_from_logits,
+        )
+
+        model = model or self.model
+        if self.pipelined:
+            out = pipelined_outputs(model, batch, self.multiple, self._min_tokens(batch), coefficients)
+            return pipeline.from_last_stage(out, self.model.config)
+        logits = self.logits(batch, model)
+        values = token_logprobs_from_logits(logits, batch)
+        if coefficients is not None:
+            (values * coefficients).sum().backward()
+        return {"logprobs": values, "target_logits": logits.index_select(0, batch.target_rows.to(logits.device))}
 
     def logprobs(self, batch, model=None) -> torch.Tensor:
-        from zero_mismatch_plugin.integrations.megatron.standalone import token_logprobs_from_logits
-
-        return token_logprobs_from_logits(self.logits(batch, model), batch)
+        return self.outputs(batch, model)["logprobs"]
 
     def step(self, batch, step: TrainStep, coefficients: torch.Tensor) -> dict:
         """Gradients of ``sum(coefficients * logprobs)`` over every data-parallel rank's tokens
@@ -200,8 +231,7 @@ class _RankRun:
         with cpu_stock_megatron():
             ddp = DistributedDataParallel(self.model.config, DistributedDataParallelConfig(), self.model)
             ddp.train()
-            values = self.logprobs(batch, ddp)
-            (values * coefficients).sum().backward()
+            self.outputs(batch, ddp, coefficients)
             # megatron's own reductions: data-parallel grads (scaled by 1 / data-parallel size), and
             # over tensor-parallel ranks the norms that see only this rank's tokens (SP) or heads.
             finalize_model_grads([ddp])
@@ -272,22 +302,24 @@ def token_logprobs(spec: RankModel, batch) -> torch.Tensor:
 @torch.no_grad()
 def target_logits(spec: RankModel, batch) -> torch.Tensor:
     """The logits of the rows that score response tokens (whole vocabulary)."""
-    logits = _built(spec).logits(batch)
-    return logits.index_select(0, batch.target_rows.to(logits.device)).cpu()
+    return _built(spec).outputs(batch)["target_logits"].cpu()
 
 
 @torch.no_grad()
 def expert_choices(spec: RankModel, batch) -> dict[int, torch.Tensor]:
     """Layer index -> the experts the engine's router chose for each token of ``batch`` [T, K], per
     MoE layer (this rank's tokens: at expert parallelism every data-parallel rank is given the batch)."""
+    from zero_mismatch_plugin.faces.megatron import pipeline
+
     run = _built(spec)
-    run.logits(batch)
+    run.outputs(batch)
+    first = pipeline.stage_layers(run.model.config).start
     choices = {}
     for index, layer in enumerate(run.model.decoder.layers):
         ids = getattr(layer.mlp, "last_topk_ids", None)
         if ids is not None:
-            choices[index] = ids[: batch.num_tokens].cpu()
-    return choices
+            choices[first + index] = ids[: batch.num_tokens].cpu()
+    return pipeline.merged_over_stages(choices, run.model.config)
 
 
 # What a rank group's ranks can be asked to run (rank_group.RankGroup.call).

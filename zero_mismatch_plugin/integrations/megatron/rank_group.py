@@ -218,6 +218,9 @@ def serve(address: str, key_path: str, layout: Layout, timeout_s: float) -> int:
             outcome = (True, RANK_CALLS[name](*args))
         except Exception:  # noqa: BLE001 - reported to the parent, the group stays up
             outcome = (False, f"rank {rank}: {traceback.format_exc()}")
+            # Also in the ranks' log: a rank still waiting on this one's send or receive (a pipeline
+            # stage) fails by its timeout before the outcomes meet, and the log is then all there is.
+            print(outcome[1], file=sys.stderr, flush=True)
         outcomes = [None] * dist.get_world_size()
         dist.all_gather_object(outcomes, (outcome[0], None if outcome[0] else outcome[1]))
         errors = [text for ok, text in outcomes if not ok]

