@@ -326,6 +326,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --expert-parallel N > 1: megatron's moe_token_dispatcher_type (default alltoall)",
     )
     check.add_argument(
+        "--pipeline-parallel", type=int, default=1, metavar="N",
+        help="with --trainer megatron: the Megatron face's layers in N pipeline stages on N torchrun ranks "
+             "(megatron's pipeline_model_parallel_size and schedule; default 1)",
+    )
+    check.add_argument(
         "--prefix-caching", choices=("on", "off"), default="on",
         help="engine prefix caching (default on: the prefix-cache check compares a hit with a miss and the "
              "trainer on the hit; off: the engine runs without it and that check is skipped)",

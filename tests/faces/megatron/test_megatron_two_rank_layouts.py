@@ -166,3 +166,22 @@ def test_zmrl_check_at_expert_parallel_2_passes_every_check(checkpoints, tmp_pat
     assert "trainer megatron | expert parallel 2 (allgather)" in table and "checks passed" in table
     assert all(entry["pass"] is True for entry in report.values()), report
     assert report["sampled_token"]["bitwise_equal_fraction"] == 1.0
+
+
+def test_zmrl_check_at_pipeline_parallel_2_passes_every_check(checkpoints, tmp_path, capsys):
+    """``zmrl check --trainer megatron --pipeline-parallel 2`` on the MoE checkpoint: two stages,
+    the expert-selection check reading each stage's routers."""
+    import json
+
+    from zero_mismatch_plugin.tools import cli
+
+    out = tmp_path / "check.json"
+    code = cli.main(["check", "--model", str(checkpoints["qwen3_moe"]), "--trainer", "megatron", "--pipeline-parallel",
+                     "2", "--max-model-len", str(MAX_MODEL_LEN), "--num-prompts", "4", "--quiet", "--json", str(out)])
+    table = capsys.readouterr().out
+    report = json.loads(out.read_text())
+    assert code == 0, table
+    assert "trainer megatron | pipeline parallel 2" in table and "checks passed" in table
+    assert all(entry["pass"] is True for entry in report.values()), report
+    assert report["sampled_token"]["bitwise_equal_fraction"] == 1.0
+    assert "expert_selection" in report

@@ -55,9 +55,13 @@ VERL_TENSOR_PARALLEL_REFUSAL = (
     "tensor_model_parallel_size=1 (the Megatron face itself runs TP > 1: zmrl check --tensor-parallel)"
 )
 
-VERL_EXPERT_PARALLEL_REFUSAL = (
-    "expert_model_parallel_size={ep} in verl's Megatron engine: not yet run inside verl's engine; set "
-    "expert_model_parallel_size=1 (the Megatron face itself runs EP > 1 bitwise on its own ranks)"
+# Layouts the Megatron face runs bitwise on its own ranks (zmrl check --expert-parallel /
+# --pipeline-parallel) that have not run inside verl's engine: megatron's name -> the check's flag.
+VERL_UNRUN_LAYOUTS = {"expert_model_parallel_size": "--expert-parallel",
+                      "pipeline_model_parallel_size": "--pipeline-parallel"}
+VERL_LAYOUT_REFUSAL = (
+    "{name}={size} in verl's Megatron engine: not yet run inside verl's engine; set {name}=1 (the Megatron "
+    "face itself runs it bitwise on its own ranks: zmrl check --trainer megatron {flag} {size})"
 )
 
 
@@ -183,9 +187,10 @@ def inject_aligned_spec(engine, runtime=None) -> None:
     tp = getattr(provider, "tensor_model_parallel_size", 1) or 1
     if tp != 1:
         raise UnsupportedMegatronFeature(VERL_TENSOR_PARALLEL_REFUSAL.format(tp=tp))
-    ep = getattr(provider, "expert_model_parallel_size", 1) or 1
-    if ep != 1:
-        raise UnsupportedMegatronFeature(VERL_EXPERT_PARALLEL_REFUSAL.format(ep=ep))
+    for name, flag in VERL_UNRUN_LAYOUTS.items():
+        size = getattr(provider, name, 1) or 1
+        if size != 1:
+            raise UnsupportedMegatronFeature(VERL_LAYOUT_REFUSAL.format(name=name, size=size, flag=flag))
     backend = getattr(provider, "attention_backend", None)
     if backend is not None and getattr(backend, "name", str(backend)) == "local":
         # Megatron-Bridge then overwrites core_attention with megatron's DotProductAttention.

@@ -125,6 +125,16 @@ def run_settings(args, max_model_len: int, lora: dict) -> eng.EngineSettings:
     if expert_parallel > 1 and tensor_parallel > 1:
         raise inputs.CheckerInputError("--expert-parallel with --tensor-parallel: the Megatron face's MoE layers run at "
                                        "tensor parallelism 1; give one of them")
+    pipeline_parallel = getattr(args, "pipeline_parallel", 1)
+    if pipeline_parallel < 1:
+        raise inputs.CheckerInputError(f"--pipeline-parallel {pipeline_parallel}: give a number of stages, 1 or more")
+    if pipeline_parallel > 1 and args.trainer != "megatron":
+        raise inputs.CheckerInputError(
+            f"--pipeline-parallel runs the Megatron face's layers in stages on several ranks: use --trainer megatron "
+            f"(--trainer {args.trainer} runs in one process)")
+    if pipeline_parallel > 1 and (tensor_parallel > 1 or expert_parallel > 1):
+        raise inputs.CheckerInputError("--pipeline-parallel with --tensor-parallel or --expert-parallel: the checker "
+                                       "runs one layout at a time; give one of them")
     try:
         settings = eng.engine_settings(
             args.model,
@@ -136,6 +146,7 @@ def run_settings(args, max_model_len: int, lora: dict) -> eng.EngineSettings:
             sequence_parallel=sequence_parallel,
             expert_parallel=expert_parallel,
             moe_token_dispatcher=getattr(args, "moe_token_dispatcher", "alltoall"),
+            pipeline_parallel=pipeline_parallel,
             **lora,
         )
     except NotImplementedError as error:
@@ -149,6 +160,13 @@ def run_settings(args, max_model_len: int, lora: dict) -> eng.EngineSettings:
     if expert_parallel > 1 and settings.blocks.moe.num_experts % expert_parallel:
         raise inputs.CheckerInputError(f"--expert-parallel {expert_parallel} does not divide the checkpoint's "
                                        f"{settings.blocks.moe.num_experts} experts")
+    if pipeline_parallel > 1:
+        from transformers import AutoConfig
+
+        layers = AutoConfig.from_pretrained(str(args.model)).num_hidden_layers
+        if layers % pipeline_parallel:
+            raise inputs.CheckerInputError(f"--pipeline-parallel {pipeline_parallel} does not divide the checkpoint's "
+                                           f"{layers} layers (megatron splits them evenly over the stages)")
     if args.trainer == "megatron":
         _refuse_megatron_adapter(settings)
     return settings
@@ -199,6 +217,8 @@ def check_command(args) -> int:
     layout += " + sequence parallel" if settings.sequence_parallel else ""
     if settings.expert_parallel > 1:
         layout += f" | expert parallel {settings.expert_parallel} ({settings.moe_token_dispatcher})"
+    if settings.pipeline_parallel > 1:
+        layout += f" | pipeline parallel {settings.pipeline_parallel}"
     header = (
         f"zmrl check: {args.model}"
         + (f" + LoRA {lora['lora_dir']}" if lora else "")

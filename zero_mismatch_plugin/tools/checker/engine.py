@@ -78,12 +78,15 @@ class EngineSettings:
     # every expert in one process, whose combine the face reproduces.
     expert_parallel: int = 1
     moe_token_dispatcher: str = "alltoall"
+    # The trainer's pipeline parallelism (megatron's stages); the engine runs every layer in its
+    # own process(es), and a stage boundary is a copy.
+    pipeline_parallel: int = 1
 
 
 def engine_settings(
     model_dir, max_model_len: int, seed: int = 0, full_vocab: bool = False, lora_dir=None, prefix_caching: bool = True,
     tensor_parallel: int = 1, sequence_parallel: bool = False, expert_parallel: int = 1,
-    moe_token_dispatcher: str = "alltoall",
+    moe_token_dispatcher: str = "alltoall", pipeline_parallel: int = 1,
 ) -> EngineSettings:
     """The checker's arguments as the engine's configuration, read once: ``vllm.LLM``'s arguments
     (those the aligned trainer mirrors, prefix caching as asked for, enough returned logprobs;
@@ -135,6 +138,7 @@ def engine_settings(
         sequence_parallel=sequence_parallel,
         expert_parallel=expert_parallel,
         moe_token_dispatcher=moe_token_dispatcher,
+        pipeline_parallel=pipeline_parallel,
     )
 
 

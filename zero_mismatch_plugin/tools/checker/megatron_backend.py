@@ -3,7 +3,7 @@
 Answers the checker's three questions (see ``zero_mismatch_plugin.tools.checker.backends``) for a
 packed batch, run as megatron's packed THD input. Intermediates are recorded at the op layer
 (:mod:`.recording`), under the checker's canonical op names; ``qkv_proj`` is reported in vLLM's
-``[q; k; v]`` column order. With ``--tensor-parallel N`` or ``--expert-parallel N`` the model runs on N torchrun ranks
+``[q; k; v]`` column order. With ``--tensor-parallel N``, ``--expert-parallel N`` or ``--pipeline-parallel N`` the model runs on N torchrun ranks
 (:class:`DistributedMegatronBackend`), which answer the logprob questions.
 """
 
@@ -20,7 +20,8 @@ from zero_mismatch_plugin.tools.checker.recording import OpRecorder
 
 def megatron_backend(settings: EngineSettings):
     """The one-process backend, or at the engine's tensor parallelism the ranks' backend."""
-    if settings.tensor_parallel == 1 and not settings.sequence_parallel and settings.expert_parallel == 1:
+    if (settings.tensor_parallel, settings.sequence_parallel, settings.expert_parallel,
+            settings.pipeline_parallel) == (1, False, 1, 1):
         return MegatronBackend(settings)
     return DistributedMegatronBackend(settings)
 
@@ -29,7 +30,9 @@ class DistributedMegatronBackend:
     """The Megatron face on torchrun ranks: ``settings.tensor_parallel`` of them (megatron-core's
     tensor parallelism, sequence parallelism if asked), each rank the engine rank of its index; or
     ``settings.expert_parallel`` (megatron's expert parallelism over as many data-parallel ranks,
-    each scoring the whole batch, its experts' rows sent through megatron's token dispatcher)."""
+    each scoring the whole batch, its experts' rows sent through megatron's token dispatcher); or
+    ``settings.pipeline_parallel`` stages of megatron's pipeline schedule, the last sending the
+    logprobs to the others."""
 
     name = "megatron"
 
@@ -38,11 +41,13 @@ class DistributedMegatronBackend:
         from zero_mismatch_plugin.integrations.megatron.rank_group import RankGroup
 
         if settings.lora_dir is not None:
-            raise NotImplementedError("LoRA adapters in the Megatron face run at --tensor-parallel 1")
+            raise NotImplementedError("LoRA adapters in the Megatron face run in one process (no --tensor-parallel, "
+                                      "--expert-parallel or --pipeline-parallel)")
         self.layout = Layout(settings.tensor_parallel, settings.sequence_parallel,
                              expert_model_parallel_size=settings.expert_parallel,
                              moe_token_dispatcher_type=settings.moe_token_dispatcher,
-                             data_parallel_size=max(1, settings.expert_parallel // settings.tensor_parallel))
+                             data_parallel_size=max(1, settings.expert_parallel // settings.tensor_parallel),
+                             pipeline_model_parallel_size=settings.pipeline_parallel)
         self.spec = RankModel.of(settings.model_dir, settings.trainer_args, self.layout)
         self.group = RankGroup(self.layout)
         self.group.call("token_logprobs", self.spec, _empty_batch())  # build the model on every rank now

@@ -148,10 +148,11 @@ def _engine_gaps(cfg: DictConfig) -> list[str]:
         gaps.append(f"tensor_model_parallel_size {tp} in verl's Megatron engine (the Megatron face runs it bitwise "
                     "on its own ranks, `zmrl check --tensor-parallel`; verl's vocabulary-parallel logprob and "
                     "entropy kernels do not take its gathered logits yet)")
-    ep = read(cfg, f"{MEGATRON}.expert_model_parallel_size")
-    if ep not in (None, 1):
-        gaps.append(f"expert_model_parallel_size {ep} in verl's Megatron engine (the Megatron face runs it bitwise on "
-                    "its own ranks; inside verl's engine it is not run yet)")
+    for name in ("expert_model_parallel_size", "pipeline_model_parallel_size"):
+        size = read(cfg, f"{MEGATRON}.{name}")
+        if size not in (None, 1):
+            gaps.append(f"{name} {size} in verl's Megatron engine (the Megatron face runs it bitwise on its own "
+                        "ranks; inside verl's engine it is not run yet)")
     etp = read(cfg, f"{MEGATRON}.expert_tensor_parallel_size")
     if etp not in (None, 1):
         gaps.append(f"expert_tensor_parallel_size {etp} in the trainer (the aligned MoE layer keeps each expert whole)")
