@@ -75,43 +75,48 @@ class BackendPagedAttention:
     def backend_name(self) -> str:
         return self.backend.get_name()
 
-    def metadata(self, seq_lens: list[int]):
+    def metadata(self, seq_lens: list[int], queries: list[tuple[int, int, int]] | None = None):
+        """The backend's metadata for packed sequences of ``seq_lens``, whose keys and values are
+        written to the cache whole. ``queries``: the requests, each ``(sequence, first row, end
+        row)``: its queries are those rows and its context the sequence up to ``end``, as in a
+        chunked prefill (context parallelism's chunks); default, every sequence whole."""
         from vllm.v1.attention.backend import CommonAttentionMetadata
 
         device = self.runtime.device
         bs = self.block_size
         blocks = [(n + bs - 1) // bs for n in seq_lens]
-        block_table = torch.zeros(len(seq_lens), max(blocks), dtype=torch.int32)
+        first_block = [sum(blocks[:i]) for i in range(len(seq_lens))]
         slots = []
-        next_block = 0
-        for i, (n, b) in enumerate(zip(seq_lens, blocks)):
-            ids = torch.arange(next_block, next_block + b, dtype=torch.int32)
-            block_table[i, :b] = ids
+        for n, start in zip(seq_lens, first_block):
             pos = torch.arange(n, dtype=torch.int64)
-            slots.append(ids[pos // bs].to(torch.int64) * bs + pos % bs)
-            next_block += b
-        seq_lens_cpu = torch.tensor(seq_lens, dtype=torch.int32)
-        qsl_cpu = torch.zeros(len(seq_lens) + 1, dtype=torch.int32)
-        qsl_cpu[1:] = torch.cumsum(seq_lens_cpu, 0)
+            slots.append((start + pos // bs) * bs + pos % bs)
+        requests = queries if queries is not None else [(i, 0, n) for i, n in enumerate(seq_lens)]
+        block_table = torch.zeros(len(requests), max(blocks), dtype=torch.int32)
+        for row, (i, _, _) in enumerate(requests):
+            block_table[row, : blocks[i]] = torch.arange(first_block[i], first_block[i] + blocks[i], dtype=torch.int32)
+        contexts = torch.tensor([end for _, _, end in requests], dtype=torch.int32)
+        query_lens = torch.tensor([end - first for _, first, end in requests], dtype=torch.int32)
+        qsl_cpu = torch.zeros(len(requests) + 1, dtype=torch.int32)
+        qsl_cpu[1:] = torch.cumsum(query_lens, 0)
         slot_mapping = torch.cat(slots).to(device)
         common = CommonAttentionMetadata(
             query_start_loc=qsl_cpu.to(device),
             query_start_loc_cpu=qsl_cpu,
-            seq_lens=seq_lens_cpu.to(device),
-            num_reqs=len(seq_lens),
+            seq_lens=contexts.to(device),
+            num_reqs=len(requests),
             num_actual_tokens=int(qsl_cpu[-1]),
-            max_query_len=max(seq_lens),
-            max_seq_len=max(seq_lens),
+            max_query_len=int(query_lens.max()),
+            max_seq_len=int(contexts.max()),
             block_table_tensor=block_table.to(device),
             slot_mapping=slot_mapping,
             causal=True,
         )
         with self.runtime.context():
             meta = self.builder.build(common_prefix_len=0, common_attn_metadata=common)
-        return SimpleNamespace(meta=meta, num_blocks=next_block, slot_mapping=slot_mapping)
+        return SimpleNamespace(meta=meta, num_blocks=sum(blocks), slot_mapping=slot_mapping)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan) -> torch.Tensor:
-        """q: [T, H*D], k/v: [T, KVH*D] packed -> [T, H*D]."""
+        """q: [Q, H*D] (the plan's query rows), k/v: [T, KVH*D] (the packed sequences whole) -> [Q, H*D]."""
         h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
         kv_cache = _scratch_cache(
             self.backend, plan.num_blocks, kvh, self.block_size, d, q.dtype, q.device

@@ -35,9 +35,12 @@ FAMILIES = ("qwen3_moe", "glm4_moe")
 LAYOUTS = [Layout(expert_model_parallel_size=2, data_parallel_size=2, moe_token_dispatcher_type=d) for d in DISPATCHERS]
 DENSE, DENSE_LAYOUT = "llama", Layout(data_parallel_size=2)
 PIPELINE, PIPELINE_FAMILIES = Layout(pipeline_model_parallel_size=2), ("llama", "qwen3", *FAMILIES)
+# mistral_window: every layer a 12-token window, which reaches back across the chunks of the split.
+CONTEXT, CONTEXT_FAMILIES = Layout(context_parallel_size=2), ("llama", "qwen3", "qwen3_moe", "mistral_window")
 RUNS = ([(f, layout) for f in FAMILIES for layout in LAYOUTS] + [(DENSE, DENSE_LAYOUT)]
-        + [(f, PIPELINE) for f in PIPELINE_FAMILIES])
-STEPPED = [("qwen3_moe", LAYOUTS[0].name), (DENSE, DENSE_LAYOUT.name), ("llama", PIPELINE.name), ("qwen3", PIPELINE.name)]
+        + [(f, PIPELINE) for f in PIPELINE_FAMILIES] + [(f, CONTEXT) for f in CONTEXT_FAMILIES])
+STEPPED = [("qwen3_moe", LAYOUTS[0].name), (DENSE, DENSE_LAYOUT.name), ("llama", PIPELINE.name), ("qwen3", PIPELINE.name),
+           ("llama", CONTEXT.name), ("mistral_window", CONTEXT.name)]
 STEP = TrainStep(coefficient_seed=1, lr=1e-3)
 ENGINE_KWARGS = dict(max_model_len=MAX_MODEL_LEN, seed=0)  # the session engines' arguments (conftest)
 GRAD_REL_TOL = 1e-5  # fp32 rounding behind the data-parallel sum and the dispatch's gradient sums
@@ -47,7 +50,7 @@ GRAD_REL_TOL = 1e-5  # fp32 rounding behind the data-parallel sum and the dispat
 def ep_rollouts(engines, checkpoints):
     """{family: (prompts, responses, μ)} sampled by the session's one-process engines."""
     return {f: rollout(engines.fresh(f), prompts_for(checkpoints[f], corpus_seed=13), seed=5)
-            for f in (*FAMILIES, DENSE, "qwen3")}
+            for f in (*FAMILIES, DENSE, "qwen3", "mistral_window")}
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +69,7 @@ def ep_results(checkpoints, ep_rollouts):
 
 
 @pytest.mark.parametrize("family, layout", [(f, layout.name) for f, layout in RUNS])
-def test_megatron_face_at_ep2_dp2_and_pp2_is_bitwise_equal_to_the_one_process_engine(ep_rollouts, ep_results, family, layout):
+def test_megatron_face_at_each_layout_is_bitwise_equal_to_the_one_process_engine(ep_rollouts, ep_results, family, layout):
     _, _, mu = ep_rollouts[family]
     values = torch.cat(ep_results[family][layout]["logprobs"])
     assert values.shape == mu.shape
@@ -78,11 +81,11 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("family, layout", STEPPED)
-def test_gradients_at_ep2_dp2_and_pp2_agree_with_the_one_process_face(checkpoints, ep_rollouts, ep_results, family,
-                                                                     layout):
-    """The step's gradients, reduced by megatron's DDP over the two data-parallel ranks (and scaled
-    back from its 1 / data-parallel size), every expert's gathered from its rank, every layer's from
-    its pipeline stage (a tied embedding's two uses summed over the stages by finalize_model_grads)."""
+def test_gradients_at_each_layout_agree_with_the_one_process_face(checkpoints, ep_rollouts, ep_results, family, layout):
+    """The step's gradients, reduced by megatron's DDP over the two data-parallel ranks (or the two
+    context-parallel ranks, each holding its rows' share; scaled back from DDP's average), every
+    expert's gathered from its rank, every layer's from its pipeline stage (a tied embedding's two
+    uses summed over the stages by finalize_model_grads)."""
     from zero_mismatch_plugin.aligned.packing import pack
     from zero_mismatch_plugin.aligned.runtime import VllmRuntime
     from zero_mismatch_plugin.faces.megatron import convert

@@ -16,7 +16,7 @@ from zero_mismatch_plugin.aligned import ops
 from zero_mismatch_plugin.aligned.derived import OpCache, shared_ops
 from zero_mismatch_plugin.aligned.runtime import VllmRuntime
 from zero_mismatch_plugin.aligned.sampling import vllm_label_logprobs
-from zero_mismatch_plugin.faces.megatron import parallel
+from zero_mismatch_plugin.faces.megatron import context_parallel, parallel
 from zero_mismatch_plugin.faces.megatron.convert import vllm_window
 from zero_mismatch_plugin.tables.architectures import describe
 
@@ -265,7 +265,7 @@ def _batch_plan(attention: ops.AlignedAttention, packed_seq_params, seq_lens: li
     return plans[key][1]
 
 
-def _token_major(query, key, value, attention_mask, packed_seq_params):
+def _token_major(query, key, value, attention_mask, packed_seq_params, cp_group=None):
     """q, k, v as vLLM's ``[T, heads * D]`` (sequence after sequence), their lengths, and the
     megatron layout to return to (``None``: packed ``thd``; ``(s, b)``: ``sbhd``).
 
@@ -275,14 +275,18 @@ def _token_major(query, key, value, attention_mask, packed_seq_params):
     if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
         seq_lens = _packed_seq_lens(packed_seq_params)
         tokens = query.shape[0]
-        if sum(seq_lens) != tokens:
-            raise ValueError(f"cu_seqlens cover {sum(seq_lens)} tokens, query has {tokens}")
+        # Under context parallelism cu_seqlens are the whole sequences', the rows this rank's share.
+        if sum(seq_lens) != tokens * parallel.group_size(cp_group):
+            raise ValueError(f"cu_seqlens cover {sum(seq_lens)} tokens, query has {tokens} "
+                             f"(context parallelism {parallel.group_size(cp_group)})")
         flat = [None if t is None else t.reshape(tokens, -1) for t in (query, key, value)]
         return (*flat, seq_lens, None)
     if packed_seq_params is not None:
         raise NotImplementedError(
             f"aligned megatron spec: packed qkv_format={packed_seq_params.qkv_format!r}"
         )
+    if cp_group is not None:
+        raise NotImplementedError("aligned megatron spec: context parallelism takes packed THD input")
     if attention_mask is not None:
         raise NotImplementedError(
             "aligned megatron spec: explicit attention masks (padded bshd batches); "
@@ -301,7 +305,11 @@ def _megatron_layout(x2d: torch.Tensor, layout, like: torch.Tensor) -> torch.Ten
     return x2d.view(b, s, *like.shape[2:]).transpose(0, 1)
 
 
-def _positions(seq_lens: list[int], device) -> torch.Tensor:
+def _positions(seq_lens: list[int], device, cp_group=None) -> torch.Tensor:
+    """Each row's position in its sequence (this rank's rows under context parallelism)."""
+    if cp_group is not None:
+        split = context_parallel.Split(tuple(seq_lens), cp_group.size())
+        return split.positions(torch.distributed.get_rank(cp_group)).to(device)
     return torch.cat([torch.arange(n, device=device) for n in seq_lens])
 
 
@@ -343,15 +351,14 @@ class AlignedRotaryApplication(nn.Module):
 
     def __init__(self, config, *, runtime: VllmRuntime, **_):
         super().__init__()
-        if getattr(config, "context_parallel_size", 1) != 1:
-            raise NotImplementedError("aligned megatron spec: context parallelism (CP > 1)")
+        self.cp_group = context_parallel.context_parallel_group(config)
         self.rotary = _shared_rotary(runtime, config.kv_channels)
 
     def forward(self, query, key, rotary_pos_emb=None, packed_seq_params=None, inference_context=None):
         if inference_context is not None:
             raise NotImplementedError("aligned megatron spec: megatron's inference (KV-cache) path")
-        q, k, _, seq_lens, layout = _token_major(query, key, None, None, packed_seq_params)
-        q, k = self.rotary(_positions(seq_lens, query.device), q, k)
+        q, k, _, seq_lens, layout = _token_major(query, key, None, None, packed_seq_params, self.cp_group)
+        q, k = self.rotary(_positions(seq_lens, query.device, self.cp_group), q, k)
         return _megatron_layout(q, layout, query), _megatron_layout(k, layout, key)
 
 
@@ -385,8 +392,8 @@ class AlignedCoreAttention(nn.Module):
         super().__init__()
         if attention_type != "self":
             raise NotImplementedError("aligned megatron spec: cross attention")
-        if getattr(config, "context_parallel_size", 1) != 1:
-            raise NotImplementedError("aligned megatron spec: context parallelism (CP > 1)")
+        # Context parallelism: this rank's query rows, every rank's keys and values (context_parallel.py).
+        self.cp_group = context_parallel.context_parallel_group(config)
         dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         if dropout:
             raise NotImplementedError("aligned megatron spec: attention dropout (vLLM has none)")
@@ -438,11 +445,16 @@ class AlignedCoreAttention(nn.Module):
             )
         if attention_bias is not None:
             raise NotImplementedError("aligned megatron spec: attention bias")
-        q, k, v, seq_lens, layout = _token_major(query, key, value, attention_mask, packed_seq_params)
+        q, k, v, seq_lens, layout = _token_major(query, key, value, attention_mask, packed_seq_params, self.cp_group)
         if self.rotates_qk:
-            q, k = self.rotary(_positions(seq_lens, query.device), q, k)
-        plan = _batch_plan(self.attention, packed_seq_params, seq_lens)
-        out = self.attention(q, k, v.contiguous(), plan, seq_lens)
+            q, k = self.rotary(_positions(seq_lens, query.device, self.cp_group), q, k)
+        if self.cp_group is not None:
+            split = context_parallel.Split(tuple(seq_lens), self.cp_group.size())
+            out = context_parallel.ContextParallelAttention.apply(q, k, v.contiguous(), self.attention, split,
+                                                                  self.cp_group)
+        else:
+            plan = _batch_plan(self.attention, packed_seq_params, seq_lens)
+            out = self.attention(q, k, v.contiguous(), plan, seq_lens)
         if layout is None:
             return out
         s, b = layout

@@ -52,8 +52,10 @@ def unsupported_features(config) -> list[str]:
         problems.append("tensor parallelism > 1 with expert parallelism > 1")
     if get("virtual_pipeline_model_parallel_size"):
         problems.append("virtual pipeline stages (virtual_pipeline_model_parallel_size)")
-    if get("context_parallel_size", 1) != 1:
-        problems.append("context parallelism > 1")
+    cp = get("context_parallel_size", 1) or 1
+    if cp != 1 and (tp != 1 or (get("expert_model_parallel_size", 1) or 1) != 1
+                    or (get("pipeline_model_parallel_size", 1) or 1) != 1):
+        problems.append("context parallelism > 1 together with tensor, expert or pipeline parallelism")
     if get("mtp_num_layers"):
         problems.append("multi-token prediction layers")
     if get("normalization", "RMSNorm") != "RMSNorm":

@@ -25,7 +25,7 @@ DISPATCHERS = ("alltoall", "allgather")
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """A megatron-core parallel layout (megatron's names). The world is ``tensor_model_parallel_size
-    * pipeline_model_parallel_size * data_parallel_size`` ranks; the expert-parallel ranks are drawn
+    * pipeline_model_parallel_size * context_parallel_size * data_parallel_size`` ranks; the expert-parallel ranks are drawn
     from them as megatron draws them (expert tensor parallelism 1), so ``expert_model_parallel_size``
     must divide the world."""
 
@@ -35,6 +35,7 @@ class Layout:
     moe_token_dispatcher_type: str = "alltoall"
     data_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
+    context_parallel_size: int = 1
 
     def __post_init__(self):
         if self.moe_token_dispatcher_type not in DISPATCHERS:
@@ -45,7 +46,8 @@ class Layout:
 
     @property
     def world_size(self) -> int:
-        return self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.data_parallel_size
+        return (self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.context_parallel_size
+                * self.data_parallel_size)
 
     @property
     def name(self) -> str:
@@ -54,6 +56,8 @@ class Layout:
             name += f"-ep{self.expert_model_parallel_size}-{self.moe_token_dispatcher_type}"
         if self.pipeline_model_parallel_size > 1:
             name += f"-pp{self.pipeline_model_parallel_size}"
+        if self.context_parallel_size > 1:
+            name += f"-cp{self.context_parallel_size}"
         if self.data_parallel_size > 1:
             name += f"-dp{self.data_parallel_size}"
         return name
@@ -67,7 +71,8 @@ class Layout:
     def config_overrides(self) -> dict:
         overrides = {"tensor_model_parallel_size": self.tensor_model_parallel_size,
                      "sequence_parallel": self.sequence_parallel,
-                     "pipeline_model_parallel_size": self.pipeline_model_parallel_size}
+                     "pipeline_model_parallel_size": self.pipeline_model_parallel_size,
+                     "context_parallel_size": self.context_parallel_size}
         if self.expert_model_parallel_size > 1:
             overrides.update(expert_model_parallel_size=self.expert_model_parallel_size,
                              moe_token_dispatcher_type=self.moe_token_dispatcher_type)
@@ -93,16 +98,18 @@ def use_layout(layout: Layout) -> None:
     world set it: one rank group serves every layout of its size)."""
     from megatron.core import parallel_state
 
-    wanted = (layout.tensor_model_parallel_size, layout.expert_model_parallel_size, layout.pipeline_model_parallel_size)
+    wanted = (layout.tensor_model_parallel_size, layout.expert_model_parallel_size, layout.pipeline_model_parallel_size,
+              layout.context_parallel_size)
     if parallel_state.model_parallel_is_initialized():
         current = (parallel_state.get_tensor_model_parallel_world_size(),
                    parallel_state.get_expert_model_parallel_world_size(),
-                   parallel_state.get_pipeline_model_parallel_world_size())
+                   parallel_state.get_pipeline_model_parallel_world_size(),
+                   parallel_state.get_context_parallel_world_size())
         if current == wanted:
             return
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=wanted[0], expert_model_parallel_size=wanted[1],
-                                             pipeline_model_parallel_size=wanted[2])
+                                             pipeline_model_parallel_size=wanted[2], context_parallel_size=wanted[3])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -235,7 +242,9 @@ class _RankRun:
             # megatron's own reductions: data-parallel grads (scaled by 1 / data-parallel size), and
             # over tensor-parallel ranks the norms that see only this rank's tokens (SP) or heads.
             finalize_model_grads([ddp])
-        ranks = parallel_state.get_data_parallel_world_size()
+        # DDP averages over the data- and context-parallel ranks; each context-parallel rank's
+        # gradients are its own rows' share of the sum.
+        ranks = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
         grads = convert.full_tensors(self.model, {n: p.main_grad * ranks for n, p in self.model.named_parameters()})
         with torch.no_grad():
             for p in self.model.parameters():

@@ -18,7 +18,7 @@ import torch
 from zero_mismatch_plugin.aligned.packing import PackedBatch, pack
 from zero_mismatch_plugin.aligned.runtime import VllmRuntime
 from zero_mismatch_plugin.aligned.sampling import SamplingTransform, recorded_logprobs
-from zero_mismatch_plugin.faces.megatron import convert, pipeline
+from zero_mismatch_plugin.faces.megatron import context_parallel, convert, pipeline
 from zero_mismatch_plugin.faces.megatron.parallel import cpu_megatron_collectives
 from zero_mismatch_plugin.faces.megatron.spec import aligned_gpt_spec, apply_post_construction_swaps
 
@@ -149,12 +149,40 @@ def packed_inputs(model, batch: PackedBatch, tokens_multiple_of: int = 1, min_to
 
 
 def packed_logits(model, batch: PackedBatch, tokens_multiple_of: int = 1, min_tokens: int = 0) -> torch.Tensor:
-    """Logits [T, V] of a packed (THD) batch through an aligned GPTModel (:func:`packed_inputs`)."""
+    """Logits [T, V] of a packed (THD) batch through an aligned GPTModel (:func:`packed_inputs`;
+    under context parallelism :func:`context_parallel_logits`)."""
+    config = model.config if hasattr(model, "config") else model.module.config
+    group = context_parallel.context_parallel_group(config)
+    if group is not None:
+        return context_parallel_logits(model, batch, group)
     inputs = packed_inputs(model, batch, tokens_multiple_of, min_tokens)
     # A spec-hooked model keeps megatron's rope type, whose frequencies GPTModel still computes.
     with cpu_stock_megatron():
         logits = model(**inputs)
     return logits[0][: len(batch.input_ids)]
+
+
+def context_parallel_logits(model, batch: PackedBatch, group) -> torch.Tensor:
+    """Logits [T, V] of a packed batch at context parallelism: each sequence padded at its end to
+    megatron's chunk multiple, this rank's chunks through the model (``PackedSeqParams`` of the
+    whole padded sequences), every rank's rows of the logits gathered back (each rank
+    back-propagates through its own rows) and the padding dropped."""
+    size, rank = group.size(), torch.distributed.get_rank(group)
+    device = next(model.parameters()).device
+    lens = [context_parallel.padded_length(n, size) for n in batch.seq_lens]
+    ids, real, start = [], [], 0
+    for sequence, n, padded in zip(batch.input_ids.split(list(batch.seq_lens)), batch.seq_lens, lens):
+        ids.append(torch.cat([sequence, sequence.new_zeros(padded - n)]))
+        real.append(torch.arange(start, start + n))
+        start += padded
+    split = context_parallel.Split(tuple(lens), size)
+    rows = split.rows(rank)
+    with cpu_stock_megatron():
+        local = model(input_ids=torch.cat(ids)[rows].to(device).unsqueeze(0),
+                      position_ids=split.positions(rank).to(device).unsqueeze(0), attention_mask=None,
+                      packed_seq_params=packed_seq_params(lens, device))[0]
+    whole = context_parallel.GatherRows.apply(local, split, group)
+    return whole.index_select(0, torch.cat(real).to(device))
 
 
 def pipelined_outputs(model, batch: PackedBatch, tokens_multiple_of: int = 1, min_tokens: int = 0,
