@@ -331,6 +331,11 @@ def build_parser() -> argparse.ArgumentParser:
              "(megatron's pipeline_model_parallel_size and schedule; default 1)",
     )
     check.add_argument(
+        "--context-parallel", type=int, default=1, metavar="N",
+        help="with --trainer megatron: each sequence's rows split over N torchrun ranks, keys and values "
+             "gathered (megatron's context_parallel_size; default 1)",
+    )
+    check.add_argument(
         "--prefix-caching", choices=("on", "off"), default="on",
         help="engine prefix caching (default on: the prefix-cache check compares a hit with a miss and the "
              "trainer on the hit; off: the engine runs without it and that check is skipped)",

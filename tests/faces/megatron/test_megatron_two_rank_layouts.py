@@ -29,6 +29,7 @@ import pytest
 import torch
 
 from support.vllm_session import MAX_MODEL_LEN, hf_token_logprobs, prompts_for, rollout
+from zero_mismatch_plugin.faces.megatron import context_parallel
 from zero_mismatch_plugin.integrations.megatron.distributed import DISPATCHERS, Layout, TrainStep
 
 FAMILIES = ("qwen3_moe", "glm4_moe")
@@ -137,6 +138,18 @@ def test_after_a_step_and_one_sync_the_engine_is_bitwise_again(engines, ep_rollo
     assert torch.equal(engine_after, after), f"{int((engine_after != after).sum())} of {after.numel()} tokens differ"
 
 
+def test_the_context_parallel_split_cuts_through_prompts_and_windows(ep_rollouts):
+    """The context-parallel runs above mean something: prompts longer than a rank's chunk (a
+    prompt's rows on both ranks), and sequences longer than the windowed model's 12-token window,
+    whose windows then reach from a chunk's first rows into the chunk before, held by the other rank."""
+    prompts, responses, _ = ep_rollouts["mistral_window"]
+    lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
+    widths = [context_parallel.padded_length(n, 2) // 4 for n in lengths]
+    print(f"prompt lengths {[len(p) for p in prompts]}, chunk widths {widths}")
+    assert any(len(p) > width for p, width in zip(prompts, widths))
+    assert all(n > 12 for n in lengths)
+
+
 def test_negative_control_transformers_forward_is_close_to_mu_and_not_the_pipelines_bits(checkpoints, ep_rollouts,
                                                                                      ep_results):
     """The same tokens through transformers' forward of the same checkpoint (the stock trainer
@@ -185,6 +198,25 @@ def test_zmrl_check_at_pipeline_parallel_2_passes_every_check(checkpoints, tmp_p
     report = json.loads(out.read_text())
     assert code == 0, table
     assert "trainer megatron | pipeline parallel 2" in table and "checks passed" in table
+    assert all(entry["pass"] is True for entry in report.values()), report
+    assert report["sampled_token"]["bitwise_equal_fraction"] == 1.0
+    assert "expert_selection" in report
+
+
+def test_zmrl_check_at_context_parallel_2_passes_every_check(checkpoints, tmp_path, capsys):
+    """``zmrl check --trainer megatron --context-parallel 2`` on the MoE checkpoint: each rank its
+    chunks of every sequence, the expert-selection check reading every rank's rows."""
+    import json
+
+    from zero_mismatch_plugin.tools import cli
+
+    out = tmp_path / "check.json"
+    code = cli.main(["check", "--model", str(checkpoints["qwen3_moe"]), "--trainer", "megatron", "--context-parallel",
+                     "2", "--max-model-len", str(MAX_MODEL_LEN), "--num-prompts", "4", "--quiet", "--json", str(out)])
+    table = capsys.readouterr().out
+    report = json.loads(out.read_text())
+    assert code == 0, table
+    assert "trainer megatron | context parallel 2" in table and "checks passed" in table
     assert all(entry["pass"] is True for entry in report.values()), report
     assert report["sampled_token"]["bitwise_equal_fraction"] == 1.0
     assert "expert_selection" in report

@@ -1,5 +1,6 @@
 """The rank-side logic of the distributed Megatron face that needs no ranks: layouts, data-parallel
-shares, expert renumbering, and megatron-core's CPU patches for its all-to-all token dispatcher."""
+shares, expert renumbering, pipeline stages' checkpoint names, the context-parallel split, and
+megatron-core's CPU patches for its all-to-all token dispatcher."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from zero_mismatch_plugin.faces.megatron import parallel
+from zero_mismatch_plugin.faces.megatron import context_parallel, parallel, pipeline
 from zero_mismatch_plugin.integrations import patches as runtime_patches
 from zero_mismatch_plugin.integrations.megatron import cpu_patches
 from zero_mismatch_plugin.integrations.megatron.distributed import Layout, data_parallel_share, share_tokens
@@ -25,6 +26,42 @@ def test_layouts_name_their_sizes_and_refuse_what_megatron_cannot_build():
         Layout(expert_model_parallel_size=2)
     with pytest.raises(ValueError, match="moe_token_dispatcher_type='flex'"):
         Layout(expert_model_parallel_size=2, data_parallel_size=2, moe_token_dispatcher_type="flex")
+
+
+def test_layouts_count_pipeline_and_context_ranks():
+    assert Layout(pipeline_model_parallel_size=2).name == "tp1-pp2"
+    assert Layout(context_parallel_size=2).name == "tp1-cp2"
+    assert Layout(2, pipeline_model_parallel_size=2, context_parallel_size=2).world_size == 8
+    overrides = Layout(context_parallel_size=2).config_overrides()
+    assert overrides["context_parallel_size"] == 2 and overrides["pipeline_model_parallel_size"] == 1
+
+
+def test_the_context_parallel_split_is_megatrons_load_balanced_chunks():
+    split = context_parallel.Split((8, 4), 2)  # chunks of 2 and 1 rows
+    # rank 0: chunks 0 and 3 of each sequence; rank 1: chunks 1 and 2.
+    assert split.chunks(0) == [(0, 0, 2), (0, 6, 8), (1, 0, 1), (1, 3, 4)]
+    assert split.chunks(1) == [(0, 2, 4), (0, 4, 6), (1, 1, 2), (1, 2, 3)]
+    assert split.rows(0).tolist() == [0, 1, 6, 7, 8, 11] and split.rows(1).tolist() == [2, 3, 4, 5, 9, 10]
+    assert split.positions(1).tolist() == [2, 3, 4, 5, 1, 2]
+    whole = torch.arange(12.0)[:, None] * torch.ones(1, 3)
+    assert torch.equal(split.whole([whole[split.rows(r)] for r in range(2)]), whole)
+    assert context_parallel.padded_length(13, 2) == 16 and context_parallel.padded_length(16, 2) == 16
+    with pytest.raises(ValueError, match="not multiples of 4"):
+        context_parallel.Split((6,), 2)
+
+
+def test_a_pipeline_stage_holds_its_layers_renumbered_and_its_ends(monkeypatch):
+    config = SimpleNamespace(pipeline_model_parallel_size=2, num_layers=4)
+    full = {f"decoder.layers.{i}.mlp.linear_fc2.weight": torch.full((1,), float(i)) for i in range(4)}
+    full.update({"embedding.word_embeddings.weight": torch.zeros(1), "decoder.final_layernorm.weight": torch.ones(1)})
+    monkeypatch.setattr(pipeline, "stage_layers", lambda config: range(2, 4))
+    monkeypatch.setattr(pipeline, "stage_ends", lambda config: {"pre_process": False, "post_process": True})
+    last = pipeline.to_stage(full, config, tied_head=True)
+    assert sorted(last) == ["decoder.final_layernorm.weight", "decoder.layers.0.mlp.linear_fc2.weight",
+                            "decoder.layers.1.mlp.linear_fc2.weight", "output_layer.weight"]
+    assert last["decoder.layers.0.mlp.linear_fc2.weight"].item() == 2.0  # global layer 2
+    assert last["output_layer.weight"] is full["embedding.word_embeddings.weight"]  # the tied head's copy
+    assert "output_layer.weight" not in pipeline.to_stage(full, config, tied_head=False)
 
 
 def test_data_parallel_shares_cover_every_sequence_once_in_order():

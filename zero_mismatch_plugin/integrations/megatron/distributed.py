@@ -320,15 +320,24 @@ def expert_choices(spec: RankModel, batch) -> dict[int, torch.Tensor]:
     MoE layer (this rank's tokens: at expert parallelism every data-parallel rank is given the batch)."""
     from zero_mismatch_plugin.faces.megatron import pipeline
 
+    from zero_mismatch_plugin.faces.megatron import context_parallel
+    from zero_mismatch_plugin.integrations.megatron.standalone import context_parallel_rows
+
     run = _built(spec)
     run.outputs(batch)
-    first = pipeline.stage_layers(run.model.config).start
+    config = run.model.config
+    first = pipeline.stage_layers(config).start
+    cp_group = context_parallel.context_parallel_group(config)
     choices = {}
     for index, layer in enumerate(run.model.decoder.layers):
         ids = getattr(layer.mlp, "last_topk_ids", None)
-        if ids is not None:
-            choices[first + index] = ids[: batch.num_tokens].cpu()
-    return pipeline.merged_over_stages(choices, run.model.config)
+        if ids is None:
+            continue
+        if cp_group is not None:  # this rank's rows: every rank's, back in the batch's order
+            split, real = context_parallel_rows(batch, cp_group.size())
+            ids = context_parallel.gather_whole(ids[: sum(split.seq_lens) // cp_group.size()], split, cp_group)[real]
+        choices[first + index] = ids[: batch.num_tokens].cpu()
+    return pipeline.merged_over_stages(choices, config)
 
 
 # What a rank group's ranks can be asked to run (rank_group.RankGroup.call).

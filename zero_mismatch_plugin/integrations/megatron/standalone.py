@@ -169,20 +169,26 @@ def context_parallel_logits(model, batch: PackedBatch, group) -> torch.Tensor:
     back-propagates through its own rows) and the padding dropped."""
     size, rank = group.size(), torch.distributed.get_rank(group)
     device = next(model.parameters()).device
-    lens = [context_parallel.padded_length(n, size) for n in batch.seq_lens]
-    ids, real, start = [], [], 0
-    for sequence, n, padded in zip(batch.input_ids.split(list(batch.seq_lens)), batch.seq_lens, lens):
+    split, real = context_parallel_rows(batch, size)
+    ids = []
+    for sequence, n, padded in zip(batch.input_ids.split(list(batch.seq_lens)), batch.seq_lens, split.seq_lens):
         ids.append(torch.cat([sequence, sequence.new_zeros(padded - n)]))
-        real.append(torch.arange(start, start + n))
-        start += padded
-    split = context_parallel.Split(tuple(lens), size)
     rows = split.rows(rank)
     with cpu_stock_megatron():
         local = model(input_ids=torch.cat(ids)[rows].to(device).unsqueeze(0),
                       position_ids=split.positions(rank).to(device).unsqueeze(0), attention_mask=None,
-                      packed_seq_params=packed_seq_params(lens, device))[0]
+                      packed_seq_params=packed_seq_params(list(split.seq_lens), device))[0]
     whole = context_parallel.GatherRows.apply(local, split, group)
-    return whole.index_select(0, torch.cat(real).to(device))
+    return whole.index_select(0, real.to(device))
+
+
+def context_parallel_rows(batch: PackedBatch, size: int) -> tuple:
+    """``(split, real)``: the context-parallel split of ``batch``'s sequences, each padded at its
+    end, and where the batch's own rows lie in the padded whole."""
+    lens = [context_parallel.padded_length(n, size) for n in batch.seq_lens]
+    starts = [sum(lens[:i]) for i in range(len(lens))]
+    real = torch.cat([torch.arange(start, start + n) for start, n in zip(starts, batch.seq_lens)])
+    return context_parallel.Split(tuple(lens), size), real
 
 
 def pipelined_outputs(model, batch: PackedBatch, tokens_multiple_of: int = 1, min_tokens: int = 0,

@@ -56,9 +56,11 @@ VERL_TENSOR_PARALLEL_REFUSAL = (
 )
 
 # Layouts the Megatron face runs bitwise on its own ranks (zmrl check --expert-parallel /
-# --pipeline-parallel) that have not run inside verl's engine: megatron's name -> the check's flag.
+# --pipeline-parallel / --context-parallel) that have not run inside verl's engine: megatron's
+# name -> the check's flag.
 VERL_UNRUN_LAYOUTS = {"expert_model_parallel_size": "--expert-parallel",
-                      "pipeline_model_parallel_size": "--pipeline-parallel"}
+                      "pipeline_model_parallel_size": "--pipeline-parallel",
+                      "context_parallel_size": "--context-parallel"}
 VERL_LAYOUT_REFUSAL = (
     "{name}={size} in verl's Megatron engine: not yet run inside verl's engine; set {name}=1 (the Megatron "
     "face itself runs it bitwise on its own ranks: zmrl check --trainer megatron {flag} {size})"

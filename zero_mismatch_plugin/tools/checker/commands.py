@@ -126,15 +126,17 @@ def run_settings(args, max_model_len: int, lora: dict) -> eng.EngineSettings:
         raise inputs.CheckerInputError("--expert-parallel with --tensor-parallel: the Megatron face's MoE layers run at "
                                        "tensor parallelism 1; give one of them")
     pipeline_parallel = getattr(args, "pipeline_parallel", 1)
-    if pipeline_parallel < 1:
-        raise inputs.CheckerInputError(f"--pipeline-parallel {pipeline_parallel}: give a number of stages, 1 or more")
-    if pipeline_parallel > 1 and args.trainer != "megatron":
-        raise inputs.CheckerInputError(
-            f"--pipeline-parallel runs the Megatron face's layers in stages on several ranks: use --trainer megatron "
-            f"(--trainer {args.trainer} runs in one process)")
-    if pipeline_parallel > 1 and (tensor_parallel > 1 or expert_parallel > 1):
-        raise inputs.CheckerInputError("--pipeline-parallel with --tensor-parallel or --expert-parallel: the checker "
-                                       "runs one layout at a time; give one of them")
+    context_parallel = getattr(args, "context_parallel", 1)
+    for flag, size, what in (("--pipeline-parallel", pipeline_parallel, "the Megatron face's layers in stages"),
+                             ("--context-parallel", context_parallel, "each sequence's rows split")):
+        if size < 1:
+            raise inputs.CheckerInputError(f"{flag} {size}: give a number of ranks, 1 or more")
+        if size > 1 and args.trainer != "megatron":
+            raise inputs.CheckerInputError(f"{flag} runs {what} on several ranks: use --trainer megatron "
+                                           f"(--trainer {args.trainer} runs in one process)")
+    if sum(size > 1 for size in (tensor_parallel, expert_parallel, pipeline_parallel, context_parallel)) > 1:
+        raise inputs.CheckerInputError("--tensor-parallel, --expert-parallel, --pipeline-parallel and --context-parallel: "
+                                       "the checker runs one layout at a time; give one of them")
     try:
         settings = eng.engine_settings(
             args.model,
@@ -147,6 +149,7 @@ def run_settings(args, max_model_len: int, lora: dict) -> eng.EngineSettings:
             expert_parallel=expert_parallel,
             moe_token_dispatcher=getattr(args, "moe_token_dispatcher", "alltoall"),
             pipeline_parallel=pipeline_parallel,
+            context_parallel=context_parallel,
             **lora,
         )
     except NotImplementedError as error:
@@ -219,6 +222,8 @@ def check_command(args) -> int:
         layout += f" | expert parallel {settings.expert_parallel} ({settings.moe_token_dispatcher})"
     if settings.pipeline_parallel > 1:
         layout += f" | pipeline parallel {settings.pipeline_parallel}"
+    if settings.context_parallel > 1:
+        layout += f" | context parallel {settings.context_parallel}"
     header = (
         f"zmrl check: {args.model}"
         + (f" + LoRA {lora['lora_dir']}" if lora else "")

@@ -81,12 +81,14 @@ class EngineSettings:
     # The trainer's pipeline parallelism (megatron's stages); the engine runs every layer in its
     # own process(es), and a stage boundary is a copy.
     pipeline_parallel: int = 1
+    # The trainer's context parallelism (megatron's split of each sequence's rows over ranks).
+    context_parallel: int = 1
 
 
 def engine_settings(
     model_dir, max_model_len: int, seed: int = 0, full_vocab: bool = False, lora_dir=None, prefix_caching: bool = True,
     tensor_parallel: int = 1, sequence_parallel: bool = False, expert_parallel: int = 1,
-    moe_token_dispatcher: str = "alltoall", pipeline_parallel: int = 1,
+    moe_token_dispatcher: str = "alltoall", pipeline_parallel: int = 1, context_parallel: int = 1,
 ) -> EngineSettings:
     """The checker's arguments as the engine's configuration, read once: ``vllm.LLM``'s arguments
     (those the aligned trainer mirrors, prefix caching as asked for, enough returned logprobs;
@@ -139,6 +141,7 @@ def engine_settings(
         expert_parallel=expert_parallel,
         moe_token_dispatcher=moe_token_dispatcher,
         pipeline_parallel=pipeline_parallel,
+        context_parallel=context_parallel,
     )
 
 

@@ -3,7 +3,8 @@
 Answers the checker's three questions (see ``zero_mismatch_plugin.tools.checker.backends``) for a
 packed batch, run as megatron's packed THD input. Intermediates are recorded at the op layer
 (:mod:`.recording`), under the checker's canonical op names; ``qkv_proj`` is reported in vLLM's
-``[q; k; v]`` column order. With ``--tensor-parallel N``, ``--expert-parallel N`` or ``--pipeline-parallel N`` the model runs on N torchrun ranks
+``[q; k; v]`` column order. With ``--tensor-parallel N``, ``--expert-parallel N``, ``--pipeline-parallel N`` or ``--context-parallel N`` the
+model runs on N torchrun ranks
 (:class:`DistributedMegatronBackend`), which answer the logprob questions.
 """
 
@@ -20,8 +21,8 @@ from zero_mismatch_plugin.tools.checker.recording import OpRecorder
 
 def megatron_backend(settings: EngineSettings):
     """The one-process backend, or at the engine's tensor parallelism the ranks' backend."""
-    if (settings.tensor_parallel, settings.sequence_parallel, settings.expert_parallel,
-            settings.pipeline_parallel) == (1, False, 1, 1):
+    if (settings.tensor_parallel, settings.sequence_parallel, settings.expert_parallel, settings.pipeline_parallel,
+            settings.context_parallel) == (1, False, 1, 1, 1):
         return MegatronBackend(settings)
     return DistributedMegatronBackend(settings)
 
@@ -32,7 +33,8 @@ class DistributedMegatronBackend:
     ``settings.expert_parallel`` (megatron's expert parallelism over as many data-parallel ranks,
     each scoring the whole batch, its experts' rows sent through megatron's token dispatcher); or
     ``settings.pipeline_parallel`` stages of megatron's pipeline schedule, the last sending the
-    logprobs to the others."""
+    logprobs to the others; or ``settings.context_parallel`` ranks each holding megatron's chunks of
+    every sequence."""
 
     name = "megatron"
 
@@ -42,12 +44,13 @@ class DistributedMegatronBackend:
 
         if settings.lora_dir is not None:
             raise NotImplementedError("LoRA adapters in the Megatron face run in one process (no --tensor-parallel, "
-                                      "--expert-parallel or --pipeline-parallel)")
+                                      "--expert-parallel, --pipeline-parallel or --context-parallel)")
         self.layout = Layout(settings.tensor_parallel, settings.sequence_parallel,
                              expert_model_parallel_size=settings.expert_parallel,
                              moe_token_dispatcher_type=settings.moe_token_dispatcher,
                              data_parallel_size=max(1, settings.expert_parallel // settings.tensor_parallel),
-                             pipeline_model_parallel_size=settings.pipeline_parallel)
+                             pipeline_model_parallel_size=settings.pipeline_parallel,
+                             context_parallel_size=settings.context_parallel)
         self.spec = RankModel.of(settings.model_dir, settings.trainer_args, self.layout)
         self.group = RankGroup(self.layout)
         self.group.call("token_logprobs", self.spec, _empty_batch())  # build the model on every rank now

@@ -148,7 +148,7 @@ def _engine_gaps(cfg: DictConfig) -> list[str]:
         gaps.append(f"tensor_model_parallel_size {tp} in verl's Megatron engine (the Megatron face runs it bitwise "
                     "on its own ranks, `zmrl check --tensor-parallel`; verl's vocabulary-parallel logprob and "
                     "entropy kernels do not take its gathered logits yet)")
-    for name in ("expert_model_parallel_size", "pipeline_model_parallel_size"):
+    for name in ("expert_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
         size = read(cfg, f"{MEGATRON}.{name}")
         if size not in (None, 1):
             gaps.append(f"{name} {size} in verl's Megatron engine (the Megatron face runs it bitwise on its own "
