@@ -334,16 +334,10 @@ def test_moe_gradients_at_tp2_sp_agree_with_the_one_process_face_and_the_gathere
 def test_zmrl_check_at_tp2_sp_on_an_moe_checkpoint_passes_every_check(mg_checkpoints, tmp_path, capsys):
     """``zmrl check --trainer megatron --tensor-parallel 2 --sequence-parallel`` on Qwen3-MoE as a
     user runs it: its own engine at TP 2 and its own two ranks; the expert-selection check included."""
-    import json
+    from support.check_command import run_check
 
-    from zero_mismatch_plugin.tools import cli
-
-    out = tmp_path / "check.json"
-    code = cli.main(["check", "--model", str(mg_checkpoints["qwen3_moe"]), "--trainer", "megatron", "--tensor-parallel",
-                     "2", "--sequence-parallel", "--max-model-len", str(MAX_MODEL_LEN), "--num-prompts", "4",
-                     "--quiet", "--json", str(out)])
-    table = capsys.readouterr().out
-    report = json.loads(out.read_text())
+    code, table, report = run_check(mg_checkpoints["qwen3_moe"], ["--tensor-parallel", "2", "--sequence-parallel"],
+                                    tmp_path, capsys)
     assert code == 0, table
     assert "trainer megatron | tensor parallel 2 + sequence parallel" in table and "expert_selection" in report
     assert all(entry["pass"] is True for entry in report.values()), report

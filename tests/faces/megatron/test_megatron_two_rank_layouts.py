@@ -165,58 +165,20 @@ def test_negative_control_transformers_forward_is_close_to_mu_and_not_the_pipeli
     assert (stock - mu).abs().max() < 1e-4
 
 
-def test_zmrl_check_at_expert_parallel_2_passes_every_check(checkpoints, tmp_path, capsys):
-    """``zmrl check --trainer megatron --expert-parallel 2`` on the MoE checkpoint, as a user runs it:
-    its own one-process engine and its own two ranks."""
-    import json
+@pytest.mark.parametrize("flags, header", [
+    (["--expert-parallel", "2", "--moe-token-dispatcher", "allgather"], "expert parallel 2 (allgather)"),
+    (["--pipeline-parallel", "2"], "pipeline parallel 2"),
+    (["--context-parallel", "2"], "context parallel 2"),
+], ids=["ep2-allgather", "pp2", "cp2"])
+def test_zmrl_check_at_a_two_rank_layout_passes_every_check(checkpoints, tmp_path, capsys, flags, header):
+    """``zmrl check --trainer megatron`` with a layout on the MoE checkpoint, as a user runs it: its
+    own one-process engine and its own two ranks; the expert-selection check reads every rank's
+    routers (each stage's under pipeline parallelism, every rank's rows under context parallelism)."""
+    from support.check_command import run_check
 
-    from zero_mismatch_plugin.tools import cli
-
-    out = tmp_path / "check.json"
-    code = cli.main(["check", "--model", str(checkpoints["qwen3_moe"]), "--trainer", "megatron", "--expert-parallel", "2",
-                     "--moe-token-dispatcher", "allgather", "--max-model-len", str(MAX_MODEL_LEN), "--num-prompts", "4",
-                     "--quiet", "--json", str(out)])
-    table = capsys.readouterr().out
-    report = json.loads(out.read_text())
+    code, table, report = run_check(checkpoints["qwen3_moe"], flags, tmp_path, capsys)
     assert code == 0, table
-    assert "trainer megatron | expert parallel 2 (allgather)" in table and "checks passed" in table
-    assert all(entry["pass"] is True for entry in report.values()), report
-    assert report["sampled_token"]["bitwise_equal_fraction"] == 1.0
-
-
-def test_zmrl_check_at_pipeline_parallel_2_passes_every_check(checkpoints, tmp_path, capsys):
-    """``zmrl check --trainer megatron --pipeline-parallel 2`` on the MoE checkpoint: two stages,
-    the expert-selection check reading each stage's routers."""
-    import json
-
-    from zero_mismatch_plugin.tools import cli
-
-    out = tmp_path / "check.json"
-    code = cli.main(["check", "--model", str(checkpoints["qwen3_moe"]), "--trainer", "megatron", "--pipeline-parallel",
-                     "2", "--max-model-len", str(MAX_MODEL_LEN), "--num-prompts", "4", "--quiet", "--json", str(out)])
-    table = capsys.readouterr().out
-    report = json.loads(out.read_text())
-    assert code == 0, table
-    assert "trainer megatron | pipeline parallel 2" in table and "checks passed" in table
-    assert all(entry["pass"] is True for entry in report.values()), report
-    assert report["sampled_token"]["bitwise_equal_fraction"] == 1.0
-    assert "expert_selection" in report
-
-
-def test_zmrl_check_at_context_parallel_2_passes_every_check(checkpoints, tmp_path, capsys):
-    """``zmrl check --trainer megatron --context-parallel 2`` on the MoE checkpoint: each rank its
-    chunks of every sequence, the expert-selection check reading every rank's rows."""
-    import json
-
-    from zero_mismatch_plugin.tools import cli
-
-    out = tmp_path / "check.json"
-    code = cli.main(["check", "--model", str(checkpoints["qwen3_moe"]), "--trainer", "megatron", "--context-parallel",
-                     "2", "--max-model-len", str(MAX_MODEL_LEN), "--num-prompts", "4", "--quiet", "--json", str(out)])
-    table = capsys.readouterr().out
-    report = json.loads(out.read_text())
-    assert code == 0, table
-    assert "trainer megatron | context parallel 2" in table and "checks passed" in table
+    assert f"trainer megatron | {header}" in table and "checks passed" in table
     assert all(entry["pass"] is True for entry in report.values()), report
     assert report["sampled_token"]["bitwise_equal_fraction"] == 1.0
     assert "expert_selection" in report

@@ -23,18 +23,12 @@ import dataclasses
 
 import torch
 
-
-def context_parallel_size(config) -> int:
-    return getattr(config, "context_parallel_size", 1) or 1
+from zero_mismatch_plugin.faces.megatron.parallel import layout_group
 
 
 def context_parallel_group(config):
     """The context-parallel group of a model of ``config``; ``None`` at context parallelism 1."""
-    if context_parallel_size(config) == 1:
-        return None
-    from megatron.core import parallel_state
-
-    return parallel_state.get_context_parallel_group()
+    return layout_group(config, "context_parallel_size", "get_context_parallel_group")
 
 
 def padded_length(n: int, size: int) -> int:

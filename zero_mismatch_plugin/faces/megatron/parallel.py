@@ -209,13 +209,19 @@ def experts_split(config) -> bool:
 _LOCAL_EXPERT = re.compile(r"^(.*\.mlp\.experts\.local_experts\.)(\d+)(\..+)$")
 
 
-def expert_parallel_group(config):
-    """The expert-parallel group of a model of ``config``; ``None`` at expert parallelism 1."""
-    if (getattr(config, "expert_model_parallel_size", 1) or 1) == 1:
+def layout_group(config, size: str, getter: str):
+    """megatron's process group of one parallel dimension of ``config`` (``size``: its
+    TransformerConfig field; ``getter``: megatron's ``parallel_state`` function); ``None`` at size 1."""
+    if (getattr(config, size, 1) or 1) == 1:
         return None
     from megatron.core import parallel_state
 
-    return parallel_state.get_expert_model_parallel_group()
+    return getattr(parallel_state, getter)()
+
+
+def expert_parallel_group(config):
+    """The expert-parallel group of a model of ``config``; ``None`` at expert parallelism 1."""
+    return layout_group(config, "expert_model_parallel_size", "get_expert_model_parallel_group")
 
 
 def _experts_of(num_experts: int, group, rank: int) -> range:

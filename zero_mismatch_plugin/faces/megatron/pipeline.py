@@ -19,6 +19,8 @@ import re
 
 import torch
 
+from zero_mismatch_plugin.faces.megatron.parallel import layout_group
+
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _EMBEDDING = "embedding.word_embeddings.weight"
 _OUTPUT = "output_layer.weight"
@@ -31,11 +33,7 @@ def pipeline_size(config) -> int:
 
 def pipeline_group(config):
     """The pipeline-parallel group of a model of ``config``; ``None`` at pipeline parallelism 1."""
-    if pipeline_size(config) == 1:
-        return None
-    from megatron.core import parallel_state
-
-    return parallel_state.get_pipeline_model_parallel_group()
+    return layout_group(config, "pipeline_model_parallel_size", "get_pipeline_model_parallel_group")
 
 
 def stage_layers(config, pp_rank: int | None = None) -> range:
