@@ -4,9 +4,12 @@ Llama and Qwen3, and Mixture-of-Experts Qwen3-MoE and GLM-4.5 (grouped sigmoid r
 expert) with sequence parallelism (megatron's rule for MoE at TP > 1), every expert split over
 the ranks as vLLM splits it.
 
-Cost: one TP-2 engine per checkpoint (~20 s each) and one torchrun of two ranks that scores every
-checkpoint and takes one training step on Llama and one on Qwen3-MoE (~40 s); everything below is
-asserted from those runs.
+A combined layout too: TP 2 + SP x PP 2 on four ranks (two pipeline stages of two tensor-parallel
+ranks each), bitwise against the same TP-2 engines for Llama and Qwen3.
+
+Cost: one TP-2 engine per checkpoint (~20 s each), one torchrun of two ranks that scores every
+checkpoint and takes one training step on Llama and one on Qwen3-MoE (~40 s), and one torchrun of
+four one-thread ranks for the combined layout (~40 s); everything below is asserted from those runs.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import pytest
 import torch
 
 from support.vllm_session import MAX_MODEL_LEN, float64_hf_model, hf_token_logprobs, prompts_for, rollout
-from zero_mismatch_plugin.integrations.megatron.distributed import TrainStep
+from zero_mismatch_plugin.integrations.megatron.distributed import Layout, TrainStep
 
 TP = 2
 MOE_FAMILIES = ("qwen3_moe", "glm4_moe")
@@ -216,6 +219,42 @@ def test_gradients_at_tp2_agree_with_the_one_process_face(step_gradients, tp2_re
           f"vs float64 {worst_tp2:.3g} (one-process face vs float64 {worst_tp1:.3g})")
     assert worst_between <= GRAD_REL_TOL
     assert worst_tp2 <= 1.5 * worst_tp1
+
+
+# A combined layout: four ranks, two pipeline stages of two tensor-parallel ranks each.
+COMBINED = Layout(TP, sequence_parallel=True, pipeline_model_parallel_size=2)
+
+
+@pytest.fixture(scope="module")
+def combined_results(mg_checkpoints, tp2_rollouts):
+    """{family: run_request's result} at TP 2 + SP x PP 2 on four torchrun ranks of their own; the
+    Llama request also takes the step."""
+    from zero_mismatch_plugin.integrations.megatron.distributed import ScoreRequest
+    from zero_mismatch_plugin.integrations.megatron.rank_group import launch
+
+    families = ("llama", "qwen3")
+    requests = [ScoreRequest(str(mg_checkpoints[f]), ENGINE_KWARGS, *tp2_rollouts[f][:2],
+                             step=STEP if f == "llama" else None) for f in families]
+    return {f: result[COMBINED.name] for f, result in zip(families, launch(requests, [COMBINED]))}
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_tp2_sp_by_pp2_on_four_ranks_is_bitwise_equal_to_the_engine_at_tp2(tp2_rollouts, combined_results, family):
+    """Each stage's two ranks are the engine's two ranks for its layers; Qwen3's tied head is the
+    last stage's copy of the embedding, split over its tensor-parallel ranks by vocabulary rows."""
+    _, _, mu = tp2_rollouts[family]
+    values = torch.cat(combined_results[family]["logprobs"])
+    assert values.shape == mu.shape
+    assert torch.equal(values, mu), f"{int((values != mu).sum())} of {mu.numel()} tokens differ"
+
+
+def test_gradients_at_tp2_sp_by_pp2_agree_with_the_one_process_face(step_gradients, combined_results):
+    one_process, float64 = step_gradients
+    grads = combined_results["llama"]["grads"]
+    assert set(grads) == set(one_process)
+    worst = max(_relative(grads[n], one_process[n]) for n in one_process)
+    print(f"{COMBINED.name}: worst relative gradient difference vs the one-process face {worst:.3g}")
+    assert worst <= GRAD_REL_TOL
 
 
 def test_zmrl_check_at_tensor_parallel_2_passes_every_check(tp2_check_settings, tp2_llama_engine, monkeypatch, capsys, tmp_path):

@@ -50,6 +50,8 @@ def unsupported_features(config) -> list[str]:
     tp = get("tensor_model_parallel_size", 1) or 1
     if tp != 1 and get("num_moe_experts") and (get("expert_model_parallel_size", 1) or 1) != 1:
         problems.append("tensor parallelism > 1 with expert parallelism > 1")
+    if (get("pipeline_model_parallel_size", 1) or 1) != 1 and (get("expert_model_parallel_size", 1) or 1) != 1:
+        problems.append("pipeline parallelism > 1 with expert parallelism > 1 (not run together yet)")
     if get("virtual_pipeline_model_parallel_size"):
         problems.append("virtual pipeline stages (virtual_pipeline_model_parallel_size)")
     cp = get("context_parallel_size", 1) or 1
