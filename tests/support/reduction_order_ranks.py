@@ -53,16 +53,25 @@ def main(out_path: str) -> None:
         got["face_sp"] = face_sp.detach()
         got["face_sp_grad"] = leaf.grad
         got["megatron"] = mappings.reduce_from_tensor_model_parallel_region(mine.clone(), group=group)
-    # vLLM's CPU all-reduce, stock (its shared-memory kernel) and as the plugin patches it.
-    import vllm._custom_ops  # noqa: F401 - registers torch.ops._C
-    names = [None] * world
-    dist.all_gather_object(names, f"zmrl-order-{os.environ['MASTER_PORT']}")
-    handle = torch.ops._C.init_shm_manager(names[0], world, rank, 1)
-    dist.barrier()
-    torch.ops._C.join_shm_manager(handle, names[0])
-    dist.barrier()
+    # vLLM's CPU all-reduce, stock and as the plugin patches it. Stock is the shared-memory kernel
+    # where the host's kernel library has it (vLLM's CpuCommunicator checks the same attribute),
+    # else torch.distributed's all-reduce, which vLLM then falls back to.
+    from vllm.platforms import current_platform
+
+    current_platform.import_kernels()  # the host's build (_C, _C_AVX512 or _C_AVX2) registers torch.ops._C
     stock = mine.clone()
-    torch.ops._C.shm_allreduce(handle, stock)
+    if hasattr(torch.ops._C, "init_shm_manager"):
+        names = [None] * world
+        dist.all_gather_object(names, f"zmrl-order-{os.environ['MASTER_PORT']}")
+        handle = torch.ops._C.init_shm_manager(names[0], world, rank, 1)
+        dist.barrier()
+        torch.ops._C.join_shm_manager(handle, names[0])
+        dist.barrier()
+        torch.ops._C.shm_allreduce(handle, stock)
+        got["vllm_stock_path"] = "shared memory"
+    else:
+        dist.all_reduce(stock, group=group)
+        got["vllm_stock_path"] = "torch.distributed"
     got["vllm_stock"] = stock
     from vllm.distributed.device_communicators.cpu_communicator import CpuCommunicator
 

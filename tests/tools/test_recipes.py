@@ -702,6 +702,17 @@ def test_moe_in_verls_megatron_engine_with_expert_parallelism_is_still_a_gap():
     assert "expert_model_parallel_size 8 in verl's Megatron engine" in said
 
 
+@pytest.mark.parametrize("name", ["pipeline_model_parallel_size", "context_parallel_size"])
+def test_pipeline_and_context_parallelism_are_gaps_of_verls_engine_not_of_the_face(name):
+    """The face runs them bitwise on its own ranks, so the spec does not refuse them; inside verl's
+    Megatron engine they have not run, and the config check says that, not "unsupported"."""
+    cfg = compose_verl_config(TOP_LEVEL_RECIPES, "reinforce_zero_qwen3_30b_a3b_python_tool_lag8",
+                              ["zm_engine=megatron", f"actor_rollout_ref.actor.megatron.{name}=2"])
+    said = trainer_alignment(cfg).describe()
+    assert f"{name} 2 in verl's Megatron engine (the Megatron face runs it bitwise" in said
+    assert f"{name.split('_')[0]} parallelism > 1 in the trainer" not in said
+
+
 @pytest.mark.parametrize("override,gap", [
     # Multi-head latent attention stays outside verl's FSDP engine (the aligned model face covers it).
     ("zmrl.architecture=DeepseekV3ForCausalLM", "the aligned model face covers it, verl's FSDP engine does not yet"),

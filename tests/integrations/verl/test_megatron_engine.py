@@ -161,9 +161,15 @@ def test_unsupported_configurations_fail_clearly():
     with pytest.raises(UnsupportedMegatronFeature, match="tensor_model_parallel_size=2 in verl's Megatron engine"):
         megatron_engine.inject_aligned_spec(engine, runtime=object())
     engine.provider.tensor_model_parallel_size = 1
-    engine.provider.expert_model_parallel_size = 2
-    with pytest.raises(UnsupportedMegatronFeature, match="expert_model_parallel_size=2 in verl's Megatron engine"):
-        megatron_engine.inject_aligned_spec(engine, runtime=object())
+    # Layouts the face runs on its own ranks but verl's engine has not run: each named, with its check.
+    for name, flag in (("expert_model_parallel_size", "--expert-parallel"),
+                       ("pipeline_model_parallel_size", "--pipeline-parallel"),
+                       ("context_parallel_size", "--context-parallel")):
+        setattr(engine.provider, name, 2)
+        with pytest.raises(UnsupportedMegatronFeature,
+                           match=f"{name}=2 in verl's Megatron engine: .*zmrl check --trainer megatron {flag} 2"):
+            megatron_engine.inject_aligned_spec(engine, runtime=object())
+        setattr(engine.provider, name, 1)
 
 
 def test_import_verl_applies_the_patch_through_the_entry_point_when_enabled():
