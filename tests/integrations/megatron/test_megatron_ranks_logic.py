@@ -142,3 +142,34 @@ def test_the_spec_takes_pipeline_and_context_parallelism_and_refuses_the_combina
         "context parallelism > 1 together with tensor, expert or pipeline parallelism"]
     assert refused(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2) == [
         "virtual pipeline stages (virtual_pipeline_model_parallel_size)"]
+
+
+def test_the_pipeline_patches_give_the_schedule_a_host_token_count_and_come_off_again():
+    import megatron.core.pipeline_parallel.schedules as schedules
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    applied_earlier = any(runtime_patches.is_applied(p) for p in cpu_patches.PIPELINE_PATCHES)  # a PP model built here
+    for patch in cpu_patches.PIPELINE_PATCHES:
+        runtime_patches.remove(patch)
+    before = (schedules.torch, LanguageModule.setup_embeddings_and_output_layer)
+    cuda = torch.Tensor.cuda
+    assert before[0] is torch
+    cpu_patches.pipeline_on_cpu()
+    try:
+        count = schedules.torch.zeros([], dtype=torch.int, device="cuda")  # the schedules' own call
+        assert count.device.type == "cpu" and schedules.torch.no_grad is torch.no_grad
+        moved = []
+
+        def copy_like_megatron(self):
+            moved.append(torch.zeros(2).cuda().device.type)  # what megatron does before its all-reduce
+
+        wrapped = cpu_patches._host_embedding_copy(copy_like_megatron)
+        wrapped(object())
+        assert moved == ["cpu"] and torch.Tensor.cuda is cuda  # put back after the call
+    finally:
+        for patch in cpu_patches.PIPELINE_PATCHES:
+            runtime_patches.remove(patch)
+    assert (schedules.torch, LanguageModule.setup_embeddings_and_output_layer) == before
+    if applied_earlier:
+        cpu_patches.pipeline_on_cpu()
+
