@@ -328,13 +328,14 @@ def expert_choices(spec: RankModel, batch) -> dict[int, torch.Tensor]:
     config = run.model.config
     first = pipeline.stage_layers(config).start
     cp_group = context_parallel.context_parallel_group(config)
+    if cp_group is not None:
+        split, real = context_parallel_rows(batch, cp_group.size())
     choices = {}
     for index, layer in enumerate(run.model.decoder.layers):
         ids = getattr(layer.mlp, "last_topk_ids", None)
         if ids is None:
             continue
         if cp_group is not None:  # this rank's rows: every rank's, back in the batch's order
-            split, real = context_parallel_rows(batch, cp_group.size())
             ids = context_parallel.gather_whole(ids[: sum(split.seq_lens) // cp_group.size()], split, cp_group)[real]
         choices[first + index] = ids[: batch.num_tokens].cpu()
     return pipeline.merged_over_stages(choices, config)
