@@ -11,6 +11,7 @@ rounded sum at top-2: a negative control only on a host whose build fuses the mu
 
 from __future__ import annotations
 
+import dataclasses
 from fractions import Fraction
 
 import numpy as np
@@ -179,3 +180,38 @@ def test_expert_rows_backward_matches_float64(moe_case):
     expected = torch.autograd.grad(reference(leaves[0], leaves[1:5], leaves[5:]), leaves, upstream.double())
     for g, e in zip(got, expected):
         assert ((g.double() - e).norm() / e.norm().clamp_min(1e-30)).item() < 1e-5
+
+
+def test_expert_rows_of_an_engine_shard_are_the_rows_of_that_shards_weights_with_whole_weight_gradients(moe_case):
+    """Whole experts, engine shard (h, 2): the rows vLLM's experts give on rank h's columns of each
+    expert (bitwise those of the sliced weights), and gradients of the whole weights that are the
+    sliced weights' gradients in the shard's columns and zero elsewhere."""
+    moe, hidden, width = moe_case["moe"], moe_case["hidden"], moe_case["moe"].moe_intermediate_size
+    gate_up = [w.clone().requires_grad_() for w in moe_case["gate_up"][:4]]
+    down = [w.clone().requires_grad_() for w in moe_case["down"][:4]]
+    x, ids = moe_case["x"][:20], torch.arange(20) % 4
+    upstream = torch.randn(20, hidden, generator=torch.Generator().manual_seed(5))
+    half = width // 2
+    for h in range(2):
+        cols = slice(h * half, (h + 1) * half)
+        shard = ep.AlignedExpertRows(moe_case["runtime"], moe, hidden, gate_up, down, engine_shard=(h, 2))
+        sliced_gate_up = [torch.cat([w[:width][cols], w[width:][cols]]).detach().requires_grad_() for w in gate_up]
+        sliced_down = [w[:, cols].detach().requires_grad_() for w in down]
+        sliced = ep.AlignedExpertRows(moe_case["runtime"], dataclasses.replace(moe, moe_intermediate_size=half), hidden,
+                                      sliced_gate_up, sliced_down)
+        out = shard(x, ids)
+        assert torch.equal(out, sliced(x, ids))
+        got = torch.autograd.grad(out, [*gate_up, *down], upstream)
+        want = torch.autograd.grad(sliced(x, ids), [*sliced_gate_up, *sliced_down], upstream)
+        for g, w in zip(got[:4], want[:4]):
+            assert torch.equal(g[:width][cols], w[:half]) and torch.equal(g[width:][cols], w[half:])
+            assert g[:width][cols].abs().sum() > 0
+            outside = g.clone()
+            outside[:width][cols] = 0
+            outside[width:][cols] = 0
+            assert not outside.any()
+        for g, w in zip(got[4:], want[4:]):
+            assert torch.equal(g[:, cols], w) and not g[:, [c for c in range(width) if not cols.start <= c < cols.stop]].any()
+    uneven = next(n for n in range(3, width) if width % n)
+    with pytest.raises(ValueError, match=f"does not split over {uneven} engine ranks"):
+        ep.AlignedExpertRows(moe_case["runtime"], moe, hidden, gate_up, down, engine_shard=(0, uneven))

@@ -702,6 +702,17 @@ def test_moe_in_verls_megatron_engine_with_expert_parallelism_is_still_a_gap():
     assert "expert_model_parallel_size 8 in verl's Megatron engine" in said
 
 
+@pytest.mark.parametrize("tp, etp, gap", [(2, 2, False), (2, 1, False), (4, 2, True), (1, 2, True)])
+def test_expert_tensor_parallelism_is_a_gap_only_when_it_is_neither_1_nor_the_tensor_parallelism(tp, etp, gap):
+    """The face splits each expert as the engine's tensor-parallel ranks do (ETP = TP) or keeps it
+    whole and computes the engine ranks' shards (ETP 1, with expert parallelism); other sizes are named."""
+    cfg = compose_verl_config(TOP_LEVEL_RECIPES, "reinforce_zero_qwen3_30b_a3b_python_tool_lag8",
+                              ["zm_engine=megatron", f"actor_rollout_ref.actor.megatron.tensor_model_parallel_size={tp}",
+                               f"actor_rollout_ref.actor.megatron.expert_tensor_parallel_size={etp}"])
+    said = trainer_alignment(cfg).describe()
+    assert (f"expert_tensor_parallel_size {etp} in the trainer" in said) == gap, said
+
+
 @pytest.mark.parametrize("name", ["pipeline_model_parallel_size", "context_parallel_size"])
 def test_pipeline_and_context_parallelism_are_gaps_of_verls_engine_not_of_the_face(name):
     """The face runs them bitwise on its own ranks, so the spec does not refuse them; inside verl's

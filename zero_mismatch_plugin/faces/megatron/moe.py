@@ -9,7 +9,12 @@ all-reduce after its MoE layer sums them.
 At expert parallelism > 1 each rank holds megatron's share of the experts; every (token, slot) row
 goes through megatron's own token dispatcher (``allgather`` or ``alltoall``) to the rank of its
 expert and back, and the slots are summed as vLLM's one-process kernel sums them
-(:mod:`..aligned.expert_parallel`)."""
+(:mod:`..aligned.expert_parallel`).
+
+Both together (expert tensor parallelism 1): the engine at the same tensor parallelism splits
+every expert over its ranks, so the expert's rank computes each (token, slot) row once per engine
+rank's shard; each shard's slots are summed as that engine rank's kernel sums them, its shared
+expert partial added, and the engine ranks' partials summed in rank order."""
 
 from __future__ import annotations
 
@@ -120,19 +125,28 @@ def aligned_moe_layer_class():
             self.expert_parallel = self.num_local_experts != config.num_moe_experts
             self.tp_group = parallel.tensor_parallel_group(config)
             moe = blocks.moe
+            # The engine's tensor-parallel ranks each hold a shard of every expert; at expert
+            # parallelism the trainer keeps experts whole and computes each engine shard's output.
+            self.engine_shards = 1
             if self.tp_group is not None:
-                if self.expert_parallel:
-                    raise NotImplementedError("aligned megatron MoE layer: tensor and expert parallelism together")
                 if not config.sequence_parallel:
                     raise NotImplementedError("aligned megatron MoE layer at tensor parallelism > 1: set "
                                               "sequence_parallel=True (megatron requires it for MoE training)")
-                if (config.expert_tensor_parallel_size or 1) != self.tp_group.size():
+                etp = config.expert_tensor_parallel_size or 1
+                if self.expert_parallel and etp != 1:
+                    raise NotImplementedError(
+                        f"aligned megatron MoE layer: expert_tensor_parallel_size={etp} with expert parallelism: "
+                        "set it to 1 (each expert whole on its rank, computed as the engine's ranks split it)")
+                if not self.expert_parallel and etp != self.tp_group.size():
                     raise NotImplementedError(
                         f"aligned megatron MoE layer: expert_tensor_parallel_size={config.expert_tensor_parallel_size} "
                         f"at tensor parallelism {self.tp_group.size()}: vLLM splits every expert over its "
                         "tensor-parallel ranks; set them equal")
-                width = parallel.divide(moe.moe_intermediate_size, self.tp_group.size(), "the expert width")
-                moe = dataclasses.replace(moe, moe_intermediate_size=width)
+                parallel.divide(moe.moe_intermediate_size, self.tp_group.size(), "the expert width")
+                if self.expert_parallel:
+                    self.engine_shards = self.tp_group.size()
+                else:
+                    moe = dataclasses.replace(moe, moe_intermediate_size=moe.moe_intermediate_size // self.tp_group.size())
                 # Seen on this rank's tokens (the router) or giving this rank's partial (the shared
                 # expert's gate): megatron's finalize_model_grads sums their grads over the ranks.
                 for weight in (self.router.weight, getattr(self.shared_experts, "gate_weight", None)):
@@ -194,6 +208,8 @@ def aligned_moe_layer_class():
         def forward(self, hidden_states, intermediate_tensors=None, padding_mask=None):
             if intermediate_tensors is not None:
                 raise NotImplementedError("aligned megatron MoE layer: partial (CUDA-graph) MoE forwards")
+            if self.tp_group is not None and self.expert_parallel:
+                return self._tensor_expert_parallel_forward(hidden_states), None
             if self.tp_group is not None:
                 return self._tensor_parallel_forward(hidden_states), None
             routed = self._expert_parallel_routed if self.expert_parallel else self._routed_op()
@@ -211,6 +227,30 @@ def aligned_moe_layer_class():
             partial = moe_mlp(tokens, lambda _: logits, self._routed_op(), self._shared_ops())
             return parallel.row_output(partial, group, True).reshape(hidden_states.shape)
 
+        def _tensor_expert_parallel_forward(self, hidden_states):
+            """This rank's tokens in and out (sequence parallelism), experts whole on their
+            expert-parallel ranks: for each engine rank, its routed partial (every (token, slot)
+            row's output on that rank's shard of the expert, the slots summed as its kernel sums
+            them) plus its shared expert's partial; the engine ranks' partials then summed in rank
+            order, as vLLM's all-reduce after its MoE layer sums them."""
+            from zero_mismatch_plugin.aligned.moe import shared_expert_output
+            from zero_mismatch_plugin.aligned.reductions import all_gather_parts, rank_order_sum
+
+            group = self.tp_group
+            local = flat_tokens(hidden_states)
+            partials = self._expert_parallel_routed_per_shard(local, self.router(local))
+            # Every rank's tokens' choices, as the other layouts report them (a few integers).
+            self._last_topk_ids = torch.cat(all_gather_parts(self._last_topk_ids, group))
+            shared = self._shared_ops()
+            if shared is not None:
+                # This rank's shared-expert partial for every token, then every rank's for this
+                # rank's tokens (gathered; the backward sums each rank's rows back to it).
+                mine = shared_expert_output(parallel.column_input(local, group, True), shared)
+                every = parallel.column_input(mine, group, True).view(group.size(), *mine.shape)
+                rows = slice(parallel.group_rank(group) * local.shape[0], (parallel.group_rank(group) + 1) * local.shape[0])
+                partials = [every[r, rows] + routed for r, routed in enumerate(partials)]
+            return rank_order_sum(partials).reshape(hidden_states.shape)
+
         @property
         def last_topk_ids(self):
             """The experts the engine's router chose in the last forward [T, K] (None before one)."""
@@ -220,14 +260,16 @@ def aligned_moe_layer_class():
 
         # ----- expert parallelism -----------------------------------------------------------
 
-        def _local_experts_op(self):
+        def _local_experts_op(self, shard: int = 0):
+            """vLLM's experts over this rank's experts, computing engine rank ``shard``'s share of each."""
             from zero_mismatch_plugin.aligned.expert_parallel import AlignedExpertRows
 
             fc1 = [e.linear_fc1.weight for e in self.experts.local_experts]
             fc2 = [e.linear_fc2.weight for e in self.experts.local_experts]
             return self._aligned_ops.get(
-                "local_experts", fc1 + fc2,
-                lambda: AlignedExpertRows(self.runtime, self.moe, self.config.hidden_size, fc1, fc2))
+                f"local_experts.{shard}", fc1 + fc2,
+                lambda: AlignedExpertRows(self.runtime, self.moe, self.config.hidden_size, fc1, fc2,
+                                          engine_shard=(shard, self.engine_shards)))
 
         def _engine_router(self):
             from zero_mismatch_plugin.aligned.expert_parallel import EngineRouter
@@ -240,6 +282,12 @@ def aligned_moe_layer_class():
             each (token, slot) row dispatched by megatron to its expert's rank as a token routed to
             that one expert with probability 1, its output returned unsummed, and the slots summed
             in the engine kernel's order and rounding."""
+            (routed,) = self._expert_parallel_routed_per_shard(x, router_logits)
+            return routed
+
+        def _expert_parallel_routed_per_shard(self, x, router_logits) -> list:
+            """:meth:`_expert_parallel_routed` once per engine tensor-parallel rank (that rank's
+            shard of each expert): one dispatch, one combine per shard."""
             from zero_mismatch_plugin.aligned.expert_parallel import probe_combine_arithmetic, slot_order_combine
             from zero_mismatch_plugin.faces.megatron.parallel import cpu_megatron_collectives
 
@@ -251,27 +299,33 @@ def aligned_moe_layer_class():
             routing_map = torch.nn.functional.one_hot(ids.reshape(-1), self.config.num_moe_experts).bool()
             probs = routing_map.to(x.dtype)
             dispatcher = self.token_dispatcher
+            outputs = []
             with cpu_megatron_collectives():
                 rows, probs = dispatcher.dispatch_preprocess(rows, routing_map, probs)
                 rows, probs = dispatcher.token_dispatch(rows, probs)
                 rows, tokens_per_expert, _ = dispatcher.dispatch_postprocess(rows, probs)
                 counts = torch.as_tensor(tokens_per_expert, device=rows.device).long()
                 local_ids = torch.repeat_interleave(torch.arange(len(counts), device=rows.device), counts)
-                out = self._local_experts_op()(rows, local_ids)
-                out = dispatcher.combine_preprocess(out)
-                out = dispatcher.token_combine(out)
-                out = dispatcher.combine_postprocess(out)
+                for shard in range(self.engine_shards):
+                    # megatron's combine keeps no state of its own: it runs once per shard.
+                    out = self._local_experts_op(shard)(rows, local_ids)
+                    out = dispatcher.combine_preprocess(out)
+                    out = dispatcher.token_combine(out)
+                    outputs.append(dispatcher.combine_postprocess(out))
             arithmetic = probe_combine_arithmetic(self.runtime, self.moe, self.config.hidden_size)
-            routed = slot_order_combine(out.reshape(tokens, k, -1), weights, arithmetic)
             scale = router.output_scale()
-            return (routed * scale if scale != 1.0 else routed).to(x.dtype)
+            routed = [slot_order_combine(out.reshape(tokens, k, -1), weights, arithmetic) for out in outputs]
+            return [(r * scale if scale != 1.0 else r).to(x.dtype) for r in routed]
 
         def refresh(self) -> None:
             """Re-derive the experts' and the shared expert gate's engine layouts (the router
             and the shared expert's linears are modules of their own)."""
-            self._experts_op().derived.refresh()
             if self.expert_parallel:
+                for shard in range(self.engine_shards):
+                    self._local_experts_op(shard).derived.refresh()
                 self._engine_router().derived.refresh()
+            else:
+                self._experts_op().derived.refresh()
             shared = self._shared_ops()
             if shared is not None and shared[3] is not None:
                 shared[3].derived.refresh()

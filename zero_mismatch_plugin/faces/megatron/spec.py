@@ -48,8 +48,10 @@ def unsupported_features(config) -> list[str]:
     if get("multi_latent_attention"):
         problems.append("multi-latent attention (MLA)")
     tp = get("tensor_model_parallel_size", 1) or 1
-    if tp != 1 and get("num_moe_experts") and (get("expert_model_parallel_size", 1) or 1) != 1:
-        problems.append("tensor parallelism > 1 with expert parallelism > 1")
+    if (tp != 1 and get("num_moe_experts") and (get("expert_model_parallel_size", 1) or 1) != 1
+            and (get("expert_tensor_parallel_size", 1) or 1) != 1):
+        problems.append("tensor with expert parallelism at expert_tensor_parallel_size > 1 (set it to 1: experts "
+                        "whole on their rank, computed as the engine's tensor-parallel ranks split them)")
     if (get("pipeline_model_parallel_size", 1) or 1) != 1 and (get("expert_model_parallel_size", 1) or 1) != 1:
         problems.append("pipeline parallelism > 1 with expert parallelism > 1 (not run together yet)")
     if get("virtual_pipeline_model_parallel_size"):

@@ -50,6 +50,12 @@ class Layout:
                 * self.data_parallel_size)
 
     @property
+    def expert_tensor_parallel_size(self) -> int:
+        """Each expert split over the tensor-parallel ranks as the engine splits it, or whole on
+        its expert-parallel rank (which then computes the engine ranks' shards one by one)."""
+        return 1 if self.expert_model_parallel_size > 1 else self.tensor_model_parallel_size
+
+    @property
     def name(self) -> str:
         name = f"tp{self.tensor_model_parallel_size}" + ("-sp" if self.sequence_parallel else "")
         if self.expert_model_parallel_size > 1:
@@ -75,6 +81,7 @@ class Layout:
                      "context_parallel_size": self.context_parallel_size}
         if self.expert_model_parallel_size > 1:
             overrides.update(expert_model_parallel_size=self.expert_model_parallel_size,
+                             expert_tensor_parallel_size=self.expert_tensor_parallel_size,
                              moe_token_dispatcher_type=self.moe_token_dispatcher_type)
         return overrides
 
@@ -99,17 +106,19 @@ def use_layout(layout: Layout) -> None:
     from megatron.core import parallel_state
 
     wanted = (layout.tensor_model_parallel_size, layout.expert_model_parallel_size, layout.pipeline_model_parallel_size,
-              layout.context_parallel_size)
+              layout.context_parallel_size, layout.expert_tensor_parallel_size)
     if parallel_state.model_parallel_is_initialized():
         current = (parallel_state.get_tensor_model_parallel_world_size(),
                    parallel_state.get_expert_model_parallel_world_size(),
                    parallel_state.get_pipeline_model_parallel_world_size(),
-                   parallel_state.get_context_parallel_world_size())
+                   parallel_state.get_context_parallel_world_size(),
+                   parallel_state.get_expert_tensor_parallel_world_size())
         if current == wanted:
             return
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=wanted[0], expert_model_parallel_size=wanted[1],
-                                             pipeline_model_parallel_size=wanted[2], context_parallel_size=wanted[3])
+                                             pipeline_model_parallel_size=wanted[2], context_parallel_size=wanted[3],
+                                             expert_tensor_parallel_size=wanted[4])
 
 
 @dataclasses.dataclass(frozen=True)

@@ -154,8 +154,9 @@ def _engine_gaps(cfg: DictConfig) -> list[str]:
             gaps.append(f"{name} {size} in verl's Megatron engine (the Megatron face runs it bitwise on its own "
                         "ranks; inside verl's engine it is not run yet)")
     etp = read(cfg, f"{MEGATRON}.expert_tensor_parallel_size")
-    if etp not in (None, 1):
-        gaps.append(f"expert_tensor_parallel_size {etp} in the trainer (the aligned MoE layer keeps each expert whole)")
+    if etp not in (None, 1, tp or 1):
+        gaps.append(f"expert_tensor_parallel_size {etp} in the trainer (the aligned MoE layer splits each expert as "
+                    f"the engine does, over the {tp or 1} tensor-parallel ranks, or keeps it whole: 1)")
     for key, wanted in ((f"{MEGATRON}.use_mbridge", True), (f"{MEGATRON}.vanilla_mbridge", False),
                         (f"{MEGATRON}.use_remove_padding", True), ("actor_rollout_ref.model.use_fused_kernels", False)):
         if read(cfg, key) is not wanted:
