@@ -401,13 +401,15 @@ def test_moe_gradients_at_tp2_sp_agree_with_the_one_process_face_and_the_gathere
         assert torch.allclose(weights[name], before[name] - STEP.lr * grad, rtol=1e-6, atol=1e-8), name
 
 
-def test_zmrl_check_at_tp2_sp_on_an_moe_checkpoint_passes_every_check(mg_checkpoints, tmp_path, capsys):
-    """``zmrl check --trainer megatron --tensor-parallel 2 --sequence-parallel`` on Qwen3-MoE as a
-    user runs it: its own engine at TP 2 and its own two ranks; the expert-selection check included."""
+def test_zmrl_check_at_tp2_sp_by_ep2_on_an_moe_checkpoint_passes_every_check(mg_checkpoints, tmp_path, capsys):
+    """``zmrl check --trainer megatron --tensor-parallel 2 --sequence-parallel --expert-parallel 2`` on
+    Qwen3-MoE as a user runs it: its own engine at TP 2 and its own two ranks; the expert-selection
+    check included (every rank's tokens' choices)."""
     from support.check_command import run_check
 
-    code, table, report = run_check(mg_checkpoints["qwen3_moe"], ["--tensor-parallel", "2", "--sequence-parallel"],
-                                    tmp_path, capsys)
+    code, table, report = run_check(mg_checkpoints["qwen3_moe"], ["--tensor-parallel", "2", "--sequence-parallel",
+                                                                  "--expert-parallel", "2"], tmp_path, capsys)
     assert code == 0, table
-    assert "trainer megatron | tensor parallel 2 + sequence parallel" in table and "expert_selection" in report
+    assert "trainer megatron | tensor parallel 2 + sequence parallel | expert parallel 2 (alltoall)" in table
+    assert "expert_selection" in report
     assert all(entry["pass"] is True for entry in report.values()), report

@@ -122,9 +122,10 @@ def run_settings(args, max_model_len: int, lora: dict) -> eng.EngineSettings:
         raise inputs.CheckerInputError(
             f"--expert-parallel runs the Megatron face's experts on several ranks: use --trainer megatron "
             f"(--trainer {args.trainer} runs in one process)")
-    if expert_parallel > 1 and tensor_parallel > 1:
-        raise inputs.CheckerInputError("--expert-parallel with --tensor-parallel: the Megatron face's MoE layers run at "
-                                       "tensor parallelism 1; give one of them")
+    if expert_parallel > 1 and tensor_parallel > 1 and expert_parallel != tensor_parallel:
+        raise inputs.CheckerInputError(
+            f"--expert-parallel {expert_parallel} with --tensor-parallel {tensor_parallel}: the checker runs the experts "
+            "over the tensor-parallel ranks (expert tensor parallelism 1); give them the same size")
     pipeline_parallel = getattr(args, "pipeline_parallel", 1)
     context_parallel = getattr(args, "context_parallel", 1)
     for flag, size, what in (("--pipeline-parallel", pipeline_parallel, "the Megatron face's layers in stages"),
@@ -134,8 +135,9 @@ def run_settings(args, max_model_len: int, lora: dict) -> eng.EngineSettings:
         if size > 1 and args.trainer != "megatron":
             raise inputs.CheckerInputError(f"{flag} runs {what} on several ranks: use --trainer megatron "
                                            f"(--trainer {args.trainer} runs in one process)")
-    if sum(size > 1 for size in (tensor_parallel, expert_parallel, pipeline_parallel, context_parallel)) > 1:
-        raise inputs.CheckerInputError("--tensor-parallel, --expert-parallel, --pipeline-parallel and --context-parallel: "
+    # Tensor with expert parallelism is one layout (the experts over the tensor-parallel ranks).
+    if sum(size > 1 for size in (max(tensor_parallel, expert_parallel), pipeline_parallel, context_parallel)) > 1:
+        raise inputs.CheckerInputError("--tensor-parallel / --expert-parallel, --pipeline-parallel and --context-parallel: "
                                        "the checker runs one layout at a time; give one of them")
     try:
         settings = eng.engine_settings(

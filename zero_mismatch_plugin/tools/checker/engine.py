@@ -75,7 +75,8 @@ class EngineSettings:
     tensor_parallel: int = 1
     sequence_parallel: bool = False
     # The trainer's expert parallelism (megatron's, with this token dispatcher); the engine keeps
-    # every expert in one process, whose combine the face reproduces.
+    # every expert in one process (or split over its tensor-parallel ranks), whose arithmetic the
+    # face reproduces.
     expert_parallel: int = 1
     moe_token_dispatcher: str = "alltoall"
     # The trainer's pipeline parallelism (megatron's stages); the engine runs every layer in its
