@@ -321,6 +321,115 @@ def test_after_a_step_at_tp2_sp_and_one_sync_the_engine_is_bitwise_again(tp2_lla
     assert torch.equal(engine_after, after), f"{int((engine_after != after).sum())} of {after.numel()} tokens differ"
 
 
+# ----- LoRA at TP 2 + SP ----------------------------------------------------------------------
+
+
+def _merged_checkpoint(model_dir, adapter_dir, out):
+    """The checkpoint with the adapter merged into its weights (W + s·B·A, PEFT's merge): the
+    forward vLLM's LoRA layers do not run."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from zero_mismatch_plugin.aligned.lora.ops import merged_lora_weight
+
+    shutil.copytree(model_dir, out)
+    config = json.loads((adapter_dir / "adapter_config.json").read_text())
+    scaling = config["lora_alpha"] / config["r"]
+    adapter = load_file(adapter_dir / "adapter_model.safetensors")
+    weights = load_file(out / "model.safetensors")
+    for name, lora_a in adapter.items():
+        if name.endswith(".lora_A.weight"):
+            module = name.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
+            lora_b = adapter[name.replace(".lora_A.", ".lora_B.")]
+            weights[f"{module}.weight"] = merged_lora_weight(weights[f"{module}.weight"], lora_a, lora_b, scaling)
+    save_file(weights, out / "model.safetensors")
+    return out
+
+
+@pytest.fixture(scope="module")
+def tp2_lora(mg_checkpoints, tmp_path_factory, tp2_group):
+    """An r-8 adapter on every decoder linear of the Llama checkpoint, served by an engine at
+    TP 2 as ``zmrl check --tensor-parallel 2 --lora`` starts it: ``zmrl check`` on it, a rollout
+    from it, and the ranks' scores (at TP 2 + SP) of the rollout with the adapter and of the
+    checkpoint with the adapter merged; the engine is shut before the other tests need memory."""
+    from zero_mismatch_plugin.aligned.lora.adapter import build_adapter
+    from zero_mismatch_plugin.integrations.megatron.distributed import ScoreRequest
+    from zero_mismatch_plugin.integrations.megatron.rank_group import launch
+    from zero_mismatch_plugin.tables.architectures import LORA_TARGETS
+    from zero_mismatch_plugin.tools import cli
+    from zero_mismatch_plugin.tools.checker import engine as checker_engine
+
+    root = tmp_path_factory.mktemp("tp2_lora")
+    adapter = build_adapter(root / "adapter", mg_checkpoints["llama"], r=8, lora_alpha=16, targets=LORA_TARGETS, seed=21)
+    settings = checker_engine.engine_settings(mg_checkpoints["llama"], ENGINE_KWARGS["max_model_len"], seed=0,
+                                              tensor_parallel=TP, sequence_parallel=True, lora_dir=adapter)
+    out = SimpleNamespace(settings=settings)
+    with checker_engine.open_engine(settings) as llm, pytest.MonkeyPatch.context() as patch:
+        @contextlib.contextmanager
+        def module_engine(asked):
+            assert asked == settings
+            yield llm
+
+        patch.setattr(checker_engine, "open_engine", module_engine)
+        out.check_code = cli.main(["check", "--model", str(mg_checkpoints["llama"]), "--trainer", "megatron",
+                                   "--tensor-parallel", "2", "--sequence-parallel", "--lora", str(adapter),
+                                   "--max-model-len", str(ENGINE_KWARGS["max_model_len"]), "--quiet",
+                                   "--json", str(root / "check.json")])
+        out.check_report = (root / "check.json").read_text()
+        out.rollout = rollout(llm, prompts_for(mg_checkpoints["llama"], corpus_seed=11), seed=3,
+                              lora_request=llm.lora_request)
+    prompts, responses, _ = out.rollout
+    merged = _merged_checkpoint(mg_checkpoints["llama"], adapter, root / "merged")
+    requests = [ScoreRequest(str(mg_checkpoints["llama"]), settings.trainer_args, prompts, responses, lora_dir=str(adapter)),
+                ScoreRequest(str(merged), ENGINE_KWARGS, prompts, responses)]
+    out.with_adapter, out.merged = launch(requests, [Layout(TP, sequence_parallel=True)], tp2_group)
+    return out
+
+
+def test_zmrl_check_with_lora_at_tp2_sp_passes_every_check(tp2_lora, capsys):
+    """``zmrl check --trainer megatron --tensor-parallel 2 --sequence-parallel --lora ADAPTER``:
+    column-parallel linears keep A whole and their rows of B, row-parallel ones their columns of
+    A and B whole, each rank's update added to its partial before the ranks' sum, as vLLM does."""
+    import json
+
+    assert tp2_lora.check_code == 0
+    report = json.loads(tp2_lora.check_report)
+    assert all(entry["pass"] is not False for entry in report.values()), report
+    assert report["sampled_token"]["bitwise_equal_fraction"] == 1.0
+    assert report["full_distribution"]["pass"] is True
+    assert report["prefix_cache"]["trainer_on_hit_bitwise_equal_fraction"] == 1.0
+
+
+def test_lora_at_tp2_sp_is_bitwise_with_the_engine_and_the_merged_adapter_is_not(tp2_lora):
+    """The ranks' scores of a rollout of the TP-2 LoRA engine; negative control: the same
+    checkpoint with the adapter merged into its weights (the base arithmetic the same, the LoRA
+    arithmetic not vLLM's) is close to μ but not bitwise."""
+    _, _, mu = tp2_lora.rollout
+    values = torch.cat(tp2_lora.with_adapter["tp2-sp"]["logprobs"])
+    assert torch.equal(values, mu), f"{int((values != mu).sum())} of {mu.numel()} tokens differ"
+    merged = torch.cat(tp2_lora.merged["tp2-sp"]["logprobs"])
+    assert not torch.equal(merged, mu)
+    assert (merged - mu).abs().max() < 1e-3  # the same function: only the arithmetic differs
+
+
+def test_lora_on_ranks_is_refused_where_it_is_not_covered():
+    from zero_mismatch_plugin.faces.megatron.lora import layout_problem
+    from zero_mismatch_plugin.integrations.megatron.distributed import ScoreRequest
+
+    assert layout_problem(2, True) is None and layout_problem(1, False) is None
+    for args, kwargs, words in (
+        ((2, False), {}, "turn sequence parallelism on"),
+        ((2, True), {"vocab": ["lm_head"]}, "LoRA on ['lm_head'] at tensor parallelism 2"),
+        ((2, True), {"experts": True}, "LoRA on MoE experts at tensor parallelism 2"),
+        ((1, False), {"expert_parallel": 2, "pipeline_parallel": 2}, "not at expert parallelism 2, pipeline parallelism 2"),
+    ):
+        assert words in layout_problem(*args, **kwargs)
+    with pytest.raises(NotImplementedError, match="training step of a LoRA adapter on ranks"):
+        ScoreRequest("m", {}, [[1]], [[2]], step=STEP, lora_dir="a")
+
+
 def test_a_rank_killed_mid_call_fails_the_call_within_60_s_naming_the_rank(tp2_group, tp2_results, mg_checkpoints, tp2_rollouts):
     """Rank 1 is stopped, a call is sent (rank 0 waits for it in a collective), then rank 1 is killed."""
     import signal

@@ -18,7 +18,7 @@ from zero_mismatch_plugin.aligned.lora.adapter import LoRAAdapter
 from zero_mismatch_plugin.aligned.lora.ops import TokenMapping, AlignedLoRALinear
 from zero_mismatch_plugin.aligned.lora.vocab_ops import AlignedLoRAEmbedding, AlignedLoRALogits
 from zero_mismatch_plugin.tables.architectures import VOCAB_LORA_TARGETS
-from zero_mismatch_plugin.faces.megatron import convert
+from zero_mismatch_plugin.faces.megatron import convert, parallel
 from zero_mismatch_plugin.faces.megatron.modules import AlignedOutputLayer
 
 
@@ -86,11 +86,8 @@ def attach_lora(model, runtime, adapter_dir: str | os.PathLike):
     ``runtime`` must be built with the engine's LoRA arguments (``lora_engine_args``).
     """
     hf = runtime.hf_config
-    tp = getattr(getattr(model, "config", None), "tensor_model_parallel_size", 1) or 1
-    if tp != 1:
-        raise NotImplementedError(
-            f"{adapter_dir}: LoRA adapters in the Megatron face run at tensor parallelism 1 (this model has {tp})"
-        )
+    config = getattr(model, "config", None)
+    tp = getattr(config, "tensor_model_parallel_size", 1) or 1
     adapter = LoRAAdapter.from_dir(adapter_dir, hf, convert.megatron_blocks(hf).head_dim, vocab=True)
     lora_config = adapter.lora_config
     if lora_config.target_parameters:
@@ -107,6 +104,14 @@ def attach_lora(model, runtime, adapter_dir: str | os.PathLike):
         )
     vocab_names = {convert.megatron_vocab_lora_name(t, which) for t in VOCAB_LORA_TARGETS for which in "AB"}
     tensors = {n: t for n, t in convert.peft_to_megatron_lora(adapter.peft_state()).items() if n not in vocab_names}
+    problem = layout_problem(
+        tp, bool(getattr(config, "sequence_parallel", False)), vocab=sorted(vocab_pairs),
+        experts=any(convert.parse_megatron_lora_name(n)[3] is not None for n in tensors),
+        expert_parallel=getattr(config, "expert_model_parallel_size", 1) or 1,
+        pipeline_parallel=getattr(config, "pipeline_model_parallel_size", 1) or 1,
+        context_parallel=getattr(config, "context_parallel_size", 1) or 1)
+    if problem:
+        raise NotImplementedError(f"{adapter_dir}: {problem}")
     out_features = _out_features(hf)
     mapping = TokenMapping(runtime)
     for p in model.parameters():
@@ -126,11 +131,66 @@ def attach_lora(model, runtime, adapter_dir: str | os.PathLike):
     for name, (expert, pairs) in linears.items():
         module = modules[name]
         slices = convert.lora_slices(next(iter(pairs)))
-        sizes = [out_features[expert][t] for t in slices]
+        # A column-parallel linear's slices are this rank's rows of each (q, k, v; gate, up).
+        sizes = [out_features[expert][t] // (tp if module.partition_dim == 0 else 1) for t in slices]
+        if tp > 1:
+            pairs = {t: tensor_parallel_pair(p, module.partition_dim, module.tp_group) for t, p in pairs.items()}
         module.lora = MegatronLoRA(slices, sizes, {t: p.to(module.weight.device) for t, p in pairs.items()},
                                    lora_config, mapping)
     _attach_vocab_lora(model, runtime, vocab_pairs, lora_config)
     return lora_config
+
+
+def layout_problem(tensor_parallel: int, sequence_parallel: bool, vocab=(), experts: bool = False,
+                   expert_parallel: int = 1, pipeline_parallel: int = 1, context_parallel: int = 1) -> str | None:
+    """Why the Megatron face cannot run an adapter (vocabulary targets ``vocab``, pairs on routed or
+    shared experts if ``experts``) at a layout, or None. On ranks it runs at tensor parallelism, with
+    sequence parallelism: megatron's ``finalize_model_grads`` then sums the gradients of the
+    adapter matrices every rank holds whole (column-parallel A, row-parallel B) over the ranks."""
+    others = {"expert": expert_parallel, "pipeline": pipeline_parallel, "context": context_parallel}
+    beyond = [f"{what} parallelism {size}" for what, size in others.items() if size > 1]
+    if beyond:
+        return (f"LoRA adapters in the Megatron face run in one process or at tensor parallelism (with sequence "
+                f"parallelism), not at {', '.join(beyond)}")
+    if tensor_parallel == 1:
+        return None
+    if not sequence_parallel:
+        return (f"LoRA at tensor parallelism {tensor_parallel} runs with sequence parallelism: megatron sums the "
+                "gradients of the adapter matrices every rank holds whole over the ranks only then; turn "
+                "sequence parallelism on")
+    if vocab:
+        return (f"LoRA on {list(vocab)} at tensor parallelism {tensor_parallel} is not covered (vLLM splits the "
+                "vocabulary's adapter differently); drop them from target_modules or run at tensor parallelism 1")
+    if experts:
+        return (f"LoRA on MoE experts at tensor parallelism {tensor_parallel} is not covered; adapt the "
+                "attention linears only, or run at tensor parallelism 1")
+    return None
+
+
+def tensor_parallel_pair(pair: LoRAPair, partition_dim: int, group) -> LoRAPair:
+    """This rank's part of ``pair`` as vLLM's LoRA layers split it at tensor parallelism.
+
+    A column-parallel linear (``partition_dim`` 0) keeps A whole and this rank's output rows of B;
+    a row-parallel one (1) this rank's input columns of A and B whole, so the rank's update is
+    ``(x_rank A_rank^T) B^T``, added to its partial output before the ranks' sum, as vLLM adds it.
+    The whole matrix's gradient is a partial sum on each rank: marked for megatron's sum over
+    the tensor-parallel ranks (``sequence_parallel``, see :func:`layout_problem`).
+    """
+    size, rank = parallel.group_size(group), parallel.group_rank(group)
+    a, b = pair.lora_A.data, pair.lora_B.data
+    if partition_dim == 0:
+        rows = parallel.divide(b.shape[0], size, "LoRA B rows")
+        a_part, b_part = a, b[rank * rows:(rank + 1) * rows]
+    else:
+        columns = parallel.divide(a.shape[1], size, "LoRA A columns")
+        a_part, b_part = a[:, rank * columns:(rank + 1) * columns], b
+    part = LoRAPair(a.shape[0], a_part.shape[1], b_part.shape[0])
+    part.lora_A.data.copy_(a_part)
+    part.lora_B.data.copy_(b_part)
+    split, whole = (part.lora_B, part.lora_A) if partition_dim == 0 else (part.lora_A, part.lora_B)
+    parallel.mark_partitioned(split, partition_dim)
+    setattr(whole, "sequence_parallel", True)
+    return part
 
 
 def _attach_vocab_lora(model, runtime, pairs: dict, lora_config) -> None:

@@ -133,15 +133,18 @@ class TrainStep:
 @dataclasses.dataclass(frozen=True)
 class RankModel:
     """The aligned model of one checkpoint at one layout, as the ranks build it: engine arguments
-    of the rollout (the layout adds its own, e.g. ``tensor_parallel_size``) as sorted items."""
+    of the rollout (the layout adds its own, e.g. ``tensor_parallel_size``) as sorted items, and
+    the PEFT adapter in ``lora_dir`` if any (the engine arguments then serve LoRA)."""
 
     model_dir: str
     engine_items: tuple
     layout: Layout
+    lora_dir: str | None = None
 
     @classmethod
-    def of(cls, model_dir, engine_kwargs: dict, layout: Layout) -> "RankModel":
-        return cls(str(model_dir), tuple(sorted(engine_kwargs.items())), layout)
+    def of(cls, model_dir, engine_kwargs: dict, layout: Layout, lora_dir=None) -> "RankModel":
+        return cls(str(model_dir), tuple(sorted(engine_kwargs.items())), layout,
+                   None if lora_dir is None else str(lora_dir))
 
 
 @dataclasses.dataclass
@@ -154,6 +157,12 @@ class ScoreRequest:
     prompts: list
     responses: list
     step: TrainStep | None = None
+    lora_dir: str | None = None  # a PEFT adapter the rollout served (engine_kwargs serve LoRA)
+
+    def __post_init__(self):
+        if self.lora_dir is not None and self.step is not None:
+            raise NotImplementedError("a training step of a LoRA adapter on ranks is not covered; score with "
+                                      "step=None, or train the adapter in one process")
 
 
 def step_coefficients(step: TrainStep, num_tokens: int) -> torch.Tensor:
@@ -187,6 +196,10 @@ class _RankRun:
         use_layout(layout)
         self.runtime = VllmRuntime(spec.model_dir, dtype=dtype, **{**dict(spec.engine_items), **layout.engine_kwargs()})
         self.model = build_gpt_model(self.runtime, aligned=True, **layout.config_overrides()).eval()
+        if spec.lora_dir is not None:
+            from zero_mismatch_plugin.faces.megatron.lora import attach_lora
+
+            attach_lora(self.model, self.runtime, spec.lora_dir)
         self.layout = layout
         self.pipelined = layout.pipeline_model_parallel_size > 1
         self.multiple = layout.tensor_model_parallel_size if layout.sequence_parallel else 1
@@ -284,7 +297,7 @@ def run_request(request: ScoreRequest, layout: Layout) -> dict:
 
     from zero_mismatch_plugin.aligned.packing import pack
 
-    spec = RankModel.of(request.model_dir, request.engine_kwargs, layout)
+    spec = RankModel.of(request.model_dir, request.engine_kwargs, layout, request.lora_dir)
     run = _RankRun(spec) if request.step is not None else _built(spec)
     ranks, rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
     share = data_parallel_share(len(request.prompts), ranks, rank)

@@ -180,7 +180,8 @@ def run_settings(args, max_model_len: int, lora: dict) -> eng.EngineSettings:
 def _refuse_megatron_adapter(settings: eng.EngineSettings) -> None:
     """The Megatron face adapts what the aligned face does (the targets ``served_adapter`` checked:
     decoder linears, routed and shared experts, embed_tokens / lm_head where the engine adapts them)
-    except on multi-head latent attention models and an lm_head tied to the embedding."""
+    except on multi-head latent attention models and an lm_head tied to the embedding; on ranks,
+    what :func:`~zero_mismatch_plugin.faces.megatron.lora.layout_problem` allows."""
     blocks = settings.blocks
     mla = blocks.attention == "mla"
     refused = [t for t in settings.lora_targets if mla or (t == "lm_head" and blocks.tied_head)]
@@ -191,6 +192,21 @@ def _refuse_megatron_adapter(settings: eng.EngineSettings) -> None:
             f"not on multi-head latent attention models or a tied lm_head; this adapter targets {refused} {why}. "
             "Use --trainer aligned, which runs those adapters too."
         )
+    if settings.lora_dir is None:
+        return
+    from zero_mismatch_plugin.aligned.lora.names import EXPERT_TARGETS
+    from zero_mismatch_plugin.faces.megatron.lora import layout_problem
+    from zero_mismatch_plugin.tables.architectures import VOCAB_LORA_TARGETS
+
+    problem = layout_problem(
+        settings.tensor_parallel, settings.sequence_parallel,
+        vocab=[t for t in settings.lora_targets if t in VOCAB_LORA_TARGETS],
+        experts=blocks.moe is not None and any(t in EXPERT_TARGETS for t in settings.lora_targets),
+        expert_parallel=settings.expert_parallel, pipeline_parallel=settings.pipeline_parallel,
+        context_parallel=settings.context_parallel)
+    if problem:
+        raise inputs.CheckerInputError(f"--lora with --trainer megatron: {problem} (flags --tensor-parallel N "
+                                       "--sequence-parallel)")
 
 
 def check_command(args) -> int:

@@ -115,8 +115,6 @@ def engine_settings(
     )
     environment = {}
     if tensor_parallel != 1:
-        if lora_dir is not None:
-            raise NotImplementedError("--lora runs at --tensor-parallel 1 (the Megatron face's adapters run in one process)")
         llm_args["tensor_parallel_size"] = tensor_parallel
         environment.update(cpu_engine_thread_binding(tensor_parallel))
     if prefix_caching:

@@ -34,7 +34,8 @@ class DistributedMegatronBackend:
     each scoring the whole batch, its experts' rows sent through megatron's token dispatcher); or
     ``settings.pipeline_parallel`` stages of megatron's pipeline schedule, the last sending the
     logprobs to the others; or ``settings.context_parallel`` ranks each holding megatron's chunks of
-    every sequence."""
+    every sequence. An adapter (``--lora``) runs at tensor parallelism with sequence parallelism,
+    split over the ranks as vLLM splits it."""
 
     name = "megatron"
 
@@ -42,16 +43,13 @@ class DistributedMegatronBackend:
         from zero_mismatch_plugin.integrations.megatron.distributed import Layout, RankModel
         from zero_mismatch_plugin.integrations.megatron.rank_group import RankGroup
 
-        if settings.lora_dir is not None:
-            raise NotImplementedError("LoRA adapters in the Megatron face run in one process (no --tensor-parallel, "
-                                      "--expert-parallel, --pipeline-parallel or --context-parallel)")
         self.layout = Layout(settings.tensor_parallel, settings.sequence_parallel,
                              expert_model_parallel_size=settings.expert_parallel,
                              moe_token_dispatcher_type=settings.moe_token_dispatcher,
                              data_parallel_size=max(1, settings.expert_parallel // settings.tensor_parallel),
                              pipeline_model_parallel_size=settings.pipeline_parallel,
                              context_parallel_size=settings.context_parallel)
-        self.spec = RankModel.of(settings.model_dir, settings.trainer_args, self.layout)
+        self.spec = RankModel.of(settings.model_dir, settings.trainer_args, self.layout, settings.lora_dir)
         self.group = RankGroup(self.layout)
         self.group.call("token_logprobs", self.spec, _empty_batch())  # build the model on every rank now
         self.blocks = settings.blocks
