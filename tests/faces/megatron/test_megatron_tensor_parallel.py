@@ -7,9 +7,13 @@ the ranks as vLLM splits it, or whole on its rank at TP 2 x EP 2 (expert tensor 
 A combined layout too: TP 2 + SP x PP 2 on four ranks (two pipeline stages of two tensor-parallel
 ranks each), bitwise against the same TP-2 engines for Llama and Qwen3.
 
+LoRA at TP 2 + SP: an adapter on every decoder linear of the Llama checkpoint against an engine at
+TP 2 serving it (``zmrl check --lora``, a rollout, one step of the adapter and its sync).
+
 Cost: one TP-2 engine per checkpoint (~20 s each), one torchrun of two ranks that scores every
 checkpoint and takes one training step on Llama and one on Qwen3-MoE (~40 s), and one torchrun of
-four one-thread ranks for the combined layout (~40 s); everything below is asserted from those runs.
+four one-thread ranks for the combined layout (~40 s), and a TP-2 LoRA engine with its check and
+three calls on the two ranks (~70 s); everything below is asserted from those runs.
 """
 
 from __future__ import annotations
@@ -350,11 +354,14 @@ def _merged_checkpoint(model_dir, adapter_dir, out):
 
 @pytest.fixture(scope="module")
 def tp2_lora(mg_checkpoints, tmp_path_factory, tp2_group):
-    """An r-8 adapter on every decoder linear of the Llama checkpoint, served by an engine at
-    TP 2 as ``zmrl check --tensor-parallel 2 --lora`` starts it: ``zmrl check`` on it, a rollout
-    from it, and the ranks' scores (at TP 2 + SP) of the rollout with the adapter and of the
-    checkpoint with the adapter merged; the engine is shut before the other tests need memory."""
+    """An r-8 adapter on every decoder linear of the Llama checkpoint, served by an engine at TP 2
+    as ``zmrl check --tensor-parallel 2 --lora`` starts it. On it: ``zmrl check``, a rollout; the
+    ranks (TP 2 + SP) score the rollout with the adapter and take one step of it, and score the
+    checkpoint with the adapter merged; the stepped adapter, gathered whole, is loaded into the
+    engine as a new adapter, which samples again; the ranks score that rollout, and the first,
+    with the stepped adapter built from its files."""
     from zero_mismatch_plugin.aligned.lora.adapter import build_adapter
+    from zero_mismatch_plugin.aligned.lora.peft import lora_request, read_lora_config, write_peft_adapter
     from zero_mismatch_plugin.integrations.megatron.distributed import ScoreRequest
     from zero_mismatch_plugin.integrations.megatron.rank_group import launch
     from zero_mismatch_plugin.tables.architectures import LORA_TARGETS
@@ -365,7 +372,9 @@ def tp2_lora(mg_checkpoints, tmp_path_factory, tp2_group):
     adapter = build_adapter(root / "adapter", mg_checkpoints["llama"], r=8, lora_alpha=16, targets=LORA_TARGETS, seed=21)
     settings = checker_engine.engine_settings(mg_checkpoints["llama"], ENGINE_KWARGS["max_model_len"], seed=0,
                                               tensor_parallel=TP, sequence_parallel=True, lora_dir=adapter)
-    out = SimpleNamespace(settings=settings)
+    layouts = [Layout(TP, sequence_parallel=True)]
+    prompts = prompts_for(mg_checkpoints["llama"], corpus_seed=11)
+    out = SimpleNamespace(settings=settings, adapter=adapter, stepped=root / "stepped")
     with checker_engine.open_engine(settings) as llm, pytest.MonkeyPatch.context() as patch:
         @contextlib.contextmanager
         def module_engine(asked):
@@ -378,17 +387,21 @@ def tp2_lora(mg_checkpoints, tmp_path_factory, tp2_group):
                                    "--max-model-len", str(ENGINE_KWARGS["max_model_len"]), "--quiet",
                                    "--json", str(root / "check.json")])
         out.check_report = (root / "check.json").read_text()
-        out.rollout = rollout(llm, prompts_for(mg_checkpoints["llama"], corpus_seed=11), seed=3,
-                              lora_request=llm.lora_request)
-    prompts, responses, _ = out.rollout
-    merged = _merged_checkpoint(mg_checkpoints["llama"], adapter, root / "merged")
-    requests = [ScoreRequest(str(mg_checkpoints["llama"]), settings.trainer_args, prompts, responses, lora_dir=str(adapter)),
-                ScoreRequest(str(merged), ENGINE_KWARGS, prompts, responses)]
-    out.with_adapter, out.merged = launch(requests, [Layout(TP, sequence_parallel=True)], tp2_group)
+        out.rollout = rollout(llm, prompts, seed=3, lora_request=llm.lora_request)
+        merged = _merged_checkpoint(mg_checkpoints["llama"], adapter, root / "merged")
+        requests = [ScoreRequest(str(mg_checkpoints["llama"]), settings.trainer_args, *out.rollout[:2], step=STEP,
+                                 lora_dir=str(adapter)),
+                    ScoreRequest(str(merged), ENGINE_KWARGS, *out.rollout[:2])]
+        out.with_adapter, out.merged = launch(requests, layouts, tp2_group)
+        write_peft_adapter(out.stepped, read_lora_config(adapter), out.with_adapter["tp2-sp"]["weights"])
+        out.stepped_rollout = rollout(llm, prompts, seed=3, lora_request=lora_request("stepped", 2, out.stepped))
+    again = [ScoreRequest(str(mg_checkpoints["llama"]), settings.trainer_args, *r[:2], lora_dir=str(out.stepped))
+             for r in (out.stepped_rollout, out.rollout)]
+    out.stepped_scores, out.stepped_first_rollout = launch(again, layouts, tp2_group)
     return out
 
 
-def test_zmrl_check_with_lora_at_tp2_sp_passes_every_check(tp2_lora, capsys):
+def test_zmrl_check_with_lora_at_tp2_sp_passes_every_check(tp2_lora):
     """``zmrl check --trainer megatron --tensor-parallel 2 --sequence-parallel --lora ADAPTER``:
     column-parallel linears keep A whole and their rows of B, row-parallel ones their columns of
     A and B whole, each rank's update added to its partial before the ranks' sum, as vLLM does."""
@@ -414,9 +427,49 @@ def test_lora_at_tp2_sp_is_bitwise_with_the_engine_and_the_merged_adapter_is_not
     assert (merged - mu).abs().max() < 1e-3  # the same function: only the arithmetic differs
 
 
+def test_lora_gradients_at_tp2_sp_agree_with_the_one_process_face(tp2_lora, mg_checkpoints):
+    """A and B gradients of one step on the ranks, gathered whole: the matrices every rank holds
+    whole summed over the ranks by megatron's finalize_model_grads (their sequence_parallel mark),
+    the split ones concatenated; against the same loss in one process."""
+    from zero_mismatch_plugin.aligned.packing import pack
+    from zero_mismatch_plugin.faces.megatron import convert
+    from zero_mismatch_plugin.faces.megatron.lora import attach_lora, lora_parameters
+    from zero_mismatch_plugin.integrations.megatron.distributed import step_coefficients
+    from zero_mismatch_plugin.integrations.megatron.standalone import (MegatronScorer, packed_logits,
+                                                                        token_logprobs_from_logits)
+
+    prompts, responses, _ = tp2_lora.rollout
+    scorer = MegatronScorer.from_model_dir(mg_checkpoints["llama"], **tp2_lora.settings.trainer_args)
+    attach_lora(scorer.model, scorer.runtime, tp2_lora.adapter)
+    batch = pack(prompts, responses)
+    coefficients = step_coefficients(STEP, sum(len(r) for r in responses))
+    (token_logprobs_from_logits(packed_logits(scorer.model, batch), batch) * coefficients).sum().backward()
+    reference = convert.megatron_to_peft_lora({n: p.grad for n, p in lora_parameters(scorer.model)})
+    grads = tp2_lora.with_adapter["tp2-sp"]["grads"]
+    assert sorted(grads) == sorted(reference) and len(grads) == 2 * 7 * 2  # A and B of 7 targets in 2 layers
+    worst = 0.0
+    for name, expected in reference.items():
+        assert grads[name].shape == expected.shape, name
+        rel = ((grads[name] - expected).norm() / expected.norm()).item()
+        worst = max(worst, rel)
+        assert rel < GRAD_REL_TOL, f"{name}: relative difference {rel:.3g}"
+    print(f"LoRA gradients at tp2-sp vs one process: worst relative difference {worst:.3g}")
+
+
+def test_after_a_step_of_the_adapter_at_tp2_sp_and_its_sync_the_engine_is_bitwise_again(tp2_lora):
+    """The stepped adapter, gathered whole and loaded by the engine as a new adapter: its rollout
+    is bitwise with the ranks' stepped adapter, which scores the first rollout as the ranks'
+    in-memory step did."""
+    stepped_mu = tp2_lora.stepped_rollout[2]
+    assert not torch.equal(stepped_mu, tp2_lora.rollout[2]) or tp2_lora.stepped_rollout[1] != tp2_lora.rollout[1]
+    values = torch.cat(tp2_lora.stepped_scores["tp2-sp"]["logprobs"])
+    assert torch.equal(values, stepped_mu), f"{int((values != stepped_mu).sum())} of {stepped_mu.numel()} tokens differ"
+    in_memory = torch.cat(tp2_lora.with_adapter["tp2-sp"]["logprobs_after"])
+    assert torch.equal(torch.cat(tp2_lora.stepped_first_rollout["tp2-sp"]["logprobs"]), in_memory)
+
+
 def test_lora_on_ranks_is_refused_where_it_is_not_covered():
     from zero_mismatch_plugin.faces.megatron.lora import layout_problem
-    from zero_mismatch_plugin.integrations.megatron.distributed import ScoreRequest
 
     assert layout_problem(2, True) is None and layout_problem(1, False) is None
     for args, kwargs, words in (
@@ -426,8 +479,6 @@ def test_lora_on_ranks_is_refused_where_it_is_not_covered():
         ((1, False), {"expert_parallel": 2, "pipeline_parallel": 2}, "not at expert parallelism 2, pipeline parallelism 2"),
     ):
         assert words in layout_problem(*args, **kwargs)
-    with pytest.raises(NotImplementedError, match="training step of a LoRA adapter on ranks"):
-        ScoreRequest("m", {}, [[1]], [[2]], step=STEP, lora_dir="a")
 
 
 def test_a_rank_killed_mid_call_fails_the_call_within_60_s_naming_the_rank(tp2_group, tp2_results, mg_checkpoints, tp2_rollouts):

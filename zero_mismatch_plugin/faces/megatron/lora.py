@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 
+import torch
 from torch import nn
 
 from zero_mismatch_plugin.aligned.derived import OpCache
@@ -221,10 +222,30 @@ def lora_parameters(model):
     return [(n, p) for n, p in model.named_parameters() if ".lora." in n]
 
 
-def adapter_state(model) -> dict:
-    """The model's adapter under PEFT's names (detached), what the engine loads."""
+def full_adapter_tensors(model, tensors: dict) -> dict:
+    """PEFT names -> whole tensors, from this rank's parts ``tensors`` (Megatron-face names) of the
+    model's adapter matrices or their gradients: a matrix split over the tensor-parallel ranks
+    (:func:`tensor_parallel_pair`) is gathered along its split (a collective: every rank calls it)."""
+    from zero_mismatch_plugin.aligned.reductions import all_gather_parts
+
+    params = dict(lora_parameters(model))
     hf_config = next((m.mapping.runtime.hf_config for m in model.modules() if isinstance(m, MegatronLoRA)), None)
-    return convert.megatron_to_peft_lora({n: p.detach() for n, p in lora_parameters(model)}, hf_config)
+    whole = {}
+    for name, tensor in tensors.items():
+        param = params[name]
+        tensor = tensor.detach()
+        if getattr(param, "tensor_model_parallel", False):
+            from megatron.core import parallel_state
+
+            parts = all_gather_parts(tensor.contiguous(), parallel_state.get_tensor_model_parallel_group())
+            tensor = torch.cat(parts, dim=param.partition_dim)
+        whole[name] = tensor
+    return convert.megatron_to_peft_lora(whole, hf_config)
+
+
+def adapter_state(model) -> dict:
+    """The model's adapter under PEFT's names (detached, whole), what the engine loads."""
+    return full_adapter_tensors(model, dict(lora_parameters(model)))
 
 
 def save_adapter(model, lora_config, adapter_dir: str | os.PathLike):

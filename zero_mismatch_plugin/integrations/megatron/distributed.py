@@ -159,11 +159,6 @@ class ScoreRequest:
     step: TrainStep | None = None
     lora_dir: str | None = None  # a PEFT adapter the rollout served (engine_kwargs serve LoRA)
 
-    def __post_init__(self):
-        if self.lora_dir is not None and self.step is not None:
-            raise NotImplementedError("a training step of a LoRA adapter on ranks is not covered; score with "
-                                      "step=None, or train the adapter in one process")
-
 
 def step_coefficients(step: TrainStep, num_tokens: int) -> torch.Tensor:
     return torch.randn(num_tokens, generator=torch.Generator().manual_seed(step.coefficient_seed))
@@ -200,6 +195,7 @@ class _RankRun:
             from zero_mismatch_plugin.faces.megatron.lora import attach_lora
 
             attach_lora(self.model, self.runtime, spec.lora_dir)
+        self.adapted = spec.lora_dir is not None
         self.layout = layout
         self.pipelined = layout.pipeline_model_parallel_size > 1
         self.multiple = layout.tensor_model_parallel_size if layout.sequence_parallel else 1
@@ -248,7 +244,8 @@ class _RankRun:
 
     def step(self, batch, step: TrainStep, coefficients: torch.Tensor) -> dict:
         """Gradients of ``sum(coefficients * logprobs)`` over every data-parallel rank's tokens
-        (full, checkpoint names), this rank's logprobs after the step, and the full weights."""
+        (full, checkpoint names; with an adapter its A and B only, PEFT names), this rank's
+        logprobs after the step, and the full weights (with an adapter: the adapter's)."""
         from megatron.core import parallel_state
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.distributed.finalize_model_grads import finalize_model_grads
@@ -267,15 +264,23 @@ class _RankRun:
         # DDP averages over the data- and context-parallel ranks; each context-parallel rank's
         # gradients are its own rows' share of the sum.
         ranks = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
-        grads = convert.full_tensors(self.model, {n: p.main_grad * ranks for n, p in self.model.named_parameters()})
+        trained = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]  # an adapter's A and B only
+        local_grads = {n: p.main_grad * ranks for n, p in trained}
+        if self.adapted:
+            from zero_mismatch_plugin.faces.megatron.lora import adapter_state, full_adapter_tensors
+
+            grads = full_adapter_tensors(self.model, local_grads)
+        else:
+            grads = convert.megatron_to_hf(convert.full_tensors(self.model, local_grads), hf)
         with torch.no_grad():
-            for p in self.model.parameters():
+            for _, p in trained:
                 p.add_(p.main_grad, alpha=-step.lr)
         ddp.eval()
         with torch.no_grad():
             after = self.logprobs(batch, ddp)
-        return dict(grads=convert.megatron_to_hf(grads, hf), logprobs_after=batch.split_per_sequence(after.cpu()),
-                    weights=convert.engine_weights(self.model, hf, self.runtime.dtype))
+        # The weights the engine loads after the step: the whole adapter (PEFT names), or the model.
+        weights = adapter_state(self.model) if self.adapted else convert.engine_weights(self.model, hf, self.runtime.dtype)
+        return dict(grads=grads, logprobs_after=batch.split_per_sequence(after.cpu()), weights=weights)
 
 
 # The models a rank has built, for calls that only read them (a step builds its own).
