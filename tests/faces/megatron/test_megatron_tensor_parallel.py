@@ -25,6 +25,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from support.megatron_lora import assert_gradients_close, merged_checkpoint, one_process_lora_gradients
 from support.vllm_session import MAX_MODEL_LEN, float64_hf_model, hf_token_logprobs, prompts_for, rollout
 from zero_mismatch_plugin.integrations.megatron.distributed import Layout, TrainStep
 
@@ -328,30 +329,6 @@ def test_after_a_step_at_tp2_sp_and_one_sync_the_engine_is_bitwise_again(tp2_lla
 # ----- LoRA at TP 2 + SP ----------------------------------------------------------------------
 
 
-def _merged_checkpoint(model_dir, adapter_dir, out):
-    """The checkpoint with the adapter merged into its weights (W + s·B·A, PEFT's merge): the
-    forward vLLM's LoRA layers do not run."""
-    import json
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-
-    from zero_mismatch_plugin.aligned.lora.ops import merged_lora_weight
-
-    shutil.copytree(model_dir, out)
-    config = json.loads((adapter_dir / "adapter_config.json").read_text())
-    scaling = config["lora_alpha"] / config["r"]
-    adapter = load_file(adapter_dir / "adapter_model.safetensors")
-    weights = load_file(out / "model.safetensors")
-    for name, lora_a in adapter.items():
-        if name.endswith(".lora_A.weight"):
-            module = name.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
-            lora_b = adapter[name.replace(".lora_A.", ".lora_B.")]
-            weights[f"{module}.weight"] = merged_lora_weight(weights[f"{module}.weight"], lora_a, lora_b, scaling)
-    save_file(weights, out / "model.safetensors")
-    return out
-
-
 @pytest.fixture(scope="module")
 def tp2_lora(mg_checkpoints, tmp_path_factory, tp2_group):
     """An r-8 adapter on every decoder linear of the Llama checkpoint, served by an engine at TP 2
@@ -388,7 +365,7 @@ def tp2_lora(mg_checkpoints, tmp_path_factory, tp2_group):
                                    "--json", str(root / "check.json")])
         out.check_report = (root / "check.json").read_text()
         out.rollout = rollout(llm, prompts, seed=3, lora_request=llm.lora_request)
-        merged = _merged_checkpoint(mg_checkpoints["llama"], adapter, root / "merged")
+        merged = merged_checkpoint(mg_checkpoints["llama"], adapter, root / "merged")
         requests = [ScoreRequest(str(mg_checkpoints["llama"]), settings.trainer_args, *out.rollout[:2], step=STEP,
                                  lora_dir=str(adapter)),
                     ScoreRequest(str(merged), ENGINE_KWARGS, *out.rollout[:2])]
@@ -431,28 +408,11 @@ def test_lora_gradients_at_tp2_sp_agree_with_the_one_process_face(tp2_lora, mg_c
     """A and B gradients of one step on the ranks, gathered whole: the matrices every rank holds
     whole summed over the ranks by megatron's finalize_model_grads (their sequence_parallel mark),
     the split ones concatenated; against the same loss in one process."""
-    from zero_mismatch_plugin.aligned.packing import pack
-    from zero_mismatch_plugin.faces.megatron import convert
-    from zero_mismatch_plugin.faces.megatron.lora import attach_lora, lora_parameters
-    from zero_mismatch_plugin.integrations.megatron.distributed import step_coefficients
-    from zero_mismatch_plugin.integrations.megatron.standalone import (MegatronScorer, packed_logits,
-                                                                        token_logprobs_from_logits)
-
     prompts, responses, _ = tp2_lora.rollout
-    scorer = MegatronScorer.from_model_dir(mg_checkpoints["llama"], **tp2_lora.settings.trainer_args)
-    attach_lora(scorer.model, scorer.runtime, tp2_lora.adapter)
-    batch = pack(prompts, responses)
-    coefficients = step_coefficients(STEP, sum(len(r) for r in responses))
-    (token_logprobs_from_logits(packed_logits(scorer.model, batch), batch) * coefficients).sum().backward()
-    reference = convert.megatron_to_peft_lora({n: p.grad for n, p in lora_parameters(scorer.model)})
-    grads = tp2_lora.with_adapter["tp2-sp"]["grads"]
-    assert sorted(grads) == sorted(reference) and len(grads) == 2 * 7 * 2  # A and B of 7 targets in 2 layers
-    worst = 0.0
-    for name, expected in reference.items():
-        assert grads[name].shape == expected.shape, name
-        rel = ((grads[name] - expected).norm() / expected.norm()).item()
-        worst = max(worst, rel)
-        assert rel < GRAD_REL_TOL, f"{name}: relative difference {rel:.3g}"
+    reference = one_process_lora_gradients(mg_checkpoints["llama"], tp2_lora.settings.trainer_args, tp2_lora.adapter,
+                                           prompts, responses, STEP)
+    worst = assert_gradients_close(tp2_lora.with_adapter["tp2-sp"]["grads"], reference, GRAD_REL_TOL)
+    assert len(reference) == 2 * 7 * 2  # A and B of 7 targets in 2 layers
     print(f"LoRA gradients at tp2-sp vs one process: worst relative difference {worst:.3g}")
 
 
@@ -474,11 +434,14 @@ def test_lora_on_ranks_is_refused_where_it_is_not_covered():
     assert layout_problem(2, True) is None and layout_problem(1, False) is None
     for args, kwargs, words in (
         ((2, False), {}, "turn sequence parallelism on"),
-        ((2, True), {"vocab": ["lm_head"]}, "LoRA on ['lm_head'] at tensor parallelism 2"),
-        ((2, True), {"experts": True}, "LoRA on MoE experts at tensor parallelism 2"),
-        ((1, False), {"expert_parallel": 2, "pipeline_parallel": 2}, "not at expert parallelism 2, pipeline parallelism 2"),
+        ((2, True), {"vocab": ["lm_head"]}, "LoRA on ['lm_head'] at tensor parallelism 2 is not covered"),
+        ((1, False), {"vocab": ["embed_tokens"], "pipeline_parallel": 2}, "at pipeline parallelism 2 is not covered"),
+        ((2, True), {"experts": True}, "LoRA on MoE experts at tensor parallelism 2 is not covered"),
+        ((1, False), {"experts": True, "expert_parallel": 2}, "LoRA on MoE experts at expert parallelism 2"),
     ):
         assert words in layout_problem(*args, **kwargs)
+    # Data and context parallelism, and the vocabulary and experts on one rank, are covered.
+    assert layout_problem(1, False, vocab=["lm_head"], experts=True, context_parallel=2) is None
 
 
 def test_a_rank_killed_mid_call_fails_the_call_within_60_s_naming_the_rank(tp2_group, tp2_results, mg_checkpoints, tp2_rollouts):

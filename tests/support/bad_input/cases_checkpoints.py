@@ -258,10 +258,6 @@ CASES = [
           with_adapter("check", "adapter-tp2", None, "--trainer", "megatron", "--tensor-parallel", "2"),
           r"--lora with --trainer megatron: LoRA at tensor parallelism 2 runs with sequence parallelism: .*turn "
           r"sequence parallelism on \(flags --tensor-parallel N --sequence-parallel\)"),
-    error("check-lora-at-pipeline-parallel",
-          with_adapter("check", "adapter-pp2", None, "--trainer", "megatron", "--pipeline-parallel", "2"),
-          r"LoRA adapters in the Megatron face run in one process or at tensor parallelism \(with sequence "
-          r"parallelism\), not at pipeline parallelism 2"),
     error("check-adapter-config-a-list", with_adapter("check", "adapter-list", config_text="[\"q_proj\"]"),
           r"adapter-list/adapter_config\.json is not a JSON object \(it holds a list\)"),
     error("check-adapter-config-not-json", with_adapter("check", "adapter-not-json", config_text="{r: 8"),

@@ -19,7 +19,7 @@ from zero_mismatch_plugin.aligned.lora.adapter import LoRAAdapter
 from zero_mismatch_plugin.aligned.lora.ops import TokenMapping, AlignedLoRALinear
 from zero_mismatch_plugin.aligned.lora.vocab_ops import AlignedLoRAEmbedding, AlignedLoRALogits
 from zero_mismatch_plugin.tables.architectures import VOCAB_LORA_TARGETS
-from zero_mismatch_plugin.faces.megatron import convert, parallel
+from zero_mismatch_plugin.faces.megatron import convert, parallel, pipeline
 from zero_mismatch_plugin.faces.megatron.modules import AlignedOutputLayer
 
 
@@ -105,6 +105,8 @@ def attach_lora(model, runtime, adapter_dir: str | os.PathLike):
         )
     vocab_names = {convert.megatron_vocab_lora_name(t, which) for t in VOCAB_LORA_TARGETS for which in "AB"}
     tensors = {n: t for n, t in convert.peft_to_megatron_lora(adapter.peft_state()).items() if n not in vocab_names}
+    # A pipeline stage's own layers, numbered from 0 as megatron numbers them.
+    tensors = pipeline.to_stage(tensors, config, tied_head=False) if config is not None else tensors
     problem = layout_problem(
         tp, bool(getattr(config, "sequence_parallel", False)), vocab=sorted(vocab_pairs),
         experts=any(convert.parse_megatron_lora_name(n)[3] is not None for n in tensors),
@@ -145,26 +147,27 @@ def attach_lora(model, runtime, adapter_dir: str | os.PathLike):
 def layout_problem(tensor_parallel: int, sequence_parallel: bool, vocab=(), experts: bool = False,
                    expert_parallel: int = 1, pipeline_parallel: int = 1, context_parallel: int = 1) -> str | None:
     """Why the Megatron face cannot run an adapter (vocabulary targets ``vocab``, pairs on routed or
-    shared experts if ``experts``) at a layout, or None. On ranks it runs at tensor parallelism, with
-    sequence parallelism: megatron's ``finalize_model_grads`` then sums the gradients of the
-    adapter matrices every rank holds whole (column-parallel A, row-parallel B) over the ranks."""
-    others = {"expert": expert_parallel, "pipeline": pipeline_parallel, "context": context_parallel}
-    beyond = [f"{what} parallelism {size}" for what, size in others.items() if size > 1]
-    if beyond:
-        return (f"LoRA adapters in the Megatron face run in one process or at tensor parallelism (with sequence "
-                f"parallelism), not at {', '.join(beyond)}")
-    if tensor_parallel == 1:
-        return None
-    if not sequence_parallel:
+    shared experts if ``experts``) at a layout, or None.
+
+    At tensor parallelism it runs with sequence parallelism: megatron's ``finalize_model_grads``
+    then sums the gradients of the adapter matrices every rank holds whole (column-parallel A,
+    row-parallel B) over the ranks. Data and context parallelism change nothing for an adapter
+    (per-token arithmetic, DDP's sums); pipeline stages hold their layers' adapters.
+    """
+    if tensor_parallel > 1 and not sequence_parallel:
         return (f"LoRA at tensor parallelism {tensor_parallel} runs with sequence parallelism: megatron sums the "
                 "gradients of the adapter matrices every rank holds whole over the ranks only then; turn "
                 "sequence parallelism on")
-    if vocab:
-        return (f"LoRA on {list(vocab)} at tensor parallelism {tensor_parallel} is not covered (vLLM splits the "
-                "vocabulary's adapter differently); drop them from target_modules or run at tensor parallelism 1")
-    if experts:
-        return (f"LoRA on MoE experts at tensor parallelism {tensor_parallel} is not covered; adapt the "
-                "attention linears only, or run at tensor parallelism 1")
+    split = [f"{what} parallelism {size}" for what, size in (("tensor", tensor_parallel), ("pipeline", pipeline_parallel))
+             if size > 1]
+    if vocab and split:
+        return (f"LoRA on {list(vocab)} at {' and '.join(split)} is not covered (the vocabulary's adapter would "
+                "be split or on one stage only); drop them from target_modules or use another layout")
+    spread = [f"{what} parallelism {size}" for what, size in (("tensor", tensor_parallel), ("expert", expert_parallel))
+              if size > 1]
+    if experts and spread:
+        return (f"LoRA on MoE experts at {' and '.join(spread)} is not covered; adapt the attention linears only, "
+                "or give the experts one rank")
     return None
 
 
@@ -240,6 +243,9 @@ def full_adapter_tensors(model, tensors: dict) -> dict:
             parts = all_gather_parts(tensor.contiguous(), parallel_state.get_tensor_model_parallel_group())
             tensor = torch.cat(parts, dim=param.partition_dim)
         whole[name] = tensor
+    config = getattr(model, "config", None)
+    if config is not None:
+        whole = pipeline.gather_stages(whole, config, tied_head=False)  # every stage's layers, numbered globally
     return convert.megatron_to_peft_lora(whole, hf_config)
 
 

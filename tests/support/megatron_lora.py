@@ -1,0 +1,61 @@
+"""LoRA on the Megatron face's ranks, for the layout tests: the one-process reference gradients, and
+the adapter merged into a checkpoint (the negative control)."""
+
+from __future__ import annotations
+
+
+
+def merged_checkpoint(model_dir, adapter_dir, out):
+    """The checkpoint with the adapter merged into its weights (W + s·B·A, PEFT's merge): the
+    forward vLLM's LoRA layers do not run."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from zero_mismatch_plugin.aligned.lora.ops import merged_lora_weight
+
+    shutil.copytree(model_dir, out)
+    config = json.loads((adapter_dir / "adapter_config.json").read_text())
+    scaling = config["lora_alpha"] / config["r"]
+    adapter = load_file(adapter_dir / "adapter_model.safetensors")
+    weights = load_file(out / "model.safetensors")
+    for name, lora_a in adapter.items():
+        if name.endswith(".lora_A.weight"):
+            module = name.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
+            lora_b = adapter[name.replace(".lora_A.", ".lora_B.")]
+            weights[f"{module}.weight"] = merged_lora_weight(weights[f"{module}.weight"], lora_a, lora_b, scaling)
+    save_file(weights, out / "model.safetensors")
+    return out
+
+
+def one_process_lora_gradients(model_dir, trainer_args: dict, adapter_dir, prompts, responses, step) -> dict:
+    """PEFT name -> gradient of ``sum(c_t * logprob_t)`` (``c`` of ``step``) for the adapter's A and B,
+    on the Megatron face in one process."""
+    from zero_mismatch_plugin.aligned.packing import pack
+    from zero_mismatch_plugin.faces.megatron import convert
+    from zero_mismatch_plugin.faces.megatron.lora import attach_lora, lora_parameters
+    from zero_mismatch_plugin.integrations.megatron.distributed import step_coefficients
+    from zero_mismatch_plugin.integrations.megatron.standalone import (MegatronScorer, packed_logits,
+                                                                        token_logprobs_from_logits)
+
+    scorer = MegatronScorer.from_model_dir(model_dir, **trainer_args)
+    attach_lora(scorer.model, scorer.runtime, adapter_dir)
+    batch = pack(prompts, responses)
+    coefficients = step_coefficients(step, sum(len(r) for r in responses))
+    (token_logprobs_from_logits(packed_logits(scorer.model, batch), batch) * coefficients).sum().backward()
+    return convert.megatron_to_peft_lora({n: p.grad for n, p in lora_parameters(scorer.model)},
+                                         scorer.runtime.hf_config)
+
+
+def assert_gradients_close(grads: dict, reference: dict, rel_tol: float) -> float:
+    """Every tensor of ``reference`` in ``grads``, with its shape, within ``rel_tol`` (relative
+    norm); returns the worst relative difference."""
+    assert sorted(grads) == sorted(reference)
+    worst = 0.0
+    for name, expected in reference.items():
+        assert grads[name].shape == expected.shape, name
+        rel = ((grads[name] - expected).norm() / expected.norm()).item()
+        worst = max(worst, rel)
+        assert rel < rel_tol, f"{name}: relative difference {rel:.3g}"
+    return worst
