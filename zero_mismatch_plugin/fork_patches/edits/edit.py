@@ -23,6 +23,13 @@ def source_of(fn) -> str:
     return textwrap.dedent(inspect.getsource(fn))
 
 
+def functions_before(path: str, anchor: str, *functions) -> Edit:
+    """An edit of ``path`` that inserts the plugin's ``functions`` (their source, two blank lines
+    apart) right before the top-level text ``anchor`` (e.g. ``"class Foo:\n"``)."""
+    inserted = "".join(source_of(fn) + "\n\n" for fn in functions)
+    return Edit(path, old="\n\n" + anchor, new="\n\n" + inserted + anchor)
+
+
 def apply_edits(text: str, edits: list[Edit], path: str) -> str:
     for edit in edits:
         count = text.count(edit.old)

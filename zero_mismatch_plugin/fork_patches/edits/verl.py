@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from zero_mismatch_plugin.aligned.cpu_weight_reload import repack_shared_cpu_weights, reprocess_moe_as_first_load
-from zero_mismatch_plugin.fork_patches.edits.edit import Edit, source_of
+from zero_mismatch_plugin.fork_patches.edits.edit import Edit, functions_before, source_of
 from zero_mismatch_plugin.integrations.verl.call_guards import accepts_keyword, require_registered_name
 from zero_mismatch_plugin.integrations.verl.cpu.listen_ports import listen_port_range
 from zero_mismatch_plugin.integrations.verl.cpu.rollout_weight_reload import reload_plain_weights_on_cpu
@@ -146,22 +146,7 @@ VERL_CPU_TRAINING = [
     backend = backend or default_backend
 """,
     ),
-    Edit(
-        RAY_BASE,
-        old="""\
-
-
-class RayResourcePool(ResourcePool):
-""",
-        new="""\
-
-
-""" + source_of(listen_port_range) + """\
-
-
-class RayResourcePool(ResourcePool):
-""",
-    ),
+    functions_before(RAY_BASE, "class RayResourcePool(ResourcePool):\n", listen_port_range),
     Edit(
         RAY_BASE,
         old="""\
@@ -193,28 +178,8 @@ class RayResourcePool(ResourcePool):
         if self.device is None:
 """,
     ),
-    Edit(
-        VLLM_ROLLOUT_UTILS,
-        old="""\
-
-
-class vLLMColocateWorkerExtension:
-""",
-        new="""\
-
-
-""" + source_of(repack_shared_cpu_weights) + """\
-
-
-""" + source_of(reprocess_moe_as_first_load) + """\
-
-
-""" + source_of(reload_plain_weights_on_cpu) + """\
-
-
-class vLLMColocateWorkerExtension:
-""",
-    ),
+    functions_before(VLLM_ROLLOUT_UTILS, "class vLLMColocateWorkerExtension:\n",
+                     repack_shared_cpu_weights, reprocess_moe_as_first_load, reload_plain_weights_on_cpu),
     Edit(
         SEPARATE_ASYNC,
         old="""\

@@ -15,7 +15,7 @@ from zero_mismatch_plugin.aligned.row_invariant import (
     row_invariant_sigmoid,
 )
 from zero_mismatch_plugin.aligned.reductions import rank_order_sum
-from zero_mismatch_plugin.fork_patches.edits.edit import Edit, source_of
+from zero_mismatch_plugin.fork_patches.edits.edit import Edit, functions_before, source_of
 from zero_mismatch_plugin.integrations.vllm.cpu_mla import first_steps_counted_as_computed, only_cpu_mla_attention
 
 ROTARY_BASE = "vllm/model_executor/layers/rotary_embedding/base.py"
@@ -65,22 +65,7 @@ VLLM_CPU_MLA_BATCH_INVARIANT = [
     def extra_repr(self) -> str:
 """,
     ),
-    Edit(
-        ROTARY_BASE,
-        old="""\
-
-
-class RotaryEmbedding(RotaryEmbeddingBase):
-""",
-        new="""\
-
-
-""" + source_of(rotary_on_rows) + """\
-
-
-class RotaryEmbedding(RotaryEmbeddingBase):
-""",
-    ),
+    functions_before(ROTARY_BASE, "class RotaryEmbedding(RotaryEmbeddingBase):\n", rotary_on_rows),
     Edit(
         LINEAR,
         old="""\
@@ -208,25 +193,8 @@ VLLM_CPU_MLA_ONE_TOKEN_PROMPT_DECODED = [
     num_prompt_tokens_np = input_batch.num_prompt_tokens[:num_reqs]
 """,
     ),
-    Edit(
-        ATTENTION_UTILS,
-        old="""\
-
-
-def reorder_batch_to_split_decodes_and_prefills(
-""",
-        new="""\
-
-
-""" + source_of(first_steps_counted_as_computed) + """\
-
-
-""" + source_of(only_cpu_mla_attention) + """\
-
-
-def reorder_batch_to_split_decodes_and_prefills(
-""",
-    ),
+    functions_before(ATTENTION_UTILS, "def reorder_batch_to_split_decodes_and_prefills(\n",
+                     first_steps_counted_as_computed, only_cpu_mla_attention),
     Edit(
         GPU_MODEL_RUNNER,
         old="""\
@@ -274,22 +242,7 @@ VLLM_CPU_MOE_SIGMOID_ROW_INVARIANT = [
         scores = row_invariant_sigmoid(gating_output)
 """,
     ),
-    Edit(
-        CPU_ROUTER,
-        old="""\
-
-
-def _grouped_topk(
-""",
-        new="""\
-
-
-""" + source_of(row_invariant_sigmoid) + """\
-
-
-def _grouped_topk(
-""",
-    ),
+    functions_before(CPU_ROUTER, "def _grouped_topk(\n", row_invariant_sigmoid),
     Edit(
         QWEN2_MOE,
         old="""\
@@ -299,22 +252,7 @@ def _grouped_topk(
             out = row_invariant_sigmoid(self.expert_gate(x)[0]) * out
 """,
     ),
-    Edit(
-        QWEN2_MOE,
-        old="""\
-
-
-class Qwen2MoeMLP(nn.Module):
-""",
-        new="""\
-
-
-""" + source_of(row_invariant_sigmoid) + """\
-
-
-class Qwen2MoeMLP(nn.Module):
-""",
-    ),
+    functions_before(QWEN2_MOE, "class Qwen2MoeMLP(nn.Module):\n", row_invariant_sigmoid),
 ]
 
 CPU_MOE = "vllm/model_executor/layers/fused_moe/experts/cpu_moe.py"
