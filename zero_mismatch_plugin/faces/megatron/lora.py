@@ -134,9 +134,10 @@ def attach_lora(model, runtime, adapter_dir: str | os.PathLike):
     for name, (expert, pairs) in linears.items():
         module = modules[name]
         slices = convert.lora_slices(next(iter(pairs)))
-        # A column-parallel linear's slices are this rank's rows of each (q, k, v; gate, up).
-        sizes = [out_features[expert][t] // (tp if module.partition_dim == 0 else 1) for t in slices]
+        sizes = [out_features[expert][t] for t in slices]
         if tp > 1:
+            if module.partition_dim == 0:  # a column-parallel linear's slices: this rank's rows of each
+                sizes = [size // tp for size in sizes]
             pairs = {t: tensor_parallel_pair(p, module.partition_dim, module.tp_group) for t, p in pairs.items()}
         module.lora = MegatronLoRA(slices, sizes, {t: p.to(module.weight.device) for t, p in pairs.items()},
                                    lora_config, mapping)
