@@ -105,19 +105,33 @@ def ep_results(checkpoints, ep_rollouts, lora_rollouts):
     return results
 
 
+@pytest.fixture(scope="module")
+def lora_reference_gradients(checkpoints, lora_rollouts):
+    """{kind: the one-process face's A and B gradients of the step on that adapter's rollout}, each
+    computed once (DP 2 and CP 2 share theirs)."""
+    computed = {}
+
+    def of(kind):
+        if kind not in computed:
+            prompts, responses, _ = lora_rollouts.rollouts[kind]
+            computed[kind] = one_process_lora_gradients(checkpoints["llama"], lora_rollouts.engine_kwargs,
+                                                        lora_rollouts.adapters[kind], prompts, responses, STEP)
+        return computed[kind]
+
+    return of
+
+
 @pytest.mark.parametrize("kind, layout", [(kind, layout.name) for kind, layout in LORA_RUNS])
-def test_lora_at_each_layout_is_bitwise_with_the_engine_and_its_gradients_agree(checkpoints, lora_rollouts, ep_results,
-                                                                               kind, layout):
+def test_lora_at_each_layout_is_bitwise_with_the_engine_and_its_gradients_agree(lora_reference_gradients, lora_rollouts,
+                                                                               ep_results, kind, layout):
     """An adapter's logprobs at DP 2, CP 2 (the vocabulary's adapter too) and PP 2 (each stage its
     layers' adapters) against the one-process engine serving it; A and B gradients of one step
     against one process; negative control: the decoder adapter merged into the weights."""
-    prompts, responses, mu = lora_rollouts.rollouts[kind]
+    mu = lora_rollouts.rollouts[kind][2]
     result = ep_results["lora"][layout]
     values = torch.cat(result["logprobs"])
     assert torch.equal(values, mu), f"{int((values != mu).sum())} of {mu.numel()} tokens differ"
-    reference = one_process_lora_gradients(checkpoints["llama"], lora_rollouts.engine_kwargs,
-                                           lora_rollouts.adapters[kind], prompts, responses, STEP)
-    worst = assert_gradients_close(result["grads"], reference, GRAD_REL_TOL)
+    worst = assert_gradients_close(result["grads"], lora_reference_gradients(kind), GRAD_REL_TOL)
     print(f"LoRA gradients at {layout} vs one process: worst relative difference {worst:.3g}")
     merged, decoder_mu = torch.cat(ep_results["merged"][layout]["logprobs"]), lora_rollouts.rollouts["decoder"][2]
     assert not torch.equal(merged, decoder_mu)

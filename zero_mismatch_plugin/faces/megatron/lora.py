@@ -106,7 +106,7 @@ def attach_lora(model, runtime, adapter_dir: str | os.PathLike):
     vocab_names = {convert.megatron_vocab_lora_name(t, which) for t in VOCAB_LORA_TARGETS for which in "AB"}
     tensors = {n: t for n, t in convert.peft_to_megatron_lora(adapter.peft_state()).items() if n not in vocab_names}
     # A pipeline stage's own layers, numbered from 0 as megatron numbers them.
-    tensors = pipeline.to_stage(tensors, config, tied_head=False) if config is not None else tensors
+    tensors = pipeline.to_stage(tensors, config, tied_head=False)
     problem = layout_problem(
         tp, bool(getattr(config, "sequence_parallel", False)), vocab=sorted(vocab_pairs),
         experts=any(convert.parse_megatron_lora_name(n)[3] is not None for n in tensors),
@@ -244,9 +244,8 @@ def full_adapter_tensors(model, tensors: dict) -> dict:
             parts = all_gather_parts(tensor.contiguous(), parallel_state.get_tensor_model_parallel_group())
             tensor = torch.cat(parts, dim=param.partition_dim)
         whole[name] = tensor
-    config = getattr(model, "config", None)
-    if config is not None:
-        whole = pipeline.gather_stages(whole, config, tied_head=False)  # every stage's layers, numbered globally
+    # Every pipeline stage's matrices, layers numbered globally (as they are at one stage).
+    whole = pipeline.gather_stages(whole, getattr(model, "config", None), tied_head=False)
     return convert.megatron_to_peft_lora(whole, hf_config)
 
 
