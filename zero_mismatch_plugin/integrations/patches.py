@@ -114,8 +114,9 @@ REGISTRY: dict[str, str] = {
     "vLLM, in every engine process (vLLM general plugin, ZMRL_NUMERICS)": "zero_mismatch_plugin.integrations.vllm.plugin:PATCHES",
     "verl Megatron engine (ZMRL_MEGATRON_ALIGNED=1)": "zero_mismatch_plugin.integrations.verl.megatron_engine:PATCHES",
     "verl CPU platform (ZMRL_VERL_PLATFORM=cpu)": "zero_mismatch_plugin.integrations.verl.cpu.patches:PATCHES",
+    "verl Megatron engine on the CPU platform (mbridge backend)": "zero_mismatch_plugin.integrations.verl.cpu.mcore_engine:PATCHES",
     "verl FSDP engine (ZMRL_FSDP_ALIGNED=1)": "zero_mismatch_plugin.integrations.verl.fsdp_engine:PATCHES",
-    "megatron-core on a CPU (Megatron-face expert and pipeline parallelism)": "zero_mismatch_plugin.integrations.megatron.cpu_patches:PATCHES",
+    "megatron-core on a CPU (Megatron-face expert and pipeline parallelism; verl's Megatron engine)": "zero_mismatch_plugin.integrations.megatron.cpu_patches:PATCHES",
 }
 
 # target -> (patch, what undoing it needs), while applied.

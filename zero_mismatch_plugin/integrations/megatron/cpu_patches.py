@@ -10,11 +10,12 @@ CPU case and calls the original otherwise; applied by :func:`moe_on_cpu` when
 
 from __future__ import annotations
 
+import contextlib
 from functools import partial
 
 import torch
 
-from zero_mismatch_plugin.integrations.patches import ABSENT, apply, is_applied, patch_at, remove
+from zero_mismatch_plugin.integrations.patches import ABSENT, FunctionPatch, apply, is_applied, patch_at, remove
 from zero_mismatch_plugin.tables import upstream_versions
 
 megatron_patch = partial(patch_at, package="megatron.core", versions=upstream_versions.MEGATRON_CORE,
@@ -73,24 +74,57 @@ ROUTER_GEMM_NAME = megatron_patch(
 )
 
 
+def _host_device(device):
+    """Where a tensor megatron places on a CUDA device by name goes on a CPU: the host."""
+    if device == "cuda" or (isinstance(device, str) and device.startswith("cuda:")):
+        return "cpu"
+    return device
+
+
+class _HostCuda:
+    """``torch.cuda`` as a megatron module sees it on a CPU: the current device is the host."""
+
+    def __getattr__(self, name):
+        return getattr(torch.cuda, name)
+
+    @staticmethod
+    def current_device():
+        return "cpu"
+
+
 class _HostTorch:
-    """``torch`` as megatron's schedules see it on a CPU: the one tensor they place on ``"cuda"`` by
-    name (the token count they add up) goes to the host; everything else is torch itself."""
+    """``torch`` as a megatron module sees it on a CPU: the tensors it places on ``"cuda"`` (or on
+    ``torch.cuda.current_device()``) by name go to the host; everything else is torch itself."""
+
+    cuda = _HostCuda()
 
     def __getattr__(self, name):
         return getattr(torch, name)
 
     @staticmethod
     def zeros(*args, device=None, **kwargs):
-        return torch.zeros(*args, device="cpu" if device == "cuda" else device, **kwargs)
+        return torch.zeros(*args, device=_host_device(device), **kwargs)
+
+    @staticmethod
+    def empty(*args, device=None, **kwargs):
+        return torch.empty(*args, device=_host_device(device), **kwargs)
+
+    @staticmethod
+    def tensor(*args, device=None, **kwargs):
+        return torch.tensor(*args, device=_host_device(device), **kwargs)
 
 
-def _schedules_torch(original):
+def _host_torch(original):
     return original if torch.cuda.is_available() else _HostTorch()
 
 
-SCHEDULE_TOKEN_COUNT = megatron_patch(
-    "megatron.core.pipeline_parallel.schedules:torch", _schedules_torch,
+def host_torch_patch(module: str, *, name: str, why: str, when: str) -> FunctionPatch:
+    """A patch that gives ``module`` :class:`_HostTorch` as its ``torch`` on a CPU."""
+    return megatron_patch(f"{module}:torch", _host_torch, name=name, why=why, when=when)
+
+
+SCHEDULE_TOKEN_COUNT = host_torch_patch(
+    "megatron.core.pipeline_parallel.schedules",
     name="megatron-schedule-host-token-count",
     why="megatron's forward-backward schedules allocate their token count with device='cuda', which a CPU-only "
         "torch cannot",
@@ -123,9 +157,120 @@ TIED_EMBEDDING_COPY = megatron_patch(
     when="a megatron-core model at pipeline parallelism > 1 built by the plugin on a CPU",
 )
 
+_TRAINING_WHEN = "verl's Megatron engine on the CPU platform (ZMRL_VERL_PLATFORM=cpu)"
+
+OPTIMIZER_HOST_TENSORS = host_torch_patch(
+    "megatron.core.optimizer.optimizer",
+    name="megatron-optimizer-host-tensors",
+    why="megatron's optimizers allocate their loss scale and overflow flags with device='cuda' "
+        "(FP32Optimizer.__init__: torch.tensor([1.0], ..., device='cuda'))",
+    when=_TRAINING_WHEN,
+)
+
+GRADIENT_CLIP_HOST_TENSORS = host_torch_patch(
+    "megatron.core.optimizer.clip_grads",
+    name="megatron-clip-grads-host-tensors",
+    why="megatron's gradient-norm reduction allocates its norm with device='cuda'",
+    when=_TRAINING_WHEN,
+)
+
+UTILS_HOST_TENSORS = host_torch_patch(
+    "megatron.core.utils",
+    name="megatron-utils-host-tensors",
+    why="megatron's local stand-in for apex's multi_tensor_l2norm (no apex, no Transformer Engine) returns the "
+        "gradient norm on device='cuda'",
+    when=_TRAINING_WHEN,
+)
+
+GRAD_BUFFER_HOST_TENSORS = host_torch_patch(
+    "megatron.core.distributed.param_and_grad_buffer",
+    name="megatron-grad-buffer-host-tensors",
+    why="megatron's DDP allocates its parameter and gradient buffers on torch.cuda.current_device()",
+    when=_TRAINING_WHEN,
+)
+
+ROTARY_HOST_TENSORS = host_torch_patch(
+    "megatron.core.models.common.embeddings.rotary_pos_embedding",
+    name="megatron-rotary-host-tensors",
+    why="megatron's rotary embedding moves its frequencies to torch.cuda.current_device() at the first forward",
+    when=_TRAINING_WHEN,
+)
+
+
+def _clip_on_host(original):
+    def clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decoupled_grad=False):
+        if torch.cuda.is_available() or use_decoupled_grad:
+            return original(parameters, max_norm, total_norm, use_decoupled_grad)
+        from megatron.core.utils import to_local_if_dtensor
+
+        # The original's fp32 check names the CUDA tensor type; the check itself is kept.
+        params = [parameters] if torch.is_tensor(parameters) else list(parameters)
+        grads = [to_local_if_dtensor(p.grad).detach() for p in params if p.grad is not None]
+        if any(grad.dtype != torch.float32 for grad in grads):
+            raise TypeError("clip_grad_by_total_norm_fp32 expects fp32 gradients")
+        clip_coeff = max_norm / (total_norm + 1.0e-6)
+        if clip_coeff < 1.0 and grads:
+            torch._foreach_mul_(grads, clip_coeff)
+
+    return clip_grad_by_total_norm_fp32
+
+
+GRADIENT_CLIP_ON_HOST = megatron_patch(
+    "megatron.core.optimizer.clip_grads:clip_grad_by_total_norm_fp32", _clip_on_host,
+    name="megatron-clip-grads-on-host",
+    why="clip_grad_by_total_norm_fp32 asserts param.grad.type() == 'torch.cuda.FloatTensor' (a host fp32 "
+        "gradient is 'torch.FloatTensor')",
+    when=_TRAINING_WHEN,
+    bound_in=("megatron.core.optimizer.optimizer",),
+)
+
+def _host_rng_tracker(original):
+    if torch.cuda.is_available():
+        return original
+
+    class HostRNGStatesTracker(original):
+        """megatron's named RNG states (data-parallel, model-parallel, expert) as states of the host
+        generator: on a CPU that generator is the one dropout and initialization draw from."""
+
+        def add(self, name, seed):
+            if seed in self.seeds_ or name in self.states_:
+                raise Exception(f"rng state {name} (seed {seed}) already exists")
+            self._is_initialized = True
+            self.seeds_.add(seed)
+            current = torch.get_rng_state()
+            torch.manual_seed(seed)
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(current)
+
+        @contextlib.contextmanager
+        def fork(self, name="model-parallel-rng"):
+            if name not in self.states_:
+                raise Exception(f"rng state {name} is not added")
+            outer = torch.get_rng_state()
+            torch.set_rng_state(self.states_[name])
+            try:
+                yield
+            finally:
+                self.states_[name] = torch.get_rng_state()
+                torch.set_rng_state(outer)
+
+    return HostRNGStatesTracker
+
+
+RNG_TRACKER_ON_HOST = megatron_patch(
+    "megatron.core.tensor_parallel.random:CudaRNGStatesTracker", _host_rng_tracker,
+    name="megatron-rng-tracker-on-host",
+    why="model_parallel_cuda_manual_seed (verl's MegatronEngine.__init__) seeds named CUDA generator states: "
+        "AssertionError: Torch not compiled with CUDA enabled",
+    when=_TRAINING_WHEN,
+)
+
+TRAINING_PATCHES = [OPTIMIZER_HOST_TENSORS, GRADIENT_CLIP_HOST_TENSORS, UTILS_HOST_TENSORS, GRAD_BUFFER_HOST_TENSORS, ROTARY_HOST_TENSORS,
+                    GRADIENT_CLIP_ON_HOST, RNG_TRACKER_ON_HOST]
+
 MOE_PATCHES = [ALLTOALL_SIDE_STREAM, ALLTOALL_HOST_SPLITS, ROUTER_GEMM_NAME]
 PIPELINE_PATCHES = [SCHEDULE_TOKEN_COUNT, TIED_EMBEDDING_COPY]
-PATCHES = MOE_PATCHES + PIPELINE_PATCHES
+PATCHES = MOE_PATCHES + PIPELINE_PATCHES + TRAINING_PATCHES
 
 
 def moe_on_cpu() -> None:
@@ -153,4 +298,13 @@ def pipeline_on_cpu() -> None:
     import megatron.core.pipeline_parallel.schedules  # noqa: F401
 
     for patch in PIPELINE_PATCHES:
+        apply(patch)
+
+
+def training_on_cpu() -> None:
+    """Apply the patches megatron's optimizer, gradient clipping and DDP buffers need on a CPU, and
+    the MoE and pipeline ones (once; they stay until :func:`remove_all`). A no-op with CUDA."""
+    if torch.cuda.is_available():
+        return
+    for patch in MOE_PATCHES + PIPELINE_PATCHES + TRAINING_PATCHES:
         apply(patch)

@@ -135,12 +135,13 @@ class AlignedSpecFactory:
 
 
 class PostConstructionSwaps:
-    """Megatron-Bridge pre-wrap hook: the swaps the spec does not reach, on every model chunk."""
+    """Megatron-Bridge pre-wrap hook / mbridge post-creation callback: the swaps the spec does not
+    reach, on every model chunk."""
 
     def __init__(self, runtime):
         self.runtime = runtime
 
-    def __call__(self, model):
+    def __call__(self, model, **_builder_context):
         from zero_mismatch_plugin.faces.megatron.spec import apply_post_construction_swaps
 
         chunks = model if isinstance(model, (list, tuple)) else [model]
@@ -149,14 +150,36 @@ class PostConstructionSwaps:
         return model
 
 
+def point_mbridge_at_aligned_spec(bridge, runtime) -> None:
+    """The same hook on verl's mbridge backend (``vanilla_mbridge=True``): this bridge instance's
+    layer spec is the aligned one, and its model provider adds the post-construction swaps to the
+    callbacks verl passes. Instance attributes: the class and every other bridge stay as they are."""
+    import inspect
+
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    from zero_mismatch_plugin.faces.megatron.spec import megatron_has_spec_hooks
+
+    factory = AlignedSpecFactory(runtime)
+    # mbridge's provider passes vp_stage on to GPTModel when this is set (its own spec method sets it).
+    bridge.has_vp_stage = "vp_stage" in inspect.signature(GPTModel.__init__).parameters
+    bridge._get_transformer_layer_spec = lambda vp_stage=None: factory(bridge.config, vp_stage=vp_stage)
+    if megatron_has_spec_hooks():
+        return
+    provider_of = bridge._model_provider
+    swaps = PostConstructionSwaps(runtime)
+    bridge._model_provider = lambda callbacks: provider_of([*callbacks, swaps])
+
+
 def _dtype_name(dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
 def inject_aligned_spec(engine, runtime=None) -> None:
-    """Point ``engine.provider`` at the aligned spec and register the post-construction swaps.
+    """Point the engine's model builder at the aligned spec and register the post-construction swaps.
 
-    ``engine`` is a verl ``MegatronEngine`` after verl's ``_build_tf_config``. The runtime is
+    The builder is Megatron-Bridge's ``engine.provider`` or, with ``vanilla_mbridge=True``, the
+    mbridge backend's ``engine.bridge`` (:func:`point_mbridge_at_aligned_spec`). ``engine`` is a verl ``MegatronEngine`` after verl's ``_build_tf_config``. The runtime is
     built from the checkpoint the actor loads, in the actor's parameter dtype: the rollout must
     serve the same checkpoint in the same dtype.
     """
@@ -167,11 +190,14 @@ def inject_aligned_spec(engine, runtime=None) -> None:
         logger.info("zero-mismatch: value model left on the stock Megatron spec")
         return
     provider = getattr(engine, "provider", None)
-    if provider is None:
+    bridge = getattr(engine, "bridge", None)
+    vanilla = provider is None and getattr(engine, "vanilla_bridge", False) and bridge is not None
+    if provider is None and not vanilla:
         raise UnsupportedMegatronFeature(
-            "the aligned Megatron spec needs verl's Megatron-Bridge path "
-            "(megatron.use_mbridge=True, megatron.vanilla_mbridge=False)"
+            "the aligned Megatron spec needs one of verl's bridges (megatron.use_mbridge=True)"
         )
+    # What the model is built from: Megatron-Bridge's provider, or the mbridge backend's config.
+    layout = bridge.config if vanilla else provider
     config = engine.engine_config
     if getattr(config, "use_fused_kernels", False):
         raise UnsupportedMegatronFeature(
@@ -185,19 +211,19 @@ def inject_aligned_spec(engine, runtime=None) -> None:
         raise UnsupportedMegatronFeature("quantization-aware training (modelopt spec)")
     if getattr(engine, "peft_cls", None) is not None:
         raise UnsupportedMegatronFeature("LoRA / PEFT on the aligned Megatron spec")
-    require_supported(provider)
-    tp = getattr(provider, "tensor_model_parallel_size", 1) or 1
+    require_supported(layout)
+    tp = getattr(layout, "tensor_model_parallel_size", 1) or 1
     if tp != 1:
         raise UnsupportedMegatronFeature(VERL_TENSOR_PARALLEL_REFUSAL.format(tp=tp))
     for name, flag in VERL_UNRUN_LAYOUTS.items():
-        size = getattr(provider, name, 1) or 1
+        size = getattr(layout, name, 1) or 1
         if size != 1:
             raise UnsupportedMegatronFeature(VERL_LAYOUT_REFUSAL.format(name=name, size=size, flag=flag))
-    backend = getattr(provider, "attention_backend", None)
+    backend = None if vanilla else getattr(provider, "attention_backend", None)
     if backend is not None and getattr(backend, "name", str(backend)) == "local":
         # Megatron-Bridge then overwrites core_attention with megatron's DotProductAttention.
         raise UnsupportedMegatronFeature("attention_backend=local replaces the aligned core attention")
-    if not hasattr(provider, "register_pre_wrap_hook"):
+    if not vanilla and not hasattr(provider, "register_pre_wrap_hook"):
         raise UnsupportedMegatronFeature("this Megatron-Bridge provider has no register_pre_wrap_hook")
     if runtime is None:
         from zero_mismatch_plugin.aligned import numerics
@@ -209,9 +235,12 @@ def inject_aligned_spec(engine, runtime=None) -> None:
         runtime = VllmRuntime(engine.model_config.local_path, dtype=_dtype_name(engine.param_dtype))
     from zero_mismatch_plugin.faces.megatron.spec import megatron_has_spec_hooks
 
-    provider.transformer_layer_spec = AlignedSpecFactory(runtime)
-    if not megatron_has_spec_hooks():
-        provider.register_pre_wrap_hook(PostConstructionSwaps(runtime))
+    if vanilla:
+        point_mbridge_at_aligned_spec(bridge, runtime)
+    else:
+        provider.transformer_layer_spec = AlignedSpecFactory(runtime)
+        if not megatron_has_spec_hooks():
+            provider.register_pre_wrap_hook(PostConstructionSwaps(runtime))
     setattr(engine, _RUNTIME_ATTR, runtime)
 
 

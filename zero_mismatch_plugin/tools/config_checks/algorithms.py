@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 
@@ -74,8 +75,16 @@ def _actor_build_problems(cfg: DictConfig) -> list[Problem]:
     """Build the actor dataclass as every verl worker will, so its own checks fail here, not on a cluster."""
     from verl.utils.config import omega_conf_to_dataclass
 
+    from zero_mismatch_plugin.tools.config_checks.numerics import on_cpu_platform
+
+    platform_checks = contextlib.nullcontext()
+    if on_cpu_platform(cfg):
+        from zero_mismatch_plugin.integrations.verl.cpu.patches import config_checks_applied
+
+        platform_checks = config_checks_applied()
     try:
-        omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
+        with platform_checks:
+            omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
     except Exception as error:  # noqa: BLE001
         return [Problem("actor_rollout_ref.actor", f"verl cannot build the actor config: {error}")]
     return []

@@ -157,7 +157,8 @@ def _engine_gaps(cfg: DictConfig) -> list[str]:
     if etp not in (None, 1, tp or 1):
         gaps.append(f"expert_tensor_parallel_size {etp} in the trainer (the aligned MoE layer splits each expert as "
                     f"the engine does, over the {tp or 1} tensor-parallel ranks, or keeps it whole: 1)")
-    for key, wanted in ((f"{MEGATRON}.use_mbridge", True), (f"{MEGATRON}.vanilla_mbridge", False),
+    # Both builders (Megatron-Bridge, and the mbridge backend vanilla_mbridge=true) take the aligned spec.
+    for key, wanted in ((f"{MEGATRON}.use_mbridge", True),
                         (f"{MEGATRON}.use_remove_padding", True), ("actor_rollout_ref.model.use_fused_kernels", False)):
         if read(cfg, key) is not wanted:
             gaps.append(f"{key}={str(wanted).lower()}")

