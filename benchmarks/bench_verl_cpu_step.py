@@ -1,5 +1,5 @@
-"""verl on the CPU: seconds per verl step (sync vs async), and the aligned actor forward's cost
-inside verl's FSDP engine vs verl's stock forward.
+"""verl on the CPU: seconds per verl step (sync vs async; FSDP and Megatron engines), and the
+aligned actor forward's cost inside verl's engines vs verl's stock forward.
 
 Two parts, either or both:
 
@@ -9,11 +9,13 @@ Two parts, either or both:
   load from other processes hits both alike. Timed: the no-grad forward (verl's old-logprob
   recompute) and forward + backward (the training micro-step). Medians and their ratio.
 * ``--part step``: ``zmrl recipes run cpu_smoke`` (real verl processes: Ray, vLLM rollout,
-  FSDP actor) in ``trainer.v1.trainer_mode=sync`` and ``colocate_async``, alternating; verl's own
-  ``timing_s/step`` of every step after the first (the first pays for warm-up), medians.
+  FSDP actor) in ``trainer.v1.trainer_mode=sync`` and ``colocate_async``, and ``cpu_smoke_megatron``
+  (verl's Megatron engine) aligned and stock (``--allow-unaligned-trainer``), alternating; verl's own
+  ``timing_s/step``, ``old_log_prob`` (the actor's forward) and ``update_actor`` (forward + backward
+  + optimizer) of every step after the first (the first pays for warm-up), medians.
 
-    .venv/bin/python benchmarks/bench_verl_cpu_step.py [--part forward|step|both] [--repeats 5]
-        [--batch 4] [--steps 4] [--step-repeats 1]
+    .venv/bin/python benchmarks/bench_verl_cpu_step.py [--part forward|step|both] [--engine fsdp|megatron|both]
+        [--repeats 5] [--batch 4] [--steps 4] [--step-repeats 1]
 """
 
 from __future__ import annotations
@@ -129,36 +131,66 @@ def bench_forward(args) -> None:
 # ----- seconds per verl step ------------------------------------------------------------------
 
 
-def bench_step(args) -> None:
+def _run_seconds(work: Path, name: str, inputs: dict, overrides: list[str], recipe: str, steps: int) -> dict:
+    """verl's own timings of one run's steps after the first (the first pays for warm-up)."""
     from zero_mismatch_plugin.integrations.verl.cpu.launch import run_smoke
+
+    run = run_smoke(work / name, inputs, [*overrides, f"trainer.total_training_steps={steps}",
+                                          f"trainer.default_local_dir={work / 'checkpoints' / name}"],
+                    timeout_s=3600, recipe=recipe)
+    if run.returncode != 0:
+        raise SystemExit(f"{name} run failed; log: {work / name / 'log.txt'}")
+    return {key: run.metric(f"timing_s/{key}")[1:] for key in STEP_TIMINGS}
+
+
+# verl's timings per step: the whole step, the actor's no-grad logprob pass (old_log_prob: the
+# forward), and its update (forward + backward + optimizer step on every mini-batch).
+STEP_TIMINGS = ("step", "old_log_prob", "update_actor")
+
+
+def _print_medians(seconds: dict, first: str, second: str) -> None:
+    for key in STEP_TIMINGS:
+        a, b = (statistics.median(seconds[side][key]) for side in (first, second))
+        print(f"  {key:13s} {first} {a:6.3f} s   {second} {b:6.3f} s   {second}/{first} {b / a:5.2f}x")
+
+
+def bench_step(args) -> None:
+    from zero_mismatch_plugin.integrations.verl.cpu.launch import MEGATRON_RECIPE_NAME, RECIPE_NAME
     from zero_mismatch_plugin.tools.smoke_assets import build_smoke_inputs
 
     work = Path(tempfile.mkdtemp(prefix="zmrl-bench-verl-step-"))
     inputs = build_smoke_inputs(work / "inputs", count=64)
-    modes = {
-        "sync": ["trainer.v1.trainer_mode=sync"],
+    runs = {}
+    if args.engine in ("fsdp", "both"):
+        runs["sync"] = (RECIPE_NAME, ["trainer.v1.trainer_mode=sync"])
         # lag 1: the next batch is sampled with the old weights while the actor trains.
-        "colocate_async": ["trainer.v1.trainer_mode=colocate_async"],
-    }
-    seconds = {mode: [] for mode in modes}
+        runs["colocate_async"] = (RECIPE_NAME, ["trainer.v1.trainer_mode=colocate_async"])
+    if args.engine in ("megatron", "both"):
+        # verl's Megatron engine, synchronous: the aligned spec, and verl's own forward of the same model.
+        runs["megatron_aligned"] = (MEGATRON_RECIPE_NAME, [])
+        runs["megatron_stock"] = (MEGATRON_RECIPE_NAME, ["--allow-unaligned-trainer"])
+    seconds = {name: {key: [] for key in STEP_TIMINGS} for name in runs}
     for repeat in range(args.step_repeats):
-        for mode, overrides in modes.items():
-            run = run_smoke(work / f"{mode}-{repeat}", inputs, [
-                *overrides, f"trainer.total_training_steps={args.steps}",
-                f"trainer.default_local_dir={work / 'checkpoints' / f'{mode}-{repeat}'}"], timeout_s=3600)
-            if run.returncode != 0:
-                raise SystemExit(f"{mode} run failed; log: {work / f'{mode}-{repeat}' / 'log.txt'}")
-            seconds[mode] += run.metric("timing_s/step")[1:]
-    print(f"seconds per verl step (cpu_smoke, aligned FSDP actor, {args.steps} steps per run, first step "
-          f"excluded, {args.step_repeats} alternating run(s) per mode):")
-    for mode, values in seconds.items():
-        print(f"  {mode:15s} median {statistics.median(values):6.2f} s  ({', '.join(f'{v:.2f}' for v in values)})")
-    print(f"  async/sync {statistics.median(seconds['colocate_async']) / statistics.median(seconds['sync']):.2f}x")
+        for name, (recipe, overrides) in runs.items():
+            for key, values in _run_seconds(work, f"{name}-{repeat}", inputs, overrides, recipe, args.steps).items():
+                seconds[name][key] += values
+    print(f"seconds per verl step (cpu_smoke recipes, {args.steps} steps per run, first step excluded, "
+          f"{args.step_repeats} alternating run(s) each, medians):")
+    for name, values in seconds.items():
+        steps = values["step"]
+        print(f"  {name:17s} step median {statistics.median(steps):6.2f} s  ({', '.join(f'{v:.2f}' for v in steps)})")
+    if "sync" in seconds:
+        print(f"  async/sync {statistics.median(seconds['colocate_async']['step']) / statistics.median(seconds['sync']['step']):.2f}x")
+    if "megatron_aligned" in seconds:
+        print("verl's Megatron engine, aligned vs stock actor, verl's own timings:")
+        _print_medians(seconds, "megatron_stock", "megatron_aligned")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--part", choices=("forward", "step", "both"), default="both")
+    parser.add_argument("--engine", choices=("fsdp", "megatron", "both"), default="both",
+                        help="which engine's runs the step part starts")
     for flag, default in (("--repeats", 5), ("--batch", 4), ("--prompt-len", 24), ("--response-len", 8),
                           ("--steps", 4), ("--step-repeats", 1)):
         parser.add_argument(flag, type=int, default=default)

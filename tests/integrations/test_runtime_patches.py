@@ -175,7 +175,7 @@ def test_registry_lists_every_runtime_patch_of_the_plugin():
     assert not missing, f"patches missing from integrations.patches.REGISTRY: {missing}"
     names = [patch.name for patch in registered]
     assert len(names) == len(set(names)), names
-    assert {patch.package for patch in registered} == {"vllm", "verl", "megatron.core"}
+    assert {patch.package for patch in registered} == {"vllm", "verl", "megatron.core", "mbridge"}
     for patch in registered:
         info = runtime_patches.describe(patch)
         assert all(info[key] for key in ("name", "package", "versions", "target", "why")), info

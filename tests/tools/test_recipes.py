@@ -45,7 +45,7 @@ from support import REPO  # noqa: E402
 TOP_LEVEL_RECIPES = REPO / "recipes"
 BASE_RECIPES = ("reinforce_zero", "flash_reinforce")
 # Runs verl itself on a CPU (tests/integrations/verl/cpu runs it).
-CPU_RECIPES = ("cpu_smoke",)
+CPU_RECIPES = ("cpu_smoke", "cpu_smoke_megatron")
 ENV = "ray_kwargs.ray_init.runtime_env.env_vars"
 
 # What the seeds and the task ask for, independent of how the recipes express it.
@@ -691,14 +691,14 @@ def test_moe_recipes_train_aligned_in_verls_fsdp_engine(name, recipes_listed):
 
 
 def test_moe_in_verls_megatron_engine_with_expert_parallelism_is_still_a_gap():
-    """The same recipe on verl's Megatron engine at EP 8: the architecture (verl's Megatron engine
-    runs MoE only through Megatron-Bridge) and the expert parallelism are both named."""
+    """The same recipe on verl's Megatron engine at EP 8: the grouped-GEMM experts both bridges build
+    for an MoE model and the expert parallelism are both named."""
     cfg = compose_verl_config(TOP_LEVEL_RECIPES, "reinforce_zero_qwen3_30b_a3b_python_tool_lag8",
                               ["zm_engine=megatron", "actor_rollout_ref.actor.megatron.expert_model_parallel_size=8"])
     alignment = trainer_alignment(cfg)
     assert alignment.status == ALIGNMENT_NOT_ALIGNED
     said = alignment.describe()
-    assert "a path for Qwen3MoeForCausalLM" in said and "its Megatron engine does not yet" in said
+    assert "moe_grouped_gemm=false (grouped-GEMM experts are not vLLM's fused-MoE arithmetic)" in said
     assert "expert_model_parallel_size 8 in verl's Megatron engine" in said
 
 

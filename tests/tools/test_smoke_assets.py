@@ -114,12 +114,29 @@ def test_a_dry_run_prints_the_command_and_builds_nothing(tmp_path, monkeypatch, 
 ENV = "ray_kwargs.ray_init.runtime_env.env_vars"
 
 
-def _checked(overrides):
+def _checked(overrides, recipe="cpu_smoke"):
     from zero_mismatch_plugin.tools.config_checks.alignment import trainer_alignment
     from zero_mismatch_plugin.tools.recipes import check_recipe, compose_recipe
 
-    cfg = compose_recipe("cpu_smoke", overrides)
+    cfg = compose_recipe(recipe, overrides)
     return trainer_alignment(cfg), check_recipe(cfg)
+
+
+def test_cpu_smoke_megatron_is_aligned_and_validates_its_fp32_engine_config():
+    """verl's own McoreEngineConfig refuses dtype float32; the CPU platform's recipe is validated with
+    the platform's config patch, as its workers build it, and an MoE checkpoint is covered."""
+    from zero_mismatch_plugin.tools.config_checks.alignment import ALIGNED, TURNED_OFF
+
+    alignment, problems = _checked([], "cpu_smoke_megatron")
+    assert alignment.status == ALIGNED and not [p for p in problems if p.fatal], problems
+    alignment, _ = _checked([f"{ENV}.ZMRL_MEGATRON_ALIGNED='0'"], "cpu_smoke_megatron")
+    assert alignment.status == TURNED_OFF
+    alignment, _ = _checked(["zmrl.architecture=Qwen3MoeForCausalLM"], "cpu_smoke_megatron")
+    assert alignment.status == ALIGNED, alignment.describe()
+    alignment, _ = _checked(["zmrl.architecture=Qwen3MoeForCausalLM",
+                             "actor_rollout_ref.actor.megatron.override_transformer_config.moe_grouped_gemm=true"],
+                            "cpu_smoke_megatron")
+    assert "moe_grouped_gemm=false" in alignment.describe()
 
 
 def test_cpu_smoke_trainer_is_aligned_through_the_fsdp_switch():

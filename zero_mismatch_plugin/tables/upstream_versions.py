@@ -7,3 +7,5 @@ VLLM = ("0.31.0",)
 VERL = ("0.9.1",)
 TRANSFORMERS = ("5.10.4",)
 MEGATRON_CORE = ("0.16.1",)
+# verl's mbridge backend (vanilla_mbridge=True): how verl 0.9.1 builds Megatron models on a CPU.
+MBRIDGE = ("0.15.1",)

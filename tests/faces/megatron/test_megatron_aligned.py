@@ -200,3 +200,28 @@ def test_mistral_megatron_logprobs_bitwise_equal_engine(checkpoints, engines):
         logprobs = _aligned_logprobs(model, prompts, responses)
     assert logprobs.shape == mu.shape
     assert torch.equal(logprobs, mu), _report("mistral megatron", logprobs, mu)
+
+
+def _checkpoint_layout(model) -> dict:
+    """Each sharded tensor of megatron's distributed checkpoint: (global shape, how it is split)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    layout = {}
+    for key, value in model.sharded_state_dict().items():
+        if isinstance(value, ShardedTensor):
+            layout[key] = (tuple(value.global_shape), tuple(value.axis_fragmentations))
+        elif "_extra_state" not in key:  # a factory (fc1's gate/up halves) keeps its tensor's key
+            layout[key] = type(value).__name__
+    return layout
+
+
+@pytest.mark.quick
+def test_aligned_model_checkpoints_as_the_stock_model_does(mg_runtime):
+    """verl's Megatron engine saves and resumes through megatron's distributed checkpoint: the aligned
+    model's sharded state dict has the stock model's keys, shapes and splits, so either model loads
+    the other's checkpoint."""
+    with cpu_stock_megatron():
+        aligned = _checkpoint_layout(build_gpt_model(mg_runtime, aligned=True, load=False))
+        stock = _checkpoint_layout(build_gpt_model(mg_runtime, aligned=False, load=False))
+    assert aligned == stock
+    assert any(key.endswith("linear_proj.weight") for key in aligned)

@@ -232,6 +232,7 @@ def test_moe_layout_map_round_trips_and_describes_the_layers(checkpoints, family
         (dict(expert_tensor_parallel_size=2), "expert tensor parallelism"),
         (dict(moe_grouped_gemm=True), "moe_grouped_gemm"),
         (dict(moe_aux_loss_coeff=1e-3), "auxiliary losses"),
+        (dict(moe_aux_loss_coeff=1e-3, moe_router_load_balancing_type="seq_aux_loss"), "auxiliary losses"),
         (dict(moe_expert_capacity_factor=1.0), "token dropping"),
         (dict(moe_router_enable_expert_bias=True, moe_router_bias_update_rate=1e-3), "bias_update_rate"),
     ],
@@ -241,6 +242,16 @@ def test_megatron_moe_settings_vllm_does_not_run_are_refused(settings, message):
 
     with pytest.raises(UnsupportedMegatronFeature, match=message):
         require_supported(SimpleNamespace(num_moe_experts=8, **settings))
+
+
+def test_an_aux_loss_coefficient_the_router_does_not_apply_is_accepted():
+    """mbridge copies the checkpoint's router_aux_loss_coef into moe_aux_loss_coeff; with verl's
+    moe_router_load_balancing_type "none" megatron's router adds no loss, so nothing is refused."""
+    from zero_mismatch_plugin.faces.megatron.spec import require_supported
+
+    require_supported(SimpleNamespace(num_moe_experts=8, moe_aux_loss_coeff=1e-3, moe_router_load_balancing_type="none"))
+    require_supported(SimpleNamespace(num_moe_experts=8, moe_aux_loss_coeff=[0.0, 1e-3],
+                                      moe_router_load_balancing_type=["aux_loss", "none"]))
 
 
 def test_megatron_moe_config_that_differs_from_the_engine_checkpoint_is_refused(checkpoints):

@@ -384,9 +384,10 @@ MOE_CONFIG = {"architectures": ["Qwen3MoeForCausalLM"], "num_experts": 128}
 ALIGNMENT = [
     error("declared-moe-architecture", lambda: validate("zmrl.architecture=Qwen3MoeForCausalLM"),
           says(f"{ENV}.ZMRL_MEGATRON_ALIGNED", r"the aligned trainer forward does not cover this run.*"
-                                               r"missing: a path for Qwen3MoeForCausalLM")),
+                                               r"missing: \+\+actor_rollout_ref.actor.megatron.override_transformer_config"
+                                               r".moe_grouped_gemm=false \(grouped-GEMM experts")),
     error("local-moe-checkpoint", lambda: validate(f"actor_rollout_ref.model.path={model_dir(MOE_CONFIG)}"),
-          r"a path for Qwen3MoeForCausalLM \(from .*config.json: verl's FSDP engine covers it \(zm_engine: fsdp_aligned\), its Megatron engine does not yet"),
+          r"missing: \+\+actor_rollout_ref.actor.megatron.override_transformer_config.moe_grouped_gemm=false"),
     error("local-qwen2-with-sliding-window",
           lambda: validate("actor_rollout_ref.model.path=" + model_dir(
               {"architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True, "sliding_window": 4096})),
@@ -411,7 +412,7 @@ ALIGNMENT = [
           says("actor_rollout_ref.model.path", r".*names no architecture")),
     error("hf-config-path-to-a-moe-checkpoint",
           lambda: validate(f"actor_rollout_ref.model.hf_config_path={model_dir(MOE_CONFIG)}"),
-          r"a path for Qwen3MoeForCausalLM"),
+          r"missing: \+\+actor_rollout_ref.actor.megatron.override_transformer_config.moe_grouped_gemm=false"),
     error("aligned-switch-not-a-0-or-1", lambda: validate(f"{ENV}.ZMRL_MEGATRON_ALIGNED=yes"),
           says(f"{ENV}.ZMRL_MEGATRON_ALIGNED", r"is 'yes', but must be '1' \(aligned trainer forward .*\) or '0'")),
     error("consistent-numerics-without-the-aligned-switch", lambda: validate(f"~{ENV}.ZMRL_MEGATRON_ALIGNED"),
@@ -434,7 +435,7 @@ ALIGNMENT = [
     # The MoE recipe on verl's Megatron engine (its own recipe trains aligned on the FSDP engine).
     error("flagship-moe-recipe-run-on-megatron",
           lambda: recipes_run("reinforce_zero_qwen3_30b_a3b_python_tool_lag8", "zm_engine=megatron"),
-          r"Qwen3MoeForCausalLM.*--allow-unaligned-trainer"),
+          r"moe_grouped_gemm=false \(grouped-GEMM experts.*--allow-unaligned-trainer"),
     result("flagship-moe-recipe-validated-with-the-override",
            lambda: recipes_run("deepseek_v4_1_flash_dapo_math_sync", "--dry-run", "--allow-unaligned-trainer"),
            ok_with("TRAINER NOT ALIGNED"), ALIGNMENT_DOC),

@@ -237,11 +237,13 @@ def test_the_local_config_json_decides_the_architecture(tmp_path):
     dense = _model(tmp_path / "dense", architectures=["LlamaForCausalLM"])
     moe = _model(tmp_path / "moe", architectures=["Qwen3MoeForCausalLM"], num_experts=128)
     assert _all_problems("reinforce_zero", f"actor_rollout_ref.model.path={dense}") == {}
-    # config.json wins over a declared dense architecture.
+    # config.json wins over a declared dense architecture: verl's Megatron engine runs the MoE
+    # checkpoint aligned with per-expert (not grouped-GEMM) experts.
     message = _all_problems("reinforce_zero", f"actor_rollout_ref.model.path={moe}")[SWITCH]
-    assert f"a path for Qwen3MoeForCausalLM (from {moe}/config.json" in message
-    assert "verl's FSDP engine covers it (zm_engine: fsdp_aligned), its Megatron engine does not yet" in message
+    assert "override_transformer_config.moe_grouped_gemm=false (grouped-GEMM experts" in message
     assert "--allow-unaligned-trainer" in message
+    assert _all_problems("reinforce_zero", f"actor_rollout_ref.model.path={moe}",
+                         "++actor_rollout_ref.actor.megatron.override_transformer_config.moe_grouped_gemm=false") == {}
 
 
 def test_a_window_counts_unless_the_config_switches_it_off(tmp_path):
@@ -290,13 +292,13 @@ def test_the_supported_list_is_the_aligned_forwards_own(monkeypatch):
 
 def test_the_override_runs_an_uncovered_model_with_a_loud_warning(capsys):
     argv = ["validate-config", "--config-path", str(RECIPES), "--config-name", "reinforce_zero",
-            "zmrl.architecture=Qwen3MoeForCausalLM"]
+            "zmrl.architecture=DeepseekV3ForCausalLM"]
     assert zmrl(argv) == 1
-    assert "missing: a path for Qwen3MoeForCausalLM" in capsys.readouterr().err
+    assert "missing: a path for DeepseekV3ForCausalLM" in capsys.readouterr().err
     assert zmrl([*argv, "--allow-unaligned-trainer"]) == 0
     out = capsys.readouterr().out
     assert f"warning: {SWITCH}: TRAINER NOT ALIGNED" in out and "diff 0 CANNOT hold" in out
-    assert "a path for Qwen3MoeForCausalLM" in out  # and it still says what is missing
+    assert "a path for DeepseekV3ForCausalLM" in out  # and it still says what is missing
 
 
 def test_consistent_numerics_without_the_aligned_switch_is_refused():

@@ -151,6 +151,25 @@ class AlignedLinearModule(nn.Module):
     def refresh(self) -> None:
         self._kernel().derived.refresh()
 
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        """megatron's distributed-checkpoint form, as ``ColumnParallelLinear`` (weight and bias split
+        along rows) and ``RowParallelLinear`` (weight along columns, bias whole) give theirs: the
+        checkpoint of an aligned model is a stock model's."""
+        return tensor_parallel_sharded_state_dict(
+            self, prefix, sharded_offsets, metadata,
+            {"weight": self.partition_dim, **({"bias": 0} if self.partition_dim == 0 else {})})
+
+
+def tensor_parallel_sharded_state_dict(module, prefix, sharded_offsets, metadata, axes: dict[str, int]):
+    """``module``'s parameters as megatron's sharded tensors, each split over the tensor-parallel
+    ranks along ``axes[name]`` (names not in ``axes``: replicated)."""
+    from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
+
+    metadata = ensure_metadata_has_dp_cp_group(metadata)
+    return make_sharded_tensors_for_checkpoint(
+        module.state_dict(prefix="", keep_vars=True), prefix, axes, sharded_offsets,
+        tp_group=module.tp_group, dp_cp_group=metadata["dp_cp_group"])
+
 
 class AlignedRowParallelLinearModule(AlignedLinearModule):
     """Replaces ``RowParallelLinear``: this rank's input columns through vLLM's linear, the ranks'
@@ -539,6 +558,11 @@ class AlignedOutputLayer(nn.Module):
         logits = (head if self.lora is None else self.lora.op(self.runtime, head))(tokens)
         logits = parallel.gather_vocab(logits, self.tp_group)
         return logits.view(b, s, -1).transpose(0, 1), None
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        """As megatron's column-parallel output layer: the weight (absent when tied) split along
+        the vocabulary rows."""
+        return tensor_parallel_sharded_state_dict(self, prefix, sharded_offsets, metadata, {"weight": 0})
 
     def refresh(self) -> None:
         for head in self._aligned_ops.ops():

