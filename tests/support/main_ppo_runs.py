@@ -25,6 +25,17 @@ BITWISE = "actor/zero_mismatch/bitwise_equal_fraction"
 STALENESS_WORST_MAX = "training/off_policy/trajectory_staleness_worst/max"
 STALENESS_MIN = "training/off_policy/trajectory_staleness/min"
 
+# verl's separate_async trainer with the rollout on its own device slot; weights travel from the
+# actor through the plugin's gloo checkpoint engine.
+SEPARATE_ASYNC = [
+    "trainer.v1.trainer_mode=separate_async", "actor_rollout_ref.hybrid_engine=false",
+    "actor_rollout_ref.rollout.nnodes=1", "actor_rollout_ref.rollout.n_gpus_per_node=1",
+    "actor_rollout_ref.rollout.checkpoint_engine.backend=gloo",
+    "actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module=zero_mismatch_plugin.integrations.verl.cpu.gloo_checkpoint_engine",
+    "trainer.v1.separate_async.parameter_sync_step=1", "trainer.v1.separate_async.num_warmup_batches=1",
+    "ray_kwargs.ray_init.num_gpus=2",
+]
+
 
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory):

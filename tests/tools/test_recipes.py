@@ -572,9 +572,16 @@ MEGATRON_TP = "actor_rollout_ref.actor.megatron.tensor_model_parallel_size"
 ROLLOUT_TP = "actor_rollout_ref.rollout.tensor_model_parallel_size"
 
 
+def test_equal_tensor_parallelism_is_aligned_in_verls_megatron_engine():
+    """The aligned output layer gathers the vocabulary and the patched logits processor takes the
+    gathered logits (cpu_smoke_megatron runs it at TP 2 + SP on two workers)."""
+    name = next(n for n in ALIGNED if SPEC[n]["engine"] == "megatron")
+    cfg = compose_verl_config(TOP_LEVEL_RECIPES, name, [f"{MEGATRON_TP}=2", f"{ROLLOUT_TP}=2"])
+    alignment = trainer_alignment(cfg)
+    assert alignment.status == ALIGNMENT_ALIGNED, alignment.describe()
+
+
 @pytest.mark.parametrize("trainer_tp,rollout_tp,says,not_said", [
-    # Equal TP: the only gap left is verl's own Megatron engine, not the layout.
-    (2, 2, "tensor_model_parallel_size 2 in verl's Megatron engine", "rollout tensor parallelism"),
     (2, 1, f"rollout tensor parallelism 1 with trainer tensor parallelism 2 (each trainer rank reproduces the "
            f"rollout rank of its index: set {ROLLOUT_TP} and {MEGATRON_TP} equal)", None),
     (1, 4, f"rollout tensor parallelism 4 with trainer tensor parallelism 1 (each trainer rank reproduces the "

@@ -80,6 +80,28 @@ def test_patched_logits_processor_gives_vllm_logprobs(engine_module, clean_patch
     print(f"T={temperature}: verl's stock logprobs {(stock == expected).float().mean().item():.1%} bit-equal on this host")
 
 
+def test_at_tensor_parallelism_entropy_and_sum_pi_squared_are_the_whole_vocabularys(engine_module, clean_patch,
+                                                                                     monkeypatch):
+    """At TP > 1 every rank holds the gathered logits: the entropy and Σπ² are computed from them on
+    the rank (verl's vocabulary-parallel kernels would all-reduce the ranks' identical copies)."""
+    import verl.utils.torch_functional as verl_F
+
+    ti = engine_module
+    megatron_engine.apply()
+    monkeypatch.setattr(megatron_engine, "_tensor_parallel_size", lambda: 2)
+    monkeypatch.setattr(ti, "vocab_parallel_entropy", lambda logits: pytest.fail("vocabulary-parallel kernel"))
+    g = torch.Generator().manual_seed(5)
+    logits, label = torch.randn(1, 6, 40, generator=g), torch.randint(0, 40, (1, 6), generator=g)
+    fake_engine = SimpleNamespace(engine_config=SimpleNamespace(entropy_from_logits_with_chunking=False))
+    out = ti.MegatronEngineWithLMHead._lm_head_logits_processor(
+        fake_engine, logits.clone(), label, torch.ones(1, 6), calculate_sum_pi_squared=True, calculate_entropy=True,
+        distillation_use_topk=False, distillation_only=False, logits_processor_func=None, batch=None,
+        data_format="thd")
+    assert torch.equal(out["entropy"], verl_F.entropy_from_logits(logits))
+    assert torch.allclose(out["sum_pi_squared"], torch.softmax(logits, -1).square().sum(-1))
+    assert torch.equal(out["log_probs"], _vllm_sampler_logprobs(logits, label, torch.ones(1, 6)))
+
+
 def test_patched_logprobs_are_differentiable(engine_module, clean_patch):
     ti = engine_module
     megatron_engine.apply()
@@ -157,10 +179,6 @@ def test_unsupported_configurations_fail_clearly():
     with pytest.raises(UnsupportedMegatronFeature, match="use_remove_padding"):
         megatron_engine.inject_aligned_spec(engine, runtime=object())
     engine.engine_config.use_remove_padding = True
-    engine.provider.tensor_model_parallel_size = 2
-    with pytest.raises(UnsupportedMegatronFeature, match="tensor_model_parallel_size=2 in verl's Megatron engine"):
-        megatron_engine.inject_aligned_spec(engine, runtime=object())
-    engine.provider.tensor_model_parallel_size = 1
     # Layouts the face runs on its own ranks but verl's engine has not run: each named, with its check.
     for name, flag in (("expert_model_parallel_size", "--expert-parallel"),
                        ("pipeline_model_parallel_size", "--pipeline-parallel"),

@@ -178,6 +178,14 @@ GRADIENT_CLIP_HOST_TENSORS = host_torch_patch(
     when=_TRAINING_WHEN,
 )
 
+MAPPINGS_HOST_TENSORS = host_torch_patch(
+    "megatron.core.tensor_parallel.mappings",
+    name="megatron-mappings-host-tensors",
+    why="megatron's tensor- and sequence-parallel gathers and reduce-scatters allocate their outputs on "
+        "torch.cuda.current_device() (the vocabulary-parallel embedding's reduce-scatter under sequence parallelism)",
+    when=_TRAINING_WHEN,
+)
+
 UTILS_HOST_TENSORS = host_torch_patch(
     "megatron.core.utils",
     name="megatron-utils-host-tensors",
@@ -318,7 +326,7 @@ PACKED_LOCAL_ATTENTION = megatron_patch(
     when=_TRAINING_WHEN,
 )
 
-TRAINING_PATCHES = [OPTIMIZER_HOST_TENSORS, GRADIENT_CLIP_HOST_TENSORS, UTILS_HOST_TENSORS, GRAD_BUFFER_HOST_TENSORS, ROTARY_HOST_TENSORS,
+TRAINING_PATCHES = [OPTIMIZER_HOST_TENSORS, GRADIENT_CLIP_HOST_TENSORS, MAPPINGS_HOST_TENSORS, UTILS_HOST_TENSORS, GRAD_BUFFER_HOST_TENSORS, ROTARY_HOST_TENSORS,
                     GRADIENT_CLIP_ON_HOST, RNG_TRACKER_ON_HOST, PACKED_LOCAL_ATTENTION, *CHECKPOINT_HOST_TENSORS]
 
 MOE_PATCHES = [ALLTOALL_SIDE_STREAM, ALLTOALL_HOST_SPLITS, ROUTER_GEMM_NAME]

@@ -49,12 +49,6 @@ def engine_has_hooks(ti) -> bool:
 
 # ----- vLLM's logprob arithmetic -----------------------------------------------------------
 
-VERL_TENSOR_PARALLEL_REFUSAL = (
-    "tensor_model_parallel_size={tp} in verl's Megatron engine: the aligned output layer returns the whole "
-    "vocabulary on every rank, verl's logprob and entropy kernels here take vocabulary shards; set "
-    "tensor_model_parallel_size=1 (the Megatron face itself runs TP > 1: zmrl check --tensor-parallel)"
-)
-
 # Layouts the Megatron face runs bitwise on its own ranks (zmrl check --expert-parallel /
 # --pipeline-parallel / --context-parallel) that have not run inside verl's engine: megatron's
 # name -> the check's flag.
@@ -89,28 +83,40 @@ def aligned_lm_head_logits_processor(
     batch,
     data_format: str,
 ):
-    """``_lm_head_logits_processor`` with vLLM's arithmetic (same outputs and keys as verl's)."""
+    """``_lm_head_logits_processor`` with vLLM's arithmetic (same outputs and keys as verl's).
+
+    The aligned output layer returns the whole vocabulary on every tensor-parallel rank (vLLM
+    gathers its shards before its logprobs), so at tensor parallelism > 1 the entropy and Σπ² are
+    computed from the gathered logits on each rank instead of verl's vocabulary-parallel kernels
+    (which would add up every rank's copy); their gradients reach each rank's shard through the
+    gather's backward, as the logprob's do.
+    """
+    import torch
+    import verl.utils.torch_functional as verl_F
+
     from zero_mismatch_plugin.aligned.sampling import gather_labels, vllm_logprobs, vllm_scaled_logits
 
     ti = _engine_module()
     assert logits.shape[:2] == label.shape[:2]
-    if _tensor_parallel_size() != 1:
-        raise NotImplementedError(VERL_TENSOR_PARALLEL_REFUSAL.format(tp=_tensor_parallel_size()))
+    whole_vocab_per_rank = _tensor_parallel_size() > 1
     # verl's guard for padding rows, kept as is.
     temperature[temperature <= 0] = 1e-8
     scaled = vllm_scaled_logits(logits, temperature)
     ret = {}
     if calculate_sum_pi_squared:
-        ret["sum_pi_squared"] = ti.vocab_parallel_sum_pi_squared(scaled)
+        ret["sum_pi_squared"] = (torch.softmax(scaled, dim=-1).square().sum(dim=-1) if whole_vocab_per_rank
+                                 else ti.vocab_parallel_sum_pi_squared(scaled))
     if calculate_entropy:
         # verl's entropy kernels may work in place on their input.
         entropy_input = scaled.clone()
         if self.engine_config.entropy_from_logits_with_chunking:
-            ret["entropy"] = ti.vocab_parallel_entropy_with_chunking(
-                entropy_input, chunk_size=self.engine_config.entropy_from_logits_chunk_size
-            )
+            chunk_size = self.engine_config.entropy_from_logits_chunk_size
+            ret["entropy"] = (verl_F.entropy_from_logits_with_chunking(entropy_input, chunk_size=chunk_size)
+                              if whole_vocab_per_rank else
+                              ti.vocab_parallel_entropy_with_chunking(entropy_input, chunk_size=chunk_size))
         else:
-            ret["entropy"] = ti.vocab_parallel_entropy(entropy_input)
+            ret["entropy"] = (verl_F.entropy_from_logits(entropy_input) if whole_vocab_per_rank
+                              else ti.vocab_parallel_entropy(entropy_input))
     if distillation_use_topk:
         ret.update(logits_processor_func(student_logits=scaled, data=batch, data_format=data_format))
     if not distillation_only:
@@ -212,9 +218,6 @@ def inject_aligned_spec(engine, runtime=None) -> None:
     if getattr(engine, "peft_cls", None) is not None:
         raise UnsupportedMegatronFeature("LoRA / PEFT on the aligned Megatron spec")
     require_supported(layout)
-    tp = getattr(layout, "tensor_model_parallel_size", 1) or 1
-    if tp != 1:
-        raise UnsupportedMegatronFeature(VERL_TENSOR_PARALLEL_REFUSAL.format(tp=tp))
     for name, flag in VERL_UNRUN_LAYOUTS.items():
         size = getattr(layout, name, 1) or 1
         if size != 1:

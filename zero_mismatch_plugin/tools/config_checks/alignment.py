@@ -138,12 +138,6 @@ def _engine_gaps(cfg: DictConfig) -> list[str]:
                              context_parallel_size=read(cfg, f"{MEGATRON}.context_parallel_size"),
                              sequence_parallel=tp > 1 and read(cfg, f"{MEGATRON}.sequence_parallel"))
     gaps = [f"{feature} in the trainer" for feature in unsupported_features(layout)]
-    if (tp or 1) > 1:
-        # The Megatron face's output layer returns the whole vocabulary on every rank; verl's
-        # Megatron engine computes logprobs and entropy with vocabulary-parallel kernels.
-        gaps.append(f"tensor_model_parallel_size {tp} in verl's Megatron engine (the Megatron face runs it bitwise "
-                    "on its own ranks, `zmrl check --tensor-parallel`; verl's vocabulary-parallel logprob and "
-                    "entropy kernels do not take its gathered logits yet)")
     for name in ("expert_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
         size = read(cfg, f"{MEGATRON}.{name}")
         if size not in (None, 1):

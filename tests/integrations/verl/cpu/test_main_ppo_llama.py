@@ -7,22 +7,12 @@ actor (verl's own forward of the same FSDP2 model is not μ) is
 from __future__ import annotations
 
 import pytest
-from support.main_ppo_runs import BITWISE, STALENESS_MIN, STALENESS_WORST_MAX, assert_ran, inputs  # noqa: F401 (fixture)
+from support.main_ppo_runs import (BITWISE, SEPARATE_ASYNC, STALENESS_MIN, STALENESS_WORST_MAX, assert_ran,  # noqa: F401
+                                   inputs)
 
 from zero_mismatch_plugin.integrations.verl.cpu.launch import run_smoke
 
 pytestmark = pytest.mark.slow
-
-# verl's separate_async trainer with the rollout on its own device slot; weights travel through
-# the plugin's gloo checkpoint engine.
-SEPARATE_ASYNC = [
-    "trainer.v1.trainer_mode=separate_async", "actor_rollout_ref.hybrid_engine=false",
-    "actor_rollout_ref.rollout.nnodes=1", "actor_rollout_ref.rollout.n_gpus_per_node=1",
-    "actor_rollout_ref.rollout.checkpoint_engine.backend=gloo",
-    "actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module=zero_mismatch_plugin.integrations.verl.cpu.gloo_checkpoint_engine",
-    "trainer.v1.separate_async.parameter_sync_step=1", "trainer.v1.separate_async.num_warmup_batches=1",
-    "ray_kwargs.ray_init.num_gpus=2",
-]
 
 
 def test_reinforce_zero_separate_async_rollout_synced_over_gloo(tmp_path, inputs):

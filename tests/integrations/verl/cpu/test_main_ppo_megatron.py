@@ -1,14 +1,14 @@
 """verl's main_ppo on its Megatron engine on the CPU (recipe ``cpu_smoke_megatron``: the mbridge
 backend, fp32, the aligned spec): synchronous steps bitwise and saved; FlashREINFORCE resumed from
 verl's checkpoint with the rollout on its own slot (lag >= 1); the stock Megatron forward as the
-negative control; a tiny Qwen3-MoE. Each run is one real verl process, started once
-(``megatron_runs``, ``megatron_moe_run``); every test reads them."""
+negative control; a tiny Qwen3-MoE on two workers at tensor parallelism 2. Each run is one real verl
+process, started once (``megatron_runs``, ``megatron_moe_tp2_run``); every test reads them."""
 
 from __future__ import annotations
 
 import pytest
-from support.main_ppo_runs import (BITWISE, DIFF, STALENESS_MIN, STALENESS_WORST_MAX, assert_ran,  # noqa: F401
-                                   inputs, moe_inputs)
+from support.main_ppo_runs import (BITWISE, DIFF, SEPARATE_ASYNC, STALENESS_MIN, STALENESS_WORST_MAX,  # noqa: F401
+                                   assert_ran, inputs)
 
 from zero_mismatch_plugin.integrations.verl.cpu.launch import MEGATRON_RECIPE_NAME, run_smoke
 
@@ -16,17 +16,6 @@ pytestmark = pytest.mark.slow
 
 SAVED_STEP = 2
 ALIGNED_LOG_LINE = "zero-mismatch: verl 0.9.1 Megatron engine (engine methods patched)"
-
-# verl's separate_async trainer with the rollout on its own device slot; weights travel from the
-# Megatron engine (mbridge's export) through the plugin's gloo checkpoint engine.
-SEPARATE_ASYNC = [
-    "trainer.v1.trainer_mode=separate_async", "actor_rollout_ref.hybrid_engine=false",
-    "actor_rollout_ref.rollout.nnodes=1", "actor_rollout_ref.rollout.n_gpus_per_node=1",
-    "actor_rollout_ref.rollout.checkpoint_engine.backend=gloo",
-    "actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module=zero_mismatch_plugin.integrations.verl.cpu.gloo_checkpoint_engine",
-    "trainer.v1.separate_async.parameter_sync_step=1", "trainer.v1.separate_async.num_warmup_batches=1",
-    "ray_kwargs.ray_init.num_gpus=2",
-]
 
 
 def assert_updates_where_advantages_are_nonzero(run):
@@ -102,15 +91,39 @@ def test_verls_stock_megatron_forward_is_not_mu(megatron_runs):
     assert stock.metric(DIFF)[0] > 0.0
 
 
+# Two Megatron ranks at tensor parallelism 2 with sequence parallelism, colocated with a vLLM replica
+# at tensor parallelism 2 (its two CPU workers bound one per core).
+TENSOR_PARALLEL_2 = [
+    "trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+    "actor_rollout_ref.actor.megatron.sequence_parallel=true", "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+    "++ray_kwargs.ray_init.runtime_env.env_vars.VLLM_CPU_OMP_THREADS_BIND='0|1'",
+]
+
+
 @pytest.fixture(scope="module")
-def megatron_moe_run(tmp_path_factory, moe_inputs):
-    return megatron_smoke(tmp_path_factory.mktemp("main_ppo_megatron_moe"), moe_inputs, [])
+def megatron_moe_tp2_run(tmp_path_factory, inputs):
+    """A tiny Qwen3-MoE (two key/value heads, one per tensor-parallel rank) on two Megatron workers."""
+    from transformers import AutoTokenizer
+
+    from zero_mismatch_plugin.tools.smoke_assets import PLAIN_CHAT_TEMPLATE, SMOKE_SHAPE
+    from zero_mismatch_plugin.tools.tiny_models import build_tiny_model
+
+    root = tmp_path_factory.mktemp("main_ppo_megatron_moe_tp2")
+    model = build_tiny_model(root / "qwen3_moe", family="qwen3_moe", seed=0,
+                             **{**SMOKE_SHAPE, "moe_intermediate_size": 64, "num_key_value_heads": 2})
+    tokenizer = AutoTokenizer.from_pretrained(str(model))
+    tokenizer.chat_template = PLAIN_CHAT_TEMPLATE
+    tokenizer.save_pretrained(str(model))
+    return megatron_smoke(root / "run", {**inputs, "actor_rollout_ref.model.path": str(model)}, TENSOR_PARALLEL_2)
 
 
-def test_megatron_engine_moe_steps_are_bitwise(megatron_moe_run):
-    """A tiny Qwen3-MoE in verl's Megatron engine: the aligned MoE layers (vLLM's router and fused-MoE
-    layer) reproduce the rollout's logprobs bit for bit before and after an update."""
-    assert_ran(megatron_moe_run, [1, 2])
-    assert ALIGNED_LOG_LINE in megatron_moe_run.log
-    assert megatron_moe_run.metric(BITWISE) == [1.0, 1.0], megatron_moe_run.metric(BITWISE)
-    assert_updates_where_advantages_are_nonzero(megatron_moe_run)
+def test_megatron_engine_moe_at_tensor_parallel_2_is_bitwise(megatron_moe_tp2_run):
+    """verl's Megatron engine on two workers at TP 2 + SP with a tiny Qwen3-MoE: each rank computes the
+    engine rank of its index (attention heads, MLP and expert columns, vocabulary shards gathered
+    before the logprobs), and mbridge's export gathers the shards for the TP-2 rollout's reload: every
+    sampled token's logprob is mu, bit for bit, before and after an update."""
+    run = megatron_moe_tp2_run
+    assert_ran(run, [1, 2])
+    assert ALIGNED_LOG_LINE in run.log
+    assert run.metric(BITWISE) == [1.0, 1.0], run.metric(BITWISE)
+    assert_updates_where_advantages_are_nonzero(run)
