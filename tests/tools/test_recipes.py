@@ -697,16 +697,16 @@ def test_moe_recipes_train_aligned_in_verls_fsdp_engine(name, recipes_listed):
     assert listed == "trainer: aligned", listed
 
 
-def test_moe_in_verls_megatron_engine_with_expert_parallelism_is_still_a_gap():
-    """The same recipe on verl's Megatron engine at EP 8: the grouped-GEMM experts both bridges build
-    for an MoE model and the expert parallelism are both named."""
+def test_moe_in_verls_megatron_engine_at_expert_parallelism_needs_per_expert_gemms():
+    """The same recipe on verl's Megatron engine at EP 8: expert parallelism runs there; the
+    grouped-GEMM experts both bridges build for an MoE model are the gap named."""
     cfg = compose_verl_config(TOP_LEVEL_RECIPES, "reinforce_zero_qwen3_30b_a3b_python_tool_lag8",
                               ["zm_engine=megatron", "actor_rollout_ref.actor.megatron.expert_model_parallel_size=8"])
     alignment = trainer_alignment(cfg)
     assert alignment.status == ALIGNMENT_NOT_ALIGNED
     said = alignment.describe()
     assert "moe_grouped_gemm=false (grouped-GEMM experts are not vLLM's fused-MoE arithmetic)" in said
-    assert "expert_model_parallel_size 8 in verl's Megatron engine" in said
+    assert "expert_model_parallel_size 8 in verl's Megatron engine" not in said  # runs there (cpu_smoke_megatron, EP 2)
 
 
 @pytest.mark.parametrize("tp, etp, gap", [(2, 2, False), (2, 1, False), (4, 2, True), (1, 2, True)])

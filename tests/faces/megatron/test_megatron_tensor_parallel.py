@@ -190,7 +190,7 @@ def test_tensor_with_expert_parallelism_needs_whole_experts_and_experts_split_li
 
 
 def test_a_vocabulary_vllm_pads_is_refused_under_tensor_parallelism(mg_runtime):
-    from zero_mismatch_plugin.faces.megatron.modules import vocab_shard_rows
+    from zero_mismatch_plugin.faces.megatron.parallel import vocab_shard_rows
 
     assert vocab_shard_rows(mg_runtime, 512, 2) == 256
     with pytest.raises(NotImplementedError, match=r"vocabulary 500 under tensor parallelism 2: vLLM pads it to 512"):

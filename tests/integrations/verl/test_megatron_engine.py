@@ -180,14 +180,19 @@ def test_unsupported_configurations_fail_clearly():
         megatron_engine.inject_aligned_spec(engine, runtime=object())
     engine.engine_config.use_remove_padding = True
     # Layouts the face runs on its own ranks but verl's engine has not run: each named, with its check.
-    for name, flag in (("expert_model_parallel_size", "--expert-parallel"),
-                       ("pipeline_model_parallel_size", "--pipeline-parallel"),
+    for name, flag in (("pipeline_model_parallel_size", "--pipeline-parallel"),
                        ("context_parallel_size", "--context-parallel")):
         setattr(engine.provider, name, 2)
         with pytest.raises(UnsupportedMegatronFeature,
                            match=f"{name}=2 in verl's Megatron engine: .*zmrl check --trainer megatron {flag} 2"):
             megatron_engine.inject_aligned_spec(engine, runtime=object())
         setattr(engine.provider, name, 1)
+    # verl's mbridge backend at TP x EP: its loader splits the local experts over the tensor-parallel ranks.
+    bridge = SimpleNamespace(config=SimpleNamespace(**base, tensor_model_parallel_size=2, expert_model_parallel_size=2))
+    vanilla = SimpleNamespace(provider=None, bridge=bridge, vanilla_bridge=True, is_value_model=False, peft_cls=None,
+                              _qat_enabled=False, engine_config=engine.engine_config)
+    with pytest.raises(UnsupportedMegatronFeature, match="tensor_model_parallel_size=2 with expert_model_parallel_size=2"):
+        megatron_engine.inject_aligned_spec(vanilla, runtime=object())
 
 
 def test_import_verl_applies_the_patch_through_the_entry_point_when_enabled():

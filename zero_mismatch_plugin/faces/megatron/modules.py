@@ -151,24 +151,8 @@ class AlignedLinearModule(nn.Module):
     def refresh(self) -> None:
         self._kernel().derived.refresh()
 
-    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
-        """megatron's distributed-checkpoint form, as ``ColumnParallelLinear`` (weight and bias split
-        along rows) and ``RowParallelLinear`` (weight along columns, bias whole) give theirs: the
-        checkpoint of an aligned model is a stock model's."""
-        return tensor_parallel_sharded_state_dict(
-            self, prefix, sharded_offsets, metadata,
-            {"weight": self.partition_dim, **({"bias": 0} if self.partition_dim == 0 else {})})
-
-
-def tensor_parallel_sharded_state_dict(module, prefix, sharded_offsets, metadata, axes: dict[str, int]):
-    """``module``'s parameters as megatron's sharded tensors, each split over the tensor-parallel
-    ranks along ``axes[name]`` (names not in ``axes``: replicated)."""
-    from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
-
-    metadata = ensure_metadata_has_dp_cp_group(metadata)
-    return make_sharded_tensors_for_checkpoint(
-        module.state_dict(prefix="", keep_vars=True), prefix, axes, sharded_offsets,
-        tp_group=module.tp_group, dp_cp_group=metadata["dp_cp_group"])
+    # megatron's distributed checkpoint: a stock model's keys, shapes and splits.
+    sharded_state_dict = parallel.linear_sharded_state_dict
 
 
 class AlignedRowParallelLinearModule(AlignedLinearModule):
@@ -490,24 +474,6 @@ class _MegatronLogits(ops.AlignedLogits):
         return super()._build([sources[0][: self.vocab_size]])
 
 
-def vocab_shard_rows(runtime: VllmRuntime, vocab_size: int, tp: int) -> int:
-    """The vocabulary rows of one tensor-parallel rank, refused unless they are the engine rank's.
-
-    vLLM's lm_head pads the vocabulary to a multiple of 64 and splits the padded rows evenly;
-    megatron splits the vocabulary itself evenly. Both agree when no padding is needed.
-    """
-    if tp == 1:
-        return vocab_size
-    padded = runtime.padded_vocab_size(vocab_size)
-    if padded != vocab_size:
-        raise NotImplementedError(
-            f"aligned output layer: vocabulary {vocab_size} under tensor parallelism {tp}: vLLM pads it to "
-            f"{padded} rows before splitting them over its ranks, megatron splits {vocab_size}; the ranks "
-            "would hold different rows. Use a checkpoint whose vocabulary is a multiple of 64, or TP 1"
-        )
-    return parallel.divide(vocab_size, tp, "vocabulary size")
-
-
 class AlignedOutputLayer(nn.Module):
     """Replaces GPTModel's ``output_layer``: vLLM's lm_head + ``LogitsProcessor`` (head dtype
     honoured, fp32 in consistent mode), returning logits of vLLM's width (the model vocabulary).
@@ -522,7 +488,7 @@ class AlignedOutputLayer(nn.Module):
         self.vocab_size = vocab_size
         self.tp_group = parallel.tensor_parallel_group(config, tp_group)
         self.sequence_parallel = parallel.uses_sequence_parallel(config, self.tp_group)
-        self.shard_rows = vocab_shard_rows(runtime, vocab_size, parallel.group_size(self.tp_group))
+        self.shard_rows = parallel.vocab_shard_rows(runtime, vocab_size, parallel.group_size(self.tp_group))
         self.weight = weight  # None when tied: GPTModel passes the embedding weight
         self._aligned_ops = OpCache()
         # An lm_head adapter (``megatron.lora.attach_lora``): logits through vLLM's LoRA logits layer.
@@ -559,10 +525,9 @@ class AlignedOutputLayer(nn.Module):
         logits = parallel.gather_vocab(logits, self.tp_group)
         return logits.view(b, s, -1).transpose(0, 1), None
 
-    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
-        """As megatron's column-parallel output layer: the weight (absent when tied) split along
-        the vocabulary rows."""
-        return tensor_parallel_sharded_state_dict(self, prefix, sharded_offsets, metadata, {"weight": 0})
+    # megatron's distributed checkpoint, as its column-parallel output layer's (no weight when tied).
+    partition_dim = 0
+    sharded_state_dict = parallel.linear_sharded_state_dict
 
     def refresh(self) -> None:
         for head in self._aligned_ops.ops():
@@ -593,7 +558,7 @@ class AlignedOutputLayerModule(AlignedOutputLayer):
         weight = None
         if not skip_weight_param_allocation:
             tp = parallel.group_size(group)
-            weight = _linear_weight(config, vocab_shard_rows(runtime, output_size, tp), input_size, init_method)
+            weight = _linear_weight(config, parallel.vocab_shard_rows(runtime, output_size, tp), input_size, init_method)
             if tp > 1:
                 parallel.mark_partitioned(weight, 0)
         super().__init__(runtime, weight, output_size, config=config, tp_group=group)

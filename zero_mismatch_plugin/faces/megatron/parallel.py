@@ -113,6 +113,37 @@ class _RankOrderReduce(torch.autograd.Function):
         return torch.cat(all_gather_parts(g, ctx.group), dim=0), None, None
 
 
+def linear_sharded_state_dict(module, prefix="", sharded_offsets=(), metadata=None):
+    """A linear's ``sharded_state_dict`` (megatron's distributed checkpoint), as megatron's give
+    theirs: ``partition_dim`` 0 as ``ColumnParallelLinear`` (weight and bias split along rows over
+    the tensor-parallel ranks), 1 as ``RowParallelLinear`` (weight along columns, bias whole)."""
+    from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
+
+    axes = {"weight": module.partition_dim, **({"bias": 0} if module.partition_dim == 0 else {})}
+    metadata = ensure_metadata_has_dp_cp_group(metadata)
+    return make_sharded_tensors_for_checkpoint(
+        module.state_dict(prefix="", keep_vars=True), prefix, axes, sharded_offsets,
+        tp_group=module.tp_group, dp_cp_group=metadata["dp_cp_group"])
+
+
+def vocab_shard_rows(runtime, vocab_size: int, tp: int) -> int:
+    """The vocabulary rows of one tensor-parallel rank, refused unless they are the engine rank's.
+
+    vLLM's lm_head pads the vocabulary to a multiple of 64 and splits the padded rows evenly;
+    megatron splits the vocabulary itself evenly. Both agree when no padding is needed.
+    """
+    if tp == 1:
+        return vocab_size
+    padded = runtime.padded_vocab_size(vocab_size)
+    if padded != vocab_size:
+        raise NotImplementedError(
+            f"aligned output layer: vocabulary {vocab_size} under tensor parallelism {tp}: vLLM pads it to "
+            f"{padded} rows before splitting them over its ranks, megatron splits {vocab_size}; the ranks "
+            "would hold different rows. Use a checkpoint whose vocabulary is a multiple of 64, or TP 1"
+        )
+    return divide(vocab_size, tp, "vocabulary size")
+
+
 def gather_vocab(logits: torch.Tensor, group) -> torch.Tensor:
     """The ranks' vocabulary shards of the logits, concatenated along the last dim in rank order."""
     if group is None:

@@ -1,11 +1,15 @@
 """Runtime patches megatron-core 0.16.1 needs to run expert and pipeline parallelism (and its stock
-MoE router) on a CPU.
+MoE router) on a CPU, and to train inside verl's Megatron engine there.
 
 megatron's all-to-all token dispatcher keeps its split sizes on the GPU and moves them to the host
 on a side CUDA stream; on a CPU they are already host tensors, which ``maybe_move_tensor_to_cpu``
-leaves as tensors, and ``all_to_all_single`` takes no tensor split sizes. Each patch handles the
-CPU case and calls the original otherwise; applied by :func:`moe_on_cpu` when
-``standalone.build_gpt_model`` builds an MoE model, listed by ``zmrl patches list``.
+leaves as tensors, and ``all_to_all_single`` takes no tensor split sizes. Its optimizer, gradient
+clipping, DDP buffers, collectives and distributed checkpoint place tensors on ``"cuda"`` by name
+(:class:`_HostTorch` sends them to the host). Each patch handles the CPU case and calls the
+original otherwise; applied by :func:`moe_on_cpu` / :func:`pipeline_on_cpu` when
+``standalone.build_gpt_model`` builds such a model, and with the training patches by
+:func:`training_on_cpu` when verl constructs its Megatron engine on the CPU platform; listed by
+``zmrl patches list``.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from zero_mismatch_plugin.integrations.verl import (
 )
 
 from zero_mismatch_plugin.tools.config_checks.problems import Problem
-from zero_mismatch_plugin.tools.config_checks.values import read
+from zero_mismatch_plugin.tools.config_checks.values import on_cpu_platform, read
 
 REINFORCE_ZERO = "reinforce_zero"
 FLASH_REINFORCE = "flash_reinforce"
@@ -74,8 +74,6 @@ def _policy_loss_key_problems(cfg: DictConfig, uses_flash: bool) -> list[Problem
 def _actor_build_problems(cfg: DictConfig) -> list[Problem]:
     """Build the actor dataclass as every verl worker will, so its own checks fail here, not on a cluster."""
     from verl.utils.config import omega_conf_to_dataclass
-
-    from zero_mismatch_plugin.tools.config_checks.numerics import on_cpu_platform
 
     platform_checks = contextlib.nullcontext()
     if on_cpu_platform(cfg):

@@ -138,7 +138,11 @@ def _engine_gaps(cfg: DictConfig) -> list[str]:
                              context_parallel_size=read(cfg, f"{MEGATRON}.context_parallel_size"),
                              sequence_parallel=tp > 1 and read(cfg, f"{MEGATRON}.sequence_parallel"))
     gaps = [f"{feature} in the trainer" for feature in unsupported_features(layout)]
-    for name in ("expert_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
+    ep = read(cfg, f"{MEGATRON}.expert_model_parallel_size")
+    if (tp or 1) > 1 and (ep or 1) > 1 and read(cfg, f"{MEGATRON}.vanilla_mbridge"):
+        gaps.append(f"tensor_model_parallel_size {tp} with expert_model_parallel_size {ep} in verl's Megatron engine "
+                    "on the mbridge backend (it loads local experts split over the tensor-parallel ranks): set one to 1")
+    for name in ("pipeline_model_parallel_size", "context_parallel_size"):
         size = read(cfg, f"{MEGATRON}.{name}")
         if size not in (None, 1):
             gaps.append(f"{name} {size} in verl's Megatron engine (the Megatron face runs it bitwise on its own "

@@ -9,7 +9,7 @@ from zero_mismatch_plugin.aligned.numerics import BATCH_INVARIANT_ENV, CONSISTEN
 
 from zero_mismatch_plugin.tools.config_checks.algorithms import uses_plugin
 from zero_mismatch_plugin.tools.config_checks.problems import Problem
-from zero_mismatch_plugin.tools.config_checks.values import ENV_VARS_KEY, read
+from zero_mismatch_plugin.tools.config_checks.values import ENV_VARS_KEY, on_cpu_platform, read
 
 ROLLOUT = "actor_rollout_ref.rollout"
 ALLOW_PREFIX_CACHING_ENV = switches.ALLOW_PREFIX_CACHING
@@ -52,12 +52,6 @@ def sampling_problems(cfg: DictConfig) -> list[Problem]:
                                 f"is {temperature}: bit-exact parity is tested end to end at temperature 1.0 only "
                                 "(the aligned logits processor divides by T as vLLM does)", fatal=False))
     return problems
-
-
-def on_cpu_platform(cfg: DictConfig) -> bool:
-    """The recipe runs on verl's CPU platform (``zmrl.platform: cpu``)."""
-    zmrl = cfg.get("zmrl") if isinstance(cfg, DictConfig) else None
-    return zmrl is not None and zmrl.get("platform") == "cpu"
 
 
 def numerics_problems(cfg: DictConfig) -> list[Problem]:

@@ -242,6 +242,12 @@ def _checked(key: Key, value: Any) -> Any:
     return value
 
 
+def on_cpu_platform(cfg: DictConfig) -> bool:
+    """The recipe runs on verl's CPU platform (``zmrl.platform: cpu``)."""
+    zmrl = cfg.get("zmrl") if isinstance(cfg, DictConfig) else None
+    return zmrl is not None and zmrl.get("platform") == "cpu"
+
+
 def read(cfg: DictConfig, path: str) -> Any:
     """The value at ``path`` (one of :data:`KEYS`), typed and range-checked, or :class:`ConfigValueError`."""
     key = KEYS[path]

@@ -1,8 +1,9 @@
 """verl's main_ppo on its Megatron engine on the CPU (recipe ``cpu_smoke_megatron``: the mbridge
 backend, fp32, the aligned spec): synchronous steps bitwise and saved; FlashREINFORCE resumed from
 verl's checkpoint with the rollout on its own slot (lag >= 1); the stock Megatron forward as the
-negative control; a tiny Qwen3-MoE on two workers at tensor parallelism 2. Each run is one real verl
-process, started once (``megatron_runs``, ``megatron_moe_tp2_run``); every test reads them."""
+negative control; a tiny Qwen3-MoE on two workers at tensor parallelism 2 and at expert parallelism 2.
+Each run is one real verl process, started once (``megatron_runs``, ``megatron_moe_tp2_run``,
+``megatron_moe_ep2_run``); every test reads them."""
 
 from __future__ import annotations
 
@@ -100,21 +101,40 @@ TENSOR_PARALLEL_2 = [
 ]
 
 
+# Two Megatron ranks at expert parallelism 2 (data parallelism 2 for everything but the experts), with
+# two one-process vLLM replicas (the aligned MoE combine sums the top-k outputs in their slot order).
+EXPERT_PARALLEL_2 = [
+    "trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.megatron.expert_model_parallel_size=2",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2", "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2",
+]
+
+
 @pytest.fixture(scope="module")
-def megatron_moe_tp2_run(tmp_path_factory, inputs):
-    """A tiny Qwen3-MoE (two key/value heads, one per tensor-parallel rank) on two Megatron workers."""
+def two_key_value_head_moe(tmp_path_factory):
+    """A tiny Qwen3-MoE with two key/value heads (one per tensor-parallel rank)."""
     from transformers import AutoTokenizer
 
     from zero_mismatch_plugin.tools.smoke_assets import PLAIN_CHAT_TEMPLATE, SMOKE_SHAPE
     from zero_mismatch_plugin.tools.tiny_models import build_tiny_model
 
-    root = tmp_path_factory.mktemp("main_ppo_megatron_moe_tp2")
-    model = build_tiny_model(root / "qwen3_moe", family="qwen3_moe", seed=0,
+    model = build_tiny_model(tmp_path_factory.mktemp("moe_kv2") / "qwen3_moe", family="qwen3_moe", seed=0,
                              **{**SMOKE_SHAPE, "moe_intermediate_size": 64, "num_key_value_heads": 2})
     tokenizer = AutoTokenizer.from_pretrained(str(model))
     tokenizer.chat_template = PLAIN_CHAT_TEMPLATE
     tokenizer.save_pretrained(str(model))
-    return megatron_smoke(root / "run", {**inputs, "actor_rollout_ref.model.path": str(model)}, TENSOR_PARALLEL_2)
+    return str(model)
+
+
+@pytest.fixture(scope="module")
+def megatron_moe_tp2_run(tmp_path_factory, inputs, two_key_value_head_moe):
+    return megatron_smoke(tmp_path_factory.mktemp("main_ppo_megatron_moe_tp2"),
+                          {**inputs, "actor_rollout_ref.model.path": two_key_value_head_moe}, TENSOR_PARALLEL_2)
+
+
+@pytest.fixture(scope="module")
+def megatron_moe_ep2_run(tmp_path_factory, inputs, two_key_value_head_moe):
+    return megatron_smoke(tmp_path_factory.mktemp("main_ppo_megatron_moe_ep2"),
+                          {**inputs, "actor_rollout_ref.model.path": two_key_value_head_moe}, EXPERT_PARALLEL_2)
 
 
 def test_megatron_engine_moe_at_tensor_parallel_2_is_bitwise(megatron_moe_tp2_run):
@@ -123,6 +143,18 @@ def test_megatron_engine_moe_at_tensor_parallel_2_is_bitwise(megatron_moe_tp2_ru
     before the logprobs), and mbridge's export gathers the shards for the TP-2 rollout's reload: every
     sampled token's logprob is mu, bit for bit, before and after an update."""
     run = megatron_moe_tp2_run
+    assert_ran(run, [1, 2])
+    assert ALIGNED_LOG_LINE in run.log
+    assert run.metric(BITWISE) == [1.0, 1.0], run.metric(BITWISE)
+    assert_updates_where_advantages_are_nonzero(run)
+
+
+def test_megatron_engine_moe_at_expert_parallel_2_is_bitwise(megatron_moe_ep2_run):
+    """verl's Megatron engine on two workers at EP 2: each rank runs its half of the experts through
+    vLLM's fused-MoE arithmetic and megatron's all-to-all dispatcher brings every token's top-k outputs
+    back, summed in vLLM's slot order; mbridge's export gathers the experts (global indices) for the
+    one-process rollout replicas: bitwise before and after an update."""
+    run = megatron_moe_ep2_run
     assert_ran(run, [1, 2])
     assert ALIGNED_LOG_LINE in run.log
     assert run.metric(BITWISE) == [1.0, 1.0], run.metric(BITWISE)

