@@ -53,14 +53,8 @@ def assert_ran(run, steps):
 @pytest.fixture(scope="module")
 def moe_inputs(inputs, tmp_path_factory):
     """The smoke inputs with a tiny Qwen3-MoE (8 experts, top-2) as the model."""
-    from transformers import AutoTokenizer
+    from zero_mismatch_plugin.tools.smoke_assets import build_smoke_model
 
-    from zero_mismatch_plugin.tools.tiny_models import build_tiny_model
-    from zero_mismatch_plugin.tools.smoke_assets import PLAIN_CHAT_TEMPLATE, SMOKE_SHAPE
-
-    model = build_tiny_model(tmp_path_factory.mktemp("cpu_smoke_moe") / "qwen3_moe", family="qwen3_moe", seed=0,
-                             **{**SMOKE_SHAPE, "moe_intermediate_size": 64})
-    tokenizer = AutoTokenizer.from_pretrained(str(model))
-    tokenizer.chat_template = PLAIN_CHAT_TEMPLATE
-    tokenizer.save_pretrained(str(model))
+    model = build_smoke_model(tmp_path_factory.mktemp("cpu_smoke_moe") / "qwen3_moe", family="qwen3_moe",
+                              moe_intermediate_size=64)
     return {**inputs, "actor_rollout_ref.model.path": str(model)}

@@ -24,14 +24,15 @@ SMOKE_SHAPE = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                    num_attention_heads=2, num_key_value_heads=1, head_dim=64)
 
 
-def build_smoke_model(out_dir: str | Path, seed: int = 0, **shape) -> Path:
-    """Build the tiny Llama (fp32 safetensors) with a chat template; return its directory.
-    ``shape`` overrides :data:`SMOKE_SHAPE` (e.g. ``num_key_value_heads=2`` for tensor parallelism 2)."""
+def build_smoke_model(out_dir: str | Path, seed: int = 0, family: str = "llama", **shape) -> Path:
+    """Build the tiny model (fp32 safetensors; a Llama unless ``family`` says otherwise) with a chat
+    template; return its directory. ``shape`` overrides :data:`SMOKE_SHAPE` (e.g.
+    ``num_key_value_heads=2`` for tensor parallelism 2)."""
     from transformers import AutoTokenizer
 
     from zero_mismatch_plugin.tools.tiny_models import build_tiny_model
 
-    out = build_tiny_model(out_dir, family="llama", seed=seed, **{**SMOKE_SHAPE, **shape})
+    out = build_tiny_model(out_dir, family=family, seed=seed, **{**SMOKE_SHAPE, **shape})
     tokenizer = AutoTokenizer.from_pretrained(str(out))
     tokenizer.chat_template = PLAIN_CHAT_TEMPLATE
     tokenizer.save_pretrained(str(out))

@@ -102,25 +102,25 @@ def aligned_lm_head_logits_processor(
 
     ti = _engine_module()
     assert logits.shape[:2] == label.shape[:2]
-    whole_vocab_per_rank = _tensor_parallel_size() > 1
+    if _tensor_parallel_size() > 1:  # the whole vocabulary on every rank: verl's one-process kernels
+        entropy, chunked_entropy = verl_F.entropy_from_logits, verl_F.entropy_from_logits_with_chunking
+        sum_pi_squared = lambda scaled: torch.softmax(scaled, dim=-1).square().sum(dim=-1)  # noqa: E731
+    else:
+        entropy, chunked_entropy = ti.vocab_parallel_entropy, ti.vocab_parallel_entropy_with_chunking
+        sum_pi_squared = ti.vocab_parallel_sum_pi_squared
     # verl's guard for padding rows, kept as is.
     temperature[temperature <= 0] = 1e-8
     scaled = vllm_scaled_logits(logits, temperature)
     ret = {}
     if calculate_sum_pi_squared:
-        ret["sum_pi_squared"] = (torch.softmax(scaled, dim=-1).square().sum(dim=-1) if whole_vocab_per_rank
-                                 else ti.vocab_parallel_sum_pi_squared(scaled))
+        ret["sum_pi_squared"] = sum_pi_squared(scaled)
     if calculate_entropy:
         # verl's entropy kernels may work in place on their input.
         entropy_input = scaled.clone()
         if self.engine_config.entropy_from_logits_with_chunking:
-            chunk_size = self.engine_config.entropy_from_logits_chunk_size
-            ret["entropy"] = (verl_F.entropy_from_logits_with_chunking(entropy_input, chunk_size=chunk_size)
-                              if whole_vocab_per_rank else
-                              ti.vocab_parallel_entropy_with_chunking(entropy_input, chunk_size=chunk_size))
+            ret["entropy"] = chunked_entropy(entropy_input, chunk_size=self.engine_config.entropy_from_logits_chunk_size)
         else:
-            ret["entropy"] = (verl_F.entropy_from_logits(entropy_input) if whole_vocab_per_rank
-                              else ti.vocab_parallel_entropy(entropy_input))
+            ret["entropy"] = entropy(entropy_input)
     if distillation_use_topk:
         ret.update(logits_processor_func(student_logits=scaled, data=batch, data_format=data_format))
     if not distillation_only:

@@ -159,6 +159,10 @@ def _engine_gaps(cfg: DictConfig) -> list[str]:
     return gaps
 
 
+def _is_moe(architecture: Architecture) -> bool:
+    return bool(architecture.features.get("num_moe_experts")) or architecture.name in architectures.MOE_ARCHITECTURES
+
+
 def _rollout_gaps(cfg: DictConfig, architecture: Architecture) -> list[str]:
     """The aligned forward reproduces a vLLM replica at the trainer's tensor parallelism (each
     trainer rank computes what the rollout rank of its index computes; verl's FSDP engine runs the
@@ -176,7 +180,7 @@ def _rollout_gaps(cfg: DictConfig, architecture: Architecture) -> list[str]:
     size = read(cfg, f"{ROLLOUT}.pipeline_model_parallel_size")
     if size != 1:
         gaps.append(f"rollout pipeline parallelism {size} (the aligned forward reproduces one pipeline stage)")
-    if architecture.features.get("num_moe_experts") or architecture.name in architectures.MOE_ARCHITECTURES:
+    if _is_moe(architecture):
         for key in ("data_parallel_size", "expert_parallel_size"):
             size = read(cfg, f"{ROLLOUT}.{key}")
             if size not in (None, 1):
@@ -188,9 +192,8 @@ def _rollout_gaps(cfg: DictConfig, architecture: Architecture) -> list[str]:
 def _megatron_moe_gaps(cfg: DictConfig, architecture: Architecture) -> list[str]:
     """The aligned MoE layer runs each expert through vLLM's fused-MoE arithmetic; megatron's
     grouped-GEMM experts (what both bridges choose for an MoE model) are refused by the spec."""
-    moe = architecture.features.get("num_moe_experts") or architecture.name in architectures.MOE_ARCHITECTURES
     key = f"{MEGATRON}.override_transformer_config.moe_grouped_gemm"
-    if uses_fsdp_switch(cfg) or not uses_megatron(cfg) or not moe or read(cfg, key) is False:
+    if uses_fsdp_switch(cfg) or not uses_megatron(cfg) or not _is_moe(architecture) or read(cfg, key) is False:
         return []
     return [f"++{key}=false (grouped-GEMM experts are not vLLM's fused-MoE arithmetic)"]
 

@@ -112,17 +112,10 @@ EXPERT_PARALLEL_2 = [
 @pytest.fixture(scope="module")
 def two_key_value_head_moe(tmp_path_factory):
     """A tiny Qwen3-MoE with two key/value heads (one per tensor-parallel rank)."""
-    from transformers import AutoTokenizer
+    from zero_mismatch_plugin.tools.smoke_assets import build_smoke_model
 
-    from zero_mismatch_plugin.tools.smoke_assets import PLAIN_CHAT_TEMPLATE, SMOKE_SHAPE
-    from zero_mismatch_plugin.tools.tiny_models import build_tiny_model
-
-    model = build_tiny_model(tmp_path_factory.mktemp("moe_kv2") / "qwen3_moe", family="qwen3_moe", seed=0,
-                             **{**SMOKE_SHAPE, "moe_intermediate_size": 64, "num_key_value_heads": 2})
-    tokenizer = AutoTokenizer.from_pretrained(str(model))
-    tokenizer.chat_template = PLAIN_CHAT_TEMPLATE
-    tokenizer.save_pretrained(str(model))
-    return str(model)
+    return str(build_smoke_model(tmp_path_factory.mktemp("moe_kv2") / "qwen3_moe", family="qwen3_moe",
+                                 moe_intermediate_size=64, num_key_value_heads=2))
 
 
 @pytest.fixture(scope="module")
