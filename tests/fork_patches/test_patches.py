@@ -107,7 +107,9 @@ def test_code_shared_with_the_plugin_is_in_the_diffs_verbatim(manifest):
                            ("vllm-cpu-moe-lora-experts", cpu_lora_experts.add_moe_lora),
                            ("vllm-cpu-moe-lora-experts", cpu_lora_experts.cpu_moe_experts),
                            ("vllm-cpu-moe-lora-experts", cpu_lora_experts.cpu_lora_experts_apply),
-                           ("vllm-cpu-all-reduce-rank-order", reductions.rank_order_sum)):
+                           ("vllm-cpu-all-reduce-rank-order", reductions.rank_order_sum),
+                           ("vllm-cpu-wide-head-row-invariant", row_invariant.row_invariant_wide_head),
+                           ("vllm-cpu-wide-head-row-invariant", row_invariant.row_invariant_linear)):
         added = "".join(line[1:] + "\n" for line in diffs[patch_name].splitlines()
                         if line.startswith("+") and not line.startswith("+++"))
         assert textwrap.dedent(__import__("inspect").getsource(fn)) in added
@@ -1447,6 +1449,61 @@ def test_vllm_cpu_moe_sigmoids_are_row_count_invariant(patched_vllm_files):
     print(f"stock vLLM on this host: router weights vary at {len(stock['router'])} token counts, "
           f"the shared-expert gate at {len(stock['gate'])}")
 
+
+
+CPU_WIDE_HEAD_SCRIPT = LOAD_PATCHED + """
+import json, os, types
+import torch
+
+os.environ["VLLM_BATCH_INVARIANT"] = SWITCH
+root = ROOT
+logits_processor = load_patched("vllm.model_executor.layers.logits_processor", root)
+from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+g = torch.Generator().manual_seed(0)
+hidden = torch.randn(129, 64, generator=g).bfloat16()
+head = types.SimpleNamespace(weight=torch.randn(300, 64, generator=g).bfloat16(),
+                             quant_method=UnquantizedEmbeddingMethod())
+processor = logits_processor.LogitsProcessor.__new__(logits_processor.LogitsProcessor)
+processor.head_dtype = torch.float32
+rows = [1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 64]
+
+def variant_rows():
+    full = processor._apply_head(head, hidden, None)
+    return [m for m in rows if not torch.equal(processor._apply_head(head, hidden[:m].contiguous(), None), full[:m])]
+
+result = {"has_function": hasattr(logits_processor, "row_invariant_wide_head"), "host": variant_rows()}
+# A planted kernel that rounds calls of fewer than four rows another way (through float64): what
+# aten's CPU GEMM does on some hosts, on every host.
+real_linear = torch.nn.functional.linear
+def planted_linear(x, w, b=None):
+    if x.reshape(-1, x.shape[-1]).shape[0] < 4:
+        return real_linear(x.double(), w.double(), None if b is None else b.double()).float()
+    return real_linear(x, w, b)
+logits_processor.F = types.SimpleNamespace(linear=planted_linear)
+result["planted"] = variant_rows()
+wide = processor._apply_head(head, hidden, None)
+result["dtype"] = str(wide.dtype)
+result["max_err"] = (wide.double() - hidden.double() @ head.weight.double().t()).abs().max().item()
+print("RESULT " + json.dumps(result))
+"""
+
+
+def test_vllm_cpu_wide_head_is_row_count_invariant(patched_vllm_files):
+    """Patched vLLM with VLLM_BATCH_INVARIANT: an fp32 head under bf16 hidden states gives a row the
+    same logits at every row count, on the host's GEMM and under a planted GEMM that rounds calls of
+    fewer than four rows another way; without the switch, and in stock vLLM, the planted kernel
+    shows through. Stock vLLM's variant row counts on this host are printed, not asserted."""
+    script = CPU_WIDE_HEAD_SCRIPT.replace("ROOT", repr(str(patched_vllm_files)))
+    patched = script_result(script.replace("SWITCH", "'1'"))
+    assert patched["has_function"] and patched["dtype"] == "torch.float32", patched
+    assert patched["host"] == [] and patched["planted"] == [], patched
+    assert patched["max_err"] < 1e-4, patched
+    switched_off = script_result(script.replace("SWITCH", "'0'"))
+    assert switched_off["planted"] == [1, 2, 3], switched_off
+    stock = script_result(CPU_WIDE_HEAD_SCRIPT.replace("ROOT", "''").replace("SWITCH", "'1'"))
+    assert not stock["has_function"] and stock["planted"] == [1, 2, 3], stock
+    print(f"stock vLLM's fp32 head on this host varies at row counts {stock['host']} of {[1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 64]}")
 
 CPU_MOE_LORA_SCRIPT = LOAD_PATCHED + """
 import json, types

@@ -106,3 +106,26 @@ def on_one_thread(kernel):
             torch.set_num_threads(threads)
 
     return run
+
+
+def row_invariant_wide_head(hidden_states, weight, bias, head_dtype):
+    """vLLM's lm_head in a wider dtype than the model's (``head_dtype``, e.g. an fp32 head of a
+    bf16 model), whose rows do not depend on how many there are, on CPU.
+
+    vLLM casts both operands to ``head_dtype`` and calls ``F.linear``; aten's fp32 CPU GEMM picks
+    its kernel by the row count and the thread count (an AVX-512 EPYC: 1-3 rows differ from 4+ on
+    one thread, 1-3, 5-7 and 9-11 on two), so a lone decoding sequence got other logits than the
+    same row in a prefill. Here the product is :func:`row_invariant_linear`: same cast operands,
+    every call of one shape. Elsewhere (GPU) it is vLLM's cast and ``F.linear``.
+    """
+    import torch
+
+    flat = hidden_states.reshape(-1, hidden_states.shape[-1]).to(head_dtype)
+    wide_weight = weight.to(head_dtype)
+    if flat.device.type != "cpu":
+        logits = torch.nn.functional.linear(flat, wide_weight)
+    else:
+        logits = row_invariant_linear(flat, wide_weight)
+    if bias is not None:
+        logits = logits + bias.to(head_dtype)
+    return logits.reshape(*hidden_states.shape[:-1], logits.shape[-1])

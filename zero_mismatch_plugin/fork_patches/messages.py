@@ -192,6 +192,22 @@ MESSAGES: dict[str, CommitMessage] = {
             "batch-invariant mode nothing changes.",
         ),
     ),
+    "vllm-cpu-wide-head-row-invariant": CommitMessage(
+        "Compute a wide CPU lm_head row-count-invariantly in batch-invariant mode",
+        (
+            "With head_dtype float32 under a bf16 model (the head RL training asks for), "
+            "LogitsProcessor._apply_head casts the hidden states and the head weight to fp32 "
+            "and calls F.linear. aten's fp32 CPU GEMM picks its kernel by the row count and the "
+            "thread count, and the kernels round a row differently (measured on an AVX-512 "
+            "EPYC: 1-3 rows differ from 4 or more on one thread; 1-3, 5-7 and 9-11 on two), so "
+            "a lone decoding sequence read other logprobs than the same tokens in a prefill or "
+            "a larger batch.",
+            "With VLLM_BATCH_INVARIANT on CPU, the head multiplies the same fp32 operands in "
+            "calls of one eight-row shape (row_invariant_linear), so a row's logits do not "
+            "depend on the step's other rows or on the thread count. A head in the model's own "
+            "dtype keeps the dispatched GEMM; without batch-invariant mode nothing changes.",
+        ),
+    ),
     "vllm-cpu-moe-lora-experts": CommitMessage(
         "Serve LoRA on MoE experts on CPU",
         (

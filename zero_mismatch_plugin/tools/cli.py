@@ -289,6 +289,11 @@ def build_parser() -> argparse.ArgumentParser:
             "--max-model-len", type=int, metavar="N", help="engine max_model_len (default min(2048, model max))"
         )
         command.add_argument("--seed", type=int, default=0, help="engine seed (default 0)")
+        command.add_argument(
+            "--dtype", choices=("float32", "bfloat16"), default="float32",
+            help="the engine's dtype, which the trainer computes in too (default float32; the lm_head stays "
+                 "fp32 in consistent mode)",
+        )
         command.add_argument("--json", metavar="OUT", help="also write the results as JSON to OUT ('-': stdout only)")
         command.add_argument("--quiet", action="store_true", help="no progress bar")
         command.add_argument(

@@ -13,6 +13,7 @@ from zero_mismatch_plugin.aligned.row_invariant import (
     row_invariant_bmm,
     row_invariant_linear,
     row_invariant_sigmoid,
+    row_invariant_wide_head,
 )
 from zero_mismatch_plugin.aligned.reductions import rank_order_sum
 from zero_mismatch_plugin.fork_patches.edits.edit import Edit, functions_before, source_of
@@ -498,6 +499,38 @@ logger = init_logger(__name__)
     ),
 ]
 
+LOGITS_PROCESSOR = "vllm/model_executor/layers/logits_processor.py"
+
+VLLM_CPU_WIDE_HEAD_ROW_INVARIANT = [
+    Edit(
+        LOGITS_PROCESSOR,
+        old="""\
+from vllm.config import get_current_vllm_config
+""",
+        new="""\
+import vllm.envs as envs
+from vllm.config import get_current_vllm_config
+""",
+    ),
+    Edit(
+        LOGITS_PROCESSOR,
+        old="""\
+        return F.linear(
+            hidden_states.to(self.head_dtype),
+""",
+        new="""\
+        if envs.VLLM_BATCH_INVARIANT and hidden_states.device.type == "cpu":
+            # aten's CPU GEMM rounds a row by the call's row count and thread count: a lone
+            # decoding sequence would read other logits than the same row in a prefill.
+            return row_invariant_wide_head(hidden_states, lm_head.weight, embedding_bias, self.head_dtype)
+        return F.linear(
+            hidden_states.to(self.head_dtype),
+""",
+    ),
+    functions_before(LOGITS_PROCESSOR, "# --8<-- [start:logits_processor]\n", row_invariant_linear,
+                     row_invariant_bmm, row_invariant_wide_head),
+]
+
 # Patch name (as in manifest.yaml) -> its edits.
 EDITS: dict[str, list[Edit]] = {
     "vllm-cpu-mla-batch-invariant": VLLM_CPU_MLA_BATCH_INVARIANT,
@@ -505,4 +538,5 @@ EDITS: dict[str, list[Edit]] = {
     "vllm-cpu-mla-one-token-prompt-decoded": VLLM_CPU_MLA_ONE_TOKEN_PROMPT_DECODED,
     "vllm-cpu-moe-lora-experts": VLLM_CPU_MOE_LORA_EXPERTS,
     "vllm-cpu-all-reduce-rank-order": VLLM_CPU_ALL_REDUCE_RANK_ORDER,
+    "vllm-cpu-wide-head-row-invariant": VLLM_CPU_WIDE_HEAD_ROW_INVARIANT,
 }

@@ -183,13 +183,14 @@ def share_tokens(responses: list, share: range) -> slice:
 class _RankRun:
     """This rank's part of a :class:`RankModel`: the aligned model of the engine rank's layout."""
 
-    def __init__(self, spec: RankModel, dtype: str = "float32"):
+    def __init__(self, spec: RankModel):
         from zero_mismatch_plugin.aligned.runtime import VllmRuntime
         from zero_mismatch_plugin.integrations.megatron.standalone import build_gpt_model
 
         layout = spec.layout
         use_layout(layout)
-        self.runtime = VllmRuntime(spec.model_dir, dtype=dtype, **{**dict(spec.engine_items), **layout.engine_kwargs()})
+        # The engine's arguments, its dtype among them (float32 unless the run names another).
+        self.runtime = VllmRuntime(spec.model_dir, **{**dict(spec.engine_items), **layout.engine_kwargs()})
         self.model = build_gpt_model(self.runtime, aligned=True, **layout.config_overrides()).eval()
         if spec.lora_dir is not None:
             from zero_mismatch_plugin.faces.megatron.lora import attach_lora

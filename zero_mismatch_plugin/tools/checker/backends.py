@@ -123,7 +123,8 @@ class HFBackend:
     def __init__(self, settings: EngineSettings):
         from transformers import AutoModelForCausalLM
 
-        self.model = AutoModelForCausalLM.from_pretrained(settings.model_dir, dtype=torch.float32).eval()
+        dtype = getattr(torch, settings.trainer_args.get("dtype", "float32"))
+        self.model = AutoModelForCausalLM.from_pretrained(settings.model_dir, dtype=dtype).eval()
         self.vocab_size = self.model.config.vocab_size
         self.qk_norm = hasattr(self.model.model.layers[0].self_attn, "q_norm")
 

@@ -152,6 +152,7 @@ def run_settings(args, max_model_len: int, lora: dict) -> eng.EngineSettings:
             moe_token_dispatcher=getattr(args, "moe_token_dispatcher", "alltoall"),
             pipeline_parallel=pipeline_parallel,
             context_parallel=context_parallel,
+            dtype=getattr(args, "dtype", "float32"),
             **lora,
         )
     except NotImplementedError as error:

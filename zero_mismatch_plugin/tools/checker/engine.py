@@ -90,11 +90,13 @@ def engine_settings(
     model_dir, max_model_len: int, seed: int = 0, full_vocab: bool = False, lora_dir=None, prefix_caching: bool = True,
     tensor_parallel: int = 1, sequence_parallel: bool = False, expert_parallel: int = 1,
     moe_token_dispatcher: str = "alltoall", pipeline_parallel: int = 1, context_parallel: int = 1,
+    dtype: str = "float32",
 ) -> EngineSettings:
     """The checker's arguments as the engine's configuration, read once: ``vllm.LLM``'s arguments
     (those the aligned trainer mirrors, prefix caching as asked for, enough returned logprobs;
     with ``lora_dir``, LoRA serving sized for that adapter, see :func:`served_adapter`), the
-    environment vLLM reads while it starts, and the checkpoint's blocks."""
+    environment vLLM reads while it starts, and the checkpoint's blocks. ``dtype`` is the engine's
+    (``float32`` or ``bfloat16``); the trainer computes in it too."""
     import os
 
     from transformers import AutoConfig
@@ -104,7 +106,7 @@ def engine_settings(
     from zero_mismatch_plugin.tables.switches import ALLOW_PREFIX_CACHING, CPU_KV_CACHE_SPACE
 
     model_config = AutoConfig.from_pretrained(str(model_dir))
-    trainer_args = dict(max_model_len=max_model_len, seed=seed)
+    trainer_args = dict(max_model_len=max_model_len, seed=seed, dtype=dtype)
     lora_targets = ()
     if lora_dir is not None:
         lora_config, lora_args = served_adapter(model_config, lora_dir)
