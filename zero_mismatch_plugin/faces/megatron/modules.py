@@ -18,6 +18,7 @@ from zero_mismatch_plugin.aligned.runtime import VllmRuntime
 from zero_mismatch_plugin.aligned.sampling import vllm_label_logprobs
 from zero_mismatch_plugin.faces.megatron import context_parallel, parallel
 from zero_mismatch_plugin.faces.megatron.convert import vllm_window
+from zero_mismatch_plugin.faces.megatron.residual import residual_addends
 from zero_mismatch_plugin.tables.architectures import describe
 
 
@@ -32,7 +33,10 @@ def flat_tokens(x: torch.Tensor) -> torch.Tensor:
 class AlignedRMSNormModule(nn.Module):
     """Replaces ``WrappedTorchNorm`` (RMSNorm) for the input / pre-MLP / q / k / final norms."""
 
-    def __init__(self, config, hidden_size: int, eps: float = 1e-5, *, runtime: VllmRuntime, **_):
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, *, runtime: VllmRuntime,
+                 after_residual_add: bool = False, **_):
+        """``after_residual_add``: the norm always follows a residual add (pre-MLP, final), so its
+        input must come with its addends (:mod:`.residual`) wherever rounding the sum matters."""
         super().__init__()
         if getattr(config, "normalization", "RMSNorm") != "RMSNorm":
             raise NotImplementedError(
@@ -43,6 +47,7 @@ class AlignedRMSNormModule(nn.Module):
         self.config = config
         self.runtime = runtime
         self.eps = eps
+        self.after_residual_add = after_residual_add
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
         # Under sequence parallelism each rank normalizes its own tokens: megatron sums this
         # weight's gradient over the tensor-parallel ranks (finalize_model_grads).
@@ -57,6 +62,15 @@ class AlignedRMSNormModule(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
+        addends = residual_addends(x)
+        if addends is not None:  # after a residual add: vLLM's fused kernel on the two addends
+            out, _ = self._kernel()(*(flat_tokens(t) for t in addends))
+            return out.reshape(shape)
+        if self.after_residual_add and self.runtime.dtype != torch.float32:
+            raise RuntimeError(
+                "aligned megatron norm after a residual add got a sum without its addends: in "
+                f"{self.runtime.dtype} vLLM normalises the unrounded sum, so this norm would not be the "
+                "engine's. The layer's self_attn_bda / mlp_bda must be the aligned spec's residual add")
         return self._kernel()(flat_tokens(x)).reshape(shape)
 
 

@@ -26,6 +26,7 @@ from zero_mismatch_plugin.faces.megatron.modules import (
 )
 from zero_mismatch_plugin.faces.megatron.moe import AlignedRouter, aligned_moe_layer_class
 from zero_mismatch_plugin.faces.megatron.pipeline import stage_layers
+from zero_mismatch_plugin.faces.megatron.residual import aligned_residual_add
 
 # GPTModel.position_embedding_type after the swap: megatron skips its own rotary for any value
 # other than rope/yarn/mrope; the rotation is done by AlignedCoreAttention.
@@ -54,6 +55,9 @@ def unsupported_features(config) -> list[str]:
                         "whole on their rank, computed as the engine's tensor-parallel ranks split them)")
     if (get("pipeline_model_parallel_size", 1) or 1) != 1 and (get("expert_model_parallel_size", 1) or 1) != 1:
         problems.append("pipeline parallelism > 1 with expert parallelism > 1 (not run together yet)")
+    if (get("pipeline_model_parallel_size", 1) or 1) != 1 and (get("bf16") or get("fp16")):
+        problems.append("pipeline parallelism > 1 in bf16 / fp16 (a stage sends the residual sum without the "
+                        "addends vLLM's fused add + norm reads; run the stages in fp32)")
     if get("virtual_pipeline_model_parallel_size"):
         problems.append("virtual pipeline stages (virtual_pipeline_model_parallel_size)")
     cp = get("context_parallel_size", 1) or 1
@@ -150,12 +154,15 @@ def aligned_layer_spec(config, runtime: VllmRuntime):
     )
     params = {"runtime": runtime}
 
-    def norm():
-        return ModuleSpec(module=AlignedRMSNormModule, params=params)
+    def norm(**extra):
+        return ModuleSpec(module=AlignedRMSNormModule, params={**params, **extra})
 
     layer = spec.submodules
     layer.input_layernorm = norm()
-    layer.pre_mlp_layernorm = norm()
+    layer.pre_mlp_layernorm = norm(after_residual_add=True)
+    # The norm after each residual add reads both addends, as vLLM's fused add + norm does.
+    layer.self_attn_bda = aligned_residual_add
+    layer.mlp_bda = aligned_residual_add
     attention = layer.self_attention.submodules
     attention.linear_qkv = ModuleSpec(module=AlignedQKVLinearModule, params=params)
     attention.linear_proj = ModuleSpec(module=AlignedRowParallelLinearModule, params=params)
@@ -231,7 +238,7 @@ def aligned_block_spec(config, runtime: VllmRuntime):
 
     return TransformerBlockSubmodules(
         layer_specs=stage_layer_specs(config, runtime),
-        layer_norm=ModuleSpec(module=AlignedRMSNormModule, params={"runtime": runtime}),
+        layer_norm=ModuleSpec(module=AlignedRMSNormModule, params={"runtime": runtime, "after_residual_add": True}),
     )
 
 
@@ -276,7 +283,7 @@ def aligned_model_spec(config, runtime: VllmRuntime, temperature: float = 1.0, v
         layers.append(layer)
     return GPTModelSubmodules(
         layer_specs=layers,
-        layer_norm=ModuleSpec(module=AlignedRMSNormModule, params=params),
+        layer_norm=ModuleSpec(module=AlignedRMSNormModule, params={**params, "after_residual_add": True}),
         output_layer=ModuleSpec(module=AlignedOutputLayerModule, params=params),
         token_logprob=ModuleSpec(module=AlignedTokenLogprob, params={"temperature": temperature}),
     )
