@@ -20,6 +20,10 @@ from zero_mismatch_plugin.tables.architectures import MOE_CHECKPOINT_NAMES, Bloc
 def megatron_blocks(hf_config) -> Blocks:
     """The checkpoint's blocks, refused where megatron-core's GPT layer cannot hold them."""
     blocks = describe(hf_config)
+    if getattr(hf_config, "kv_lora_rank", None) is not None:
+        raise NotImplementedError(
+            f"{blocks.architecture}: multi-latent attention (MLA) is not supported by the Megatron face; "
+            "use the aligned trainer model (zmrl check --trainer aligned)")
     if blocks.o_bias:
         # megatron-core has one switch (add_bias_linear) for o_proj and both MLP linears.
         raise NotImplementedError(
