@@ -5,7 +5,10 @@ over the packed sequences through vLLM's kernels, transformers over the same seq
 [batch, length] tensor (all sequences have the same length, so no padding). Prints the median
 time of each and the ratio of medians, side by side.
 
-    python benchmarks/bench_aligned_forward.py [--layers 4 --hidden 512 ...]
+    python benchmarks/bench_aligned_forward.py [--layers 4 --hidden 512 ...] [--dtype bfloat16]
+
+With ``--dtype bfloat16`` both run in bf16: the aligned model's fp32 master weights with the
+engine's bf16 copies (verl's FSDP mixed precision), transformers with bf16 weights.
 """
 
 from __future__ import annotations
@@ -42,10 +45,16 @@ def add_run_arguments(p, *, batch=8, prompt_len=16, response_len=240, repeats=7,
         p.add_argument("--threads", type=int, default=threads, help="torch threads (0: torch default)")
 
 
+def add_dtype_argument(p):
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="the engine's dtype, which the models compute in (default float32)")
+
+
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_shape_arguments(p, ("llama", "qwen2", "qwen3"))
     add_run_arguments(p)
+    add_dtype_argument(p)
     return p.parse_args()
 
 
@@ -82,15 +91,16 @@ def build_model_from_args(out_dir, args, max_len: int = 0, **extra):
     return build_tiny_model(out_dir, **{**shape, **extra})
 
 
-def load_aligned_and_transformers(path, max_model_len: int):
-    """The same checkpoint as the aligned trainer model and as a transformers model (fp32)."""
+def load_aligned_and_transformers(path, max_model_len: int, dtype: str = "float32"):
+    """The same checkpoint as the aligned trainer model (engine ``dtype``) and as a transformers
+    model with ``dtype`` weights."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from zero_mismatch_plugin.faces.aligned_model import AlignedCausalLM
 
-    aligned = AlignedCausalLM.from_pretrained(path, max_model_len=max_model_len)
-    return aligned, AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    aligned = AlignedCausalLM.from_pretrained(path, max_model_len=max_model_len, dtype=dtype)
+    return aligned, AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, dtype))
 
 
 def compare_with_transformers(args, aligned, hf, model_line: str) -> None:
@@ -165,12 +175,12 @@ def main():
         torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         path = build_model_from_args(tmp, args, args.prompt_len + args.response_len)
-        aligned, hf = load_aligned_and_transformers(path, args.prompt_len + args.response_len)
+        aligned, hf = load_aligned_and_transformers(path, args.prompt_len + args.response_len, args.dtype)
     hf.load_state_dict(aligned.state_dict(), strict=False)
     compare_with_transformers(
         args, aligned, hf,
         f"{args.family} layers={args.layers} hidden={args.hidden} intermediate={args.intermediate} "
-        f"heads={args.heads}/{args.kv_heads} vocab={args.vocab}",
+        f"heads={args.heads}/{args.kv_heads} vocab={args.vocab}, {args.dtype}",
     )
 
 

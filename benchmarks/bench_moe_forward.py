@@ -15,7 +15,7 @@ import argparse
 import os
 import tempfile
 
-from bench_aligned_forward import (add_run_arguments, add_shape_arguments, build_model_from_args,
+from bench_aligned_forward import (add_dtype_argument, add_run_arguments, add_shape_arguments, build_model_from_args,
                                    compare_with_transformers, load_aligned_and_transformers)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -29,6 +29,7 @@ def parse_args():
     p.add_argument("--experts", type=int, default=8)
     p.add_argument("--top-k", type=int, default=2)
     add_run_arguments(p)
+    add_dtype_argument(p)
     return p.parse_args()
 
 
@@ -44,11 +45,11 @@ def main():
             shared_expert_intermediate_size=args.intermediate, num_experts=args.experts, top_k=args.top_k,
         )
         # The checkpoint both load: the same weights (transformers fuses the experts itself).
-        aligned, hf = load_aligned_and_transformers(path, args.prompt_len + args.response_len)
+        aligned, hf = load_aligned_and_transformers(path, args.prompt_len + args.response_len, args.dtype)
     compare_with_transformers(
         args, aligned, hf,
         f"{args.family} experts={args.experts} top-{args.top_k} layers={args.layers} hidden={args.hidden} "
-        f"expert width={args.intermediate} heads={args.heads}/{args.kv_heads} vocab={args.vocab}",
+        f"expert width={args.intermediate} heads={args.heads}/{args.kv_heads} vocab={args.vocab}, {args.dtype}",
     )
 
 

@@ -12,7 +12,10 @@ One engine is alive at a time (memory): each repeat starts the engine of one set
 generated tokens per second (median over all timed rollouts) and the ratio, plus the host ISA.
 The seeds' anchor is an 8.7% rollout cost of batch invariance on GPUs.
 
-    python benchmarks/bench_rollout_consistent_vs_fast.py [--layers 4 --hidden 512 --prompts 32 ...]
+    python benchmarks/bench_rollout_consistent_vs_fast.py [--layers 4 --hidden 512 --prompts 32 ...] [--dtype bfloat16]
+
+With ``--dtype bfloat16`` the engine serves bf16; consistent mode adds the fp32 head (computed
+row-count-invariantly on CPU), fast mode keeps the head in bf16.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import statistics
 import tempfile
 import time
 
-from bench_aligned_forward import add_shape_arguments, build_model_from_args
+from bench_aligned_forward import add_dtype_argument, add_shape_arguments, build_model_from_args
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -39,6 +42,7 @@ def parse_args():
     p.add_argument("--user-len", type=int, default=16, help="new user tokens per follow-up turn")
     p.add_argument("--repeats", type=int, default=2, help="engine starts per setting (alternating)")
     p.add_argument("--runs", type=int, default=2, help="timed rollouts per engine start (after one warm-up)")
+    add_dtype_argument(p)
     return p.parse_args()
 
 
@@ -74,7 +78,7 @@ def multi_turn(llm, prompts, user_turns, max_tokens):
     return generated, cached
 
 
-def time_setting(path, max_model_len, mode, prefix_caching, workload, runs):
+def time_setting(path, max_model_len, mode, prefix_caching, workload, runs, dtype="float32"):
     """Start one engine with ``mode`` / ``prefix_caching``, warm up, time ``runs`` workloads."""
     from vllm import LLM
 
@@ -84,7 +88,8 @@ def time_setting(path, max_model_len, mode, prefix_caching, workload, runs):
     numerics.set_mode(mode)
     with numerics.temporary_environment({"ZMRL_ALLOW_PREFIX_CACHING": "1" if prefix_caching else "0"}):
         llm = LLM(
-            **engine_args_for(path, max_model_len=max_model_len, seed=0, enable_prefix_caching=prefix_caching)
+            **engine_args_for(path, max_model_len=max_model_len, seed=0, enable_prefix_caching=prefix_caching,
+                              dtype=dtype)
         )
     try:
         assert bool(llm.llm_engine.vllm_config.cache_config.enable_prefix_caching) is prefix_caching
@@ -131,13 +136,14 @@ def main():
 
         def single(mode):
             return lambda: time_setting(
-                path, max_model_len, mode, False, lambda llm: single_turn(llm, prompts, args.max_tokens), args.runs
+                path, max_model_len, mode, False, lambda llm: single_turn(llm, prompts, args.max_tokens), args.runs,
+                args.dtype,
             )
 
         def multi(prefix_caching):
             return lambda: time_setting(
                 path, max_model_len, "consistent", prefix_caching,
-                lambda llm: multi_turn(llm, prompts, user_turns, args.max_tokens), args.runs,
+                lambda llm: multi_turn(llm, prompts, user_turns, args.max_tokens), args.runs, args.dtype,
             )
 
         numerics_medians, _, numerics_all = compare(
@@ -149,7 +155,7 @@ def main():
 
     print(
         f"model: {args.family} layers={args.layers} hidden={args.hidden} intermediate={args.intermediate} "
-        f"heads={args.heads}/{args.kv_heads} vocab={args.vocab}; fp32, eager; "
+        f"heads={args.heads}/{args.kv_heads} vocab={args.vocab}; {args.dtype}, eager; "
         f"{args.repeats} engine starts per setting, alternating, {args.runs} timed rollouts each; "
         f"host ISA {torch.backends.cpu.get_cpu_capability()} (the figures depend on it)"
     )

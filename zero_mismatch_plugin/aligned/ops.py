@@ -197,12 +197,13 @@ class _SiluAndMulFn(Function):
         (x,) = ctx.saved_tensors
         d = x.shape[-1] // 2
         a, b = x[..., :d].float(), x[..., d:].float()
-        s = torch.sigmoid(a)
-        silu = a * s
         g32 = g.float()
-        ga = g32 * b * s * (1 + a * (1 - s))
-        gb = g32 * silu
-        return torch.cat([ga, gb], dim=-1).to(x.dtype), None
+        # d/da silu(a) * b = g * b * s * (1 + a * (1 - s)) (aten's silu_backward), d/db = g * silu(a);
+        # written into the two halves of one fp32 buffer.
+        grad = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+        torch.ops.aten.silu_backward(g32 * b, a, grad_input=grad[..., :d])
+        torch.mul(g32, torch.nn.functional.silu(a), out=grad[..., d:])
+        return grad.to(x.dtype), None
 
 
 # ----- Linear layers (merged layouts, pre-packed on CPU) -----------------------------------
@@ -277,13 +278,16 @@ class _LinearFn(Function):
     def backward(ctx, g):
         x, weight = ctx.saved_tensors
         linear = ctx.linear
-        g2 = g.reshape(-1, g.shape[-1]).float()
-        x2 = x.reshape(-1, x.shape[-1]).float()
-        gx = (g2 @ weight.float()).reshape(x.shape).to(x.dtype)
-        gw = (g2.t() @ x2).split(linear.out_sizes, dim=0)
+        # In the engine's dtype: fp32 GEMMs for an fp32 engine; bf16 GEMMs (fp32 accumulation, as
+        # autocast runs them) when the activations, their gradient and the weight are all bf16.
+        dtype = torch.promote_types(torch.promote_types(g.dtype, x.dtype), weight.dtype)
+        g2 = g.reshape(-1, g.shape[-1]).to(dtype)
+        x2 = x.reshape(-1, x.shape[-1]).to(dtype)
+        gx = (g2 @ weight.to(dtype)).reshape(x.shape).to(x.dtype)
+        gw = (g2.t() @ x2).float().split(linear.out_sizes, dim=0)
         grads = [gwi.to(w.dtype) for gwi, w in zip(gw, linear.weights)]
         if linear.has_bias:
-            gb = g2.sum(0).split(linear.out_sizes)
+            gb = g2.float().sum(0).split(linear.out_sizes)
             grads += [gbi.to(b.dtype) for gbi, b in zip(gb, linear.biases)]
         return (gx, None, *grads)
 
@@ -383,34 +387,33 @@ def masked_positions(n: int, sliding_window: int | None, device=None) -> torch.T
 
 
 def attention_backward(q, k, v, g, seq_lens, num_heads, num_kv_heads, head_dim, scale, sliding_window=None):
-    """Gradients of causal (optionally sliding-window) softmax attention per packed sequence
-    (fp32, recomputed)."""
-    group = num_heads // num_kv_heads
+    """Gradients of causal (optionally sliding-window) softmax attention per packed sequence, in fp32:
+    torch's scaled-dot-product attention recomputed on each sequence and differentiated (its fused
+    CPU kernel; the forward's bits are vLLM's, the gradient is the attention's)."""
     gq = torch.empty_like(q, dtype=torch.float32)
     gk = torch.empty_like(k, dtype=torch.float32)
     gv = torch.empty_like(v, dtype=torch.float32)
     start = 0
     for n in seq_lens:
         sl = slice(start, start + n)
-        qs = q[sl].float().view(n, num_heads, head_dim).transpose(0, 1)  # H, n, D
-        ks = k[sl].float().view(n, num_kv_heads, head_dim).transpose(0, 1)
-        vs = v[sl].float().view(n, num_kv_heads, head_dim).transpose(0, 1)
-        gs = g[sl].float().view(n, num_heads, head_dim).transpose(0, 1)
-        ke = ks.repeat_interleave(group, dim=0)
-        ve = vs.repeat_interleave(group, dim=0)
-        scores = (qs @ ke.transpose(1, 2)) * scale
-        scores.masked_fill_(masked_positions(n, sliding_window, q.device), float("-inf"))
-        p = torch.softmax(scores, dim=-1)
-        gve = p.transpose(1, 2) @ gs
-        gp = gs @ ve.transpose(1, 2)
-        gscores = p * (gp - (gp * p).sum(-1, keepdim=True))
-        gqs = (gscores @ ke) * scale
-        gke = (gscores.transpose(1, 2) @ qs) * scale
-        gks = gke.view(num_kv_heads, group, n, head_dim).sum(1)
-        gvs = gve.view(num_kv_heads, group, n, head_dim).sum(1)
-        gq[sl] = gqs.transpose(0, 1).reshape(n, -1)
-        gk[sl] = gks.transpose(0, 1).reshape(n, -1)
-        gv[sl] = gvs.transpose(0, 1).reshape(n, -1)
+
+        def heads_first(t, heads):  # [n, heads * D] -> [1, heads, n, D], fp32, a leaf
+            return t[sl].float().view(n, heads, head_dim).transpose(0, 1).unsqueeze(0).requires_grad_(True)
+
+        qs, ks, vs = heads_first(q, num_heads), heads_first(k, num_kv_heads), heads_first(v, num_kv_heads)
+        gs = g[sl].float().view(n, num_heads, head_dim).transpose(0, 1).unsqueeze(0)
+        with torch.enable_grad():
+            if sliding_window is None:
+                out = torch.nn.functional.scaled_dot_product_attention(
+                    qs, ks, vs, is_causal=True, scale=scale, enable_gqa=num_heads != num_kv_heads)
+            else:
+                allowed = ~masked_positions(n, sliding_window, q.device)
+                out = torch.nn.functional.scaled_dot_product_attention(
+                    qs, ks, vs, attn_mask=allowed, scale=scale, enable_gqa=num_heads != num_kv_heads)
+            gqs, gks, gvs = torch.autograd.grad(out, (qs, ks, vs), gs)
+        gq[sl] = gqs[0].transpose(0, 1).reshape(n, -1)
+        gk[sl] = gks[0].transpose(0, 1).reshape(n, -1)
+        gv[sl] = gvs[0].transpose(0, 1).reshape(n, -1)
         start += n
     return gq, gk, gv
 

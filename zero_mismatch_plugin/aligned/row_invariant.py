@@ -28,19 +28,19 @@ def rotary_on_rows(rotate_in_place, positions, query, key):
     return query, key
 
 
-def row_invariant_bmm(batch1, batch2, out=None):
+def row_invariant_bmm(batch1, batch2, out=None, rows_per_call=8):
     """``torch.bmm`` whose rows do not depend on how many there are, on CPU.
 
     aten's CPU bmm picks its kernel by the row count, and kernels round a row differently (an
     AVX2 EPYC: 1-3 rows differ from 4+; an AVX-512 Xeon: 1 row and 16+ rows differ from 2-15).
-    So every CPU call here has the same shape: eight rows, the last chunk zero-padded to eight,
+    So every CPU call here has the same shape: ``rows_per_call`` rows (eight unless a caller
+    names another; every caller of one product must name the same), the last chunk zero-padded,
     which makes a row's bits independent of the other rows; other devices call ``torch.bmm``.
     """
     import torch
 
     if batch1.device.type != "cpu" or batch1.dim() != 3:
         return torch.bmm(batch1, batch2) if out is None else torch.bmm(batch1, batch2, out=out)
-    rows_per_call = 8
     if out is None:
         out = batch1.new_empty(batch1.shape[0], batch1.shape[1], batch2.shape[2])
     for start in range(0, batch1.shape[1], rows_per_call):
@@ -52,11 +52,11 @@ def row_invariant_bmm(batch1, batch2, out=None):
     return out
 
 
-def row_invariant_linear(x, weight):
+def row_invariant_linear(x, weight, rows_per_call=8):
     """``x [n, in] @ weight [out, in]^T`` whose rows do not depend on how many there are, on CPU:
     :func:`row_invariant_bmm` with the weight as a contiguous [in, out] matrix (aten's CPU bmm
     gave a row other bits from 5 rows on when the weight was a transposed view)."""
-    return row_invariant_bmm(x[None], weight.t().contiguous()[None])[0]
+    return row_invariant_bmm(x[None], weight.t().contiguous()[None], rows_per_call=rows_per_call)[0]
 
 
 def row_invariant_sigmoid(x):
@@ -116,7 +116,9 @@ def row_invariant_wide_head(hidden_states, weight, bias, head_dtype):
     its kernel by the row count and the thread count (an AVX-512 EPYC: 1-3 rows differ from 4+ on
     one thread, 1-3, 5-7 and 9-11 on two), so a lone decoding sequence got other logits than the
     same row in a prefill. Here the product is :func:`row_invariant_linear`: same cast operands,
-    every call of one shape. Elsewhere (GPU) it is vLLM's cast and ``F.linear``.
+    every call of one shape, 64 rows (a trainer scores thousands of rows through a head it reads
+    once per call; a decode step's few rows pay for a 64-row call). Elsewhere (GPU) it is vLLM's
+    cast and ``F.linear``.
     """
     import torch
 
@@ -125,7 +127,7 @@ def row_invariant_wide_head(hidden_states, weight, bias, head_dtype):
     if flat.device.type != "cpu":
         logits = torch.nn.functional.linear(flat, wide_weight)
     else:
-        logits = row_invariant_linear(flat, wide_weight)
+        logits = row_invariant_linear(flat, wide_weight, rows_per_call=64)
     if bias is not None:
         logits = logits + bias.to(head_dtype)
     return logits.reshape(*hidden_states.shape[:-1], logits.shape[-1])
