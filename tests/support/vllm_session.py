@@ -163,10 +163,10 @@ def float64_hf_model(model_dir, hf_state: dict):
 
 
 @contextlib.contextmanager
-def demo_engine(model_dir, max_model_len: int, lora_rank: int | None = None):
-    """The demo's rollout engine (its own process) in consistent numerics, serving LoRA adapters
-    of ``lora_rank`` if given; the variables ``start_engine`` sets for that mode are restored
-    afterwards."""
+def demo_engine(model_dir, max_model_len: int, lora_rank: int | None = None, dtype: str = "float32"):
+    """The demo's rollout engine (its own process) in consistent numerics serving ``dtype``, and LoRA
+    adapters of ``lora_rank`` if given; the variables ``start_engine`` sets for that mode are
+    restored afterwards."""
     import pytest
 
     from zero_mismatch_plugin.tools.demo.engine import start_engine
@@ -175,7 +175,7 @@ def demo_engine(model_dir, max_model_len: int, lora_rank: int | None = None):
         # Registered here so that leaving the context restores them.
         mp.setenv("ZMRL_NUMERICS", "consistent")
         mp.setenv("VLLM_CPU_ATTN_SPLIT_KV", "0")
-        with start_engine(model_dir, max_model_len, lora_rank=lora_rank) as engine:
+        with start_engine(model_dir, max_model_len, lora_rank=lora_rank, dtype=dtype) as engine:
             yield engine
 
 

@@ -183,14 +183,20 @@ def _demo(args: argparse.Namespace) -> int:
             print("ERROR: --lora chooses a single LoRA run; --compare runs full-weight variants", file=sys.stderr)
             return 2
         return run_interruptible("demo --compare", lambda note: run_compare_command(
-            args.seeds, args.updates, args.lag, args.out, note=note))
+            args.seeds, args.updates, args.lag, args.out, note=note, dtype=_demo_dtype(args.dtype)))
     if args.seeds is not None:
         print("ERROR: --seeds is for --compare; a single run takes --seed", file=sys.stderr)
         return 2
     return run_interruptible("demo", lambda note: run_demo_command(
         args.algo or "reinforce_zero", args.kernels or "aligned", 2 if args.lag is None else args.lag,
         200 if args.updates is None else args.updates, args.seed or 0, args.out, args.turns, args.model, args.lora,
-        note=note))
+        note=note, dtype=_demo_dtype(args.dtype)))
+
+
+def _demo_dtype(flag: str) -> str:
+    from zero_mismatch_plugin.tools.demo.learners import DTYPE_FLAGS
+
+    return DTYPE_FLAGS[flag]
 
 
 def _seed_list(text: str) -> list[int]:
@@ -385,6 +391,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--lora", type=int, metavar="R",
         help="freeze the base and train a rank-R LoRA adapter on every linear; the engine serves each new "
              "adapter version (vLLM's LoRA loading) after every update",
+    )
+    demo.add_argument(
+        "--dtype", choices=("fp32", "bf16"), default="fp32",  # tools.demo.learners.DTYPE_FLAGS
+        help="the engine's dtype (default fp32); bf16: the engine serves bf16 (fp32 head) in consistent mode and "
+             "the aligned learner computes in it from fp32 master weights",
     )
     demo.add_argument("--out", metavar="DIR", help="output directory (default: a fresh ./zmrl-demo-out[-N])")
     demo.set_defaults(func=_demo)

@@ -154,3 +154,45 @@ def test_compare_cli_refuses_single_run_options(capsys):
         CompareConfig(seeds=(0, 0))
     with pytest.raises(ValueError, match="--lag must be at least 1"):
         CompareConfig(lag=0)
+
+
+def test_bf16_engine_aligned_learner_bitwise_and_bf16_learner_not(tmp_path):
+    """``zmrl demo --compare --dtype bf16``'s plumbing: the engine serves bf16 in consistent mode, the
+    aligned learner (fp32 master weights, the engine's bf16 copies) scores the samples of its own
+    version with the engine's bits, the standard bf16 learner does not; the run records the dtype."""
+    from zero_mismatch_plugin.tools.tiny_models import build_tiny_model
+
+    model_dir = build_tiny_model(tmp_path / "model", family="llama", seed=0)
+    config = CompareConfig(seeds=(0,), updates=3, lag=8, max_model_len=MAX_MODEL_LEN,
+                           variants=("aligned", "standard_is"), dtype="bfloat16")
+    records = {}
+
+    def progress(variant, seed, result):
+        records[variant.name] = result.records
+
+    with demo_engine(model_dir, MAX_MODEL_LEN, dtype="bfloat16") as engine:
+        run_compare(config, tmp_path, engine, lambda seed: model_dir, progress)
+    for r in records["aligned"]:
+        assert all(b is True for b in r.own_version_bitwise), r.step
+    assert not all(all(r.own_version_bitwise) for r in records["standard_is"])
+    gaps = [r.metrics["demo/own_version/log_prob_abs_diff_max"] for r in records["standard_is"]]
+    print(f"bf16 engine: the standard bf16 learner's max |dlogprob| at the sampling weights {max(gaps):.3g}")
+    for name in ("aligned", "standard_is"):
+        summary = json.loads((run_dir(tmp_path, 0, name) / "summary.json").read_text())
+        assert summary["dtype"] == "bfloat16", summary
+
+
+def test_demo_dtype_flag_reaches_both_commands_and_a_bad_dtype_is_refused(monkeypatch):
+    from zero_mismatch_plugin.tools import cli
+    from zero_mismatch_plugin.tools.demo import command
+    from zero_mismatch_plugin.tools.demo.runner import DemoConfig
+
+    seen = []
+    monkeypatch.setattr(command, "run_demo_command", lambda *a, dtype, **k: seen.append(("demo", dtype)) or 0)
+    monkeypatch.setattr(command, "run_compare_command", lambda *a, dtype, **k: seen.append(("compare", dtype)) or 0)
+    assert cli.main(["demo", "--dtype", "bf16"]) == 0
+    assert cli.main(["demo", "--compare", "--dtype", "bf16"]) == 0
+    assert cli.main(["demo"]) == 0
+    assert seen == [("demo", "bfloat16"), ("compare", "bfloat16"), ("demo", "float32")]
+    with pytest.raises(ValueError, match="--dtype must be one of"):
+        DemoConfig(dtype="float16")

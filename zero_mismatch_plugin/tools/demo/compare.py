@@ -32,7 +32,7 @@ class Variant:
         return DemoConfig(
             algo="reinforce_zero", kernels=self.kernels, correction=self.correction,
             lag=0 if self.synchronous else config.lag, updates=config.updates, seed=seed, task=config.task,
-            learning_rate=config.learning_rate, max_model_len=config.max_model_len,
+            learning_rate=config.learning_rate, max_model_len=config.max_model_len, dtype=config.dtype,
         )
 
 
@@ -57,6 +57,9 @@ class CompareConfig:
     learning_rate: float = 1e-4
     max_model_len: int = 128
     variants: Sequence[str] = VARIANT_NAMES
+    # The engine's dtype: ``bfloat16`` serves bf16 in consistent mode and the aligned learner follows
+    # it; the standard learners are bf16 mixed precision either way (docs/compare.md).
+    dtype: str = "float32"
 
     def __post_init__(self):
         self.seeds = tuple(self.seeds)

@@ -213,8 +213,9 @@ class Rollout:
         self.stop()
 
 
-def start_engine(model_dir, max_model_len: int, seed: int = 0, lora_rank: int | None = None) -> EngineProcess:
-    """A rollout engine for the demo's model in consistent numerics.
+def start_engine(model_dir, max_model_len: int, seed: int = 0, lora_rank: int | None = None,
+                 dtype: str = "float32") -> EngineProcess:
+    """A rollout engine for the demo's model in consistent numerics, serving ``dtype``.
 
     Consistent mode is also selected in this process: the aligned learner reads it. With
     ``lora_rank`` the engine serves LoRA adapters of that rank (``enable_lora``; the learner
@@ -223,9 +224,9 @@ def start_engine(model_dir, max_model_len: int, seed: int = 0, lora_rank: int | 
     from zero_mismatch_plugin.aligned import set_mode
 
     set_mode("consistent")
-    engine_args = None
+    engine_args = {"dtype": dtype}
     if lora_rank is not None:
         from zero_mismatch_plugin.aligned.lora.peft import lora_engine_args_for_rank
 
-        engine_args = lora_engine_args_for_rank(lora_rank)
+        engine_args.update(lora_engine_args_for_rank(lora_rank))
     return EngineProcess(model_dir, max_model_len, seed, engine_args)

@@ -16,6 +16,9 @@ import torch
 ALIGNED = "aligned"
 STANDARD = "standard"
 STANDARD_BF16 = "standard-bf16"
+# ``zmrl demo --dtype`` -> the engine's dtype.
+DTYPE_FLAGS = {"fp32": "float32", "bf16": "bfloat16"}
+ENGINE_DTYPES = tuple(DTYPE_FLAGS.values())
 KERNELS = (ALIGNED, STANDARD, STANDARD_BF16)
 
 
@@ -63,14 +66,14 @@ class AlignedLearner(Learner):
 
     kernels = ALIGNED
 
-    def __init__(self, model_dir, max_model_len: int, engine_seed: int):
+    def __init__(self, model_dir, max_model_len: int, engine_seed: int, dtype: str = "float32"):
         from zero_mismatch_plugin.faces.aligned_model import AlignedCausalLM
 
         from zero_mismatch_plugin.tools.demo.engine import ENGINE_ARGS
 
         # The same engine arguments the engine was started with: the trainer rebuilds its config.
         self.module = AlignedCausalLM.from_pretrained(
-            model_dir, max_model_len=max_model_len, seed=engine_seed, **ENGINE_ARGS
+            model_dir, max_model_len=max_model_len, seed=engine_seed, dtype=dtype, **ENGINE_ARGS
         )
 
     def _weights_changed(self) -> None:
@@ -91,7 +94,8 @@ class LoRALearner(AlignedLearner):
     adapter (vLLM's LoRA path), the base weights never move.
     """
 
-    def __init__(self, model_dir, max_model_len: int, engine_seed: int, lora_rank: int, seed: int = 0):
+    def __init__(self, model_dir, max_model_len: int, engine_seed: int, lora_rank: int, seed: int = 0,
+                 dtype: str = "float32"):
         import tempfile
         from pathlib import Path
 
@@ -105,7 +109,7 @@ class LoRALearner(AlignedLearner):
             # alpha = 2r, a common choice; A and B both random so the adapter acts from version 0.
             adapter = build_adapter(Path(tmp) / "adapter", model_dir, r=lora_rank, lora_alpha=2 * lora_rank, seed=seed)
             self.module = AlignedCausalLM.from_pretrained(
-                model_dir, max_model_len=max_model_len, seed=engine_seed, lora_dir=adapter,
+                model_dir, max_model_len=max_model_len, seed=engine_seed, lora_dir=adapter, dtype=dtype,
                 **ENGINE_ARGS, **lora_engine_args_for_rank(lora_rank),
             )
         self.lora_config = self.module.lora.lora_config
@@ -179,13 +183,14 @@ class MixedPrecisionLearner(StandardLearner):
 
 
 def make_learner(kernels: str, model_dir, max_model_len: int, engine_seed: int,
-                 lora_rank: int | None = None, seed: int = 0) -> Learner:
+                 lora_rank: int | None = None, seed: int = 0, dtype: str = "float32") -> Learner:
+    """``dtype``: the engine's, which the aligned learners compute in."""
     if lora_rank is not None:
         if kernels != ALIGNED:
             raise ValueError(f"a LoRA learner runs the aligned kernels, not {kernels!r}")
-        return LoRALearner(model_dir, max_model_len, engine_seed, lora_rank, seed)
+        return LoRALearner(model_dir, max_model_len, engine_seed, lora_rank, seed, dtype)
     if kernels == ALIGNED:
-        return AlignedLearner(model_dir, max_model_len, engine_seed)
+        return AlignedLearner(model_dir, max_model_len, engine_seed, dtype)
     if kernels == STANDARD:
         return StandardLearner(model_dir)
     if kernels == STANDARD_BF16:

@@ -18,7 +18,7 @@ from zero_mismatch_plugin.algorithms.token_metrics import importance_sampling_me
 
 from zero_mismatch_plugin.tools.demo.attention_limits import bitwise_context_tokens
 from zero_mismatch_plugin.tools.demo.corrections import CORRECTIONS, rollout_correction_settings
-from zero_mismatch_plugin.tools.demo.learners import ALIGNED, KERNELS, Learner, make_learner
+from zero_mismatch_plugin.tools.demo.learners import ALIGNED, DTYPE_FLAGS, ENGINE_DTYPES, KERNELS, Learner, make_learner
 from zero_mismatch_plugin.tools.demo.engine import EngineProcess
 from zero_mismatch_plugin.tools.demo.rollout import Chunk, RolloutPlan, Sample
 from zero_mismatch_plugin.tools.demo.task import DIGITS, MAX_PROMPT_TOKENS, TASKS, make_task
@@ -85,6 +85,9 @@ class DemoConfig:
     # LoRA: a frozen base and a rank-``lora_rank`` adapter on every linear, the adapter pushed to
     # the engine (vLLM's LoRA serving) after every update. None: full-weight training.
     lora_rank: int | None = None
+    # The engine's dtype (``float32`` or ``bfloat16``); the aligned learner's forward follows it
+    # (fp32 master weights, the engine's bf16 copies), the standard learners keep their own.
+    dtype: str = "float32"
 
     def __post_init__(self):
         if self.algo not in ALGORITHMS:
@@ -114,6 +117,8 @@ class DemoConfig:
                                  "drop --kernels / the correction baseline")
         if self.turns < 1:
             raise ValueError(f"--turns must be at least 1, got {self.turns}")
+        if self.dtype not in ENGINE_DTYPES:
+            raise ValueError(f"--dtype must be one of {tuple(DTYPE_FLAGS)} (the engine's dtype), got {self.dtype!r}")
         if self.model not in DEMO_MODELS:
             raise ValueError(f"--model must be one of {tuple(DEMO_MODELS)}, got {self.model!r}")
         if self.model == "moe" and self.lora_rank is not None:
@@ -226,7 +231,7 @@ class DemoRun:
         torch.manual_seed(config.seed)
         self.task = make_task(config.task, AutoTokenizer.from_pretrained(str(model_dir)), config.seed)
         self.learner: Learner = make_learner(config.kernels, model_dir, config.max_model_len, engine_seed,
-                                             lora_rank=config.lora_rank, seed=config.seed)
+                                             lora_rank=config.lora_rank, seed=config.seed, dtype=config.dtype)
         self.optimizer = torch.optim.AdamW(self.learner.parameters(), lr=config.learning_rate, weight_decay=0.0)
         if config.correction is None:
             self.advantage_fn = core_algos.get_adv_estimator_fn(config.algo)
