@@ -132,15 +132,19 @@ def test_negative_controls_standard_bf16_forward_and_megatrons_own_residual_norm
     print(f"{family}: Megatron face normalising the rounded sum: {bitwise_report('', rounded_sum, mu)}")
 
 
-def test_sliding_window_with_prefix_caching_both_faces(bf16_engines, monkeypatch):
-    """Three turns of conversations re-sent whole, later turns hit the prefix cache past the window."""
-    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
-    llm, turns, prompts, responses, mu = windowed_conversations(bf16_engines, bf16_engines.checkpoints, WINDOWED, seed=700)
-    assert sum(c >= 128 for c in turns[-1][3]) >= 1  # a hit reaches past the 12-token window
+def test_sliding_window_with_prefix_caching_both_faces_at_batch_1_2_8(bf16_engines):
+    """Rollouts at engine batch 1, 2 and 8 (every prompt + response crosses the 12-token window), then
+    three turns of conversations re-sent whole, later turns hitting the prefix cache past the window."""
     checkpoint = bf16_engines.checkpoints[WINDOWED]
-    with torch.no_grad():
-        assert_bitwise("windowed aligned model", aligned_model(checkpoint).token_logprobs(pack(prompts, responses)), mu)
-    assert_bitwise("windowed Megatron face", megatron_logprobs(megatron_face(checkpoint), prompts, responses), mu)
+    trainer, scorer = aligned_model(checkpoint), megatron_face(checkpoint)
+    by_batch = batched_rollouts(bf16_engines.get(WINDOWED), checkpoint)
+    llm, turns, prompts, responses, mu = windowed_conversations(bf16_engines, bf16_engines.checkpoints, WINDOWED, seed=700)
+    assert sum(c >= 128 for c in turns[-1][3]) >= 1  # a hit reaches past the window
+    for what, (prompts, responses, mu) in [*((f"batch {b}", r) for b, r in by_batch.items()),
+                                           ("three turns, prefix cache", (prompts, responses, mu))]:
+        with torch.no_grad():
+            assert_bitwise(f"windowed aligned model, {what}", trainer.token_logprobs(pack(prompts, responses)), mu)
+        assert_bitwise(f"windowed Megatron face, {what}", megatron_logprobs(scorer, prompts, responses), mu)
 
 
 @pytest.mark.parametrize("base", ["llama", "qwen3_moe"])
