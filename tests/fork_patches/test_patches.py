@@ -109,7 +109,7 @@ def test_code_shared_with_the_plugin_is_in_the_diffs_verbatim(manifest):
                            ("vllm-cpu-moe-lora-experts", cpu_lora_experts.cpu_lora_experts_apply),
                            ("vllm-cpu-all-reduce-rank-order", reductions.rank_order_sum),
                            ("vllm-cpu-wide-head-row-invariant", row_invariant.row_invariant_wide_head),
-                           ("vllm-cpu-wide-head-row-invariant", row_invariant.row_invariant_linear)):
+                           ("vllm-cpu-wide-head-row-invariant", row_invariant.row_invariant_bmm)):
         added = "".join(line[1:] + "\n" for line in diffs[patch_name].splitlines()
                         if line.startswith("+") and not line.startswith("+++"))
         assert textwrap.dedent(__import__("inspect").getsource(fn)) in added

@@ -115,10 +115,11 @@ def row_invariant_wide_head(hidden_states, weight, bias, head_dtype):
     vLLM casts both operands to ``head_dtype`` and calls ``F.linear``; aten's fp32 CPU GEMM picks
     its kernel by the row count and the thread count (an AVX-512 EPYC: 1-3 rows differ from 4+ on
     one thread, 1-3, 5-7 and 9-11 on two), so a lone decoding sequence got other logits than the
-    same row in a prefill. Here the product is :func:`row_invariant_linear`: same cast operands,
-    every call of one shape, 64 rows (a trainer scores thousands of rows through a head it reads
-    once per call; a decode step's few rows pay for a 64-row call). Elsewhere (GPU) it is vLLM's
-    cast and ``F.linear``.
+    same row in a prefill. Here the same cast operands go through :func:`row_invariant_bmm` in
+    calls of 32 rows against the cast weight's transposed view: every call has one shape and one
+    layout, so a row's bits depend on that row alone (and were the same at 1 and 2 threads). 32
+    rows: a decode step of up to 32 sequences is one call, as fast as vLLM's; a trainer's
+    thousands of rows read the head once per 32. Elsewhere (GPU) it is vLLM's cast and ``F.linear``.
     """
     import torch
 
@@ -127,7 +128,7 @@ def row_invariant_wide_head(hidden_states, weight, bias, head_dtype):
     if flat.device.type != "cpu":
         logits = torch.nn.functional.linear(flat, wide_weight)
     else:
-        logits = row_invariant_linear(flat, wide_weight, rows_per_call=64)
+        logits = row_invariant_bmm(flat[None], wide_weight.t()[None], rows_per_call=32)[0]
     if bias is not None:
         logits = logits + bias.to(head_dtype)
     return logits.reshape(*hidden_states.shape[:-1], logits.shape[-1])

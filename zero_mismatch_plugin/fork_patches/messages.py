@@ -203,9 +203,10 @@ MESSAGES: dict[str, CommitMessage] = {
             "a lone decoding sequence read other logprobs than the same tokens in a prefill or "
             "a larger batch.",
             "With VLLM_BATCH_INVARIANT on CPU, the head multiplies the same fp32 operands in "
-            "calls of one eight-row shape (row_invariant_linear), so a row's logits do not "
-            "depend on the step's other rows or on the thread count. A head in the model's own "
-            "dtype keeps the dispatched GEMM; without batch-invariant mode nothing changes.",
+            "calls of one 32-row shape (row_invariant_bmm against the weight's transposed "
+            "view), so a row's logits do not depend on the step's other rows or on the thread "
+            "count. A head in the model's own dtype keeps the dispatched GEMM; without "
+            "batch-invariant mode nothing changes.",
         ),
     ),
     "vllm-cpu-moe-lora-experts": CommitMessage(

@@ -527,8 +527,8 @@ from vllm.config import get_current_vllm_config
             hidden_states.to(self.head_dtype),
 """,
     ),
-    functions_before(LOGITS_PROCESSOR, "# --8<-- [start:logits_processor]\n", row_invariant_linear,
-                     row_invariant_bmm, row_invariant_wide_head),
+    functions_before(LOGITS_PROCESSOR, "# --8<-- [start:logits_processor]\n", row_invariant_bmm,
+                     row_invariant_wide_head),
 ]
 
 # Patch name (as in manifest.yaml) -> its edits.
