@@ -183,14 +183,15 @@ def _demo(args: argparse.Namespace) -> int:
             print("ERROR: --lora chooses a single LoRA run; --compare runs full-weight variants", file=sys.stderr)
             return 2
         return run_interruptible("demo --compare", lambda note: run_compare_command(
-            args.seeds, args.updates, args.lag, args.out, note=note, dtype=_demo_dtype(args.dtype)))
+            args.seeds, args.updates, args.lag, args.out, note=note, dtype=_demo_dtype(args.dtype),
+            learning_rate=args.learning_rate))
     if args.seeds is not None:
         print("ERROR: --seeds is for --compare; a single run takes --seed", file=sys.stderr)
         return 2
     return run_interruptible("demo", lambda note: run_demo_command(
         args.algo or "reinforce_zero", args.kernels or "aligned", 2 if args.lag is None else args.lag,
         200 if args.updates is None else args.updates, args.seed or 0, args.out, args.turns, args.model, args.lora,
-        note=note, dtype=_demo_dtype(args.dtype)))
+        note=note, dtype=_demo_dtype(args.dtype), learning_rate=args.learning_rate))
 
 
 def _demo_dtype(flag: str) -> str:
@@ -397,6 +398,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="the engine's dtype (default fp32); bf16: the engine serves bf16 (fp32 head) in consistent mode and "
              "the aligned learner computes in it from fp32 master weights",
     )
+    demo.add_argument("--learning-rate", type=float, default=1e-4, metavar="LR",
+                      help="the learner's AdamW learning rate (default 1e-4; docs/compare.md's bf16 sets use 1e-5 and 3e-5)")
     demo.add_argument("--out", metavar="DIR", help="output directory (default: a fresh ./zmrl-demo-out[-N])")
     demo.set_defaults(func=_demo)
 

@@ -182,17 +182,23 @@ def test_bf16_engine_aligned_learner_bitwise_and_bf16_learner_not(tmp_path):
         assert summary["dtype"] == "bfloat16", summary
 
 
-def test_demo_dtype_flag_reaches_both_commands_and_a_bad_dtype_is_refused(monkeypatch):
+def test_demo_dtype_and_learning_rate_flags_reach_both_commands_and_bad_values_are_refused(monkeypatch):
     from zero_mismatch_plugin.tools import cli
     from zero_mismatch_plugin.tools.demo import command
     from zero_mismatch_plugin.tools.demo.runner import DemoConfig
 
     seen = []
-    monkeypatch.setattr(command, "run_demo_command", lambda *a, dtype, **k: seen.append(("demo", dtype)) or 0)
-    monkeypatch.setattr(command, "run_compare_command", lambda *a, dtype, **k: seen.append(("compare", dtype)) or 0)
+    monkeypatch.setattr(command, "run_demo_command",
+                        lambda *a, dtype, learning_rate, **k: seen.append(("demo", dtype, learning_rate)) or 0)
+    monkeypatch.setattr(command, "run_compare_command",
+                        lambda *a, dtype, learning_rate, **k: seen.append(("compare", dtype, learning_rate)) or 0)
     assert cli.main(["demo", "--dtype", "bf16"]) == 0
-    assert cli.main(["demo", "--compare", "--dtype", "bf16"]) == 0
+    assert cli.main(["demo", "--compare", "--dtype", "bf16", "--learning-rate", "3e-5"]) == 0
     assert cli.main(["demo"]) == 0
-    assert seen == [("demo", "bfloat16"), ("compare", "bfloat16"), ("demo", "float32")]
+    assert seen == [("demo", "bfloat16", 1e-4), ("compare", "bfloat16", 3e-5), ("demo", "float32", 1e-4)]
     with pytest.raises(ValueError, match="--dtype must be one of"):
         DemoConfig(dtype="float16")
+    with pytest.raises(ValueError, match="--learning-rate must be a positive number"):
+        DemoConfig(learning_rate=0.0)
+    with pytest.raises(ValueError, match="--learning-rate must be a positive number"):
+        CompareConfig(learning_rate=-1e-4)

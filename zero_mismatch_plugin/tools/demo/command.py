@@ -109,7 +109,7 @@ def _quiet_defaults() -> None:
 
 
 def validated_config(algo: str, kernels: str, lag: int, updates: int, seed: int, turns: int, model: str,
-                     lora_rank: int | None, dtype: str = "float32"):
+                     lora_rank: int | None, dtype: str = "float32", learning_rate: float = 1e-4):
     """The run's ``DemoConfig`` once every option is checked (``ValueError`` says what to change);
     nothing is built or started."""
     from zero_mismatch_plugin.tools.tiny_models import DEFAULT_SHAPE
@@ -130,7 +130,8 @@ def validated_config(algo: str, kernels: str, lag: int, updates: int, seed: int,
     from zero_mismatch_plugin.tables.switches import cpu_kv_cache_space
     cpu_kv_cache_space()  # refuse a KV-cache size the engine would die on, before any work
     return DemoConfig(algo=algo, kernels=kernels, lag=lag, updates=updates, seed=seed, turns=turns,
-                      max_model_len=max_model_len, model=model, lora_rank=lora_rank, dtype=dtype)
+                      max_model_len=max_model_len, model=model, lora_rank=lora_rank, dtype=dtype,
+                      learning_rate=learning_rate)
 
 
 def _require_served_rank(rank: int) -> None:
@@ -161,13 +162,14 @@ def _bitwise_failure(summary: dict) -> str | None:
 
 def run_demo_command(algo: str, kernels: str, lag: int, updates: int, seed: int, out: str | None,
                      turns: int = 1, model: str = "dense",
-                     lora_rank: int | None = None, note=None, dtype: str = "float32") -> int:
+                     lora_rank: int | None = None, note=None, dtype: str = "float32",
+                     learning_rate: float = 1e-4) -> int:
     """``zmrl demo``: 0 when the run finished and its claims hold; 1 when the aligned kernels' bitwise
     claim failed; 2 for a refused option or an output that could not be written. ``note``: the
     interrupt note of ``cli.run_interruptible``, told what the run has kept so far."""
     _quiet_defaults()
     try:
-        config = validated_config(algo, kernels, lag, updates, seed, turns, model, lora_rank, dtype)
+        config = validated_config(algo, kernels, lag, updates, seed, turns, model, lora_rank, dtype, learning_rate)
         out_dir = prepare_out_dir(out)
     except ValueError as error:
         print(f"ERROR: {error}", file=sys.stderr)
@@ -247,7 +249,7 @@ def _run_demo(config, out_dir: Path, note) -> int:
 
 
 def run_compare_command(seeds: list[int] | None, updates: int | None, lag: int | None, out: str | None,
-                        note=None, dtype: str = "float32") -> int:
+                        note=None, dtype: str = "float32", learning_rate: float = 1e-4) -> int:
     """Every comparison variant for every seed, one engine; the comparison table and figures in ``out``."""
     _quiet_defaults()
     from zero_mismatch_plugin.tools.demo.compare import DEFAULT_LAG, DEFAULT_SEEDS, DEFAULT_UPDATES, CompareConfig
@@ -258,7 +260,7 @@ def run_compare_command(seeds: list[int] | None, updates: int | None, lag: int |
         cpu_kv_cache_space()  # refuse a KV-cache size the engine would die on, before any work
         config = CompareConfig(seeds=DEFAULT_SEEDS if seeds is None else seeds,
                                updates=DEFAULT_UPDATES if updates is None else updates,
-                               lag=DEFAULT_LAG if lag is None else lag, dtype=dtype)
+                               lag=DEFAULT_LAG if lag is None else lag, dtype=dtype, learning_rate=learning_rate)
         out_dir = prepare_out_dir(out)
     except ValueError as error:
         print(f"ERROR: {error}", file=sys.stderr)

@@ -68,6 +68,8 @@ class CompareConfig:
             raise ValueError("--seeds needs at least one seed")
         if len(set(self.seeds)) != len(self.seeds):
             raise ValueError(f"--seeds repeats a seed: {list(self.seeds)}")
+        if not self.learning_rate > 0:
+            raise ValueError(f"--learning-rate must be a positive number, got {self.learning_rate!r}")
         if self.lag < 1:
             raise ValueError(f"--lag must be at least 1 for the comparison (the reference is the synchronous run), "
                              f"got {self.lag}")

@@ -117,6 +117,8 @@ class DemoConfig:
                                  "drop --kernels / the correction baseline")
         if self.turns < 1:
             raise ValueError(f"--turns must be at least 1, got {self.turns}")
+        if not self.learning_rate > 0:
+            raise ValueError(f"--learning-rate must be a positive number, got {self.learning_rate!r}")
         if self.dtype not in ENGINE_DTYPES:
             raise ValueError(f"--dtype must be one of {tuple(DTYPE_FLAGS)} (the engine's dtype), got {self.dtype!r}")
         if self.model not in DEMO_MODELS:
