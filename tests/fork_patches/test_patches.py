@@ -1473,13 +1473,12 @@ def variant_rows():
     return [m for m in rows if not torch.equal(processor._apply_head(head, hidden[:m].contiguous(), None), full[:m])]
 
 result = {"has_function": hasattr(logits_processor, "row_invariant_wide_head"), "host": variant_rows()}
-# A planted kernel that rounds calls of fewer than four rows another way (through float64): what
-# aten's CPU GEMM does on some hosts, on every host.
-real_linear = torch.nn.functional.linear
+# A planted kernel that rounds calls of fewer than four rows another way (one ulp up): what aten's
+# CPU GEMM does on some hosts, on every host. Its product is float64 rounded once, so it does not
+# depend on the host's GEMM or thread count.
 def planted_linear(x, w, b=None):
-    if x.reshape(-1, x.shape[-1]).shape[0] < 4:
-        return real_linear(x.double(), w.double(), None if b is None else b.double()).float()
-    return real_linear(x, w, b)
+    y = (x.double() @ w.double().t() + (0 if b is None else b.double())).float()
+    return torch.nextafter(y, torch.full_like(y, float("inf"))) if x.reshape(-1, x.shape[-1]).shape[0] < 4 else y
 logits_processor.F = types.SimpleNamespace(linear=planted_linear)
 result["planted"] = variant_rows()
 wide = processor._apply_head(head, hidden, None)

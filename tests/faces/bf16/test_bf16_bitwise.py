@@ -221,12 +221,9 @@ def test_engine_head_patch_removed_lets_a_row_count_dependent_gemm_through(bf16_
     weight = torch.nn.Parameter(torch.randn(runtime.hf_config.vocab_size, runtime.hf_config.hidden_size))
     head = AlignedLogits(runtime, weight, runtime.hf_config.vocab_size)
     hidden = torch.randn(40, runtime.hf_config.hidden_size).bfloat16()
-    real_linear = torch.nn.functional.linear
-
-    def planted_linear(x, w, b=None):
-        if x.reshape(-1, x.shape[-1]).shape[0] < 4:
-            return real_linear(x.double(), w.double(), None if b is None else b.double()).float()
-        return real_linear(x, w, b)
+    def planted_linear(x, w, b=None):  # float64 rounded once (host-independent), one ulp up below four rows
+        y = (x.double() @ w.double().t() + (0 if b is None else b.double())).float()
+        return torch.nextafter(y, torch.full_like(y, float("inf"))) if x.reshape(-1, x.shape[-1]).shape[0] < 4 else y
 
     monkeypatch.setattr(logits_processor, "F", type("F", (), {"linear": staticmethod(planted_linear)}))
 
