@@ -16,6 +16,7 @@ from zero_mismatch_plugin.integrations import patches as runtime_patches
 from zero_mismatch_plugin.integrations.patches import FunctionPatch
 from zero_mismatch_plugin.integrations.vllm.cpu_engine_process import FORK_SERVER, ONE_PROCESS
 from zero_mismatch_plugin.integrations.vllm.cpu_all_reduce import CONSISTENT_MODE_PATCHES as CPU_ALL_REDUCE_PATCHES
+from zero_mismatch_plugin.integrations.vllm.cpu_gdn import CONSISTENT_MODE_PATCHES as CPU_GDN_PATCHES
 from zero_mismatch_plugin.integrations.vllm.cpu_head import CONSISTENT_MODE_PATCHES as CPU_HEAD_PATCHES
 from zero_mismatch_plugin.integrations.vllm.cpu_mla import CONSISTENT_MODE_PATCHES as CPU_MLA_PATCHES
 from zero_mismatch_plugin.integrations.vllm.cpu_moe_lora import PATCHES as CPU_MOE_LORA_PATCHES
@@ -255,5 +256,6 @@ LORA_BASE_EMBEDDING_ROWS = _cpu_lora_op_patch(
 # What register() applies on CPU in consistent mode; PATCHES adds the engine settings and the
 # one-process CPU engine (applied whatever the mode, when its switch is on).
 CPU_CONSISTENT_MODE_PATCHES = (CPU_GEMM, *CPU_HEAD_PATCHES, *CPU_MLA_PATCHES, *CPU_SIGMOID_PATCHES, LORA_BASE_ROWS,
-                               LORA_BASE_EMBEDDING_ROWS, *CPU_MOE_LORA_PATCHES, *CPU_ALL_REDUCE_PATCHES)
+                               LORA_BASE_EMBEDDING_ROWS, *CPU_MOE_LORA_PATCHES, *CPU_ALL_REDUCE_PATCHES,
+                               *CPU_GDN_PATCHES)
 PATCHES: list[FunctionPatch] = [ENGINE_ARGS, *CPU_CONSISTENT_MODE_PATCHES, ONE_PROCESS, FORK_SERVER]

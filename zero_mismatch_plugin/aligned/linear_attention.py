@@ -1,0 +1,157 @@
+"""Gated delta-net linear attention (Qwen3-Next, Qwen3.5) with one arithmetic for prefill, decode
+and the trainer.
+
+vLLM's CPU path prefills a sequence with its chunked kernel (``chunk_gated_delta_rule_cpu``) and
+decodes it with its recurrent one (``fused_sigmoid_gating_delta_rule_update_cpu``); the two round
+differently, so a token's logprob depended on whether it was prefilled or decoded. Here every
+token, prefilled, decoded or trained on, goes through the recurrent kernel one position at a time
+(that kernel gave a sequence the same bits alone and in a batch of 2 or 8), and the short causal
+convolution before it is :func:`fixed_order_causal_conv`, whose taps are summed in one order
+whether the previous inputs come from the conv state or from the same call. The engine side is
+``integrations.vllm.cpu_gdn``; the trainer side is :class:`GatedDeltaRuleFn`. The cost: a prefill
+of ``T`` tokens is ``T`` kernel calls per layer instead of one chunked call.
+
+Shapes follow vLLM's layer: ``q``, ``k`` [tokens, key heads, head dim], ``v`` [tokens, value heads,
+head dim], ``a``, ``b`` [tokens, value heads]; a value head reads key head ``h // (Hv / Hk)``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.autograd import Function
+
+from zero_mismatch_plugin.aligned.row_invariant import row_invariant_sigmoid
+
+
+def fixed_order_causal_conv(x, weight, bias, previous=None, activation="silu"):
+    """Depthwise causal convolution over time with its taps summed in one fixed order, in fp32:
+
+        x̃ = [previous; x],   y_t = b + Σ_{j=0}^{W-1} w_j ⊙ x̃_{t+j}   (j ascending),
+        out_t = y_t · σ(y_t) for ``activation="silu"`` (else y_t), rounded to ``x.dtype``.
+
+    ``x`` [..., T, C]; ``weight`` [C, W]; ``bias`` [C] or None; ``previous`` [..., W-1, C], the
+    inputs before ``x`` (None: zeros, a sequence's start). Returns ``(out [..., T, C], new previous
+    [..., W-1, C])``; leading dimensions are independent sequences (a decode step's batch).
+
+    Every multiply and add is one IEEE operation on whole [T, C] slices, so ``out_t`` has the same
+    bits whether ``x̃_{t+j}`` came from ``previous`` or from ``x``: one token at a time (decode)
+    and all at once (prefill, trainer) agree. The sigmoid is :func:`row_invariant_sigmoid` (torch's
+    rounds its scalar tail otherwise). Differentiable.
+    """
+    width, steps = weight.shape[-1], x.shape[-2]
+    if previous is None:
+        previous = x.new_zeros(*x.shape[:-2], width - 1, x.shape[-1])
+    padded = torch.cat([previous.to(x.dtype), x], dim=-2)
+    w = weight.float()
+    y = padded[..., 0:steps, :].float() * w[:, 0]
+    for j in range(1, width):
+        y = y + padded[..., j : j + steps, :].float() * w[:, j]
+    if bias is not None:
+        y = y + bias.float()
+    if activation in ("silu", "swish"):
+        y = y * row_invariant_sigmoid(y)
+    elif activation is not None:
+        raise ValueError(f"causal conv activation {activation!r}: expected 'silu', 'swish' or None")
+    return y.to(x.dtype), padded[..., steps:, :]
+
+
+def recurrent_gated_delta_rule(q, k, v, a, b, A_log, dt_bias, state_pool, slots, seq_lens, out=None):
+    """vLLM's CPU recurrent gated delta rule (``fused_sigmoid_gating_delta_rule_update_cpu``,
+    gating, q/k L2 norm and 1/sqrt(d) scale fused) applied to packed sequences one position at a
+    time: step ``t`` runs the kernel on the ``t``-th token of every sequence longer than ``t``.
+
+    ``seq_lens[i]`` tokens of sequence ``i`` lie contiguously, in order; its recurrent state is
+    ``state_pool[slots[i]]`` ([value heads, head dim, head dim], read and updated in place, in the
+    pool's dtype as vLLM keeps it). Returns ``out`` [tokens, value heads, head dim] in ``v``'s dtype.
+    """
+    from vllm import _custom_ops as vllm_ops
+
+    if out is None:
+        out = torch.empty_like(v)
+    lens = torch.as_tensor(seq_lens, dtype=torch.int64)
+    starts = torch.cumsum(lens, 0) - lens
+    slots = torch.as_tensor(slots, dtype=torch.int32)
+    for t in range(int(lens.max()) if len(lens) else 0):
+        live = torch.nonzero(lens > t).flatten()
+        rows = starts[live] + t
+        n = len(live)
+        step = vllm_ops.fused_sigmoid_gating_delta_rule_update_cpu(
+            A_log=A_log, dt_bias=dt_bias, q=q[rows][None], k=k[rows][None], v=v[rows][None],
+            a=a[rows].contiguous(), b=b[rows].contiguous(), initial_state_source=state_pool,
+            initial_state_indices=slots[live].contiguous(), cu_seqlens=torch.arange(n + 1, dtype=torch.int32),
+            use_qk_l2norm_in_kernel=True,
+        )
+        out[rows] = step.reshape(n, *out.shape[1:])
+    return out
+
+
+def l2_normalized(x, eps=1e-6):
+    """x / sqrt(Σ x² + eps) over the last dimension (the kernels' ``use_qk_l2norm_in_kernel``)."""
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def gated_delta_rule_reference(q, k, v, a, b, A_log, dt_bias, initial_state=None):
+    """The gated delta rule of one sequence in plain torch, in the inputs' dtype (float64 for
+    checks, fp32 for the trainer's backward), differentiable:
+
+        q̂_t = l2norm(q_t) / sqrt(d_k),  k̂_t = l2norm(k_t),
+        g_t = -exp(A_log) · softplus(a_t + dt_bias),  β_t = σ(b_t),
+        S' = e^{g_t} S_{t-1},   S_t = S' + k̂_t ⊗ β_t (v_t - S'ᵀ k̂_t),   o_t = S_tᵀ q̂_t
+
+    per value head (the gated delta rule of Yang, Kautz and Hatamizadeh, "Gated Delta Networks",
+    in the recurrent form vLLM's and transformers' Qwen3-Next references run). ``q``, ``k`` [T, Hk, D];
+    ``v`` [T, Hv, Dv]; ``a``, ``b`` [T, Hv]; state [Hv, D, Dv]. Returns (o [T, Hv, Dv], final state).
+    """
+    num_v_heads, num_k_heads = v.shape[1], q.shape[1]
+    repeat = num_v_heads // num_k_heads
+    dtype = v.dtype
+    qn = l2_normalized(q.to(dtype)).repeat_interleave(repeat, dim=1) * q.shape[-1] ** -0.5
+    kn = l2_normalized(k.to(dtype)).repeat_interleave(repeat, dim=1)
+    decay = torch.exp(-torch.exp(A_log.to(dtype)) * torch.nn.functional.softplus(a.to(dtype) + dt_bias.to(dtype)))
+    beta = torch.sigmoid(b.to(dtype))
+    state = (torch.zeros(num_v_heads, q.shape[-1], v.shape[-1], dtype=dtype) if initial_state is None
+             else initial_state.to(dtype))
+    outputs = []
+    for t in range(v.shape[0]):
+        state = state * decay[t][:, None, None]
+        read = torch.einsum("hk,hkv->hv", kn[t], state)
+        delta = (v[t] - read) * beta[t][:, None]
+        state = state + kn[t][:, :, None] * delta[:, None, :]
+        outputs.append(torch.einsum("hk,hkv->hv", qn[t], state))
+    return torch.stack(outputs), state
+
+
+class GatedDeltaRuleFn(Function):
+    """The trainer's gated delta rule over packed sequences, each from a zero state: forward
+    :func:`recurrent_gated_delta_rule` (the engine's kernel and order; state kept in
+    ``state_dtype`` as the engine keeps it), backward :func:`gated_delta_rule_reference`
+    recomputed in fp32 per sequence and differentiated."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, a, b, A_log, dt_bias, seq_lens, state_dtype):
+        ctx.save_for_backward(q, k, v, a, b, A_log, dt_bias)
+        ctx.seq_lens = list(seq_lens)
+        pool = torch.zeros(len(seq_lens), v.shape[1], q.shape[-1], v.shape[-1], dtype=state_dtype)
+        return recurrent_gated_delta_rule(
+            q.detach(), k.detach(), v.detach(), a.detach(), b.detach(), A_log.detach(), dt_bias.detach(),
+            pool, list(range(len(seq_lens))), seq_lens,
+        )
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        saved = ctx.saved_tensors
+        grads = [torch.zeros_like(t, dtype=torch.float32) for t in saved]
+        start = 0
+        for n in ctx.seq_lens:
+            rows = slice(start, start + n)
+            leaves = [t[rows].float().requires_grad_(True) for t in saved[:5]]
+            leaves += [t.float().requires_grad_(True) for t in saved[5:]]
+            with torch.enable_grad():
+                out, _ = gated_delta_rule_reference(*leaves)
+                per_leaf = torch.autograd.grad(out, leaves, grad_out[rows].float(), allow_unused=True)
+            for i, g in enumerate(per_leaf[:5]):
+                grads[i][rows] = g
+            for i, g in enumerate(per_leaf[5:], start=5):
+                grads[i] += g
+            start += n
+        return (*(g.to(t.dtype) for g, t in zip(grads, saved)), None, None)
