@@ -34,7 +34,12 @@ MLA_YARN_ROPE = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "ori
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory):
     """Tiny random checkpoints, built once: family -> directory."""
-    from zero_mismatch_plugin.tools.tiny_models import MOE_FAMILIES, build_tiny_mla_model, build_tiny_model
+    from zero_mismatch_plugin.tools.tiny_models import (
+        MOE_FAMILIES,
+        build_tiny_mla_model,
+        build_tiny_model,
+        build_tiny_qwen3_next_model,
+    )
 
     root = tmp_path_factory.mktemp("tiny_models")
     return {
@@ -68,6 +73,8 @@ def checkpoints(tmp_path_factory):
             moe_routing=dict(topk_method=method, scoring_func="softmax", n_group=groups, topk_group=1,
                              routed_scaling_factor=scale))
            for method, groups, scale, seed in (("greedy", 1, 2.5, 10), ("group_limited_greedy", 2, 1.5, 11))},
+        # Linear-attention hybrid (bf16 only on CPU): gated delta-net layers 0, 1, 3, gated full attention 2.
+        "qwen3_next": build_tiny_qwen3_next_model(root / "qwen3_next", seed=12),
     }
 
 

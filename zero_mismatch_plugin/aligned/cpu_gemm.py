@@ -77,3 +77,24 @@ def require_invariant(probe: GemmProbe, what: str) -> None:
             "and the trainer's packed forward cannot agree for this shape. Refusing in "
             "consistent mode."
         )
+
+
+def require_invariant_gemms(linears: dict, head, hidden_size: int, dtype) -> dict:
+    """Probe every distinct GEMM shape of a trainer's ``linears`` ({name: ``AlignedLinear``}) and
+    of its logits ``head`` (an ``AlignedLogits``); refuse one whose rows depend on M.
+
+    Single-row calls are part of the probe: the trainer never makes them, but a lone decoding
+    sequence in the engine does, and the engine only matches when the plugin's single-row padding
+    is in place (consistent mode) or the kernel is row-invariant anyway. Returns {name: probe}.
+    """
+    results, seen = {}, {}
+    for name, linear in linears.items():
+        _, weight = linear.derived.get()
+        shape = tuple(weight.shape)
+        if shape not in seen:
+            seen[shape] = probe_linear(lambda x, lin=linear: lin.kernel(x), n=shape[0], k=shape[1], dtype=dtype)
+            require_invariant(seen[shape], name)
+        results[name] = seen[shape]
+    results["lm_head"] = probe_linear(head.kernel, n=head.padded_vocab, k=hidden_size, dtype=dtype)
+    require_invariant(results["lm_head"], "lm_head")
+    return results

@@ -125,15 +125,17 @@ class GatedDeltaRuleFn(Function):
     """The trainer's gated delta rule over packed sequences, each from a zero state: forward
     :func:`recurrent_gated_delta_rule` (the engine's kernel and order; state kept in
     ``state_dtype`` as the engine keeps it), backward :func:`gated_delta_rule_reference`
-    recomputed in fp32 per sequence and differentiated."""
+    recomputed in fp32 per sequence and differentiated. ``A_log`` and ``dt_bias`` enter in the
+    dtypes the engine's layer holds them in (their casts from the trainer's parameters carry the
+    gradient back)."""
 
     @staticmethod
     def forward(ctx, q, k, v, a, b, A_log, dt_bias, seq_lens, state_dtype):
         ctx.save_for_backward(q, k, v, a, b, A_log, dt_bias)
         ctx.seq_lens = list(seq_lens)
-        pool = torch.zeros(len(seq_lens), v.shape[1], q.shape[-1], v.shape[-1], dtype=state_dtype)
+        pool = torch.zeros(len(seq_lens), v.shape[1], q.shape[-1], v.shape[-1], dtype=state_dtype, device=v.device)
         return recurrent_gated_delta_rule(
-            q.detach(), k.detach(), v.detach(), a.detach(), b.detach(), A_log.detach(), dt_bias.detach(),
+            q.contiguous(), k.contiguous(), v.contiguous(), a, b, A_log, dt_bias,
             pool, list(range(len(seq_lens))), seq_lens,
         )
 
@@ -155,3 +157,84 @@ class GatedDeltaRuleFn(Function):
                 grads[i] += g
             start += n
         return (*(g.to(t.dtype) for g, t in zip(grads, saved)), None, None)
+
+
+class AlignedGatedRMSNorm:
+    """vLLM's ``RMSNormGated`` (``out = rmsnorm(x) * w * act(z)``) with the trainer's weight
+    swapped in; backward: vLLM's own ``forward_static`` recomputed in fp32 and differentiated."""
+
+    def __init__(self, runtime, weight, eps: float, activation: str):
+        self.weight, self.eps, self.activation = weight, eps, activation
+        self.dtype = runtime.dtype
+        self.module = runtime.gated_rms_norm(weight.shape[0], eps, activation)
+
+    def __call__(self, x, z):
+        return _GatedRMSNormFn.apply(x, z, self.weight, self)
+
+
+class _GatedRMSNormFn(Function):
+    @staticmethod
+    def forward(ctx, x, z, weight, norm: AlignedGatedRMSNorm):
+        ctx.save_for_backward(x, z, weight)
+        ctx.norm = norm
+        norm.module.weight.data = weight.detach().to(norm.dtype)
+        return norm.module(x, z)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, z, weight = ctx.saved_tensors
+        norm = ctx.norm
+        leaves = [t.detach().float().requires_grad_(True) for t in (x, z, weight)]
+        with torch.enable_grad():
+            out = norm.module.forward_static(*leaves, norm.eps, torch.float32, group_size=None,
+                                             norm_before_gate=True, activation=norm.activation)
+            gx, gz, gw = torch.autograd.grad(out, leaves, grad_out.float())
+        return gx.to(x.dtype), gz.to(z.dtype), gw.to(weight.dtype), None
+
+
+class AlignedGatedDeltaNet:
+    """The token mixer of one gated delta-net layer between its projections, as vLLM's
+    ``QwenGatedDeltaNetAttention.forward_cpu`` runs it in consistent mode: the interleaved
+    in_proj_qkvz / in_proj_ba outputs split per key-head group, :func:`fixed_order_causal_conv` over
+    each sequence's [q; k; v], the recurrent rule (:class:`GatedDeltaRuleFn`) and the gated norm.
+
+    ``params``: the layer's ``conv1d.weight`` [C, 1, W], ``A_log``, ``dt_bias`` and ``norm.weight``
+    (trainer parameters); ``blocks``: the checkpoint's ``GatedDeltaNetBlocks``."""
+
+    def __init__(self, runtime, blocks, conv_weight, A_log, dt_bias, norm_weight, eps: float):
+        self.blocks, self.dtype = blocks, runtime.dtype
+        self.conv_weight, self.A_log, self.dt_bias = conv_weight, A_log, dt_bias
+        self.norm = AlignedGatedRMSNorm(runtime, norm_weight, eps, blocks.output_gate)
+        self.state_dtype = runtime.linear_attention_state_dtype()
+
+    def split(self, qkvz, ba):
+        """vLLM's ``fix_query_key_value_ordering`` (interleaved layout): q, k [T, Hk, Dk],
+        v, z [T, Hv, Dv], b, a [T, Hv]."""
+        g, t = self.blocks, qkvz.shape[0]
+        per_group = g.num_value_heads // g.num_key_heads
+        q, k, v, z = qkvz.view(t, g.num_key_heads, -1).split(
+            [g.key_head_dim, g.key_head_dim, per_group * g.value_head_dim, per_group * g.value_head_dim], dim=2)
+        b, a = ba.view(t, g.num_key_heads, -1).split([per_group, per_group], dim=2)
+        return (q, k, v.reshape(t, -1, g.value_head_dim), z.reshape(t, -1, g.value_head_dim),
+                b.reshape(t, g.num_value_heads), a.reshape(t, g.num_value_heads))
+
+    def __call__(self, qkvz, ba, seq_lens):
+        g = self.blocks
+        q, k, v, z, b, a = self.split(qkvz, ba)
+        t = qkvz.shape[0]
+        mixed_qkv = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], dim=-1)
+        # The engine holds conv1d's and dt_bias's weights in the model dtype and A_log in fp32.
+        conv_weight = self.conv_weight.to(self.dtype).view(self.conv_weight.shape[0], -1)
+        convolved, start = [], 0
+        for n in seq_lens:
+            out, _ = fixed_order_causal_conv(mixed_qkv[start:start + n], conv_weight, None, None, "silu")
+            convolved.append(out)
+            start += n
+        conv_out = torch.cat(convolved)
+        query, key, value = conv_out.split([g.key_dim, g.key_dim, g.value_dim], dim=-1)
+        core = GatedDeltaRuleFn.apply(
+            query.reshape(t, g.num_key_heads, g.key_head_dim), key.reshape(t, g.num_key_heads, g.key_head_dim),
+            value.reshape(t, g.num_value_heads, g.value_head_dim), a.contiguous(), b.contiguous(),
+            self.A_log.float(), self.dt_bias.to(self.dtype), list(seq_lens), self.state_dtype,
+        )
+        return self.norm(core, z).reshape(t, g.value_dim)

@@ -60,12 +60,14 @@ def _norm_backward(x32, w32, g32, eps):
 
 
 class AlignedRMSNorm:
-    """vLLM ``RMSNorm`` (plain and fused residual-add) with the trainer's weight swapped in."""
+    """vLLM ``RMSNorm`` (plain and fused residual-add) with the trainer's weight swapped in;
+    ``gemma``: vLLM's ``GemmaRMSNorm``, whose scale is ``1 + weight``."""
 
-    def __init__(self, runtime: VllmRuntime, weight: torch.nn.Parameter, eps: float):
+    def __init__(self, runtime: VllmRuntime, weight: torch.nn.Parameter, eps: float, gemma: bool = False):
         self.weight = weight
         self.eps = eps
-        self.module = runtime.rms_norm(weight.shape[0], eps)
+        self.scale_offset = 1.0 if gemma else 0.0  # the scale is weight + scale_offset
+        self.module = runtime.rms_norm(weight.shape[0], eps, gemma=gemma)
         self.engine_weight = DerivedWeight([weight], lambda s: cast_like_engine(s[0], runtime.dtype))
 
     def kernel(self, x, residual=None):
@@ -86,13 +88,13 @@ class _RMSNormFn(Function):
     @staticmethod
     def forward(ctx, x, weight, norm: AlignedRMSNorm):
         ctx.save_for_backward(x, weight)
-        ctx.eps = norm.eps
+        ctx.eps, ctx.scale_offset = norm.eps, norm.scale_offset
         return norm.kernel(x)
 
     @staticmethod
     def backward(ctx, g):
         x, weight = ctx.saved_tensors
-        gx, gw = _norm_backward(x.float(), weight.float(), g.float(), ctx.eps)
+        gx, gw = _norm_backward(x.float(), weight.float() + ctx.scale_offset, g.float(), ctx.eps)
         return gx.to(x.dtype), gw.to(weight.dtype), None
 
 
@@ -103,14 +105,14 @@ class _FusedAddRMSNormFn(Function):
     def forward(ctx, x, residual, weight, norm: AlignedRMSNorm):
         out, new_residual = norm.kernel(x, residual)
         ctx.save_for_backward(x, residual, weight)
-        ctx.eps = norm.eps
+        ctx.eps, ctx.scale_offset = norm.eps, norm.scale_offset
         return out, new_residual
 
     @staticmethod
     def backward(ctx, g_out, g_residual):
         x, residual, weight = ctx.saved_tensors
         s = x.float() + residual.float()
-        gs, gw = _norm_backward(s, weight.float(), g_out.float(), ctx.eps)
+        gs, gw = _norm_backward(s, weight.float() + ctx.scale_offset, g_out.float(), ctx.eps)
         if g_residual is not None:
             gs = gs + g_residual.float()
         return gs.to(x.dtype), gs.to(residual.dtype), gw.to(weight.dtype), None

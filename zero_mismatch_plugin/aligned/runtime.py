@@ -140,11 +140,30 @@ class VllmRuntime:
 
     # ----- vLLM layer instances -------------------------------------------------------------
 
-    def rms_norm(self, hidden_size: int, eps: float):
-        from vllm.model_executor.layers.layernorm import RMSNorm
+    def rms_norm(self, hidden_size: int, eps: float, gemma: bool = False):
+        from vllm.model_executor.layers.layernorm import GemmaRMSNorm, RMSNorm
 
         with self.context():
+            if gemma:
+                return GemmaRMSNorm(hidden_size, eps=eps).to(self.device)
             return RMSNorm(hidden_size, eps=eps, dtype=self.dtype).to(self.device)
+
+    def gated_rms_norm(self, hidden_size: int, eps: float, activation: str):
+        """vLLM's ``RMSNormGated`` as its gated delta-net layers build it (norm, then the gate)."""
+        from vllm.model_executor.layers.layernorm import RMSNormGated
+
+        with self.context():
+            return RMSNormGated(hidden_size, eps=eps, group_size=None, norm_before_gate=True,
+                                activation=activation, device=self.device)
+
+    def linear_attention_state_dtype(self) -> torch.dtype:
+        """The dtype the engine keeps a gated delta-net layer's recurrent state in (its
+        ``mamba_ssm_cache_dtype``, resolved as the model class resolves it)."""
+        from vllm.model_executor.models.registry import ModelRegistry
+
+        model_class, _ = ModelRegistry.resolve_model_cls(self.model_config.architectures, self.model_config)
+        with self.context():
+            return model_class.get_mamba_state_dtype_from_config(self.vllm_config)[1]
 
     def silu_and_mul(self):
         from vllm.model_executor.layers.activation import SiluAndMul

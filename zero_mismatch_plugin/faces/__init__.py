@@ -18,10 +18,10 @@ def precheck(config, face: str = "aligned") -> Blocks:
     blocks = describe(config)
     if face != "megatron":
         return blocks
-    if blocks.mla is not None:
+    if blocks.mla is not None or blocks.linear_attention is not None:
+        what = "multi-head latent attention" if blocks.mla is not None else "linear attention (gated delta-net)"
         raise NotImplementedError(
-            f"{blocks.architecture}: not supported by the Megatron face: multi-head latent attention "
-            "(the aligned trainer model covers it)"
+            f"{blocks.architecture}: not supported by the Megatron face: {what} (the aligned trainer model covers it)"
         )
     from zero_mismatch_plugin.faces.megatron.convert import megatron_blocks
 

@@ -18,7 +18,7 @@ from torch import nn
 
 from zero_mismatch_plugin.aligned import numerics
 from zero_mismatch_plugin.aligned.checkpoint import copy_checkpoint, read_checkpoint
-from zero_mismatch_plugin.aligned.cpu_gemm import probe_linear, require_invariant
+from zero_mismatch_plugin.aligned.cpu_gemm import require_invariant_gemms
 from zero_mismatch_plugin.aligned.ops import (
     AlignedAttention,
     AlignedLinear,
@@ -30,69 +30,21 @@ from zero_mismatch_plugin.aligned.ops import (
 from zero_mismatch_plugin.aligned.mla import AlignedMLAAttention, plan_mla
 from zero_mismatch_plugin.aligned.moe import AlignedMoE, moe_mlp
 from zero_mismatch_plugin.aligned.packing import PackedBatch
+from zero_mismatch_plugin.aligned.row_invariant import row_invariant_sigmoid
 from zero_mismatch_plugin.aligned.runtime import VllmRuntime
 from zero_mismatch_plugin.aligned.sampling import SamplingTransform, recorded_logprobs
+from zero_mismatch_plugin.faces.checkpoint_layout import (
+    Weights,
+    gated_delta_net_weights,
+    mla_projections,
+    moe_block,
+    swiglu,
+)
+from zero_mismatch_plugin.faces.hybrid_layers import gated_delta_net_mixer, gated_delta_net_ops
 from zero_mismatch_plugin.tables.architectures import MOE_CHECKPOINT_NAMES, Blocks, describe
 
 
-class _Weights(nn.Module):
-    """A parameter holder named like the checkpoint's module (``weight`` [+ ``bias``])."""
-
-    def __init__(self, shape, bias_size: int | None = None):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(*shape))
-        self.bias = nn.Parameter(torch.empty(bias_size)) if bias_size else None
-
-
-def _swiglu(h: int, inter: int) -> nn.Module:
-    """gate_proj, up_proj, down_proj of one SwiGLU MLP (checkpoint names)."""
-    mlp = nn.Module()
-    mlp.gate_proj = _Weights((inter, h))
-    mlp.up_proj = _Weights((inter, h))
-    mlp.down_proj = _Weights((h, inter))
-    return mlp
-
-
 _MOE_NAMES = MOE_CHECKPOINT_NAMES
-
-
-def _moe_block(h: int, moe) -> tuple[str, nn.Module]:
-    block_name, gate_name, (g, u, d), shared_name = _MOE_NAMES[moe.names]
-    block = nn.Module()
-    gate = _Weights((moe.num_experts, h))
-    if moe.e_score_correction_bias:
-        # Steers the selection only: no gradient; a parameter so that it is saved and synced.
-        gate.e_score_correction_bias = nn.Parameter(torch.empty(moe.num_experts), requires_grad=False)
-    setattr(block, gate_name, gate)
-    experts = nn.ModuleList()
-    for _ in range(moe.num_experts):
-        expert = nn.Module()
-        setattr(expert, g, _Weights((moe.moe_intermediate_size, h)))
-        setattr(expert, u, _Weights((moe.moe_intermediate_size, h)))
-        setattr(expert, d, _Weights((h, moe.moe_intermediate_size)))
-        experts.append(expert)
-    block.experts = experts
-    if moe.shared_expert_intermediate_size:
-        setattr(block, shared_name, _swiglu(h, moe.shared_expert_intermediate_size))
-        if moe.shared_expert_gate:
-            block.shared_expert_gate = _Weights((1, h))
-    return block_name, block
-
-
-def _mla_projections(h: int, nh: int, mla) -> nn.Module:
-    """The projections of one multi-head latent attention (DeepSeek-V2/V3 checkpoint names)."""
-    attn = nn.Module()
-    if mla.q_lora_rank is None:
-        attn.q_proj = _Weights((nh * mla.qk_head_dim, h))
-    else:
-        attn.q_a_proj = _Weights((mla.q_lora_rank, h))
-        attn.q_a_layernorm = _Weights((mla.q_lora_rank,))
-        attn.q_b_proj = _Weights((nh * mla.qk_head_dim, mla.q_lora_rank))
-    attn.kv_a_proj_with_mqa = _Weights((mla.kv_lora_rank + mla.qk_rope_head_dim, h))
-    attn.kv_a_layernorm = _Weights((mla.kv_lora_rank,))
-    attn.kv_b_proj = _Weights((nh * (mla.qk_nope_head_dim + mla.v_head_dim), mla.kv_lora_rank))
-    attn.o_proj = _Weights((h, nh * mla.v_head_dim))
-    return attn
 
 
 class _Layer(nn.Module):
@@ -103,25 +55,31 @@ class _Layer(nn.Module):
         inter = config.intermediate_size
         qb = nh * head_dim if blocks.qkv_bias else None
         kvb = nkv * head_dim if blocks.qkv_bias else None
-        if blocks.attention == "mla":
-            attn = _mla_projections(h, nh, blocks.mla)
+        # q_proj's rows hold each head's query and, with a gated output, its gate after it.
+        q_rows = nh * head_dim * (2 if blocks.attention_output_gate else 1)
+        if blocks.mixer_kind(index) == "linear":
+            attn = None
+            self.linear_attn = gated_delta_net_weights(h, blocks.linear_attention)
+        elif blocks.attention == "mla":
+            attn = mla_projections(h, nh, blocks.mla)
         else:
             attn = nn.Module()
-            attn.q_proj = _Weights((nh * head_dim, h), qb)
-            attn.k_proj = _Weights((nkv * head_dim, h), kvb)
-            attn.v_proj = _Weights((nkv * head_dim, h), kvb)
-            attn.o_proj = _Weights((h, nh * head_dim), h if blocks.o_bias else None)
-        if blocks.qk_norm:
-            attn.q_norm = _Weights((head_dim,))
-            attn.k_norm = _Weights((head_dim,))
-        self.self_attn = attn
+            attn.q_proj = Weights((q_rows, h), qb)
+            attn.k_proj = Weights((nkv * head_dim, h), kvb)
+            attn.v_proj = Weights((nkv * head_dim, h), kvb)
+            attn.o_proj = Weights((h, nh * head_dim), h if blocks.o_bias else None)
+        if attn is not None and blocks.qk_norm:
+            attn.q_norm = Weights((head_dim,))
+            attn.k_norm = Weights((head_dim,))
+        if attn is not None:
+            self.self_attn = attn
         if blocks.mlp_kind(index) == "moe":
-            name, block = _moe_block(h, blocks.moe)
+            name, block = moe_block(h, blocks.moe)
             setattr(self, name, block)
         else:
-            self.mlp = _swiglu(h, inter)
-        self.input_layernorm = _Weights((h,))
-        self.post_attention_layernorm = _Weights((h,))
+            self.mlp = swiglu(h, inter)
+        self.input_layernorm = Weights((h,))
+        self.post_attention_layernorm = Weights((h,))
 
 
 @dataclass(frozen=True)
@@ -129,16 +87,24 @@ class AttentionHeads:
     num_heads: int
     num_kv_heads: int
     head_dim: int
+    output_gate: bool = False  # q_proj holds each head's query then its output gate (Qwen3-Next)
 
-    def split(self, qkv: torch.Tensor, norms: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q, k, v of the fused projection, q and k through the per-head norms when the layer has them."""
+    def split(self, qkv: torch.Tensor, norms: dict):
+        """q, k, v of the fused projection (q and k through the per-head norms when the layer has
+        them) and the output gate [T, heads * D] (None without one), as vLLM's model splits them."""
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        gate = None
+        if self.output_gate:
+            q_gate, k, v = qkv.split([2 * q_size, kv_size, kv_size], dim=-1)
+            q, gate = q_gate.view(-1, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+            q, gate = q.reshape(-1, q_size), gate.reshape(-1, q_size)
+        else:
+            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         if "q_norm" in norms:
             t = q.shape[0]
             q = norms["q_norm"](q.reshape(t, self.num_heads, self.head_dim)).reshape(t, q_size)
             k = norms["k_norm"](k.reshape(t, self.num_kv_heads, self.head_dim)).reshape(t, kv_size)
-        return q, k, v
+        return q, k, v, gate
 
 
 def residual_layer(norms, hidden, residual, attention, mlp):
@@ -163,9 +129,12 @@ def decoder_layer(norms, hidden, residual, positions, heads: AttentionHeads, rot
     ``mlp(x)``. Returns (hidden, residual) for the next layer's fused add norm."""
 
     def attention(hidden):
-        q, k, v = heads.split(linear("qkv", hidden), norms)
+        q, k, v, gate = heads.split(linear("qkv", hidden), norms)
         q, k = rotary(positions, q, k)
-        return linear("o", attend(q, k, v.contiguous()))
+        out = attend(q, k, v.contiguous())
+        if gate is not None:  # the engine's sigmoid is row-invariant in consistent mode on CPU
+            out = out * row_invariant_sigmoid(gate)
+        return linear("o", out)
 
     return residual_layer(norms, hidden, residual, attention, mlp)
 
@@ -221,13 +190,13 @@ class AlignedCausalLM(nn.Module):
         self.tied = self.blocks.tied_head
 
         self.model = nn.Module()
-        self.model.embed_tokens = _Weights((config.vocab_size, config.hidden_size))
+        self.model.embed_tokens = Weights((config.vocab_size, config.hidden_size))
         self.model.layers = nn.ModuleList(
             _Layer(config, self.blocks, i) for i in range(config.num_hidden_layers)
         )
-        self.model.norm = _Weights((config.hidden_size,))
+        self.model.norm = Weights((config.hidden_size,))
         if not self.tied:
-            self.lm_head = _Weights((config.vocab_size, config.hidden_size))
+            self.lm_head = Weights((config.vocab_size, config.hidden_size))
         self._ops_built = False
 
     # ----- construction ---------------------------------------------------------------------
@@ -289,15 +258,22 @@ class AlignedCausalLM(nn.Module):
         }
         self.attention = self.attention_by_window[windows[0]]
         self.layer_ops = []
+        gemma = self.blocks.norm == "gemma_rms"
         for index, layer in enumerate(self.model.layers):
-            a = layer.self_attn
-            qkv_bias = [a.q_proj.bias, a.k_proj.bias, a.v_proj.bias] if self.blocks.qkv_bias else None
             ops = dict(
-                input_norm=AlignedRMSNorm(rt, layer.input_layernorm.weight, eps),
-                post_norm=AlignedRMSNorm(rt, layer.post_attention_layernorm.weight, eps),
-                qkv=AlignedLinear(rt, [a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], qkv_bias),
-                o=AlignedLinear(rt, [a.o_proj.weight], [a.o_proj.bias] if self.blocks.o_bias else None),
+                input_norm=AlignedRMSNorm(rt, layer.input_layernorm.weight, eps, gemma),
+                post_norm=AlignedRMSNorm(rt, layer.post_attention_layernorm.weight, eps, gemma),
             )
+            if self.blocks.mixer_kind(index) == "linear":
+                ops.update(gated_delta_net_ops(rt, layer.linear_attn, self.blocks.linear_attention, eps))
+            else:
+                a = layer.self_attn
+                qkv_bias = [a.q_proj.bias, a.k_proj.bias, a.v_proj.bias] if self.blocks.qkv_bias else None
+                ops.update(qkv=AlignedLinear(rt, [a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], qkv_bias),
+                           o=AlignedLinear(rt, [a.o_proj.weight], [a.o_proj.bias] if self.blocks.o_bias else None))
+                if self.blocks.qk_norm:
+                    ops["q_norm"] = AlignedRMSNorm(rt, a.q_norm.weight, eps, gemma)
+                    ops["k_norm"] = AlignedRMSNorm(rt, a.k_norm.weight, eps, gemma)
             if self.blocks.mlp_kind(index) == "moe":
                 ops.update(self._moe_ops(layer))
             else:
@@ -305,15 +281,13 @@ class AlignedCausalLM(nn.Module):
                     gate_up=AlignedLinear(rt, [layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight]),
                     down=AlignedLinear(rt, [layer.mlp.down_proj.weight]),
                 )
-            if self.blocks.qk_norm:
-                ops["q_norm"] = AlignedRMSNorm(rt, a.q_norm.weight, eps)
-                ops["k_norm"] = AlignedRMSNorm(rt, a.k_norm.weight, eps)
             self.layer_ops.append(ops)
         self._build_head_ops()
 
     def _build_head_ops(self) -> None:
         rt = self.runtime
-        self.final_norm = AlignedRMSNorm(rt, self.model.norm.weight, self.config.rms_norm_eps)
+        self.final_norm = AlignedRMSNorm(rt, self.model.norm.weight, self.config.rms_norm_eps,
+                                         gemma=self.blocks.norm == "gemma_rms")
         head_weight = self.model.embed_tokens.weight if self.tied else self.lm_head.weight
         self.logits_head = AlignedLogits(rt, head_weight, self.vocab_size)
         self._build_lora_ops()
@@ -496,39 +470,17 @@ class AlignedCausalLM(nn.Module):
         return out
 
     def check_cpu_gemm_invariance(self) -> dict:
-        """Probe every distinct CPU GEMM shape; refuse one whose rows depend on M.
-
-        Single-row calls are part of the probe: the trainer never makes them, but a lone decoding
-        sequence in the engine does, and the engine only matches when the plugin's single-row
-        padding is in place (consistent mode) or the kernel is row-invariant anyway.
-        """
-        results = {}
-        seen = {}
-        for name, linear in self.all_linears().items():
-            layer, weight = linear.derived.get()
-            shape = tuple(weight.shape)
-            if shape in seen:
-                results[name] = seen[shape]
-                continue
-            probe = probe_linear(
-                lambda x, lin=linear: lin.kernel(x), n=shape[0], k=shape[1], dtype=self.runtime.dtype
-            )
-            require_invariant(probe, name)
-            seen[shape] = results[name] = probe
-        head = self.logits_head
-        probe = probe_linear(
-            head.kernel, n=head.padded_vocab, k=self.config.hidden_size, dtype=self.runtime.dtype
-        )
-        require_invariant(probe, "lm_head")
-        results["lm_head"] = probe
-        return results
+        """Probe every distinct CPU GEMM shape; refuse one whose rows depend on M
+        (:func:`~zero_mismatch_plugin.aligned.cpu_gemm.require_invariant_gemms`)."""
+        return require_invariant_gemms(self.all_linears(), self.logits_head, self.config.hidden_size, self.runtime.dtype)
 
     def refresh_derived_weights(self) -> None:
         """Re-derive every engine-layout copy now (needed after writes through ``param.data``)."""
         for ops in self.layer_ops:
             for op in ops.values():
                 derived = getattr(op, "derived", None) or getattr(op, "engine_weight", None)
-                derived.refresh()
+                if derived is not None:  # the linear-attention mixer casts its weights per call
+                    derived.refresh()
             if "mla" in ops:
                 ops["mla"].absorbed.refresh()
         for ops in self.lora_ops:
@@ -553,7 +505,7 @@ class AlignedCausalLM(nn.Module):
         else:
             hidden = nn.functional.embedding(ids, embed.to(self.runtime.dtype) if embed.dtype != self.runtime.dtype else embed)
         residual = None
-        heads = AttentionHeads(self.num_heads, self.num_kv_heads, self.head_dim)
+        heads = AttentionHeads(self.num_heads, self.num_kv_heads, self.head_dim, self.blocks.attention_output_gate)
         mla_plan = None
         if self.blocks.attention == "mla":
             prompt_lens = [n - r for n, r in zip(batch.seq_lens, batch.response_lens)]
@@ -562,6 +514,11 @@ class AlignedCausalLM(nn.Module):
             if mla_plan is not None:
                 attend_mla = functools.partial(self._mla_attention, i, positions=positions, plan=mla_plan)
                 hidden, residual = residual_layer(ops, hidden, residual, attend_mla, functools.partial(self._mlp, i))
+                continue
+            if self.blocks.mixer_kind(i) == "linear":
+                mixer = functools.partial(gated_delta_net_mixer, ops, functools.partial(self._linear, i),
+                                          seq_lens=batch.seq_lens)
+                hidden, residual = residual_layer(ops, hidden, residual, mixer, functools.partial(self._mlp, i))
                 continue
             attention = self._layer_attention(i)
             if attention not in plans:

@@ -59,11 +59,38 @@ class MlaBlocks:
 
 
 @dataclass(frozen=True)
+class GatedDeltaNetBlocks:
+    """Gated delta-net linear attention (Qwen3-Next), as vLLM's ``QwenGatedDeltaNetAttention``
+    builds it with the checkpoint's interleaved in_proj_qkvz / in_proj_ba layout."""
+
+    layers: tuple[int, ...]  # the layers whose token mixer is linear attention (the others: full attention)
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int  # the causal conv1d's width over time
+    output_gate: str  # the gated output norm's activation on z ("silu" or "sigmoid")
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_key_heads * self.key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_value_heads * self.value_head_dim
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
 class Blocks:
     """What every decoder layer of a checkpoint is made of."""
 
     architecture: str
-    norm: str  # "rms": RMSNorm before attention, before the MLP and at the end
+    # "rms": RMSNorm before attention, before the MLP and at the end (and on q/k heads);
+    # "gemma_rms": the same with the scale 1 + weight (vLLM's GemmaRMSNorm)
+    norm: str
     attention: str  # "causal": full causal self-attention, grouped-query; "mla": multi-head latent attention
     qk_norm: bool  # an RMSNorm on every q and k head before the rotary embedding
     mlp: str  # "swiglu": gate_up linear, SiluAndMul, down linear, no bias
@@ -79,6 +106,13 @@ class Blocks:
     moe: MoeBlocks | None = None  # None: every MLP is dense
     partial_rotary_factor: float = 1.0  # the leading fraction of each head the rotary turns
     mla: MlaBlocks | None = None  # set when attention == "mla"
+    attention_output_gate: bool = False  # full attention's output times sigmoid(a gate half of q_proj)
+    linear_attention: GatedDeltaNetBlocks | None = None  # hybrid models: the linear-attention layers
+
+    def mixer_kind(self, layer: int) -> str:
+        """"linear" (gated delta-net) or "attention" for decoder layer ``layer``."""
+        linear = self.linear_attention
+        return "linear" if linear is not None and layer in linear.layers else "attention"
 
     def window_of(self, layer: int) -> int | None:
         return self.sliding_windows[layer] if self.sliding_windows else None
@@ -105,6 +139,10 @@ class _Entry:
     moe: Callable[[object], MoeBlocks | None] | None = None  # the MoE MLP (None: every layer dense here)
     partial_rotary: Callable[[object], float] = lambda config: 1.0
     mla: Callable[[object], MlaBlocks] | None = None  # multi-head latent attention, for MLA families
+    # Hybrid families: the linear-attention layers; their norms (1 + weight) and gated attention output.
+    linear_attention: Callable[[object], GatedDeltaNetBlocks] | None = None
+    gemma_norms: bool = False
+    attention_output_gate: bool = False
 
 
 def _llama_biases(config) -> tuple[bool, bool]:
@@ -154,6 +192,37 @@ def _qwen3_moe(config) -> MoeBlocks:
             "Qwen3MoeForCausalLM with shared_expert_intermediate_size > 0 is not covered: set it to 0"
         )
     return _qwen_moe(config, shared=False)
+
+
+def _qwen3_next_linear_attention(config) -> GatedDeltaNetBlocks:
+    layer_types = list(getattr(config, "layer_types", None) or [])
+    gate = getattr(config, "output_gate_type", "silu")
+    return GatedDeltaNetBlocks(
+        layers=tuple(i for i, kind in enumerate(layer_types) if kind == "linear_attention"),
+        num_key_heads=config.linear_num_key_heads,
+        num_value_heads=config.linear_num_value_heads,
+        key_head_dim=config.linear_key_head_dim,
+        value_head_dim=config.linear_value_head_dim,
+        conv_kernel=config.linear_conv_kernel_dim,
+        output_gate="silu" if gate == "swish" else gate,
+    )
+
+
+def _qwen3_next_refusals(config) -> list[str]:
+    out = _moe_refusals(config)
+    kinds = set(getattr(config, "layer_types", None) or [])
+    if not kinds or not kinds <= {"linear_attention", "full_attention"}:
+        out.append(f"layer_types {sorted(kinds)}: expected 'linear_attention' and 'full_attention' entries")
+    if getattr(config, "layer_scale", False):
+        out.append("layer_scale (per-layer output scales): set it to false")
+    if getattr(config, "attn_output_gate", True) is not True:
+        out.append("attn_output_gate=false: only Qwen3-Next's gated attention output is covered")
+    if getattr(config, "dual_chunk_attention_config", None):
+        out.append("dual_chunk_attention_config: set it to null")
+    if getattr(config, "linear_value_head_dim", 0) != 128 or getattr(config, "linear_key_head_dim", 0) != 128:
+        out.append("linear_key_head_dim / linear_value_head_dim other than 128: vLLM's CPU gated delta-net "
+                   "kernels run head dim 128 only")
+    return out
 
 
 def _mixtral_moe(config) -> MoeBlocks:
@@ -335,6 +404,18 @@ _ENTRIES: dict[str, _Entry] = {
         refuse=_moe_refusals,
         moe=lambda config: _qwen_moe(config, shared=True),
     ),
+    # Hybrid: gated delta-net layers among gated full-attention layers, Gemma-style norms, MoE with
+    # a gated shared expert (vLLM's Qwen3NextForCausalLM; the aligned model covers it, bf16 on CPU).
+    "Qwen3NextForCausalLM": _Entry(
+        qk_norm=True,
+        biases=lambda config: (False, False),
+        refuse=_qwen3_next_refusals,
+        moe=lambda config: _qwen_moe(config, shared=True),
+        partial_rotary=lambda config: float(getattr(config, "partial_rotary_factor", 0.25)),
+        linear_attention=_qwen3_next_linear_attention,
+        gemma_norms=True,
+        attention_output_gate=True,
+    ),
     "MixtralForCausalLM": _Entry(qk_norm=False, biases=lambda config: (False, False), refuse=_moe_refusals, moe=_mixtral_moe),
     "Glm4MoeForCausalLM": _Entry(
         qk_norm=False,  # use_qk_norm is read per checkpoint in describe()
@@ -366,6 +447,8 @@ SUPPORTED_ARCHITECTURES = tuple(_ENTRIES)
 MOE_ARCHITECTURES = tuple(name for name, entry in _ENTRIES.items() if entry.moe is not None)
 # Multi-head latent attention: covered by the aligned trainer model, not by the Megatron face.
 MLA_ARCHITECTURES = tuple(name for name, entry in _ENTRIES.items() if entry.mla is not None)
+# Linear-attention hybrids: covered by the aligned trainer model, not by the Megatron face.
+HYBRID_ARCHITECTURES = tuple(name for name, entry in _ENTRIES.items() if entry.linear_attention is not None)
 
 # The linears the aligned LoRA path adapts (vLLM's dense LoRA layers), under the checkpoint's names
 # and, for a verl Megatron config, under megatron-core's names of the same (merged) linears.
@@ -422,6 +505,8 @@ def _layer_windows(config, entry: _Entry) -> tuple[tuple[int | None, ...], list[
     if not getattr(config, "use_sliding_window", True):
         window = None  # Qwen2-style configs keep a window value with use_sliding_window=false
     layer_types = list(getattr(config, "layer_types", None) or [])
+    if entry.linear_attention is not None:
+        return (), []  # a hybrid's layer_types choose linear or full attention (its own refusals read them)
     if entry.layer_types_window:
         return _typed_layer_windows(window, layer_types, config.num_hidden_layers)
     if any(t != "full_attention" for t in layer_types):
@@ -499,7 +584,7 @@ def describe(config) -> Blocks:
     qk_norm = entry.qk_norm or (arch == "Glm4MoeForCausalLM" and bool(getattr(config, "use_qk_norm", False)))
     return Blocks(
         architecture=arch,
-        norm="rms",
+        norm="gemma_rms" if entry.gemma_norms else "rms",
         attention="mla" if mla is not None else "causal",
         qk_norm=qk_norm,
         mlp="moe" if moe is not None else "swiglu",
@@ -514,6 +599,8 @@ def describe(config) -> Blocks:
         moe=moe,
         partial_rotary_factor=entry.partial_rotary(config),
         mla=mla,
+        attention_output_gate=entry.attention_output_gate,
+        linear_attention=entry.linear_attention(config) if entry.linear_attention is not None else None,
     )
 
 

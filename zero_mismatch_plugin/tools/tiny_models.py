@@ -260,3 +260,50 @@ def build_tiny_mla_model(out_dir: str | os.PathLike, seed: int = 0, num_hidden_l
     model.save_pretrained(str(out), safe_serialization=True)
     (out / "zmrl_tiny.json").write_text(json.dumps({"family": f"{architecture}_mla", "seed": seed}))
     return out
+
+
+def build_tiny_qwen3_next_model(out_dir: str | os.PathLike, seed: int = 0,
+                                layer_types: tuple[str, ...] = ("linear_attention", "linear_attention",
+                                                                  "full_attention", "linear_attention")) -> Path:
+    """A tiny Qwen3-Next checkpoint: gated delta-net layers (``"linear_attention"``) and gated full
+    attention (``"full_attention"``) in ``layer_types`` order, every MLP a Mixture-of-Experts (8
+    experts, top-2, a gated shared expert).
+
+    vLLM's CPU gated delta-net kernels run head dim 128 only, so the linear-attention heads are the
+    real model's size (2 key heads, 4 value heads); everything else is small. Norm weights are near
+    zero (Qwen3-Next scales by 1 + weight) and the decay parameters spread as the model's.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3NextConfig
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(out, vocab_size=DEFAULT_SHAPE["vocab_size"], seed=seed)
+    cfg = Qwen3NextConfig(
+        vocab_size=DEFAULT_SHAPE["vocab_size"], hidden_size=256, intermediate_size=512,
+        num_hidden_layers=len(layer_types), layer_types=list(layer_types), num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+        num_experts=MOE_SHAPE["num_experts"], num_experts_per_tok=MOE_SHAPE["top_k"],
+        moe_intermediate_size=MOE_SHAPE["moe_intermediate_size"],
+        shared_expert_intermediate_size=MOE_SHAPE["shared_expert_intermediate_size"], decoder_sparse_step=1,
+        max_position_embeddings=DEFAULT_SHAPE["max_position_embeddings"], rms_norm_eps=DEFAULT_SHAPE["rms_norm_eps"],
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False, torch_dtype="float32",
+    )
+    cfg.initializer_range = 0.05
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") and ".linear_attn." not in name:
+                p.copy_(0.1 * torch.randn_like(p))  # scale 1 + weight
+            elif name.endswith("linear_attn.norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))  # the gated norm scales by its weight
+            elif name.endswith("A_log"):
+                p.copy_(torch.log(torch.empty_like(p).uniform_(1, 16)))
+            elif name.endswith("dt_bias"):
+                p.copy_(0.5 * torch.randn_like(p))
+    model.save_pretrained(str(out), safe_serialization=True)
+    (out / "zmrl_tiny.json").write_text(json.dumps({"family": "qwen3_next", "seed": seed, "layer_types": list(layer_types)}))
+    return out

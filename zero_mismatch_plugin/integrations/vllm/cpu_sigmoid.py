@@ -1,7 +1,8 @@
-"""vLLM's MoE sigmoids on CPU, made independent of the engine step's token count.
+"""vLLM's MoE and gate sigmoids on CPU, made independent of the engine step's token count.
 
 In consistent mode on CPU, GLM-4.5 / DeepSeek-V3 router scores (``cpu_router._grouped_topk``) and
-the Qwen2-MoE shared-expert gate (``Qwen2MoeMLP.forward``) run with every sigmoid replaced by
+the Qwen2-MoE shared-expert gate (``Qwen2MoeMLP.forward``, also Qwen3-Next's) and Qwen3-Next's
+attention output gate (``Qwen3NextAttention.forward``) run with every sigmoid replaced by
 ``aligned.row_invariant.row_invariant_sigmoid``, as the aligned trainer computes them. Why:
 docs/patches.md (``vllm/0005``).
 """
@@ -14,6 +15,7 @@ from zero_mismatch_plugin.integrations.vllm.patch_kinds import consistent_cpu_vl
 
 ROUTER_MODULE = "vllm.model_executor.layers.fused_moe.router.cpu_router"
 QWEN2_MOE_MODULE = "vllm.model_executor.models.qwen2_moe"
+QWEN3_NEXT_MODULE = "vllm.model_executor.models.qwen3_next"
 
 
 @functools.cache
@@ -64,4 +66,12 @@ SHARED_EXPERT_GATE_SIGMOID = sigmoid_patch(
         "of torch's CPU sigmoid depending on the token count: computed row-count-invariantly",
 )
 
-CONSISTENT_MODE_PATCHES = [ROUTER_SIGMOID, SHARED_EXPERT_GATE_SIGMOID]
+ATTENTION_OUTPUT_GATE_SIGMOID = sigmoid_patch(
+    f"{QWEN3_NEXT_MODULE}:Qwen3NextAttention.forward",
+    name="cpu-qwen3-next-attention-gate-sigmoid",
+    why="Qwen3-Next's attention output gate sigmoid ([tokens, heads * head_dim]) is torch's CPU sigmoid, "
+        "whose bits for an element depend on the call's size past one thread's share: computed "
+        "row-count-invariantly, as the aligned trainer computes it",
+)
+
+CONSISTENT_MODE_PATCHES = [ROUTER_SIGMOID, SHARED_EXPERT_GATE_SIGMOID, ATTENTION_OUTPUT_GATE_SIGMOID]

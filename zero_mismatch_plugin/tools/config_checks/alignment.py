@@ -70,14 +70,14 @@ def _architecture_gaps(architecture: Architecture, fsdp: bool) -> list[str]:
 
     if architecture.name is None:
         return []
-    # Read at call time. MLA checkpoints run aligned only in the package's own aligned model.
+    # Read at call time. MLA and linear-attention checkpoints run aligned only in the package's own aligned model.
     if fsdp:
         gaps = _fsdp_feature_gaps(architecture.features)
         engine = "verl's FSDP engine"
     else:
         gaps = unsupported_features(SimpleNamespace(**architecture.features))
         engine = "verl's Megatron engine"
-    not_in_engine = architectures.MLA_ARCHITECTURES
+    not_in_engine = architectures.MLA_ARCHITECTURES + architectures.HYBRID_ARCHITECTURES
     supported = tuple(a for a in architectures.SUPPORTED_ARCHITECTURES if a not in not_in_engine)
     if architecture.name not in supported:
         where = ""
