@@ -1504,6 +1504,79 @@ def test_vllm_cpu_wide_head_is_row_count_invariant(patched_vllm_files):
     assert not stock["has_function"] and stock["planted"] == [1, 2, 3], stock
     print(f"stock vLLM's fp32 head on this host varies at row counts {stock['host']} of {[1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 64]}")
 
+CPU_GDN_SCRIPT = LOAD_PATCHED + """
+import json, os, types
+import torch
+
+os.environ["VLLM_BATCH_INVARIANT"] = SWITCH
+root = ROOT
+gdn = load_patched("vllm.model_executor.layers.mamba.ops.cpu.gdn_attention", root)
+qwen3_next = load_patched("vllm.model_executor.models.qwen3_next", root)
+import vllm._custom_ops as ops
+from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
+from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
+
+g = torch.Generator().manual_seed(0)
+Hk, Hv, D, W, T, SPLIT = 2, 4, 128, 4, 20, 12
+C = 2 * Hk * D + Hv * D
+layer = types.SimpleNamespace(key_dim=Hk * D, value_dim=Hv * D, tp_size=1, head_k_dim=D, head_v_dim=D,
+                              activation="silu", A_log=torch.rand(Hv, generator=g),
+                              dt_bias=torch.randn(Hv, generator=g).bfloat16())
+layer.rearrange_mixed_qkv = types.MethodType(QwenGatedDeltaNetAttention.rearrange_mixed_qkv, layer)
+weight = (0.3 * torch.randn(C, 1, W, generator=g)).bfloat16()
+layer.conv1d = types.SimpleNamespace(weight=weight, bias=None)
+if torch.cpu._is_avx512_bf16_supported():  # as vLLM's CPU dispatch leaves the weight there
+    layer.conv1d._cpu_unpacked_conv_weight = weight.view(C, W).contiguous().clone()
+    layer.conv1d.weight = ops.causal_conv1d_weight_pack(layer.conv1d._cpu_unpacked_conv_weight)
+mixed_qkv = torch.randn(T, C, generator=g).bfloat16()
+a, b = torch.randn(T, Hv, generator=g).bfloat16(), torch.randn(T, Hv, generator=g).bfloat16()
+
+def step(rows, first):  # one engine step of one sequence in slot 1: a prefill (first) or a decode
+    n = rows.stop - rows.start
+    metadata = types.SimpleNamespace(
+        spec_sequence_masks=None, num_accepted_tokens=None, non_spec_state_indices_tensor=torch.tensor([1], dtype=torch.int32),
+        non_spec_query_start_loc=torch.tensor([0, n], dtype=torch.int32), has_initial_state=torch.tensor([not first]),
+        num_decodes=0 if first else 1, num_decode_tokens=0 if first else n, num_prefills=1 if first else 0,
+        num_prefill_tokens=n if first else 0)
+    out = torch.zeros(n, Hv, D, dtype=torch.bfloat16)
+    gdn._cpu_gdn_attention_nonspec(layer, metadata, mixed_qkv[rows].contiguous(), b[rows].contiguous(),
+                                   a[rows].contiguous(), out)
+    return out
+
+def fresh_cache():
+    conv = torch.zeros((3, C, W - 1) if is_conv_state_dim_first() else (3, W - 1, C), dtype=torch.bfloat16)
+    layer.kv_cache = (conv, torch.zeros(3, Hv, D, D))
+
+fresh_cache()
+whole = step(slice(0, T), True)
+fresh_cache()
+parts = [step(slice(0, SPLIT), True)] + [step(slice(t, t + 1), False) for t in range(SPLIT, T)]
+decoded = torch.cat(parts)
+result = {"has_function": hasattr(gdn, "consistent_gdn_attention"),
+          "gate_has_function": hasattr(qwen3_next, "row_invariant_sigmoid"),
+          "decode_equals_prefill": torch.equal(decoded, whole),
+          "max_diff": (decoded.float() - whole.float()).abs().max().item()}
+print("RESULT " + json.dumps(result))
+"""
+
+
+def test_vllm_cpu_gdn_prefill_equals_decode(patched_vllm_files):
+    """Patched vLLM with VLLM_BATCH_INVARIANT: one gated delta-net sequence of 20 tokens prefilled
+    whole gives the bits of the same sequence prefilled for 12 tokens and decoded one token at a
+    time after (conv and recurrent state carried in the cache); Qwen3-Next's gate sigmoid is
+    the row-invariant one. With the switch off the patched file runs vLLM's kernels; their gap
+    and stock vLLM's are printed (they depend on the host's kernels), not asserted."""
+    script = CPU_GDN_SCRIPT.replace("ROOT", repr(str(patched_vllm_files)))
+    patched = script_result(script.replace("SWITCH", "'1'"))
+    assert patched["has_function"] and patched["gate_has_function"], patched
+    assert patched["decode_equals_prefill"] and patched["max_diff"] == 0.0, patched
+    switched_off = script_result(script.replace("SWITCH", "'0'"))
+    stock = script_result(CPU_GDN_SCRIPT.replace("ROOT", "''").replace("SWITCH", "'1'"))
+    assert not stock["has_function"] and not stock["gate_has_function"], stock
+    print(f"vLLM's own kernels, decode vs prefill on this host: switch off max |diff| {switched_off['max_diff']:.3g}, "
+          f"stock {stock['max_diff']:.3g}")
+
+
 CPU_MOE_LORA_SCRIPT = LOAD_PATCHED + """
 import json, types
 import torch

@@ -209,6 +209,26 @@ MESSAGES: dict[str, CommitMessage] = {
             "batch-invariant mode nothing changes.",
         ),
     ),
+    "vllm-cpu-gdn-one-arithmetic": CommitMessage(
+        "Run the CPU gated delta-net in one arithmetic for prefill and decode in batch-invariant mode",
+        (
+            "_cpu_gdn_attention_nonspec prefills a sequence with chunk_gated_delta_rule_cpu and "
+            "decodes it with fused_sigmoid_gating_delta_rule_update_cpu, and convolves prefills "
+            "and decodes with different kernels (which also differ between AVX-512-bf16 hosts and "
+            "the others). They round differently, so a token's logprob depends on whether it was "
+            "prefilled or decoded: on a tiny Qwen3-Next in bf16, 4% of sampled tokens had the "
+            "logprob of their re-prefill, up to 0.57 nats apart.",
+            "With VLLM_BATCH_INVARIANT, every token goes through one arithmetic "
+            "(consistent_gdn_attention): a causal conv whose taps are summed in one fixed order "
+            "in fp32 whether the previous inputs come from the conv state or the same call, then "
+            "the recurrent kernel one position at a time (a prefill of T tokens is T kernel calls, "
+            "batched over the step's sequences). Decoded tokens equal their re-prefill and a "
+            "sequence's bits do not depend on the batch. The speculative-decoding path is refused "
+            "in that mode. Qwen3-Next's attention output gate uses row_invariant_sigmoid, whose "
+            "bits for an element do not depend on the call's size. Without batch-invariant mode "
+            "nothing changes but the gate's sigmoid (the same values as torch.sigmoid on GPU).",
+        ),
+    ),
     "vllm-cpu-moe-lora-experts": CommitMessage(
         "Serve LoRA on MoE experts on CPU",
         (
