@@ -121,6 +121,51 @@ def gated_delta_rule_reference(q, k, v, a, b, A_log, dt_bias, initial_state=None
     return torch.stack(outputs), state
 
 
+def gated_delta_rule_chunked(q, k, v, a, b, A_log, dt_bias, chunk: int = 64):
+    """:func:`gated_delta_rule_reference` (same inputs, same result up to round-off) computed a
+    chunk of ``chunk`` positions at a time, so that autograd records T / chunk steps instead of T.
+
+    Within a chunk starting from state S₀, with γ_t = Σ_{s≤t} g_s (cumulative log decay) and the
+    step's deltas δ_t = β_t (v_t - S'_tᵀ k̂_t) of the recurrence (S_t = S'_t + k̂_t δ_tᵀ):
+
+        δ_t + β_t Σ_{s<t} e^{γ_t-γ_s} (k̂_t·k̂_s) δ_s = β_t v_t - β_t e^{γ_t} S₀ᵀ k̂_t   (a unit lower-triangular solve)
+        o_t = e^{γ_t} S₀ᵀ q̂_t + Σ_{s≤t} e^{γ_t-γ_s} (q̂_t·k̂_s) δ_s
+        S_C = e^{γ_C} S₀ + Σ_s e^{γ_C-γ_s} k̂_s δ_sᵀ
+
+    (unrolling S_t = e^{g_t} S_{t-1} + k̂_t δ_tᵀ inside the chunk). Padding past the sequence's end
+    has β = 0 and g = 0, so it changes nothing before it. Returns (o [T, Hv, Dv], final state).
+    """
+    num_v_heads, num_k_heads = v.shape[1], q.shape[1]
+    repeat, steps, dtype = num_v_heads // num_k_heads, v.shape[0], v.dtype
+    qn = (l2_normalized(q.to(dtype)).repeat_interleave(repeat, dim=1) * q.shape[-1] ** -0.5).transpose(0, 1)
+    kn = l2_normalized(k.to(dtype)).repeat_interleave(repeat, dim=1).transpose(0, 1)
+    g = (-torch.exp(A_log.to(dtype)) * torch.nn.functional.softplus(a.to(dtype) + dt_bias.to(dtype))).t()
+    beta = torch.sigmoid(b.to(dtype)).t()
+    values = v.transpose(0, 1)
+    pad = -steps % chunk
+    if pad:  # [H, T, ...] padded at the end along T
+        qn, kn, values = (torch.nn.functional.pad(x, (0, 0, 0, pad)) for x in (qn, kn, values))
+        g, beta = (torch.nn.functional.pad(x, (0, pad)) for x in (g, beta))
+    state = torch.zeros(num_v_heads, q.shape[-1], v.shape[-1], dtype=dtype, device=v.device)
+    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=v.device).tril()
+    eye = torch.eye(chunk, dtype=dtype, device=v.device)
+    outputs = []
+    for start in range(0, steps + pad, chunk):
+        part = slice(start, start + chunk)
+        qc, kc, vc, bc = qn[:, part], kn[:, part], values[:, part], beta[:, part]
+        gamma = g[:, part].cumsum(-1)  # [H, C]
+        # e^{γ_t-γ_s} on and below the diagonal (masked before exp: above it the difference is positive)
+        decay = torch.exp(torch.where(causal, gamma[:, :, None] - gamma[:, None, :], torch.zeros((), dtype=dtype)))
+        decay = decay * causal
+        lower = bc[:, :, None] * decay * (kc @ kc.transpose(-1, -2)) * (1 - eye)
+        rhs = bc[:, :, None] * (vc - torch.exp(gamma)[:, :, None] * (kc @ state))
+        deltas = torch.linalg.solve_triangular(eye + lower, rhs, upper=False, unitriangular=True)
+        outputs.append(torch.exp(gamma)[:, :, None] * (qc @ state) + (decay * (qc @ kc.transpose(-1, -2))) @ deltas)
+        last = gamma[:, -1:]
+        state = torch.exp(last)[:, :, None] * state + (kc * torch.exp(last - gamma)[:, :, None]).transpose(-1, -2) @ deltas
+    return torch.cat(outputs, dim=1)[:, :steps].transpose(0, 1), state
+
+
 # ----- The engine side (consistent mode on CPU): integrations.vllm.cpu_gdn, fork patch vllm/0010 -----
 
 
@@ -187,8 +232,8 @@ def consistent_gdn_attention(layer, attn_metadata, mixed_qkv, b, a, core_attn_ou
 class GatedDeltaRuleFn(Function):
     """The trainer's gated delta rule over packed sequences, each from a zero state: forward
     :func:`recurrent_gated_delta_rule` (the engine's kernel and order; state kept in
-    ``state_dtype`` as the engine keeps it), backward :func:`gated_delta_rule_reference`
-    recomputed in fp32 per sequence and differentiated. ``A_log`` and ``dt_bias`` enter in the
+    ``state_dtype`` as the engine keeps it), backward :func:`gated_delta_rule_chunked` (the
+    reference's function, a chunk at a time) recomputed in fp32 per sequence and differentiated. ``A_log`` and ``dt_bias`` enter in the
     dtypes the engine's layer holds them in (their casts from the trainer's parameters carry the
     gradient back)."""
 
@@ -212,7 +257,7 @@ class GatedDeltaRuleFn(Function):
             leaves = [t[rows].float().requires_grad_(True) for t in saved[:5]]
             leaves += [t.float().requires_grad_(True) for t in saved[5:]]
             with torch.enable_grad():
-                out, _ = gated_delta_rule_reference(*leaves)
+                out, _ = gated_delta_rule_chunked(*leaves)
                 per_leaf = torch.autograd.grad(out, leaves, grad_out[rows].float(), allow_unused=True)
             for i, g in enumerate(per_leaf[:5]):
                 grads[i][rows] = g

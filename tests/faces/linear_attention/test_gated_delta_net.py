@@ -138,6 +138,23 @@ def test_negative_controls_stock_chunked_prefill_and_transformers(checkpoint, ro
     print(f"transformers bf16: {bitwise_report('', standard, mu)}")
 
 
+def test_chunked_rule_is_the_recurrent_rule_in_float64():
+    """The backward's chunked form of the gated delta rule against its recurrent definition, in
+    float64, for lengths below, at and past the chunk (and a chunk that does not divide them)."""
+    from zero_mismatch_plugin.aligned.linear_attention import gated_delta_rule_chunked, gated_delta_rule_reference
+
+    gen = torch.Generator().manual_seed(0)
+    for steps in (5, 64, 130):
+        q, k = (torch.randn(steps, 2, 16, generator=gen, dtype=torch.float64) for _ in range(2))
+        v = torch.randn(steps, 4, 8, generator=gen, dtype=torch.float64)
+        a, b = (torch.randn(steps, 4, generator=gen, dtype=torch.float64) for _ in range(2))
+        A_log, dt_bias = 2 * torch.rand(4, generator=gen, dtype=torch.float64), torch.randn(4, generator=gen, dtype=torch.float64)
+        out, state = gated_delta_rule_reference(q, k, v, a, b, A_log, dt_bias)
+        for chunk in (64, 7):
+            chunked_out, chunked_state = gated_delta_rule_chunked(q, k, v, a, b, A_log, dt_bias, chunk=chunk)
+            assert (chunked_out - out).abs().max() < 1e-12 and (chunked_state - state).abs().max() < 1e-12, (steps, chunk)
+
+
 def test_gated_delta_rule_backward_against_float64():
     """The op's backward (vLLM's recurrent kernel forward, the reference recomputed in fp32 and
     differentiated) against float64 autograd of the reference, over two packed sequences."""
