@@ -298,11 +298,17 @@ def format_bisect_table(result, header: str) -> str:
 
 def _refuse_mla_bisect(model_dir, blocks) -> None:
     """vLLM's MLA attention splits a batch into prefill and decode steps from the engine's
-    scheduler metadata, which vLLM's modules run outside the engine do not have."""
+    scheduler metadata, and its linear-attention layers read their state slots from it: vLLM's
+    modules run outside the engine have neither."""
     if blocks.attention == "mla":
         raise inputs.CheckerInputError(
             f"{model_dir}: zmrl bisect does not run multi-head latent attention (DeepSeek-V2/V3) models yet; "
             "use zmrl check, which compares the trainer with a live engine on them (with --lora too)"
+        )
+    if blocks.linear_attention is not None:
+        raise inputs.CheckerInputError(
+            f"{model_dir}: zmrl bisect does not run linear-attention hybrids ({blocks.architecture}) yet; "
+            "use zmrl check, which compares the trainer with a live engine on them"
         )
 
 
