@@ -1692,6 +1692,23 @@ def test_shared_row_invariant_sigmoid_is_the_runtime_patches_and_the_trainers():
     assert torch.equal(in_the_engine, row_invariant.row_invariant_sigmoid(x))
 
 
+def test_shared_gdn_functions_are_the_runtime_patchs_and_the_trainers():
+    """The fork patch inserts the functions the runtime patch calls in the engine and the aligned
+    trainer calls in its forward: one arithmetic, one definition."""
+    import inspect
+
+    from zero_mismatch_plugin.aligned import linear_attention
+    from zero_mismatch_plugin.fork_patches.edits import vllm_cpu_linear_attention as gdn_edits
+    from zero_mismatch_plugin.integrations.vllm import cpu_gdn
+
+    for name in ("consistent_gdn_attention", "fixed_order_causal_conv", "recurrent_gated_delta_rule"):
+        assert getattr(gdn_edits, name) is getattr(linear_attention, name), name
+    assert "consistent_gdn_attention" in inspect.getsource(cpu_gdn._one_arithmetic)
+    # The trainer's mixer and forward call the same two functions.
+    trainer_side = inspect.getsource(linear_attention.AlignedGatedDeltaNet) + inspect.getsource(linear_attention.GatedDeltaRuleFn)
+    assert "fixed_order_causal_conv(" in trainer_side and "recurrent_gated_delta_rule(" in trainer_side
+
+
 VERL_CPU_SCRIPT = """
     import json, sys, types
     import torch

@@ -10,6 +10,7 @@ from __future__ import annotations
 from zero_mismatch_plugin.fork_patches.edits import megatron_lm as megatron_lm_edits
 from zero_mismatch_plugin.fork_patches.edits import verl as verl_edits
 from zero_mismatch_plugin.fork_patches.edits import vllm_cpu as vllm_cpu_edits
+from zero_mismatch_plugin.fork_patches.edits import vllm_cpu_linear_attention as vllm_cpu_gdn_edits
 from zero_mismatch_plugin.fork_patches.edits import vllm_gpu as vllm_gpu_edits
 from zero_mismatch_plugin.fork_patches.edits.edit import Edit, apply_edits
 from zero_mismatch_plugin.fork_patches.formatpatch import FileChange, format_patch
@@ -17,7 +18,7 @@ from zero_mismatch_plugin.fork_patches.messages import MESSAGES
 
 # Patch name (as in manifest.yaml) -> its edits.
 EDITS: dict[str, list[Edit]] = {**verl_edits.EDITS, **vllm_gpu_edits.EDITS, **vllm_cpu_edits.EDITS,
-                               **megatron_lm_edits.EDITS}
+                               **vllm_cpu_gdn_edits.EDITS, **megatron_lm_edits.EDITS}
 
 
 def render_changes(edits: list[Edit], read) -> list[FileChange]:

@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Callable
 
+from zero_mismatch_plugin.tables.linear_attention import GatedDeltaNetBlocks, qwen3_next_linear_attention
+
 
 @dataclass(frozen=True)
 class MoeBlocks:
@@ -53,31 +55,6 @@ class MlaBlocks:
     @property
     def qk_head_dim(self) -> int:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
-
-    def as_dict(self) -> dict:
-        return asdict(self)
-
-
-@dataclass(frozen=True)
-class GatedDeltaNetBlocks:
-    """Gated delta-net linear attention (Qwen3-Next), as vLLM's ``QwenGatedDeltaNetAttention``
-    builds it with the checkpoint's interleaved in_proj_qkvz / in_proj_ba layout."""
-
-    layers: tuple[int, ...]  # the layers whose token mixer is linear attention (the others: full attention)
-    num_key_heads: int
-    num_value_heads: int
-    key_head_dim: int
-    value_head_dim: int
-    conv_kernel: int  # the causal conv1d's width over time
-    output_gate: str  # the gated output norm's activation on z ("silu" or "sigmoid")
-
-    @property
-    def key_dim(self) -> int:
-        return self.num_key_heads * self.key_head_dim
-
-    @property
-    def value_dim(self) -> int:
-        return self.num_value_heads * self.value_head_dim
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -192,20 +169,6 @@ def _qwen3_moe(config) -> MoeBlocks:
             "Qwen3MoeForCausalLM with shared_expert_intermediate_size > 0 is not covered: set it to 0"
         )
     return _qwen_moe(config, shared=False)
-
-
-def _qwen3_next_linear_attention(config) -> GatedDeltaNetBlocks:
-    layer_types = list(getattr(config, "layer_types", None) or [])
-    gate = getattr(config, "output_gate_type", "silu")
-    return GatedDeltaNetBlocks(
-        layers=tuple(i for i, kind in enumerate(layer_types) if kind == "linear_attention"),
-        num_key_heads=config.linear_num_key_heads,
-        num_value_heads=config.linear_num_value_heads,
-        key_head_dim=config.linear_key_head_dim,
-        value_head_dim=config.linear_value_head_dim,
-        conv_kernel=config.linear_conv_kernel_dim,
-        output_gate="silu" if gate == "swish" else gate,
-    )
 
 
 def _qwen3_next_refusals(config) -> list[str]:
@@ -412,7 +375,7 @@ _ENTRIES: dict[str, _Entry] = {
         refuse=_qwen3_next_refusals,
         moe=lambda config: _qwen_moe(config, shared=True),
         partial_rotary=lambda config: float(getattr(config, "partial_rotary_factor", 0.25)),
-        linear_attention=_qwen3_next_linear_attention,
+        linear_attention=qwen3_next_linear_attention,
         gemma_norms=True,
         attention_output_gate=True,
     ),
