@@ -171,7 +171,10 @@ def gated_delta_rule_chunked(q, k, v, a, b, A_log, dt_bias, chunk: int = 64):
 
 def cpu_conv1d_weight(conv1d):
     """The (channels, width) weight of vLLM's conv1d layer, also where vLLM's CPU dispatch
-    VNNI-packed it in place (AVX-512-bf16 hosts) and kept the plain copy beside it."""
+    VNNI-packed it in place (AVX-512-bf16 hosts) and kept the plain copy beside it, and where
+    an engine serving LoRA wrapped the layer (conv1d is a ColumnParallelLinear: the plain copy
+    is on the wrapped ``base_layer``)."""
+    conv1d = getattr(conv1d, "base_layer", conv1d)
     plain = getattr(conv1d, "_cpu_unpacked_conv_weight", None)
     if plain is not None:
         return plain

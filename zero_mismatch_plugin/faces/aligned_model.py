@@ -384,13 +384,14 @@ class AlignedCausalLM(nn.Module):
         self.lora_ops = [{} for _ in self.layer_ops]
         if self.lora_enabled:
             from zero_mismatch_plugin.aligned.lora.names import (
+                HYBRID_MERGED_TARGETS,
                 MERGED_TARGETS,
                 MLA_MERGED_TARGETS,
                 MLA_Q_LORA_MERGED_TARGETS,
             )
             from zero_mismatch_plugin.aligned.lora.ops import lora_linears
 
-            merged = MERGED_TARGETS
+            merged = HYBRID_MERGED_TARGETS if self.blocks.linear_attention is not None else MERGED_TARGETS
             if self.blocks.attention == "mla":
                 merged = MLA_MERGED_TARGETS if self.blocks.mla.q_lora_rank is None else MLA_Q_LORA_MERGED_TARGETS
             self.lora_ops = lora_linears(self.runtime, self.lora, self.layer_ops, merged)

@@ -5,6 +5,11 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+# The linears of a gated delta-net layer a LoRA adapter targets (vLLM wraps all three), under the
+# checkpoint's names; the parent module of each in the checkpoint and PEFT's tensor names.
+GATED_DELTA_NET_LORA_TARGETS = ("in_proj_qkvz", "in_proj_ba", "out_proj")
+LINEAR_ATTENTION_MODULE = "linear_attn"
+
 
 @dataclass(frozen=True)
 class GatedDeltaNetBlocks:

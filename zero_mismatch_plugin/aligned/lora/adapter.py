@@ -15,7 +15,7 @@ from zero_mismatch_plugin.aligned.lora.names import peft_expert_module_name, pef
 from zero_mismatch_plugin.aligned.lora.names import peft_tensor_name, supported_lora_targets
 from zero_mismatch_plugin.aligned.lora.peft import WEIGHTS_FILE, LoRAConfig, read_lora_config
 from zero_mismatch_plugin.aligned.lora.peft import unsupported_lora_settings, write_peft_adapter
-from zero_mismatch_plugin.aligned.lora.targets import LoRAPair, routed_expert_layers, target_shapes
+from zero_mismatch_plugin.aligned.lora.targets import LoRAPair, layer_has_target, routed_expert_layers, target_shapes
 from zero_mismatch_plugin.tables.architectures import VOCAB_LORA_TARGETS
 
 
@@ -61,11 +61,16 @@ class LoRAAdapter(nn.Module):
                 f"target_modules {[t for t in lora_config.targets if canonical.get(t, t) in EXPERT_TARGETS]}: "
                 f"on routed experts vLLM serves {', '.join(canonical)} together; target all three or none"
             )
+        from zero_mismatch_plugin.tables.architectures import describe
+
+        blocks = describe(model_config) if getattr(model_config, "kv_lora_rank", None) is None else None
         self.layers = nn.ModuleList()
         for index in range(model_config.num_hidden_layers):
             layer = nn.Module()
             for target in self.layer_targets:
                 if index in moe_layers and target in EXPERT_TARGETS:
+                    continue
+                if blocks is not None and not layer_has_target(blocks, index, target):
                     continue
                 out_f, in_f = shapes[target]
                 setattr(layer, target, LoRAPair(lora_config.r, in_f, out_f))

@@ -10,8 +10,9 @@ from __future__ import annotations
 import re
 
 from zero_mismatch_plugin.tables.architectures import LORA_TARGETS as ALIGNED_LORA_TARGETS
-from zero_mismatch_plugin.tables.architectures import MLA_LORA_TARGETS, MOE_CHECKPOINT_NAMES
+from zero_mismatch_plugin.tables.architectures import HYBRID_ARCHITECTURES, MLA_LORA_TARGETS, MOE_CHECKPOINT_NAMES
 from zero_mismatch_plugin.tables.architectures import VOCAB_LORA_ARCHITECTURES, VOCAB_LORA_TARGETS
+from zero_mismatch_plugin.tables.linear_attention import GATED_DELTA_NET_LORA_TARGETS, LINEAR_ATTENTION_MODULE
 
 ATTENTION_TARGETS = ALIGNED_LORA_TARGETS[:4]
 MLP_TARGETS = ALIGNED_LORA_TARGETS[4:]
@@ -23,9 +24,12 @@ MERGED_TARGETS = {
     "gate_up": ("gate_proj", "up_proj"),
     "down": ("down_proj",),
 }
+# A linear-attention hybrid's: the above on its attention and MLP layers, and each gated delta-net
+# layer's three linears, each its own (vLLM's in_proj_qkvz is one merged slice).
+HYBRID_MERGED_TARGETS = {**MERGED_TARGETS, **{t: (t,) for t in GATED_DELTA_NET_LORA_TARGETS}}
 
 _TENSOR_NAME = re.compile(
-    r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_(A|B)\.weight$"
+    r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp|linear_attn)\.(\w+)\.lora_(A|B)\.weight$"
 )
 # Multi-head latent attention (DeepSeek-V2/V3): the linears of the aligned model's MLA layer and the
 # checkpoint modules vLLM adapts in each (its fused_qkv_a_proj: q_a_proj and kv_a_proj_with_mqa).
@@ -46,6 +50,7 @@ _PEFT_VOCAB_TENSORS = {n for names in PEFT_VOCAB_NAMES.values() for n in names}
 PARENT_MODULE = {
     **{t: "self_attn" for t in ATTENTION_TARGETS + MLA_ATTENTION_TARGETS},
     **{t: "mlp" for t in MLP_TARGETS},
+    **{t: LINEAR_ATTENTION_MODULE for t in GATED_DELTA_NET_LORA_TARGETS},
 }
 
 # The MLP targets, in a Mixture-of-Experts layer those of each routed expert: vLLM loads them as
@@ -75,6 +80,8 @@ def supported_lora_targets(model_config, vocab: bool = False) -> tuple[str, ...]
     whose engine adapts them (``VOCAB_LORA_ARCHITECTURES``)."""
     if getattr(model_config, "kv_lora_rank", None) is None:
         architecture = (getattr(model_config, "architectures", None) or [None])[0]
+        if architecture in HYBRID_ARCHITECTURES:  # attention and MLP targets, and the gated delta-net's
+            return ALIGNED_LORA_TARGETS + GATED_DELTA_NET_LORA_TARGETS
         if vocab and architecture in VOCAB_LORA_ARCHITECTURES:
             return ALIGNED_LORA_TARGETS + VOCAB_LORA_TARGETS
         experts = expert_target_names(model_config)
@@ -95,7 +102,7 @@ def parse_peft_tensor_name(name: str) -> tuple[int, str, str]:
     """(layer, target, "A" | "B") of a PEFT adapter tensor name; other names are refused."""
     match = _TENSOR_NAME.match(name)
     if match is None or match.group(3) not in PARENT_MODULE or PARENT_MODULE[match.group(3)] != match.group(2):
-        raise ValueError(f"{name}: not a decoder-layer LoRA tensor of {list(ALIGNED_LORA_TARGETS)}")
+        raise ValueError(f"{name}: not a decoder-layer LoRA tensor of {list(PARENT_MODULE)}")
     return int(match.group(1)), match.group(3), match.group(4)
 
 

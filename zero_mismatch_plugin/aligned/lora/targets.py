@@ -18,16 +18,36 @@ class LoRAPair(nn.Module):
 
 
 def target_shapes(config, head_dim: int) -> dict[str, tuple[int, int]]:
-    """(out_features, in_features) of every LoRA target of a decoder layer (dense or MLA attention)."""
+    """(out_features, in_features) of every LoRA target of a decoder layer (dense or MLA attention;
+    a linear-attention hybrid's attention layers and gated delta-net layers together)."""
+    from zero_mismatch_plugin.tables.architectures import describe
+
     h, inter = config.hidden_size, config.intermediate_size
     if getattr(config, "kv_lora_rank", None) is not None:
         return _mla_target_shapes(config)
+    blocks = describe(config)
     q = config.num_attention_heads * head_dim
     kv = config.num_key_value_heads * head_dim
-    return dict(
-        q_proj=(q, h), k_proj=(kv, h), v_proj=(kv, h), o_proj=(h, q),
+    shapes = dict(
+        # A gated attention output: q_proj's rows hold each head's query and its gate.
+        q_proj=(q * (2 if blocks.attention_output_gate else 1), h), k_proj=(kv, h), v_proj=(kv, h), o_proj=(h, q),
         gate_proj=(inter, h), up_proj=(inter, h), down_proj=(h, inter),
     )
+    gdn = blocks.linear_attention
+    if gdn is not None:
+        shapes.update(in_proj_qkvz=(2 * gdn.key_dim + 2 * gdn.value_dim, h),
+                      in_proj_ba=(2 * gdn.num_value_heads, h), out_proj=(h, gdn.value_dim))
+    return shapes
+
+
+def layer_has_target(blocks, layer: int, target: str) -> bool:
+    """Whether decoder layer ``layer`` holds ``target``: in a linear-attention hybrid the gated
+    delta-net linears are on its linear-attention layers, q/k/v/o on the others."""
+    from zero_mismatch_plugin.tables.linear_attention import GATED_DELTA_NET_LORA_TARGETS
+
+    if blocks.linear_attention is None or target not in (*GATED_DELTA_NET_LORA_TARGETS, "q_proj", "k_proj", "v_proj", "o_proj"):
+        return True
+    return (blocks.mixer_kind(layer) == "linear") == (target in GATED_DELTA_NET_LORA_TARGETS)
 
 
 def _mla_target_shapes(config) -> dict[str, tuple[int, int]]:
