@@ -257,8 +257,9 @@ class GatedDeltaRuleFn(Function):
         start = 0
         for n in ctx.seq_lens:
             rows = slice(start, start + n)
-            leaves = [t[rows].float().requires_grad_(True) for t in saved[:5]]
-            leaves += [t.float().requires_grad_(True) for t in saved[5:]]
+            # detach(): ``float()`` of an fp32 tensor is the tensor itself (A_log is the parameter)
+            leaves = [t[rows].detach().float().requires_grad_(True) for t in saved[:5]]
+            leaves += [t.detach().float().requires_grad_(True) for t in saved[5:]]
             with torch.enable_grad():
                 out, _ = gated_delta_rule_chunked(*leaves)
                 per_leaf = torch.autograd.grad(out, leaves, grad_out[rows].float(), allow_unused=True)

@@ -138,6 +138,44 @@ def test_negative_controls_stock_chunked_prefill_and_transformers(checkpoint, ro
     print(f"transformers bf16: {bitwise_report('', standard, mu)}")
 
 
+def test_lora_on_every_module_at_batch_1_2_8_and_gradients_reach_only_the_adapter(engines, checkpoint, tmp_path):
+    """An adapter on every module the engine adapts: the gated delta-net's in_proj_qkvz, in_proj_ba
+    and out_proj, the gated attention's q/k/v/o, every routed expert and the shared experts. The
+    engine serves it in bf16 (a LoRA engine wraps conv1d too, whose plain weight the one arithmetic
+    reads from under the wrapper); the aligned model with it is bitwise at batch 1, 2 and 8, and its
+    gradient reaches the adapter's A and B only, every gated delta-net pair included."""
+    from safetensors import safe_open
+    from vllm.lora.request import LoRARequest
+
+    from support.aligned_checks import lora_generate
+    from zero_mismatch_plugin.aligned.lora.adapter import build_adapter
+    from zero_mismatch_plugin.faces.aligned_model import AlignedCausalLM
+
+    adapter = build_adapter(tmp_path / "adapter", checkpoint, r=8, lora_alpha=16)
+    with safe_open(adapter / "adapter_model.safetensors", "pt") as tensors:
+        modules = {name.split(".lora_")[0].split(".layers.")[1] for name in tensors.keys()}
+    assert {"0.linear_attn.in_proj_qkvz", "0.linear_attn.in_proj_ba", "0.linear_attn.out_proj",
+            "2.self_attn.q_proj", "2.self_attn.o_proj", "0.mlp.experts.7.down_proj", "2.mlp.shared_expert.up_proj"} <= modules
+    assert not any(m.startswith("2.linear_attn") or m.startswith("0.self_attn") for m in modules)
+    lora_engine = dict(enable_lora=True, max_lora_rank=16, max_loras=2, max_model_len=MAX_MODEL_LEN, seed=0)
+    llm = Engines(engines.pool, engines.checkpoints, scope=f"{__name__}.lora", dtype=BF16, **lora_engine).get(FAMILY)
+    request = LoRARequest("qwen3-next", 1, str(adapter))
+    trainer = AlignedCausalLM.from_pretrained(checkpoint, lora_dir=adapter, dtype=BF16, **lora_engine)
+    prompts = prompts_for(checkpoint)
+    for b in BATCHES:
+        rows = lora_generate(llm, prompts[:b], [request] * b, seed=500)
+        with torch.no_grad():
+            logprobs = trainer.token_logprobs(pack([r[0] for r in rows], [r[1] for r in rows]))
+        assert_bitwise(f"Qwen3-Next with LoRA on every module, batch {b}", logprobs, torch.cat([r[2] for r in rows]).float())
+    trainer.token_logprobs(pack([r[0] for r in rows], [r[1] for r in rows])).sum().backward()
+    assert all(p.grad is None for p in trainer.parameters() if p.requires_grad is False)
+    trained = dict(trainer.lora.named_parameters())
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in trained.values())
+    for name in ("layers.0.in_proj_qkvz.lora_A", "layers.1.in_proj_ba.lora_B", "layers.3.out_proj.lora_B"):
+        assert trained[name].grad.abs().sum() > 0, name
+    assert {n for n, p in trainer.named_parameters() if p.requires_grad} == {f"lora.{n}" for n in trained}
+
+
 def test_chunked_rule_is_the_recurrent_rule_in_float64():
     """The backward's chunked form of the gated delta rule against its recurrent definition, in
     float64, for lengths below, at and past the chunk (and a chunk that does not divide them)."""
