@@ -23,17 +23,17 @@ def unproven_reason(hf_config, platform: str) -> str | None:
         blocks = describe(hf_config)
     except NotImplementedError as why:
         return f"prefix-cache hits are proven only for the aligned dense decoders; {why}"
+    if blocks.linear_attention is not None:
+        # vLLM keeps a linear-attention state per block only in its own mamba caching modes; a hit
+        # resuming from such a state is not proven to give a miss's bits here.
+        return (f"prefix-cache hits are proven only for the aligned dense decoders; {blocks.architecture} has "
+                "linear-attention layers, whose cached states are not proven equal to a recomputation")
     if blocks.moe is not None:
         return (f"prefix-cache hits are proven only for the aligned dense decoders; {blocks.architecture} is a "
                 "Mixture-of-Experts model")
     if blocks.mla is not None:
         return (f"prefix-cache hits are proven only for the aligned dense decoders; {blocks.architecture} has "
                 "multi-head latent attention (vLLM's CPU platform turns prefix caching off for it too)")
-    if blocks.linear_attention is not None:
-        # vLLM keeps a linear-attention state per block only in its own mamba caching modes; a hit
-        # resuming from such a state is not proven to give a miss's bits here.
-        return (f"prefix-cache hits are proven only for the aligned dense decoders; {blocks.architecture} has "
-                "linear-attention layers, whose cached states are not proven equal to a recomputation")
     return None
 
 

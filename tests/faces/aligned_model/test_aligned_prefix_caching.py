@@ -88,6 +88,13 @@ def test_multi_turn_hits_equal_misses_and_the_trainer(llama_block32, checkpoints
     assert torch.equal(miss_mu, last_mu)
 
 
+def _qwen3_next():
+    from transformers import Qwen3NextConfig
+
+    return Qwen3NextConfig(architectures=["Qwen3NextForCausalLM"], num_hidden_layers=4,
+                           layer_types=["linear_attention"] * 3 + ["full_attention"])
+
+
 def test_unproven_architectures_and_platforms_turn_prefix_caching_off():
     from transformers import DeepseekV3Config, LlamaConfig, Qwen3MoeConfig
 
@@ -103,6 +110,9 @@ def test_unproven_architectures_and_platforms_turn_prefix_caching_off():
     mla = DeepseekV3Config(architectures=["DeepseekV3ForCausalLM"], num_hidden_layers=2)
     keep, why = keep_prefix_caching(mla, "cpu", {})
     assert not keep and "multi-head latent attention" in why
+    hybrid = _qwen3_next()
+    keep, why = keep_prefix_caching(hybrid, "cpu", {})
+    assert not keep and "linear-attention layers" in why and f"{ALLOW_ENV}=1" in why
     assert not keep_prefix_caching(None, "cpu", {})[0]
     keep, why = keep_prefix_caching(llama, "cpu", {}, lora=True)
     assert not keep and "not proven with LoRA adapters" in why

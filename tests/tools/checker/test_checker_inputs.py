@@ -57,6 +57,32 @@ def test_precheck_adds_the_megatron_faces_own_refusals():
     assert precheck(_llama(attention_bias=True), face="aligned").o_bias
 
 
+def test_a_linear_attention_hybrid_is_the_aligned_faces_only_naming_the_change(tmp_path):
+    """Qwen3-Next: the aligned model covers it; the Megatron face and verl's FSDP actor refuse it by
+    name, and zmrl bisect says to run zmrl check."""
+    from types import SimpleNamespace
+
+    from transformers import Qwen3NextConfig
+
+    from zero_mismatch_plugin.faces.fsdp import AlignedFSDPForward
+    from zero_mismatch_plugin.tools.checker.commands import _refuse_mla_bisect
+
+    config = Qwen3NextConfig(architectures=["Qwen3NextForCausalLM"], num_hidden_layers=4,
+                             layer_types=["linear_attention"] * 3 + ["full_attention"])
+    blocks = precheck(config, face="aligned")
+    assert blocks.linear_attention.layers == (0, 1, 2) and blocks.norm == "gemma_rms" and blocks.attention_output_gate
+    with pytest.raises(NotImplementedError, match=r"Megatron face: linear attention \(gated delta-net\)"):
+        precheck(config, face="megatron")
+    with pytest.raises(NotImplementedError, match=r"does not cover linear attention \(gated delta-net\)"):
+        AlignedFSDPForward(SimpleNamespace(), config)
+    with pytest.raises(CheckerInputError, match="does not run linear-attention hybrids .*use zmrl check"):
+        _refuse_mla_bisect(tmp_path, blocks)
+    wrong_heads = Qwen3NextConfig(architectures=["Qwen3NextForCausalLM"], num_hidden_layers=4, linear_key_head_dim=64,
+                                  layer_types=["linear_attention"] * 3 + ["full_attention"])
+    with pytest.raises(NotImplementedError, match="head dim 128 only"):
+        precheck(wrong_heads, face="aligned")
+
+
 def test_precheck_refuses_an_unknown_face():
     with pytest.raises(ValueError, match="unknown trainer face 'deepspeed'"):
         precheck(_llama(), face="deepspeed")
