@@ -8,8 +8,10 @@ token, prefilled, decoded or trained on, goes through the recurrent kernel one p
 (that kernel gave a sequence the same bits alone and in a batch of 2 or 8), and the short causal
 convolution before it is :func:`fixed_order_causal_conv`, whose taps are summed in one order
 whether the previous inputs come from the conv state or from the same call. The engine side is
-``integrations.vllm.cpu_gdn``; the trainer side is :class:`GatedDeltaRuleFn`. The cost: a prefill
-of ``T`` tokens is ``T`` kernel calls per layer instead of one chunked call.
+:func:`consistent_gdn_attention` (put in place by ``integrations.vllm.cpu_gdn`` at run time, by the
+fork patch ``vllm/0010`` in source); the trainer side is :class:`AlignedGatedDeltaNet` and
+:class:`GatedDeltaRuleFn`. The cost: a prefill of ``T`` tokens is ``T`` kernel calls per layer
+instead of one chunked call.
 
 Shapes follow vLLM's layer: ``q``, ``k`` [tokens, key heads, head dim], ``v`` [tokens, value heads,
 head dim], ``a``, ``b`` [tokens, value heads]; a value head reads key head ``h // (Hv / Hk)``.
@@ -198,13 +200,13 @@ def consistent_gdn_attention(layer, attn_metadata, mixed_qkv, b, a, core_attn_ou
     conv_states = layer.kv_cache[0]
     if is_conv_state_dim_first():
         conv_states = conv_states.transpose(-1, -2)
-    ssm_states = layer.kv_cache[1]
+    ssm_states = layer.kv_cache[1]  # read as [slots, heads, k_dim, v_dim], as vLLM's CPU path views it
     ssm_states = ssm_states.view(ssm_states.size(0), ssm_states.size(1), ssm_states.size(3), ssm_states.size(2))
     weight, bias = cpu_conv1d_weight(layer.conv1d), layer.conv1d.bias
     mixed_qkv = mixed_qkv[:num_tokens]
     conv_out = torch.empty_like(mixed_qkv)
 
-    if num_decodes:
+    if num_decodes:  # one token each (no speculative tokens on this path)
         decode_slots = slots[:num_decodes].long()
         out, previous = fixed_order_causal_conv(
             mixed_qkv[:num_decodes, None], weight, bias, conv_states[decode_slots], layer.activation)
