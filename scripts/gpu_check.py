@@ -111,10 +111,10 @@ def op_backward_float64(device: str):
     def rms(x, w):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
 
-    ctx = SimpleNamespace(saved_tensors=(x, w), eps=eps)
+    ctx = SimpleNamespace(saved_tensors=(x, w), eps=eps, scale_offset=0.0)  # a plain RMSNorm (not Gemma's 1 + w)
     got = ops._RMSNormFn.backward(ctx, cot)[:2]
     errors["rms_norm"] = max(_rel(a, b) for a, b in zip(got, reference_grads(rms, (x, w), cot)))
-    ctx = SimpleNamespace(saved_tensors=(x, r, w), eps=eps)
+    ctx = SimpleNamespace(saved_tensors=(x, r, w), eps=eps, scale_offset=0.0)
     got = ops._FusedAddRMSNormFn.backward(ctx, cot, None)[::2][:2]  # d/dx (== d/dresidual), d/dw
     errors["fused_add_rms_norm"] = max(_rel(a, b) for a, b in zip(got, reference_grads(lambda x, w: rms(x + r.double(), w), (x, w), cot)))
 
