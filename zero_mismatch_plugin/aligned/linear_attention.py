@@ -92,6 +92,16 @@ def l2_normalized(x, eps=1e-6):
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
+def _rule_inputs(q, k, v, a, b, A_log, dt_bias):
+    """The rule's per-step inputs in ``v``'s dtype, key heads repeated for their value heads:
+    (q̂ [T, Hv, D], k̂ [T, Hv, D], g [T, Hv] (the log decay), β [T, Hv])."""
+    repeat, dtype = v.shape[1] // q.shape[1], v.dtype
+    qn = l2_normalized(q.to(dtype)).repeat_interleave(repeat, dim=1) * q.shape[-1] ** -0.5
+    kn = l2_normalized(k.to(dtype)).repeat_interleave(repeat, dim=1)
+    g = -torch.exp(A_log.to(dtype)) * torch.nn.functional.softplus(a.to(dtype) + dt_bias.to(dtype))
+    return qn, kn, g, torch.sigmoid(b.to(dtype))
+
+
 def gated_delta_rule_reference(q, k, v, a, b, A_log, dt_bias, initial_state=None):
     """The gated delta rule of one sequence in plain torch, in the inputs' dtype (float64 for
     checks, fp32 for the trainer's backward), differentiable:
@@ -104,15 +114,10 @@ def gated_delta_rule_reference(q, k, v, a, b, A_log, dt_bias, initial_state=None
     in the recurrent form vLLM's and transformers' Qwen3-Next references run). ``q``, ``k`` [T, Hk, D];
     ``v`` [T, Hv, Dv]; ``a``, ``b`` [T, Hv]; state [Hv, D, Dv]. Returns (o [T, Hv, Dv], final state).
     """
-    num_v_heads, num_k_heads = v.shape[1], q.shape[1]
-    repeat = num_v_heads // num_k_heads
-    dtype = v.dtype
-    qn = l2_normalized(q.to(dtype)).repeat_interleave(repeat, dim=1) * q.shape[-1] ** -0.5
-    kn = l2_normalized(k.to(dtype)).repeat_interleave(repeat, dim=1)
-    decay = torch.exp(-torch.exp(A_log.to(dtype)) * torch.nn.functional.softplus(a.to(dtype) + dt_bias.to(dtype)))
-    beta = torch.sigmoid(b.to(dtype))
-    state = (torch.zeros(num_v_heads, q.shape[-1], v.shape[-1], dtype=dtype) if initial_state is None
-             else initial_state.to(dtype))
+    qn, kn, g, beta = _rule_inputs(q, k, v, a, b, A_log, dt_bias)
+    decay = torch.exp(g)
+    state = (torch.zeros(v.shape[1], q.shape[-1], v.shape[-1], dtype=v.dtype) if initial_state is None
+             else initial_state.to(v.dtype))
     outputs = []
     for t in range(v.shape[0]):
         state = state * decay[t][:, None, None]
@@ -137,18 +142,15 @@ def gated_delta_rule_chunked(q, k, v, a, b, A_log, dt_bias, chunk: int = 64):
     (unrolling S_t = e^{g_t} S_{t-1} + k̂_t δ_tᵀ inside the chunk). Padding past the sequence's end
     has β = 0 and g = 0, so it changes nothing before it. Returns (o [T, Hv, Dv], final state).
     """
-    num_v_heads, num_k_heads = v.shape[1], q.shape[1]
-    repeat, steps, dtype = num_v_heads // num_k_heads, v.shape[0], v.dtype
-    qn = (l2_normalized(q.to(dtype)).repeat_interleave(repeat, dim=1) * q.shape[-1] ** -0.5).transpose(0, 1)
-    kn = l2_normalized(k.to(dtype)).repeat_interleave(repeat, dim=1).transpose(0, 1)
-    g = (-torch.exp(A_log.to(dtype)) * torch.nn.functional.softplus(a.to(dtype) + dt_bias.to(dtype))).t()
-    beta = torch.sigmoid(b.to(dtype)).t()
+    steps, dtype = v.shape[0], v.dtype
+    # Heads first: [H, T, ...]
+    qn, kn, g, beta = (x.transpose(0, 1) for x in _rule_inputs(q, k, v, a, b, A_log, dt_bias))
     values = v.transpose(0, 1)
     pad = -steps % chunk
     if pad:  # [H, T, ...] padded at the end along T
         qn, kn, values = (torch.nn.functional.pad(x, (0, 0, 0, pad)) for x in (qn, kn, values))
         g, beta = (torch.nn.functional.pad(x, (0, pad)) for x in (g, beta))
-    state = torch.zeros(num_v_heads, q.shape[-1], v.shape[-1], dtype=dtype, device=v.device)
+    state = torch.zeros(v.shape[1], q.shape[-1], v.shape[-1], dtype=dtype, device=v.device)
     causal = torch.ones(chunk, chunk, dtype=torch.bool, device=v.device).tril()
     eye = torch.eye(chunk, dtype=dtype, device=v.device)
     outputs = []
@@ -187,8 +189,6 @@ def cpu_conv1d_weight(conv1d):
 def consistent_gdn_attention(layer, attn_metadata, mixed_qkv, b, a, core_attn_out) -> None:
     """The core of one gated delta-net layer for a mixed decode + prefill step (vLLM's metadata
     order: decodes first), each token computed as the aligned trainer computes it."""
-    import torch
-
     from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
 
     slots = attn_metadata.non_spec_state_indices_tensor
@@ -238,9 +238,9 @@ class GatedDeltaRuleFn(Function):
     """The trainer's gated delta rule over packed sequences, each from a zero state: forward
     :func:`recurrent_gated_delta_rule` (the engine's kernel and order; state kept in
     ``state_dtype`` as the engine keeps it), backward :func:`gated_delta_rule_chunked` (the
-    reference's function, a chunk at a time) recomputed in fp32 per sequence and differentiated. ``A_log`` and ``dt_bias`` enter in the
-    dtypes the engine's layer holds them in (their casts from the trainer's parameters carry the
-    gradient back)."""
+    reference's function, a chunk at a time) recomputed in fp32 per sequence and differentiated.
+    ``A_log`` and ``dt_bias`` enter in the dtypes the engine's layer holds them in (their casts from
+    the trainer's parameters carry the gradient back)."""
 
     @staticmethod
     def forward(ctx, q, k, v, a, b, A_log, dt_bias, seq_lens, state_dtype):
@@ -312,8 +312,8 @@ class AlignedGatedDeltaNet:
     in_proj_qkvz / in_proj_ba outputs split per key-head group, :func:`fixed_order_causal_conv` over
     each sequence's [q; k; v], the recurrent rule (:class:`GatedDeltaRuleFn`) and the gated norm.
 
-    ``params``: the layer's ``conv1d.weight`` [C, 1, W], ``A_log``, ``dt_bias`` and ``norm.weight``
-    (trainer parameters); ``blocks``: the checkpoint's ``GatedDeltaNetBlocks``."""
+    ``conv_weight`` [C, 1, W], ``A_log``, ``dt_bias``, ``norm_weight``: the layer's trainer
+    parameters; ``blocks``: the checkpoint's ``GatedDeltaNetBlocks``."""
 
     def __init__(self, runtime, blocks, conv_weight, A_log, dt_bias, norm_weight, eps: float):
         self.blocks, self.dtype = blocks, runtime.dtype

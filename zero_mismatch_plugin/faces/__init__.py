@@ -18,8 +18,8 @@ def precheck(config, face: str = "aligned") -> Blocks:
     blocks = describe(config)
     if face != "megatron":
         return blocks
-    if blocks.mla is not None or blocks.linear_attention is not None:
-        what = "multi-head latent attention" if blocks.mla is not None else "linear attention (gated delta-net)"
+    what = blocks.aligned_model_only()
+    if what is not None:
         raise NotImplementedError(
             f"{blocks.architecture}: not supported by the Megatron face: {what} (the aligned trainer model covers it)"
         )

@@ -68,10 +68,10 @@ class _Layer(nn.Module):
             attn.k_proj = Weights((nkv * head_dim, h), kvb)
             attn.v_proj = Weights((nkv * head_dim, h), kvb)
             attn.o_proj = Weights((h, nh * head_dim), h if blocks.o_bias else None)
-        if attn is not None and blocks.qk_norm:
-            attn.q_norm = Weights((head_dim,))
-            attn.k_norm = Weights((head_dim,))
         if attn is not None:
+            if blocks.qk_norm:
+                attn.q_norm = Weights((head_dim,))
+                attn.k_norm = Weights((head_dim,))
             self.self_attn = attn
         if blocks.mlp_kind(index) == "moe":
             name, block = moe_block(h, blocks.moe)

@@ -65,9 +65,9 @@ class AlignedFSDPForward:
         self.config = hf_config
         self.blocks = describe(hf_config)
         # The aligned model covers these; this face's layer forward does not run them yet.
+        aligned_model_only = self.blocks.aligned_model_only()
         missing = (["sliding-window attention"] if self.blocks.sliding_windows else []) + (
-            ["multi-head latent attention"] if self.blocks.attention == "mla" else []) + (
-            ["linear attention (gated delta-net)"] if self.blocks.linear_attention is not None else [])
+            [aligned_model_only] if aligned_model_only else [])
         if lora_config is not None and any(
                 self.blocks.mlp_kind(i) == "moe" for i in range(hf_config.num_hidden_layers)):
             missing.append("LoRA adapters on Mixture-of-Experts layers")

@@ -14,7 +14,7 @@ from zero_mismatch_plugin.aligned.linear_attention import AlignedGatedDeltaNet
 from zero_mismatch_plugin.aligned.ops import AlignedLinear
 
 
-def gated_delta_net_ops(runtime, layer: nn.Module, gdn, eps: float) -> dict:
+def gated_delta_net_ops(runtime, layer: torch.nn.Module, gdn, eps: float) -> dict:
     """The ops of one gated delta-net layer: its three linears (vLLM's merged layouts are the
     checkpoint's own here) and the token mixer between them."""
     return dict(

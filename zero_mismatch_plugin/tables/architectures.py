@@ -86,6 +86,15 @@ class Blocks:
     attention_output_gate: bool = False  # full attention's output times sigmoid(a gate half of q_proj)
     linear_attention: GatedDeltaNetBlocks | None = None  # hybrid models: the linear-attention layers
 
+    def aligned_model_only(self) -> str | None:
+        """What of these blocks only the aligned model face runs (not the Megatron face, verl's FSDP
+        actor, or vLLM's modules outside the engine), named for a message; None if nothing."""
+        if self.mla is not None:
+            return "multi-head latent attention"
+        if self.linear_attention is not None:
+            return "linear attention (gated delta-net)"
+        return None
+
     def mixer_kind(self, layer: int) -> str:
         """"linear" (gated delta-net) or "attention" for decoder layer ``layer``."""
         linear = self.linear_attention

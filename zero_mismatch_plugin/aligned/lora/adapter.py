@@ -16,7 +16,7 @@ from zero_mismatch_plugin.aligned.lora.names import peft_tensor_name, supported_
 from zero_mismatch_plugin.aligned.lora.peft import WEIGHTS_FILE, LoRAConfig, read_lora_config
 from zero_mismatch_plugin.aligned.lora.peft import unsupported_lora_settings, write_peft_adapter
 from zero_mismatch_plugin.aligned.lora.targets import LoRAPair, layer_has_target, routed_expert_layers, target_shapes
-from zero_mismatch_plugin.tables.architectures import VOCAB_LORA_TARGETS
+from zero_mismatch_plugin.tables.architectures import VOCAB_LORA_TARGETS, describe
 
 
 def _expert_module(r: int, shapes: dict[str, tuple[int, int]]) -> nn.Module:
@@ -61,16 +61,14 @@ class LoRAAdapter(nn.Module):
                 f"target_modules {[t for t in lora_config.targets if canonical.get(t, t) in EXPERT_TARGETS]}: "
                 f"on routed experts vLLM serves {', '.join(canonical)} together; target all three or none"
             )
-        from zero_mismatch_plugin.tables.architectures import describe
-
-        blocks = describe(model_config) if getattr(model_config, "kv_lora_rank", None) is None else None
+        blocks = describe(model_config)
         self.layers = nn.ModuleList()
         for index in range(model_config.num_hidden_layers):
             layer = nn.Module()
             for target in self.layer_targets:
                 if index in moe_layers and target in EXPERT_TARGETS:
                     continue
-                if blocks is not None and not layer_has_target(blocks, index, target):
+                if not layer_has_target(blocks, index, target):
                     continue
                 out_f, in_f = shapes[target]
                 setattr(layer, target, LoRAPair(lora_config.r, in_f, out_f))
@@ -192,8 +190,6 @@ def build_adapter(
     by default every decoder-layer module the aligned path adapts for that model (``embed_tokens``
     and ``lm_head`` only when named)."""
     from transformers import AutoConfig
-
-    from zero_mismatch_plugin.tables.architectures import describe
 
     model_config = AutoConfig.from_pretrained(str(model_dir))
     targets = supported_lora_targets(model_config) if targets is None else targets

@@ -5,7 +5,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from zero_mismatch_plugin.tables.architectures import MOE_CHECKPOINT_NAMES
+from zero_mismatch_plugin.aligned.lora.names import ATTENTION_TARGETS
+from zero_mismatch_plugin.tables.architectures import MOE_CHECKPOINT_NAMES, describe
+from zero_mismatch_plugin.tables.linear_attention import GATED_DELTA_NET_LORA_TARGETS
 
 
 class LoRAPair(nn.Module):
@@ -20,8 +22,6 @@ class LoRAPair(nn.Module):
 def target_shapes(config, head_dim: int) -> dict[str, tuple[int, int]]:
     """(out_features, in_features) of every LoRA target of a decoder layer (dense or MLA attention;
     a linear-attention hybrid's attention layers and gated delta-net layers together)."""
-    from zero_mismatch_plugin.tables.architectures import describe
-
     h, inter = config.hidden_size, config.intermediate_size
     if getattr(config, "kv_lora_rank", None) is not None:
         return _mla_target_shapes(config)
@@ -43,9 +43,7 @@ def target_shapes(config, head_dim: int) -> dict[str, tuple[int, int]]:
 def layer_has_target(blocks, layer: int, target: str) -> bool:
     """Whether decoder layer ``layer`` holds ``target``: in a linear-attention hybrid the gated
     delta-net linears are on its linear-attention layers, q/k/v/o on the others."""
-    from zero_mismatch_plugin.tables.linear_attention import GATED_DELTA_NET_LORA_TARGETS
-
-    if blocks.linear_attention is None or target not in (*GATED_DELTA_NET_LORA_TARGETS, "q_proj", "k_proj", "v_proj", "o_proj"):
+    if blocks.linear_attention is None or target not in GATED_DELTA_NET_LORA_TARGETS + ATTENTION_TARGETS:
         return True
     return (blocks.mixer_kind(layer) == "linear") == (target in GATED_DELTA_NET_LORA_TARGETS)
 
@@ -71,8 +69,6 @@ def routed_expert_layers(model_config) -> tuple[dict[int, int], dict[str, tuple[
     """({MoE layer: number of routed experts}, {target: (out, in)} of one routed expert, the
     checkpoint's name of the shared expert module or None, {target: (out, in)} of the shared
     expert); empty for a dense model."""
-    from zero_mismatch_plugin.tables.architectures import describe
-
     blocks = describe(model_config)
     if blocks.moe is None:
         return {}, {}, None, {}

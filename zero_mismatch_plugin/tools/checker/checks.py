@@ -275,8 +275,8 @@ def _run_expert_selection(llm, backend, completions, options: CheckOptions) -> C
     blocks = describe(model_config.hf_config)
     if blocks.moe is None:
         raise CheckSkipped("a dense model: no experts to choose")
-    if blocks.attention == "mla" or blocks.linear_attention is not None:
-        what = "multi-head latent attention" if blocks.attention == "mla" else "linear attention"
+    what = blocks.aligned_model_only()
+    if what is not None:
         raise CheckSkipped(
             f"vLLM's modules are not run outside the engine for {what}: the expert choice is not "
             "recorded (the sampled-token and distribution checks cover the experts)"
