@@ -1,6 +1,6 @@
 """verl's main_ppo on its Megatron engine on the CPU (recipe ``cpu_smoke_megatron``: the mbridge
 backend, fp32, the aligned spec): synchronous steps bitwise and saved; FlashREINFORCE resumed from
-verl's checkpoint with the rollout on its own slot (lag >= 1); the stock Megatron forward as the
+verl's checkpoint in the asynchronous colocate mode (lag >= 1); the stock Megatron forward as the
 negative control; a tiny Qwen3-MoE on two workers at tensor parallelism 2 and at expert parallelism 2.
 Each run is one real verl process, started once (``megatron_runs``, ``megatron_moe_tp2_run``,
 ``megatron_moe_ep2_run``); every test reads them."""
@@ -8,7 +8,7 @@ Each run is one real verl process, started once (``megatron_runs``, ``megatron_m
 from __future__ import annotations
 
 import pytest
-from support.main_ppo_runs import (BITWISE, DIFF, SEPARATE_ASYNC, STALENESS_MIN, STALENESS_WORST_MAX,  # noqa: F401
+from support.main_ppo_runs import (BITWISE, DIFF, STALENESS_MIN, STALENESS_WORST_MAX,  # noqa: F401
                                    assert_ran, inputs)
 
 from zero_mismatch_plugin.integrations.verl.cpu.launch import MEGATRON_RECIPE_NAME, run_smoke
@@ -33,15 +33,15 @@ def megatron_smoke(run_dir, inputs, overrides):
 
 @pytest.fixture(scope="module")
 def megatron_runs(tmp_path_factory, inputs):
-    """(synchronous run saving at step 2, FlashREINFORCE resumed from it in separate_async, the stock
+    """(synchronous run saving at step 2, FlashREINFORCE resumed from it in colocate_async, the stock
     Megatron forward for one step, their directory)."""
     root = tmp_path_factory.mktemp("main_ppo_megatron")
     checkpoints = root / "checkpoints"
     first = megatron_smoke(root / "sync", inputs,
                            [f"trainer.default_local_dir={checkpoints}", f"trainer.save_freq={SAVED_STEP}"])
-    resumed = megatron_smoke(root / "separate_resumed", inputs, [
+    resumed = megatron_smoke(root / "colocate_resumed", inputs, [
         "zm_algorithm=flash_reinforce", "actor_rollout_ref.rollout.n=1", "data.train_batch_size=4",
-        "actor_rollout_ref.actor.ppo_mini_batch_size=4", *SEPARATE_ASYNC,
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4", "trainer.v1.trainer_mode=colocate_async",
         f"trainer.total_training_steps={SAVED_STEP + 3}", f"trainer.default_local_dir={checkpoints}"])
     # The same recipe with the plugin's Megatron patch off: verl's own forward of the same model.
     stock = megatron_smoke(root / "stock", inputs, ["trainer.total_training_steps=1", "--allow-unaligned-trainer"])
@@ -71,8 +71,8 @@ def test_megatron_engine_resumes_and_flash_reinforce_is_bitwise_on_current_batch
     assert resumed.metric("actor/flash_reinforce/admitted_fraction")
     staleness, stale_min, fractions = (resumed.metric(STALENESS_WORST_MAX), resumed.metric(STALENESS_MIN),
                                        resumed.metric(BITWISE))
-    print(f"resumed separate_async: staleness_worst/max {staleness}, staleness/min {stale_min}, bitwise {fractions}")
-    # Step 3 samples with the resumed weights the checkpoint engine pushed at start-up.
+    print(f"resumed colocate_async: staleness_worst/max {staleness}, staleness/min {stale_min}, bitwise {fractions}")
+    # Step 3 samples with the resumed weights.
     assert staleness[0] == 0 and fractions[0] == 1.0, (staleness, fractions)
     assert max(staleness) >= 1
     for worst, least, fraction in zip(staleness, stale_min, fractions):

@@ -1,14 +1,17 @@
 """verl's main_ppo on the CPU with a tiny Qwen3-MoE: two synchronous steps bitwise, saved, then
-FlashREINFORCE resumed from verl's own checkpoint in the asynchronous colocate mode. The two runs
-are two real verl processes, started once (``moe_runs``); every test reads them."""
+FlashREINFORCE resumed from verl's own checkpoint with the rollout on its own slot, synced over gloo
+(separate_async). The two runs are two real verl processes, started once (``moe_runs``); every test
+reads them. The negative control of the aligned actor (verl's own forward of the same FSDP2 model is
+not μ) is ``tests/faces/fsdp/test_fsdp_aligned.py::test_actor_logprobs_are_the_engines_and_verls_own_forward_is_not``;
+the asynchronous colocate mode runs on verl's Megatron engine (test_main_ppo_megatron.py)."""
 
 from __future__ import annotations
 
 import re
 
 import pytest
-from support.main_ppo_runs import (BITWISE, DIFF, STALENESS_WORST_MAX, assert_ran, inputs,  # noqa: F401 (fixtures)
-                                   moe_inputs)
+from support.main_ppo_runs import (BITWISE, DIFF, SEPARATE_ASYNC, STALENESS_MIN, STALENESS_WORST_MAX,  # noqa: F401
+                                   assert_ran, inputs, moe_inputs)
 
 from zero_mismatch_plugin.integrations.verl.cpu.launch import run_smoke
 
@@ -26,10 +29,10 @@ def moe_runs(tmp_path_factory, moe_inputs):
                       [f"trainer.default_local_dir={checkpoints}", f"trainer.save_freq={SAVED_STEP}"])
     assert_ran(first, [1, 2])
     # The resumed run trains three more steps asynchronously: FlashREINFORCE, one sample per prompt,
-    # a stale batch after the first update.
-    resumed = run_smoke(root / "async_resumed", moe_inputs, [
+    # the rollout on its own slot one version behind after the first update.
+    resumed = run_smoke(root / "separate_resumed", moe_inputs, [
         "zm_algorithm=flash_reinforce", "actor_rollout_ref.rollout.n=1", "data.train_batch_size=4",
-        "actor_rollout_ref.actor.ppo_mini_batch_size=4", "trainer.v1.trainer_mode=colocate_async",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4", *SEPARATE_ASYNC,
         f"trainer.total_training_steps={SAVED_STEP + 3}", f"trainer.default_local_dir={checkpoints}"])
     return first, resumed, root
 
@@ -52,20 +55,23 @@ def test_sync_steps_are_bitwise_with_vllms_moe_layers_and_saved(moe_runs, capsys
     assert re.search(r"steps logged\s+2\n", capsys.readouterr().out)
 
 
-def test_flash_reinforce_resumed_asynchronously_is_bitwise_on_current_batches(moe_runs):
-    """After verl resumes from its checkpoint, the rollout samples with the resumed weights and the
-    aligned forward re-derives its weights from the loaded shards: the first batch (of the resumed
-    version) is bitwise; a batch sampled before the latest update is not, and every batch of the
-    current version is."""
+def test_flash_reinforce_resumed_on_a_separate_rollout_is_bitwise_on_current_batches(moe_runs):
+    """After verl resumes from its checkpoint, the gloo checkpoint engine pushes the resumed weights to
+    the rollout on its own slot, and the aligned forward re-derives its weights from the loaded
+    shards: the first batch (of the resumed version) is bitwise; every batch of the current version
+    is, and a batch whose every trajectory was sampled before the latest update is not."""
     _, resumed, root = moe_runs
     assert_ran(resumed, [3, 4, 5])
     assert f"Resuming from {root / 'checkpoints'}/global_step_{SAVED_STEP}" in resumed.log
     assert resumed.metric("actor/flash_reinforce/admitted_fraction")
-    staleness, fractions = resumed.metric(STALENESS_WORST_MAX), resumed.metric(BITWISE)
-    print(f"resumed colocate_async: staleness_worst/max {staleness}, bitwise {fractions}")
+    staleness, stale_min, fractions = (resumed.metric(STALENESS_WORST_MAX), resumed.metric(STALENESS_MIN),
+                                       resumed.metric(BITWISE))
+    print(f"resumed separate_async: staleness_worst/max {staleness}, staleness/min {stale_min}, bitwise {fractions}")
     assert staleness[0] == 0 and fractions[0] == 1.0, (staleness, fractions)
-    # The warm-up batch is sampled before an update and trained on after it: lag 1.
+    # Later batches were sampled one version behind the learner (lag >= 1).
     assert max(staleness) >= 1
-    for worst, fraction in zip(staleness, fractions):
+    for worst, least, fraction in zip(staleness, stale_min, fractions):
         if worst == 0:
             assert fraction == 1.0
+        if least >= 1:  # pi (new weights) and mu (old weights) differ
+            assert fraction < 1.0
