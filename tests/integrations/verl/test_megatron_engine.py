@@ -187,11 +187,13 @@ def test_unsupported_configurations_fail_clearly():
                            match=f"{name}=2 in verl's Megatron engine: .*zmrl check --trainer megatron {flag} 2"):
             megatron_engine.inject_aligned_spec(engine, runtime=object())
         setattr(engine.provider, name, 1)
-    # verl's mbridge backend at TP x EP: its loader splits the local experts over the tensor-parallel ranks.
-    bridge = SimpleNamespace(config=SimpleNamespace(**base, tensor_model_parallel_size=2, expert_model_parallel_size=2))
+    # verl's mbridge backend at TP x EP with each expert split over the tensor-parallel ranks (megatron's
+    # default expert_tensor_parallel_size): the aligned MoE layer keeps experts whole at EP.
+    bridge = SimpleNamespace(config=SimpleNamespace(**base, tensor_model_parallel_size=2, expert_model_parallel_size=2,
+                                                    expert_tensor_parallel_size=2, num_moe_experts=4))
     vanilla = SimpleNamespace(provider=None, bridge=bridge, vanilla_bridge=True, is_value_model=False, peft_cls=None,
                               _qat_enabled=False, engine_config=engine.engine_config)
-    with pytest.raises(UnsupportedMegatronFeature, match="tensor_model_parallel_size=2 with expert_model_parallel_size=2"):
+    with pytest.raises(UnsupportedMegatronFeature, match="expert_tensor_parallel_size > 1 .*set it to 1"):
         megatron_engine.inject_aligned_spec(vanilla, runtime=object())
 
 

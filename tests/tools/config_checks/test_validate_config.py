@@ -385,3 +385,19 @@ def test_a_single_plus_adding_a_misspelt_key_is_refused_while_composing():
     with pytest.raises(ConfigComposeError, match=r"adds 'actor_rollout_ref.actor.policy_loss.trust_region_detla', "
                                                  r".*did you mean 'actor_rollout_ref.actor.policy_loss.trust_region_delta'"):
         compose_verl_config(RECIPES, "flash_reinforce", [DENSE, "+actor_rollout_ref.actor.policy_loss.trust_region_detla=0.1"])
+
+
+def test_tensor_with_expert_parallelism_needs_whole_experts(tmp_path):
+    """At TP x EP the aligned MoE layer keeps each expert whole on its rank (expert tensor parallelism
+    1); megatron's default, the tensor parallel size, is refused with the setting to change."""
+    moe = _model(tmp_path / "moe", architectures=["Qwen3MoeForCausalLM"], num_experts=128)
+    layout = (f"actor_rollout_ref.model.path={moe}",
+              "++actor_rollout_ref.actor.megatron.override_transformer_config.moe_grouped_gemm=false",
+              "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+              "actor_rollout_ref.actor.megatron.sequence_parallel=true",
+              "actor_rollout_ref.actor.megatron.expert_model_parallel_size=2",
+              "actor_rollout_ref.rollout.tensor_model_parallel_size=2")
+    message = _all_problems("reinforce_zero", *layout)[SWITCH]
+    assert "expert_tensor_parallel_size null (the tensor parallel size) with tensor_model_parallel_size 2" in message
+    assert "set expert_tensor_parallel_size=1" in message
+    assert _all_problems("reinforce_zero", *layout, "actor_rollout_ref.actor.megatron.expert_tensor_parallel_size=1") == {}

@@ -53,12 +53,6 @@ def engine_has_hooks(ti) -> bool:
 # --context-parallel) that have not run inside verl's engine: megatron's name -> the check's flag.
 VERL_UNRUN_LAYOUTS = {"pipeline_model_parallel_size": "--pipeline-parallel",
                       "context_parallel_size": "--context-parallel"}
-VERL_TENSOR_BY_EXPERT_REFUSAL = (
-    "tensor_model_parallel_size={tp} with expert_model_parallel_size={ep} in verl's Megatron engine: verl's mbridge "
-    "backend loads the local experts' weights split over the tensor-parallel ranks (it keeps them whole only under "
-    "Transformer Engine's grouped-GEMM names); set one of them to 1 (the Megatron face itself runs TP x EP on its "
-    "own ranks: zmrl check --tensor-parallel {tp} --sequence-parallel --expert-parallel {ep})"
-)
 VERL_LAYOUT_REFUSAL = (
     "{name}={size} in verl's Megatron engine: not yet run inside verl's engine; set {name}=1 (the Megatron "
     "face itself runs it bitwise on its own ranks: zmrl check --trainer megatron {flag} {size})"
@@ -222,9 +216,6 @@ def inject_aligned_spec(engine, runtime=None) -> None:
     if getattr(engine, "peft_cls", None) is not None:
         raise UnsupportedMegatronFeature("LoRA / PEFT on the aligned Megatron spec")
     require_supported(layout)
-    tp, ep = (getattr(layout, name, 1) or 1 for name in ("tensor_model_parallel_size", "expert_model_parallel_size"))
-    if vanilla and tp > 1 and ep > 1:
-        raise UnsupportedMegatronFeature(VERL_TENSOR_BY_EXPERT_REFUSAL.format(tp=tp, ep=ep))
     for name, flag in VERL_UNRUN_LAYOUTS.items():
         size = getattr(layout, name, 1) or 1
         if size != 1:

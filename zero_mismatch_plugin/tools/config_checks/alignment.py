@@ -139,15 +139,18 @@ def _engine_gaps(cfg: DictConfig) -> list[str]:
                              sequence_parallel=tp > 1 and read(cfg, f"{MEGATRON}.sequence_parallel"))
     gaps = [f"{feature} in the trainer" for feature in unsupported_features(layout)]
     ep = read(cfg, f"{MEGATRON}.expert_model_parallel_size")
-    if (tp or 1) > 1 and (ep or 1) > 1 and read(cfg, f"{MEGATRON}.vanilla_mbridge"):
-        gaps.append(f"tensor_model_parallel_size {tp} with expert_model_parallel_size {ep} in verl's Megatron engine "
-                    "on the mbridge backend (it loads local experts split over the tensor-parallel ranks): set one to 1")
+    etp = read(cfg, f"{MEGATRON}.expert_tensor_parallel_size")
+    if (tp or 1) > 1 and (ep or 1) > 1 and etp != 1:
+        shown = "null (the tensor parallel size)" if etp is None else etp
+        gaps.append(f"expert_tensor_parallel_size {shown} with tensor_model_parallel_size {tp} and "
+                    f"expert_model_parallel_size {ep}: set "
+                    "expert_tensor_parallel_size=1 (each expert whole on its rank, computed as the engine's "
+                    "tensor-parallel ranks split it)")
     for name in ("pipeline_model_parallel_size", "context_parallel_size"):
         size = read(cfg, f"{MEGATRON}.{name}")
         if size not in (None, 1):
             gaps.append(f"{name} {size} in verl's Megatron engine (the Megatron face runs it bitwise on its own "
                         "ranks; inside verl's engine it is not run yet)")
-    etp = read(cfg, f"{MEGATRON}.expert_tensor_parallel_size")
     if etp not in (None, 1, tp or 1):
         gaps.append(f"expert_tensor_parallel_size {etp} in the trainer (the aligned MoE layer splits each expert as "
                     f"the engine does, over the {tp or 1} tensor-parallel ranks, or keeps it whole: 1)")

@@ -1,9 +1,9 @@
 """verl's main_ppo on its Megatron engine on the CPU (recipe ``cpu_smoke_megatron``: the mbridge
 backend, fp32, the aligned spec): synchronous steps bitwise and saved; FlashREINFORCE resumed from
 verl's checkpoint in the asynchronous colocate mode (lag >= 1); the stock Megatron forward as the
-negative control; a tiny Qwen3-MoE on two workers at tensor parallelism 2 and at expert parallelism 2.
-Each run is one real verl process, started once (``megatron_runs``, ``megatron_moe_tp2_run``,
-``megatron_moe_ep2_run``); every test reads them."""
+negative control; a tiny Qwen3-MoE on two workers at tensor parallelism 2 with sequence parallelism
+and expert parallelism 2 together. Each run is one real verl process, started once (``megatron_runs``,
+``megatron_moe_tp2_ep2_run``); every test reads them."""
 
 from __future__ import annotations
 
@@ -92,20 +92,16 @@ def test_verls_stock_megatron_forward_is_not_mu(megatron_runs):
     assert stock.metric(DIFF)[0] > 0.0
 
 
-# Two Megatron ranks at tensor parallelism 2 with sequence parallelism, colocated with a vLLM replica
-# at tensor parallelism 2 (its two CPU workers bound one per core).
-TENSOR_PARALLEL_2 = [
+# Two Megatron ranks at tensor parallelism 2 with sequence parallelism and, on the same two ranks,
+# expert parallelism 2 (each expert whole on its rank: expert tensor parallelism 1), colocated with a
+# vLLM replica at tensor parallelism 2 (its two CPU workers bound one per core).
+TENSOR_BY_EXPERT_PARALLEL_2 = [
     "trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
-    "actor_rollout_ref.actor.megatron.sequence_parallel=true", "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+    "actor_rollout_ref.actor.megatron.sequence_parallel=true",
+    "actor_rollout_ref.actor.megatron.expert_model_parallel_size=2",
+    "actor_rollout_ref.actor.megatron.expert_tensor_parallel_size=1",
+    "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
     "++ray_kwargs.ray_init.runtime_env.env_vars.VLLM_CPU_OMP_THREADS_BIND='0|1'",
-]
-
-
-# Two Megatron ranks at expert parallelism 2 (data parallelism 2 for everything but the experts), with
-# two one-process vLLM replicas (the aligned MoE combine sums the top-k outputs in their slot order).
-EXPERT_PARALLEL_2 = [
-    "trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.megatron.expert_model_parallel_size=2",
-    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2", "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2",
 ]
 
 
@@ -119,35 +115,20 @@ def two_key_value_head_moe(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def megatron_moe_tp2_run(tmp_path_factory, inputs, two_key_value_head_moe):
-    return megatron_smoke(tmp_path_factory.mktemp("main_ppo_megatron_moe_tp2"),
-                          {**inputs, "actor_rollout_ref.model.path": two_key_value_head_moe}, TENSOR_PARALLEL_2)
+def megatron_moe_tp2_ep2_run(tmp_path_factory, inputs, two_key_value_head_moe):
+    return megatron_smoke(tmp_path_factory.mktemp("main_ppo_megatron_moe_tp2_ep2"),
+                          {**inputs, "actor_rollout_ref.model.path": two_key_value_head_moe}, TENSOR_BY_EXPERT_PARALLEL_2)
 
 
-@pytest.fixture(scope="module")
-def megatron_moe_ep2_run(tmp_path_factory, inputs, two_key_value_head_moe):
-    return megatron_smoke(tmp_path_factory.mktemp("main_ppo_megatron_moe_ep2"),
-                          {**inputs, "actor_rollout_ref.model.path": two_key_value_head_moe}, EXPERT_PARALLEL_2)
-
-
-def test_megatron_engine_moe_at_tensor_parallel_2_is_bitwise(megatron_moe_tp2_run):
-    """verl's Megatron engine on two workers at TP 2 + SP with a tiny Qwen3-MoE: each rank computes the
-    engine rank of its index (attention heads, MLP and expert columns, vocabulary shards gathered
-    before the logprobs), and mbridge's export gathers the shards for the TP-2 rollout's reload: every
-    sampled token's logprob is mu, bit for bit, before and after an update."""
-    run = megatron_moe_tp2_run
-    assert_ran(run, [1, 2])
-    assert ALIGNED_LOG_LINE in run.log
-    assert run.metric(BITWISE) == [1.0, 1.0], run.metric(BITWISE)
-    assert_updates_where_advantages_are_nonzero(run)
-
-
-def test_megatron_engine_moe_at_expert_parallel_2_is_bitwise(megatron_moe_ep2_run):
-    """verl's Megatron engine on two workers at EP 2: each rank runs its half of the experts through
-    vLLM's fused-MoE arithmetic and megatron's all-to-all dispatcher brings every token's top-k outputs
-    back, summed in vLLM's slot order; mbridge's export gathers the experts (global indices) for the
-    one-process rollout replicas: bitwise before and after an update."""
-    run = megatron_moe_ep2_run
+def test_megatron_engine_moe_at_tensor_by_expert_parallel_2_is_bitwise(megatron_moe_tp2_ep2_run):
+    """verl's Megatron engine on two workers at TP 2 + SP and EP 2 with a tiny Qwen3-MoE: each rank
+    computes the engine rank of its index for attention heads and the vocabulary (shards gathered
+    before the logprobs), and for its experts, kept whole, every engine shard's output (megatron's
+    all-to-all dispatcher brings every token's top-k outputs back, summed in vLLM's slot order). Each
+    rank loads its own experts from the checkpoint (mbridge would split them over the tensor-parallel
+    ranks), and mbridge's export gathers heads and experts (global indices) for the TP-2 rollout's
+    reload: every sampled token's logprob is mu, bit for bit, before and after an update."""
+    run = megatron_moe_tp2_ep2_run
     assert_ran(run, [1, 2])
     assert ALIGNED_LOG_LINE in run.log
     assert run.metric(BITWISE) == [1.0, 1.0], run.metric(BITWISE)

@@ -121,6 +121,55 @@ LOCAL_EXPERT_NAMES = mbridge_patch(
 )
 
 
+def _local_experts_loaded_by_their_rank(original):
+    def load_weights(self, models, weights_path, memory_efficient=False):
+        if torch.cuda.is_available():
+            return original(self, models, weights_path, memory_efficient)
+        # mbridge tells expert weights from the rest by Transformer Engine's grouped names: megatron's
+        # local experts fall in with the dense weights, which the first tensor-parallel rank loads and
+        # splits over its group. At tensor with expert parallelism the ranks of that group hold
+        # different experts, whole (expert_tensor_parallel_size 1): each would get half of another
+        # rank's. So mbridge loads all but the local experts, and every rank loads its own.
+        every_name = self._weight_name_mapping_mcore_local_to_global
+        self._weight_name_mapping_mcore_local_to_global = partial(_without_local_experts, every_name)
+        try:
+            original(self, models, weights_path, memory_efficient)
+        finally:
+            del self._weight_name_mapping_mcore_local_to_global
+        for model in models:
+            _load_own_local_experts(self, model)
+
+    return load_weights
+
+
+def _without_local_experts(every_name, model, consider_ep=True):
+    return {local: name for local, name in every_name(model, consider_ep).items() if not _LOCAL_EXPERT.search(local)}
+
+
+def _load_own_local_experts(bridge, model) -> None:
+    """This rank's local experts from the checkpoint: each whole, then this rank's share of it over
+    the expert-tensor-parallel group (mbridge's split, under the experts' grouped names)."""
+    state = model.state_dict()
+    experts = {local: name for local, name in bridge._weight_name_mapping_mcore_local_to_global(model).items()
+               if _LOCAL_EXPERT.search(local)}
+    for local, name in experts.items():
+        hf_names = bridge._weight_name_mapping_mcore_to_hf(name)
+        loaded = bridge.safetensor_io.load_some_hf_weight(hf_names)
+        whole = bridge._weight_to_mcore_format(name, [loaded[hf_name] for hf_name in hf_names])
+        param = state[local]
+        share = list(bridge._weight_split_across_tp(name, whole, param, bridge.mpu.etp_size))[bridge.mpu.etp_rank]
+        param.copy_(share.to(param.dtype))
+
+
+LOCAL_EXPERTS_LOADED_BY_THEIR_RANK = mbridge_patch(
+    "mbridge.core.bridge:Bridge.load_weights", _local_experts_loaded_by_their_rank,
+    name="mbridge-local-experts-loaded-by-their-rank",
+    why="mbridge loads megatron's local experts as dense weights, split over the tensor-parallel group: at "
+        "tensor_model_parallel_size 2 with expert_model_parallel_size 2 a rank's experts would be halves of "
+        "another rank's",
+)
+
+
 def _model_on_host(original):
     def get_model(*args, **kwargs):
         if torch.cuda.is_available():
@@ -177,7 +226,8 @@ OFFLOAD_TO_HOST = verl_engine_patch(
         "DDP buffers' storage the model computes with",
 )
 
-PATCHES: list[FunctionPatch] = [LOCAL_LAYER_SPEC, LOCAL_PARAMETER_NAMES, LOCAL_EXPERT_NAMES, MODEL_ON_HOST,
+PATCHES: list[FunctionPatch] = [LOCAL_LAYER_SPEC, LOCAL_PARAMETER_NAMES, LOCAL_EXPERT_NAMES,
+                                LOCAL_EXPERTS_LOADED_BY_THEIR_RANK, MODEL_ON_HOST,
                                 LOAD_TO_DEVICE, OFFLOAD_TO_HOST]
 
 
