@@ -2,8 +2,14 @@
 
 Both compute the per-token logprobs of the response tokens of the same batch: the aligned model
 over the packed sequences through vLLM's kernels, transformers over the same sequences as a
-[batch, length] tensor (all sequences have the same length, so no padding). Prints the median
-time of each and the ratio of medians, side by side.
+[batch, length] tensor (all sequences have the same length, so no padding). The two are timed in
+alternating order, repeated until the ratio settles (up to ``--max-repeats``).
+
+Prints the host's load, CPUs and torch threads before and after; then, at the default torch
+thread count (or ``--threads``) and again at one thread (both phases have the one-thread variant),
+per phase and model: minimum and median wall ms, spread ((p75 - p25) / median), median CPU ms of
+this process, and the ratio aligned / transformers of the minima and of the medians, beside the
+target; rows are flagged UNRELIABLE when the host was loaded or the ratio did not settle.
 
     python benchmarks/bench_aligned_forward.py [--layers 4 --hidden 512 ...] [--dtype bfloat16]
 
@@ -15,9 +21,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import tempfile
-import time
+
+from timing import (add_timing_arguments, at_threads, compare, format_rows, host_line, row_header,
+                    thread_counts)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("ZMRL_NUMERICS", "consistent")
@@ -43,6 +50,7 @@ def add_run_arguments(p, *, batch=8, prompt_len=16, response_len=240, repeats=7,
             p.add_argument(flag, type=int, default=default)
     if threads is not None:
         p.add_argument("--threads", type=int, default=threads, help="torch threads (0: torch default)")
+    add_timing_arguments(p)
 
 
 def add_dtype_argument(p):
@@ -58,18 +66,17 @@ def parse_args():
     return p.parse_args()
 
 
-def median_times(fn_a, fn_b, repeats, warmup):
-    """Medians of fn_a and fn_b, timed alternately so both see the same machine load."""
-    for _ in range(warmup):
-        fn_a()
-        fn_b()
-    times_a, times_b = [], []
-    for _ in range(repeats):
-        for fn, times in ((fn_a, times_a), (fn_b, times_b)):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times_a), statistics.median(times_b)
+def compare_sides(args, contenders):
+    """The contenders timed side by side with the benchmark's ``--repeats --warmup --max-repeats``."""
+    return compare(contenders, repeats=args.repeats, warmup=args.warmup, max_repeats=args.max_repeats)
+
+
+def print_comparison(title: str, comparison, baseline: str, name_width: int = 24, note: str = "") -> None:
+    """A comparison's rows under a title that says how its samples were taken."""
+    print(f"{title}: {comparison.line()}{note}")
+    print(row_header(name_width))
+    for row in format_rows(comparison, baseline=baseline, name_width=name_width):
+        print(row)
 
 
 def build_model_from_args(out_dir, args, max_len: int = 0, **extra):
@@ -105,7 +112,8 @@ def load_aligned_and_transformers(path, max_model_len: int, dtype: str = "float3
 
 def compare_with_transformers(args, aligned, hf, model_line: str) -> None:
     """Time the response-token logprobs of one random batch, forward and forward+backward, on
-    both models alternately; print the medians and their ratio against the targets."""
+    both models alternately, at each thread count of :func:`timing.thread_counts`; print each
+    phase's rows (minimum, median, spread, CPU time, ratios) beside the phase's target."""
     import torch
 
     from zero_mismatch_plugin.aligned import pack
@@ -144,33 +152,31 @@ def compare_with_transformers(args, aligned, hf, model_line: str) -> None:
 
         return run
 
-    results = {}
-    for label, a_fn, h_fn in (
-        ("forward", forward(aligned_logprobs), forward(hf_logprobs)),
-        (
-            "forward+backward",
-            forward_backward(aligned, aligned_logprobs),
-            forward_backward(hf, hf_logprobs),
-        ),
-    ):
-        results[label] = median_times(a_fn, h_fn, args.repeats, args.warmup)
+    phases = {
+        "forward": {"aligned": forward(aligned_logprobs), "transformers": forward(hf_logprobs)},
+        "forward+backward": {"aligned": forward_backward(aligned, aligned_logprobs),
+                             "transformers": forward_backward(hf, hf_logprobs)},
+    }
+    target_ratios = {"forward": 1.05, "forward+backward": 1.15}
 
-    print(
-        f"model: {model_line}; batch {args.batch} x {seq} tokens; torch threads {torch.get_num_threads()}; "
-        f"median of {args.repeats}, timed alternately; "
-        f"host ISA {torch.backends.cpu.get_cpu_capability()} (the figures depend on it)"
-    )
+    def measure_phases():
+        for phase, contenders in phases.items():
+            print_comparison(f"  {phase}", compare_sides(args, contenders), "transformers",
+                             note=f"; target aligned/transformers {target_ratios[phase]:.2f}")
+
+    print(f"model: {model_line}; batch {args.batch} x {seq} tokens; alternating order, {args.repeats} rounds "
+          f"or more until the ratio settles; ratios: model / transformers")
     print(f"max |aligned - transformers| logprob: {max_diff:.3g}")
-    print(f"{'':18}{'aligned (s)':>14}{'transformers (s)':>18}{'ratio':>9}{'target':>9}")
-    targets_ratio = {"forward": 1.05, "forward+backward": 1.15}
-    for label, (a, h) in results.items():
-        print(f"{label:18}{a:14.4f}{h:18.4f}{a / h:9.3f}{targets_ratio[label]:9.2f}")
+    for threads in thread_counts(args):
+        print(f"torch threads {threads}:")
+        at_threads(threads, measure_phases)
 
 
 def main():
     args = parse_args()
     import torch
 
+    print(host_line("before"), flush=True)
     if args.threads:
         torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
@@ -182,6 +188,7 @@ def main():
         f"{args.family} layers={args.layers} hidden={args.hidden} intermediate={args.intermediate} "
         f"heads={args.heads}/{args.kv_heads} vocab={args.vocab}, {args.dtype}",
     )
+    print(host_line("after"))
 
 
 if __name__ == "__main__":

@@ -13,6 +13,14 @@ Overlap can only pay while learner + engine stay below the cores the other proce
 The extra own-version forward the demo does at lag > 0 (a diagnostic, not part of the algorithm)
 is off by default here; ``--own-version-check`` includes it.
 
+Also prints the host's load, CPUs and torch threads before and after, and per mode, in the shared
+row format: minimum and median seconds per update (as ms), their spread ((p75 - p25) / median), the
+learner process's CPU ms per update, and the ratio async / sync of the minima and of the medians (in
+time: below 1 is async faster); rows are flagged UNRELIABLE when the host was loaded or the ratio
+disagreed between the earlier and the later repeats (the repeats are fixed: each is a whole run).
+The learner is the in-process part: ``--one-thread`` runs every repeat again with the learner at
+one torch thread (off by default, as it doubles the run time; the engine keeps its own threads).
+
     .venv/bin/python benchmarks/bench_async_vs_sync.py [--updates 60] [--repeats 5] [--lag 2]
 """
 
@@ -25,6 +33,8 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from timing import Comparison, Samples, at_threads, format_rows, halves_agree, host_is_loaded, host_line, row_header
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -71,6 +81,7 @@ class CpuMeter:
         engine = _process_seconds(self.engine_pid) - engine0
         others = (_system_busy_seconds() - system0) - learner - engine
         self.share = CpuShare(learner / wall, engine / wall, max(0.0, others) / wall)
+        self.learner_seconds = learner
 
 
 def _median_metric(result, key: str) -> float:
@@ -115,6 +126,20 @@ def _print_table(args, config, rows, shares) -> None:
     print(f"async / sync = {statistics.median(pair_ratios):.2f}x (median over repeats)")
 
 
+def _print_rows(rows, learner_cpu, loaded: tuple[bool, bool]) -> None:
+    """Seconds per update of each mode in the shared row format, ratio async / sync."""
+    samples = {mode: Samples([r.loop_seconds / len(r.records) for r in rows[mode]],
+                             [cpu / len(r.records) for r, cpu in zip(rows[mode], learner_cpu[mode])])
+               for mode in ("async", "sync")}
+    comparison = Comparison(samples, len(samples["sync"].walls), halves_agree(samples["async"], samples["sync"]),
+                            *loaded, 0)  # threads 0: not shown; the learner's count is in the heading
+    print(f"seconds per update: ratio {'' if comparison.settled else 'not '}settled between the earlier and the "
+          f"later repeats{'; host loaded' if any(loaded) else ''}; CPU: the learner process's")
+    print(row_header(8))
+    for row in format_rows(comparison, baseline="sync", name_width=8):
+        print(row)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--updates", type=int, default=60)
@@ -123,31 +148,49 @@ def main() -> int:
     parser.add_argument("--kernels", choices=("aligned", "standard"), default="aligned")
     parser.add_argument("--algo", choices=("reinforce_zero", "flash_reinforce"), default="reinforce_zero")
     parser.add_argument("--own-version-check", action="store_true")
+    parser.add_argument("--one-thread", action="store_true",
+                        help="also run every repeat with the learner at one torch thread (doubles the run time)")
     args = parser.parse_args()
+
+    import torch
 
     from zero_mismatch_plugin.tools.demo import DemoConfig, DemoRun, run_demo
     from zero_mismatch_plugin.tools.demo.engine import start_engine
     from zero_mismatch_plugin.tools.tiny_models import build_tiny_model
 
-    print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
+    print(host_line("before"), flush=True)
     base = dict(algo=args.algo, kernels=args.kernels, own_version_check=args.own_version_check)
-    rows, shares = {"sync": [], "async": []}, {"sync": [], "async": []}
+
+    def alternate_modes(engine, model_dir):
+        """``--repeats`` rounds of a sync then an async run: their results, CPU shares, learner CPU s."""
+        rows, shares, learner_cpu = ({"sync": [], "async": []} for _ in range(3))
+        for repeat in range(args.repeats):
+            for mode, lag in (("sync", 0), ("async", args.lag)):
+                demo = DemoRun(DemoConfig(**base, lag=lag, updates=args.updates), engine, model_dir)
+                with CpuMeter(engine.pid) as meter:  # the update loop only, not the learner's set-up
+                    result = demo.run()
+                rows[mode].append(result)
+                shares[mode].append(meter.share)
+                learner_cpu[mode].append(meter.learner_seconds)
+                print(f"repeat {repeat + 1} {mode:<5} lag {lag}: {_rate(result):6.2f} updates/s  "
+                      f"(cores: learner {meter.share.learner:.2f}, engine {meter.share.engine:.2f}, "
+                      f"others {meter.share.others:.2f})", flush=True)
+        return rows, shares, learner_cpu
+
+    learner_threads = [torch.get_num_threads()] + ([1] if args.one_thread and torch.get_num_threads() != 1 else [])
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_tiny_model(Path(tmp) / "model", family="llama", seed=0)
         with start_engine(model_dir, DemoConfig().max_model_len) as engine:
             run_demo(DemoConfig(**base, lag=0, updates=5), engine, model_dir)  # warm-up
-            for repeat in range(args.repeats):
-                for mode, lag in (("sync", 0), ("async", args.lag)):
-                    demo = DemoRun(DemoConfig(**base, lag=lag, updates=args.updates), engine, model_dir)
-                    with CpuMeter(engine.pid) as meter:  # the update loop only, not the learner's set-up
-                        result = demo.run()
-                    rows[mode].append(result)
-                    shares[mode].append(meter.share)
-                    print(f"repeat {repeat + 1} {mode:<5} lag {lag}: {_rate(result):6.2f} updates/s  "
-                          f"(cores: learner {meter.share.learner:.2f}, engine {meter.share.engine:.2f}, "
-                          f"others {meter.share.others:.2f})", flush=True)
-    _print_table(args, DemoConfig(**base), rows, shares)
-    print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+            for threads in learner_threads:
+                print(f"learner torch threads {threads}:", flush=True)
+                loaded_before = host_is_loaded()
+                rows, shares, learner_cpu = at_threads(threads, alternate_modes, engine, model_dir)
+                loaded = (loaded_before, host_is_loaded())
+                print(f"\nlearner torch threads {threads}:")
+                _print_table(args, DemoConfig(**base), rows, shares)
+                _print_rows(rows, learner_cpu, loaded)
+    print(host_line("after"))
     return 0
 
 

@@ -11,8 +11,14 @@ linear-attention layer vs transformers' reference.
   ``Qwen3NextGatedDeltaNet`` with the same bf16 weights (its torch chunked path: no fla kernels on
   CPU), forward and forward + backward on the same packed sequences, timed alternately.
 
-Prints the host's load average and CPU count before and after (a ratio taken while the load
-exceeds the cores is marked unreliable), wall and CPU seconds, and every run.
+Prints the host's load, CPUs and torch threads before and after, and per side: minimum and median
+wall ms, spread ((p75 - p25) / median), median CPU ms of this process, the ratio of the minima and
+of the medians, and for the rollout tokens/s and every run; rows are flagged UNRELIABLE when the
+host was loaded or the ratio did not settle. The layer part repeats until its ratio settles (up to
+``--max-repeats``) and runs at the default torch thread count and again at one thread (the
+one-thread variant); the rollout part has neither: every extra repeat is an engine start, and the
+engine's threads are its own process's (its CPU time is not in this process's), so its rows only
+say whether the ratio settled over ``--repeats``.
 
     python benchmarks/bench_linear_attention.py [--prompts 16 --prompt-len 256 --max-tokens 32 --repeats 2]
 """
@@ -22,10 +28,11 @@ from __future__ import annotations
 import argparse
 import functools
 import os
-import statistics
 import tempfile
-import time
 from pathlib import Path
+
+from timing import (Comparison, Samples, add_timing_arguments, at_threads, compare, format_rows, halves_agree,
+                    host_is_loaded, host_line, row_header, thread_counts, timed)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -41,25 +48,13 @@ def parse_args():
     p.add_argument("--layer-seqs", type=int, default=4, help="packed sequences in the layer benchmark")
     p.add_argument("--layer-len", type=int, default=256, help="tokens per sequence in the layer benchmark")
     p.add_argument("--layer-repeats", type=int, default=5)
+    add_timing_arguments(p)
     return p.parse_args()
 
 
-def host_line(when: str) -> str:
-    load = os.getloadavg()
-    cores = len(os.sched_getaffinity(0))
-    note = "  (load above the cores: ratios unreliable)" if load[0] > cores else ""
-    return f"host {when}: load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}, {cores} CPUs{note}"
-
-
-def timed(fn):
-    """(wall seconds, this process's CPU seconds, result) of one call."""
-    wall, cpu = time.perf_counter(), time.process_time()
-    result = fn()
-    return time.perf_counter() - wall, time.process_time() - cpu, result
-
-
-def rollout_rates(path, mode, prompts, max_tokens, runs, max_model_len):
-    """One engine in ``mode``: [(prefill tokens/s, generated tokens/s)] per timed run."""
+def rollout_times(path, mode, prompts, max_tokens, runs, max_model_len):
+    """One engine in ``mode``: the timings of ``runs`` prefill passes and rollouts, and the tokens
+    one rollout generates (every response is ``max_tokens`` long)."""
     from vllm import LLM, SamplingParams
 
     from zero_mismatch_plugin.aligned import numerics
@@ -73,19 +68,21 @@ def rollout_rates(path, mode, prompts, max_tokens, runs, max_model_len):
     sample = SamplingParams(temperature=1.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
     try:
         llm.generate(requests, sample, use_tqdm=False)  # warm-up
-        rates = []
+        prefill_samples, rollout_samples, generated = Samples(), Samples(), 0
         for _ in range(runs):
-            prefill_s, _, _ = timed(lambda: llm.generate(requests, prefill, use_tqdm=False))
-            rollout_s, _, outs = timed(lambda: llm.generate(requests, sample, use_tqdm=False))
+            wall, cpu, _ = timed(lambda: llm.generate(requests, prefill, use_tqdm=False))
+            prefill_samples.add(wall, cpu)
+            wall, cpu, outs = timed(lambda: llm.generate(requests, sample, use_tqdm=False))
+            rollout_samples.add(wall, cpu)
             generated = sum(len(o.outputs[0].token_ids) for o in outs)
-            rates.append((sum(map(len, prompts)) / prefill_s, generated / rollout_s))
-        return rates
+        return prefill_samples, rollout_samples, generated
     finally:
         shutdown_engine(llm)
 
 
 def layer_benchmark(path, args):
-    """Medians (wall) and CPU seconds of the aligned layer and transformers' layer, fwd and fwd+bwd."""
+    """The aligned layer and transformers' layer side by side, fwd and fwd+bwd, at each thread count
+    of :func:`timing.thread_counts`: {threads: {"fwd" | "fwd+bwd": Comparison}}."""
     import torch
     from transformers import AutoConfig
     from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
@@ -120,18 +117,21 @@ def layer_benchmark(path, args):
             if backward:
                 out.backward(grad.view_as(out))
 
-    results = {}
-    for backward in (False, True):
-        aligned(backward), transformers(backward)  # warm-up
-        walls = {"aligned": [], "transformers": []}
-        cpus = {"aligned": 0.0, "transformers": 0.0}
-        for _ in range(args.layer_repeats):
-            for name, fn in (("aligned", aligned), ("transformers", transformers)):
-                wall, cpu, _ = timed(lambda: fn(backward))
-                walls[name].append(wall)
-                cpus[name] += cpu
-        results["fwd+bwd" if backward else "fwd"] = (walls, cpus)
-    return results
+    def measure():
+        return {("fwd+bwd" if backward else "fwd"): compare(
+                    {"aligned": lambda: aligned(backward), "transformers": lambda: transformers(backward)},
+                    repeats=args.layer_repeats, warmup=1, max_repeats=args.max_repeats)
+                for backward in (False, True)}
+
+    return {threads: at_threads(threads, measure) for threads in thread_counts(args)}
+
+
+def rollout_comparison(samples: dict[str, Samples], loaded_before: bool, loaded_after: bool) -> Comparison:
+    """The rollout's samples as a comparison; "settled" here only says whether the ratio agrees
+    between the earlier and the later half of the runs (more runs would mean more engine starts)."""
+    first, second = samples.values()
+    threads = 0  # the engine's own threads: not this process's torch setting
+    return Comparison(samples, len(first.walls), halves_agree(first, second), loaded_before, loaded_after, threads)
 
 
 def main():
@@ -146,29 +146,42 @@ def main():
         path = str(build_tiny_qwen3_next_model(Path(tmp) / "qwen3_next", seed=0))
         prompts = torch.randint(8, 512, (args.prompts, args.prompt_len), generator=gen).tolist()
         max_model_len = args.prompt_len + args.max_tokens + 16
-        rates = {"consistent": [], "fast": []}
+        times = {"consistent": ([], []), "fast": ([], [])}  # engine starts' (prefill, rollout) samples
+        loaded_before = host_is_loaded()
         for _ in range(args.repeats):
-            for mode in rates:
-                rates[mode] += rollout_rates(path, mode, prompts, args.max_tokens, args.runs, max_model_len)
+            for mode in times:
+                prefill_samples, rollout_samples, generated = rollout_times(
+                    path, mode, prompts, args.max_tokens, args.runs, max_model_len)
+                times[mode][0].append(prefill_samples)
+                times[mode][1].append(rollout_samples)
+        loaded_after = host_is_loaded()
         layer = layer_benchmark(path, args)
 
-    print(f"model: tiny Qwen3-Next (3 gated delta-net layers, 1 gated attention layer, MoE), bf16, eager; "
-          f"host ISA {torch.backends.cpu.get_cpu_capability()}, torch threads {torch.get_num_threads()}")
+    print("model: tiny Qwen3-Next (3 gated delta-net layers, 1 gated attention layer, MoE), bf16, eager")
     print(f"rollout: {args.prompts} prompts x {args.prompt_len} tokens, {args.max_tokens} new tokens each; "
-          f"{args.repeats} engine starts per mode, alternating, {args.runs} timed passes each")
-    for i, what in enumerate(("prefill tokens/s", "generated tokens/s")):
-        c = statistics.median(r[i] for r in rates["consistent"])
-        f = statistics.median(r[i] for r in rates["fast"])
-        print(f"  {what:18s} consistent {c:9.1f}   fast {f:9.1f}   consistent/fast {c / f:.3f}")
-        print(f"    all runs: consistent {[round(r[i], 1) for r in rates['consistent']]}, "
-              f"fast {[round(r[i], 1) for r in rates['fast']]}")
+          f"{args.repeats} engine starts per mode, alternating, {args.runs} timed passes each; "
+          f"ratios: consistent / fast in time (above 1: consistent slower)")
+    for i, (what, tokens) in enumerate((("prefill", args.prompts * args.prompt_len), ("rollout", generated))):
+        joined = {mode: Samples([w for s in times[mode][i] for w in s.walls],
+                                [c for s in times[mode][i] for c in s.cpus]) for mode in times}
+        comparison = rollout_comparison(joined, loaded_before, loaded_after)
+        print(f"  {what}: {comparison.rounds} runs per mode, ratio {'' if comparison.settled else 'not '}settled "
+              f"between the earlier and the later runs{'; host loaded' if loaded_before or loaded_after else ''}; "
+              f"{tokens} tokens per run; CPU ms: this process's only (the engine runs in its own)")
+        print("  " + row_header(12))
+        for mode, row in zip(joined, format_rows(comparison, baseline="fast", name_width=12)):
+            rates = [tokens / w for w in joined[mode].walls]
+            print(f"  {row}   {tokens / joined[mode].wall.median:9.1f} tokens/s (median), all runs "
+                  f"{[round(r, 1) for r in rates]}")
     print(f"layer: {args.layer_seqs} sequences x {args.layer_len} tokens, one gated delta-net layer, bf16, "
-          f"{args.layer_repeats} alternating repeats")
-    for what, (walls, cpus) in layer.items():
-        a, t = statistics.median(walls["aligned"]), statistics.median(walls["transformers"])
-        print(f"  {what:8s} aligned {a * 1e3:8.1f} ms   transformers {t * 1e3:8.1f} ms   aligned/transformers {a / t:.3f}"
-              f"   (CPU s: aligned {cpus['aligned']:.2f}, transformers {cpus['transformers']:.2f}; "
-              f"min aligned {min(walls['aligned']) * 1e3:.1f} ms, transformers {min(walls['transformers']) * 1e3:.1f} ms)")
+          f"alternating order, {args.layer_repeats} rounds or more until the ratio settles; "
+          f"ratios: model / transformers")
+    for threads, phases in layer.items():
+        for what, comparison in phases.items():
+            print(f"  {what}, torch threads {threads}: {comparison.line()}")
+            print("  " + row_header(14))
+            for row in format_rows(comparison, baseline="transformers", name_width=14):
+                print(f"  {row}")
     print(host_line("after"))
 
 

@@ -8,7 +8,13 @@
    vLLM's weight loader). Each is timed up to the end of a one-token request that uses the
    new weights, so both include what the engine does before it can serve them.
 
-Timings alternate between the two sides; medians and their ratio are printed, with the host ISA.
+Timings alternate between the two sides and repeat until the ratio settles (up to
+``--max-repeats``). Prints the host's load, CPUs and torch threads before and after, and per side:
+minimum and median wall ms, spread ((p75 - p25) / median), median CPU ms of this process, and the
+ratio of the minima and of the medians; rows are flagged UNRELIABLE when the host was loaded or the
+ratio did not settle. Part 1 runs at the default torch thread count and again at one thread (the
+one-thread variant); part 2 at the default count only: the engine's threads are its own process's,
+which this process's torch thread count does not set.
 
     python benchmarks/bench_lora.py [--layers 4 --hidden 512 --rank 32 ...]
 """
@@ -19,7 +25,9 @@ import argparse
 import os
 import tempfile
 
-from bench_aligned_forward import add_run_arguments, add_shape_arguments, build_model_from_args, median_times
+from bench_aligned_forward import (add_run_arguments, add_shape_arguments, build_model_from_args, compare_sides,
+                                   print_comparison)
+from timing import at_threads, host_line, thread_counts
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("ZMRL_NUMERICS", "consistent")
@@ -37,6 +45,7 @@ def parse_args():
 
 def main():
     args = parse_args()
+    print(host_line("before"), flush=True)
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -77,21 +86,21 @@ def main():
             peft.zero_grad(set_to_none=True)
             peft_logprobs().sum().backward()
 
-        fwd_bwd = median_times(aligned_step, peft_step, args.repeats, args.warmup)
         adapter_params = sum(p.numel() for p in aligned.lora.parameters())
         base_params = sum(p.numel() for n, p in aligned.named_parameters() if not n.startswith("lora."))
         print(
             f"model: {args.family} layers={args.layers} hidden={args.hidden} intermediate={args.intermediate} "
             f"heads={args.heads}/{args.kv_heads} vocab={args.vocab}; LoRA r={args.rank} on every linear "
             f"({adapter_params} adapter / {base_params} base parameters); batch {args.batch} x {seq} tokens; "
-            f"torch threads {torch.get_num_threads()}; median of {args.repeats}, timed alternately; "
-            f"host ISA {torch.backends.cpu.get_cpu_capability()} (the figures depend on it)"
+            f"alternating order, {args.repeats} rounds or more until the ratio settles"
         )
         print(f"max |aligned LoRA - PEFT LoRA| logprob: {max_diff:.3g}")
-        print(f"{'':24}{'aligned (s)':>12}{'PEFT (s)':>12}{'ratio':>8}")
-        print(f"{'LoRA forward+backward':24}{fwd_bwd[0]:12.4f}{fwd_bwd[1]:12.4f}{fwd_bwd[0] / fwd_bwd[1]:8.3f}")
+        for threads in thread_counts(args):
+            comparison = at_threads(threads, compare_sides, args, {"aligned": aligned_step, "PEFT": peft_step})
+            print_comparison(f"LoRA forward+backward, torch threads {threads}", comparison, "PEFT")
         if not args.skip_sync:
             sync_times(args, path, aligned, lora_args, seq, tmp)
+    print(host_line("after"))
 
 
 def sync_times(args, path, aligned, lora_args, seq, tmp):
@@ -120,16 +129,14 @@ def sync_times(args, path, aligned, lora_args, seq, tmp):
         llm.generate(prompt, params, use_tqdm=False)
 
     try:
-        adapter_s, full_s = median_times(adapter_sync, full_sync, args.repeats, args.warmup)
+        comparison = compare_sides(args, {"adapter": adapter_sync, "full weights": full_sync})
     finally:
         shutdown_engine(llm)
     size = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
-    print(
-        f"{'sync + 1-token request':24}{adapter_s:12.4f}{full_s:12.4f}{adapter_s / full_s:8.3f}"
-        f"   (adapter {size(list(aligned.lora.parameters())) / 2**20:.2f} MiB vs full "
-        f"{size([t for _, t in base_weights]) / 2**20:.2f} MiB; columns: adapter, full weights)"
-    )
-    del torch
+    print_comparison(
+        f"sync + 1-token request (adapter {size(list(aligned.lora.parameters())) / 2**20:.2f} MiB vs full "
+        f"{size([t for _, t in base_weights]) / 2**20:.2f} MiB), torch threads {torch.get_num_threads()}",
+        comparison, "full weights")
 
 
 if __name__ == "__main__":

@@ -1,13 +1,19 @@
 """Plugin losses vs verl's built-in bypass-mode REINFORCE loss, forward + backward.
 
-Same batch, same process, interleaved runs; prints the median time of each and the ratio
-of medians (plugin / verl). verl's comparison point is `bypass_mode` with
-loss_type=reinforce, token IS and a huge threshold: the same gradient as REINFORCE Zero.
+Same batch, same process, interleaved runs (alternating order, repeated until the ratios settle,
+up to ``--max-repeats``). verl's comparison point is `bypass_mode` with loss_type=reinforce, token
+IS and a huge threshold: the same gradient as REINFORCE Zero.
 
 FlashREINFORCE computes one thing verl's loss does not: the per-token Bernoulli KL of its
 sequence trust region ([FR] sec. 2), in float64 (ten elementwise transcendental functions per
 token, against verl's one exp). That KL is timed on its own, interleaved with the losses, so the
-last line shows what FlashREINFORCE costs beyond it.
+last row shows what FlashREINFORCE costs beyond it.
+
+Prints the host's load, CPUs and torch threads before and after; then, at the default torch
+thread count and again at one thread (the whole comparison has the one-thread variant), per loss:
+minimum and median wall ms, spread ((p75 - p25) / median), median CPU ms of this process, and the
+ratios to verl of the minima and of the medians; rows are flagged UNRELIABLE when the host was
+loaded or the ratios did not settle.
 
     .venv/bin/python benchmarks/bench_losses.py [--batch 256] [--length 2048] [--repeats 15]
 """
@@ -15,14 +21,19 @@ last line shows what FlashREINFORCE costs beyond it.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
+from timing import (UNRELIABLE, add_timing_arguments, at_threads, compare, format_rows, host_line, row_header,
+                    thread_counts)
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+VERL = "verl bypass_mode reinforce"
+KL_ONLY = "flash_reinforce's trust-region KL alone"
+NAME_WIDTH = 42
 
 
 def make_batch(batch: int, length: int, seed: int = 0):
@@ -35,21 +46,29 @@ def make_batch(batch: int, length: int, seed: int = 0):
     return pi, mu, advantages.contiguous(), mask
 
 
-def time_loss(fn, config, pi, mu, advantages, mask) -> float:
-    leaf = pi.clone().requires_grad_(True)
-    start = time.perf_counter()
+def loss_step(fn, config, leaf, mu, advantages, mask) -> None:
     loss, _ = fn(old_log_prob=mu, log_prob=leaf, advantages=advantages, response_mask=mask,
                  loss_agg_mode="seq-mean-token-mean", config=config, rollout_is_weights=None)
     loss.backward()
-    return time.perf_counter() - start
 
 
-def time_kl(formulas, pi, mu, mask) -> float:
+def kl_step(formulas, pi, mu, mask) -> None:
     """The trust-region part of FlashREINFORCE alone: per-token Bernoulli KL and the gate."""
-    start = time.perf_counter()
     token_kl = formulas.sampled_action_bernoulli_kl(pi, mu)
     formulas.sequence_trust_region(token_kl, mask, 0.01)
-    return time.perf_counter() - start
+
+
+def print_comparison(comparison) -> None:
+    print(f"torch threads {comparison.threads}: {comparison.line()}")
+    print(row_header(NAME_WIDTH))
+    for row in format_rows(comparison, baseline=VERL, name_width=NAME_WIDTH):
+        print(row)
+    # What FlashREINFORCE costs beyond its KL: the differences of the minima and of the medians.
+    flash, kl, verl = (comparison.samples[name].wall for name in ("flash_reinforce", KL_ONLY, VERL))
+    least, median = flash.minimum - kl.minimum, flash.median - kl.median
+    print(f"{'flash_reinforce less its KL':<{NAME_WIDTH}}{least * 1e3:>10.2f}{median * 1e3:>11.2f}{'':>18}"
+          f"{least / verl.minimum:>9.3f}x{median / verl.median:>9.3f}x"
+          + (f"  {UNRELIABLE}" if comparison.unreliable else ""))
 
 
 def main() -> None:
@@ -57,7 +76,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--length", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=15)
+    add_timing_arguments(parser)
     args = parser.parse_args()
+    print(host_line("before"), flush=True)
 
     import verl  # noqa: F401  (registers the plugin)
 
@@ -70,35 +91,27 @@ def main() -> None:
     verl_config = actor_config("bypass_mode")
     object.__setattr__(verl_config.policy_loss, "rollout_correction", RolloutCorrectionConfig(
         rollout_is="token", rollout_is_threshold=1e9, bypass_mode=True, loss_type="reinforce"))
-    contenders = {
-        "verl bypass_mode reinforce": (get_policy_loss_fn("bypass_mode"), verl_config),
+    losses = {
+        VERL: (get_policy_loss_fn("bypass_mode"), verl_config),
         "reinforce_zero": (get_policy_loss_fn("reinforce_zero"), actor_config("reinforce_zero")),
         "flash_reinforce": (get_policy_loss_fn("flash_reinforce"), actor_config("flash_reinforce")),
     }
-    kl_only = "flash_reinforce's trust-region KL alone"
-    times: dict[str, list[float]] = {name: [] for name in [*contenders, kl_only]}
-    runs = {name: (lambda fn=fn, config=config: time_loss(fn, config, pi, mu, advantages, mask))
-            for name, (fn, config) in contenders.items()}
-    runs[kl_only] = lambda: time_kl(formulas, pi, mu, mask)
-    for run in runs.values():  # warm-up
-        run()
-    for repeat in range(args.repeats):
-        order = list(runs.items())
-        if repeat % 2:
-            order.reverse()
-        for name, run in order:
-            times[name].append(run())
+    leaf = {}  # a fresh leaf per loss call, made untimed (setup) so only the loss is timed
 
-    baseline = statistics.median(times["verl bypass_mode reinforce"])
-    print(f"batch {args.batch} x {args.length} tokens, fp32, CPU threads {torch.get_num_threads()}, "
-          f"{args.repeats} interleaved repeats, forward + backward; host ISA "
-          f"{torch.backends.cpu.get_cpu_capability()} (the figures depend on it)")
-    print(f"{'loss':<40} {'median ms':>10} {'ratio vs verl':>14}")
-    for name, samples in times.items():
-        median = statistics.median(samples)
-        print(f"{name:<40} {median * 1e3:>10.1f} {median / baseline:>13.2f}x")
-    beyond_kl = statistics.median(times["flash_reinforce"]) - statistics.median(times[kl_only])
-    print(f"{'flash_reinforce less its KL':<40} {beyond_kl * 1e3:>10.1f} {beyond_kl / baseline:>13.2f}x")
+    def new_leaf():
+        leaf["pi"] = pi.clone().requires_grad_(True)
+
+    runs = {name: (lambda fn=fn, config=config: loss_step(fn, config, leaf["pi"], mu, advantages, mask))
+            for name, (fn, config) in losses.items()}
+    runs[KL_ONLY] = lambda: kl_step(formulas, pi, mu, mask)
+    setup = {name: new_leaf for name in losses}
+
+    print(f"batch {args.batch} x {args.length} tokens, fp32, forward + backward, {args.repeats} interleaved "
+          f"repeats or more until the ratios settle; ratios: loss / verl")
+    for threads in thread_counts(args):
+        print_comparison(at_threads(threads, compare, runs, repeats=args.repeats, warmup=1,
+                                    max_repeats=args.max_repeats, setup=setup))
+    print(host_line("after"))
 
 
 if __name__ == "__main__":

@@ -2,8 +2,14 @@
 
 Both models are built from one local Llama-shaped checkpoint and run the same batch of
 equal-length sequences in megatron's sbhd layout ([s, b]); iterations alternate between the two
-models so that machine load affects both alike. Reports the median of each and the ratio
-aligned / stock. Targets: forward <= 1.05x, forward+backward <= 1.15x.
+models (in alternating order) so that machine load affects both alike, and repeat until the ratio
+settles (up to ``--max-repeats``). Targets: forward <= 1.05x, forward+backward <= 1.15x.
+
+Prints the host's load, CPUs and torch threads before and after, and per phase and model: minimum
+and median wall ms, spread ((p75 - p25) / median), median CPU ms of this process, and the ratio
+aligned / stock of the minima and of the medians; rows are flagged UNRELIABLE when the host was
+loaded or the ratio did not settle. The default ``--threads 1`` is itself the one-thread variant;
+with ``--threads N`` (N > 1) both phases run at N threads and again at one.
 
     python benchmarks/bench_megatron_forward.py [--hidden 512 --layers 4 --batch 8 --seq 128]
 """
@@ -12,11 +18,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import tempfile
-import time
 
-from bench_aligned_forward import add_shape_arguments, build_model_from_args
+from bench_aligned_forward import add_shape_arguments, build_model_from_args, print_comparison
+from timing import add_timing_arguments, at_threads, compare, host_line, thread_counts
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -31,7 +36,9 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=15)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
+    add_timing_arguments(parser)
     args = parser.parse_args()
+    print(host_line("before"), flush=True)
 
     import torch
 
@@ -51,45 +58,38 @@ def main() -> None:
     causal = torch.ones(args.seq, args.seq, dtype=torch.bool).triu(1)[None, None]
 
     def run(model, mask, backward):
-        model.zero_grad(set_to_none=True)
-        start = time.perf_counter()
         if backward:
             logits = model(input_ids=ids, position_ids=positions, attention_mask=mask)
             logits.float().log_softmax(-1).gather(-1, ids.unsqueeze(-1)).sum().backward()
         else:
             with torch.no_grad():
                 model(input_ids=ids, position_ids=positions, attention_mask=mask)
-        return time.perf_counter() - start
 
-    results = {}
-    with cpu_stock_megatron():
+    targets = {"forward": 1.05, "forward+backward": 1.15}
+
+    def measure_phases():
         for phase, backward in (("forward", False), ("forward+backward", True)):
             aligned.train(backward)
             stock.train(backward)
-            times = {"aligned": [], "stock": []}
-            for i in range(args.warmup + args.iters):
-                t_aligned = run(aligned, None, backward)
-                t_stock = run(stock, causal, backward)
-                if i >= args.warmup:
-                    times["aligned"].append(t_aligned)
-                    times["stock"].append(t_stock)
-            results[phase] = {k: statistics.median(v) for k, v in times.items()}
+            comparison = compare(
+                {"aligned": lambda: run(aligned, None, backward), "stock": lambda: run(stock, causal, backward)},
+                repeats=args.iters, warmup=args.warmup, max_repeats=args.max_repeats,
+                # gradients cleared untimed, as before every iteration
+                setup={"aligned": lambda: aligned.zero_grad(set_to_none=True),
+                       "stock": lambda: stock.zero_grad(set_to_none=True)})
+            print_comparison(f"  {phase}", comparison, "stock", note=f"; target aligned/stock {targets[phase]:.2f}")
 
     tokens = args.batch * args.seq
     print(
         f"model: hidden {args.hidden}, {args.layers} layers, {args.heads}/{args.kv_heads} heads, "
         f"ffn {args.intermediate}, vocab {vocab}; batch {args.batch} x {args.seq} = {tokens} tokens; "
-        f"{args.threads} thread(s), {args.iters} timed iterations (median); "
-        f"host ISA {torch.backends.cpu.get_cpu_capability()} (the figures depend on it)"
+        f"alternating order, {args.iters} timed iterations or more until the ratio settles; ratios: model / stock"
     )
-    print(f"{'phase':<18}{'stock ms':>10}{'aligned ms':>12}{'ratio':>8}{'target':>8}")
-    for phase, target in (("forward", 1.05), ("forward+backward", 1.15)):
-        r = results[phase]
-        ratio = r["aligned"] / r["stock"]
-        print(
-            f"{phase:<18}{r['stock'] * 1e3:>10.1f}{r['aligned'] * 1e3:>12.1f}{ratio:>7.2f}x"
-            f"{target:>7.2f}x"
-        )
+    with cpu_stock_megatron():
+        for threads in thread_counts(args):
+            print(f"torch threads {threads}:")
+            at_threads(threads, measure_phases)
+    print(host_line("after"))
 
 
 if __name__ == "__main__":

@@ -4,9 +4,15 @@ Layouts: TP 2 on a dense Llama shape (without sequence parallelism: megatron's s
 refuses it without Apex or Transformer Engine), and EP 2 (DP 2, megatron's all-to-all dispatcher) on a
 Qwen3-MoE shape. Each rank builds the aligned model (its engine rank's part) and megatron's stock
 local-spec model of the same checkpoint at the same layout, and runs a batch of equal-length
-sequences (megatron's sbhd layout) through both, alternating, so that load hits both alike.
-Rank 0 reports the median of each and the ratio aligned / stock. Targets: forward <= 1.05x,
-forward+backward <= 1.15x.
+sequences (megatron's sbhd layout) through both, in alternating order, so that load hits both
+alike, repeated until the ratio settles on every rank (up to ``--max-repeats``). Targets: forward
+<= 1.05x, forward+backward <= 1.15x.
+
+Prints the host's load, CPUs and torch threads before and after, and per layout, phase and model
+(rank 0's samples): minimum and median wall ms, spread ((p75 - p25) / median), median CPU ms of
+rank 0's process, and the ratio aligned / stock of the minima and of the medians; rows are flagged
+UNRELIABLE when the host was loaded or the ratio did not settle. The ranks run at one thread each
+(two ranks share the two cores), so the one-thread variant is the only one here.
 
     python benchmarks/bench_megatron_parallel.py [--iters 9 --batch 4 --seq 128]
 """
@@ -14,12 +20,13 @@ forward+backward <= 1.15x.
 from __future__ import annotations
 
 import argparse
+import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
+
+from timing import Comparison, Samples, compare, format_rows, host_is_loaded, host_line, row_header
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -41,6 +48,8 @@ def parse_args(argv=None):
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--iters", type=int, default=9, help="timed iterations of each model (median; at least 7)")
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--max-repeats", type=int, default=None,
+                   help="cap on the iterations while the ratio has not settled (default 3 x --iters)")
     p.add_argument("--rank-of", default=None, help=argparse.SUPPRESS)  # set for the ranks themselves
     p.add_argument("--model-dir", default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -80,34 +89,39 @@ def rank_main(args) -> None:
     causal = torch.ones(args.seq, args.seq, dtype=torch.bool).triu(1)[None, None]
 
     def run(model, mask, backward):
-        model.zero_grad(set_to_none=True)
-        torch.distributed.barrier()
-        start = time.perf_counter()
         if backward:
             logits = model(input_ids=ids, position_ids=positions, attention_mask=mask)
             logits.float().sum().backward()
         else:
             with torch.no_grad():
                 model(input_ids=ids, position_ids=positions, attention_mask=mask)
+        torch.distributed.barrier()  # the time of the slower rank
+
+    def start(model):
+        model.zero_grad(set_to_none=True)
         torch.distributed.barrier()
-        return time.perf_counter() - start
+
+    def every_rank_settled(settled: bool) -> bool:
+        # The ranks stop after the same round, or the barriers of the next one would wait forever.
+        flag = torch.tensor([int(settled)])
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
+        return bool(flag.item())
 
     results = {}
     with cpu_stock_megatron():
         for phase, backward in (("forward", False), ("forward+backward", True)):
             aligned.train(backward)
             stock.train(backward)
-            times = {"aligned": [], "stock": []}
-            for i in range(args.warmup + args.iters):
-                pair = [("aligned", aligned, None), ("stock", stock, causal)]
-                for name, model, mask in (pair if i % 2 == 0 else pair[::-1]):
-                    elapsed = run(model, mask, backward)
-                    if i >= args.warmup:
-                        times[name].append(elapsed)
-            results[phase] = {k: statistics.median(v) for k, v in times.items()}
+            comparison = compare(
+                {"aligned": lambda: run(aligned, None, backward), "stock": lambda: run(stock, causal, backward)},
+                repeats=args.iters, warmup=args.warmup, max_repeats=args.max_repeats,
+                setup={"aligned": lambda: start(aligned), "stock": lambda: start(stock)}, agree=every_rank_settled)
+            results[phase] = dict(
+                samples={name: [s.walls, s.cpus] for name, s in comparison.samples.items()},
+                rounds=comparison.rounds, settled=comparison.settled, loaded_before=comparison.loaded_before,
+                loaded_after=comparison.loaded_after, threads=comparison.threads)
     if rank == 0:
-        print(f"RESULT {args.rank_of} " + " ".join(
-            f"{phase}:{r['stock'] * 1e3:.1f}:{r['aligned'] * 1e3:.1f}" for phase, r in results.items()), flush=True)
+        print(f"RESULT {args.rank_of} {json.dumps(results)}", flush=True)
     torch.distributed.destroy_process_group()
 
 
@@ -118,27 +132,34 @@ def main() -> None:
         return
     if args.iters < 7:
         raise SystemExit("--iters: at least 7 timed iterations")
-    import torch
-
+    print(host_line("before"), flush=True)
     workdir = tempfile.mkdtemp(prefix="bench_megatron_parallel_")
     print(f"2 ranks x 1 thread; batch {args.batch} x {args.seq} tokens per rank, hidden {args.hidden}, "
-          f"{args.layers} layers; {args.iters} timed iterations each, alternating (median); host ISA "
-          f"{torch.backends.cpu.get_cpu_capability()} (the figures depend on it)")
-    print(f"{'layout':<18}{'phase':<18}{'stock ms':>10}{'aligned ms':>12}{'ratio':>8}{'target':>8}")
+          f"{args.layers} layers; alternating order, {args.iters} timed iterations or more until the ratio "
+          f"settles on every rank; ratios: model / stock")
     for name in args.layouts.split(","):
         model_dir = build_checkpoint(args, LAYOUTS[name]["family"], workdir)
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__,
                    "--rank-of", name, "--model-dir", model_dir, "--batch", str(args.batch), "--seq", str(args.seq),
                    "--iters", str(args.iters), "--warmup", str(args.warmup)]
+        if args.max_repeats is not None:
+            command += ["--max-repeats", str(args.max_repeats)]
+        loaded_before = host_is_loaded()  # before the ranks start; they check again around each phase
         done = subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True)
         line = next((l for l in done.stdout.splitlines() if l.startswith("RESULT ")), None)
         if done.returncode != 0 or line is None:
             raise SystemExit(f"{name}: the ranks failed (exit {done.returncode}):\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
-        for entry in line.split()[2:]:
-            phase, stock_ms, aligned_ms = entry.split(":")
+        for phase, result in json.loads(line.split(" ", 2)[2]).items():
+            comparison = Comparison(
+                {side: Samples(walls, cpus) for side, (walls, cpus) in result["samples"].items()}, result["rounds"],
+                result["settled"], loaded_before or result["loaded_before"],
+                result["loaded_after"] or host_is_loaded(), result["threads"])
             target = 1.05 if phase == "forward" else 1.15
-            ratio = float(aligned_ms) / float(stock_ms)
-            print(f"{name:<18}{phase:<18}{float(stock_ms):>10.1f}{float(aligned_ms):>12.1f}{ratio:>7.2f}x{target:>7.2f}x")
+            print(f"{name} {phase}: {comparison.line()}; target aligned/stock {target:.2f}")
+            print(row_header(24))
+            for row in format_rows(comparison, baseline="stock", name_width=24):
+                print(row)
+    print(host_line("after"))
 
 
 if __name__ == "__main__":

@@ -13,8 +13,12 @@ One MoE layer of a tiny Qwen3-MoE (default 8 experts, top-2, hidden 512, expert 
    backward for the input, the router logits and A, B) against a plain torch forward+backward of
    the same layer (``experts_with_lora`` under autograd: a PEFT-style unmerged LoRA on each expert).
 
-Timings alternate between the two sides of each row; medians and their ratio are printed, with
-the host ISA.
+Timings alternate between the two sides of each comparison and repeat until the ratio settles (up
+to ``--max-repeats``). Prints the host's load, CPUs and torch threads before and after; then, at
+the default torch thread count (or ``--threads``) and again at one thread (all three comparisons
+have the one-thread variant), per side: minimum and median wall ms, spread ((p75 - p25) / median),
+median CPU ms of this process, and the ratio first / second of the minima and of the medians; rows
+are flagged UNRELIABLE when the host was loaded or the ratio did not settle.
 
     python benchmarks/bench_moe_lora.py [--tokens 2048 --experts 8 --top-k 2 --rank 32 ...]
 """
@@ -25,7 +29,8 @@ import argparse
 import os
 import tempfile
 
-from bench_aligned_forward import add_run_arguments, median_times
+from bench_aligned_forward import add_run_arguments, compare_sides, print_comparison
+from timing import at_threads, host_line, thread_counts
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("ZMRL_NUMERICS", "consistent")
@@ -45,6 +50,7 @@ def parse_args():
 
 def main():
     args = parse_args()
+    print(host_line("before"), flush=True)
     import torch
 
     from zero_mismatch_plugin.faces.aligned_model import AlignedCausalLM
@@ -100,23 +106,26 @@ def main():
                                 with_adapter.scaling)
         torch.autograd.grad(out.sum(), [xs, ls, *params])
 
-    rows = [
-        ("no adapter: LoRA-capable experts vs fused", median_times(forward(capable), forward(fused),
-                                                                   args.repeats, args.warmup)),
-        ("adapter forward vs fused (no adapter)", median_times(forward(with_adapter), forward(fused),
-                                                               args.repeats, args.warmup)),
-        ("adapter forward+backward: aligned vs torch", median_times(aligned_step, torch_step,
-                                                                    args.repeats, args.warmup)),
-    ]
+    comparisons = {
+        "no adapter": {"LoRA-capable experts": forward(capable), "fused experts": forward(fused)},
+        "adapter forward": {"LoRA-capable + adapter": forward(with_adapter), "fused (no adapter)": forward(fused)},
+        "adapter forward+backward": {"aligned": aligned_step, "torch autograd": torch_step},
+    }
     print(
         f"one Qwen3-MoE layer: {args.experts} experts, top-{args.top_k}, hidden {args.hidden}, expert width "
         f"{args.expert_width}, {args.tokens} tokens; LoRA r={args.rank} (alpha {2 * args.rank}) on every expert's "
-        f"gate, up, down; torch threads {torch.get_num_threads()}; median of {args.repeats}, timed alternately; "
-        f"host ISA {torch.backends.cpu.get_cpu_capability()} (the figures depend on it)"
+        f"gate, up, down; alternating order, {args.repeats} rounds or more until the ratio settles; "
+        f"ratios: row / the second row"
     )
-    print(f"{'':44}{'first (s)':>11}{'second (s)':>12}{'ratio':>8}")
-    for name, (a, b) in rows:
-        print(f"{name:44}{a:11.4f}{b:12.4f}{a / b:8.2f}")
+
+    def measure_all():
+        for title, contenders in comparisons.items():
+            print_comparison(f"  {title}", compare_sides(args, contenders), list(contenders)[-1])
+
+    for threads in thread_counts(args):
+        print(f"torch threads {threads}:")
+        at_threads(threads, measure_all)
+    print(host_line("after"))
 
 
 if __name__ == "__main__":

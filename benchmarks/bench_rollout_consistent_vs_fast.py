@@ -8,9 +8,17 @@ Two workloads on the same tiny model, each timed with two engine settings side b
   tokens), in consistent numerics, with prefix caching on vs off.
 
 One engine is alive at a time (memory): each repeat starts the engine of one setting, times
-``--runs`` rollouts, shuts it down, then does the same for the other setting, alternating. Prints
-generated tokens per second (median over all timed rollouts) and the ratio, plus the host ISA.
-The seeds' anchor is an 8.7% rollout cost of batch invariance on GPUs.
+``--runs`` rollouts, shuts it down, then does the same for the other setting, alternating. The
+seeds' anchor is an 8.7% rollout cost of batch invariance on GPUs.
+
+Prints the host's load, CPUs and torch threads before and after, and per workload and setting:
+minimum and median wall ms per rollout, spread ((p75 - p25) / median), median CPU ms of this
+process (the engine's CPU time is its own process's), the ratio of the minima and of the medians
+(in time: above 1 is slower), and generated tokens/s (median) with every run; rows are flagged
+UNRELIABLE when the host was loaded or the ratio did not agree between the earlier and the later
+runs. No part has a one-thread variant or repeats until stable: the whole benchmark is engine
+rollouts, each extra run an engine start, and the engine's threads are not this process's torch
+setting.
 
     python benchmarks/bench_rollout_consistent_vs_fast.py [--layers 4 --hidden 512 --prompts 32 ...] [--dtype bfloat16]
 
@@ -22,11 +30,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import tempfile
-import time
 
 from bench_aligned_forward import add_dtype_argument, add_shape_arguments, build_model_from_args
+from timing import Comparison, Samples, format_rows, halves_agree, host_is_loaded, host_line, row_header, timed
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -79,7 +86,8 @@ def multi_turn(llm, prompts, user_turns, max_tokens):
 
 
 def time_setting(path, max_model_len, mode, prefix_caching, workload, runs, dtype="float32"):
-    """Start one engine with ``mode`` / ``prefix_caching``, warm up, time ``runs`` workloads."""
+    """Start one engine with ``mode`` / ``prefix_caching``, warm up, time ``runs`` workloads:
+    (their samples, generated tokens of one workload, most prompt tokens one took from the cache)."""
     from vllm import LLM
 
     from zero_mismatch_plugin.aligned import numerics
@@ -94,33 +102,51 @@ def time_setting(path, max_model_len, mode, prefix_caching, workload, runs, dtyp
     try:
         assert bool(llm.llm_engine.vllm_config.cache_config.enable_prefix_caching) is prefix_caching
         workload(llm)
-        rates, extra = [], []
+        samples, tokens, cached = Samples(), 0, 0
         for _ in range(runs):
-            t0 = time.perf_counter()
-            result = workload(llm)
-            seconds = time.perf_counter() - t0
+            wall, cpu, result = timed(lambda: workload(llm))
+            samples.add(wall, cpu)
             tokens = result[0] if isinstance(result, tuple) else result
-            rates.append(tokens / seconds)
-            extra.append(result[1] if isinstance(result, tuple) else 0)
-        return rates, extra
+            cached = max(cached, result[1] if isinstance(result, tuple) else 0)
+        return samples, tokens, cached
     finally:
         shutdown_engine(llm)
 
 
-def compare(label_a, setting_a, label_b, setting_b, repeats):
-    """Alternate engine starts of two settings; medians of tokens/s."""
-    rates = {label_a: [], label_b: []}
-    extra = {label_a: [], label_b: []}
+def compare_settings(label_a, setting_a, label_b, setting_b, repeats):
+    """Alternate engine starts of two settings: (a comparison of their rollouts, generated tokens
+    per rollout, most prompt tokens a rollout of each took from the cache)."""
+    samples = {label_a: Samples(), label_b: Samples()}
+    cached = {label_a: 0, label_b: 0}
+    loaded_before = host_is_loaded()
     for _ in range(repeats):
         for label, setting in ((label_a, setting_a), (label_b, setting_b)):
-            r, e = setting()
-            rates[label] += r
-            extra[label] += e
-    return {k: statistics.median(v) for k, v in rates.items()}, {k: max(v) for k, v in extra.items()}, rates
+            runs, tokens, most_cached = setting()
+            samples[label].walls += runs.walls
+            samples[label].cpus += runs.cpus
+            cached[label] = max(cached[label], most_cached)
+    # "settled": the ratio agrees between the earlier and the later runs (no more runs are added:
+    # each would be an engine start); threads 0: the engine's own, not this process's setting.
+    settled = halves_agree(samples[label_a], samples[label_b])
+    comparison = Comparison(samples, len(samples[label_a].walls), settled, loaded_before, host_is_loaded(), 0)
+    return comparison, tokens, cached
+
+
+def print_settings(comparison, tokens: int, baseline: str, notes: dict[str, str] | None = None) -> None:
+    """Rows of the shared format (ms per rollout), then tokens/s and every run's rate."""
+    loaded = comparison.loaded_before or comparison.loaded_after
+    print(f"  ratio {'' if comparison.settled else 'not '}settled between the earlier and the later runs"
+          f"{'; host loaded' if loaded else ''}; {tokens} generated tokens per rollout")
+    print("  " + row_header(20))
+    for (label, samples), row in zip(comparison.samples.items(),
+                                     format_rows(comparison, baseline=baseline, name_width=20)):
+        print(f"  {row}   {tokens / samples.wall.median:8.1f} tokens/s{(notes or {}).get(label, '')}")
+        print(f"    all runs (tokens/s): {[round(tokens / w, 1) for w in samples.walls]}")
 
 
 def main():
     args = parse_args()
+    print(host_line("before"), flush=True)
     import torch
 
     gen = torch.Generator().manual_seed(0)
@@ -146,33 +172,28 @@ def main():
                 lambda llm: multi_turn(llm, prompts, user_turns, args.max_tokens), args.runs, args.dtype,
             )
 
-        numerics_medians, _, numerics_all = compare(
+        numerics, numerics_tokens, _ = compare_settings(
             "consistent", single("consistent"), "fast", single("fast"), args.repeats
         )
-        caching_medians, cached, caching_all = compare(
+        caching, caching_tokens, cached = compare_settings(
             "prefix caching on", multi(True), "prefix caching off", multi(False), args.repeats
         )
 
     print(
         f"model: {args.family} layers={args.layers} hidden={args.hidden} intermediate={args.intermediate} "
         f"heads={args.heads}/{args.kv_heads} vocab={args.vocab}; {args.dtype}, eager; "
-        f"{args.repeats} engine starts per setting, alternating, {args.runs} timed rollouts each; "
-        f"host ISA {torch.backends.cpu.get_cpu_capability()} (the figures depend on it)"
+        f"{args.repeats} engine starts per setting, alternating, {args.runs} timed rollouts each"
     )
-    print(f"single turn: {args.prompts} prompts x {args.prompt_len} tokens, {args.max_tokens} new tokens each")
-    c, f = numerics_medians["consistent"], numerics_medians["fast"]
-    print(f"  consistent {c:8.1f} tokens/s   fast {f:8.1f} tokens/s   consistent/fast {c / f:.3f}")
-    print(f"    all runs: consistent {[round(x, 1) for x in numerics_all['consistent']]}, fast {[round(x, 1) for x in numerics_all['fast']]}")
+    print(f"single turn: {args.prompts} prompts x {args.prompt_len} tokens, {args.max_tokens} new tokens each; "
+          f"ratios: setting / fast")
+    print_settings(numerics, numerics_tokens, "fast")
     print(
         f"multi-turn (consistent numerics): {args.prompts} conversations x {args.turns} turns, "
-        f"{args.max_tokens} new tokens + {args.user_len} user tokens per turn"
+        f"{args.max_tokens} new tokens + {args.user_len} user tokens per turn; ratios: setting / caching off"
     )
-    on, off = caching_medians["prefix caching on"], caching_medians["prefix caching off"]
-    print(
-        f"  prefix caching on {on:8.1f} tokens/s ({cached['prefix caching on']} prompt tokens from cache)   "
-        f"off {off:8.1f} tokens/s ({cached['prefix caching off']} from cache)   on/off {on / off:.3f}"
-    )
-    print(f"    all runs: on {[round(x, 1) for x in caching_all['prefix caching on']]}, off {[round(x, 1) for x in caching_all['prefix caching off']]}")
+    print_settings(caching, caching_tokens, "prefix caching off",
+                   {label: f" ({n} prompt tokens from cache)" for label, n in cached.items()})
+    print(host_line("after"))
 
 
 if __name__ == "__main__":

@@ -5,14 +5,23 @@ Two parts, either or both:
 
 * ``--part forward``: one verl ``FSDPEngineWithLMHead`` (fsdp2, fp32, the CPU platform, one gloo
   rank) built in this process from the cpu_smoke model; the same micro-batch goes through verl's
-  ``forward_step`` with the aligned patch (``fsdp_engine``) removed and applied, alternating, so
-  load from other processes hits both alike. Timed: the no-grad forward (verl's old-logprob
-  recompute) and forward + backward (the training micro-step). Medians and their ratio.
+  ``forward_step`` with the aligned patch (``fsdp_engine``) removed and applied, in alternating
+  order, so load from other processes hits both alike, ``--repeats`` rounds or more until the
+  ratio settles (up to ``--max-repeats``). Timed: the no-grad forward (verl's old-logprob
+  recompute) and forward + backward (the training micro-step), at the default torch thread count
+  and again at one thread (this part has the one-thread variant).
 * ``--part step``: ``zmrl recipes run cpu_smoke`` (real verl processes: Ray, vLLM rollout,
   FSDP actor) in ``trainer.v1.trainer_mode=sync`` and ``colocate_async``, and ``cpu_smoke_megatron``
   (verl's Megatron engine) aligned and stock (``--allow-unaligned-trainer``), alternating; verl's own
   ``timing_s/step``, ``old_log_prob`` (the actor's forward) and ``update_actor`` (forward + backward
-  + optimizer) of every step after the first (the first pays for warm-up), medians.
+  + optimizer) of every step after the first (the first pays for warm-up). No one-thread variant
+  and no repeats until stable here: each run is a whole verl run in its own processes; at least
+  four steps per side (e.g. ``--step-repeats 2``) are needed to tell whether the ratio settled.
+
+Prints the host's load, CPUs and torch threads before and after, and per side: minimum and median
+ms, spread ((p75 - p25) / median), median CPU ms of this process (the forward part; "-" in the step
+part, whose work is other processes'), and the ratio of the minima and of the medians; rows are
+flagged UNRELIABLE when the host was loaded or the ratio did not settle.
 
     .venv/bin/python benchmarks/bench_verl_cpu_step.py [--part forward|step|both] [--engine fsdp|megatron|both]
         [--repeats 5] [--batch 4] [--steps 4] [--step-repeats 1]
@@ -22,10 +31,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import tempfile
-import time
 from pathlib import Path
+
+from timing import (Comparison, Samples, add_timing_arguments, at_threads, compare, format_rows, halves_agree,
+                    host_is_loaded, host_line, row_header, thread_counts)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -77,11 +87,11 @@ def _micro_batch(batch: int, prompt_len: int, response_len: int, vocab: int):
     return micro_batch
 
 
-def _timed(function, repeats_inner: int = 3) -> float:
-    start = time.perf_counter()
-    for _ in range(repeats_inner):
-        function()
-    return (time.perf_counter() - start) / repeats_inner
+def _print_comparison(title: str, comparison, baseline: str) -> None:
+    print(f"  {title}: {comparison.line()}")
+    print("  " + row_header(20))
+    for row in format_rows(comparison, baseline=baseline, name_width=20):
+        print(f"  {row}")
 
 
 def bench_forward(args) -> None:
@@ -107,25 +117,24 @@ def bench_forward(args) -> None:
         loss.backward()
         engine.optimizer_zero_grad()
 
-    times = {(side, kind): [] for side in ("stock", "aligned") for kind in ("forward", "forward+backward")}
-    for side in ("stock", "aligned"):  # warm-up: the first aligned call builds the vLLM runtime and ops
-        (fsdp_engine.apply if side == "aligned" else fsdp_engine.remove)()
-        no_grad(), with_grad()
-    for _ in range(args.repeats):
-        for side in ("stock", "aligned"):
-            (fsdp_engine.apply if side == "aligned" else fsdp_engine.remove)()
-            times[(side, "forward")].append(_timed(no_grad))
-            times[(side, "forward+backward")].append(_timed(with_grad))
+    # The patch is switched untimed before every call; the first aligned call (warm-up) builds the
+    # vLLM runtime and ops.
+    switch = {"stock": fsdp_engine.remove, "aligned": fsdp_engine.apply}
+
+    def measure():
+        return {kind: compare({"stock": fn, "aligned": fn}, repeats=args.repeats, warmup=1,
+                              max_repeats=args.max_repeats, setup=switch)
+                for kind, fn in (("forward", no_grad), ("forward+backward", with_grad))}
+
+    results = {threads: at_threads(threads, measure) for threads in thread_counts(args)}
     fsdp_engine.remove()
     tokens = args.batch * (args.prompt_len + args.response_len)
     print(f"verl FSDPEngineWithLMHead.forward_step, fsdp2 fp32, 1 rank, cpu_smoke model, micro-batch "
-          f"{args.batch} x {args.prompt_len + args.response_len} tokens ({tokens}), "
-          f"torch threads {torch.get_num_threads()}, {args.repeats} alternating repeats (medians):")
-    for kind in ("forward", "forward+backward"):
-        stock = statistics.median(times[("stock", kind)])
-        aligned = statistics.median(times[("aligned", kind)])
-        print(f"  {kind:17s} stock {stock * 1e3:8.2f} ms   aligned {aligned * 1e3:8.2f} ms   "
-              f"aligned/stock {aligned / stock:5.2f}x")
+          f"{args.batch} x {args.prompt_len + args.response_len} tokens ({tokens}), alternating order, "
+          f"{args.repeats} rounds or more until the ratio settles; ratios: side / stock")
+    for threads, kinds in results.items():
+        for kind, comparison in kinds.items():
+            _print_comparison(f"{kind}, torch threads {threads}", comparison, "stock")
 
 
 # ----- seconds per verl step ------------------------------------------------------------------
@@ -148,10 +157,14 @@ def _run_seconds(work: Path, name: str, inputs: dict, overrides: list[str], reci
 STEP_TIMINGS = ("step", "old_log_prob", "update_actor")
 
 
-def _print_medians(seconds: dict, first: str, second: str) -> None:
-    for key in STEP_TIMINGS:
-        a, b = (statistics.median(seconds[side][key]) for side in (first, second))
-        print(f"  {key:13s} {first} {a:6.3f} s   {second} {b:6.3f} s   {second}/{first} {b / a:5.2f}x")
+def _step_comparison(seconds: dict, sides: tuple[str, ...], key: str, loaded: tuple[bool, bool]) -> Comparison:
+    """verl's ``key`` timings of ``sides`` as a comparison (no CPU time: verl's processes did the
+    work); "settled" says whether the ratio agrees between the earlier and the later steps."""
+    samples = {side: Samples(list(seconds[side][key]), []) for side in sides}
+    first, *others = samples.values()
+    settled = all(halves_agree(first, other) for other in others)
+    threads = 0  # verl's processes' own threads, not this process's setting
+    return Comparison(samples, len(first.walls), settled, *loaded, threads)
 
 
 def bench_step(args) -> None:
@@ -170,20 +183,30 @@ def bench_step(args) -> None:
         runs["megatron_aligned"] = (MEGATRON_RECIPE_NAME, [])
         runs["megatron_stock"] = (MEGATRON_RECIPE_NAME, ["--allow-unaligned-trainer"])
     seconds = {name: {key: [] for key in STEP_TIMINGS} for name in runs}
+    loaded_before = host_is_loaded()
     for repeat in range(args.step_repeats):
         for name, (recipe, overrides) in runs.items():
             for key, values in _run_seconds(work, f"{name}-{repeat}", inputs, overrides, recipe, args.steps).items():
                 seconds[name][key] += values
-    print(f"seconds per verl step (cpu_smoke recipes, {args.steps} steps per run, first step excluded, "
-          f"{args.step_repeats} alternating run(s) each, medians):")
-    for name, values in seconds.items():
-        steps = values["step"]
-        print(f"  {name:17s} step median {statistics.median(steps):6.2f} s  ({', '.join(f'{v:.2f}' for v in steps)})")
+    loaded = (loaded_before, host_is_loaded())
+    print(f"verl's own timings per step (cpu_smoke recipes, {args.steps} steps per run, first step excluded, "
+          f"{args.step_repeats} alternating run(s) each); CPU: not measured (verl's processes)")
+    pairs = []
     if "sync" in seconds:
-        print(f"  async/sync {statistics.median(seconds['colocate_async']['step']) / statistics.median(seconds['sync']['step']):.2f}x")
+        pairs.append(("FSDP engine, colocate_async vs sync", ("colocate_async", "sync")))
     if "megatron_aligned" in seconds:
-        print("verl's Megatron engine, aligned vs stock actor, verl's own timings:")
-        _print_medians(seconds, "megatron_stock", "megatron_aligned")
+        pairs.append(("verl's Megatron engine, aligned vs stock actor", ("megatron_aligned", "megatron_stock")))
+    for title, sides in pairs:
+        print(f"{title}; ratios: side / {sides[-1]}")
+        for key in STEP_TIMINGS:
+            comparison = _step_comparison(seconds, sides, key, loaded)
+            print(f"  {key}: {comparison.rounds} steps per side, ratio "
+                  f"{'' if comparison.settled else 'not '}settled between the earlier and the later steps")
+            print("  " + row_header(20))
+            for row in format_rows(comparison, baseline=sides[-1], name_width=20):
+                print(f"  {row}")
+        for side in sides:
+            print(f"  every step, {side}: {', '.join(f'{v:.2f}' for v in seconds[side]['step'])} s")
 
 
 def main() -> None:
@@ -194,16 +217,16 @@ def main() -> None:
     for flag, default in (("--repeats", 5), ("--batch", 4), ("--prompt-len", 24), ("--response-len", 8),
                           ("--steps", 4), ("--step-repeats", 1)):
         parser.add_argument(flag, type=int, default=default)
+    add_timing_arguments(parser)
     args = parser.parse_args()
     # verl's CPU platform for the engine built here: chosen before the plugin or verl is imported.
     os.environ["ZMRL_VERL_PLATFORM"] = "cpu"
-    import torch
-
-    print(f"host ISA {torch.backends.cpu.get_cpu_capability()} (the figures depend on it), {os.cpu_count()} CPUs")
+    print(host_line("before"), flush=True)
     if args.part in ("step", "both"):
         bench_step(args)  # subprocesses first: the forward part initializes a process group here
     if args.part in ("forward", "both"):
         bench_forward(args)
+    print(host_line("after"))
 
 
 if __name__ == "__main__":
