@@ -16,13 +16,8 @@ from zero_mismatch_plugin.algorithms.formulas import (
     effective_sample_size_fraction,
     k3_divergence,
     log_ratio_cap,
-    masked,
     token_log_importance_ratio,
 )
-
-
-def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return masked(values, mask).sum() / mask.to(values.dtype).sum().clamp(min=1)
 
 
 def _in_compute_dtype(*tensors: torch.Tensor) -> list[torch.Tensor]:
@@ -32,19 +27,34 @@ def _in_compute_dtype(*tensors: torch.Tensor) -> list[torch.Tensor]:
     return [tensor.detach().to(dtype) for tensor in tensors]
 
 
+def _masked_log_ratio(log_prob: torch.Tensor, reference_log_prob: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``log_prob - reference_log_prob`` at response tokens, exactly 0 elsewhere: every statistic
+    below reads the padding as a zero log-ratio (ratio 1, D3 0) and masks what a zero would still
+    count. Reductions over the whole tensor replace boolean selections (``x[mask]``), which cost
+    three quarters of the metrics' time in a nonzero and a gather each."""
+    return torch.where(mask, token_log_importance_ratio(log_prob, reference_log_prob), 0.0)
+
+
 def _gap_statistics(log_prob: torch.Tensor, reference_log_prob: torch.Tensor, log_ratio: torch.Tensor,
-                    mask: torch.Tensor, max_log_ratio: float = MAX_LOG_IMPORTANCE_RATIO) -> dict[str, float]:
-    """The four gap statistics shared by every logprob comparison; ``log_ratio`` is
-    ``log_prob - reference_log_prob`` and ``mask`` selects at least one token."""
-    selected_log_ratio = log_ratio[mask]
+                    mask: torch.Tensor, tokens: torch.Tensor,
+                    max_log_ratio: float = MAX_LOG_IMPORTANCE_RATIO) -> dict[str, torch.Tensor]:
+    """The four gap statistics shared by every logprob comparison, as 0-d tensors; ``log_ratio``
+    is :func:`_masked_log_ratio`, ``tokens`` the count of response tokens (at least one)."""
+    lowest, highest = torch.aminmax(log_ratio)
     return {
         # k1 estimator of KL(reference || current): E[log ref - log cur]
-        "kl": (-selected_log_ratio).mean().item(),
-        # k3 = w - 1 - log w: the REINFORCE Zero paper's per-token D3
-        "k3_kl": _masked_mean(k3_divergence(log_ratio.clamp(max=max_log_ratio)), mask).item(),
-        "bitwise_equal_fraction": (log_prob[mask] == reference_log_prob[mask]).float().mean().item(),
-        "log_prob_abs_diff_max": selected_log_ratio.abs().max().item(),
+        "kl": -log_ratio.sum() / tokens,
+        # k3 = w - 1 - log w: the REINFORCE Zero paper's per-token D3 (0 at padding)
+        "k3_kl": k3_divergence(log_ratio.clamp(max=max_log_ratio)).sum() / tokens,
+        "bitwise_equal_fraction": ((log_prob == reference_log_prob) & mask).sum() / tokens,
+        "log_prob_abs_diff_max": torch.maximum(-lowest, highest),
     }
+
+
+def _as_floats(statistics: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Every statistic read back at once (one stack, one copy to Python floats)."""
+    values = torch.stack([value.to(torch.float64) for value in statistics.values()]).tolist()
+    return dict(zip(statistics, values))
 
 
 @torch.no_grad()
@@ -69,8 +79,9 @@ def log_prob_gap_metrics(log_prob: torch.Tensor, reference_log_prob: torch.Tenso
     if not bool(mask.any()):
         return {}
     log_prob, reference_log_prob = _in_compute_dtype(log_prob, reference_log_prob)
-    log_ratio = token_log_importance_ratio(log_prob, reference_log_prob)
-    return _gap_statistics(log_prob, reference_log_prob, log_ratio, mask)
+    log_ratio = _masked_log_ratio(log_prob, reference_log_prob, mask)
+    tokens = mask.sum().to(torch.float64)  # exact past 2^24 tokens
+    return _as_floats(_gap_statistics(log_prob, reference_log_prob, log_ratio, mask, tokens))
 
 
 @torch.no_grad()
@@ -91,15 +102,16 @@ def importance_sampling_metrics(log_prob: torch.Tensor, behaviour_log_prob: torc
         return {}
     max_log_ratio = log_ratio_cap(log_prob.dtype)
     log_prob, behaviour_log_prob = _in_compute_dtype(log_prob, behaviour_log_prob)
-    log_ratio = token_log_importance_ratio(log_prob, behaviour_log_prob)
-    ratio = torch.exp(log_ratio.clamp(max=max_log_ratio))
-    selected_ratio = ratio[mask]
-    gap = _gap_statistics(log_prob, behaviour_log_prob, log_ratio, mask, max_log_ratio)
-    return {
-        "rollout_corr/rollout_is_mean": selected_ratio.mean().item(),
-        "rollout_corr/rollout_is_min": selected_ratio.min().item(),
-        "rollout_corr/rollout_is_max": selected_ratio.max().item(),
-        "rollout_corr/rollout_is_eff_sample_size": effective_sample_size_fraction(ratio, mask).item(),
+    log_ratio = _masked_log_ratio(log_prob, behaviour_log_prob, mask)
+    tokens = mask.sum().to(torch.float64)  # exact past 2^24 tokens
+    ratio = torch.exp(log_ratio.clamp(max=max_log_ratio))  # 1 at padding
+    selected_ratio = torch.where(mask, ratio, 0.0)
+    gap = _gap_statistics(log_prob, behaviour_log_prob, log_ratio, mask, tokens, max_log_ratio)
+    statistics = {
+        "rollout_corr/rollout_is_mean": selected_ratio.sum() / tokens,
+        "rollout_corr/rollout_is_min": torch.where(mask, ratio, torch.inf).amin(),
+        "rollout_corr/rollout_is_max": selected_ratio.amax(),
+        "rollout_corr/rollout_is_eff_sample_size": effective_sample_size_fraction(ratio, mask),
         # k1 estimator of KL(mu || pi): E_mu[log mu - log pi]  (verl: rollout_corr/kl)
         "rollout_corr/kl": gap["kl"],
         # k3 = w - 1 - log w with w = pi/mu  (verl: rollout_corr/k3_kl)
@@ -107,6 +119,7 @@ def importance_sampling_metrics(log_prob: torch.Tensor, behaviour_log_prob: torc
         # Kernel mismatch shows up here first: at lag 0 with aligned kernels this is 1.0.
         "zero_mismatch/bitwise_equal_fraction": gap["bitwise_equal_fraction"],
         "zero_mismatch/log_prob_abs_diff_max": gap["log_prob_abs_diff_max"],
-        "zero_mismatch/is_log_ratio_capped_fraction":
-            (log_ratio[mask] > max_log_ratio).float().mean().item(),
+        # Padding's log-ratio is 0, below any cap.
+        "zero_mismatch/is_log_ratio_capped_fraction": (log_ratio > max_log_ratio).sum() / tokens,
     }
+    return _as_floats(statistics)
