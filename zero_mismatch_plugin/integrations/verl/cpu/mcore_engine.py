@@ -17,7 +17,6 @@ from functools import partial
 
 import torch
 
-from zero_mismatch_plugin.integrations.megatron.cpu_patches import host_torch
 from zero_mismatch_plugin.integrations.patches import FunctionPatch, apply, is_applied, patch_at, remove
 from zero_mismatch_plugin.tables import upstream_versions
 
@@ -198,18 +197,6 @@ MODEL_ON_HOST = mbridge_patch(
 )
 
 
-# mbridge's pipeline-parallel export receives a stage's parameter into a buffer on
-# torch.cuda.current_device(), and its export of router expert biases moves them there.
-PIPELINE_EXPORT_ON_HOST = [
-    mbridge_patch(f"{module}:torch", host_torch, name=f"mbridge-{label}-on-host",
-                  why=f"mbridge's {what} on torch.cuda.current_device()")
-    for module, label, what in (
-        ("mbridge.core.util", "pipeline-broadcast", "broadcast_from_megatron_pp allocates the receiving stage's buffer"),
-        ("mbridge.core.bridge", "export", "export_weights puts router expert biases"),
-    )
-]
-
-
 def _nothing_to_move(original):
     def move(models, *args, **kwargs):
         if torch.cuda.is_available():
@@ -240,7 +227,7 @@ OFFLOAD_TO_HOST = verl_engine_patch(
 )
 
 PATCHES: list[FunctionPatch] = [LOCAL_LAYER_SPEC, LOCAL_PARAMETER_NAMES, LOCAL_EXPERT_NAMES,
-                                LOCAL_EXPERTS_LOADED_BY_THEIR_RANK, MODEL_ON_HOST, *PIPELINE_EXPORT_ON_HOST,
+                                LOCAL_EXPERTS_LOADED_BY_THEIR_RANK, MODEL_ON_HOST,
                                 LOAD_TO_DEVICE, OFFLOAD_TO_HOST]
 
 
