@@ -147,15 +147,18 @@ def _without_local_experts(every_name, model, consider_ep=True):
 
 
 def _load_own_local_experts(bridge, model) -> None:
-    """This rank's local experts from the checkpoint: each whole, then this rank's share of it over
-    the expert-tensor-parallel group (mbridge's split, under the experts' grouped names)."""
+    """This rank's local experts from the checkpoint, read in one pass over its files (a read per
+    expert would open every file again without an index): each whole, then this rank's share of it
+    over the expert-tensor-parallel group (mbridge's split, under the experts' grouped names)."""
     state = model.state_dict()
     experts = {local: name for local, name in bridge._weight_name_mapping_mcore_local_to_global(model).items()
                if _LOCAL_EXPERT.search(local)}
+    if not experts:  # a dense model: nothing to read
+        return
+    hf_names = {local: bridge._weight_name_mapping_mcore_to_hf(name) for local, name in experts.items()}
+    loaded = bridge.safetensor_io.load_some_hf_weight([n for names in hf_names.values() for n in names])
     for local, name in experts.items():
-        hf_names = bridge._weight_name_mapping_mcore_to_hf(name)
-        loaded = bridge.safetensor_io.load_some_hf_weight(hf_names)
-        whole = bridge._weight_to_mcore_format(name, [loaded[hf_name] for hf_name in hf_names])
+        whole = bridge._weight_to_mcore_format(name, [loaded[n] for n in hf_names[local]])
         param = state[local]
         share = list(bridge._weight_split_across_tp(name, whole, param, bridge.mpu.etp_size))[bridge.mpu.etp_rank]
         param.copy_(share.to(param.dtype))
