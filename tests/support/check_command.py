@@ -1,8 +1,16 @@
-"""``zmrl check`` as a user runs it, for the tests of its layouts: its table and its JSON report."""
+"""``zmrl check`` as a user runs it, for the tests of its layouts: its table and its JSON report.
+
+A module that already holds an engine and torchrun ranks can lend them to the command
+(:func:`lent_engine_and_ranks`): the command line, its checks and its backend run as they are,
+only the engine start and the ranks' start are skipped.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import json
+
+import pytest
 
 from support.vllm_session import MAX_MODEL_LEN
 
@@ -16,3 +24,43 @@ def run_check(model, flags: list[str], tmp_path, capsys, num_prompts: int = 4) -
                      str(MAX_MODEL_LEN), "--num-prompts", str(num_prompts), "--quiet", "--json", str(out)])
     table = capsys.readouterr().out
     return code, table, json.loads(out.read_text())
+
+
+class _LentRanks:
+    """Stands in for ``RankGroup(layout)`` in the check's backend: the lent group, for any layout of
+    its size; the backend's ``close`` leaves it running for the module's other tests."""
+
+    def __init__(self, group, world_size: int):
+        self.group, self.world_size, self.layouts = group, world_size, []
+
+    def __call__(self, layout, *args, **kwargs):
+        assert layout.world_size == self.world_size, (layout, self.world_size)
+        self.layouts.append(layout.name)
+        return self
+
+    def call(self, *args, **kwargs):
+        return self.group.call(*args, **kwargs)
+
+    def close(self) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def lent_engine_and_ranks(settings, llm, group=None, world_size: int = 2):
+    """While open, ``zmrl check`` runs on ``llm`` (started from the checker's ``settings``; a check
+    asking other engine arguments fails) and, if given, on the running RankGroup ``group`` of
+    ``world_size`` ranks. Yields the names of the layouts the ranks were asked for."""
+    from zero_mismatch_plugin.integrations.megatron import rank_group
+    from zero_mismatch_plugin.tools.checker import engine as checker_engine
+
+    @contextlib.contextmanager
+    def module_engine(asked):
+        assert asked.llm_args == settings.llm_args and asked.lora_dir == settings.lora_dir, (asked, settings)
+        yield llm
+
+    ranks = _LentRanks(group, world_size)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(checker_engine, "open_engine", module_engine)
+        if group is not None:
+            patch.setattr(rank_group, "RankGroup", ranks)
+        yield ranks.layouts

@@ -14,7 +14,9 @@ check command at TP 2 + SP runs there and on Qwen3-MoE at TP 2 + SP x EP 2.
 Cost: one TP-2 engine per checkpoint (~20 s each), one torchrun of two ranks that scores every
 checkpoint and takes one training step on Llama and one on Qwen3-MoE (~40 s), and one torchrun of
 four one-thread ranks for the combined layout (~40 s), and a TP-2 LoRA engine with its check and
-three calls on the two ranks (~70 s); everything below is asserted from those runs.
+three calls on the same two ranks (~50 s); everything below is asserted from those runs. The
+check command as a user runs it, starting its own TP-2 engine and ranks, runs once, on Qwen3-MoE
+at TP 2 + SP x EP 2 (~40 s).
 """
 
 from __future__ import annotations
@@ -311,6 +313,7 @@ def tp2_lora(mg_checkpoints, tmp_path_factory, tp2_group):
     checkpoint with the adapter merged; the stepped adapter, gathered whole, is loaded into the
     engine as a new adapter, which samples again; the ranks score that rollout, and the first,
     with the stepped adapter built from its files."""
+    from support.check_command import lent_engine_and_ranks
     from zero_mismatch_plugin.aligned.lora.adapter import build_adapter
     from zero_mismatch_plugin.aligned.lora.peft import lora_request, read_lora_config, write_peft_adapter
     from zero_mismatch_plugin.integrations.megatron.distributed import ScoreRequest
@@ -326,17 +329,12 @@ def tp2_lora(mg_checkpoints, tmp_path_factory, tp2_group):
     layouts = [Layout(TP, sequence_parallel=True)]
     prompts = prompts_for(mg_checkpoints["llama"], corpus_seed=11)
     out = SimpleNamespace(settings=settings, adapter=adapter, stepped=root / "stepped")
-    with checker_engine.open_engine(settings) as llm, pytest.MonkeyPatch.context() as patch:
-        @contextlib.contextmanager
-        def module_engine(asked):
-            assert asked == settings
-            yield llm
-
-        patch.setattr(checker_engine, "open_engine", module_engine)
-        out.check_code = cli.main(["check", "--model", str(mg_checkpoints["llama"]), "--trainer", "megatron",
-                                   "--tensor-parallel", "2", "--sequence-parallel", "--lora", str(adapter),
-                                   "--max-model-len", str(ENGINE_KWARGS["max_model_len"]), "--quiet",
-                                   "--json", str(root / "check.json")])
+    with checker_engine.open_engine(settings) as llm:
+        with lent_engine_and_ranks(settings, llm, group=tp2_group) as out.check_layouts:
+            out.check_code = cli.main(["check", "--model", str(mg_checkpoints["llama"]), "--trainer", "megatron",
+                                       "--tensor-parallel", "2", "--sequence-parallel", "--lora", str(adapter),
+                                       "--max-model-len", str(ENGINE_KWARGS["max_model_len"]), "--quiet",
+                                       "--json", str(root / "check.json")])
         out.check_report = (root / "check.json").read_text()
         out.rollout = rollout(llm, prompts, seed=3, lora_request=llm.lora_request)
         merged = merged_checkpoint(mg_checkpoints["llama"], adapter, root / "merged")
@@ -359,6 +357,7 @@ def test_zmrl_check_with_lora_at_tp2_sp_passes_every_check(tp2_lora):
     import json
 
     assert tp2_lora.check_code == 0
+    assert tp2_lora.check_layouts == ["tp2-sp"]  # on the module's two ranks
     report = json.loads(tp2_lora.check_report)
     assert all(entry["pass"] is not False for entry in report.values()), report
     assert report["sampled_token"]["bitwise_equal_fraction"] == 1.0

