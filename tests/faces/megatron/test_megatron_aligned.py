@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from support.vllm_session import float64_hf_model, hf_token_logprobs
+from support.vllm_session import MAX_MODEL_LEN, float64_hf_model, hf_token_logprobs
 from zero_mismatch_plugin.aligned import pack
 from zero_mismatch_plugin.faces.megatron import convert
 from zero_mismatch_plugin.integrations.megatron.standalone import (
@@ -203,25 +203,33 @@ def test_mistral_megatron_logprobs_bitwise_equal_engine(checkpoints, engines):
 
 
 def _checkpoint_layout(model) -> dict:
-    """Each sharded tensor of megatron's distributed checkpoint: (global shape, how it is split)."""
+    """Each sharded tensor of megatron's distributed checkpoint under the key the checkpoint stores
+    it by (a layer's ``sharded_state_dict_keys_map`` renames the state dict's key): (global shape,
+    how it is split)."""
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
     layout = {}
     for key, value in model.sharded_state_dict().items():
         if isinstance(value, ShardedTensor):
-            layout[key] = (tuple(value.global_shape), tuple(value.axis_fragmentations))
+            layout[value.key] = (tuple(value.global_shape), tuple(value.axis_fragmentations))
         elif "_extra_state" not in key:  # a factory (fc1's gate/up halves) keeps its tensor's key
-            layout[key] = type(value).__name__
+            layout[value.key] = type(value).__name__
     return layout
 
 
 @pytest.mark.quick
-def test_aligned_model_checkpoints_as_the_stock_model_does(mg_runtime):
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+def test_aligned_model_checkpoints_as_the_stock_model_does(mg_runtime, mg_checkpoints, family):
     """verl's Megatron engine saves and resumes through megatron's distributed checkpoint: the aligned
-    model's sharded state dict has the stock model's keys, shapes and splits, so either model loads
-    the other's checkpoint."""
+    model's checkpoint has the stock model's keys (megatron's local spec stores the norms under
+    Transformer Engine's fused names), shapes and splits, so either model resumes the other's
+    checkpoint (a stock run resumed with the plugin on, and back)."""
+    from zero_mismatch_plugin.aligned.runtime import VllmRuntime
+
+    runtime = mg_runtime if family == "llama" else VllmRuntime(mg_checkpoints[family], max_model_len=MAX_MODEL_LEN, seed=0)
     with cpu_stock_megatron():
-        aligned = _checkpoint_layout(build_gpt_model(mg_runtime, aligned=True, load=False))
-        stock = _checkpoint_layout(build_gpt_model(mg_runtime, aligned=False, load=False))
+        aligned = _checkpoint_layout(build_gpt_model(runtime, aligned=True, load=False))
+        stock = _checkpoint_layout(build_gpt_model(runtime, aligned=False, load=False))
     assert aligned == stock
     assert any(key.endswith("linear_proj.weight") for key in aligned)
+    assert any(key.endswith("linear_qkv.layer_norm_weight") for key in aligned)

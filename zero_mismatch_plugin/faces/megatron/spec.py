@@ -175,9 +175,8 @@ def aligned_layer_spec(config, runtime: VllmRuntime):
     mlp.params = {**(mlp.params or {}), **params}
     mlp.submodules.linear_fc1 = ModuleSpec(module=AlignedLinearModule, params=params)
     mlp.submodules.linear_fc2 = ModuleSpec(module=AlignedRowParallelLinearModule, params=params)
-    # The local spec fills these in from the TE-style fused names for checkpoint conversion;
-    # with separate norms the plain names are already right.
-    layer.sharded_state_dict_keys_map = {}
+    # The local spec's sharded_state_dict_keys_map stays: it stores the norms under Transformer
+    # Engine's fused names, as the stock model's checkpoint does, so either resumes the other's.
     return spec
 
 
