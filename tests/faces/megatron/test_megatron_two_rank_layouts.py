@@ -21,8 +21,8 @@ every layout with steps on Qwen3-MoE at EP 2, the Llama at DP 2, the Llama and Q
 the Llama and windowed Mistral at CP 2, and the Llama with an adapter at DP 2, CP 2 and PP 2 (~75 s
 loaded, ~40 s more for the adapters and their engine); everything is asserted from it. The
 ``zmrl check`` command line runs at each layout on the same two ranks and on one engine started as
-the command starts it (~15 s, then ~10 s a layout). One more torchrun for the stage that is killed
-(~35 s). (The command starting its own engine and ranks runs in test_megatron_tensor_parallel.py.)
+the command starts it (~15 s, then ~10 s a layout). The last test kills a stage of those ranks. (The command starting
+its own engine and ranks runs in test_megatron_tensor_parallel.py.)
 """
 
 from __future__ import annotations
@@ -275,10 +275,11 @@ def test_zmrl_check_at_a_two_rank_layout_passes_every_check(checkpoints, moe_che
     assert "expert_selection" in report
 
 
-def test_a_stage_killed_during_a_call_fails_it_within_60_s_naming_it(checkpoints, ep_rollouts):
+def test_a_stage_killed_during_a_call_fails_it_within_60_s_naming_it(checkpoints, ep_rollouts, two_ranks):
     """At pipeline parallelism, as at tensor parallelism: the last stage is stopped, a call is sent
     (the first stage waits for it), then the stage is killed; the call fails, naming rank 1. (Where
-    in the call the stage dies is not chosen: a tiny model's schedule is over in milliseconds.)"""
+    in the call the stage dies is not chosen: a tiny model's schedule is over in milliseconds.) On
+    the module's two ranks, so this is the module's last test."""
     import os
     import signal
     import threading
@@ -286,29 +287,28 @@ def test_a_stage_killed_during_a_call_fails_it_within_60_s_naming_it(checkpoints
 
     from zero_mismatch_plugin.aligned.packing import pack
     from zero_mismatch_plugin.integrations.megatron.distributed import RankModel
-    from zero_mismatch_plugin.integrations.megatron.rank_group import RankFailure, RankGroup
+    from zero_mismatch_plugin.integrations.megatron.rank_group import RankFailure
 
     prompts, responses, _ = ep_rollouts["llama"]
     spec = RankModel.of(checkpoints["llama"], ENGINE_KWARGS, PIPELINE)
     batch = pack(prompts, responses)
     outcome = {}
-    with RankGroup(PIPELINE) as group:
-        group.call("token_logprobs", spec, batch)  # built on both stages
+    two_ranks.call("token_logprobs", spec, batch)  # built on both stages
 
-        def call():
-            try:
-                outcome["value"] = group.call("token_logprobs", spec, batch)
-            except RankFailure as failure:
-                outcome["failure"], outcome["at"] = failure, time.monotonic()
+    def call():
+        try:
+            outcome["value"] = two_ranks.call("token_logprobs", spec, batch)
+        except RankFailure as failure:
+            outcome["failure"], outcome["at"] = failure, time.monotonic()
 
-        victim = group.rank_pids[1]
-        os.kill(victim, signal.SIGSTOP)
-        caller = threading.Thread(target=call)
-        caller.start()
-        time.sleep(1.0)
-        killed_at = time.monotonic()
-        os.kill(victim, signal.SIGKILL)
-        caller.join(90)
+    victim = two_ranks.rank_pids[1]
+    os.kill(victim, signal.SIGSTOP)
+    caller = threading.Thread(target=call)
+    caller.start()
+    time.sleep(1.0)
+    killed_at = time.monotonic()
+    os.kill(victim, signal.SIGKILL)
+    caller.join(90)
     assert not caller.is_alive() and "value" not in outcome
     said = str(outcome["failure"])
     assert outcome["at"] - killed_at <= 60, outcome["at"] - killed_at
