@@ -18,7 +18,7 @@ from support.vllm_session import MAX_MODEL_LEN, prompts_for, rollout
 
 LR = 1e-3
 ENGINE_KWARGS = dict(max_model_len=MAX_MODEL_LEN, seed=0)
-GRAD_REL_TOL = 1e-5  # fp32 rounding behind the cross-rank gradient sum
+GRAD_REL_TOL = 1e-6  # fp32 rounding behind the cross-rank gradient sum (worst measured 2.4e-7)
 
 
 @pytest.fixture(scope="module")

@@ -52,7 +52,7 @@ STEPPED = [("qwen3_moe", LAYOUTS[0].name), (DENSE, DENSE_LAYOUT.name), ("llama",
 LORA_RUNS = [("vocab", DENSE_LAYOUT), ("vocab", CONTEXT), ("decoder", PIPELINE)]
 STEP = TrainStep(coefficient_seed=1, lr=1e-3)
 ENGINE_KWARGS = dict(max_model_len=MAX_MODEL_LEN, seed=0)  # the session engines' arguments (conftest)
-GRAD_REL_TOL = 1e-5  # fp32 rounding behind the data-parallel sum and the dispatch's gradient sums
+GRAD_REL_TOL = 1e-6  # fp32 rounding behind the data-parallel sum and the dispatch's gradient sums (worst measured 6.5e-7: EP 2)
 
 
 @pytest.fixture(scope="module")
