@@ -419,37 +419,13 @@ def test_lora_on_ranks_is_refused_where_it_is_not_covered():
 
 def test_a_rank_killed_mid_call_fails_the_call_within_60_s_naming_the_rank(tp2_group, tp2_results, mg_checkpoints, tp2_rollouts):
     """Rank 1 is stopped, a call is sent (rank 0 waits for it in a collective), then rank 1 is killed."""
-    import signal
-    import threading
-    import time
-
+    from support.rank_faults import assert_a_killed_rank_fails_the_call
     from zero_mismatch_plugin.aligned.packing import pack
     from zero_mismatch_plugin.integrations.megatron.distributed import Layout, RankModel
-    from zero_mismatch_plugin.integrations.megatron.rank_group import RankFailure
 
     prompts, responses, _ = tp2_rollouts["llama"]
     spec = RankModel.of(mg_checkpoints["llama"], ENGINE_KWARGS, Layout(TP))
-    outcome = {}
-
-    def call():
-        try:
-            outcome["value"] = tp2_group.call("token_logprobs", spec, pack(prompts, responses))
-        except RankFailure as failure:
-            outcome["failure"] = failure
-            outcome["at"] = time.monotonic()
-
-    victim = tp2_group.rank_pids[1]
-    os.kill(victim, signal.SIGSTOP)
-    caller = threading.Thread(target=call)
-    caller.start()
-    time.sleep(1.0)
-    killed_at = time.monotonic()
-    os.kill(victim, signal.SIGKILL)
-    caller.join(90)
-    assert not caller.is_alive() and "value" not in outcome
-    said = str(outcome["failure"])
-    assert outcome["at"] - killed_at <= 60, outcome["at"] - killed_at
-    assert "token_logprobs: " in said and "rank 1 (killed by SIGKILL) failed first" in said, said
+    assert_a_killed_rank_fails_the_call(tp2_group, spec, pack(prompts, responses))
 
 
 @pytest.fixture(scope="module")

@@ -280,36 +280,12 @@ def test_a_stage_killed_during_a_call_fails_it_within_60_s_naming_it(checkpoints
     (the first stage waits for it), then the stage is killed; the call fails, naming rank 1. (Where
     in the call the stage dies is not chosen: a tiny model's schedule is over in milliseconds.) On
     the module's two ranks, so this is the module's last test."""
-    import os
-    import signal
-    import threading
-    import time
-
+    from support.rank_faults import assert_a_killed_rank_fails_the_call
     from zero_mismatch_plugin.aligned.packing import pack
     from zero_mismatch_plugin.integrations.megatron.distributed import RankModel
-    from zero_mismatch_plugin.integrations.megatron.rank_group import RankFailure
 
     prompts, responses, _ = ep_rollouts["llama"]
     spec = RankModel.of(checkpoints["llama"], ENGINE_KWARGS, PIPELINE)
     batch = pack(prompts, responses)
-    outcome = {}
     two_ranks.call("token_logprobs", spec, batch)  # built on both stages
-
-    def call():
-        try:
-            outcome["value"] = two_ranks.call("token_logprobs", spec, batch)
-        except RankFailure as failure:
-            outcome["failure"], outcome["at"] = failure, time.monotonic()
-
-    victim = two_ranks.rank_pids[1]
-    os.kill(victim, signal.SIGSTOP)
-    caller = threading.Thread(target=call)
-    caller.start()
-    time.sleep(1.0)
-    killed_at = time.monotonic()
-    os.kill(victim, signal.SIGKILL)
-    caller.join(90)
-    assert not caller.is_alive() and "value" not in outcome
-    said = str(outcome["failure"])
-    assert outcome["at"] - killed_at <= 60, outcome["at"] - killed_at
-    assert "token_logprobs: " in said and "rank 1 (killed by SIGKILL) failed first" in said, said
+    assert_a_killed_rank_fails_the_call(two_ranks, spec, batch)
