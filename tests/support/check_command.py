@@ -30,11 +30,11 @@ class _LentRanks:
     """Stands in for ``RankGroup(layout)`` in the check's backend: the lent group, for any layout of
     its size; the backend's ``close`` leaves it running for the module's other tests."""
 
-    def __init__(self, group, world_size: int):
-        self.group, self.world_size, self.layouts = group, world_size, []
+    def __init__(self, group):
+        self.group, self.layouts = group, []
 
     def __call__(self, layout, *args, **kwargs):
-        assert layout.world_size == self.world_size, (layout, self.world_size)
+        assert layout.world_size == self.group.layout.world_size, (layout, self.group.layout)
         self.layouts.append(layout.name)
         return self
 
@@ -46,10 +46,10 @@ class _LentRanks:
 
 
 @contextlib.contextmanager
-def lent_engine_and_ranks(settings, llm, group=None, world_size: int = 2):
+def lent_engine_and_ranks(settings, llm, group=None):
     """While open, ``zmrl check`` runs on ``llm`` (started from the checker's ``settings``; a check
-    asking other engine arguments fails) and, if given, on the running RankGroup ``group`` of
-    ``world_size`` ranks. Yields the names of the layouts the ranks were asked for."""
+    asking other engine arguments fails) and, if given, on the running RankGroup ``group`` (a
+    layout of another number of ranks fails). Yields the names of the layouts the ranks were asked for."""
     from zero_mismatch_plugin.integrations.megatron import rank_group
     from zero_mismatch_plugin.tools.checker import engine as checker_engine
 
@@ -58,7 +58,7 @@ def lent_engine_and_ranks(settings, llm, group=None, world_size: int = 2):
         assert asked.llm_args == settings.llm_args and asked.lora_dir == settings.lora_dir, (asked, settings)
         yield llm
 
-    ranks = _LentRanks(group, world_size)
+    ranks = _LentRanks(group)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(checker_engine, "open_engine", module_engine)
         if group is not None:

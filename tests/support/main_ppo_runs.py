@@ -44,6 +44,11 @@ def inputs(tmp_path_factory):
     return build_smoke_inputs(tmp_path_factory.mktemp("cpu_smoke_inputs"), count=32)
 
 
+def assert_saved_at(checkpoints, step: int) -> None:
+    """verl's checkpoint directory ``checkpoints`` names ``step`` as its latest save."""
+    assert (checkpoints / "latest_checkpointed_iteration.txt").read_text().strip() == str(step)
+
+
 def assert_ran(run, steps):
     assert run.returncode == 0, run.log[-6000:]
     assert run.steps() == steps, run.log[-6000:]

@@ -21,8 +21,8 @@ every layout with steps on Qwen3-MoE at EP 2, the Llama at DP 2, the Llama and Q
 the Llama and windowed Mistral at CP 2, and the Llama with an adapter at DP 2, CP 2 and PP 2 (~75 s
 loaded, ~40 s more for the adapters and their engine); everything is asserted from it. The
 ``zmrl check`` command line runs at each layout on the same two ranks and on one engine started as
-the command starts it (~15 s, then ~10 s a layout). The last test kills a stage of those ranks. (The command starting
-its own engine and ranks runs in test_megatron_tensor_parallel.py.)
+the command starts it (~15 s, then ~10 s a layout). The last test kills a stage of those ranks.
+(The command starting its own engine and ranks runs in test_megatron_tensor_parallel.py.)
 """
 
 from __future__ import annotations
@@ -52,7 +52,8 @@ STEPPED = [("qwen3_moe", LAYOUTS[0].name), (DENSE, DENSE_LAYOUT.name), ("llama",
 LORA_RUNS = [("vocab", DENSE_LAYOUT), ("vocab", CONTEXT), ("decoder", PIPELINE)]
 STEP = TrainStep(coefficient_seed=1, lr=1e-3)
 ENGINE_KWARGS = dict(max_model_len=MAX_MODEL_LEN, seed=0)  # the session engines' arguments (conftest)
-GRAD_REL_TOL = 1e-6  # fp32 rounding behind the data-parallel sum and the dispatch's gradient sums (worst measured 6.5e-7: EP 2)
+# fp32 rounding behind the data-parallel sum and the dispatch's gradient sums (worst measured 6.5e-7: EP 2)
+GRAD_REL_TOL = 1e-6
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 from support.main_ppo_runs import (BITWISE, DIFF, STALENESS_MIN, STALENESS_WORST_MAX,  # noqa: F401
-                                   assert_ran, inputs)
+                                   assert_ran, assert_saved_at, inputs)
 
 from zero_mismatch_plugin.integrations.verl.cpu.launch import MEGATRON_RECIPE_NAME, run_smoke
 
@@ -80,7 +80,7 @@ def test_verls_stock_megatron_forward_is_not_mu_and_saves(megatron_runs):
     assert ALIGNED_LOG_LINE not in stock.log
     assert all(fraction < 1.0 for fraction in stock.metric(BITWISE)), stock.metric(BITWISE)
     assert all(diff > 0.0 for diff in stock.metric(DIFF)), stock.metric(DIFF)
-    assert (root / "checkpoints" / "latest_checkpointed_iteration.txt").read_text().strip() == str(SAVED_STEP)
+    assert_saved_at(root / "checkpoints", SAVED_STEP)
 
 
 # Two Megatron ranks at tensor parallelism 2 with sequence parallelism and, on the same two ranks,
@@ -130,4 +130,4 @@ def test_megatron_engine_moe_at_tensor_by_expert_parallel_2_is_bitwise_and_saved
     assert run.metric(BITWISE) == [1.0, 1.0], run.metric(BITWISE)
     assert run.metric(DIFF) == [0.0, 0.0]
     assert_updates_where_advantages_are_nonzero(run)
-    assert (root / "checkpoints" / "latest_checkpointed_iteration.txt").read_text().strip() == str(SAVED_STEP)
+    assert_saved_at(root / "checkpoints", SAVED_STEP)

@@ -11,7 +11,7 @@ import re
 
 import pytest
 from support.main_ppo_runs import (BITWISE, DIFF, SEPARATE_ASYNC, STALENESS_MIN, STALENESS_WORST_MAX,  # noqa: F401
-                                   assert_ran, inputs, moe_inputs)
+                                   assert_ran, assert_saved_at, inputs, moe_inputs)
 
 from zero_mismatch_plugin.integrations.verl.cpu.launch import run_smoke
 
@@ -47,7 +47,7 @@ def test_sync_steps_are_bitwise_with_vllms_moe_layers_and_saved(moe_runs, capsys
     # Synchronous: the actor trains on what the current weights sampled, so pi == mu bit for bit.
     assert first.metric(BITWISE) == [1.0, 1.0], first.metric(BITWISE)
     assert first.metric(DIFF) == [0.0, 0.0]
-    assert (root / "checkpoints" / "latest_checkpointed_iteration.txt").read_text().strip() == str(SAVED_STEP)
+    assert_saved_at(root / "checkpoints", SAVED_STEP)
     # `zmrl report` reads verl's own metric log of the run.
     from zero_mismatch_plugin.tools.cli import main as zmrl
 
