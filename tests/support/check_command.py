@@ -1,4 +1,5 @@
-"""``zmrl check`` as a user runs it, for the tests of its layouts: its table and its JSON report.
+"""``zmrl check`` and ``zmrl bisect`` as a user runs them, for the tests of their layouts: the
+table and the JSON report.
 
 A module that already holds an engine and torchrun ranks can lend them to the command
 (:func:`lent_engine_and_ranks`): the command line, its checks and its backend run as they are,
@@ -15,12 +16,14 @@ import pytest
 from support.vllm_session import MAX_MODEL_LEN
 
 
-def run_check(model, flags: list[str], tmp_path, capsys, num_prompts: int = 4) -> tuple[int, str, dict]:
-    """``zmrl check --model MODEL --trainer megatron FLAGS``: (exit code, printed table, JSON report)."""
+def run_check(model, flags: list[str], tmp_path, capsys, num_prompts: int = 4, command: str = "check"
+              ) -> tuple[int, str, dict]:
+    """``zmrl check --model MODEL --trainer megatron FLAGS`` (or ``command`` bisect): (exit code,
+    printed table, JSON report)."""
     from zero_mismatch_plugin.tools import cli
 
-    out = tmp_path / "check.json"
-    code = cli.main(["check", "--model", str(model), "--trainer", "megatron", *flags, "--max-model-len",
+    out = tmp_path / f"{command}.json"
+    code = cli.main([command, "--model", str(model), "--trainer", "megatron", *flags, "--max-model-len",
                      str(MAX_MODEL_LEN), "--num-prompts", str(num_prompts), "--quiet", "--json", str(out)])
     table = capsys.readouterr().out
     return code, table, json.loads(out.read_text())

@@ -20,6 +20,7 @@ from torch.autograd import Function
 
 from zero_mismatch_plugin.aligned.derived import DerivedWeight
 from zero_mismatch_plugin.aligned.moe import AlignedMoE, experts_backward, routing_weights
+from zero_mismatch_plugin.aligned.ops import observable
 from zero_mismatch_plugin.aligned.runtime import VllmRuntime
 from zero_mismatch_plugin.tables.architectures import MoeBlocks
 
@@ -213,6 +214,27 @@ class AlignedExpertRows(AlignedMoE):
 
     def __call__(self, x: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
         return _ExpertRowsFn.apply(x, local_ids, self, *self.params)
+
+
+class ExpertParallelExperts:
+    """A layer's routed experts at expert parallelism as one op of the op layer, as vLLM's fused-MoE
+    layer is one op: ``route(x, router_logits)`` (the router, the dispatch to the experts' ranks,
+    the combine) gives the routed output [T, H], and ``topk_ids()`` the experts it chose. What the
+    bisect recorder sees as the layer's ``experts`` (the rows of one rank's experts, dispatched,
+    are not the engine's)."""
+
+    recorded_as = "moe"
+
+    def __init__(self, route, topk_ids):
+        self.route, self.topk_ids = route, topk_ids
+
+    @observable
+    def __call__(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        return self.route(x, router_logits)
+
+    @property
+    def last_topk_ids(self):
+        return self.topk_ids()
 
 
 class _ExpertRowsFn(Function):

@@ -311,6 +311,36 @@ def build_parser() -> argparse.ArgumentParser:
             "experts and shared experts, embed_tokens / lm_head where vLLM adapts them; --trainer megatron: "
             "the decoder linears, MoE experts and shared experts",
         )
+        # The trainer's layout (megatron's names). zmrl bisect compares each rank with vLLM's modules
+        # in one process, so it takes every layout but tensor parallelism.
+        command.add_argument(
+            "--tensor-parallel", type=int, default=1, metavar="N",
+            help="engine tensor_parallel_size N, and with --trainer megatron the Megatron face on N torchrun ranks "
+                 "(megatron's tensor_model_parallel_size; default 1; zmrl check only)",
+        )
+        command.add_argument(
+            "--sequence-parallel", action="store_true",
+            help="with --tensor-parallel N > 1: megatron's sequence parallelism in the trainer",
+        )
+        command.add_argument(
+            "--expert-parallel", type=int, default=1, metavar="N",
+            help="with --trainer megatron on an MoE checkpoint: the Megatron face's experts on N torchrun ranks "
+                 "(megatron's expert_model_parallel_size; the engine keeps its experts in one process; default 1)",
+        )
+        command.add_argument(
+            "--moe-token-dispatcher", choices=("alltoall", "allgather"), default="alltoall",
+            help="with --expert-parallel N > 1: megatron's moe_token_dispatcher_type (default alltoall)",
+        )
+        command.add_argument(
+            "--pipeline-parallel", type=int, default=1, metavar="N",
+            help="with --trainer megatron: the Megatron face's layers in N pipeline stages on N torchrun ranks "
+                 "(megatron's pipeline_model_parallel_size and schedule; default 1)",
+        )
+        command.add_argument(
+            "--context-parallel", type=int, default=1, metavar="N",
+            help="with --trainer megatron: each sequence's rows split over N torchrun ranks, keys and values "
+                 "gathered (megatron's context_parallel_size; default 1)",
+        )
     check.add_argument("--num-prompts", type=int, default=8, metavar="N", help="prompts to sample (default 8)")
     check.add_argument("--max-tokens", type=int, default=24, metavar="N", help="tokens per completion (default 24)")
     check.add_argument(
@@ -318,34 +348,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     check.add_argument(
         "--full-vocab", action="store_true", help="compare all vocabulary logprobs (default: the engine's top-20)"
-    )
-    check.add_argument(
-        "--tensor-parallel", type=int, default=1, metavar="N",
-        help="engine tensor_parallel_size N, and with --trainer megatron the Megatron face on N torchrun ranks "
-             "(megatron's tensor_model_parallel_size; default 1)",
-    )
-    check.add_argument(
-        "--sequence-parallel", action="store_true",
-        help="with --tensor-parallel N > 1: megatron's sequence parallelism in the trainer",
-    )
-    check.add_argument(
-        "--expert-parallel", type=int, default=1, metavar="N",
-        help="with --trainer megatron on an MoE checkpoint: the Megatron face's experts on N torchrun ranks "
-             "(megatron's expert_model_parallel_size; the engine keeps its experts in one process; default 1)",
-    )
-    check.add_argument(
-        "--moe-token-dispatcher", choices=("alltoall", "allgather"), default="alltoall",
-        help="with --expert-parallel N > 1: megatron's moe_token_dispatcher_type (default alltoall)",
-    )
-    check.add_argument(
-        "--pipeline-parallel", type=int, default=1, metavar="N",
-        help="with --trainer megatron: the Megatron face's layers in N pipeline stages on N torchrun ranks "
-             "(megatron's pipeline_model_parallel_size and schedule; default 1)",
-    )
-    check.add_argument(
-        "--context-parallel", type=int, default=1, metavar="N",
-        help="with --trainer megatron: each sequence's rows split over N torchrun ranks, keys and values "
-             "gathered (megatron's context_parallel_size; default 1)",
     )
     check.add_argument(
         "--prefix-caching", choices=("on", "off"), default="on",

@@ -21,7 +21,9 @@ every layout with steps on Qwen3-MoE at EP 2, the Llama at DP 2, the Llama and Q
 the Llama and windowed Mistral at CP 2, and the Llama with an adapter at DP 2, CP 2 and PP 2 (~75 s
 loaded, ~40 s more for the adapters and their engine); everything is asserted from it. The
 ``zmrl check`` command line runs at each layout on the same two ranks and on one engine started as
-the command starts it (~15 s, then ~10 s a layout). The last test kills a stage of those ranks.
+the command starts it (~15 s, then ~10 s a layout), and ``zmrl bisect`` at EP 2, PP 2 and CP 2 on
+the same ranks against vLLM's one-process modules, with a difference planted on one rank (~3 s
+each). The last test kills a stage of those ranks.
 (The command starting its own engine and ranks runs in test_megatron_tensor_parallel.py.)
 """
 
@@ -274,6 +276,84 @@ def test_zmrl_check_at_a_two_rank_layout_passes_every_check(checkpoints, moe_che
     assert all(entry["pass"] is True for entry in report.values()), report
     assert report["sampled_token"]["bitwise_equal_fraction"] == 1.0
     assert "expert_selection" in report
+
+
+# (flags, checkpoint, the ranks each op of layer 0 / layer 1 / the head runs on)
+BISECT_LAYOUTS = {
+    "ep2-alltoall": (["--expert-parallel", "2"], "qwen3_moe", ([0, 1], [0, 1], [0, 1])),
+    "pp2": (["--pipeline-parallel", "2"], "glm4_moe", ([0], [1], [1])),
+    "cp2": (["--context-parallel", "2"], "mistral_window", ([0, 1], [0, 1], [0, 1])),
+}
+
+
+@pytest.mark.parametrize("layout", BISECT_LAYOUTS)
+def test_zmrl_bisect_at_a_two_rank_layout_finds_every_op_equal_on_every_rank(checkpoints, two_ranks, tmp_path, capsys,
+                                                                             layout):
+    """``zmrl bisect --trainer megatron`` with a layout, on the module's two ranks: every op of the
+    canonical list is compared on every rank that computes it (a pipeline stage its own layers, the
+    last the head; an expert-parallel rank the whole batch, its MoE layers' dispatch and combine as
+    one op; a context-parallel rank its chunks' rows, windows reaching across the split) with vLLM's
+    own modules in one process, and all are bitwise equal."""
+    from support.check_command import lent_engine_and_ranks, run_check
+    from transformers import AutoConfig
+
+    from zero_mismatch_plugin.tables.architectures import describe
+    from zero_mismatch_plugin.tools.checker import oplist
+
+    flags, family, (first_layer, second_layer, head) = BISECT_LAYOUTS[layout]
+    with lent_engine_and_ranks(None, None, group=two_ranks) as asked:
+        code, table, report = run_check(checkpoints[family], flags, tmp_path, capsys, command="bisect")
+    assert len(asked) == 1, asked
+    hf = AutoConfig.from_pretrained(checkpoints[family])
+    blocks = describe(hf)
+    assert code == 0 and report["pass"] is True and report["not_compared"] == [], table
+    assert report["layout"] == {"ep2-alltoall": LAYOUTS[0], "pp2": PIPELINE, "cp2": CONTEXT}[layout].name
+    assert report["first_differing_ranks"] == []
+    assert [op["op"] for op in report["ops"]] == oplist.op_names(hf.num_hidden_layers, blocks.qk_norm, blocks)
+    ranks = {op["op"]: op["ranks"] for op in report["ops"]}
+    assert ranks["layers.0.qkv_proj"] == first_layer and ranks["layers.1.qkv_proj"] == second_layer
+    assert ranks[oplist.LOGPROBS] == ranks["final_norm"] == head
+    if blocks.moe is not None:  # the routed experts and the router's choice, at every layout
+        moe_layer = next(i for i in range(hf.num_hidden_layers) if blocks.mlp_kind(i) == "moe")
+        assert {f"layers.{moe_layer}.experts", f"layers.{moe_layer}.topk_ids"} <= set(ranks)
+    assert all(op["differing_ranks"] == [] for op in report["ops"])
+
+
+@pytest.mark.parametrize("layout, planted, rank", [
+    ("ep2-alltoall", "layers.1.experts", 0),
+    ("pp2", "layers.1.qkv_proj", 1),
+    ("cp2", "layers.0.attn", 1),
+], ids=["ep2-alltoall", "pp2", "cp2"])
+def test_bisect_names_the_op_and_the_rank_of_a_difference_planted_on_one_rank(checkpoints, two_ranks, layout, planted,
+                                                                              rank):
+    """One ulp moved in one op's output on one rank only: bisect names that op and that rank (the
+    other rank, where it computes the op too, equal), with every op before it equal."""
+    from support.check_command import lent_engine_and_ranks
+    from support.vllm_session import MAX_MODEL_LEN
+
+    from zero_mismatch_plugin.tools.checker.bisect import bisect_input, run_bisect
+    from zero_mismatch_plugin.tools.checker.commands import format_bisect_table
+    from zero_mismatch_plugin.tools.checker.engine import engine_settings
+    from zero_mismatch_plugin.tools.checker.engine_modules import EngineModules
+    from zero_mismatch_plugin.tools.checker.megatron_backend import megatron_backend
+    from zero_mismatch_plugin.tools.checker.rank_records import OneUlpOnRank
+
+    flags, family, _ = BISECT_LAYOUTS[layout]
+    size = {"--expert-parallel": "expert_parallel", "--pipeline-parallel": "pipeline_parallel",
+            "--context-parallel": "context_parallel"}[flags[0]]
+    settings = engine_settings(checkpoints[family], MAX_MODEL_LEN, seed=0, **{size: 2})
+    with lent_engine_and_ranks(None, None, group=two_ranks), EngineModules(settings) as modules:
+        backend = megatron_backend(settings)
+        batch = bisect_input(prompts_for(checkpoints[family], corpus_seed=13)[:3], 8, modules.runtime.hf_config.vocab_size)
+        result = run_bisect(modules, backend, batch, perturb=OneUlpOnRank(planted, rank))
+    first = result.first
+    assert result.first_differing_op == planted and first.differing_ranks == [rank], format_bisect_table(result, "")
+    assert first.num_differing == 1 and first.max_abs_diff > 0.0
+    assert first.ranks == ([1] if layout == "pp2" else [0, 1])
+    names = [op.name for op in result.ops]
+    assert all(op.equal for op in result.ops[: names.index(planted)])
+    assert result.as_dict()["first_differing_ranks"] == [rank]
+    assert f"first differing op: {planted} on rank {rank}" in format_bisect_table(result, "")
 
 
 def test_a_stage_killed_during_a_call_fails_it_within_60_s_naming_it(checkpoints, ep_rollouts, two_ranks):

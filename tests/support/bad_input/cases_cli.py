@@ -268,6 +268,11 @@ CASES = [
           r"the checker runs one layout at a time; give one of them"),
     error("check-unknown-token-dispatcher", check("--moe-token-dispatcher", "flex"),
           r"argument --moe-token-dispatcher: invalid choice: 'flex'"),
+    error("bisect-at-tensor-parallel", bisect("--trainer", "megatron", "--tensor-parallel", "2"),
+          r"--tensor-parallel 2: zmrl bisect runs vLLM's modules in one process, and a tensor-parallel rank computes "
+          r"the engine rank's shards: bisect at --expert-parallel, --pipeline-parallel or --context-parallel"),
+    error("bisect-pipeline-parallel-on-the-aligned-face", bisect("--pipeline-parallel", "2"),
+          r"--pipeline-parallel runs the Megatron face's layers in stages on several ranks: use --trainer megatron"),
     error("bisect-unknown-numerics", bisect("--numerics", "exact"), r"argument --numerics: invalid choice: 'exact'"),
     error("check-without-model", lambda: refused(["check"]), r"the following arguments are required: --model"),
     error("check-json-into-a-directory", check("--json", str(_workdir())), r"--json .* is a directory; give a file path"),

@@ -23,6 +23,7 @@ import dataclasses
 
 import torch
 
+from zero_mismatch_plugin.aligned.ops import observable
 from zero_mismatch_plugin.faces.megatron.parallel import layout_group
 
 
@@ -124,3 +125,17 @@ class ContextParallelAttention(torch.autograd.Function):
                                         a.num_kv_heads, a.head_dim, a.scale, a.sliding_window)
         rows = ctx.rows.to(g.device)
         return gq[rows].to(q.dtype), gk[rows].to(q.dtype), gv[rows].to(q.dtype), None, None, None
+
+
+class ContextParallelAttentionOp:
+    """:class:`ContextParallelAttention` of one layer's attention as one op of the op layer: what
+    the bisect recorder sees as the layer's ``attn`` (this rank's rows of it)."""
+
+    recorded_as = "attn"
+
+    def __init__(self, attention):
+        self.attention = attention
+
+    @observable
+    def __call__(self, q, k, v, split: Split, group):
+        return ContextParallelAttention.apply(q, k, v, self.attention, split, group)

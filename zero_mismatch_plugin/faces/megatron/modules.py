@@ -467,8 +467,7 @@ class AlignedCoreAttention(nn.Module):
             q, k = self.rotary(_positions(seq_lens, query.device, self.cp_group), q, k)
         if self.cp_group is not None:
             split = context_parallel.Split(tuple(seq_lens), self.cp_group.size())
-            out = context_parallel.ContextParallelAttention.apply(q, k, v.contiguous(), self.attention, split,
-                                                                  self.cp_group)
+            out = context_parallel.ContextParallelAttentionOp(self.attention)(q, k, v.contiguous(), split, self.cp_group)
         else:
             plan = _batch_plan(self.attention, packed_seq_params, seq_lens)
             out = self.attention(q, k, v.contiguous(), plan, seq_lens)

@@ -212,7 +212,7 @@ def aligned_moe_layer_class():
                 return self._tensor_expert_parallel_forward(hidden_states), None
             if self.tp_group is not None:
                 return self._tensor_parallel_forward(hidden_states), None
-            routed = self._expert_parallel_routed if self.expert_parallel else self._routed_op()
+            routed = self._expert_parallel_experts() if self.expert_parallel else self._routed_op()
             out = moe_mlp(flat_tokens(hidden_states), self.router, routed, self._shared_ops())
             return out.reshape(hidden_states.shape), None
 
@@ -276,6 +276,11 @@ def aligned_moe_layer_class():
 
             bias = self.router.expert_bias
             return self._aligned_ops.get("engine_router", [bias], lambda: EngineRouter(self.runtime, self.moe, bias))
+
+        def _expert_parallel_experts(self):
+            from zero_mismatch_plugin.aligned.expert_parallel import ExpertParallelExperts
+
+            return ExpertParallelExperts(self._expert_parallel_routed, lambda: self.last_topk_ids)
 
         def _expert_parallel_routed(self, x, router_logits):
             """The routed experts' output [T, H] at expert parallelism: the engine's router, then

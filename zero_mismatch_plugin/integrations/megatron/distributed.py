@@ -288,7 +288,8 @@ class _RankRun:
 _BUILT: dict[RankModel, _RankRun] = {}
 
 
-def _built(spec: RankModel) -> _RankRun:
+def built_model(spec: RankModel) -> _RankRun:
+    """This rank's model of ``spec``, built on first use and kept for calls that only read it."""
     if spec not in _BUILT:
         _BUILT[spec] = _RankRun(spec)
     else:
@@ -304,7 +305,7 @@ def run_request(request: ScoreRequest, layout: Layout) -> dict:
     from zero_mismatch_plugin.aligned.packing import pack
 
     spec = RankModel.of(request.model_dir, request.engine_kwargs, layout, request.lora_dir)
-    run = _RankRun(spec) if request.step is not None else _built(spec)
+    run = _RankRun(spec) if request.step is not None else built_model(spec)
     ranks, rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
     share = data_parallel_share(len(request.prompts), ranks, rank)
     batch = pack([request.prompts[i] for i in share], [request.responses[i] for i in share])
@@ -333,13 +334,13 @@ def _all_sequences(mine: list) -> list:
 
 @torch.no_grad()
 def token_logprobs(spec: RankModel, batch) -> torch.Tensor:
-    return _built(spec).logprobs(batch).float().cpu()
+    return built_model(spec).logprobs(batch).float().cpu()
 
 
 @torch.no_grad()
 def target_logits(spec: RankModel, batch) -> torch.Tensor:
     """The logits of the rows that score response tokens (whole vocabulary)."""
-    return _built(spec).outputs(batch)["target_logits"].cpu()
+    return built_model(spec).outputs(batch)["target_logits"].cpu()
 
 
 @torch.no_grad()
@@ -351,7 +352,7 @@ def expert_choices(spec: RankModel, batch) -> dict[int, torch.Tensor]:
     from zero_mismatch_plugin.faces.megatron import context_parallel
     from zero_mismatch_plugin.integrations.megatron.standalone import context_parallel_rows
 
-    run = _built(spec)
+    run = built_model(spec)
     run.outputs(batch)
     config = run.model.config
     first = pipeline.stage_layers(config).start

@@ -10,6 +10,7 @@ its exit (or, if torchrun itself hangs, after the collective timeout plus a marg
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import os
 import pickle
@@ -135,7 +136,8 @@ class RankGroup:
                            f"({self.log_path}):\n{log[-4000:]}")
 
     def call(self, name: str, *args):
-        """Run ``RANK_CALLS[name](*args)`` on every rank; rank 0's result."""
+        """Run ``RANK_CALLS[name](*args)`` on every rank (or ``name`` a ``"module:function"`` of
+        this package, :func:`rank_call`); rank 0's result."""
         if self._conn is None:
             raise RankFailure("the rank group is closed")
         try:
@@ -190,6 +192,18 @@ class RankGroup:
         self._dir.cleanup()
 
 
+def rank_call(name: str):
+    """What a call named ``name`` runs: an entry of ``RANK_CALLS``, or a ``"module:function"`` of
+    this package (a tool's own rank function, e.g. the bisector's records), imported on the ranks."""
+    if name in RANK_CALLS:
+        return RANK_CALLS[name]
+    module, _, attr = name.partition(":")
+    if not attr or not module.startswith("zero_mismatch_plugin."):
+        raise ValueError(f"unknown rank call {name!r}: use one of {sorted(RANK_CALLS)} or a 'module:function' of "
+                         "zero_mismatch_plugin")
+    return getattr(importlib.import_module(module), attr)
+
+
 def serve(address: str, key_path: str, layout: Layout, timeout_s: float) -> int:
     """One rank: set up the process group, then run the parent's calls until it says stop."""
     import torch.distributed as dist
@@ -215,7 +229,7 @@ def serve(address: str, key_path: str, layout: Layout, timeout_s: float) -> int:
         if name == STOP:
             break
         try:
-            outcome = (True, RANK_CALLS[name](*args))
+            outcome = (True, rank_call(name)(*args))
         except Exception:  # noqa: BLE001 - reported to the parent, the group stays up
             outcome = (False, f"rank {rank}: {traceback.format_exc()}")
             # Also in the ranks' log: a rank still waiting on this one's send or receive (a pipeline

@@ -3,7 +3,9 @@
 Both sides run the same teacher-forced input and report every op under the names of :mod:`.oplist`;
 compared in execution order, the first op not bitwise equal (non-finite values fail) is named and
 what follows is reported, not blamed. No engine is started: vLLM's model is built in this process
-(:mod:`.engine_modules`). See docs/alignment-playbook.md.
+(:mod:`.engine_modules`). At a Megatron layout each rank's records are compared with the rows it
+holds (:mod:`.rank_records`), and the ranks the first difference is on are named too. See
+docs/alignment-playbook.md.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ class BisectResult:
     not_compared: list[str] = field(default_factory=list)
     tokens: int = 0
     target_tokens: int = 0
+    layout: str | None = None  # a Megatron layout's name, when the trainer ran on ranks
 
     @property
     def first(self) -> oplist.OpComparison | None:
@@ -35,6 +38,8 @@ class BisectResult:
         return {
             "pass": self.first_differing_op is None,
             "first_differing_op": self.first_differing_op,
+            **({} if self.layout is None else {
+                "layout": self.layout, "first_differing_ranks": first.differing_ranks if first else []}),
             "max_abs_diff": first.max_abs_diff if first else 0.0,
             "equal_fraction": first.equal_fraction if first else 1.0,
             "problem": first.problem if first else None,
@@ -72,12 +77,59 @@ def compare_intermediates(order: list[str], engine: dict, trainer: dict) -> Bise
     return BisectResult(first_differing_op=first, ops=ops, not_compared=missing)
 
 
+def rank_rows_compared(engine_value, record, name: str, num_tokens: int):
+    """``(engine rows, rank rows)``: op ``name``'s values as [rows, features] (:func:`.oplist.as_rows`)
+    on the rows the rank of ``record`` (a :class:`.rank_records.RankRecord`) holds of the batch's
+    ``num_tokens`` tokens (megatron's padding left out); the head's rows are whole on each rank."""
+    from zero_mismatch_plugin.tools.checker.rank_records import PADDING
+
+    engine = oplist.as_rows(engine_value)
+    value = record.ops[name]
+    held = oplist.numel(value) // max(1, engine.shape[1])
+    mine = oplist.as_rows(value, held) if held * engine.shape[1] == oplist.numel(value) else None
+    if mine is None or name in (oplist.LOGITS, oplist.LOGPROBS):
+        return engine, mine if mine is not None else value  # whole (a shape mismatch is reported as such)
+    rows = torch.arange(held) if record.rows is None else record.rows[:held]
+    rows = torch.where(rows < num_tokens, rows, PADDING)
+    kept = (rows != PADDING).nonzero().squeeze(1)
+    return engine.index_select(0, rows[kept]), mine.index_select(0, kept)
+
+
+def compare_rank_records(order: list[str], engine: dict, records: list, num_tokens: int) -> BisectResult:
+    """Each rank's records against vLLM's one-process records of the same ``num_tokens``-token
+    batch, cut to the rows the rank holds; an op differs where it differs on some rank (its row in
+    the result is that rank's comparison, with every rank that differs)."""
+    ops, missing, first = [], [], None
+    for name in order:
+        holders = [record for record in records if name in record.ops]
+        if name not in engine or not holders:
+            missing.append(name)
+            continue
+        compared = []
+        for record in holders:
+            reference, candidate = rank_rows_compared(engine[name], record, name, num_tokens)
+            compared.append((record.rank, oplist.compare_op(name, reference, candidate)))
+        differing = [rank for rank, comparison in compared if not comparison.equal]
+        shown = next((c for rank, c in compared if rank in differing), compared[0][1])
+        shown.ranks, shown.differing_ranks = [rank for rank, _ in compared], differing
+        ops.append(shown)
+        if first is None and differing:
+            first = name
+    return BisectResult(first_differing_op=first, ops=ops, not_compared=missing)
+
+
 def run_bisect(engine_modules, backend, batch, perturb=None) -> BisectResult:
-    """Run both sides on ``batch`` and compare every op (``perturb`` goes to the trainer)."""
+    """Run both sides on ``batch`` and compare every op (``perturb`` goes to the trainer; at a
+    layout, a :class:`.rank_records.OneUlpOnRank`)."""
     engine_record: dict = {}
     engine_modules.forward(batch, engine_record)
-    trainer_record = backend.intermediates(batch, perturb=perturb)
-    result = compare_intermediates(engine_modules.op_names(), engine_record, trainer_record)
+    order = engine_modules.op_names()
+    rank_records = getattr(backend, "rank_records", None)
+    if rank_records is not None:
+        result = compare_rank_records(order, engine_record, rank_records(batch, order, perturb), batch.num_tokens)
+        result.layout = backend.layout.name
+    else:
+        result = compare_intermediates(order, engine_record, backend.intermediates(batch, perturb=perturb))
     result.tokens = batch.num_tokens
     result.target_tokens = int(batch.target_ids.numel())
     return result

@@ -11,6 +11,7 @@ from zero_mismatch_plugin.tools.checker import engine as eng
 from zero_mismatch_plugin.tools.checker import inputs
 from zero_mismatch_plugin.tools.checker.backends import BackendUnavailable, load_backend
 from zero_mismatch_plugin.tools.checker.checks import CHECK_NAMES, CheckOptions, count_steps, run_checks
+from zero_mismatch_plugin.tools.checker.rank_records import BISECT_AT_TENSOR_PARALLEL
 
 # Ops listed after the first differing one in the bisect table (the rest are consequences).
 OPS_SHOWN_AFTER_FIRST = 3
@@ -235,18 +236,10 @@ def check_command(args) -> int:
         return 2
     finally:
         getattr(backend, "close", lambda: None)()  # a backend on torchrun ranks stops them
-    layout = f" | tensor parallel {settings.tensor_parallel}" if settings.tensor_parallel > 1 else ""
-    layout += " + sequence parallel" if settings.sequence_parallel else ""
-    if settings.expert_parallel > 1:
-        layout += f" | expert parallel {settings.expert_parallel} ({settings.moe_token_dispatcher})"
-    if settings.pipeline_parallel > 1:
-        layout += f" | pipeline parallel {settings.pipeline_parallel}"
-    if settings.context_parallel > 1:
-        layout += f" | context parallel {settings.context_parallel}"
     header = (
         f"zmrl check: {args.model}"
         + (f" + LoRA {lora['lora_dir']}" if lora else "")
-        + f" | trainer {args.trainer}{layout} | numerics {mode} | "
+        + f" | trainer {args.trainer}{layout_words(settings)} | numerics {mode} | "
         f"{len(prompts)} prompts x {args.max_tokens} tokens, T=1 | prefix caching {args.prefix_caching}"
     )
     if args.json != "-":
@@ -262,6 +255,19 @@ def check_command(args) -> int:
     return 0 if all(r.passed for r in results.values()) else 1
 
 
+def layout_words(settings: eng.EngineSettings) -> str:
+    """The trainer's layout for a table header ("" in one process)."""
+    layout = f" | tensor parallel {settings.tensor_parallel}" if settings.tensor_parallel > 1 else ""
+    layout += " + sequence parallel" if settings.sequence_parallel else ""
+    if settings.expert_parallel > 1:
+        layout += f" | expert parallel {settings.expert_parallel} ({settings.moe_token_dispatcher})"
+    if settings.pipeline_parallel > 1:
+        layout += f" | pipeline parallel {settings.pipeline_parallel}"
+    if settings.context_parallel > 1:
+        layout += f" | context parallel {settings.context_parallel}"
+    return layout
+
+
 def format_bisect_table(result, header: str) -> str:
     lines = [header]
     first = result.first
@@ -271,7 +277,8 @@ def format_bisect_table(result, header: str) -> str:
             f"({result.tokens} tokens, {result.target_tokens} scored)"
         )
     else:
-        lines.append(f"first differing op: {first.name}  {first.problem}")
+        on = f" on rank {', '.join(map(str, first.differing_ranks))}" if first.differing_ranks else ""
+        lines.append(f"first differing op: {first.name}{on}  {first.problem}")
     lines.append("")
     width = max(len(op.name) for op in result.ops) if result.ops else 10
     lines.append(f"{'op'.ljust(width)}  bitwise  max |Δ|    equal")
@@ -321,9 +328,11 @@ def bisect_command(args) -> int:
         _refuse_mla_bisect(args.model, blocks)
         lora = lora_options(args)
         settings = run_settings(args, max_model_len, lora)
+        if settings.tensor_parallel > 1:
+            raise inputs.CheckerInputError(f"--tensor-parallel {settings.tensor_parallel}: {BISECT_AT_TENSOR_PARALLEL}")
         mode = apply_numerics(args.numerics)
         backend = load_backend(args.trainer, settings)
-    except (BackendUnavailable, ValueError, OSError) as error:
+    except (BackendUnavailable, RankFailure, ValueError, OSError) as error:
         print(f"ERROR: {error}", file=sys.stderr)
         return 2
     progress = _progress(2, args.quiet)
@@ -336,11 +345,15 @@ def bisect_command(args) -> int:
             batch = bisect_input(prompts, args.max_tokens, vocab, seed=args.seed)
             result = run_bisect(modules, backend, batch)
             progress.update(1)
+    except RankFailure as error:
+        print(f"ERROR: {error}", file=sys.stderr)
+        return 2
     finally:
         progress.close()
+        getattr(backend, "close", lambda: None)()  # a backend on torchrun ranks stops them
     header = (
         f"zmrl bisect: {args.model}" + (f" + LoRA {lora['lora_dir']}" if lora else "")
-        + f" | vLLM modules vs trainer {args.trainer} | numerics {mode}"
+        + f" | vLLM modules vs trainer {args.trainer}{layout_words(settings)} | numerics {mode}"
     )
     if args.json != "-":
         print(format_bisect_table(result, header))

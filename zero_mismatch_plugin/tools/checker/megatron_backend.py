@@ -3,9 +3,10 @@
 Answers the checker's three questions (see ``zero_mismatch_plugin.tools.checker.backends``) for a
 packed batch, run as megatron's packed THD input. Intermediates are recorded at the op layer
 (:mod:`.recording`), under the checker's canonical op names; ``qkv_proj`` is reported in vLLM's
-``[q; k; v]`` column order. With ``--tensor-parallel N``, ``--expert-parallel N``, ``--pipeline-parallel N`` or ``--context-parallel N`` the
-model runs on N torchrun ranks
-(:class:`DistributedMegatronBackend`), which answer the logprob questions.
+``[q; k; v]`` column order. With ``--tensor-parallel N``, ``--expert-parallel N``,
+``--pipeline-parallel N`` or ``--context-parallel N`` the model runs on N torchrun ranks
+(:class:`DistributedMegatronBackend`), which answer the logprob questions and (but at tensor
+parallelism) give ``zmrl bisect`` every rank's records (:mod:`.rank_records`).
 """
 
 from __future__ import annotations
@@ -62,13 +63,22 @@ class DistributedMegatronBackend:
         return SamplingTransform().logprobs(self.group.call("target_logits", self.spec, batch)).float()
 
     def intermediates(self, batch, perturb=None) -> dict:
-        """On the ranks only the routers' expert choices are recorded (the expert-selection check)."""
+        """The routers' expert choices, whole (the expert-selection check); ``zmrl bisect`` reads
+        every op rank by rank through :meth:`rank_records`."""
         if perturb is not None:
-            raise NotImplementedError(
-                f"per-op records of the Megatron face are taken in one process; at layout {self.layout.name} the "
-                "checks compare logprobs and expert choices (run zmrl bisect in one process to name an op)")
+            raise NotImplementedError(f"at layout {self.layout.name} a difference is planted on one rank: "
+                                      "use rank_records with a rank_records.OneUlpOnRank")
         choices = self.group.call("expert_choices", self.spec, batch)
         return {oplist.topk_ids_of(f"layers.{index}.experts"): ids for index, ids in choices.items()}
+
+    def rank_records(self, batch, order: list[str], planted=None) -> list:
+        """Every rank's op records of ``batch`` with the rows it holds (:mod:`.rank_records`);
+        ``planted``: a :class:`.rank_records.OneUlpOnRank`."""
+        from zero_mismatch_plugin.tools.checker.rank_records import BISECT_AT_TENSOR_PARALLEL, RANK_CALL
+
+        if self.layout.tensor_model_parallel_size > 1:
+            raise NotImplementedError(BISECT_AT_TENSOR_PARALLEL)
+        return self.group.call(RANK_CALL, self.spec, batch, order, planted)
 
     def close(self) -> None:
         self.group.close()

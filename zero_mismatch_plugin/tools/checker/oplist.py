@@ -170,13 +170,16 @@ class OpComparison:
     shape_mismatch: str | None = None
     # Non-finite values (NaN, +-inf) per side; None when both sides are finite everywhere.
     non_finite: dict[str, int] | None = None
+    # At a layout: the ranks that computed the op, and those whose values differ (None in one process).
+    ranks: list[int] | None = None
+    differing_ranks: list[int] | None = None
 
     def as_dict(self) -> dict:
         """The report's JSON row (``name`` as ``op``, ``equal`` as ``bitwise_equal``; a shape
-        mismatch and non-finite counts only when there are any)."""
+        mismatch and non-finite counts only when there are any, the ranks only at a layout)."""
         row = {_REPORT_KEYS.get(key, key): value for key, value in asdict(self).items()}
-        for key in ("shape_mismatch", "non_finite"):
-            if not row[key]:
+        for key in ("shape_mismatch", "non_finite", "ranks", "differing_ranks"):
+            if row[key] is None or (key in ("shape_mismatch", "non_finite") and not row[key]):
                 del row[key]
         return row
 
@@ -219,7 +222,7 @@ def compare_op(name: str, reference, candidate) -> OpComparison:
     """Bitwise comparison of one op's outputs (reference = engine side); non-finite values on
     either side fail it (see the module docstring)."""
     ref = as_rows(reference)
-    cand = as_rows(candidate, ref.shape[0]) if _numel(candidate) == ref.numel() else None
+    cand = as_rows(candidate, ref.shape[0]) if numel(candidate) == ref.numel() else None
     if cand is None or cand.shape != ref.shape:
         return OpComparison(
             name,
@@ -248,9 +251,9 @@ def compare_op(name: str, reference, candidate) -> OpComparison:
     )
 
 
-def _numel(value) -> int:
+def numel(value) -> int:
     if isinstance(value, (tuple, list)):
-        return sum(_numel(v) for v in value)
+        return sum(numel(v) for v in value)
     return value.numel()
 
 

@@ -106,7 +106,8 @@ class OpRecorder:
             )
 
         def observe(op, run, args):
-            kind = next((k for cls, k in kinds.items() if isinstance(op, cls)), None)
+            # A face's op of its own (e.g. at a layout) says which op of vLLM's it stands for.
+            kind = getattr(op, "recorded_as", None) or next((k for cls, k in kinds.items() if isinstance(op, cls)), None)
             if isinstance(op, LoRAStep):
                 kind = op.kind  # lora_shrink, lora_expand
             if kind is None:
