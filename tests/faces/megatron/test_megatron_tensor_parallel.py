@@ -4,16 +4,19 @@ Llama and Qwen3, and Mixture-of-Experts Qwen3-MoE and GLM-4.5 (grouped sigmoid r
 expert) with sequence parallelism (megatron's rule for MoE at TP > 1), every expert split over
 the ranks as vLLM splits it, or whole on its rank at TP 2 x EP 2 (expert tensor parallelism 1).
 
-A combined layout too: TP 2 + SP x PP 2 on four ranks (two pipeline stages of two tensor-parallel
-ranks each), bitwise against the same TP-2 engines for Llama and Qwen3.
+Combined layouts too, on four ranks: TP 2 + SP x PP 2 (two pipeline stages of two tensor-parallel
+ranks each, Llama and Qwen3), TP 2 + SP x CP 2 (Llama) and TP 2 + SP x EP 2 x CP 2 (Qwen3-MoE),
+bitwise against the same TP-2 engines; PP 2 x EP 2, CP 2 x EP 2 (Qwen3-MoE) and PP 2 x CP 2 (the
+windowed Mistral) against the session's one-process engines.
 
 LoRA at TP 2 + SP: an adapter on every decoder linear of the Llama checkpoint against an engine at
 TP 2 serving it (``zmrl check --lora``, a rollout, one step of the adapter and its sync). The
 check command at TP 2 + SP runs there and on Qwen3-MoE at TP 2 + SP x EP 2.
 
 Cost: one TP-2 engine per checkpoint (~20 s each), one torchrun of two ranks that scores every
-checkpoint and takes one training step on Llama and one on Qwen3-MoE (~40 s), and one torchrun of
-four one-thread ranks for the combined layout (~40 s), and a TP-2 LoRA engine with its check and
+checkpoint and takes one training step on Llama and one on Qwen3-MoE (~40 s), one torchrun of
+four one-thread ranks for the combined layouts (~50 s; two one-process engines of the session's, if
+not started already, ~20 s), and a TP-2 LoRA engine with its check and
 three calls on the same two ranks (~50 s); everything below is asserted from those runs. The
 check command as a user runs it, starting its own TP-2 engine and ranks, runs once, on Qwen3-MoE
 at TP 2 + SP x EP 2 (~40 s).
@@ -251,39 +254,78 @@ def test_gradients_at_tp2_agree_with_the_one_process_face(step_gradients, tp2_re
     assert worst_tp2 <= 1.5 * worst_tp1
 
 
-# A combined layout: four ranks, two pipeline stages of two tensor-parallel ranks each.
+# Combined layouts on four ranks, one torchrun serving them all: with tensor parallelism against the
+# TP-2 engines (two pipeline stages of two tensor-parallel ranks; two context-parallel halves of two
+# tensor-parallel ranks, with expert parallelism too), without it against one-process engines.
 COMBINED = Layout(TP, sequence_parallel=True, pipeline_model_parallel_size=2)
+TP_CP = Layout(TP, sequence_parallel=True, context_parallel_size=2)
+TP_EP_CP = Layout(TP, sequence_parallel=True, expert_model_parallel_size=2, context_parallel_size=2)
+TP2_ENGINE_RUNS = [("llama", COMBINED), ("qwen3", COMBINED), ("llama", TP_CP), ("qwen3_moe", TP_EP_CP)]
+ONE_PROCESS_RUNS = [
+    ("qwen3_moe", Layout(pipeline_model_parallel_size=2, expert_model_parallel_size=2, data_parallel_size=2,
+                         moe_token_dispatcher_type="allgather")),
+    ("qwen3_moe", Layout(context_parallel_size=2, expert_model_parallel_size=2, data_parallel_size=2)),
+    # every layer a 12-token window, reaching back across the context-parallel chunks
+    ("mistral_window", Layout(pipeline_model_parallel_size=2, context_parallel_size=2)),
+]
+STEPPED = {("llama", COMBINED.name), ("llama", TP_CP.name)}
 
 
 @pytest.fixture(scope="module")
-def combined_results(mg_checkpoints, tp2_rollouts):
-    """{family: run_request's result} at TP 2 + SP x PP 2 on four torchrun ranks of their own; the
-    Llama request also takes the step."""
+def one_process_rollouts(engines, checkpoints):
+    """{family: (prompts, responses, μ)} of the session's one-process engines (the session's
+    checkpoints: ``mistral_window`` is not among the package's)."""
+    return {f: rollout(engines.fresh(f), prompts_for(checkpoints[f], corpus_seed=13), seed=5)
+            for f in {f for f, _ in ONE_PROCESS_RUNS}}
+
+
+@pytest.fixture(scope="module")
+def combined_results(mg_checkpoints, checkpoints, tp2_rollouts, one_process_rollouts):
+    """{(family, layout name): run_request's result} of every combined layout on four torchrun
+    ranks of their own; the Llama requests at TP 2 + SP x PP 2 and x CP 2 take the step too."""
     from zero_mismatch_plugin.integrations.megatron.distributed import ScoreRequest
-    from zero_mismatch_plugin.integrations.megatron.rank_group import launch
+    from zero_mismatch_plugin.integrations.megatron.rank_group import RankGroup
 
-    families = ("llama", "qwen3")
-    requests = [ScoreRequest(str(mg_checkpoints[f]), ENGINE_KWARGS, *tp2_rollouts[f][:2],
-                             step=STEP if f == "llama" else None) for f in families]
-    return {f: result[COMBINED.name] for f, result in zip(families, launch(requests, [COMBINED]))}
+    runs = ([(mg_checkpoints[f], tp2_rollouts[f], f, layout) for f, layout in TP2_ENGINE_RUNS]
+            + [(checkpoints[f], one_process_rollouts[f], f, layout) for f, layout in ONE_PROCESS_RUNS])
+    with RankGroup(COMBINED) as group:
+        return {(f, layout.name): group.call("run_request", ScoreRequest(
+                    str(model), ENGINE_KWARGS, *rollout_[:2], step=STEP if (f, layout.name) in STEPPED else None), layout)
+                for model, rollout_, f, layout in runs}
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_tp2_sp_by_pp2_on_four_ranks_is_bitwise_equal_to_the_engine_at_tp2(tp2_rollouts, combined_results, family):
-    """Each stage's two ranks are the engine's two ranks for its layers; Qwen3's tied head is the
-    last stage's copy of the embedding, split over its tensor-parallel ranks by vocabulary rows."""
+@pytest.mark.parametrize("family, layout", [(f, layout.name) for f, layout in TP2_ENGINE_RUNS])
+def test_combined_layouts_on_four_ranks_are_bitwise_equal_to_the_engine_at_tp2(tp2_rollouts, combined_results, family,
+                                                                               layout):
+    """Each stage's (or context-parallel half's) two ranks are the engine's two ranks for its rows
+    and layers; Qwen3's tied head is the last stage's copy of the embedding, split over its
+    tensor-parallel ranks by vocabulary rows; at TP 2 x EP 2 x CP 2 each expert is whole on its rank,
+    which computes each row once per engine rank's shard of it."""
     _, _, mu = tp2_rollouts[family]
-    values = torch.cat(combined_results[family]["logprobs"])
+    values = torch.cat(combined_results[(family, layout)]["logprobs"])
     assert values.shape == mu.shape
     assert torch.equal(values, mu), f"{int((values != mu).sum())} of {mu.numel()} tokens differ"
 
 
-def test_gradients_at_tp2_sp_by_pp2_agree_with_the_one_process_face(step_gradients, combined_results):
+@pytest.mark.parametrize("family, layout", [(f, layout.name) for f, layout in ONE_PROCESS_RUNS])
+def test_combined_layouts_without_tensor_parallelism_are_bitwise_equal_to_the_one_process_engine(
+        one_process_rollouts, combined_results, family, layout):
+    """Pipeline stages with expert-parallel MoE layers (megatron's all-gather dispatcher within a
+    stage), context-parallel halves with expert-parallel MoE layers (alltoall), and pipeline stages
+    of context-parallel halves: the one-process engine's bits."""
+    _, _, mu = one_process_rollouts[family]
+    values = torch.cat(combined_results[(family, layout)]["logprobs"])
+    assert values.shape == mu.shape
+    assert torch.equal(values, mu), f"{int((values != mu).sum())} of {mu.numel()} tokens differ"
+
+
+@pytest.mark.parametrize("layout", [COMBINED.name, TP_CP.name])
+def test_gradients_at_combined_layouts_agree_with_the_one_process_face(step_gradients, combined_results, layout):
     one_process, float64 = step_gradients
-    grads = combined_results["llama"]["grads"]
+    grads = combined_results[("llama", layout)]["grads"]
     assert set(grads) == set(one_process)
     worst = max(_relative(grads[n], one_process[n]) for n in one_process)
-    print(f"{COMBINED.name}: worst relative gradient difference vs the one-process face {worst:.3g}")
+    print(f"{layout}: worst relative gradient difference vs the one-process face {worst:.3g}")
     assert worst <= GRAD_REL_TOL
 
 

@@ -128,18 +128,24 @@ def test_the_all_to_all_dispatcher_patches_keep_split_sizes_on_the_host_and_come
         cpu_patches.moe_on_cpu()
 
 
-def test_the_spec_takes_pipeline_and_context_parallelism_and_refuses_the_combinations_not_run():
+def test_the_spec_takes_the_layouts_run_and_refuses_the_combinations_not_run():
     from zero_mismatch_plugin.faces.megatron.spec import unsupported_features
 
     def refused(**sizes):
         return [p for p in unsupported_features(SimpleNamespace(**sizes)) if "parallel" in p]
 
     assert refused(pipeline_model_parallel_size=2) == [] and refused(context_parallel_size=2) == []
-    assert refused(pipeline_model_parallel_size=2, tensor_model_parallel_size=2) == []
-    assert refused(num_moe_experts=8, pipeline_model_parallel_size=2, expert_model_parallel_size=2) == [
-        "pipeline parallelism > 1 with expert parallelism > 1 (not run together yet)"]
-    assert refused(context_parallel_size=2, tensor_model_parallel_size=2) == [
-        "context parallelism > 1 together with tensor, expert or pipeline parallelism"]
+    # Each of TP, EP and CP with PP, and TP x EP x CP, run bitwise (test_megatron_tensor_parallel.py).
+    for run in (dict(tensor_model_parallel_size=2), dict(num_moe_experts=8, expert_model_parallel_size=2),
+                dict(context_parallel_size=2)):
+        assert refused(pipeline_model_parallel_size=2, **run) == [], run
+    assert refused(num_moe_experts=8, tensor_model_parallel_size=2, expert_model_parallel_size=2,
+                   expert_tensor_parallel_size=1, context_parallel_size=2) == []
+    not_run = ["pipeline parallelism > 1 with two more of tensor, expert and context parallelism (each with pipeline "
+               "parallelism, and tensor x expert x context, are run; these are not yet)"]
+    assert refused(pipeline_model_parallel_size=2, tensor_model_parallel_size=2, context_parallel_size=2) == not_run
+    assert refused(num_moe_experts=8, pipeline_model_parallel_size=2, expert_model_parallel_size=2,
+                   context_parallel_size=2) == not_run
     assert refused(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2) == [
         "virtual pipeline stages (virtual_pipeline_model_parallel_size)"]
 

@@ -242,9 +242,11 @@ CASES = [
           check("--trainer", "megatron", "--expert-parallel", "4", "--tensor-parallel", "2"),
           r"--expert-parallel 4 with --tensor-parallel 2: the checker runs the experts over the tensor-parallel "
           r"ranks \(expert tensor parallelism 1\); give them the same size"),
-    error("check-expert-parallel-with-pipeline-parallel",
-          check("--trainer", "megatron", "--expert-parallel", "2", "--pipeline-parallel", "2"),
-          r"the checker runs one layout at a time; give one of them"),
+    error("check-expert-and-context-parallel-with-pipeline-parallel",
+          check("--trainer", "megatron", "--expert-parallel", "2", "--pipeline-parallel", "2", "--context-parallel", "2"),
+          r"--tensor-parallel 1 --expert-parallel 2 --pipeline-parallel 2 --context-parallel 2: the Megatron face "
+          r"does not run pipeline parallelism > 1 with two more of tensor, expert and context parallelism .*\. Set one "
+          r"of them to 1"),
     error("check-expert-parallel-zero", check("--trainer", "megatron", "--expert-parallel", "0"),
           r"--expert-parallel 0: give a number of ranks, 1 or more"),
     error("check-moe-at-tensor-parallel-without-sequence-parallel",
@@ -256,16 +258,15 @@ CASES = [
           r"--pipeline-parallel 0: give a number of ranks, 1 or more"),
     error("check-pipeline-parallel-not-dividing-the-layers", check("--trainer", "megatron", "--pipeline-parallel", "3"),
           r"--pipeline-parallel 3 does not divide the checkpoint's \d+ layers"),
-    error("check-pipeline-parallel-with-tensor-parallel",
-          check("--trainer", "megatron", "--pipeline-parallel", "2", "--tensor-parallel", "2"),
-          r"the checker runs one layout at a time; give one of them"),
+    error("check-tensor-and-context-parallel-with-pipeline-parallel",
+          check("--trainer", "megatron", "--pipeline-parallel", "2", "--tensor-parallel", "2", "--context-parallel", "2"),
+          r"--tensor-parallel 2 --expert-parallel 1 --pipeline-parallel 2 --context-parallel 2: the Megatron face "
+          r"does not run pipeline parallelism > 1 with two more of tensor, expert and context parallelism .*\. Set one "
+          r"of them to 1"),
     error("check-context-parallel-on-the-aligned-face", check("--context-parallel", "2"),
           r"--context-parallel runs each sequence's rows split on several ranks: use --trainer megatron"),
     error("check-context-parallel-negative", check("--trainer", "megatron", "--context-parallel", "-2"),
           r"--context-parallel -2: give a number of ranks, 1 or more"),
-    error("check-context-parallel-with-pipeline-parallel",
-          check("--trainer", "megatron", "--context-parallel", "2", "--pipeline-parallel", "2"),
-          r"the checker runs one layout at a time; give one of them"),
     error("check-unknown-token-dispatcher", check("--moe-token-dispatcher", "flex"),
           r"argument --moe-token-dispatcher: invalid choice: 'flex'"),
     error("bisect-at-tensor-parallel", bisect("--trainer", "megatron", "--tensor-parallel", "2"),

@@ -131,7 +131,9 @@ def run_schedule(model, tokens: int, forward_step, loss, forward_only: bool) -> 
     """One micro-batch through megatron's pipeline schedule: ``forward_step(model)`` runs this
     stage's part (GPTModel takes the previous stage's output through ``set_input_tensor``),
     ``loss(output)`` on the last stage returns ``(loss, data)``; the ``data`` of the last stage (an
-    empty list elsewhere). ``tokens``: the token count of the micro-batch on every stage."""
+    empty list elsewhere). ``tokens``: the token count of the micro-batch on every stage, whole
+    (megatron divides it by the context-parallel size, and by the tensor-parallel size under
+    sequence parallelism, for the tensors the stages exchange)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from zero_mismatch_plugin.faces.megatron.parallel import cpu_megatron_collectives

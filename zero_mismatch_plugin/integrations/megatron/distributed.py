@@ -358,7 +358,7 @@ def expert_choices(spec: RankModel, batch) -> dict[int, torch.Tensor]:
     first = pipeline.stage_layers(config).start
     cp_group = context_parallel.context_parallel_group(config)
     if cp_group is not None:
-        split, real = context_parallel_rows(batch, cp_group.size())
+        split, real = context_parallel_rows(batch, cp_group.size(), run.multiple)
     choices = {}
     for index, layer in enumerate(run.model.decoder.layers):
         ids = getattr(layer.mlp, "last_topk_ids", None)

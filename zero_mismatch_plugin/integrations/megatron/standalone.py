@@ -154,7 +154,7 @@ def packed_logits(model, batch: PackedBatch, tokens_multiple_of: int = 1, min_to
     config = model.config if hasattr(model, "config") else model.module.config
     group = context_parallel.context_parallel_group(config)
     if group is not None:
-        return context_parallel_logits(model, batch, group)
+        return context_parallel_logits(model, batch, group, tokens_multiple_of)
     inputs = packed_inputs(model, batch, tokens_multiple_of, min_tokens)
     # A spec-hooked model keeps megatron's rope type, whose frequencies GPTModel still computes.
     with cpu_stock_megatron():
@@ -162,30 +162,45 @@ def packed_logits(model, batch: PackedBatch, tokens_multiple_of: int = 1, min_to
     return logits[0][: len(batch.input_ids)]
 
 
-def context_parallel_logits(model, batch: PackedBatch, group) -> torch.Tensor:
-    """Logits [T, V] of a packed batch at context parallelism: each sequence padded at its end to
-    megatron's chunk multiple, this rank's chunks through the model (``PackedSeqParams`` of the
-    whole padded sequences), every rank's rows of the logits gathered back (each rank
-    back-propagates through its own rows) and the padding dropped."""
+def context_parallel_logits(model, batch: PackedBatch, group, tokens_multiple_of: int = 1) -> torch.Tensor:
+    """Logits [T, V] of a packed batch at context parallelism: this rank's chunks through the model
+    (:func:`context_parallel_inputs`), every rank's rows of the logits gathered back (each rank
+    back-propagates through its own rows) and the padding dropped (:func:`whole_rows`)."""
+    inputs, split, real = context_parallel_inputs(model, batch, group, tokens_multiple_of)
+    with cpu_stock_megatron():
+        local = model(**inputs)[0]
+    return whole_rows(local, split, real, group)
+
+
+def context_parallel_inputs(model, batch: PackedBatch, group, tokens_multiple_of: int = 1) -> tuple:
+    """``(GPTModel's keyword arguments, split, real)`` of this context-parallel rank: each sequence
+    padded at its end to megatron's chunk multiple, this rank's chunks of the ids and positions,
+    ``PackedSeqParams`` of the whole padded sequences (:func:`context_parallel_rows`)."""
     size, rank = group.size(), torch.distributed.get_rank(group)
     device = next(model.parameters()).device
-    split, real = context_parallel_rows(batch, size)
+    split, real = context_parallel_rows(batch, size, tokens_multiple_of)
     ids = []
     for sequence, n, padded in zip(batch.input_ids.split(list(batch.seq_lens)), batch.seq_lens, split.seq_lens):
         ids.append(torch.cat([sequence, sequence.new_zeros(padded - n)]))
     rows = split.rows(rank)
-    with cpu_stock_megatron():
-        local = model(input_ids=torch.cat(ids)[rows].to(device).unsqueeze(0),
-                      position_ids=split.positions(rank).to(device).unsqueeze(0), attention_mask=None,
-                      packed_seq_params=packed_seq_params(list(split.seq_lens), device))[0]
+    inputs = dict(input_ids=torch.cat(ids)[rows].to(device).unsqueeze(0),
+                  position_ids=split.positions(rank).to(device).unsqueeze(0), attention_mask=None,
+                  packed_seq_params=packed_seq_params(list(split.seq_lens), device))
+    return inputs, split, real
+
+
+def whole_rows(local: torch.Tensor, split, real: torch.Tensor, group) -> torch.Tensor:
+    """Every context-parallel rank's rows of ``local`` [rows, ...] gathered into the batch's rows."""
     whole = context_parallel.GatherRows.apply(local, split, group)
-    return whole.index_select(0, real.to(device))
+    return whole.index_select(0, real.to(local.device))
 
 
-def context_parallel_rows(batch: PackedBatch, size: int) -> tuple:
+def context_parallel_rows(batch: PackedBatch, size: int, tokens_multiple_of: int = 1) -> tuple:
     """``(split, real)``: the context-parallel split of ``batch``'s sequences, each padded at its
-    end, and where the batch's own rows lie in the padded whole."""
-    lens = [context_parallel.padded_length(n, size) for n in batch.seq_lens]
+    end, and where the batch's own rows lie in the padded whole. ``tokens_multiple_of``: sequence
+    parallelism splits each rank's rows over the tensor-parallel ranks, so each sequence is padded
+    to a multiple of ``2 * size * tokens_multiple_of`` (as verl pads for megatron)."""
+    lens = [context_parallel.padded_length(n, size * tokens_multiple_of) for n in batch.seq_lens]
     starts = [sum(lens[:i]) for i in range(len(lens))]
     real = torch.cat([torch.arange(start, start + n) for start, n in zip(starts, batch.seq_lens)])
     return context_parallel.Split(tuple(lens), size), real
@@ -196,18 +211,26 @@ def pipelined_outputs(model, batch: PackedBatch, tokens_multiple_of: int = 1, mi
     """A packed batch through megatron's pipeline schedule (:func:`packed_inputs`): on the last
     stage ``{"logprobs": vLLM's recorded logprob of each response token, "target_logits": the rows
     that score them}``, on the others ``None``. With ``coefficients`` the schedule also runs the
-    backward of ``sum(coefficients * logprobs)`` (gradients on every stage)."""
-    inputs = packed_inputs(model, batch, tokens_multiple_of, min_tokens)
+    backward of ``sum(coefficients * logprobs)`` (gradients on every stage). Under context
+    parallelism too, each stage's ranks hold their chunks (:func:`context_parallel_inputs`) and the
+    last stage gathers the logits' rows."""
+    config = model.config if hasattr(model, "config") else model.module.config
+    group = context_parallel.context_parallel_group(config)
+    if group is not None:
+        inputs, split, real = context_parallel_inputs(model, batch, group, tokens_multiple_of)
+    else:
+        inputs = packed_inputs(model, batch, tokens_multiple_of, min_tokens)
 
     def loss(output):
-        logits = output[0][: len(batch.input_ids)]
+        logits = output[0][: len(batch.input_ids)] if group is None else whole_rows(output[0], split, real, group)
         values = token_logprobs_from_logits(logits, batch)
         objective = values.sum() * 0 if coefficients is None else (values * coefficients).sum()
         targets = logits.index_select(0, batch.target_rows.to(logits.device))
         return objective, {"logprobs": values.detach(), "target_logits": targets.detach()}
 
     with cpu_stock_megatron():
-        data = pipeline.run_schedule(model, inputs["input_ids"].shape[1], lambda stage: stage(**inputs), loss,
+        tokens = inputs["input_ids"].shape[1] if group is None else sum(split.seq_lens)
+        data = pipeline.run_schedule(model, tokens, lambda stage: stage(**inputs), loss,
                                      forward_only=coefficients is None)
     return data[0] if data else None
 

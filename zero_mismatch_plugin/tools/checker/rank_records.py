@@ -88,12 +88,12 @@ def stage_order(order: list[str], layers: range, first: bool, last: bool) -> lis
     return [name for name in order if runs(name)]
 
 
-def context_parallel_batch_rows(batch, group) -> torch.Tensor:
+def context_parallel_batch_rows(batch, group, tokens_multiple_of: int = 1) -> torch.Tensor:
     """The batch row of each of this context-parallel rank's rows (:data:`PADDING` for megatron's
-    padding at the end of each sequence)."""
+    padding at the end of each sequence; ``tokens_multiple_of`` as the forward padded)."""
     from zero_mismatch_plugin.integrations.megatron.standalone import context_parallel_rows
 
-    split, real = context_parallel_rows(batch, group.size())
+    split, real = context_parallel_rows(batch, group.size(), tokens_multiple_of)
     of_padded = torch.full((sum(split.seq_lens),), PADDING, dtype=torch.long)
     of_padded[real] = torch.arange(batch.num_tokens)
     return of_padded[split.rows(torch.distributed.get_rank(group))]
@@ -120,7 +120,7 @@ def op_records(spec, batch, order: list[str], planted: OneUlpOnRank | None = Non
         if last:
             recorder.keep_head(out["target_logits"])
     cp_group = context_parallel.context_parallel_group(config)
-    rows = None if cp_group is None else context_parallel_batch_rows(batch, cp_group)
+    rows = None if cp_group is None else context_parallel_batch_rows(batch, cp_group, run.multiple)
     record = RankRecord(world_rank, {name: _on_cpu(value) for name, value in recorder.ops.items()}, rows)
     records = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(records, record)
