@@ -103,6 +103,9 @@ class EngineRouter:
                 routed_scaling_factor=1.0 if moe.grouped_topk else moe.routed_scaling_factor,
                 e_score_correction_bias=self._engine_bias,
             )
+        # The weights route() returns, as a function of the logits (for their backward): grouped
+        # routing's scaling factor is the output's (output_scale), not the weights'.
+        self.weights_of = dataclasses.replace(moe, routed_scaling_factor=1.0) if moe.grouped_topk else moe
         self.derived = DerivedWeight([correction_bias], self._copy_bias)
 
     def _copy_bias(self, sources):
@@ -121,7 +124,7 @@ class EngineRouter:
             weights, ids = router.select_experts(hidden_states=hidden.detach().clone(),
                                                  router_logits=logits32.detach().clone(),
                                                  topk_indices_dtype=torch.int32)
-        return _RoutingWeightsFn.apply(logits, weights.float(), ids, self.moe), ids.long()
+        return _RoutingWeightsFn.apply(logits, weights.float(), ids, self.weights_of), ids.long()
 
     def output_scale(self) -> float:
         """What the engine's runner multiplies the combined routed output by (grouped routing)."""

@@ -47,8 +47,9 @@ PIPELINE, PIPELINE_FAMILIES = Layout(pipeline_model_parallel_size=2), ("llama", 
 CONTEXT, CONTEXT_FAMILIES = Layout(context_parallel_size=2), ("llama", "qwen3", "qwen3_moe", "mistral_window")
 RUNS = ([(f, layout) for f in FAMILIES for layout in LAYOUTS] + [(DENSE, DENSE_LAYOUT)]
         + [(f, PIPELINE) for f in PIPELINE_FAMILIES] + [(f, CONTEXT) for f in CONTEXT_FAMILIES])
-STEPPED = [("qwen3_moe", LAYOUTS[0].name), (DENSE, DENSE_LAYOUT.name), ("llama", PIPELINE.name), ("qwen3", PIPELINE.name),
-           ("llama", CONTEXT.name), ("mistral_window", CONTEXT.name)]
+# GLM-4.5 at EP 2: grouped routing scales the routed output, not the router's weights (their gradient).
+STEPPED = [("qwen3_moe", LAYOUTS[0].name), ("glm4_moe", LAYOUTS[1].name), (DENSE, DENSE_LAYOUT.name),
+           ("llama", PIPELINE.name), ("qwen3", PIPELINE.name), ("llama", CONTEXT.name), ("mistral_window", CONTEXT.name)]
 # LoRA on the Llama: an adapter on every decoder linear and the vocabulary at DP 2 and CP 2; at PP 2
 # (the vocabulary's adapter would sit on one stage only) on the decoder linears.
 LORA_RUNS = [("vocab", DENSE_LAYOUT), ("vocab", CONTEXT), ("decoder", PIPELINE)]
@@ -56,6 +57,9 @@ STEP = TrainStep(coefficient_seed=1, lr=1e-3)
 ENGINE_KWARGS = dict(max_model_len=MAX_MODEL_LEN, seed=0)  # the session engines' arguments (conftest)
 # fp32 rounding behind the data-parallel sum and the dispatch's gradient sums (worst measured 6.5e-7: EP 2)
 GRAD_REL_TOL = 1e-6
+# A bias's gradient is one sum over every token, split between the data-parallel ranks: GLM-4.5's
+# k_proj bias measured 9.9e-7 at EP 2, too near 1e-6 to hold on other hosts.
+BIAS_GRAD_REL_TOL = 1e-5
 
 
 @pytest.fixture(scope="module")
@@ -197,13 +201,15 @@ def test_gradients_at_each_layout_agree_with_the_one_process_face(checkpoints, e
     one_process = convert.megatron_to_hf({k: p.grad for k, p in model.named_parameters()}, runtime.hf_config)
     grads = ep_results[family][layout]["grads"]
     assert set(grads) == set(one_process)
-    worst = max(_relative(grads[n], one_process[n]) for n in one_process)
+    biases = {n for n in one_process if n.endswith(".bias")}
+    worst = max((_relative(grads[n], one_process[n]) for n in set(one_process) - biases), default=0.0)
+    worst_bias = max((_relative(grads[n], one_process[n]) for n in biases), default=0.0)
     experts = [n for n in one_process if ".experts." in n]
     assert family not in FAMILIES or (experts and all(one_process[n].abs().sum() > 0 for n in experts[:4]))
     bitwise = sum(torch.equal(grads[n], one_process[n]) for n in one_process)
-    print(f"{family} at {layout}: worst relative gradient difference vs the one-process face {worst:.3g} "
-          f"({len(experts)} expert tensors among {len(one_process)}; {bitwise} bitwise)")
-    assert worst <= GRAD_REL_TOL
+    print(f"{family} at {layout}: worst relative gradient difference vs the one-process face {worst:.3g}, biases "
+          f"{worst_bias:.3g} ({len(experts)} expert tensors among {len(one_process)}; {bitwise} bitwise)")
+    assert worst <= GRAD_REL_TOL and worst_bias <= BIAS_GRAD_REL_TOL
     if layout == PIPELINE.name:
         # Stages pass activations and their gradients as they are: only a sum over ranks (a tied
         # embedding's two uses, on the first and last stage) can round otherwise.
