@@ -19,7 +19,8 @@ import torch
 from torch.autograd import Function
 
 from zero_mismatch_plugin.aligned.derived import DerivedWeight
-from zero_mismatch_plugin.aligned.moe import AlignedMoE, experts_backward, routing_weights
+from zero_mismatch_plugin.aligned.moe import (EXPERT_SLICES, AlignedMoE, experts_backward, experts_with_lora,
+                                               expert_lora_weights, routing_weights, stacked_expert_lora)
 from zero_mismatch_plugin.aligned.ops import observable
 from zero_mismatch_plugin.aligned.runtime import VllmRuntime
 from zero_mismatch_plugin.tables.architectures import MoeBlocks
@@ -217,6 +218,98 @@ class AlignedExpertRows(AlignedMoE):
 
     def __call__(self, x: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
         return _ExpertRowsFn.apply(x, local_ids, self, *self.params)
+
+
+class AlignedExpertRowsLoRA:
+    """One rank's experts over dispatched (token, slot) rows as an engine serving LoRA computes
+    them: vLLM's CPU experts that take LoRA updates (:func:`..cpu_lora_experts.cpu_moe_experts`,
+    each row on its own), every row through expert ``ids[i]`` at routing weight ``probs[i]``, the
+    adapter's updates (``adapters[e]``: {gate_proj, up_proj, down_proj: LoRAPair}, or None for the
+    experts alone) added as the engine adds them. Each row is the engine's slot value: the weight
+    applied to the base output and to the update each before the slots are summed
+    (:func:`slot_order_sum`). The base weights are frozen; the backward (fp32 torch,
+    :func:`..moe.experts_with_lora`) reaches the rows, their weights and A and B.
+
+    The stacked weights are built on each call, not kept: correct after any optimizer write."""
+
+    def __init__(self, runtime: VllmRuntime, gate_up: list, down: list, adapters: list | None = None,
+                 lora_config=None):
+        lora = runtime.vllm_config.lora_config
+        if lora is None:
+            raise ValueError("the trainer's engine arguments need enable_lora=True (as the engine's)")
+        if adapters is not None and lora_config.r > lora.max_lora_rank:
+            raise ValueError(f"adapter rank {lora_config.r} > max_lora_rank {lora.max_lora_rank}: raise max_lora_rank")
+        if any(w.requires_grad for w in (*gate_up, *down)):
+            raise NotImplementedError("experts of an engine serving LoRA train their adapters only: freeze the base "
+                                      "expert weights (megatron.lora.attach_lora does)")
+        self.runtime, self.gate_up, self.down, self.adapters = runtime, list(gate_up), list(down), adapters
+        self.scaling = lora_config.scaling if adapters is not None else 1.0
+        self.max_rank, self.lora_dtype = lora.max_lora_rank, lora.lora_dtype
+        self.lora_params = [] if adapters is None else [
+            t for target in EXPERT_SLICES for e in adapters for t in (e[target].lora_A, e[target].lora_B)]
+
+    def rows(self, x: torch.Tensor, probs: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        from zero_mismatch_plugin.aligned.cpu_lora_experts import add_moe_lora, cpu_moe_experts
+
+        ids2d, weights2d = ids.long().view(-1, 1), probs.float().view(-1, 1)
+        w13 = torch.stack([w.detach() for w in self.gate_up])
+        w2 = torch.stack([w.detach() for w in self.down])
+        add_w13 = add_w2 = None
+        if self.adapters is not None:
+            a13, b13, a2, b2 = stacked_expert_lora(
+                expert_lora_weights([p.detach() for p in self.lora_params], len(self.adapters)), self.max_rank,
+                self.lora_dtype, self.scaling, x.device)
+            every_row = torch.zeros(x.shape[0], dtype=torch.long, device=x.device)  # adapter slot 0
+
+            def add_w13(y):
+                add_moe_lora(y, x, ids2d, every_row, a13, b13)
+
+            def add_w2(y, h):
+                add_moe_lora(y, h, ids2d, every_row, a2, b2, weights2d)
+
+        return cpu_moe_experts(x, w13, w2, weights2d, ids2d, add_w13, add_w2)
+
+    def __call__(self, x: torch.Tensor, probs: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return _ExpertRowsLoRAFn.apply(x, probs, ids, self, *self.lora_params)
+
+
+class _ExpertRowsLoRAFn(Function):
+    @staticmethod
+    def forward(ctx, x, probs, ids, op: AlignedExpertRowsLoRA, *lora_params):
+        with torch.no_grad():
+            out = op.rows(x, probs, ids)
+        ctx.save_for_backward(x, probs, ids, *lora_params)
+        ctx.op = op
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        x, probs, ids, *lora_params = ctx.saved_tensors
+        op = ctx.op
+        width = op.gate_up[0].shape[0] // 2
+        with torch.enable_grad():
+            x32 = x.detach().float().requires_grad_(True)
+            w32 = probs.detach().float().requires_grad_(True)
+            params = [p.detach().float().requires_grad_(True) for p in lora_params]
+            lora = expert_lora_weights(params, len(op.adapters)) if op.adapters is not None else None
+            gate = [w.detach().float()[:width] for w in op.gate_up]
+            up = [w.detach().float()[width:] for w in op.gate_up]
+            down = [w.detach().float() for w in op.down]
+            out = experts_with_lora(x32, w32.view(-1, 1), ids.long().view(-1, 1), gate, up, down, lora, op.scaling)
+            grads = torch.autograd.grad(out, [x32, w32, *params], g.float(), allow_unused=True)
+        gx, gw, *gparams = grads
+        gw = torch.zeros_like(probs) if gw is None else gw.to(probs.dtype)
+        return (gx.to(x.dtype), gw, None, None,
+                *(None if gp is None else gp.to(p.dtype) for gp, p in zip(gparams, lora_params)))
+
+
+def slot_order_sum(slot_rows: torch.Tensor) -> torch.Tensor:
+    """``[T, K, H]`` slot values summed per token in slot order, ``s_0 + s_1 + ...`` in fp32 (how
+    vLLM's CPU LoRA experts sum a token's weighted slots)."""
+    out = slot_rows[:, 0]
+    for k in range(1, slot_rows.shape[1]):
+        out = out + slot_rows[:, k]
+    return out
 
 
 class ExpertParallelExperts:

@@ -354,6 +354,40 @@ class _MoEFn(Function):
 EXPERT_SLICES = ("gate_proj", "up_proj", "down_proj")
 
 
+def expert_lora_weights(sources: list, num_experts: int) -> dict[str, tuple[list, list]]:
+    """{target: ([A_e], [B_e])} from the experts' adapter matrices listed target by target, expert
+    by expert, A before B (the order of :class:`AlignedMoELoRA`'s ``params``)."""
+    out = {}
+    for i, target in enumerate(EXPERT_SLICES):
+        block = sources[2 * num_experts * i : 2 * num_experts * (i + 1)]
+        out[target] = (block[0::2], block[1::2])
+    return out
+
+
+def stacked_expert_lora(weights: dict[str, tuple[list, list]], max_rank: int, lora_dtype, scaling: float, device):
+    """(w13 A, w13 B, w2 A, w2 B) stacked as vLLM's ``FusedMoEWithLoRA`` holds them: per slice
+    [1, E, max_rank, in] and [1, E, out, max_rank], A and B zero-padded to ``max_rank``, B cast to
+    the LoRA dtype then scaled (``weights``: :func:`expert_lora_weights`)."""
+    stacked = {}
+    for target, (a_list, b_list) in weights.items():
+        r = a_list[0].shape[0]
+        a = torch.zeros(1, len(a_list), max_rank, a_list[0].shape[1], dtype=lora_dtype)
+        b = torch.zeros(1, len(b_list), b_list[0].shape[0], max_rank, dtype=lora_dtype)
+        for e, (lora_a, lora_b) in enumerate(zip(a_list, b_list)):
+            a[0, e, :r] = lora_a.to(lora_dtype)
+            scaled = lora_b.to(lora_dtype, copy=True)  # never scale the parameter itself
+            if scaling != 1:
+                scaled *= scaling
+            b[0, e, :, :r] = scaled
+        stacked[target] = (a.to(device), b.to(device))
+    return (
+        (stacked["gate_proj"][0], stacked["up_proj"][0]),
+        (stacked["gate_proj"][1], stacked["up_proj"][1]),
+        (stacked["down_proj"][0],),
+        (stacked["down_proj"][1],),
+    )
+
+
 class AlignedMoELoRA:
     """vLLM's MoE layer over a frozen :class:`AlignedMoE` with a trainable adapter on every routed
     expert (gate, up and down), in vLLM's expert-LoRA arithmetic.
@@ -387,34 +421,11 @@ class AlignedMoELoRA:
 
     def lora_weights(self, sources: list) -> dict[str, tuple[list, list]]:
         """{target: ([A_e], [B_e])} from tensors in the order of ``params``."""
-        n = len(self.experts)
-        out = {}
-        for i, target in enumerate(EXPERT_SLICES):
-            block = sources[2 * n * i : 2 * n * (i + 1)]
-            out[target] = (block[0::2], block[1::2])
-        return out
+        return expert_lora_weights(sources, len(self.experts))
 
     def _build(self, sources):
-        """(w13 A, w13 B, w2 A, w2 B) stacked as vLLM's ``FusedMoEWithLoRA`` holds them: per slice
-        [1, E, max_rank, in] and [1, E, out, max_rank]."""
-        stacked = {}
-        for target, (a_list, b_list) in self.lora_weights(sources).items():
-            r = a_list[0].shape[0]
-            a = torch.zeros(1, len(a_list), self.max_rank, a_list[0].shape[1], dtype=self.lora_dtype)
-            b = torch.zeros(1, len(b_list), b_list[0].shape[0], self.max_rank, dtype=self.lora_dtype)
-            for e, (lora_a, lora_b) in enumerate(zip(a_list, b_list)):
-                a[0, e, :r] = lora_a.to(self.lora_dtype)
-                scaled = lora_b.to(self.lora_dtype, copy=True)  # never scale the parameter itself
-                if self.scaling != 1:
-                    scaled *= self.scaling
-                b[0, e, :, :r] = scaled
-            stacked[target] = (a.to(self.runtime.device), b.to(self.runtime.device))
-        return (
-            (stacked["gate_proj"][0], stacked["up_proj"][0]),
-            (stacked["gate_proj"][1], stacked["up_proj"][1]),
-            (stacked["down_proj"][0],),
-            (stacked["down_proj"][1],),
-        )
+        return stacked_expert_lora(self.lora_weights(sources), self.max_rank, self.lora_dtype, self.scaling,
+                                   self.runtime.device)
 
     def lora_context(self, num_tokens: int):
         """vLLM's ``MoELoRAContext`` over the trainer's adapter, every token in slot 0."""
@@ -448,16 +459,22 @@ class AlignedMoELoRA:
 def experts_with_lora(x, weights, ids, gate, up, down, lora, scaling):
     """out[t] = sum_k weights[t, k] * down'_e(silu(gate'_e x_t) * up'_e x_t), e = ids[t, k], where
     each linear' is W x + scaling * B (A x): the routed experts with a LoRA adapter, in plain
-    differentiable torch (the backward's graph). ``lora``: {target: ([A_e], [B_e])}."""
+    differentiable torch (the backward's graph). ``lora``: {target: ([A_e], [B_e])}, or None for
+    the experts alone."""
     out = x.new_zeros(x.shape[0], down[0].shape[0])
-    (ag, bg), (au, bu), (ad, bd) = (lora[t] for t in EXPERT_SLICES)
+
+    def linear(v, weight, target, e):
+        base = v @ weight[e].t()
+        if lora is None:
+            return base
+        a, b = lora[target]
+        return base + scaling * ((v @ a[e].t()) @ b[e].t())
+
     for e in torch.unique(ids).tolist():
         tokens, slots = (ids == e).nonzero(as_tuple=True)
         xe = x.index_select(0, tokens)
-        g = xe @ gate[e].t() + scaling * ((xe @ ag[e].t()) @ bg[e].t())
-        u = xe @ up[e].t() + scaling * ((xe @ au[e].t()) @ bu[e].t())
-        h = torch.nn.functional.silu(g) * u
-        d = h @ down[e].t() + scaling * ((h @ ad[e].t()) @ bd[e].t())
+        h = torch.nn.functional.silu(linear(xe, gate, "gate_proj", e)) * linear(xe, up, "up_proj", e)
+        d = linear(h, down, "down_proj", e)
         out = out.index_add(0, tokens, d * weights[tokens, slots].unsqueeze(-1))
     return out
 

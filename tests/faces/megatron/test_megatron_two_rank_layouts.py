@@ -92,6 +92,26 @@ def lora_rollouts(engine_pool, checkpoints, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def moe_lora(engine_pool, checkpoints, tmp_path_factory):
+    """GLM-4.5 (grouped routing, a shared expert, a dense first layer) with an adapter on every
+    linear, each routed expert's included: a rollout of a one-process engine serving it, and the
+    checkpoint with the adapter merged (the negative control)."""
+    from zero_mismatch_plugin.aligned.lora.adapter import build_adapter
+    from zero_mismatch_plugin.aligned.lora.peft import lora_engine_args, lora_request
+
+    root = tmp_path_factory.mktemp("two_rank_moe_lora")
+    model = checkpoints["glm4_moe"]
+    adapter = build_adapter(root / "adapter", model, r=8, lora_alpha=16, seed=21)
+    engine_kwargs = {**ENGINE_KWARGS, **lora_engine_args(adapter)}
+    llm = engine_pool.get(model, scope="two_rank_moe_lora", **engine_kwargs)
+    prompts, responses, mu = rollout(llm, prompts_for(model, corpus_seed=13), seed=5,
+                                     lora_request=lora_request("experts", 1, adapter))
+    engine_pool.drop(model, scope="two_rank_moe_lora", **engine_kwargs)
+    return SimpleNamespace(model=model, adapter=adapter, engine_kwargs=engine_kwargs, prompts=prompts,
+                           responses=responses, mu=mu, merged=merged_checkpoint(model, adapter, root / "merged"))
+
+
+@pytest.fixture(scope="module")
 def two_ranks():
     """Two torchrun ranks of the Megatron face for the whole module; each call names its layout."""
     from zero_mismatch_plugin.integrations.megatron.rank_group import RankGroup
@@ -101,7 +121,7 @@ def two_ranks():
 
 
 @pytest.fixture(scope="module")
-def ep_results(checkpoints, ep_rollouts, lora_rollouts, two_ranks):
+def ep_results(checkpoints, ep_rollouts, lora_rollouts, moe_lora, two_ranks):
     """{family: {layout name: run_request's result}} from the module's two ranks; under "lora" and
     "merged" the Llama with an adapter (a step at each layout) and with the decoder adapter merged."""
     from zero_mismatch_plugin.integrations.megatron.distributed import ScoreRequest
@@ -111,6 +131,12 @@ def ep_results(checkpoints, ep_rollouts, lora_rollouts, two_ranks):
         request = ScoreRequest(str(checkpoints[family]), ENGINE_KWARGS, *ep_rollouts[family][:2],
                                step=STEP if (family, layout.name) in STEPPED else None)
         results.setdefault(family, {})[layout.name] = two_ranks.call("run_request", request, layout)
+    for layout in LAYOUTS:  # the MoE adapter at EP 2, each dispatcher
+        adapted = ScoreRequest(str(moe_lora.model), moe_lora.engine_kwargs, moe_lora.prompts, moe_lora.responses,
+                               step=STEP, lora_dir=str(moe_lora.adapter))
+        merged = ScoreRequest(str(moe_lora.merged), ENGINE_KWARGS, moe_lora.prompts, moe_lora.responses)
+        results.setdefault("moe_lora", {})[layout.name] = two_ranks.call("run_request", adapted, layout)
+        results.setdefault("moe_merged", {})[layout.name] = two_ranks.call("run_request", merged, layout)
     for kind, layout in LORA_RUNS:
         adapted = ScoreRequest(str(checkpoints["llama"]), lora_rollouts.engine_kwargs,
                                *lora_rollouts.rollouts[kind][:2], step=STEP, lora_dir=str(lora_rollouts.adapters[kind]))
@@ -162,6 +188,31 @@ def test_lora_at_each_layout_is_bitwise_with_the_engine_and_its_gradients_agree(
     merged, decoder_mu = torch.cat(ep_results["merged"][layout]["logprobs"]), lora_rollouts.rollouts["decoder"][2]
     assert not torch.equal(merged, decoder_mu)
     assert (merged - decoder_mu).abs().max() < 1e-3
+
+
+@pytest.mark.parametrize("layout", [layout.name for layout in LAYOUTS])
+def test_lora_on_routed_experts_at_ep2_is_bitwise_with_the_engine_and_its_gradients_agree(moe_lora, ep_results, layout):
+    """Each expert-parallel rank computes its experts' (token, slot) rows as the engine's CPU LoRA
+    experts do, the adapter's updates on them, each row weighted before the slots are summed; the
+    A and B gradients of one step against one process, every expert's adapter gathered whole (what
+    the engine loads after the step); negative control: the adapter merged into the weights."""
+    from safetensors.torch import load_file
+    from support.megatron_lora import one_process_lora_gradients
+
+    from zero_mismatch_plugin.aligned.lora.peft import WEIGHTS_FILE
+
+    result = ep_results["moe_lora"][layout]
+    values = torch.cat(result["logprobs"])
+    assert torch.equal(values, moe_lora.mu), f"{int((values != moe_lora.mu).sum())} of {moe_lora.mu.numel()} tokens differ"
+    reference = one_process_lora_gradients(moe_lora.model, moe_lora.engine_kwargs, moe_lora.adapter, moe_lora.prompts,
+                                           moe_lora.responses, STEP)
+    assert any(".experts." in name for name in reference)
+    worst = assert_gradients_close(result["grads"], reference, GRAD_REL_TOL)
+    print(f"LoRA on experts at {layout} vs one process: worst relative gradient difference {worst:.3g}")
+    assert set(result["weights"]) == set(load_file(moe_lora.adapter / WEIGHTS_FILE))
+    merged = torch.cat(ep_results["moe_merged"][layout]["logprobs"])
+    assert not torch.equal(merged, moe_lora.mu)
+    assert (merged - moe_lora.mu).abs().max() < 1e-3
 
 
 @pytest.mark.parametrize("family, layout", [(f, layout.name) for f, layout in RUNS])

@@ -105,8 +105,9 @@ def attach_lora(model, runtime, adapter_dir: str | os.PathLike):
         )
     vocab_names = {convert.megatron_vocab_lora_name(t, which) for t in VOCAB_LORA_TARGETS for which in "AB"}
     tensors = {n: t for n, t in convert.peft_to_megatron_lora(adapter.peft_state()).items() if n not in vocab_names}
-    # A pipeline stage's own layers, numbered from 0 as megatron numbers them.
-    tensors = pipeline.to_stage(tensors, config, tied_head=False)
+    # A pipeline stage's own layers, numbered from 0 as megatron numbers them; an expert-parallel
+    # rank's own experts, numbered from 0 as its local experts are.
+    tensors = _local_experts(pipeline.to_stage(tensors, config, tied_head=False), config)
     problem = layout_problem(
         tp, bool(getattr(config, "sequence_parallel", False)), vocab=sorted(vocab_pairs),
         experts=any(convert.parse_megatron_lora_name(n)[3] is not None for n in tensors),
@@ -141,8 +142,57 @@ def attach_lora(model, runtime, adapter_dir: str | os.PathLike):
             pairs = {t: tensor_parallel_pair(p, module.partition_dim, module.tp_group) for t, p in pairs.items()}
         module.lora = MegatronLoRA(slices, sizes, {t: p.to(module.weight.device) for t, p in pairs.items()},
                                    lora_config, mapping)
+        if isinstance(expert, int) and _expert_parallel(config)[0] > 1:
+            for param in module.lora.parameters():
+                param.allreduce = False  # megatron's mark of an expert-parallel parameter (DDP, grad norms)
     _attach_vocab_lora(model, runtime, vocab_pairs, lora_config)
     return lora_config
+
+
+def _expert_parallel(config) -> tuple[int, int, int]:
+    """(expert-parallel size, this rank's index in it, experts per rank) of a model of ``config``."""
+    size = getattr(config, "expert_model_parallel_size", 1) or 1
+    if size == 1:
+        return 1, 0, getattr(config, "num_moe_experts", 0) or 0
+    from megatron.core import parallel_state
+
+    return size, parallel_state.get_expert_model_parallel_rank(), config.num_moe_experts // size
+
+
+def _local_experts(tensors: dict, config) -> dict:
+    """This expert-parallel rank's routed experts' matrices (renumbered from 0, as megatron numbers a
+    rank's local experts) and every other matrix, from all experts' under megatron's names."""
+    size, rank, per_rank = _expert_parallel(config)
+    if size == 1:
+        return tensors
+    out = {}
+    for name, tensor in tensors.items():
+        layer, target, which, expert = convert.parse_megatron_lora_name(name)
+        if not isinstance(expert, int):
+            out[name] = tensor
+        elif expert // per_rank == rank:
+            out[convert.megatron_lora_name(layer, target, which, expert - rank * per_rank)] = tensor
+    return out
+
+
+def _every_ranks_experts(tensors: dict, config) -> dict:
+    """The inverse of :func:`_local_experts`: every expert-parallel rank's routed experts'
+    matrices under their global numbers (a collective of the expert-parallel group)."""
+    size, rank, per_rank = _expert_parallel(config)
+    if size == 1:
+        return tensors
+    from megatron.core import parallel_state
+
+    experts, others = {}, {}
+    for name, tensor in tensors.items():
+        layer, target, which, expert = convert.parse_megatron_lora_name(name)
+        if isinstance(expert, int):
+            experts[convert.megatron_lora_name(layer, target, which, expert + rank * per_rank)] = tensor
+        else:
+            others[name] = tensor
+    parts = [None] * size
+    torch.distributed.all_gather_object(parts, experts, group=parallel_state.get_expert_model_parallel_group())
+    return {**others, **{name: tensor for part in parts for name, tensor in part.items()}}
 
 
 def layout_problem(tensor_parallel: int, sequence_parallel: bool, vocab=(), experts: bool = False,
@@ -153,7 +203,8 @@ def layout_problem(tensor_parallel: int, sequence_parallel: bool, vocab=(), expe
     At tensor parallelism it runs with sequence parallelism: megatron's ``finalize_model_grads``
     then sums the gradients of the adapter matrices every rank holds whole (column-parallel A,
     row-parallel B) over the ranks. Data and context parallelism change nothing for an adapter
-    (per-token arithmetic, DDP's sums); pipeline stages hold their layers' adapters.
+    (per-token arithmetic, DDP's sums); pipeline stages hold their layers' adapters, expert-parallel
+    ranks their experts' (computed as the engine's CPU LoRA experts compute each row).
     """
     if tensor_parallel > 1 and not sequence_parallel:
         return (f"LoRA at tensor parallelism {tensor_parallel} runs with sequence parallelism: megatron sums the "
@@ -164,11 +215,12 @@ def layout_problem(tensor_parallel: int, sequence_parallel: bool, vocab=(), expe
     if vocab and split:
         return (f"LoRA on {list(vocab)} at {' and '.join(split)} is not covered (the vocabulary's adapter would "
                 "be split or on one stage only); drop them from target_modules or use another layout")
-    spread = [f"{what} parallelism {size}" for what, size in (("tensor", tensor_parallel), ("expert", expert_parallel))
-              if size > 1]
-    if experts and spread:
-        return (f"LoRA on MoE experts at {' and '.join(spread)} is not covered; adapt the attention linears only, "
-                "or give the experts one rank")
+    if experts and tensor_parallel > 1:
+        return (f"LoRA on MoE experts at tensor parallelism {tensor_parallel} is not covered; adapt the attention "
+                "linears only, or give the experts whole ranks (expert parallelism)")
+    if tensor_parallel > 1 and expert_parallel > 1:
+        return (f"LoRA at tensor parallelism {tensor_parallel} x expert parallelism {expert_parallel} is not covered "
+                "(the engine's experts serving LoRA at tensor parallelism); use one of them")
     return None
 
 
@@ -244,8 +296,10 @@ def full_adapter_tensors(model, tensors: dict) -> dict:
             parts = all_gather_parts(tensor.contiguous(), parallel_state.get_tensor_model_parallel_group())
             tensor = torch.cat(parts, dim=param.partition_dim)
         whole[name] = tensor
-    # Every pipeline stage's matrices, layers numbered globally (as they are at one stage).
-    whole = pipeline.gather_stages(whole, getattr(model, "config", None), tied_head=False)
+    # Every expert-parallel rank's experts and every pipeline stage's matrices, experts and layers
+    # numbered globally (as they are in one process).
+    config = getattr(model, "config", None)
+    whole = pipeline.gather_stages(_every_ranks_experts(whole, config), config, tied_head=False)
     return convert.megatron_to_peft_lora(whole, hf_config)
 
 

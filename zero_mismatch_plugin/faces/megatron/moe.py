@@ -293,7 +293,8 @@ def aligned_moe_layer_class():
         def _expert_parallel_routed_per_shard(self, x, router_logits) -> list:
             """:meth:`_expert_parallel_routed` once per engine tensor-parallel rank (that rank's
             shard of each expert): one dispatch, one combine per shard."""
-            from zero_mismatch_plugin.aligned.expert_parallel import probe_combine_arithmetic, slot_order_combine
+            from zero_mismatch_plugin.aligned.expert_parallel import (probe_combine_arithmetic, slot_order_combine,
+                                                                      slot_order_sum)
             from zero_mismatch_plugin.faces.megatron.parallel import cpu_megatron_collectives
 
             router = self._engine_router()
@@ -302,32 +303,66 @@ def aligned_moe_layer_class():
             tokens, k = ids.shape
             rows = x.repeat_interleave(k, dim=0)
             routing_map = torch.nn.functional.one_hot(ids.reshape(-1), self.config.num_moe_experts).bool()
-            probs = routing_map.to(x.dtype)
+            lora_rows = self._local_experts_lora_op()
+            # Serving LoRA, the engine weights each slot before summing (the rows travel with their
+            # weight); otherwise each row comes back unweighted and the kernel's combine weights it.
+            probs = routing_map.to(x.dtype) if lora_rows is None else routing_map.to(weights.dtype) * weights.reshape(-1, 1)
             dispatcher = self.token_dispatcher
             outputs = []
             with cpu_megatron_collectives():
                 rows, probs = dispatcher.dispatch_preprocess(rows, routing_map, probs)
                 rows, probs = dispatcher.token_dispatch(rows, probs)
-                rows, tokens_per_expert, _ = dispatcher.dispatch_postprocess(rows, probs)
+                rows, tokens_per_expert, row_probs = dispatcher.dispatch_postprocess(rows, probs)
                 counts = torch.as_tensor(tokens_per_expert, device=rows.device).long()
                 local_ids = torch.repeat_interleave(torch.arange(len(counts), device=rows.device), counts)
                 for shard in range(self.engine_shards):
                     # megatron's combine keeps no state of its own: it runs once per shard.
-                    out = self._local_experts_op(shard)(rows, local_ids)
+                    if lora_rows is None:
+                        out = self._local_experts_op(shard)(rows, local_ids)
+                    else:
+                        out = lora_rows(rows, row_probs.reshape(-1), local_ids)
                     out = dispatcher.combine_preprocess(out)
                     out = dispatcher.token_combine(out)
                     outputs.append(dispatcher.combine_postprocess(out))
-            arithmetic = probe_combine_arithmetic(self.runtime, self.moe, self.config.hidden_size)
             scale = router.output_scale()
-            routed = [slot_order_combine(out.reshape(tokens, k, -1), weights, arithmetic) for out in outputs]
+            if lora_rows is None:
+                arithmetic = probe_combine_arithmetic(self.runtime, self.moe, self.config.hidden_size)
+                routed = [slot_order_combine(out.reshape(tokens, k, -1), weights, arithmetic) for out in outputs]
+            else:
+                routed = [slot_order_sum(out.reshape(tokens, k, -1)) for out in outputs]
             return [(r * scale if scale != 1.0 else r).to(x.dtype) for r in routed]
+
+        def _local_experts_lora_op(self):
+            """With an engine serving LoRA: this rank's experts as its CPU LoRA experts compute
+            them, with their adapters if attached (:func:`..lora.attach_lora`); None otherwise."""
+            from zero_mismatch_plugin.aligned.expert_parallel import AlignedExpertRowsLoRA
+
+            if self.runtime.vllm_config.lora_config is None:
+                return None
+            if self.engine_shards > 1:
+                raise NotImplementedError(
+                    "aligned megatron MoE layer: an engine serving LoRA at tensor x expert parallelism is not "
+                    "covered; serve LoRA at expert parallelism alone, or at tensor parallelism alone")
+            local = self.experts.local_experts
+            adapters = [(getattr(e.linear_fc1, "lora", None), getattr(e.linear_fc2, "lora", None)) for e in local]
+            if all(a is None and b is None for a, b in adapters):
+                experts, lora_config = None, None
+            elif any(a is None or b is None for a, b in adapters):
+                raise ValueError("aligned megatron MoE layer: an adapter on some routed experts' linears only; "
+                                 "attach it to linear_fc1 and linear_fc2 of every expert (megatron.lora.attach_lora)")
+            else:
+                experts = [{t: getattr(lora, t) for lora in pair for t in lora.targets} for pair in adapters]
+                lora_config = adapters[0][0].lora_config
+            return AlignedExpertRowsLoRA(self.runtime, [e.linear_fc1.weight for e in local],
+                                         [e.linear_fc2.weight for e in local], experts, lora_config)
 
         def refresh(self) -> None:
             """Re-derive the experts' and the shared expert gate's engine layouts (the router
             and the shared expert's linears are modules of their own)."""
             if self.expert_parallel:
-                for shard in range(self.engine_shards):
-                    self._local_experts_op(shard).derived.refresh()
+                if self.runtime.vllm_config.lora_config is None:  # serving LoRA, the experts' op keeps nothing
+                    for shard in range(self.engine_shards):
+                        self._local_experts_op(shard).derived.refresh()
                 self._engine_router().derived.refresh()
             else:
                 self._experts_op().derived.refresh()
