@@ -53,6 +53,30 @@ def test_fused_multiply_add_rounds_once_including_a_halfway_case_fp64_would_roun
         assert got[i].item() == float(_exact_fp32(exact)), i
 
 
+def test_fused_multiply_add_settles_only_halfway_sums_and_agrees_with_settling_every_value():
+    """The fp64 sum rounded to fp32 except at fp32 midpoints (and in the subnormal range): the same
+    values as settling every one by the sum's error, at every magnitude."""
+    g = torch.Generator().manual_seed(3)
+    for scale_a, scale_c in ((1.0, 1.0), (1e-20, 1e-39), (1e-3, 1e-40), (1e19, 1e38), (2.0**-12, 1.0)):
+        a = (torch.randn(100_000, generator=g) * scale_a).float()
+        b, c = torch.randn(100_000, generator=g), (torch.randn(100_000, generator=g) * scale_c).float()
+        p = a.double() * b.double()
+        assert torch.equal(ep.fused_multiply_add(a, b, c), ep._settle_halfway(p, c.double(), p + c.double()))
+    # Planted: c with an odd last bit, and products a b = h (1 - x^2) just below half c's fp32 ulp
+    # (h), which the fp64 sum rounds onto the midpoint: c normal (1 + k 2^-23), and subnormal
+    # (k 2^-149 near 2^-130, where the fp64 sum keeps too few bits for x = 2^-15), either sign.
+    odd = torch.arange(1, 2001, 2, dtype=torch.float64)
+    for c64, h, x in ((1 + odd * 2.0**-23, 2.0**-24, 2.0**-15), ((2.0**19 + odd) * 2.0**-149, 2.0**-150, 2.0**-20)):
+        for sign in (1.0, -1.0):
+            c = (sign * c64).float()
+            a = torch.full_like(c, h**0.5 * (1 + x))
+            b = torch.full_like(c, h**0.5 * (1 - x))
+            p = a.double() * b.double()
+            assert torch.equal(ep.fused_multiply_add(a, b, c), ep._settle_halfway(p, c.double(), p + c.double()))
+            twice = (p + c.double()).float()
+            assert not torch.equal(twice, ep.fused_multiply_add(a, b, c))  # the fp64 sum rounded is wrong here
+
+
 def test_slot_order_combine_is_the_engines_order_and_its_gradient_that_of_the_weighted_sum():
     g = torch.Generator().manual_seed(1)
     y = torch.randn(5, 3, 8, generator=g, dtype=torch.float32, requires_grad=True)

@@ -31,14 +31,29 @@ FUSED, SEPARATE = "fused multiply-add", "multiply then add"
 def fused_multiply_add(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     """``a * b + c`` of fp32 tensors rounded once (IEEE fma, round to nearest even).
 
-    The product of two fp32 values is exact in fp64; the fp64 sum ``s`` and its error ``e`` (Knuth's
-    two-sum) hold the exact result ``s + e``. Rounding ``s`` to fp32 is the single rounding of
-    ``s + e`` except where ``s`` lies exactly halfway between two fp32 values and ``e`` is not 0:
-    there ``e``'s sign picks the neighbour.
+    The product of two fp32 values is exact in fp64, so the fp64 sum ``s`` is the exact result
+    rounded once; rounding ``s`` to fp32 rounds twice, and that differs from one rounding only
+    where ``s`` is exactly halfway between two fp32 values (a midpoint is an fp64 value, so the
+    first rounding can reach it but not cross it). Those values, found from ``s``'s bits (and every
+    value in fp32's subnormal range, where the bits say less), are settled by the exact sum's error
+    (:func:`_settle_halfway`); the rest is ``s`` rounded.
     """
     p = a.double() * b.double()
-    c64 = c.double()
-    s = p + c64
+    s = p + c.double()
+    r = s.float()
+    # fp32 keeps 23 of fp64's 52 fraction bits: a midpoint's 29 dropped bits are 1 then 28 zeros.
+    halfway = (s.view(torch.int64) & 0x1FFFFFFF) == 0x10000000
+    suspect = halfway | (s.abs() < 2.0**-126)
+    if bool(suspect.any()):
+        at = suspect.nonzero(as_tuple=True)
+        r[at] = _settle_halfway(p[at], c[at].double(), s[at])
+    return r
+
+
+def _settle_halfway(p: torch.Tensor, c64: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """fp32 ``p + c64`` rounded once, from the fp64 sum ``s``: where ``s`` is halfway between two
+    fp32 values, the sign of the sum's error ``e`` (Knuth's two-sum: ``s + e`` is exact) picks
+    the neighbour; elsewhere ``s`` rounded."""
     virtual = s - p
     e = (p - (s - virtual)) + (c64 - virtual)
     r = s.float()
