@@ -450,7 +450,6 @@ def test_lora_on_ranks_is_refused_where_it_is_not_covered():
     for args, kwargs, words in (
         ((2, False), {}, "turn sequence parallelism on"),
         ((2, True), {"vocab": ["lm_head"]}, "LoRA on ['lm_head'] at tensor parallelism 2 is not covered"),
-        ((1, False), {"vocab": ["embed_tokens"], "pipeline_parallel": 2}, "at pipeline parallelism 2 is not covered"),
         ((2, True), {"experts": True}, "LoRA on MoE experts at tensor parallelism 2 is not covered"),
         ((2, True), {"expert_parallel": 2}, "LoRA at tensor parallelism 2 x expert parallelism 2 is not covered"),
     ):
@@ -459,6 +458,7 @@ def test_lora_on_ranks_is_refused_where_it_is_not_covered():
     # parallelism (test_megatron_two_rank_layouts.py) are covered.
     assert layout_problem(1, False, vocab=["lm_head"], experts=True, context_parallel=2) is None
     assert layout_problem(1, False, experts=True, expert_parallel=2) is None
+    assert layout_problem(1, False, vocab=["embed_tokens", "lm_head"], pipeline_parallel=2) is None
 
 
 def test_a_rank_killed_mid_call_fails_the_call_within_60_s_naming_the_rank(tp2_group, tp2_results, mg_checkpoints, tp2_rollouts):

@@ -50,9 +50,9 @@ RUNS = ([(f, layout) for f in FAMILIES for layout in LAYOUTS] + [(DENSE, DENSE_L
 # GLM-4.5 at EP 2: grouped routing scales the routed output, not the router's weights (their gradient).
 STEPPED = [("qwen3_moe", LAYOUTS[0].name), ("glm4_moe", LAYOUTS[1].name), (DENSE, DENSE_LAYOUT.name),
            ("llama", PIPELINE.name), ("qwen3", PIPELINE.name), ("llama", CONTEXT.name), ("mistral_window", CONTEXT.name)]
-# LoRA on the Llama: an adapter on every decoder linear and the vocabulary at DP 2 and CP 2; at PP 2
-# (the vocabulary's adapter would sit on one stage only) on the decoder linears.
-LORA_RUNS = [("vocab", DENSE_LAYOUT), ("vocab", CONTEXT), ("decoder", PIPELINE)]
+# LoRA on the Llama: an adapter on every decoder linear and the vocabulary at DP 2, CP 2 and PP 2
+# (embed_tokens' on the first stage, lm_head's on the last).
+LORA_RUNS = [("vocab", DENSE_LAYOUT), ("vocab", CONTEXT), ("vocab", PIPELINE)]
 STEP = TrainStep(coefficient_seed=1, lr=1e-3)
 ENGINE_KWARGS = dict(max_model_len=MAX_MODEL_LEN, seed=0)  # the session engines' arguments (conftest)
 # fp32 rounding behind the data-parallel sum and the dispatch's gradient sums (worst measured 6.5e-7: EP 2)
@@ -176,9 +176,10 @@ def lora_reference_gradients(checkpoints, lora_rollouts):
 @pytest.mark.parametrize("kind, layout", [(kind, layout.name) for kind, layout in LORA_RUNS])
 def test_lora_at_each_layout_is_bitwise_with_the_engine_and_its_gradients_agree(lora_reference_gradients, lora_rollouts,
                                                                                ep_results, kind, layout):
-    """An adapter's logprobs at DP 2, CP 2 (the vocabulary's adapter too) and PP 2 (each stage its
-    layers' adapters) against the one-process engine serving it; A and B gradients of one step
-    against one process; negative control: the decoder adapter merged into the weights."""
+    """An adapter on every decoder linear and the vocabulary: logprobs at DP 2, CP 2 and PP 2 (each
+    stage its layers' adapters, the first embed_tokens', the last lm_head's) against the one-process
+    engine serving it; A and B gradients of one step against one process (every stage's gathered);
+    negative control: the decoder adapter merged into the weights."""
     mu = lora_rollouts.rollouts[kind][2]
     result = ep_results["lora"][layout]
     values = torch.cat(result["logprobs"])

@@ -210,11 +210,9 @@ def layout_problem(tensor_parallel: int, sequence_parallel: bool, vocab=(), expe
         return (f"LoRA at tensor parallelism {tensor_parallel} runs with sequence parallelism: megatron sums the "
                 "gradients of the adapter matrices every rank holds whole over the ranks only then; turn "
                 "sequence parallelism on")
-    split = [f"{what} parallelism {size}" for what, size in (("tensor", tensor_parallel), ("pipeline", pipeline_parallel))
-             if size > 1]
-    if vocab and split:
-        return (f"LoRA on {list(vocab)} at {' and '.join(split)} is not covered (the vocabulary's adapter would "
-                "be split or on one stage only); drop them from target_modules or use another layout")
+    if vocab and tensor_parallel > 1:
+        return (f"LoRA on {list(vocab)} at tensor parallelism {tensor_parallel} is not covered (the vocabulary's "
+                "adapter would be split); drop them from target_modules or use another layout")
     if experts and tensor_parallel > 1:
         return (f"LoRA on MoE experts at tensor parallelism {tensor_parallel} is not covered; adapt the attention "
                 "linears only, or give the experts whole ranks (expert parallelism)")
@@ -252,9 +250,13 @@ def tensor_parallel_pair(pair: LoRAPair, partition_dim: int, group) -> LoRAPair:
 
 def _attach_vocab_lora(model, runtime, pairs: dict, lora_config) -> None:
     """Put the ``embed_tokens`` / ``lm_head`` adapters ``pairs`` on megatron's word embedding and
-    output layer (which must be the aligned one)."""
+    output layer (which must be the aligned one); a pipeline stage takes those of the modules it has
+    (the first the embedding, the last the output layer)."""
     modules = dict(model.named_modules())
     for target, pair in pairs.items():
+        module = modules.get(convert.MEGATRON_VOCAB_LORA_MODULES[target])
+        if module is None and (getattr(getattr(model, "config", None), "pipeline_model_parallel_size", 1) or 1) > 1:
+            continue  # on another stage
         module = modules[convert.MEGATRON_VOCAB_LORA_MODULES[target]]
         if target == "lm_head" and not isinstance(module, AlignedOutputLayer):
             raise ValueError(f"an lm_head adapter needs the aligned output layer, the model has {type(module).__name__}")
