@@ -16,7 +16,7 @@ check command at TP 2 + SP runs there and on Qwen3-MoE at TP 2 + SP x EP 2.
 Cost: one TP-2 engine per checkpoint (~20 s each), one torchrun of two ranks that scores every
 checkpoint and takes one training step on Llama and one on Qwen3-MoE (~40 s), one torchrun of
 four one-thread ranks for the combined layouts (~50 s; two one-process engines of the session's, if
-not started already, ~20 s), and a TP-2 LoRA engine with its check and
+not started already, ~20 s) and ``zmrl check`` at PP 2 x EP 2 on them, and a TP-2 LoRA engine with its check and
 three calls on the same two ranks (~50 s); everything below is asserted from those runs. The
 check command as a user runs it, starting its own TP-2 engine and ranks, runs once, on Qwen3-MoE
 at TP 2 + SP x EP 2 (~40 s).
@@ -280,18 +280,25 @@ def one_process_rollouts(engines, checkpoints):
 
 
 @pytest.fixture(scope="module")
-def combined_results(mg_checkpoints, checkpoints, tp2_rollouts, one_process_rollouts):
-    """{(family, layout name): run_request's result} of every combined layout on four torchrun
-    ranks of their own; the Llama requests at TP 2 + SP x PP 2 and x CP 2 take the step too."""
-    from zero_mismatch_plugin.integrations.megatron.distributed import ScoreRequest
+def four_ranks():
+    """Four torchrun ranks of the Megatron face for the module's combined layouts."""
     from zero_mismatch_plugin.integrations.megatron.rank_group import RankGroup
+
+    with RankGroup(COMBINED) as group:
+        yield group
+
+
+@pytest.fixture(scope="module")
+def combined_results(mg_checkpoints, checkpoints, tp2_rollouts, one_process_rollouts, four_ranks):
+    """{(family, layout name): run_request's result} of every combined layout on the four ranks;
+    the Llama requests at TP 2 + SP x PP 2 and x CP 2 take the step too."""
+    from zero_mismatch_plugin.integrations.megatron.distributed import ScoreRequest
 
     runs = ([(mg_checkpoints[f], tp2_rollouts[f], f, layout) for f, layout in TP2_ENGINE_RUNS]
             + [(checkpoints[f], one_process_rollouts[f], f, layout) for f, layout in ONE_PROCESS_RUNS])
-    with RankGroup(COMBINED) as group:
-        return {(f, layout.name): group.call("run_request", ScoreRequest(
-                    str(model), ENGINE_KWARGS, *rollout_[:2], step=STEP if (f, layout.name) in STEPPED else None), layout)
-                for model, rollout_, f, layout in runs}
+    return {(f, layout.name): four_ranks.call("run_request", ScoreRequest(
+                str(model), ENGINE_KWARGS, *rollout_[:2], step=STEP if (f, layout.name) in STEPPED else None), layout)
+            for model, rollout_, f, layout in runs}
 
 
 @pytest.mark.parametrize("family, layout", [(f, layout.name) for f, layout in TP2_ENGINE_RUNS])
@@ -317,6 +324,25 @@ def test_combined_layouts_without_tensor_parallelism_are_bitwise_equal_to_the_on
     values = torch.cat(combined_results[(family, layout)]["logprobs"])
     assert values.shape == mu.shape
     assert torch.equal(values, mu), f"{int((values != mu).sum())} of {mu.numel()} tokens differ"
+
+
+def test_zmrl_check_at_pipeline_by_expert_parallel_passes_every_check(checkpoints, combined_results, four_ranks,
+                                                                        tmp_path, capsys):
+    """``zmrl check --trainer megatron --pipeline-parallel 2 --expert-parallel 2`` on Qwen3-MoE: a
+    combined layout from the command line, on the module's four ranks (lent) and a one-process
+    engine started as the command starts it; the expert-selection check reads each stage's routers."""
+    from support.check_command import lent_engine_and_ranks, run_check
+    from zero_mismatch_plugin.tools.checker.engine import engine_settings, open_engine
+
+    settings = engine_settings(checkpoints["qwen3_moe"], MAX_MODEL_LEN, seed=0)
+    with open_engine(settings) as llm, lent_engine_and_ranks(settings, llm, group=four_ranks) as asked:
+        code, table, report = run_check(checkpoints["qwen3_moe"], ["--pipeline-parallel", "2", "--expert-parallel", "2"],
+                                        tmp_path, capsys)
+    assert asked == ["tp1-ep2-alltoall-pp2-dp2"], asked
+    assert code == 0, table
+    assert "expert parallel 2 (alltoall) | pipeline parallel 2" in table and "checks passed" in table
+    assert all(entry["pass"] is True for entry in report.values()), report
+    assert report["sampled_token"]["bitwise_equal_fraction"] == 1.0 and "expert_selection" in report
 
 
 @pytest.mark.parametrize("layout", [COMBINED.name, TP_CP.name])
