@@ -38,15 +38,15 @@ def fused_multiply_add(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> tor
     value in fp32's subnormal range, where the bits say less), are settled by the exact sum's error
     (:func:`_settle_halfway`); the rest is ``s`` rounded.
     """
-    p = a.double() * b.double()
-    s = p + c.double()
+    p, c64 = a.double() * b.double(), c.double()
+    s = p + c64
     r = s.float()
     # fp32 keeps 23 of fp64's 52 fraction bits: a midpoint's 29 dropped bits are 1 then 28 zeros.
     halfway = (s.view(torch.int64) & 0x1FFFFFFF) == 0x10000000
     suspect = halfway | (s.abs() < 2.0**-126)
     if bool(suspect.any()):
         at = suspect.nonzero(as_tuple=True)
-        r[at] = _settle_halfway(p[at], c[at].double(), s[at])
+        r[at] = _settle_halfway(p[at], c64[at], s[at])
     return r
 
 

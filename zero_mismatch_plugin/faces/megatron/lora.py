@@ -107,7 +107,9 @@ def attach_lora(model, runtime, adapter_dir: str | os.PathLike):
     tensors = {n: t for n, t in convert.peft_to_megatron_lora(adapter.peft_state()).items() if n not in vocab_names}
     # A pipeline stage's own layers, numbered from 0 as megatron numbers them; an expert-parallel
     # rank's own experts, numbered from 0 as its local experts are.
-    tensors = _local_experts(pipeline.to_stage(tensors, config, tied_head=False), config)
+    experts_group = parallel.expert_parallel_group(config)
+    num_experts = getattr(config, "num_moe_experts", None) or 0
+    tensors = parallel.local_experts_of(pipeline.to_stage(tensors, config, tied_head=False), num_experts, experts_group)
     problem = layout_problem(
         tp, bool(getattr(config, "sequence_parallel", False)), vocab=sorted(vocab_pairs),
         experts=any(convert.parse_megatron_lora_name(n)[3] is not None for n in tensors),
@@ -142,57 +144,11 @@ def attach_lora(model, runtime, adapter_dir: str | os.PathLike):
             pairs = {t: tensor_parallel_pair(p, module.partition_dim, module.tp_group) for t, p in pairs.items()}
         module.lora = MegatronLoRA(slices, sizes, {t: p.to(module.weight.device) for t, p in pairs.items()},
                                    lora_config, mapping)
-        if isinstance(expert, int) and _expert_parallel(config)[0] > 1:
+        if isinstance(expert, int) and experts_group is not None:
             for param in module.lora.parameters():
                 param.allreduce = False  # megatron's mark of an expert-parallel parameter (DDP, grad norms)
     _attach_vocab_lora(model, runtime, vocab_pairs, lora_config)
     return lora_config
-
-
-def _expert_parallel(config) -> tuple[int, int, int]:
-    """(expert-parallel size, this rank's index in it, experts per rank) of a model of ``config``."""
-    size = getattr(config, "expert_model_parallel_size", 1) or 1
-    if size == 1:
-        return 1, 0, getattr(config, "num_moe_experts", 0) or 0
-    from megatron.core import parallel_state
-
-    return size, parallel_state.get_expert_model_parallel_rank(), config.num_moe_experts // size
-
-
-def _local_experts(tensors: dict, config) -> dict:
-    """This expert-parallel rank's routed experts' matrices (renumbered from 0, as megatron numbers a
-    rank's local experts) and every other matrix, from all experts' under megatron's names."""
-    size, rank, per_rank = _expert_parallel(config)
-    if size == 1:
-        return tensors
-    out = {}
-    for name, tensor in tensors.items():
-        layer, target, which, expert = convert.parse_megatron_lora_name(name)
-        if not isinstance(expert, int):
-            out[name] = tensor
-        elif expert // per_rank == rank:
-            out[convert.megatron_lora_name(layer, target, which, expert - rank * per_rank)] = tensor
-    return out
-
-
-def _every_ranks_experts(tensors: dict, config) -> dict:
-    """The inverse of :func:`_local_experts`: every expert-parallel rank's routed experts'
-    matrices under their global numbers (a collective of the expert-parallel group)."""
-    size, rank, per_rank = _expert_parallel(config)
-    if size == 1:
-        return tensors
-    from megatron.core import parallel_state
-
-    experts, others = {}, {}
-    for name, tensor in tensors.items():
-        layer, target, which, expert = convert.parse_megatron_lora_name(name)
-        if isinstance(expert, int):
-            experts[convert.megatron_lora_name(layer, target, which, expert + rank * per_rank)] = tensor
-        else:
-            others[name] = tensor
-    parts = [None] * size
-    torch.distributed.all_gather_object(parts, experts, group=parallel_state.get_expert_model_parallel_group())
-    return {**others, **{name: tensor for part in parts for name, tensor in part.items()}}
 
 
 def layout_problem(tensor_parallel: int, sequence_parallel: bool, vocab=(), experts: bool = False,
@@ -254,10 +210,10 @@ def _attach_vocab_lora(model, runtime, pairs: dict, lora_config) -> None:
     (the first the embedding, the last the output layer)."""
     modules = dict(model.named_modules())
     for target, pair in pairs.items():
-        module = modules.get(convert.MEGATRON_VOCAB_LORA_MODULES[target])
-        if module is None and (getattr(getattr(model, "config", None), "pipeline_model_parallel_size", 1) or 1) > 1:
+        name = convert.MEGATRON_VOCAB_LORA_MODULES[target]
+        if name not in modules and pipeline.pipeline_size(getattr(model, "config", None)) > 1:
             continue  # on another stage
-        module = modules[convert.MEGATRON_VOCAB_LORA_MODULES[target]]
+        module = modules[name]
         if target == "lm_head" and not isinstance(module, AlignedOutputLayer):
             raise ValueError(f"an lm_head adapter needs the aligned output layer, the model has {type(module).__name__}")
         if target == "embed_tokens" and getattr(module, "lora", None) is None:  # one hook, however often attached
@@ -301,7 +257,9 @@ def full_adapter_tensors(model, tensors: dict) -> dict:
     # Every expert-parallel rank's experts and every pipeline stage's matrices, experts and layers
     # numbered globally (as they are in one process).
     config = getattr(model, "config", None)
-    whole = pipeline.gather_stages(_every_ranks_experts(whole, config), config, tied_head=False)
+    whole = parallel.gather_experts(whole, getattr(config, "num_moe_experts", None) or 0,
+                                    parallel.expert_parallel_group(config))
+    whole = pipeline.gather_stages(whole, config, tied_head=False)
     return convert.megatron_to_peft_lora(whole, hf_config)
 
 

@@ -178,21 +178,27 @@ def aligned_moe_layer_class():
             expert's ``linear_fc1`` and ``linear_fc2``, :func:`..lora.attach_lora`) vLLM's MoE
             layer with their LoRA updates over it."""
             base = self._experts_op()
-            local = self.experts.local_experts
-            adapters = [(getattr(e.linear_fc1, "lora", None), getattr(e.linear_fc2, "lora", None)) for e in local]
-            if all(a is None and b is None for a, b in adapters):
+            experts, first = self._expert_adapters()
+            if experts is None:
                 return base
-            if any(a is None or b is None for a, b in adapters):
-                raise ValueError("aligned megatron MoE layer: an adapter on some routed experts' linears only; "
-                                 "attach it to linear_fc1 and linear_fc2 of every expert (megatron.lora.attach_lora)")
-            experts = [{t: getattr(lora, t) for lora in pair for t in lora.targets} for pair in adapters]
             params = [p for e in experts for pair in e.values() for p in (pair.lora_A, pair.lora_B)]
-            first = adapters[0][0]
             return self._aligned_ops.get(
                 "routed_lora",
                 [base] + params,
                 lambda: AlignedMoELoRA(self.runtime, base, experts, first.lora_config, first.mapping),
             )
+
+        def _expert_adapters(self):
+            """(per local expert {target: LoRAPair}, the first expert's fc1 adapter) of the adapter
+            attached to the routed experts (:func:`..lora.attach_lora`), or (None, None)."""
+            local = self.experts.local_experts
+            adapters = [(getattr(e.linear_fc1, "lora", None), getattr(e.linear_fc2, "lora", None)) for e in local]
+            if all(a is None and b is None for a, b in adapters):
+                return None, None
+            if any(a is None or b is None for a, b in adapters):
+                raise ValueError("aligned megatron MoE layer: an adapter on some routed experts' linears only; "
+                                 "attach it to linear_fc1 and linear_fc2 of every expert (megatron.lora.attach_lora)")
+            return [{t: getattr(lora, t) for lora in pair for t in lora.targets} for pair in adapters], adapters[0][0]
 
         def _shared_ops(self):
             shared = self.shared_experts
@@ -344,17 +350,10 @@ def aligned_moe_layer_class():
                     "aligned megatron MoE layer: an engine serving LoRA at tensor x expert parallelism is not "
                     "covered; serve LoRA at expert parallelism alone, or at tensor parallelism alone")
             local = self.experts.local_experts
-            adapters = [(getattr(e.linear_fc1, "lora", None), getattr(e.linear_fc2, "lora", None)) for e in local]
-            if all(a is None and b is None for a, b in adapters):
-                experts, lora_config = None, None
-            elif any(a is None or b is None for a, b in adapters):
-                raise ValueError("aligned megatron MoE layer: an adapter on some routed experts' linears only; "
-                                 "attach it to linear_fc1 and linear_fc2 of every expert (megatron.lora.attach_lora)")
-            else:
-                experts = [{t: getattr(lora, t) for lora in pair for t in lora.targets} for pair in adapters]
-                lora_config = adapters[0][0].lora_config
+            experts, first = self._expert_adapters()
             return AlignedExpertRowsLoRA(self.runtime, [e.linear_fc1.weight for e in local],
-                                         [e.linear_fc2.weight for e in local], experts, lora_config)
+                                         [e.linear_fc2.weight for e in local], experts,
+                                         None if first is None else first.lora_config)
 
         def refresh(self) -> None:
             """Re-derive the experts' and the shared expert gate's engine layouts (the router
