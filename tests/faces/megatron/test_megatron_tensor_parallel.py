@@ -11,13 +11,16 @@ windowed Mistral) against the session's one-process engines.
 
 LoRA at TP 2 + SP: an adapter on every decoder linear of the Llama checkpoint against an engine at
 TP 2 serving it (``zmrl check --lora``, a rollout, one step of the adapter and its sync). The
-check command at TP 2 + SP runs there and on Qwen3-MoE at TP 2 + SP x EP 2.
+check command at TP 2 + SP runs there and on Qwen3-MoE at TP 2 + SP x EP 2. ``zmrl bisect`` at TP 2
+(Llama), TP 2 + SP (Qwen3-MoE, GLM-4.5; Llama with the adapter) compares each rank with vLLM's model built
+on the same rank.
 
 Cost: one TP-2 engine per checkpoint (~20 s each), one torchrun of two ranks that scores every
 checkpoint and takes one training step on Llama and one on Qwen3-MoE (~40 s), one torchrun of
 four one-thread ranks for the combined layouts (~50 s; two one-process engines of the session's, if
 not started already, ~20 s) and ``zmrl check`` at PP 2 x EP 2 on them, and a TP-2 LoRA engine with its check and
-three calls on the same two ranks (~50 s); everything below is asserted from those runs. The
+three calls on the same two ranks (~50 s), four bisections on them (vLLM's model built on the
+ranks each time, ~5 s each); everything below is asserted from those runs. The
 check command as a user runs it, starting its own TP-2 engine and ranks, runs once, on Qwen3-MoE
 at TP 2 + SP x EP 2 (~40 s).
 """
@@ -485,6 +488,81 @@ def test_lora_on_ranks_is_refused_where_it_is_not_covered():
     assert layout_problem(1, False, vocab=["lm_head"], experts=True, context_parallel=2) is None
     assert layout_problem(1, False, experts=True, expert_parallel=2) is None
     assert layout_problem(1, False, vocab=["embed_tokens", "lm_head"], pipeline_parallel=2) is None
+
+
+# zmrl bisect at TP 2 on the module's two ranks: (checkpoint, flags, the layout's name, with the
+# module's adapter)
+TP_BISECTS = {
+    "llama-tp2": ("llama", ["--tensor-parallel", "2"], "tp2", False),
+    "qwen3_moe-tp2-sp": ("qwen3_moe", ["--tensor-parallel", "2", "--sequence-parallel"], "tp2-sp", False),
+    "glm4_moe-tp2-sp": ("glm4_moe", ["--tensor-parallel", "2", "--sequence-parallel"], "tp2-sp", False),
+    "llama-lora-tp2-sp": ("llama", ["--tensor-parallel", "2", "--sequence-parallel"], "tp2-sp", True),
+}
+
+
+@pytest.mark.parametrize("case", TP_BISECTS)
+def test_zmrl_bisect_at_tp2_finds_every_op_equal_on_every_rank(mg_checkpoints, tp2_group, tmp_path, capsys, request,
+                                                               case):
+    """``zmrl bisect --trainer megatron --tensor-parallel 2``: each rank builds vLLM's model as the
+    engine's rank of its index builds it and compares every op with it, shards with shards (a
+    row-parallel linear's partial before the ranks' sum; under sequence parallelism the norms and
+    the residual stream on the rank's slice of the tokens); every op bitwise on both ranks. With
+    ``--lora``, vLLM's LoRA layers at TP 2 on the ranks, each adapter step compared too."""
+    from support.check_command import lent_engine_and_ranks, run_check
+    from transformers import AutoConfig
+
+    from zero_mismatch_plugin.tables.architectures import LORA_TARGETS, describe
+    from zero_mismatch_plugin.tools.checker import oplist
+
+    family, flags, layout, adapted = TP_BISECTS[case]
+    lora_linears = ()
+    if adapted:
+        flags = [*flags, "--lora", str(request.getfixturevalue("tp2_lora").adapter)]
+        lora_linears = oplist.lora_linears(LORA_TARGETS)  # the adapter is on every decoder linear
+    with lent_engine_and_ranks(None, None, group=tp2_group) as asked:
+        code, table, report = run_check(mg_checkpoints[family], flags, tmp_path, capsys, command="bisect")
+    assert asked == [layout]
+    hf = AutoConfig.from_pretrained(mg_checkpoints[family])
+    blocks = describe(hf)
+    assert code == 0 and report["pass"] is True and report["not_compared"] == [], table
+    assert report["layout"] == layout and report["first_differing_ranks"] == []
+    assert [op["op"] for op in report["ops"]] == oplist.op_names(hf.num_hidden_layers, blocks.qk_norm, blocks,
+                                                                 lora=lora_linears)
+    assert all(op["ranks"] == [0, 1] and op["differing_ranks"] == [] for op in report["ops"]), table
+    ranks_of = {op["op"]: op["ranks"] for op in report["ops"]}
+    if blocks.moe is not None:  # the router, its choice, the routed experts (and GLM-4.5's shared expert)
+        moe_layer = next(i for i in range(hf.num_hidden_layers) if blocks.mlp_kind(i) == "moe")
+        assert {f"layers.{moe_layer}.{op}" for op in ("router", "topk_ids", "experts")} <= set(ranks_of), table
+
+
+def test_bisect_at_tp2_sp_names_the_op_and_the_rank_of_a_difference_planted_on_one_rank(mg_checkpoints, tp2_group):
+    """One ulp on one rank: in a row-parallel linear's partial output (before the ranks' sum, which
+    would carry it to both) and in a norm under sequence parallelism (on the rank's own tokens).
+    Bisect names that op and that rank, the other rank equal, every op before it equal."""
+    from support.check_command import lent_engine_and_ranks
+
+    from zero_mismatch_plugin.tools.checker.bisect import bisect_input, run_bisect
+    from zero_mismatch_plugin.tools.checker.commands import format_bisect_table
+    from zero_mismatch_plugin.tools.checker.engine import engine_settings
+    from zero_mismatch_plugin.tools.checker.engine_modules import EngineModules
+    from zero_mismatch_plugin.tools.checker.megatron_backend import megatron_backend
+    from zero_mismatch_plugin.tools.checker.rank_records import OneUlpOnRank
+
+    settings = engine_settings(mg_checkpoints["llama"], MAX_MODEL_LEN, seed=0, tensor_parallel=TP,
+                               sequence_parallel=True)
+    with lent_engine_and_ranks(None, None, group=tp2_group), EngineModules(settings) as modules:
+        backend = megatron_backend(settings)
+        batch = bisect_input(prompts_for(mg_checkpoints["llama"], corpus_seed=13)[:3], 8,
+                             modules.runtime.hf_config.vocab_size)
+        results = {(op, rank): run_bisect(modules, backend, batch, perturb=OneUlpOnRank(op, rank))
+                   for op, rank in [("layers.0.o_proj", 1), ("layers.1.input_norm", 0)]}
+    for (planted, rank), result in results.items():
+        first = result.first
+        assert result.first_differing_op == planted, format_bisect_table(result, "")
+        assert first.differing_ranks == [rank] and first.ranks == [0, 1] and first.num_differing == 1
+        names = [op.name for op in result.ops]
+        assert all(op.equal for op in result.ops[: names.index(planted)])
+        assert f"first differing op: {planted} on rank {rank}" in format_bisect_table(result, "")
 
 
 def test_a_rank_killed_mid_call_fails_the_call_within_60_s_naming_the_rank(tp2_group, tp2_results, mg_checkpoints, tp2_rollouts):

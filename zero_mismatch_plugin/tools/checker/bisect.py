@@ -89,25 +89,40 @@ def rank_rows_compared(engine_value, record, name: str, num_tokens: int):
     mine = oplist.as_rows(value, held) if held * engine.shape[1] == oplist.numel(value) else None
     if mine is None or name in (oplist.LOGITS, oplist.LOGPROBS):
         return engine, mine if mine is not None else value  # whole (a shape mismatch is reported as such)
-    rows = torch.arange(held) if record.rows is None else record.rows[:held]
+    # Under sequence parallelism the ops between a column-parallel gather and a row-parallel
+    # reduce hold every row (their features split): more rows than the rank's own.
+    whole = record.rows is None or held > len(record.rows)
+    rows = torch.arange(held) if whole else record.rows[:held]
     rows = torch.where(rows < num_tokens, rows, PADDING)
     kept = (rows != PADDING).nonzero().squeeze(1)
     return engine.index_select(0, rows[kept]), mine.index_select(0, kept)
 
 
+def reference_of(name: str, record, engine: dict, records: list):
+    """What ``record``'s rank is compared with for op ``name``: vLLM's records on that rank (at
+    tensor parallelism; a whole value, the head's, from any rank holding it), else vLLM's
+    one-process records; None where neither has the op."""
+    if record.engine_ops is None:
+        return engine.get(name)
+    if name in record.engine_ops:
+        return record.engine_ops[name]
+    return next((r.engine_ops[name] for r in records if r.engine_ops and name in r.engine_ops), None)
+
+
 def compare_rank_records(order: list[str], engine: dict, records: list, num_tokens: int) -> BisectResult:
-    """Each rank's records against vLLM's one-process records of the same ``num_tokens``-token
-    batch, cut to the rows the rank holds; an op differs where it differs on some rank (its row in
-    the result is that rank's comparison, with every rank that differs)."""
+    """Each rank's records against vLLM's records of the same ``num_tokens``-token batch (see
+    :func:`reference_of`), cut to the rows the rank holds; an op differs where it differs on some
+    rank (its row in the result is that rank's comparison, with every rank that differs)."""
     ops, missing, first = [], [], None
     for name in order:
         holders = [record for record in records if name in record.ops]
-        if name not in engine or not holders:
+        references = [reference_of(name, record, engine, records) for record in holders]
+        if not holders or any(reference is None for reference in references):
             missing.append(name)
             continue
         compared = []
-        for record in holders:
-            reference, candidate = rank_rows_compared(engine[name], record, name, num_tokens)
+        for record, reference in zip(holders, references):
+            reference, candidate = rank_rows_compared(reference, record, name, num_tokens)
             compared.append((record.rank, oplist.compare_op(name, reference, candidate)))
         differing = [rank for rank, comparison in compared if not comparison.equal]
         shown = next((c for rank, c in compared if rank in differing), compared[0][1])

@@ -113,26 +113,59 @@ def single_process_group(runtime):
                 ps.destroy_distributed_environment()
 
 
+@contextlib.contextmanager
+def tensor_parallel_ranks(runtime):
+    """On torchrun ranks whose whole world is one tensor-parallel group: vLLM's world and
+    tensor-parallel group over them, as each engine worker has them, so that vLLM's model is built
+    as the engine rank of this index builds it (its shards, its all-reduces). The model-parallel
+    groups are torn down afterwards; vLLM's world (over the ranks' own) is kept for the next call.
+    """
+    import os
+
+    import torch.distributed as dist
+    from vllm.distributed import parallel_state as ps
+
+    if not dist.is_initialized():
+        raise RuntimeError("vLLM's modules at tensor parallelism are built on torchrun ranks (no process group here)")
+    size, rank = dist.get_world_size(), dist.get_rank()
+    # The CPU communicator's shared-memory all-reduce names its segment after this (an engine
+    # worker sets it from its init method); one name per rank group.
+    os.environ.setdefault("VLLM_DIST_IDENT", f"zmrl-ranks-{os.environ.get('MASTER_PORT', os.getppid())}")
+    with runtime.context(), _stdout_with_fileno():
+        ps.init_distributed_environment(size, rank, "env://", int(os.environ.get("LOCAL_RANK", rank)), "gloo")
+        ps.ensure_model_parallel_initialized(size, 1)
+    try:
+        yield
+    finally:
+        ps.destroy_model_parallel()
+
+
 class EngineModules:
     """vLLM's model for one checkpoint, outside the engine. Use as a context manager."""
 
-    def __init__(self, settings: EngineSettings):
+    def __init__(self, settings: EngineSettings, on_ranks: bool = False):
         """Built from the run's ``settings``; their adapter (``lora_dir``), if any, is served as the
         engine does (``enable_lora``, vLLM's LoRA manager wrapping the linears, every token mapped
-        to the adapter)."""
+        to the adapter). ``on_ranks``: built on torchrun ranks as the engine's tensor-parallel
+        ranks (``settings.tensor_parallel`` of them, :func:`tensor_parallel_ranks`); a row-parallel
+        linear's output is then recorded before its all-reduce (this rank's partial, what the
+        trainer's rank computes)."""
         from zero_mismatch_plugin.aligned.runtime import VllmRuntime
 
         self.lora_dir = settings.lora_dir
         self.lora_linears = oplist.lora_linears(settings.lora_targets)
         self.blocks = settings.blocks
-        self.runtime = VllmRuntime(settings.model_dir, **settings.trainer_args)
+        self.on_ranks = on_ranks
+        parallel = {"tensor_parallel_size": settings.tensor_parallel} if on_ranks else {}
+        self.runtime = VllmRuntime(settings.model_dir, **settings.trainer_args, **parallel)
         self.model = None
         self.lora_manager = None
         self._stack = contextlib.ExitStack()
 
     def __enter__(self) -> "EngineModules":
         try:
-            self._stack.enter_context(single_process_group(self.runtime))
+            groups = tensor_parallel_ranks if self.on_ranks else single_process_group
+            self._stack.enter_context(groups(self.runtime))
             self._load()
         except BaseException:
             self._stack.close()
@@ -217,6 +250,7 @@ class EngineModules:
                     recorder.on_lora_linear(module, kind)
                 elif kind in _LINEARS:
                     recorder.on_output(module, kind, split=first_of_pair)
+                    _reduce_after_recording(recorder, module)
                 elif kind in _NORMS:
                     recorder.on_fused_norm(module, kind)
                 else:
@@ -300,6 +334,24 @@ class EngineModules:
         record.update(recorder.ops)
         return recorder.ops[oplist.LOGPROBS]
 
+
+
+def _reduce_after_recording(recorder: OpRecorder, linear) -> None:
+    """A row-parallel linear at tensor parallelism: its all-reduce moved behind the recording hook
+    (registered before this one, so run before it), so that what is recorded is this rank's partial
+    output, as the trainer's rank computes it; the reduce itself is still vLLM's."""
+    from vllm.distributed import tensor_model_parallel_all_reduce
+
+    if not getattr(linear, "reduce_results", False) or getattr(linear, "tp_size", 1) == 1:
+        return
+    linear.reduce_results = False
+
+    def reduce(module, args, output):
+        return tensor_model_parallel_all_reduce(output[0]), *output[1:]
+
+    handle = linear.register_forward_hook(reduce)
+    recorder.on_exit(handle.remove)
+    recorder.on_exit(lambda: setattr(linear, "reduce_results", True))
 
 
 @contextlib.contextmanager

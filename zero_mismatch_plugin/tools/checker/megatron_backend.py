@@ -5,8 +5,8 @@ packed batch, run as megatron's packed THD input. Intermediates are recorded at 
 (:mod:`.recording`), under the checker's canonical op names; ``qkv_proj`` is reported in vLLM's
 ``[q; k; v]`` column order. With ``--tensor-parallel N``, ``--expert-parallel N``,
 ``--pipeline-parallel N`` or ``--context-parallel N`` the model runs on N torchrun ranks
-(:class:`DistributedMegatronBackend`), which answer the logprob questions and (but at tensor
-parallelism) give ``zmrl bisect`` every rank's records (:mod:`.rank_records`).
+(:class:`DistributedMegatronBackend`), which answer the logprob questions and give ``zmrl bisect``
+every rank's records (:mod:`.rank_records`).
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ class DistributedMegatronBackend:
                              pipeline_model_parallel_size=settings.pipeline_parallel,
                              context_parallel_size=settings.context_parallel)
         self.spec = RankModel.of(settings.model_dir, settings.trainer_args, self.layout, settings.lora_dir)
+        self.settings = settings
         self.group = RankGroup(self.layout)
         self.group.call("token_logprobs", self.spec, _empty_batch())  # build the model on every rank now
         self.blocks = settings.blocks
@@ -76,9 +77,11 @@ class DistributedMegatronBackend:
         ``planted``: a :class:`.rank_records.OneUlpOnRank`."""
         from zero_mismatch_plugin.tools.checker.rank_records import BISECT_AT_TENSOR_PARALLEL, RANK_CALL
 
-        if self.layout.tensor_model_parallel_size > 1:
-            raise NotImplementedError(BISECT_AT_TENSOR_PARALLEL)
-        return self.group.call(RANK_CALL, self.spec, batch, order, planted)
+        layout = self.layout
+        if layout.tensor_model_parallel_size > 1 and layout.world_size > layout.tensor_model_parallel_size:
+            raise NotImplementedError(f"{BISECT_AT_TENSOR_PARALLEL} (asked: {layout.name})")
+        at_tensor_parallel = self.settings if layout.tensor_model_parallel_size > 1 else None
+        return self.group.call(RANK_CALL, self.spec, batch, order, planted, at_tensor_parallel)
 
     def close(self) -> None:
         self.group.close()

@@ -9,9 +9,13 @@ rank its chunks' rows. :func:`.bisect.compare_rank_records` cuts vLLM's one-proc
 each rank's rows and names the first op, in execution order, that differs on some rank, and the
 ranks it differs on.
 
-Tensor parallelism is not covered: a tensor-parallel rank computes the engine rank's shards, and
-vLLM's modules run here in one process (``zmrl check --tensor-parallel N`` compares it with an
-engine at the same tensor parallelism).
+A tensor-parallel rank computes the engine rank's shards, which vLLM's one-process modules do not:
+at tensor parallelism every rank also builds vLLM's model as the engine's rank of its index builds
+it (:class:`.engine_modules.EngineModules` on the ranks) and records the same batch, and the rank is
+compared with those records (a row-parallel linear's partial output before the all-reduce on both
+sides; under sequence parallelism the ops outside the column- to row-parallel span hold the rank's
+slice of the tokens). Tensor parallelism is bisected alone, not with expert, pipeline or context
+parallelism.
 """
 
 from __future__ import annotations
@@ -26,9 +30,9 @@ from zero_mismatch_plugin.tools.checker.recording import OpRecorder
 # A rank's rows that are none of the batch's (megatron's padding).
 PADDING = -1
 BISECT_AT_TENSOR_PARALLEL = (
-    "zmrl bisect runs vLLM's modules in one process, and a tensor-parallel rank computes the engine rank's "
-    "shards: bisect at --expert-parallel, --pipeline-parallel or --context-parallel (or in one process), and "
-    "compare tensor parallelism with zmrl check --tensor-parallel N")
+    "zmrl bisect at --tensor-parallel N runs vLLM's tensor-parallel modules on the trainer's ranks, with no "
+    "other parallelism: bisect tensor parallelism alone, and --expert-parallel, --pipeline-parallel or "
+    "--context-parallel without it (zmrl check takes the combination)")
 # Called on the ranks by RankGroup.call (a "module:function" of this package).
 RANK_CALL = f"{__name__}:op_records"
 
@@ -42,6 +46,9 @@ class RankRecord:
     rank: int
     ops: dict
     rows: torch.Tensor | None = None
+    # At tensor parallelism, vLLM's records of the same batch on this rank (the engine rank of its
+    # index); None: compared with vLLM's one-process records.
+    engine_ops: dict | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,11 +106,22 @@ def context_parallel_batch_rows(batch, group, tokens_multiple_of: int = 1) -> to
     return of_padded[split.rows(torch.distributed.get_rank(group))]
 
 
+def sequence_parallel_rows(num_rows: int, group) -> torch.Tensor:
+    """The rows a sequence-parallel rank holds of the ``num_rows`` padded rows (megatron's even split)."""
+    size, rank = group.size(), torch.distributed.get_rank(group)
+    per_rank = num_rows // size
+    return torch.arange(rank * per_rank, (rank + 1) * per_rank)
+
+
 @torch.no_grad()
-def op_records(spec, batch, order: list[str], planted: OneUlpOnRank | None = None) -> list[RankRecord]:
+def op_records(spec, batch, order: list[str], planted: OneUlpOnRank | None = None,
+               engine_settings=None) -> list[RankRecord]:
     """On every rank of a :class:`~zero_mismatch_plugin.integrations.megatron.rank_group.RankGroup`:
     this rank's records of ``batch`` (``order``: the canonical op list of the whole model), then
-    every rank's, in rank order."""
+    every rank's, in rank order. At tensor parallelism ``engine_settings`` (the checker's
+    :class:`.engine.EngineSettings`) builds vLLM's model on the ranks for each rank's reference."""
+    from megatron.core import parallel_state
+
     from zero_mismatch_plugin.faces.megatron import context_parallel, pipeline
     from zero_mismatch_plugin.integrations.megatron.distributed import built_model
 
@@ -121,10 +139,29 @@ def op_records(spec, batch, order: list[str], planted: OneUlpOnRank | None = Non
             recorder.keep_head(out["target_logits"])
     cp_group = context_parallel.context_parallel_group(config)
     rows = None if cp_group is None else context_parallel_batch_rows(batch, cp_group, run.multiple)
-    record = RankRecord(world_rank, {name: _on_cpu(value) for name, value in recorder.ops.items()}, rows)
+    engine_ops = None
+    if run.layout.tensor_model_parallel_size > 1:
+        engine_ops = _engine_rank_records(engine_settings, batch)
+        if run.layout.sequence_parallel:
+            padded = batch.num_tokens + (-batch.num_tokens % run.multiple)
+            rows = sequence_parallel_rows(padded, parallel_state.get_tensor_model_parallel_group())
+    record = RankRecord(world_rank, {name: _on_cpu(value) for name, value in recorder.ops.items()}, rows, engine_ops)
     records = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(records, record)
     return records
+
+
+def _engine_rank_records(settings, batch) -> dict:
+    """vLLM's model built on this rank as the engine's tensor-parallel rank of its index builds it,
+    and its records of ``batch`` (after the trainer's forward: vLLM's groups exist only meanwhile)."""
+    from zero_mismatch_plugin.tools.checker.engine_modules import EngineModules
+
+    if settings is None:
+        raise ValueError("at tensor parallelism op_records needs the checker's engine settings")
+    record: dict = {}
+    with EngineModules(settings, on_ranks=True) as modules:
+        modules.forward(batch, record)
+    return {name: _on_cpu(value) for name, value in record.items()}
 
 
 def _on_cpu(value):
