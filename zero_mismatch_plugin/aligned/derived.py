@@ -18,6 +18,12 @@ def data_key(tensors) -> tuple:
     return tuple((t.data_ptr(), t._version, tuple(t.shape)) for t in tensors if t is not None)
 
 
+def shape_key(tensors) -> tuple:
+    """Each tensor's shape only: for a derived copy whose owner refreshes it after every change of
+    the sources' values (:meth:`DerivedWeight.refreshed_by_owner`)."""
+    return tuple(tuple(t.shape) for t in tensors if t is not None)
+
+
 def object_key(sources) -> tuple:
     """Which objects the sources are: changes when one of them is replaced by another object."""
     return tuple(map(id, sources))
@@ -53,12 +59,28 @@ class BuiltFrom:
 
 class DerivedWeight:
     """A tensor computed by ``build`` from source parameters, computed again when a source's data
-    changes (:func:`data_key`); after writes through ``param.data`` call :meth:`refresh`."""
+    changes (:func:`data_key`); after writes through ``param.data`` call :meth:`refresh`.
 
-    def __init__(self, sources, build):
+    ``copies``: ``build`` returns tensors of its own, never views of a source, so what it derived
+    stays valid after the sources' storage is freed or moved."""
+
+    def __init__(self, sources, build, copies: bool = False):
         self.sources = list(sources)
         self.build = build
+        self.copies = copies
         self._derived = BuiltFrom(data_key)
+
+    def refreshed_by_owner(self) -> None:
+        """Derive again only at :meth:`refresh` (or when a source's shape changes), not when a
+        source's storage moves: for sources refilled in new storage with the same values at every
+        use (FSDP2's gathered parameters, gathered again before every forward) whose owner calls
+        :meth:`refresh` after every change of their values. A derived view of a source would keep
+        storage FSDP frees, so only a ``copies`` weight can be switched."""
+        if not self.copies:
+            raise TypeError("this derived weight may view its sources' storage: it must follow that storage "
+                            "(build it with copies=True only if build never returns a view of a source)")
+        self._derived.key = shape_key
+        self._derived.invalidate()
 
     def _derive(self):
         with torch.no_grad():

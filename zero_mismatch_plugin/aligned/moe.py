@@ -179,7 +179,7 @@ class AlignedMoE:
         self.last_topk_ids = None
         self.runner.router.set_capture_fn(self._capture)
         sources = self.params + ([correction_bias] if correction_bias is not None else [])
-        self.derived = DerivedWeight(sources, self._build)
+        self.derived = DerivedWeight(sources, self._build, copies=True)  # loaded into fresh parameters
 
     def _capture(self, topk_ids: torch.Tensor) -> None:
         self._captured = topk_ids
@@ -417,7 +417,7 @@ class AlignedMoELoRA:
         self.lora_dtype = lora.lora_dtype
         self.mapping = mapping
         self.params = [t for target in EXPERT_SLICES for e in experts for t in (e[target].lora_A, e[target].lora_B)]
-        self.derived = DerivedWeight(self.params, self._build)
+        self.derived = DerivedWeight(self.params, self._build, copies=True)  # vLLM's stacked buffers
 
     def lora_weights(self, sources: list) -> dict[str, tuple[list, list]]:
         """{target: ([A_e], [B_e])} from tensors in the order of ``params``."""

@@ -237,7 +237,7 @@ class AlignedLinear:
             self.trainer_cols[engine_rows] = torch.arange(engine_rows.numel(), device=engine_rows.device)
         self.method = runtime.linear_method()
         self.params = self.weights + ([b for b in self.biases] if self.has_bias else [])
-        self.derived = DerivedWeight(self.params, self._build)
+        self.derived = DerivedWeight(self.params, self._build, copies=True)  # concatenated, then cloned
 
     def _build(self, sources):
         """(vLLM's layer, the merged weight in the trainer's row order and the engine dtype)."""
@@ -311,7 +311,7 @@ class AlignedLogits:
         self.padded_vocab = runtime.padded_vocab_size(vocab_size) if padded_vocab is None else padded_vocab
         self.method = runtime.embedding_method()
         self.processor = runtime.logits_processor(full_vocab or vocab_size)
-        self.derived = DerivedWeight([weight], self._build)
+        self.derived = DerivedWeight([weight], self._build, copies=True)  # a padded copy
 
     def _build(self, sources):
         w = cast_like_engine(sources[0], self.runtime.dtype)

@@ -35,14 +35,31 @@ class PackedMicroBatch:
 # ----- the aligned forward over an HF decoder's (FSDP) parameters ---------------------------
 
 
+def _derived_weights(ops: dict):
+    """The engine-layout weights of one module's ops (a LoRA op's adapter, then its base)."""
+    for op in ops.values():
+        for part in (op, getattr(op, "base", None)):
+            derived = getattr(part, "derived", None) or getattr(part, "engine_weight", None)
+            if derived is not None:
+                yield derived
+
+
 def _refresh_derived(ops: dict) -> None:
     """Re-derive the engine-layout weights of one module's ops (FSDP2 refills gathered parameters
     in place without bumping their versions: their DerivedWeights cannot see it)."""
-    for op in ops.values():
-        for part in (op, getattr(op, "base", None)):  # a LoRA op's adapter, then its base
-            derived = getattr(part, "derived", None) or getattr(part, "engine_weight", None)
-            if derived is not None:
-                derived.refresh()
+    for derived in _derived_weights(ops):
+        derived.refresh()
+
+
+def _refreshed_by_generation(ops: dict) -> dict:
+    """``ops``, their engine-layout copies derived again only after :meth:`AlignedFSDPForward.mark_stale`:
+    FSDP2 gathers each unit's parameters into new storage before every forward, values unchanged,
+    so following the storage would merge, pack (oneDNN) and load every weight at every forward.
+    A derived view of a parameter (a norm weight already in the engine dtype) keeps following it."""
+    for derived in _derived_weights(ops):
+        if derived.copies:
+            derived.refreshed_by_owner()
+    return ops
 
 
 class AlignedFSDPForward:
@@ -100,7 +117,7 @@ class AlignedFSDPForward:
     def _cached(self, module, params, build) -> dict:
         """``module``'s ops, built over ``params`` (and checked) again when FSDP hands out other
         parameter objects."""
-        return self._ops.get(id(module), params, lambda: self._checked_gemms(build()))
+        return self._ops.get(id(module), params, lambda: self._checked_gemms(_refreshed_by_generation(build())))
 
     def _checked_gemms(self, ops: dict) -> dict:
         """``ops``, after refusing, on CPU in consistent mode, a GEMM whose rows depend on the row

@@ -186,6 +186,56 @@ def test_fsdp2_units_give_the_aligned_models_logits_and_gradients(process_group,
     assert all("forward" not in vars(module) for module in model.modules()), "the HF forwards are back"
 
 
+def test_engine_layout_weights_are_derived_once_per_weights_generation_not_at_every_gather(process_group,
+                                                                                         checkpoints, monkeypatch):
+    """FSDP2 gathers each unit into new storage before every forward, values unchanged: the merged,
+    oneDNN-packed weights (and the MoE layer's loaded experts) are derived at the first forward and
+    again only after ``mark_stale`` (the engine's optimizer step / checkpoint load), not at every
+    gather; a norm weight, a view of its parameter, follows the storage."""
+    from zero_mismatch_plugin.aligned import derived
+    from zero_mismatch_plugin.aligned.runtime import VllmRuntime
+
+    model = _fsdp2_model(checkpoints["qwen3_moe"])
+    aligned = AlignedFSDPForward(VllmRuntime(checkpoints["qwen3_moe"], dtype="float32"), model.config)
+    builds = []
+    original = derived.DerivedWeight._derive
+    monkeypatch.setattr(derived.DerivedWeight, "_derive",
+                        lambda self: builds.append(self.copies) or original(self))
+    batch = _packed(_batch())
+
+    def derived_in_one_forward() -> list:
+        builds.clear()
+        with torch.no_grad():
+            logits = aligned.logits(model, batch)
+        return list(builds), logits
+
+    first, logits = derived_in_one_forward()
+    again, same = derived_in_one_forward()
+    assert first.count(True) >= 2 * model.config.num_hidden_layers + 1  # qkv, o, the MLP or experts; the head
+    assert True not in again, "a copy was derived again while the weights did not change"
+    assert torch.equal(same, logits)
+    aligned.mark_stale()
+    after, _ = derived_in_one_forward()
+    assert after.count(True) == first.count(True)
+
+
+def test_derived_weights_that_may_view_their_sources_are_not_switched_to_the_owners_refresh():
+    from zero_mismatch_plugin.aligned.derived import DerivedWeight
+
+    source = torch.ones(4)
+    view = DerivedWeight([source], lambda s: s[0])
+    with pytest.raises(TypeError, match=r"may view its sources' storage: it must follow that storage"):
+        view.refreshed_by_owner()
+    copy = DerivedWeight([source], lambda s: s[0].clone(), copies=True)
+    copy.refreshed_by_owner()
+    first = copy.get()
+    source.data = torch.ones(4)  # new storage, same values: not derived again
+    assert copy.get() is first
+    source.data = torch.full((4,), 2.0)
+    assert copy.get() is first  # the owner has not refreshed
+    assert torch.equal(copy.refresh(), source)
+
+
 def test_actor_logprobs_are_the_engines_and_verls_own_forward_is_not(process_group, checkpoints, engines):
     """The patched forward_step's logprobs of a rollout are the engine's μ bit for bit; verl's own
     HF forward of the same FSDP2 model is close to μ and not equal (the negative control of the

@@ -135,7 +135,7 @@ class AlignedLoRALinear:
         self.lora_dtype = lora.lora_dtype
         self.mapping = mapping
         self.params = [t for p in self.pairs if p is not None for t in (p.lora_A, p.lora_B)]
-        self.derived = DerivedWeight(self.params, self._build)
+        self.derived = DerivedWeight(self.params, self._build, copies=True)  # vLLM's stacked buffers
         self.steps = {kind: LoRAStep(kind) for kind in LORA_STEPS}
 
     def _build(self, sources):
