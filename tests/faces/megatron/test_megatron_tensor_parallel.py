@@ -5,9 +5,10 @@ expert) with sequence parallelism (megatron's rule for MoE at TP > 1), every exp
 the ranks as vLLM splits it, or whole on its rank at TP 2 x EP 2 (expert tensor parallelism 1).
 
 Combined layouts too, on four ranks: TP 2 + SP x PP 2 (two pipeline stages of two tensor-parallel
-ranks each, Llama and Qwen3), TP 2 + SP x CP 2 (Llama) and TP 2 + SP x EP 2 x CP 2 (Qwen3-MoE),
-bitwise against the same TP-2 engines; PP 2 x EP 2, CP 2 x EP 2 (Qwen3-MoE) and PP 2 x CP 2 (the
-windowed Mistral) against the session's one-process engines.
+ranks each, Llama and Qwen3), TP 2 + SP x CP 2 (Llama), TP 2 + SP x EP 2 x CP 2 and TP 2 + SP x
+EP 2 x PP 2 (Qwen3-MoE), bitwise against the same TP-2 engines; PP 2 x EP 2, CP 2 x EP 2, PP 2 x
+CP 2 x EP 2 (Qwen3-MoE) and PP 2 x CP 2 (the windowed Mistral) against the session's one-process
+engines.
 
 LoRA at TP 2 + SP: an adapter on every decoder linear of the Llama checkpoint against an engine at
 TP 2 serving it (``zmrl check --lora``, a rollout, one step of the adapter and its sync). The
@@ -263,11 +264,14 @@ def test_gradients_at_tp2_agree_with_the_one_process_face(step_gradients, tp2_re
 COMBINED = Layout(TP, sequence_parallel=True, pipeline_model_parallel_size=2)
 TP_CP = Layout(TP, sequence_parallel=True, context_parallel_size=2)
 TP_EP_CP = Layout(TP, sequence_parallel=True, expert_model_parallel_size=2, context_parallel_size=2)
-TP2_ENGINE_RUNS = [("llama", COMBINED), ("qwen3", COMBINED), ("llama", TP_CP), ("qwen3_moe", TP_EP_CP)]
+TP_EP_PP = Layout(TP, sequence_parallel=True, expert_model_parallel_size=2, pipeline_model_parallel_size=2)
+TP2_ENGINE_RUNS = [("llama", COMBINED), ("qwen3", COMBINED), ("llama", TP_CP), ("qwen3_moe", TP_EP_CP),
+                   ("qwen3_moe", TP_EP_PP)]
 ONE_PROCESS_RUNS = [
     ("qwen3_moe", Layout(pipeline_model_parallel_size=2, expert_model_parallel_size=2, data_parallel_size=2,
                          moe_token_dispatcher_type="allgather")),
     ("qwen3_moe", Layout(context_parallel_size=2, expert_model_parallel_size=2, data_parallel_size=2)),
+    ("qwen3_moe", Layout(pipeline_model_parallel_size=2, context_parallel_size=2, expert_model_parallel_size=2)),
     # every layer a 12-token window, reaching back across the context-parallel chunks
     ("mistral_window", Layout(pipeline_model_parallel_size=2, context_parallel_size=2)),
 ]
@@ -309,8 +313,8 @@ def test_combined_layouts_on_four_ranks_are_bitwise_equal_to_the_engine_at_tp2(t
                                                                                layout):
     """Each stage's (or context-parallel half's) two ranks are the engine's two ranks for its rows
     and layers; Qwen3's tied head is the last stage's copy of the embedding, split over its
-    tensor-parallel ranks by vocabulary rows; at TP 2 x EP 2 x CP 2 each expert is whole on its rank,
-    which computes each row once per engine rank's shard of it."""
+    tensor-parallel ranks by vocabulary rows; at TP 2 x EP 2 x CP 2 and TP 2 x EP 2 x PP 2 each expert
+    is whole on its rank, which computes each row once per engine rank's shard of it."""
     _, _, mu = tp2_rollouts[family]
     values = torch.cat(combined_results[(family, layout)]["logprobs"])
     assert values.shape == mu.shape
@@ -321,8 +325,8 @@ def test_combined_layouts_on_four_ranks_are_bitwise_equal_to_the_engine_at_tp2(t
 def test_combined_layouts_without_tensor_parallelism_are_bitwise_equal_to_the_one_process_engine(
         one_process_rollouts, combined_results, family, layout):
     """Pipeline stages with expert-parallel MoE layers (megatron's all-gather dispatcher within a
-    stage), context-parallel halves with expert-parallel MoE layers (alltoall), and pipeline stages
-    of context-parallel halves: the one-process engine's bits."""
+    stage), context-parallel halves with expert-parallel MoE layers (alltoall), both at once, and
+    pipeline stages of context-parallel halves: the one-process engine's bits."""
     _, _, mu = one_process_rollouts[family]
     values = torch.cat(combined_results[(family, layout)]["logprobs"])
     assert values.shape == mu.shape

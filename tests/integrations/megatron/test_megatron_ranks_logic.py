@@ -135,17 +135,21 @@ def test_the_spec_takes_the_layouts_run_and_refuses_the_combinations_not_run():
         return [p for p in unsupported_features(SimpleNamespace(**sizes)) if "parallel" in p]
 
     assert refused(pipeline_model_parallel_size=2) == [] and refused(context_parallel_size=2) == []
-    # Each of TP, EP and CP with PP, and TP x EP x CP, run bitwise (test_megatron_tensor_parallel.py).
+    # Each of TP, EP and CP with PP, TP x EP and CP x EP with PP, and TP x EP x CP run bitwise
+    # (test_megatron_tensor_parallel.py).
     for run in (dict(tensor_model_parallel_size=2), dict(num_moe_experts=8, expert_model_parallel_size=2),
-                dict(context_parallel_size=2)):
+                dict(context_parallel_size=2),
+                dict(num_moe_experts=8, tensor_model_parallel_size=2, expert_model_parallel_size=2,
+                     expert_tensor_parallel_size=1),
+                dict(num_moe_experts=8, context_parallel_size=2, expert_model_parallel_size=2)):
         assert refused(pipeline_model_parallel_size=2, **run) == [], run
     assert refused(num_moe_experts=8, tensor_model_parallel_size=2, expert_model_parallel_size=2,
                    expert_tensor_parallel_size=1, context_parallel_size=2) == []
-    not_run = ["pipeline parallelism > 1 with two more of tensor, expert and context parallelism (each with pipeline "
-               "parallelism, and tensor x expert x context, are run; these are not yet)"]
+    not_run = ["pipeline parallelism > 1 with both tensor and context parallelism (each with pipeline parallelism, "
+               "with expert parallelism too, and tensor x expert x context are run; this is not yet)"]
     assert refused(pipeline_model_parallel_size=2, tensor_model_parallel_size=2, context_parallel_size=2) == not_run
-    assert refused(num_moe_experts=8, pipeline_model_parallel_size=2, expert_model_parallel_size=2,
-                   context_parallel_size=2) == not_run
+    assert refused(num_moe_experts=8, pipeline_model_parallel_size=2, tensor_model_parallel_size=2,
+                   expert_model_parallel_size=2, expert_tensor_parallel_size=1, context_parallel_size=2) == not_run
     assert refused(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2) == [
         "virtual pipeline stages (virtual_pipeline_model_parallel_size)"]
 
