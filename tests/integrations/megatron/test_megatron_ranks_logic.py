@@ -54,14 +54,38 @@ def test_a_pipeline_stage_holds_its_layers_renumbered_and_its_ends(monkeypatch):
     config = SimpleNamespace(pipeline_model_parallel_size=2, num_layers=4)
     full = {f"decoder.layers.{i}.mlp.linear_fc2.weight": torch.full((1,), float(i)) for i in range(4)}
     full.update({"embedding.word_embeddings.weight": torch.zeros(1), "decoder.final_layernorm.weight": torch.ones(1)})
-    monkeypatch.setattr(pipeline, "stage_layers", lambda config: range(2, 4))
-    monkeypatch.setattr(pipeline, "stage_ends", lambda config: {"pre_process": False, "post_process": True})
+    monkeypatch.setattr(pipeline, "stage_layers", lambda config, vp_stage=None: range(2, 4))
+    monkeypatch.setattr(pipeline, "stage_ends", lambda config, vp_stage=None: {"pre_process": False, "post_process": True})
     last = pipeline.to_stage(full, config, tied_head=True)
     assert sorted(last) == ["decoder.final_layernorm.weight", "decoder.layers.0.mlp.linear_fc2.weight",
                             "decoder.layers.1.mlp.linear_fc2.weight", "output_layer.weight"]
     assert last["decoder.layers.0.mlp.linear_fc2.weight"].item() == 2.0  # global layer 2
     assert last["output_layer.weight"] is full["embedding.word_embeddings.weight"]  # the tied head's copy
     assert "output_layer.weight" not in pipeline.to_stage(full, config, tied_head=False)
+
+
+def test_with_virtual_stages_the_embedding_is_on_the_first_chunk_of_the_first_stage_and_the_head_on_the_last(
+        monkeypatch):
+    config = SimpleNamespace(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2, num_layers=4)
+    for rank, expected in ((0, [(True, False), (False, False)]), (1, [(False, False), (False, True)])):
+        monkeypatch.setattr(pipeline, "pipeline_group", lambda config: _Group(2, rank))
+        monkeypatch.setattr(torch.distributed, "get_rank", lambda group: group.rank)
+        ends = [pipeline.stage_ends(config, vp_stage) for vp_stage in (0, 1)]
+        assert [(e["pre_process"], e["post_process"]) for e in ends] == expected, rank
+
+
+def test_a_batch_splits_into_micro_batches_of_whole_sequences_in_order():
+    from zero_mismatch_plugin.aligned.packing import pack, split_sequences
+
+    prompts, responses = [[1, 2], [3], [4, 5, 6], [7]], [[8], [9, 10], [11], [12, 13, 14]]
+    batch = pack(prompts, responses)
+    parts = split_sequences(batch, 3)
+    assert [len(p.seq_lens) for p in parts] == [2, 1, 1]
+    assert torch.equal(torch.cat([p.input_ids for p in parts]), batch.input_ids)
+    assert torch.equal(torch.cat([p.target_ids for p in parts]), batch.target_ids)
+    assert [p.response_lens for p in parts] == [[1, 2], [1], [3]]
+    with pytest.raises(ValueError, match="4 sequences cannot be split into 5 non-empty groups"):
+        split_sequences(batch, 5)
 
 
 def test_data_parallel_shares_cover_every_sequence_once_in_order():
@@ -150,8 +174,22 @@ def test_the_spec_takes_the_layouts_run_and_refuses_the_combinations_not_run():
     assert refused(pipeline_model_parallel_size=2, tensor_model_parallel_size=2, context_parallel_size=2) == not_run
     assert refused(num_moe_experts=8, pipeline_model_parallel_size=2, tensor_model_parallel_size=2,
                    expert_model_parallel_size=2, expert_tensor_parallel_size=1, context_parallel_size=2) == not_run
-    assert refused(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2) == [
-        "virtual pipeline stages (virtual_pipeline_model_parallel_size)"]
+    # Virtual stages (megatron's interleaved schedule) run bitwise (test_megatron_two_rank_layouts.py).
+    assert refused(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2) == []
+
+
+def test_a_layout_takes_virtual_pipeline_stages_at_pipeline_parallelism_alone():
+    from zero_mismatch_plugin.integrations.megatron.distributed import Layout
+
+    layout = Layout(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)
+    assert layout.name == "tp1-pp2-vp2" and layout.world_size == 2
+    assert layout.config_overrides()["virtual_pipeline_model_parallel_size"] == 2
+    assert "virtual_pipeline_model_parallel_size" not in Layout(pipeline_model_parallel_size=2).config_overrides()
+    for sizes in (dict(), dict(pipeline_model_parallel_size=2, tensor_model_parallel_size=2),
+                  dict(pipeline_model_parallel_size=2, data_parallel_size=2)):
+        with pytest.raises(ValueError, match=r"virtual_pipeline_model_parallel_size=2: virtual stages are run at "
+                                             r"pipeline parallelism > 1 alone"):
+            Layout(virtual_pipeline_model_parallel_size=2, **sizes)
 
 
 def test_the_pipeline_patches_give_the_schedule_a_host_token_count_and_come_off_again():

@@ -292,7 +292,7 @@ def load_hf_checkpoint(model, model_dir: str | os.PathLike, hf_config) -> None:
         mapped = {name: parallel.shard(name, full, rank, size, split) for name, full in mapped.items()}
     mapped = parallel.local_experts_of(mapped, getattr(config, "num_moe_experts", None) or 0,
                                        parallel.expert_parallel_group(config))
-    mapped = pipeline.to_stage(mapped, config, megatron_blocks(hf_config).tied_head)
+    mapped = pipeline.to_stage(mapped, config, megatron_blocks(hf_config).tied_head, getattr(model, "vp_stage", None))
     copy_checkpoint(model_tensors(model), mapped)
 
 

@@ -61,8 +61,6 @@ def unsupported_features(config) -> list[str]:
     if pp != 1 and (get("bf16") or get("fp16")):
         problems.append("pipeline parallelism > 1 in bf16 / fp16 (a stage sends the residual sum without the "
                         "addends vLLM's fused add + norm reads; run the stages in fp32)")
-    if get("virtual_pipeline_model_parallel_size"):
-        problems.append("virtual pipeline stages (virtual_pipeline_model_parallel_size)")
     if get("mtp_num_layers"):
         problems.append("multi-token prediction layers")
     if get("normalization", "RMSNorm") != "RMSNorm":
@@ -221,13 +219,15 @@ def aligned_layer_specs(config, runtime: VllmRuntime) -> list:
     return [moe if is_moe else dense for is_moe in moe_layer_pattern(config)]
 
 
-def stage_layer_specs(config, runtime: VllmRuntime) -> list:
-    """The layer specs of this pipeline stage's layers (all layers at pipeline parallelism 1),
-    sliced as megatron's ``get_gpt_decoder_block_spec`` slices its own."""
-    return aligned_layer_specs(config, runtime)[stage_layers(config).start: stage_layers(config).stop]
+def stage_layer_specs(config, runtime: VllmRuntime, vp_stage: int | None = None) -> list:
+    """The layer specs of this pipeline stage's layers (all layers at pipeline parallelism 1; with
+    virtual stages, model chunk ``vp_stage``'s), sliced as megatron's ``get_gpt_decoder_block_spec``
+    slices its own."""
+    layers = stage_layers(config, vp_stage=vp_stage)
+    return aligned_layer_specs(config, runtime)[layers.start: layers.stop]
 
 
-def aligned_block_spec(config, runtime: VllmRuntime):
+def aligned_block_spec(config, runtime: VllmRuntime, vp_stage: int | None = None):
     """The decoder spec for stock megatron-core: a ``TransformerBlockSubmodules`` of this stage's
     layer specs with vLLM's RMSNorm as the final norm (megatron's own final norm, built from a bare
     layer spec, refuses sequence parallelism)."""
@@ -235,7 +235,7 @@ def aligned_block_spec(config, runtime: VllmRuntime):
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
     return TransformerBlockSubmodules(
-        layer_specs=stage_layer_specs(config, runtime),
+        layer_specs=stage_layer_specs(config, runtime, vp_stage),
         layer_norm=ModuleSpec(module=AlignedRMSNormModule, params={"runtime": runtime, "after_residual_add": True}),
     )
 
@@ -269,7 +269,7 @@ def aligned_model_spec(config, runtime: VllmRuntime, temperature: float = 1.0, v
 
     params = {"runtime": runtime}
     layers = []
-    for layer in stage_layer_specs(config, runtime):
+    for layer in stage_layer_specs(config, runtime, vp_stage):
         layer = copy.copy(layer)
         layer.submodules = copy.copy(layer.submodules)
         layer.submodules.self_attention = copy.deepcopy(layer.submodules.self_attention)
@@ -292,7 +292,7 @@ def aligned_gpt_spec(config, runtime: VllmRuntime, vp_stage=None):
     spec, after whose model :func:`apply_post_construction_swaps` must run."""
     if megatron_has_spec_hooks():
         return aligned_model_spec(config, runtime, vp_stage=vp_stage), False
-    return aligned_block_spec(config, runtime), True
+    return aligned_block_spec(config, runtime, vp_stage), True
 
 
 def _unwrap(model):

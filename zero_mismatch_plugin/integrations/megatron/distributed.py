@@ -36,8 +36,15 @@ class Layout:
     data_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
     context_parallel_size: int = 1
+    # Model chunks per pipeline rank (megatron's interleaved schedule); pipeline parallelism alone.
+    virtual_pipeline_model_parallel_size: int = 1
 
     def __post_init__(self):
+        if self.virtual_pipeline_model_parallel_size > 1 and (
+                self.pipeline_model_parallel_size == 1 or self.world_size != self.pipeline_model_parallel_size):
+            raise ValueError(f"virtual_pipeline_model_parallel_size={self.virtual_pipeline_model_parallel_size}: virtual "
+                             "stages are run at pipeline parallelism > 1 alone (tensor, expert, context and data "
+                             "parallelism 1)")
         if self.moe_token_dispatcher_type not in DISPATCHERS:
             raise ValueError(f"moe_token_dispatcher_type={self.moe_token_dispatcher_type!r}: use one of {DISPATCHERS}")
         if self.world_size % self.expert_model_parallel_size:
@@ -62,6 +69,8 @@ class Layout:
             name += f"-ep{self.expert_model_parallel_size}-{self.moe_token_dispatcher_type}"
         if self.pipeline_model_parallel_size > 1:
             name += f"-pp{self.pipeline_model_parallel_size}"
+        if self.virtual_pipeline_model_parallel_size > 1:
+            name += f"-vp{self.virtual_pipeline_model_parallel_size}"
         if self.context_parallel_size > 1:
             name += f"-cp{self.context_parallel_size}"
         if self.data_parallel_size > 1:
@@ -79,6 +88,8 @@ class Layout:
                      "sequence_parallel": self.sequence_parallel,
                      "pipeline_model_parallel_size": self.pipeline_model_parallel_size,
                      "context_parallel_size": self.context_parallel_size}
+        if self.virtual_pipeline_model_parallel_size > 1:
+            overrides["virtual_pipeline_model_parallel_size"] = self.virtual_pipeline_model_parallel_size
         if self.expert_model_parallel_size > 1:
             overrides.update(expert_model_parallel_size=self.expert_model_parallel_size,
                              expert_tensor_parallel_size=self.expert_tensor_parallel_size,
@@ -105,20 +116,23 @@ def use_layout(layout: Layout) -> None:
     world set it: one rank group serves every layout of its size)."""
     from megatron.core import parallel_state
 
+    virtual = layout.virtual_pipeline_model_parallel_size
     wanted = (layout.tensor_model_parallel_size, layout.expert_model_parallel_size, layout.pipeline_model_parallel_size,
-              layout.context_parallel_size, layout.expert_tensor_parallel_size)
+              layout.context_parallel_size, layout.expert_tensor_parallel_size, virtual if virtual > 1 else None)
     if parallel_state.model_parallel_is_initialized():
         current = (parallel_state.get_tensor_model_parallel_world_size(),
                    parallel_state.get_expert_model_parallel_world_size(),
                    parallel_state.get_pipeline_model_parallel_world_size(),
                    parallel_state.get_context_parallel_world_size(),
-                   parallel_state.get_expert_tensor_parallel_world_size())
+                   parallel_state.get_expert_tensor_parallel_world_size(),
+                   parallel_state.get_virtual_pipeline_model_parallel_world_size())
         if current == wanted:
             return
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=wanted[0], expert_model_parallel_size=wanted[1],
                                              pipeline_model_parallel_size=wanted[2], context_parallel_size=wanted[3],
-                                             expert_tensor_parallel_size=wanted[4])
+                                             expert_tensor_parallel_size=wanted[4],
+                                             virtual_pipeline_model_parallel_size=wanted[5])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,7 +205,14 @@ class _RankRun:
         use_layout(layout)
         # The engine's arguments, its dtype among them (float32 unless the run names another).
         self.runtime = VllmRuntime(spec.model_dir, **{**dict(spec.engine_items), **layout.engine_kwargs()})
-        self.model = build_gpt_model(self.runtime, aligned=True, **layout.config_overrides()).eval()
+        # With virtual pipeline stages this rank's model chunks (megatron's interleaved schedule
+        # runs them); self.model is then the first, whose config every chunk shares.
+        virtual = layout.virtual_pipeline_model_parallel_size
+        self.chunks = [build_gpt_model(self.runtime, aligned=True, vp_stage=v if virtual > 1 else None,
+                                       **layout.config_overrides()).eval() for v in range(virtual)]
+        self.model = self.chunks[0]
+        if spec.lora_dir is not None and virtual > 1:
+            raise NotImplementedError("LoRA with virtual pipeline stages")
         if spec.lora_dir is not None:
             from zero_mismatch_plugin.faces.megatron.lora import attach_lora
 
@@ -230,7 +251,7 @@ class _RankRun:
             token_logprobs_from_logits,
         )
 
-        model = model or self.model
+        model = model or (self.chunks if len(self.chunks) > 1 else self.model)
         if self.pipelined:
             out = pipelined_outputs(model, batch, self.multiple, self._min_tokens(batch), coefficients)
             return pipeline.from_last_stage(out, self.model.config)
@@ -256,32 +277,48 @@ class _RankRun:
 
         hf = self.runtime.hf_config
         with cpu_stock_megatron():
-            ddp = DistributedDataParallel(self.model.config, DistributedDataParallelConfig(), self.model)
-            ddp.train()
-            self.outputs(batch, ddp, coefficients)
+            ddps = [DistributedDataParallel(chunk.config, DistributedDataParallelConfig(), chunk) for chunk in self.chunks]
+            for ddp in ddps:
+                ddp.train()
+            self.outputs(batch, ddps if len(ddps) > 1 else ddps[0], coefficients)
             # megatron's own reductions: data-parallel grads (scaled by 1 / data-parallel size), and
             # over tensor-parallel ranks the norms that see only this rank's tokens (SP) or heads.
-            finalize_model_grads([ddp])
+            finalize_model_grads(ddps)
         # DDP averages over the data- and context-parallel ranks; each context-parallel rank's
         # gradients are its own rows' share of the sum.
         ranks = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
-        trained = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]  # an adapter's A and B only
-        local_grads = {n: p.main_grad * ranks for n, p in trained}
+        # an adapter's A and B only; with virtual stages one list per model chunk
+        trained = [[(n, p) for n, p in chunk.named_parameters() if p.requires_grad] for chunk in self.chunks]
+        local_grads = [{n: p.main_grad * ranks for n, p in chunk} for chunk in trained]
         if self.adapted:
             from zero_mismatch_plugin.faces.megatron.lora import adapter_state, full_adapter_tensors
 
-            grads = full_adapter_tensors(self.model, local_grads)
+            grads = full_adapter_tensors(self.model, local_grads[0])
         else:
-            grads = convert.megatron_to_hf(convert.full_tensors(self.model, local_grads), hf)
+            grads = convert.megatron_to_hf(self._full(local_grads), hf)
         with torch.no_grad():
-            for _, p in trained:
+            for _, p in (pair for chunk in trained for pair in chunk):
                 p.add_(p.main_grad, alpha=-step.lr)
-        ddp.eval()
+        for ddp in ddps:
+            ddp.eval()
         with torch.no_grad():
-            after = self.logprobs(batch, ddp)
+            after = self.logprobs(batch, ddps if len(ddps) > 1 else ddps[0])
         # The weights the engine loads after the step: the whole adapter (PEFT names), or the model.
-        weights = adapter_state(self.model) if self.adapted else convert.engine_weights(self.model, hf, self.runtime.dtype)
+        if self.adapted:
+            weights = adapter_state(self.model)
+        else:
+            state = self._full([convert.model_tensors(chunk) for chunk in self.chunks])
+            weights = [(k, v.to(self.runtime.dtype)) for k, v in convert.megatron_to_hf(state, hf).items()]
         return dict(grads=grads, logprobs_after=batch.split_per_sequence(after.cpu()), weights=weights)
+
+    def _full(self, chunks: list[dict]) -> dict:
+        """Full tensors by megatron name from this rank's per-chunk tensors (one chunk without
+        virtual stages, which run with no other parallelism than the pipeline's); collectives."""
+        from zero_mismatch_plugin.faces.megatron import convert, pipeline
+
+        if len(chunks) == 1:
+            return convert.full_tensors(self.model, chunks[0])
+        return pipeline.gather_stages(chunks, self.model.config, self.model.share_embeddings_and_output_weights)
 
 
 # The models a rank has built, for calls that only read them (a step builds its own).

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from zero_mismatch_plugin.aligned.packing import PackedBatch, pack
+from zero_mismatch_plugin.aligned.packing import PackedBatch, pack, split_sequences
 from zero_mismatch_plugin.aligned.runtime import VllmRuntime
 from zero_mismatch_plugin.aligned.sampling import SamplingTransform, recorded_logprobs
 from zero_mismatch_plugin.faces.megatron import context_parallel, convert, pipeline
@@ -81,8 +81,10 @@ def cpu_stock_megatron():
         mrandom._CUDA_RNG_STATE_TRACKER, mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = saved
 
 
-def build_gpt_model(runtime: VllmRuntime, aligned: bool = True, load: bool = True, **config_overrides):
-    """A GPTModel of ``runtime``'s checkpoint: the aligned spec (default) or the stock local spec.
+def build_gpt_model(runtime: VllmRuntime, aligned: bool = True, load: bool = True, vp_stage: int | None = None,
+                    **config_overrides):
+    """A GPTModel of ``runtime``'s checkpoint: the aligned spec (default) or the stock local spec;
+    with virtual pipeline stages, this rank's model chunk ``vp_stage``.
 
     On a megatron-core with the spec-hook patch the aligned model is built from its spec alone;
     on stock megatron-core the post-construction swaps complete it.
@@ -103,12 +105,13 @@ def build_gpt_model(runtime: VllmRuntime, aligned: bool = True, load: bool = Tru
         pipeline_on_cpu()  # megatron's schedule and tied embeddings over stages on a CPU
     needs_swaps = False
     if aligned:
-        spec, needs_swaps = aligned_gpt_spec(config, runtime)
+        spec, needs_swaps = aligned_gpt_spec(config, runtime, vp_stage)
     else:
         spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, qk_layernorm=config.qk_layernorm,
                                         normalization="RMSNorm")
+    chunk = {} if vp_stage is None else {"vp_stage": vp_stage}
     model = GPTModel(config=config, transformer_layer_spec=spec, **convert.gpt_model_kwargs(hf),
-                     **pipeline.stage_ends(config))
+                     **pipeline.stage_ends(config, vp_stage), **chunk)
     if needs_swaps:
         apply_post_construction_swaps(model, runtime)
     if load:
@@ -213,26 +216,41 @@ def pipelined_outputs(model, batch: PackedBatch, tokens_multiple_of: int = 1, mi
     that score them}``, on the others ``None``. With ``coefficients`` the schedule also runs the
     backward of ``sum(coefficients * logprobs)`` (gradients on every stage). Under context
     parallelism too, each stage's ranks hold their chunks (:func:`context_parallel_inputs`) and the
-    last stage gathers the logits' rows."""
-    config = model.config if hasattr(model, "config") else model.module.config
+    last stage gathers the logits' rows. ``model``: with virtual pipeline stages, this rank's list
+    of model chunks; the batch's sequences then go in one micro-batch per stage (megatron's
+    interleaved schedule needs as many), each padded to the longest, and each micro-batch's
+    objective is multiplied back by their number (megatron divides it)."""
+    chunks = model if isinstance(model, list) else [model]
+    first = chunks[0]
+    config = first.config if hasattr(first, "config") else first.module.config
     group = context_parallel.context_parallel_group(config)
+    parts = [batch] if len(chunks) == 1 else split_sequences(batch, pipeline.pipeline_size(config))
+    if len(parts) > 1 and group is not None:
+        raise NotImplementedError("virtual pipeline stages with context parallelism")
+    weights = [None] * len(parts) if coefficients is None else coefficients.split([len(p.target_ids) for p in parts])
     if group is not None:
-        inputs, split, real = context_parallel_inputs(model, batch, group, tokens_multiple_of)
+        inputs, split, real = context_parallel_inputs(first, batch, group, tokens_multiple_of)
+        items = [(batch, inputs, weights[0])]
+        tokens = sum(split.seq_lens)
     else:
-        inputs = packed_inputs(model, batch, tokens_multiple_of, min_tokens)
+        longest = max([min_tokens, *(p.num_tokens for p in parts)])
+        items = [(part, packed_inputs(first, part, tokens_multiple_of, longest), w) for part, w in zip(parts, weights)]
+        tokens = items[0][1]["input_ids"].shape[1]
 
-    def loss(output):
-        logits = output[0][: len(batch.input_ids)] if group is None else whole_rows(output[0], split, real, group)
-        values = token_logprobs_from_logits(logits, batch)
-        objective = values.sum() * 0 if coefficients is None else (values * coefficients).sum()
-        targets = logits.index_select(0, batch.target_rows.to(logits.device))
+    def loss(item, output):
+        part, _, weight = item
+        logits = output[0][: part.num_tokens] if group is None else whole_rows(output[0], split, real, group)
+        values = token_logprobs_from_logits(logits, part)
+        objective = values.sum() * 0 if weight is None else (values * weight).sum() * len(items)
+        targets = logits.index_select(0, part.target_rows.to(logits.device))
         return objective, {"logprobs": values.detach(), "target_logits": targets.detach()}
 
     with cpu_stock_megatron():
-        tokens = inputs["input_ids"].shape[1] if group is None else sum(split.seq_lens)
-        data = pipeline.run_schedule(model, tokens, lambda stage: stage(**inputs), loss,
+        data = pipeline.run_schedule(model, tokens, items, lambda stage, item: stage(**item[1]), loss,
                                      forward_only=coefficients is None)
-    return data[0] if data else None
+    if not data:
+        return None
+    return {key: torch.cat([d[key] for d in data]) for key in ("logprobs", "target_logits")}
 
 
 def per_sequence_logits(model, batch: PackedBatch) -> torch.Tensor:
