@@ -27,6 +27,13 @@ _OUTPUT = "output_layer.weight"
 _LAST_STAGE_ONLY = ("decoder.final_layernorm.", "output_layer.")
 
 
+def model_config(model):
+    """The TransformerConfig of a GPTModel, of one wrapped by megatron's DDP, or of a list of model
+    chunks (virtual stages: every chunk's is the same)."""
+    first = model[0] if isinstance(model, list) else model
+    return first.config if hasattr(first, "config") else first.module.config
+
+
 def pipeline_size(config) -> int:
     return getattr(config, "pipeline_model_parallel_size", 1) or 1
 
@@ -166,9 +173,7 @@ def run_schedule(model, tokens: int, items: list, forward_step, loss, forward_on
         item = next(data_iterator)
         return forward_step(stage_model, item), partial(loss, item)
 
-    first = chunks[0]
-    config = first.config if hasattr(first, "config") else first.module.config
-    if pipeline_size(config) == 1:
+    if pipeline_size(model_config(chunks)) == 1:
         raise ValueError("run_schedule is the pipeline path: at pipeline parallelism 1 the face runs its forward directly")
     iterators = [iter(items) for _ in chunks]
     with cpu_megatron_collectives():

@@ -154,7 +154,7 @@ def packed_inputs(model, batch: PackedBatch, tokens_multiple_of: int = 1, min_to
 def packed_logits(model, batch: PackedBatch, tokens_multiple_of: int = 1, min_tokens: int = 0) -> torch.Tensor:
     """Logits [T, V] of a packed (THD) batch through an aligned GPTModel (:func:`packed_inputs`;
     under context parallelism :func:`context_parallel_logits`)."""
-    config = model.config if hasattr(model, "config") else model.module.config
+    config = pipeline.model_config(model)
     group = context_parallel.context_parallel_group(config)
     if group is not None:
         return context_parallel_logits(model, batch, group, tokens_multiple_of)
@@ -222,7 +222,7 @@ def pipelined_outputs(model, batch: PackedBatch, tokens_multiple_of: int = 1, mi
     objective is multiplied back by their number (megatron divides it)."""
     chunks = model if isinstance(model, list) else [model]
     first = chunks[0]
-    config = first.config if hasattr(first, "config") else first.module.config
+    config = pipeline.model_config(first)
     group = context_parallel.context_parallel_group(config)
     parts = [batch] if len(chunks) == 1 else split_sequences(batch, pipeline.pipeline_size(config))
     if len(parts) > 1 and group is not None:
