@@ -3,6 +3,8 @@ apply, and the digit reward."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 
@@ -49,6 +51,35 @@ def test_a_missing_trainer_package_is_named_before_anything_starts(tmp_path, mon
     with pytest.raises(launch.MissingTrainerPackages, match="pip install TransferQueue"):
         launch.run_smoke(tmp_path, {}, [])
     assert not (tmp_path / "log.txt").exists()
+
+
+def test_a_run_past_its_time_is_killed_with_every_process_it_started(tmp_path):
+    """As verl's Ray cluster stays in the group of the process that started it: a run that hangs
+    leaves nothing running behind it (a grandchild here), and the error names its output."""
+    import os
+    import time
+
+    from zero_mismatch_plugin.integrations.verl.cpu import launch
+
+    pid_file = tmp_path / "grandchild.pid"
+    command = ["sh", "-c", f"sleep 300 & echo $! > {pid_file}; echo started; wait", "recipes run cpu_smoke"]
+    started = time.monotonic()
+    with pytest.raises(launch.RunTimedOut, match=r"did not finish in 2 s; its processes were killed; its output: .*log\.txt"):
+        launch.run_in_own_group(command, tmp_path, dict(os.environ), tmp_path / "log.txt", timeout_s=2)
+    assert time.monotonic() - started < 30
+    assert (tmp_path / "log.txt").read_text().strip() == "started"
+    grandchild = int(pid_file.read_text())
+    for _ in range(50):  # killed (gone, or a zombie awaiting its reaper)
+        try:
+            state = Path(f"/proc/{grandchild}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            break
+        if state in ("Z", "X"):
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"the run's grandchild {grandchild} is still running")
+    assert launch.run_in_own_group(["sh", "-c", "exit 3"], tmp_path, dict(os.environ), tmp_path / "log.txt", 10) == 3
 
 
 def test_smoke_command_launches_verls_trainer_with_the_recipe():

@@ -105,7 +105,38 @@ def run_smoke(run_dir: Path, inputs: dict[str, str], overrides: list[str], timeo
     env = cpu_environment()
     env["VERL_FILE_LOGGER_PATH"] = str(metrics_path)
     command = smoke_command([*input_overrides(inputs), *overrides], recipe)
-    with open(run_dir / "log.txt", "w") as log:
-        completed = subprocess.run(command, cwd=run_dir, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                   timeout=timeout_s)
-    return SmokeRun(completed.returncode, (run_dir / "log.txt").read_text(), read_metrics(metrics_path))
+    returncode = run_in_own_group(command, run_dir, env, run_dir / "log.txt", timeout_s)
+    return SmokeRun(returncode, (run_dir / "log.txt").read_text(), read_metrics(metrics_path))
+
+
+class RunTimedOut(TimeoutError):
+    """A verl run did not finish in time; every process it started was killed."""
+
+
+def run_in_own_group(command: list[str], cwd: Path, env: dict, log_path: Path, timeout_s: float) -> int:
+    """``command``'s exit code, its output in ``log_path``. It runs in a process group of its own,
+    with the Ray cluster it starts (Ray's daemons and workers stay in their starter's group), so
+    that when it overruns ``timeout_s`` (or the caller is interrupted) the whole group is killed:
+    a hung run leaves no Ray workers or vLLM engines behind to slow or block later runs."""
+    import signal
+
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(command, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                   start_new_session=True)
+        try:
+            return process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            _kill_group(process, signal.SIGKILL)
+            raise RunTimedOut(f"{' '.join(command[3:6])} did not finish in {timeout_s:.0f} s; its processes were "
+                              f"killed; its output: {log_path}") from None
+        except BaseException:
+            _kill_group(process, signal.SIGKILL)
+            raise
+
+
+def _kill_group(process: subprocess.Popen, sig) -> None:
+    try:
+        os.killpg(process.pid, sig)
+    except ProcessLookupError:
+        pass
+    process.wait()
