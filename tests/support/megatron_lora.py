@@ -59,3 +59,25 @@ def assert_gradients_close(grads: dict, reference: dict, rel_tol: float) -> floa
         worst = max(worst, rel)
         assert rel < rel_tol, f"{name}: relative difference {rel:.3g}"
     return worst
+
+
+def without_vocabulary(adapter_dir, out):
+    """A copy of the adapter in ``adapter_dir`` without its embed_tokens / lm_head pairs (its
+    decoder pairs the same): the negative control of the vocabulary's adapters."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from zero_mismatch_plugin.aligned.lora.peft import CONFIG_FILE, WEIGHTS_FILE
+    from zero_mismatch_plugin.tables.architectures import VOCAB_LORA_TARGETS
+
+    shutil.copytree(adapter_dir, out)
+    config = json.loads((out / CONFIG_FILE).read_text())
+    config["target_modules"] = [t for t in config["target_modules"] if t not in VOCAB_LORA_TARGETS]
+    (out / CONFIG_FILE).write_text(json.dumps(config))
+    tensors = load_file(out / WEIGHTS_FILE)
+    kept = {name: t for name, t in tensors.items() if not any(f".{v}." in name for v in VOCAB_LORA_TARGETS)}
+    assert len(kept) < len(tensors), "the adapter has no vocabulary pairs"
+    save_file(kept, out / WEIGHTS_FILE)
+    return out

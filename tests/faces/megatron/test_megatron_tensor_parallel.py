@@ -11,7 +11,8 @@ CP 2 x EP 2 (Qwen3-MoE) and PP 2 x CP 2 (the windowed Mistral) against the sessi
 engines.
 
 LoRA at TP 2 + SP: an adapter on every decoder linear of the Llama checkpoint against an engine at
-TP 2 serving it (``zmrl check --lora``, a rollout, one step of the adapter and its sync). The
+TP 2 serving it (``zmrl check --lora``, a rollout, one step of the adapter and its sync), and one on
+the decoder linears, embed_tokens and lm_head served beside it (a rollout and one step). The
 check command at TP 2 + SP runs there and on Qwen3-MoE at TP 2 + SP x EP 2. ``zmrl bisect`` at TP 2
 (Llama), TP 2 + SP (Qwen3-MoE, GLM-4.5; Llama with the adapter) compares each rank with vLLM's model built
 on the same rank.
@@ -20,7 +21,7 @@ Cost: one TP-2 engine per checkpoint (~20 s each), one torchrun of two ranks tha
 checkpoint and takes one training step on Llama and one on Qwen3-MoE (~40 s), one torchrun of
 four one-thread ranks for the combined layouts (~50 s; two one-process engines of the session's, if
 not started already, ~20 s) and ``zmrl check`` at PP 2 x EP 2 on them, and a TP-2 LoRA engine with its check and
-three calls on the same two ranks (~50 s), four bisections on them (vLLM's model built on the
+five calls on the same two ranks (~60 s), four bisections on them (vLLM's model built on the
 ranks each time, ~5 s each); everything below is asserted from those runs. The
 check command as a user runs it, starting its own TP-2 engine and ranks, runs once, on Qwen3-MoE
 at TP 2 + SP x EP 2 (~40 s).
@@ -35,7 +36,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from support.megatron_lora import assert_gradients_close, merged_checkpoint, one_process_lora_gradients
+from support.megatron_lora import (assert_gradients_close, merged_checkpoint, one_process_lora_gradients,
+                                   without_vocabulary)
 from support.vllm_session import MAX_MODEL_LEN, float64_hf_model, hf_token_logprobs, prompts_for, rollout
 from zero_mismatch_plugin.integrations.megatron.distributed import Layout, TrainStep
 
@@ -387,23 +389,27 @@ def tp2_lora(mg_checkpoints, tmp_path_factory, tp2_group):
     ranks (TP 2 + SP) score the rollout with the adapter and take one step of it, and score the
     checkpoint with the adapter merged; the stepped adapter, gathered whole, is loaded into the
     engine as a new adapter, which samples again; the ranks score that rollout, and the first,
-    with the stepped adapter built from its files."""
+    with the stepped adapter built from its files. A second adapter, on the decoder linears and
+    the vocabulary (embed_tokens, lm_head), served by the same engine: a rollout, scored by the
+    ranks with one step, and again with the vocabulary's pairs dropped from it."""
     from support.check_command import lent_engine_and_ranks
     from zero_mismatch_plugin.aligned.lora.adapter import build_adapter
     from zero_mismatch_plugin.aligned.lora.peft import lora_request, read_lora_config, write_peft_adapter
     from zero_mismatch_plugin.integrations.megatron.distributed import ScoreRequest
     from zero_mismatch_plugin.integrations.megatron.rank_group import launch
-    from zero_mismatch_plugin.tables.architectures import LORA_TARGETS
+    from zero_mismatch_plugin.tables.architectures import LORA_TARGETS, VOCAB_LORA_TARGETS
     from zero_mismatch_plugin.tools import cli
     from zero_mismatch_plugin.tools.checker import engine as checker_engine
 
     root = tmp_path_factory.mktemp("tp2_lora")
     adapter = build_adapter(root / "adapter", mg_checkpoints["llama"], r=8, lora_alpha=16, targets=LORA_TARGETS, seed=21)
+    vocab_adapter = build_adapter(root / "vocab_adapter", mg_checkpoints["llama"], r=8, lora_alpha=16,
+                                  targets=LORA_TARGETS + VOCAB_LORA_TARGETS, seed=22)
     settings = checker_engine.engine_settings(mg_checkpoints["llama"], ENGINE_KWARGS["max_model_len"], seed=0,
                                               tensor_parallel=TP, sequence_parallel=True, lora_dir=adapter)
     layouts = [Layout(TP, sequence_parallel=True)]
     prompts = prompts_for(mg_checkpoints["llama"], corpus_seed=11)
-    out = SimpleNamespace(settings=settings, adapter=adapter, stepped=root / "stepped")
+    out = SimpleNamespace(settings=settings, adapter=adapter, vocab_adapter=vocab_adapter, stepped=root / "stepped")
     with checker_engine.open_engine(settings) as llm:
         with lent_engine_and_ranks(settings, llm, group=tp2_group) as out.check_layouts:
             out.check_code = cli.main(["check", "--model", str(mg_checkpoints["llama"]), "--trainer", "megatron",
@@ -412,11 +418,16 @@ def tp2_lora(mg_checkpoints, tmp_path_factory, tp2_group):
                                        "--json", str(root / "check.json")])
         out.check_report = (root / "check.json").read_text()
         out.rollout = rollout(llm, prompts, seed=3, lora_request=llm.lora_request)
+        out.vocab_rollout = rollout(llm, prompts, seed=3, lora_request=lora_request("vocab", 3, out.vocab_adapter))
         merged = merged_checkpoint(mg_checkpoints["llama"], adapter, root / "merged")
         requests = [ScoreRequest(str(mg_checkpoints["llama"]), settings.trainer_args, *out.rollout[:2], step=STEP,
                                  lora_dir=str(adapter)),
-                    ScoreRequest(str(merged), ENGINE_KWARGS, *out.rollout[:2])]
-        out.with_adapter, out.merged = launch(requests, layouts, tp2_group)
+                    ScoreRequest(str(merged), ENGINE_KWARGS, *out.rollout[:2]),
+                    ScoreRequest(str(mg_checkpoints["llama"]), settings.trainer_args, *out.vocab_rollout[:2], step=STEP,
+                                 lora_dir=str(out.vocab_adapter)),
+                    ScoreRequest(str(mg_checkpoints["llama"]), settings.trainer_args, *out.vocab_rollout[:2],
+                                 lora_dir=str(without_vocabulary(out.vocab_adapter, root / "vocab_stripped")))]
+        out.with_adapter, out.merged, out.vocab, out.vocab_stripped = launch(requests, layouts, tp2_group)
         write_peft_adapter(out.stepped, read_lora_config(adapter), out.with_adapter["tp2-sp"]["weights"])
         out.stepped_rollout = rollout(llm, prompts, seed=3, lora_request=lora_request("stepped", 2, out.stepped))
     again = [ScoreRequest(str(mg_checkpoints["llama"]), settings.trainer_args, *r[:2], lora_dir=str(out.stepped))
@@ -464,6 +475,24 @@ def test_lora_gradients_at_tp2_sp_agree_with_the_one_process_face(tp2_lora, mg_c
     print(f"LoRA gradients at tp2-sp vs one process: worst relative difference {worst:.3g}")
 
 
+def test_vocabulary_lora_at_tp2_sp_is_bitwise_with_the_engine_and_its_gradients_agree(tp2_lora, mg_checkpoints):
+    """embed_tokens' and lm_head's adapters at TP 2 + SP: each rank adds their updates to whole rows,
+    as vLLM's layers do (the lookup summed over the ranks; the logits gathered from the vocabulary
+    shards); the logprobs equal μ of the TP-2 engine serving the adapter; A and B gradients of one
+    step against one process (an update every rank computed, counted once in the hidden states'
+    gradient). Negative control: the same adapter without its vocabulary pairs."""
+    prompts, responses, mu = tp2_lora.vocab_rollout
+    values = torch.cat(tp2_lora.vocab["tp2-sp"]["logprobs"])
+    assert torch.equal(values, mu), f"{int((values != mu).sum())} of {mu.numel()} tokens differ"
+    reference = one_process_lora_gradients(mg_checkpoints["llama"], tp2_lora.settings.trainer_args,
+                                           tp2_lora.vocab_adapter, prompts, responses, STEP)
+    assert any(".embed_tokens." in name for name in reference) and any(".lm_head." in name for name in reference)
+    worst = assert_gradients_close(tp2_lora.vocab["tp2-sp"]["grads"], reference, GRAD_REL_TOL)
+    print(f"vocabulary LoRA gradients at tp2-sp vs one process: worst relative difference {worst:.3g}")
+    stripped = torch.cat(tp2_lora.vocab_stripped["tp2-sp"]["logprobs"])
+    assert not torch.equal(stripped, mu)
+
+
 def test_after_a_step_of_the_adapter_at_tp2_sp_and_its_sync_the_engine_is_bitwise_again(tp2_lora):
     """The stepped adapter, gathered whole and loaded by the engine as a new adapter: its rollout
     is bitwise with the ranks' stepped adapter, which scores the first rollout as the ranks'
@@ -482,16 +511,15 @@ def test_lora_on_ranks_is_refused_where_it_is_not_covered():
     assert layout_problem(2, True) is None and layout_problem(1, False) is None
     for args, kwargs, words in (
         ((2, False), {}, "turn sequence parallelism on"),
-        ((2, True), {"vocab": ["lm_head"]}, "LoRA on ['lm_head'] at tensor parallelism 2 is not covered"),
         ((2, True), {"experts": True}, "LoRA on MoE experts at tensor parallelism 2 is not covered"),
         ((2, True), {"expert_parallel": 2}, "LoRA at tensor parallelism 2 x expert parallelism 2 is not covered"),
     ):
         assert words in layout_problem(*args, **kwargs)
-    # Data and context parallelism, the vocabulary and experts on one rank, and experts at expert
-    # parallelism (test_megatron_two_rank_layouts.py) are covered.
-    assert layout_problem(1, False, vocab=["lm_head"], experts=True, context_parallel=2) is None
+    # Data and context parallelism, experts on one rank, and experts at expert parallelism
+    # (test_megatron_two_rank_layouts.py) are covered; the vocabulary's adapters at every layout.
+    assert layout_problem(1, False, experts=True, context_parallel=2) is None
     assert layout_problem(1, False, experts=True, expert_parallel=2) is None
-    assert layout_problem(1, False, vocab=["embed_tokens", "lm_head"], pipeline_parallel=2) is None
+    assert layout_problem(1, False, pipeline_parallel=2) is None
 
 
 # zmrl bisect at TP 2 on the module's two ranks: (checkpoint, flags, the layout's name, with the

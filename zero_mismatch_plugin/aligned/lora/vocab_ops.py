@@ -3,6 +3,10 @@
 Each runs vLLM's layer (``VocabParallelEmbeddingWithLoRA``, ``LogitsProcessorWithLoRA``), its own
 forward, on the trainer's A and B in vLLM's buffer layout; the backward is fp32 torch for A and B
 (and the hidden states), none for the frozen embedding or head (``docs/lora.md``).
+
+Under tensor parallelism vLLM adds both adapters to whole rows on every rank: the embedding's
+update to the rows its vocabulary-parallel lookup summed over the ranks, the logits' update to the
+logits gathered from the ranks' vocabulary shards. The ops here do the same on the trainer's ranks.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from zero_mismatch_plugin.aligned.derived import DerivedWeight
 from zero_mismatch_plugin.aligned.lora.adapter import LoRAAdapter
 from zero_mismatch_plugin.aligned.lora.ops import TokenMapping, engine_lora_config
 from zero_mismatch_plugin.aligned.lora.peft import LoRAConfig
+from zero_mismatch_plugin.aligned.reductions import all_gather_parts
 
 
 def _stacked_pair(lora_a, lora_b, max_rank: int, lora_dtype, scaling: float):
@@ -91,10 +96,22 @@ class AlignedLoRAEmbedding(_VocabLoRA):
         super().__init__(runtime, pair, lora_config, mapping)
         self.weight = weight
         self.layer = VocabParallelEmbeddingWithLoRA(_BaseEmbedding(self._base))
+        self._given_rows = None
 
     def _base(self, ids):
+        if self._given_rows is not None:
+            return self._given_rows
         w = self.weight
         return nn.functional.embedding(ids, w.to(self.runtime.dtype) if w.dtype != self.runtime.dtype else w)
+
+    def over_rows(self, ids, base_rows: torch.Tensor):
+        """The op on base rows already looked up (``[len(ids), hidden]``, frozen), as vLLM's layer
+        under tensor parallelism adds the update to its lookup summed over the ranks."""
+        self._given_rows = base_rows.detach().to(self.runtime.dtype)
+        try:
+            return self(ids)
+        finally:
+            self._given_rows = None
 
     def _build(self, sources):
         # vLLM's buffers: A transposed, one row per token id ([vocab, max_rank]), B [1, 1, hidden, max_rank].
@@ -119,18 +136,23 @@ class AlignedLoRALogits(_VocabLoRA):
     """vLLM's ``LogitsProcessorWithLoRA`` (its own forward) over the frozen head of
     :class:`~zero_mismatch_plugin.aligned.ops.AlignedLogits` and trainable A [r, hidden], B [vocab, r]:
     the head's logits, then ``add_lora_logits`` (buf = h Aᵀ in fp32, logits += buf B'ᵀ), then
-    soft-cap and scale. Backward in fp32 for A and B (and the hidden states), none for the frozen head."""
+    soft-cap and scale. Backward in fp32 for A and B (and the hidden states), none for the frozen head.
 
-    def __init__(self, runtime, head, pair, lora_config: LoRAConfig, mapping: TokenMapping):
+    ``tp_group``: ``head`` is this rank's vocabulary shard of the head; the processor gathers the
+    shards' logits in rank order before the update, as vLLM's does at tensor parallelism."""
+
+    def __init__(self, runtime, head, pair, lora_config: LoRAConfig, mapping: TokenMapping, tp_group=None):
         from vllm.lora.layers import LogitsProcessorWithLoRA
 
         super().__init__(runtime, pair, lora_config, mapping)
         self.head = head
-        # The trainer is one process with no tensor-parallel group: vLLM's layer, built without its
-        # __init__ (which asks that group for its size), holds what that __init__ sets for a world
-        # of 1, and its processor's gather is the identity (what vLLM's gather does at world size 1).
-        processor = runtime.logits_processor(head.vocab_size)
-        processor._gather_logits = lambda logits: logits
+        self.tp_group = tp_group if tp_group is not None and tp_group.size() > 1 else None
+        # vLLM's layer, built without its __init__ (which asks vLLM's tensor-parallel group for its
+        # size), holds what that __init__ sets for a world of 1; its processor's gather is the
+        # identity in one process, the ranks' shards concatenated under tensor parallelism.
+        shards = 1 if self.tp_group is None else self.tp_group.size()
+        processor = runtime.logits_processor(head.vocab_size * shards)
+        processor._gather_logits = self._gathered
         layer = LogitsProcessorWithLoRA.__new__(LogitsProcessorWithLoRA)
         nn.Module.__init__(layer)
         layer.base_layer = processor
@@ -138,6 +160,11 @@ class AlignedLoRALogits(_VocabLoRA):
         layer.tp_size, layer.tp_rank = 1, 0
         layer.sharded_to_full_mapping = layer.sharded_to_full_mapping_gpu = None
         self.layer = layer
+
+    def _gathered(self, logits):
+        if self.tp_group is None:
+            return logits
+        return torch.cat(all_gather_parts(logits, self.tp_group), dim=-1)
 
     def _build(self, sources):
         # vLLM's buffers: A [1, 1, max_rank, hidden], B [1, 1, vocab, max_rank].
@@ -155,7 +182,16 @@ class AlignedLoRALogits(_VocabLoRA):
         h32 = hidden.float()
         w32 = self.head.weight.detach().to(self.runtime.dtype).float()
         gbuf = (g @ b) * self.scaling  # [R, r]
-        grad_hidden = g @ w32 + gbuf @ a
+        if self.tp_group is None:
+            grad_hidden = g @ w32 + gbuf @ a
+        else:
+            # This rank's head rows take their columns of g. The ranks' hidden-state gradients are
+            # summed (the backward of the column-parallel input); every rank computed the same
+            # update, so its part is added on the first rank only. A and B: whole on every rank.
+            rank, rows = torch.distributed.get_rank(self.tp_group), w32.shape[0]
+            grad_hidden = g[:, rank * rows:(rank + 1) * rows] @ w32
+            if rank == 0:
+                grad_hidden = grad_hidden + gbuf @ a
         return grad_hidden.to(hidden.dtype), gbuf.t() @ h32, (g.t() @ (h32 @ a.t())) * self.scaling
 
 

@@ -61,22 +61,46 @@ class MegatronVocabLoRA(nn.Module):
         self.mapping = TokenMapping(runtime, sampled_rows=target == "lm_head")
         self._aligned_ops = OpCache()
 
-    def op(self, runtime, base):
+    def op(self, runtime, base, tp_group=None):
         """vLLM's LoRA embedding over the embedding weight ``base``, or its LoRA logits layer over
-        the output layer's head ``base`` (rebuilt when the base is)."""
-        kind = AlignedLoRAEmbedding if self.target == "embed_tokens" else AlignedLoRALogits
+        the output layer's head ``base`` (this rank's vocabulary shard under ``tp_group``; rebuilt
+        when the base is)."""
         pair = getattr(self, self.target)
-        return self._aligned_ops.get(
-            self.target, [base], lambda: kind(runtime, base, pair, self.lora_config, self.mapping))
+        if self.target == "embed_tokens":
+            build = lambda: AlignedLoRAEmbedding(runtime, base, pair, self.lora_config, self.mapping)  # noqa: E731
+        else:
+            build = lambda: AlignedLoRALogits(runtime, base, pair, self.lora_config, self.mapping, tp_group)  # noqa: E731
+        return self._aligned_ops.get(self.target, [base], build)
 
 
 def _embedding_with_lora(word_embeddings, args, output):
     """Forward hook of megatron's word embedding carrying an adapter: its output becomes that of
-    vLLM's LoRA embedding over the same weight (token ids [b, s] -> [b, s, hidden])."""
+    vLLM's LoRA embedding over the same weight (token ids [b, s] -> [b, s, hidden]).
+
+    Under tensor parallelism the rank holds a vocabulary shard: megatron's output (each token's row
+    summed over the ranks, one rank's row plus zeros, so the row itself) is the base, as vLLM's
+    layer adds the update to its own summed lookup; under sequence parallelism (megatron's
+    reduce-scattered ``[s / tp, b, hidden]``) the whole sequence is gathered for it and the rank
+    keeps its rows. The base is frozen: only A and B get gradients, whole on every rank.
+    """
     ids = args[0]
     lora = word_embeddings.lora
-    out = lora.op(lora.mapping.runtime, word_embeddings.weight)(ids.reshape(-1))
-    return out.view(*ids.shape, out.shape[-1])
+    op = lora.op(lora.mapping.runtime, word_embeddings.weight)
+    group = word_embeddings.tp_group if parallel.group_size(word_embeddings.tp_group) > 1 else None
+    if group is None:
+        out = op(ids.reshape(-1))
+        return out.view(*ids.shape, out.shape[-1])
+    if not getattr(word_embeddings, "reduce_scatter_embeddings", False):
+        raise NotImplementedError("an embed_tokens adapter at tensor parallelism runs with sequence parallelism")
+    from megatron.core.tensor_parallel import mappings
+
+    with parallel.cpu_megatron_collectives():
+        base = mappings.gather_from_sequence_parallel_region(output.detach(), group=group)  # [s, b, h]
+    s, b, h = base.shape
+    out = op.over_rows(ids.reshape(-1), base.transpose(0, 1).reshape(b * s, h))  # token-major as ids
+    out = out.view(b, s, h).transpose(0, 1).contiguous()
+    with parallel.cpu_megatron_collectives():
+        return mappings.scatter_to_sequence_parallel_region(out, group=group)
 
 
 def attach_lora(model, runtime, adapter_dir: str | os.PathLike):
@@ -111,7 +135,7 @@ def attach_lora(model, runtime, adapter_dir: str | os.PathLike):
     num_experts = getattr(config, "num_moe_experts", None) or 0
     tensors = parallel.local_experts_of(pipeline.to_stage(tensors, config, tied_head=False), num_experts, experts_group)
     problem = layout_problem(
-        tp, bool(getattr(config, "sequence_parallel", False)), vocab=sorted(vocab_pairs),
+        tp, bool(getattr(config, "sequence_parallel", False)),
         experts=any(convert.parse_megatron_lora_name(n)[3] is not None for n in tensors),
         expert_parallel=getattr(config, "expert_model_parallel_size", 1) or 1,
         pipeline_parallel=getattr(config, "pipeline_model_parallel_size", 1) or 1,
@@ -151,14 +175,15 @@ def attach_lora(model, runtime, adapter_dir: str | os.PathLike):
     return lora_config
 
 
-def layout_problem(tensor_parallel: int, sequence_parallel: bool, vocab=(), experts: bool = False,
+def layout_problem(tensor_parallel: int, sequence_parallel: bool, experts: bool = False,
                    expert_parallel: int = 1, pipeline_parallel: int = 1, context_parallel: int = 1) -> str | None:
-    """Why the Megatron face cannot run an adapter (vocabulary targets ``vocab``, pairs on routed or
-    shared experts if ``experts``) at a layout, or None.
+    """Why the Megatron face cannot run an adapter (pairs on routed or shared experts if
+    ``experts``) at a layout, or None.
 
     At tensor parallelism it runs with sequence parallelism: megatron's ``finalize_model_grads``
     then sums the gradients of the adapter matrices every rank holds whole (column-parallel A,
-    row-parallel B) over the ranks. Data and context parallelism change nothing for an adapter
+    row-parallel B) over the ranks. The vocabulary's adapters are whole on every rank and adapt
+    whole rows, as vLLM's do (``aligned/lora/vocab_ops.py``). Data and context parallelism change nothing for an adapter
     (per-token arithmetic, DDP's sums); pipeline stages hold their layers' adapters, expert-parallel
     ranks their experts' (computed as the engine's CPU LoRA experts compute each row).
     """
@@ -166,9 +191,6 @@ def layout_problem(tensor_parallel: int, sequence_parallel: bool, vocab=(), expe
         return (f"LoRA at tensor parallelism {tensor_parallel} runs with sequence parallelism: megatron sums the "
                 "gradients of the adapter matrices every rank holds whole over the ranks only then; turn "
                 "sequence parallelism on")
-    if vocab and tensor_parallel > 1:
-        return (f"LoRA on {list(vocab)} at tensor parallelism {tensor_parallel} is not covered (the vocabulary's "
-                "adapter would be split); drop them from target_modules or use another layout")
     if experts and tensor_parallel > 1:
         return (f"LoRA on MoE experts at tensor parallelism {tensor_parallel} is not covered; adapt the attention "
                 "linears only, or give the experts whole ranks (expert parallelism)")

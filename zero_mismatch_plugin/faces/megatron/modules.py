@@ -527,15 +527,15 @@ class AlignedOutputLayer(nn.Module):
         weight = self.weight if weight is None else weight
         if weight is None:
             raise ValueError("aligned output layer: no weight (tied model without weight=)")
-        if self.lora is not None and self.tp_group is not None:
-            raise NotImplementedError("aligned output layer: an lm_head adapter under tensor parallelism")
         hidden_states = parallel.column_input(hidden_states, self.tp_group, self.sequence_parallel)
         s, b, h = hidden_states.shape
         # vLLM computes logits for tokens in sequence order; megatron's rows are [s, b].
         tokens = hidden_states.transpose(0, 1).reshape(b * s, h)
         head = self._kernel(weight)
-        logits = (head if self.lora is None else self.lora.op(self.runtime, head))(tokens)
-        logits = parallel.gather_vocab(logits, self.tp_group)
+        if self.lora is None:
+            logits = parallel.gather_vocab(head(tokens), self.tp_group)
+        else:  # vLLM's LoRA logits layer gathers the shards itself, then adds the update
+            logits = self.lora.op(self.runtime, head, self.tp_group)(tokens)
         return logits.view(b, s, -1).transpose(0, 1), None
 
     # megatron's distributed checkpoint, as its column-parallel output layer's (no weight when tied).

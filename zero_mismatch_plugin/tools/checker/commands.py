@@ -211,11 +211,9 @@ def _refuse_megatron_adapter(settings: eng.EngineSettings) -> None:
         return
     from zero_mismatch_plugin.aligned.lora.names import EXPERT_TARGETS
     from zero_mismatch_plugin.faces.megatron.lora import layout_problem
-    from zero_mismatch_plugin.tables.architectures import VOCAB_LORA_TARGETS
 
     problem = layout_problem(
         settings.tensor_parallel, settings.sequence_parallel,
-        vocab=[t for t in settings.lora_targets if t in VOCAB_LORA_TARGETS],
         experts=blocks.moe is not None and any(t in EXPERT_TARGETS for t in settings.lora_targets),
         expert_parallel=settings.expert_parallel, pipeline_parallel=settings.pipeline_parallel,
         context_parallel=settings.context_parallel)
