@@ -1,4 +1,4 @@
-"""Batch (in)variance of CPU GEMMs: detected, refused, or avoided by single-row padding.
+"""Batch (in)variance of CPU GEMMs: detected, refused, or avoided by padding small row counts.
 
 Whether vLLM's oneDNN GEMM rounds a one-row call differently is a property of the host (ISA,
 thread count, oneDNN's kernel choice): measured [1] at K=2816 on an AVX-512 Xeon, nothing on an
@@ -14,11 +14,15 @@ import torch
 from support.vllm_session import prompts_for, rollout
 
 from zero_mismatch_plugin.aligned import pack
+from zero_mismatch_plugin.aligned import cpu_gemm
 from zero_mismatch_plugin.aligned.cpu_gemm import (
+    AMX_HALF_PRECISION_MIN_ROWS,
     PROBE_ROWS,
     BatchVariantShapeError,
     is_single_row_padded,
+    pad_rows,
     pad_single_row,
+    padded_rows,
     probe_linear,
     require_invariant,
 )
@@ -75,6 +79,29 @@ def test_single_row_padding_removes_single_row_variance_only():
     # Padding runs M=1 as M=2: a kernel that also varies at M=2 is still caught, at both.
     cpu_linear, weight = _planted_linear({1, 2})
     assert _probe(pad_single_row(cpu_linear), weight).variant_rows == [1, 2]
+
+
+def test_padding_to_a_minimum_removes_the_variance_of_every_smaller_row_count():
+    """What AMX hosts need in half precision (oneDNN's bf16 GEMM measured at 2-36 rows there)."""
+    variant = set(range(2, 37))
+    cpu_linear, weight = _planted_linear(variant)
+    assert _probe(pad_single_row(cpu_linear), weight).variant_rows == [1, 2, 3, 5, 8, 17]  # one row runs as two
+    padded = pad_rows(cpu_linear, AMX_HALF_PRECISION_MIN_ROWS)
+    assert padded_rows(padded) == AMX_HALF_PRECISION_MIN_ROWS and pad_rows(padded, 2) is padded
+    assert _probe(padded, weight).invariant
+    # Above the minimum a call passes through: a kernel varying there is still caught.
+    cpu_linear, weight = _planted_linear({96})
+    assert _probe(pad_rows(cpu_linear, AMX_HALF_PRECISION_MIN_ROWS), weight).variant_rows == [96]
+    x = torch.randn(3, PLANTED_K, generator=torch.Generator().manual_seed(3))
+    out = pad_rows(cpu_linear, AMX_HALF_PRECISION_MIN_ROWS)(x, weight, None)
+    assert out.shape == (3, PLANTED_N) and torch.equal(out, cpu_linear(x, weight, None))
+
+
+@pytest.mark.parametrize("amx", [False, True])
+def test_half_precision_gemms_are_padded_further_on_an_amx_host(monkeypatch, amx):
+    monkeypatch.setattr(cpu_gemm, "host_has_amx", lambda: amx)
+    half = AMX_HALF_PRECISION_MIN_ROWS if amx else 2
+    assert [cpu_gemm.min_rows_for(d) for d in (torch.float32, torch.bfloat16, torch.float16)] == [2, half, half]
 
 
 def test_padding_keeps_the_leading_shape_of_a_single_row():
@@ -134,6 +161,13 @@ def test_plugin_pads_vllm_dispatch_in_consistent_mode():
     layer_utils.dispatch_cpu_unquantized_gemm(layer, remove_weight=False)
     assert is_single_row_padded(layer.cpu_linear)
     assert not is_single_row_padded(getattr(layer.cpu_linear, "__wrapped__", None))
+    # A bf16 weight on an AMX host (planted: the flag, not vLLM's kernel choice) takes 64 rows.
+    for amx, rows in ((False, 2), (True, AMX_HALF_PRECISION_MIN_ROWS)):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(cpu_gemm, "host_has_amx", lambda amx=amx: amx)
+            layer = KernelLayer(torch.randn(256, 2816).to(torch.bfloat16), None, UnquantizedLinearMethod())
+            layer_utils.dispatch_cpu_unquantized_gemm(layer, remove_weight=False)
+        assert padded_rows(layer.cpu_linear) == rows
 
 
 def test_lone_sequence_decode_at_large_k_is_bitwise_equal(engines, trainers):

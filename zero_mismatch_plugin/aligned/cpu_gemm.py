@@ -1,8 +1,10 @@
 """Batch (in)variance of vLLM's CPU GEMM, and the invariant decode path.
 
 On some hosts vLLM's oneDNN linear rounds a one-row call (a lone decoding sequence) unlike M >= 2;
-consistent mode runs it as two rows. :func:`probe_linear` checks a layer's rows against M and
-:func:`require_invariant` refuses a variant one. See docs/hosts.md.
+consistent mode runs it as two rows. On hosts with AMX tiles vLLM's half-precision GEMMs change
+kernel over a wider range of small row counts; consistent mode runs every call of fewer than
+:data:`AMX_HALF_PRECISION_MIN_ROWS` rows as that many (:func:`min_rows_for`). :func:`probe_linear`
+checks a layer's rows against M and :func:`require_invariant` refuses a variant one. See docs/hosts.md.
 """
 
 from __future__ import annotations
@@ -12,10 +14,16 @@ from dataclasses import dataclass, field
 import torch
 
 # Row counts compared against the reference (largest) batch.
-PROBE_ROWS = (1, 2, 3, 5, 8, 17, 64)
+PROBE_ROWS = (1, 2, 3, 5, 8, 17, 64, 96)
 PROBE_REFERENCE_ROWS = 129
 
-_WRAPPED_FLAG = "_zmrl_single_row_padded"
+# Measured on an Intel Xeon with AMX (amx_bf16, amx_tile), bf16 weights, 1 and 2 threads: oneDNN's
+# GEMM (weights over 1 MiB) gives rows of calls of 2-36 rows other bits than of 37 or more (N=4096,
+# K=1024; 7-36 or 11-36 at N=K=2048); the sgl-kernel GEMM vLLM picks for weights up to 1 MiB, calls
+# of 1-4 rows. Calls of 37 rows or more agreed with 129 for both, so 64 leaves a margin.
+AMX_HALF_PRECISION_MIN_ROWS = 64
+
+_WRAPPED_FLAG = "_zmrl_min_rows"
 
 
 class BatchVariantShapeError(RuntimeError):
@@ -33,25 +41,50 @@ class GemmProbe:
         return not self.variant_rows
 
 
-def pad_single_row(cpu_linear):
-    """Wrap a vLLM ``layer.cpu_linear`` so a one-row input is computed as two rows."""
-    if getattr(cpu_linear, _WRAPPED_FLAG, False):
+def host_has_amx() -> bool:
+    return bool(torch.cpu._is_amx_tile_supported())
+
+
+def min_rows_for(dtype: torch.dtype) -> int:
+    """The fewest rows consistent mode lets vLLM's CPU GEMM compute for weights in ``dtype`` on
+    this host: :data:`AMX_HALF_PRECISION_MIN_ROWS` for half precision with AMX tiles (vLLM's
+    half-precision kernels use them there), else 2 (one row is the only count known to round
+    differently)."""
+    if dtype in (torch.bfloat16, torch.float16) and host_has_amx():
+        return AMX_HALF_PRECISION_MIN_ROWS
+    return 2
+
+
+def pad_rows(cpu_linear, min_rows: int = 2):
+    """Wrap a vLLM ``layer.cpu_linear`` so an input of fewer than ``min_rows`` rows is computed
+    as ``min_rows`` rows (zero rows appended, their outputs dropped)."""
+    if padded_rows(cpu_linear):
         return cpu_linear
 
     def linear(x, weight, bias):
         rows = x.reshape(-1, x.shape[-1])
-        if rows.shape[0] != 1:
+        if rows.shape[0] >= min_rows or rows.shape[0] == 0:
             return cpu_linear(x, weight, bias)
-        padded = torch.cat([rows, torch.zeros_like(rows)], dim=0)
-        out = cpu_linear(padded, weight, bias)[:1]
+        padded = torch.cat([rows, rows.new_zeros(min_rows - rows.shape[0], rows.shape[1])], dim=0)
+        out = cpu_linear(padded, weight, bias)[: rows.shape[0]]
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
-    setattr(linear, _WRAPPED_FLAG, True)
+    setattr(linear, _WRAPPED_FLAG, min_rows)
     return linear
 
 
+def pad_single_row(cpu_linear):
+    """Wrap a vLLM ``layer.cpu_linear`` so a one-row input is computed as two rows."""
+    return pad_rows(cpu_linear, 2)
+
+
+def padded_rows(cpu_linear) -> int:
+    """The rows a :func:`pad_rows` wrapper computes at least (0: not wrapped)."""
+    return int(getattr(cpu_linear, _WRAPPED_FLAG, 0) or 0)
+
+
 def is_single_row_padded(cpu_linear) -> bool:
-    return bool(getattr(cpu_linear, _WRAPPED_FLAG, False))
+    return padded_rows(cpu_linear) > 0
 
 
 def probe_linear(

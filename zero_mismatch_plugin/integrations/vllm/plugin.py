@@ -88,22 +88,25 @@ def remove() -> list[str]:
     return removed
 
 
-def _pad_single_row_gemms(original):
-    from zero_mismatch_plugin.aligned.cpu_gemm import pad_single_row
+def _pad_small_row_counts(original):
+    from zero_mismatch_plugin.aligned.cpu_gemm import min_rows_for, pad_rows
 
     def dispatch_cpu_unquantized_gemm(layer, remove_weight):
+        dtype = layer.weight.dtype  # before the dispatch may empty the weight
         original(layer, remove_weight)
         if hasattr(layer, "cpu_linear"):
-            layer.cpu_linear = pad_single_row(layer.cpu_linear)
+            layer.cpu_linear = pad_rows(layer.cpu_linear, min_rows_for(dtype))
 
     return dispatch_cpu_unquantized_gemm
 
 
 CPU_GEMM = consistent_cpu_vllm_patch(
-    "vllm.model_executor.layers.utils:dispatch_cpu_unquantized_gemm", _pad_single_row_gemms,
+    "vllm.model_executor.layers.utils:dispatch_cpu_unquantized_gemm", _pad_small_row_counts,
     name="cpu-gemm",
     why="oneDNN's single-row GEMM rounds differently from the same row in a larger batch "
-        "(K >= 2048): every CPU linear pads one-row inputs to two rows",
+        "(K >= 2048), and with AMX tiles vLLM's half-precision GEMMs change kernel below 37 rows: "
+        "every CPU linear pads one-row inputs to two rows, half-precision ones on AMX hosts "
+        "inputs of fewer than 64 rows to 64",
 )
 
 
