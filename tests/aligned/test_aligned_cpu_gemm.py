@@ -102,6 +102,8 @@ def test_half_precision_gemms_are_padded_further_on_an_amx_host(monkeypatch, amx
     monkeypatch.setattr(cpu_gemm, "host_has_amx", lambda: amx)
     half = AMX_HALF_PRECISION_MIN_ROWS if amx else 2
     assert [cpu_gemm.min_rows_for(d) for d in (torch.float32, torch.bfloat16, torch.float16)] == [2, half, half]
+    sgl = cpu_gemm.AMX_SGL_KERNEL_MIN_ROWS if amx else 2
+    assert [cpu_gemm.min_rows_for(d, sgl_kernel=True) for d in (torch.float32, torch.bfloat16)] == [2, sgl]
 
 
 def test_padding_keeps_the_leading_shape_of_a_single_row():
@@ -161,13 +163,27 @@ def test_plugin_pads_vllm_dispatch_in_consistent_mode():
     layer_utils.dispatch_cpu_unquantized_gemm(layer, remove_weight=False)
     assert is_single_row_padded(layer.cpu_linear)
     assert not is_single_row_padded(getattr(layer.cpu_linear, "__wrapped__", None))
-    # A bf16 weight on an AMX host (planted: the flag, not vLLM's kernel choice) takes 64 rows.
-    for amx, rows in ((False, 2), (True, AMX_HALF_PRECISION_MIN_ROWS)):
+    # A bf16 weight (1.4 MiB, over vLLM's 1 MiB bound for the sgl-kernel) on a planted AMX host:
+    # the dispatch runs with the bound lifted (vLLM's test of the shape sees no bound), the bound is
+    # back after it, and the calls are padded to the rows of the kernel vLLM chose (the sgl-kernel
+    # on a real AMX host, oneDNN elsewhere: vLLM's test also asks the host).
+    real_test, bounds_seen = layer_utils.check_cpu_sgl_kernel, []
+
+    def spy(n, k, dtype):
+        bounds_seen.append(layer_utils._CPU_SGL_GEMM_MAX_WEIGHT_BYTES)
+        return real_test(n, k, dtype)
+
+    sgl_rows = cpu_gemm.AMX_SGL_KERNEL_MIN_ROWS if torch.cpu._is_amx_tile_supported() else AMX_HALF_PRECISION_MIN_ROWS
+    for amx, rows, bound in ((False, 2, 1 << 20), (True, sgl_rows, float("inf"))):
+        bounds_seen.clear()
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(cpu_gemm, "host_has_amx", lambda amx=amx: amx)
+            patch.setattr(layer_utils, "check_cpu_sgl_kernel", spy)
             layer = KernelLayer(torch.randn(256, 2816).to(torch.bfloat16), None, UnquantizedLinearMethod())
             layer_utils.dispatch_cpu_unquantized_gemm(layer, remove_weight=False)
         assert padded_rows(layer.cpu_linear) == rows
+        assert bounds_seen and set(bounds_seen) == {bound}
+        assert layer_utils._CPU_SGL_GEMM_MAX_WEIGHT_BYTES == 1 << 20
 
 
 def test_lone_sequence_decode_at_large_k_is_bitwise_equal(engines, trainers):

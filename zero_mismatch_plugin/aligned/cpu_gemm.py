@@ -1,9 +1,10 @@
 """Batch (in)variance of vLLM's CPU GEMM, and the invariant decode path.
 
 On some hosts vLLM's oneDNN linear rounds a one-row call (a lone decoding sequence) unlike M >= 2;
-consistent mode runs it as two rows. On hosts with AMX tiles vLLM's half-precision GEMMs change
-kernel over a wider range of small row counts; consistent mode runs every call of fewer than
-:data:`AMX_HALF_PRECISION_MIN_ROWS` rows as that many (:func:`min_rows_for`). :func:`probe_linear`
+consistent mode runs it as two rows. On hosts with AMX tiles vLLM's half-precision GEMMs vary over
+a wider range of row counts: consistent mode sends those weights to the sgl-kernel, whose rows
+vary only below five, and runs smaller calls as :data:`AMX_SGL_KERNEL_MIN_ROWS` rows
+(:func:`min_rows_for`, :func:`sgl_kernel_for_every_size`). :func:`probe_linear`
 checks a layer's rows against M and :func:`require_invariant` refuses a variant one. See docs/hosts.md.
 """
 
@@ -17,10 +18,15 @@ import torch
 PROBE_ROWS = (1, 2, 3, 5, 8, 17, 64, 96)
 PROBE_REFERENCE_ROWS = 129
 
-# Measured on an Intel Xeon with AMX (amx_bf16, amx_tile), bf16 weights, 1 and 2 threads: oneDNN's
-# GEMM (weights over 1 MiB) gives rows of calls of 2-36 rows other bits than of 37 or more (N=4096,
-# K=1024; 7-36 or 11-36 at N=K=2048); the sgl-kernel GEMM vLLM picks for weights up to 1 MiB, calls
-# of 1-4 rows. Calls of 37 rows or more agreed with 129 for both, so 64 leaves a margin.
+# Measured on an Intel Xeon with AMX (amx_bf16, amx_tile), bf16 weights, 1 and 2 threads, rows of
+# calls of M rows against a call of 129: oneDNN's GEMM (vLLM's choice for weights over 1 MiB) differs
+# at M = 2-36 for K <= 2048, and at M up to 128 for K = 4096 and 5632; the sgl-kernel GEMM
+# (``weight_packed_linear``, vLLM's choice up to 1 MiB) at M = 1-4 only, for every shape measured
+# (N x K from 2816 x 512 to 2048 x 5632), also at another offset in the call. So on such a host
+# consistent mode sends every half-precision weight the sgl-kernel takes to it, and pads its calls of
+# fewer than 8 rows; a shape it cannot take stays with oneDNN, calls padded to 64 rows, and is
+# refused by the trainer's probe where its rows still vary.
+AMX_SGL_KERNEL_MIN_ROWS = 8
 AMX_HALF_PRECISION_MIN_ROWS = 64
 
 _WRAPPED_FLAG = "_zmrl_min_rows"
@@ -45,14 +51,20 @@ def host_has_amx() -> bool:
     return bool(torch.cpu._is_amx_tile_supported())
 
 
-def min_rows_for(dtype: torch.dtype) -> int:
+def min_rows_for(dtype: torch.dtype, sgl_kernel: bool = False) -> int:
     """The fewest rows consistent mode lets vLLM's CPU GEMM compute for weights in ``dtype`` on
-    this host: :data:`AMX_HALF_PRECISION_MIN_ROWS` for half precision with AMX tiles (vLLM's
-    half-precision kernels use them there), else 2 (one row is the only count known to round
-    differently)."""
+    this host: with AMX tiles, for half precision, :data:`AMX_SGL_KERNEL_MIN_ROWS` where the weight
+    went to the sgl-kernel (``sgl_kernel``), else :data:`AMX_HALF_PRECISION_MIN_ROWS` (oneDNN);
+    otherwise 2 (one row is the only count known to round differently)."""
     if dtype in (torch.bfloat16, torch.float16) and host_has_amx():
-        return AMX_HALF_PRECISION_MIN_ROWS
+        return AMX_SGL_KERNEL_MIN_ROWS if sgl_kernel else AMX_HALF_PRECISION_MIN_ROWS
     return 2
+
+
+def sgl_kernel_for_every_size(dtype: torch.dtype) -> bool:
+    """Whether consistent mode lifts vLLM's 1 MiB bound on the sgl-kernel GEMM for weights in
+    ``dtype``: half precision on a host with AMX tiles (see :data:`AMX_SGL_KERNEL_MIN_ROWS`)."""
+    return dtype in (torch.bfloat16, torch.float16) and host_has_amx()
 
 
 def pad_rows(cpu_linear, min_rows: int = 2):

