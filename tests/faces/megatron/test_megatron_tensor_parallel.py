@@ -522,13 +522,14 @@ def test_lora_on_ranks_is_refused_where_it_is_not_covered():
     assert layout_problem(1, False, pipeline_parallel=2) is None
 
 
-# zmrl bisect at TP 2 on the module's two ranks: (checkpoint, flags, the layout's name, with the
-# module's adapter)
+# zmrl bisect at TP 2 on the module's two ranks: (checkpoint, flags, the layout's name, which of
+# the module's adapters: tp2_lora's attribute)
 TP_BISECTS = {
-    "llama-tp2": ("llama", ["--tensor-parallel", "2"], "tp2", False),
-    "qwen3_moe-tp2-sp": ("qwen3_moe", ["--tensor-parallel", "2", "--sequence-parallel"], "tp2-sp", False),
-    "glm4_moe-tp2-sp": ("glm4_moe", ["--tensor-parallel", "2", "--sequence-parallel"], "tp2-sp", False),
-    "llama-lora-tp2-sp": ("llama", ["--tensor-parallel", "2", "--sequence-parallel"], "tp2-sp", True),
+    "llama-tp2": ("llama", ["--tensor-parallel", "2"], "tp2", None),
+    "qwen3_moe-tp2-sp": ("qwen3_moe", ["--tensor-parallel", "2", "--sequence-parallel"], "tp2-sp", None),
+    "glm4_moe-tp2-sp": ("glm4_moe", ["--tensor-parallel", "2", "--sequence-parallel"], "tp2-sp", None),
+    "llama-lora-tp2-sp": ("llama", ["--tensor-parallel", "2", "--sequence-parallel"], "tp2-sp", "adapter"),
+    "llama-vocab-lora-tp2-sp": ("llama", ["--tensor-parallel", "2", "--sequence-parallel"], "tp2-sp", "vocab_adapter"),
 }
 
 
@@ -546,11 +547,13 @@ def test_zmrl_bisect_at_tp2_finds_every_op_equal_on_every_rank(mg_checkpoints, t
     from zero_mismatch_plugin.tables.architectures import LORA_TARGETS, describe
     from zero_mismatch_plugin.tools.checker import oplist
 
-    family, flags, layout, adapted = TP_BISECTS[case]
+    family, flags, layout, adapter = TP_BISECTS[case]
     lora_linears = ()
-    if adapted:
-        flags = [*flags, "--lora", str(request.getfixturevalue("tp2_lora").adapter)]
-        lora_linears = oplist.lora_linears(LORA_TARGETS)  # the adapter is on every decoder linear
+    if adapter:
+        flags = [*flags, "--lora", str(getattr(request.getfixturevalue("tp2_lora"), adapter))]
+        # Either adapter is on every decoder linear; embed_tokens' and lm_head's updates are
+        # compared inside the embed and logits ops.
+        lora_linears = oplist.lora_linears(LORA_TARGETS)
     with lent_engine_and_ranks(None, None, group=tp2_group) as asked:
         code, table, report = run_check(mg_checkpoints[family], flags, tmp_path, capsys, command="bisect")
     assert asked == [layout]
