@@ -67,7 +67,8 @@ def test_vllm_changes_are_named_and_removable_with_the_environment(checkpoints, 
         vllm_plugin.register()  # consistent mode here
         applied = vllm_plugin.applied()
         on_cpu = sorted(patch.name for patch in vllm_plugin.PATCHES)  # engine settings, GEMM, MLA
-        assert applied == (on_cpu if platform_kind() == "cpu" else ["engine-args"]) and "cpu-gemm" in on_cpu
+        assert applied == (on_cpu if platform_kind() == "cpu" else ["engine-args", "sync-client-engine-death"])
+        assert "cpu-gemm" in on_cpu
         assert os.environ[numerics.CPU_SPLIT_KV_ENV if platform_kind() == "cpu" else numerics.BATCH_INVARIANT_ENV] != \
             environment.get(numerics.CPU_SPLIT_KV_ENV if platform_kind() == "cpu" else numerics.BATCH_INVARIANT_ENV)
         assert EngineArgs.create_engine_config.__wrapped__ is original_config
@@ -98,7 +99,8 @@ def test_a_trainer_built_after_a_stock_engine_has_the_engine_side_of_its_environ
         assert _config(checkpoints["llama"]) is not None and vllm_plugin.applied() == []  # the fault, planted
         runtime.VllmRuntime(checkpoints["llama"], max_model_len=256)
         assert vllm_plugin.applied() == sorted(
-            patch.name for patch in (vllm_plugin.PATCHES if platform_kind() == "cpu" else [vllm_plugin.ENGINE_ARGS]))
+            patch.name for patch in (vllm_plugin.PATCHES if platform_kind() == "cpu"
+                                     else [vllm_plugin.ENGINE_ARGS, vllm_plugin.ENGINE_DEATH]))
     finally:
         monkeypatch.undo()
         vllm_plugin.register()

@@ -22,6 +22,7 @@ from zero_mismatch_plugin.integrations.vllm.cpu_head import CONSISTENT_MODE_PATC
 from zero_mismatch_plugin.integrations.vllm.cpu_mla import CONSISTENT_MODE_PATCHES as CPU_MLA_PATCHES
 from zero_mismatch_plugin.integrations.vllm.cpu_moe_lora import PATCHES as CPU_MOE_LORA_PATCHES
 from zero_mismatch_plugin.integrations.vllm.cpu_sigmoid import CONSISTENT_MODE_PATCHES as CPU_SIGMOID_PATCHES
+from zero_mismatch_plugin.integrations.vllm.engine_death import ENGINE_DEATH
 from zero_mismatch_plugin.integrations.vllm.patch_kinds import consistent_cpu_vllm_patch, vllm_patch
 
 logger = logging.getLogger(__name__)
@@ -45,6 +46,7 @@ def register() -> None:
     if mode is None:
         return
     runtime_patches.apply(ENGINE_ARGS)
+    runtime_patches.apply(ENGINE_DEATH)
     if mode != numerics.CONSISTENT:
         return
     try:
@@ -287,4 +289,4 @@ LORA_BASE_EMBEDDING_ROWS = _cpu_lora_op_patch(
 CPU_CONSISTENT_MODE_PATCHES = (CPU_GEMM, *CPU_HEAD_PATCHES, *CPU_MLA_PATCHES, *CPU_SIGMOID_PATCHES, LORA_BASE_ROWS,
                                LORA_BASE_EMBEDDING_ROWS, *CPU_MOE_LORA_PATCHES, *CPU_ALL_REDUCE_PATCHES,
                                *CPU_GDN_PATCHES)
-PATCHES: list[FunctionPatch] = [ENGINE_ARGS, *CPU_CONSISTENT_MODE_PATCHES, ONE_PROCESS, FORK_SERVER]
+PATCHES: list[FunctionPatch] = [ENGINE_ARGS, ENGINE_DEATH, *CPU_CONSISTENT_MODE_PATCHES, ONE_PROCESS, FORK_SERVER]
