@@ -51,12 +51,17 @@ def host_has_amx() -> bool:
     return bool(torch.cpu._is_amx_tile_supported())
 
 
+def _half_precision_with_amx(dtype: torch.dtype) -> bool:
+    """Weights in ``dtype`` take vLLM's AMX kernels on this host."""
+    return dtype in (torch.bfloat16, torch.float16) and host_has_amx()
+
+
 def min_rows_for(dtype: torch.dtype, sgl_kernel: bool = False) -> int:
     """The fewest rows consistent mode lets vLLM's CPU GEMM compute for weights in ``dtype`` on
     this host: with AMX tiles, for half precision, :data:`AMX_SGL_KERNEL_MIN_ROWS` where the weight
     went to the sgl-kernel (``sgl_kernel``), else :data:`AMX_HALF_PRECISION_MIN_ROWS` (oneDNN);
     otherwise 2 (one row is the only count known to round differently)."""
-    if dtype in (torch.bfloat16, torch.float16) and host_has_amx():
+    if _half_precision_with_amx(dtype):
         return AMX_SGL_KERNEL_MIN_ROWS if sgl_kernel else AMX_HALF_PRECISION_MIN_ROWS
     return 2
 
@@ -64,7 +69,7 @@ def min_rows_for(dtype: torch.dtype, sgl_kernel: bool = False) -> int:
 def sgl_kernel_for_every_size(dtype: torch.dtype) -> bool:
     """Whether consistent mode lifts vLLM's 1 MiB bound on the sgl-kernel GEMM for weights in
     ``dtype``: half precision on a host with AMX tiles (see :data:`AMX_SGL_KERNEL_MIN_ROWS`)."""
-    return dtype in (torch.bfloat16, torch.float16) and host_has_amx()
+    return _half_precision_with_amx(dtype)
 
 
 def pad_rows(cpu_linear, min_rows: int = 2):
