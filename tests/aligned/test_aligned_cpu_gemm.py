@@ -19,7 +19,6 @@ from zero_mismatch_plugin.aligned.cpu_gemm import (
     AMX_HALF_PRECISION_MIN_ROWS,
     PROBE_ROWS,
     BatchVariantShapeError,
-    is_single_row_padded,
     pad_rows,
     pad_single_row,
     padded_rows,
@@ -73,7 +72,7 @@ def test_row_invariant_linear_passes():
 def test_single_row_padding_removes_single_row_variance_only():
     cpu_linear, weight = _planted_linear({1})
     padded = pad_single_row(cpu_linear)
-    assert is_single_row_padded(padded) and not is_single_row_padded(cpu_linear)
+    assert padded_rows(padded) == 2 and padded_rows(cpu_linear) == 0
     assert pad_single_row(padded) is padded  # wrapping twice changes nothing
     assert _probe(padded, weight).invariant
     # Padding runs M=1 as M=2: a kernel that also varies at M=2 is still caught, at both.
@@ -161,8 +160,8 @@ def test_plugin_pads_vllm_dispatch_in_consistent_mode():
 
     layer = KernelLayer(torch.randn(256, 2816), None, UnquantizedLinearMethod())
     layer_utils.dispatch_cpu_unquantized_gemm(layer, remove_weight=False)
-    assert is_single_row_padded(layer.cpu_linear)
-    assert not is_single_row_padded(getattr(layer.cpu_linear, "__wrapped__", None))
+    assert padded_rows(layer.cpu_linear) == 2  # fp32: two rows on every host
+    assert padded_rows(getattr(layer.cpu_linear, "__wrapped__", None)) == 0
     # A bf16 weight (1.4 MiB, over vLLM's 1 MiB bound for the sgl-kernel) on a planted AMX host:
     # the dispatch runs with the bound lifted (vLLM's test of the shape sees no bound), the bound is
     # back after it, and the calls are padded to the rows of the kernel vLLM chose (the sgl-kernel

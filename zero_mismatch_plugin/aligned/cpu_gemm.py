@@ -100,10 +100,6 @@ def padded_rows(cpu_linear) -> int:
     return int(getattr(cpu_linear, _WRAPPED_FLAG, 0) or 0)
 
 
-def is_single_row_padded(cpu_linear) -> bool:
-    return padded_rows(cpu_linear) > 0
-
-
 def probe_linear(
     apply, n: int, k: int, dtype=torch.float32, seed: int = 0, rows=PROBE_ROWS
 ) -> GemmProbe:

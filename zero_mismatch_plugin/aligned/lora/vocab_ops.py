@@ -138,15 +138,16 @@ class AlignedLoRALogits(_VocabLoRA):
     the head's logits, then ``add_lora_logits`` (buf = h Aᵀ in fp32, logits += buf B'ᵀ), then
     soft-cap and scale. Backward in fp32 for A and B (and the hidden states), none for the frozen head.
 
-    ``tp_group``: ``head`` is this rank's vocabulary shard of the head; the processor gathers the
-    shards' logits in rank order before the update, as vLLM's does at tensor parallelism."""
+    ``tp_group`` (None in one process): ``head`` is this rank's vocabulary shard of the head; the
+    processor gathers the shards' logits in rank order before the update, as vLLM's does at tensor
+    parallelism."""
 
     def __init__(self, runtime, head, pair, lora_config: LoRAConfig, mapping: TokenMapping, tp_group=None):
         from vllm.lora.layers import LogitsProcessorWithLoRA
 
         super().__init__(runtime, pair, lora_config, mapping)
         self.head = head
-        self.tp_group = tp_group if tp_group is not None and tp_group.size() > 1 else None
+        self.tp_group = tp_group
         # vLLM's layer, built without its __init__ (which asks vLLM's tensor-parallel group for its
         # size), holds what that __init__ sets for a world of 1; its processor's gather is the
         # identity in one process, the ranks' shards concatenated under tensor parallelism.

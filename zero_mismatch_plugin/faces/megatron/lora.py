@@ -86,7 +86,7 @@ def _embedding_with_lora(word_embeddings, args, output):
     ids = args[0]
     lora = word_embeddings.lora
     op = lora.op(lora.mapping.runtime, word_embeddings.weight)
-    group = word_embeddings.tp_group if parallel.group_size(word_embeddings.tp_group) > 1 else None
+    group = parallel.tensor_parallel_group(None, word_embeddings.tp_group)
     if group is None:
         out = op(ids.reshape(-1))
         return out.view(*ids.shape, out.shape[-1])

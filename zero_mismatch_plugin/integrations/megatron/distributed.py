@@ -251,7 +251,7 @@ class _RankRun:
             token_logprobs_from_logits,
         )
 
-        model = model or (self.chunks if len(self.chunks) > 1 else self.model)
+        model = model or _as_run(self.chunks)
         if self.pipelined:
             out = pipelined_outputs(model, batch, self.multiple, self._min_tokens(batch), coefficients)
             return pipeline.from_last_stage(out, self.model.config)
@@ -280,7 +280,7 @@ class _RankRun:
             ddps = [DistributedDataParallel(chunk.config, DistributedDataParallelConfig(), chunk) for chunk in self.chunks]
             for ddp in ddps:
                 ddp.train()
-            self.outputs(batch, ddps if len(ddps) > 1 else ddps[0], coefficients)
+            self.outputs(batch, _as_run(ddps), coefficients)
             # megatron's own reductions: data-parallel grads (scaled by 1 / data-parallel size), and
             # over tensor-parallel ranks the norms that see only this rank's tokens (SP) or heads.
             finalize_model_grads(ddps)
@@ -302,7 +302,7 @@ class _RankRun:
         for ddp in ddps:
             ddp.eval()
         with torch.no_grad():
-            after = self.logprobs(batch, ddps if len(ddps) > 1 else ddps[0])
+            after = self.logprobs(batch, _as_run(ddps))
         # The weights the engine loads after the step: the whole adapter (PEFT names), or the model.
         if self.adapted:
             weights = adapter_state(self.model)
@@ -319,6 +319,12 @@ class _RankRun:
         if len(chunks) == 1:
             return convert.full_tensors(self.model, chunks[0])
         return pipeline.gather_stages(chunks, self.model.config, self.model.share_embeddings_and_output_weights)
+
+
+def _as_run(chunks: list):
+    """A rank's model as its forward takes it: the one model, or with virtual pipeline stages the
+    list of model chunks (megatron's interleaved schedule runs them)."""
+    return chunks if len(chunks) > 1 else chunks[0]
 
 
 # The models a rank has built, for calls that only read them (a step builds its own).

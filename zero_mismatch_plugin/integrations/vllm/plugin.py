@@ -98,14 +98,14 @@ def _pad_small_row_counts(original):
         from vllm.model_executor.layers import utils
 
         weight = layer.weight  # before the dispatch may empty it
-        sizes = contextlib.nullcontext()
-        if weight.ndim == 2 and sgl_kernel_for_every_size(weight.dtype):
-            sizes = _sgl_kernel_size_bound(utils, float("inf"))
-        with sizes:
+        if weight.ndim != 2:  # a conv or 3-D expert weight: vLLM gives it no cpu_linear
+            return original(layer, remove_weight)
+        every_size = sgl_kernel_for_every_size(weight.dtype)
+        with _sgl_kernel_size_bound(utils, float("inf")) if every_size else contextlib.nullcontext():
             original(layer, remove_weight)
             # The kernel vLLM's dispatch chose, by vLLM's own test of the shape.
-            sgl_kernel = weight.ndim == 2 and not weight.is_meta and utils.check_cpu_sgl_kernel(*weight.shape, weight.dtype)
-        if hasattr(layer, "cpu_linear") and weight.ndim == 2:
+            sgl_kernel = not weight.is_meta and utils.check_cpu_sgl_kernel(*weight.shape, weight.dtype)
+        if hasattr(layer, "cpu_linear"):
             layer.cpu_linear = pad_rows(layer.cpu_linear, min_rows_for(weight.dtype, sgl_kernel))
 
     return dispatch_cpu_unquantized_gemm

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -118,25 +119,23 @@ def run_in_own_group(command: list[str], cwd: Path, env: dict, log_path: Path, t
     with the Ray cluster it starts (Ray's daemons and workers stay in their starter's group), so
     that when it overruns ``timeout_s`` (or the caller is interrupted) the whole group is killed:
     a hung run leaves no Ray workers or vLLM engines behind to slow or block later runs."""
-    import signal
-
     with open(log_path, "w") as log:
         process = subprocess.Popen(command, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT,
                                    start_new_session=True)
         try:
             return process.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            _kill_group(process, signal.SIGKILL)
+            _kill_group(process)
             raise RunTimedOut(f"{' '.join(command[3:6])} did not finish in {timeout_s:.0f} s; its processes were "
                               f"killed; its output: {log_path}") from None
         except BaseException:
-            _kill_group(process, signal.SIGKILL)
+            _kill_group(process)
             raise
 
 
-def _kill_group(process: subprocess.Popen, sig) -> None:
+def _kill_group(process: subprocess.Popen) -> None:
     try:
-        os.killpg(process.pid, sig)
+        os.killpg(process.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
     process.wait()
