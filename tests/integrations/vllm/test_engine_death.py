@@ -67,10 +67,12 @@ def test_an_engine_killed_during_generate_raises_instead_of_hanging(engine_pool,
     assert runtime_patches.is_applied(vllm_plugin.ENGINE_DEATH)  # else the kill below would hang this test
     try:
         (process,) = llm.llm_engine.engine_core.resources.engine_manager.processes
-        threading.Timer(1.0, os.kill, args=(process.pid, signal.SIGKILL)).start()
+        # 128 x 200 tokens, so that the kill lands mid-rollout (64 x 200 outlasted a 1 s timer on a
+        # 2-core host; a rollout finished before the kill fails the test, it cannot pass by it).
+        threading.Timer(0.5, os.kill, args=(process.pid, signal.SIGKILL)).start()
         began = time.monotonic()
         with pytest.raises(EngineDeadError, match=r"exit codes \[-9\]"):
-            llm.generate([{"prompt_token_ids": [1, 2, 3]}] * 64,
+            llm.generate([{"prompt_token_ids": [1, 2, 3]}] * 128,
                          SamplingParams(max_tokens=200, ignore_eos=True, seed=0), use_tqdm=False)
         assert time.monotonic() - began < 30
     finally:
