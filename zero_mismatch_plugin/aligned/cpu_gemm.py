@@ -144,3 +144,21 @@ def require_invariant_gemms(linears: dict, head, hidden_size: int, dtype) -> dic
     results["lm_head"] = probe_linear(head.kernel, n=head.padded_vocab, k=hidden_size, dtype=dtype)
     require_invariant(results["lm_head"], "lm_head")
     return results
+
+
+def require_invariant_packed_gemms(weights: dict) -> dict:
+    """Probe the GEMMs of the CPU LoRA-capable MoE experts (``packed_cpu_linear``: vLLM's dispatch
+    with the consistent mode's padding, packed from a weight) for each distinct shape and dtype of
+    ``weights`` ({name: a 2-D weight of that shape and dtype; values do not matter}); refuse one whose
+    rows depend on M. Returns {name: probe}."""
+    from zero_mismatch_plugin.aligned.cpu_lora_experts import packed_cpu_linear
+
+    results, seen = {}, {}
+    for name, weight in weights.items():
+        key = (tuple(weight.shape), weight.dtype)
+        if key not in seen:
+            n, k = key[0]
+            seen[key] = probe_linear(packed_cpu_linear(weight), n=n, k=k, dtype=weight.dtype)
+            require_invariant(seen[key], name)
+        results[name] = seen[key]
+    return results

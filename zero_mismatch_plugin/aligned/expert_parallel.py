@@ -19,8 +19,9 @@ import torch
 from torch.autograd import Function
 
 from zero_mismatch_plugin.aligned.derived import DerivedWeight
-from zero_mismatch_plugin.aligned.moe import (EXPERT_SLICES, AlignedMoE, experts_backward, experts_with_lora,
-                                               expert_lora_weights, routing_weights, stacked_expert_lora)
+from zero_mismatch_plugin.aligned.moe import (EXPERT_SLICES, AlignedMoE, expert_lora_weights, routing_weights,
+                                               stacked_expert_lora)
+from zero_mismatch_plugin.aligned.moe_backward import experts_backward, experts_lora_backward, in_parameter_order
 from zero_mismatch_plugin.aligned.ops import observable
 from zero_mismatch_plugin.aligned.runtime import VllmRuntime
 from zero_mismatch_plugin.tables.architectures import MoeBlocks
@@ -243,7 +244,7 @@ class AlignedExpertRowsLoRA:
     experts alone) added as the engine adds them. Each row is the engine's slot value: the weight
     applied to the base output and to the update each before the slots are summed
     (:func:`slot_order_sum`). The base weights are frozen; the backward (fp32 torch,
-    :func:`..moe.experts_with_lora`) reaches the rows, their weights and A and B.
+    :func:`..moe_backward.experts_lora_backward`) reaches the rows, their weights and A and B.
 
     The stacked weights are built on each call, not kept: correct after any optimizer write."""
 
@@ -274,13 +275,12 @@ class AlignedExpertRowsLoRA:
             a13, b13, a2, b2 = stacked_expert_lora(
                 expert_lora_weights([p.detach() for p in self.lora_params], len(self.adapters)), self.max_rank,
                 self.lora_dtype, self.scaling, x.device)
-            every_row = torch.zeros(x.shape[0], dtype=torch.long, device=x.device)  # adapter slot 0
+            # The experts hand over the rows sorted by expert, each a token of top-k 1, all in slot 0.
+            def add_w13(y, x, ids, weights, order):
+                add_moe_lora(y, x, ids, torch.zeros_like(order), a13, b13)
 
-            def add_w13(y):
-                add_moe_lora(y, x, ids2d, every_row, a13, b13)
-
-            def add_w2(y, h):
-                add_moe_lora(y, h, ids2d, every_row, a2, b2, weights2d)
+            def add_w2(y, x, ids, weights, order):
+                add_moe_lora(y, x, ids, torch.zeros_like(order), a2, b2, weights)
 
         return cpu_moe_experts(x, w13, w2, weights2d, ids2d, add_w13, add_w2)
 
@@ -302,18 +302,17 @@ class _ExpertRowsLoRAFn(Function):
         x, probs, ids, *lora_params = ctx.saved_tensors
         op = ctx.op
         width = op.gate_up[0].shape[0] // 2
-        with torch.enable_grad():
-            x32 = x.detach().float().requires_grad_(True)
-            w32 = probs.detach().float().requires_grad_(True)
-            params = [p.detach().float().requires_grad_(True) for p in lora_params]
-            lora = expert_lora_weights(params, len(op.adapters)) if op.adapters is not None else None
-            gate = [w.detach().float()[:width] for w in op.gate_up]
-            up = [w.detach().float()[width:] for w in op.gate_up]
-            down = [w.detach().float() for w in op.down]
-            out = experts_with_lora(x32, w32.view(-1, 1), ids.long().view(-1, 1), gate, up, down, lora, op.scaling)
-            grads = torch.autograd.grad(out, [x32, w32, *params], g.float(), allow_unused=True)
-        gx, gw, *gparams = grads
-        gw = torch.zeros_like(probs) if gw is None else gw.to(probs.dtype)
+        gate = [w.detach()[:width] for w in op.gate_up]
+        up = [w.detach()[width:] for w in op.gate_up]
+        rows = (x, g, ids.long().view(-1, 1), probs.detach().view(-1, 1), gate, up, op.down)
+        if op.adapters is None:
+            gx, gw, *_ = experts_backward(*rows)
+            gparams = []
+        else:
+            gx, gw, lora_grads = experts_lora_backward(
+                *rows, expert_lora_weights(list(lora_params), len(op.adapters)), op.scaling)
+            gparams = in_parameter_order(lora_grads)
+        gw = gw.view_as(probs).to(probs.dtype)
         return (gx.to(x.dtype), gw, None, None,
                 *(None if gp is None else gp.to(p.dtype) for gp, p in zip(gparams, lora_params)))
 

@@ -17,6 +17,7 @@ from zero_mismatch_plugin.aligned.ops import observable
 from zero_mismatch_plugin.aligned.runtime import VllmRuntime
 from zero_mismatch_plugin.tables.architectures import MoeBlocks
 from zero_mismatch_plugin.aligned.cpu_weight_reload import reprocess_moe_as_first_load
+from zero_mismatch_plugin.aligned.moe_backward import experts_backward, experts_lora_backward, in_parameter_order
 from zero_mismatch_plugin.aligned.row_invariant import row_invariant_sigmoid
 
 _layer_ids = itertools.count()
@@ -184,6 +185,14 @@ class AlignedMoE:
     def _capture(self, topk_ids: torch.Tensor) -> None:
         self._captured = topk_ids
 
+    def packed_gemm_weights(self) -> dict:
+        """{name: expert 0's gate/up and down weight} as the LoRA-capable CPU experts pack them (one
+        shape per layer: what the trainer's probe checks); empty for vLLM's own experts."""
+        if not self.lora_capable:
+            return {}
+        experts = self.derived.get().routed_experts
+        return {f"{self.layer_name}.w13": experts.w13_weight[0], f"{self.layer_name}.w2": experts.w2_weight[0]}
+
     def expert_weights(self, sources: list) -> tuple[list, list, list]:
         """(gate, up, down) per expert from tensors in the order of ``params``."""
         n = self.moe.num_experts
@@ -232,9 +241,11 @@ class AlignedMoE:
             experts.quant_method.process_weights_after_loading(experts)
         return self.runner
 
-    def kernel(self, hidden: torch.Tensor, router_logits: torch.Tensor, lora_context=None):
+    def kernel(self, hidden: torch.Tensor, router_logits: torch.Tensor, lora_context=None, capture_gate_up=None):
         """vLLM's MoE layer on (hidden [T, H], router logits [T, E]): (routed output, top-k ids).
-        ``lora_context``: vLLM's ``MoELoRAContext`` the experts consume (None: no adapter)."""
+        ``lora_context``: vLLM's ``MoELoRAContext`` the experts consume (None: no adapter);
+        ``capture_gate_up``: a hook the CPU LoRA-capable experts give their gate/up pre-activations
+        (:func:`..cpu_lora_experts.cpu_moe_experts`)."""
         from vllm.forward_context import set_forward_context
 
         runner = self.derived.get()
@@ -242,6 +253,7 @@ class AlignedMoE:
         fused = runner.routed_experts.quant_method.moe_kernel.fused_experts if self.lora_capable else None
         if fused is not None:
             fused.set_lora_context(lora_context)
+            fused._capture_gate_up = capture_gate_up
         try:
             with self.runtime.context(), set_forward_context(
                 None, self.runtime.vllm_config, num_tokens=hidden.shape[0]
@@ -250,6 +262,7 @@ class AlignedMoE:
         finally:
             if fused is not None:
                 fused.set_lora_context(None)
+                fused._capture_gate_up = None
         ids = self._captured
         self._captured = None
         if ids is None:
@@ -263,67 +276,6 @@ class AlignedMoE:
         of stacked expert weights taken in this forward, so that autograd runs their backward with
         this forward's other nodes)."""
         return _MoEFn.apply(hidden, router_logits, self, *(self.params if params is None else params))
-
-
-def experts_backward(x, g, ids, weights, gate, up, down):
-    """fp32 gradients of out[t] = sum_k weights[t, k] * down_e(silu(gate_e x_t) * up_e x_t),
-    e = ids[t, k]: returns (d x, d weights, [d gate_e], [d up_e], [d down_e]).
-
-    vLLM's fused kernel keeps none of its intermediates, so the gate and up products are
-    recomputed; the down product is not: d weights[t, k] = (g_t down_e) . h_t comes from the d h
-    product the backward needs anyway. The (token, slot) rows are sorted by expert once (one
-    gather of x and g), so each expert's rows are one contiguous block: its matmuls write into
-    row blocks of shared buffers and every elementwise step runs once over all rows.
-    """
-    x32, g32 = x.float(), g.float()
-    tokens, k = ids.shape
-    width = gate[0].shape[0]
-    flat = ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=len(gate)).tolist()
-    rows_token = order // k
-    xs = x32.index_select(0, rows_token)  # [tokens * k, H], grouped by expert
-    gs = g32.index_select(0, rows_token)
-    ws = weights.reshape(-1).float().index_select(0, order).unsqueeze(-1)
-    blocks, start = [], 0
-    for n in counts:
-        blocks.append(slice(start, start + n))
-        start += n
-    weights_of = [(gate[e].detach().float(), up[e].detach().float(), down[e].detach().float())
-                  for e in range(len(gate))]
-
-    a, b, gh = (xs.new_empty(xs.shape[0], width) for _ in range(3))
-    for (wg, wu, wd), rows, n in zip(weights_of, blocks, counts):
-        if n:
-            torch.mm(xs[rows], wg.t(), out=a[rows])
-            torch.mm(xs[rows], wu.t(), out=b[rows])
-            torch.mm(gs[rows], wd, out=gh[rows])  # d out / d h before the routing weight
-    silu_a = torch.nn.functional.silu(a)
-    h = silu_a * b
-    gw_rows = torch.einsum("ni,ni->n", gh, h)
-    h.mul_(ws)  # h * weight: d down = g^T (h * weight)
-    gh.mul_(ws)
-    gb = silu_a.mul_(gh)
-    ga = torch.ops.aten.silu_backward(gh.mul_(b), a)
-
-    gx_rows = torch.empty_like(xs)
-    ggate, gup, gdown = [], [], []
-    for (wg, wu, wd), rows, n in zip(weights_of, blocks, counts):
-        if n == 0:
-            ggate.append(torch.zeros_like(wg))
-            gup.append(torch.zeros_like(wu))
-            gdown.append(torch.zeros_like(wd))
-            continue
-        xe = xs[rows]
-        gdown.append(gs[rows].t() @ h[rows])
-        ggate.append(ga[rows].t() @ xe)
-        gup.append(gb[rows].t() @ xe)
-        torch.mm(ga[rows], wg, out=gx_rows[rows]).addmm_(gb[rows], wu)
-    # Back to (token, slot) order: each row written once, then summed over the slots (a
-    # scatter-add into the tokens would serialise on this CPU).
-    gx_slots = torch.empty_like(gx_rows).index_copy_(0, order, gx_rows)
-    gweights = torch.empty_like(gw_rows).index_copy_(0, order, gw_rows).view(tokens, k)
-    return gx_slots.view(tokens, k, -1).sum(1), gweights, ggate, gup, gdown
 
 
 class _MoEFn(Function):
@@ -451,6 +403,21 @@ class AlignedMoELoRA:
     def kernel(self, hidden: torch.Tensor, router_logits: torch.Tensor):
         return self.base.kernel(hidden, router_logits, self.lora_context(hidden.shape[0]))
 
+    def kernel_keeping_gate_up(self, hidden: torch.Tensor, router_logits: torch.Tensor):
+        """:meth:`kernel` and the experts' gate/up pre-activations (rows sorted by expert) where
+        they are fp32, which the backward then takes instead of recomputing them (None otherwise:
+        in half precision the backward recomputes them in fp32)."""
+        kept = []
+        out, ids = self.base.kernel(hidden, router_logits, self.lora_context(hidden.shape[0]), kept.append)
+        gate_up = kept[0] if len(kept) == 1 and kept[0].dtype == torch.float32 else None
+        return out, ids, gate_up
+
+    def packed_gemm_weights(self) -> dict:
+        """{name: expert 0's A and B of each slice} as the CPU experts pack them (the probe's shapes)."""
+        names = ("w13_a", "w13_b", "w2_a", "w2_b")
+        return {f"{self.base.layer_name}.lora.{name}{i}": stacked[0, 0]
+                for name, group in zip(names, self.derived.get()) for i, stacked in enumerate(group)}
+
     @observable
     def __call__(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         return _MoELoRAFn.apply(hidden, router_logits, self, *self.params)
@@ -482,27 +449,23 @@ def experts_with_lora(x, weights, ids, gate, up, down, lora, scaling):
 class _MoELoRAFn(Function):
     @staticmethod
     def forward(ctx, hidden, router_logits, op: AlignedMoELoRA, *params):
-        out, ids = op.kernel(hidden, router_logits)
-        ctx.save_for_backward(hidden, router_logits, ids, *params)
+        out, ids, gate_up = op.kernel_keeping_gate_up(hidden, router_logits)
+        ctx.save_for_backward(hidden, router_logits, ids, gate_up, *params)
         ctx.op = op
         return out
 
     @staticmethod
     def backward(ctx, g):
-        hidden, router_logits, ids, *params = ctx.saved_tensors
+        hidden, router_logits, ids, gate_up, *params = ctx.saved_tensors
         op = ctx.op
         base = op.base
         with torch.enable_grad():
-            x = hidden.detach().float().requires_grad_(True)
             logits = router_logits.detach().float().requires_grad_(True)
-            lora_params = [p.detach().float().requires_grad_(True) for p in params]
             weights = routing_weights(logits, ids, op.moe)
-            gate, up, down = (
-                [w.detach().float() for w in group] for group in base.expert_weights(base.params)
-            )
-            out = experts_with_lora(x, weights, ids.long(), gate, up, down, op.lora_weights(lora_params), op.scaling)
-            # An expert no token chose this step is not in the graph: its A and B get no gradient.
-            grads = torch.autograd.grad(out, [x, logits, *lora_params], g.float(), allow_unused=True)
-        gx, glogits, *gparams = grads
+        gx, gweights, lora_grads = experts_lora_backward(
+            hidden, g, ids.long(), weights.detach(), *base.expert_weights(base.params),
+            op.lora_weights(params), op.scaling, gate_up=gate_up)
+        (glogits,) = torch.autograd.grad(weights, logits, gweights)
+        gparams = in_parameter_order(lora_grads)  # None for an expert no token chose this step
         return (gx.to(hidden.dtype), glogits.to(router_logits.dtype), None,
                 *(None if gp is None else gp.to(p.dtype) for gp, p in zip(gparams, params)))

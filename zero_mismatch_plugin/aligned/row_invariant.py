@@ -52,13 +52,6 @@ def row_invariant_bmm(batch1, batch2, out=None, rows_per_call=8):
     return out
 
 
-def row_invariant_linear(x, weight):
-    """``x [n, in] @ weight [out, in]^T`` whose rows do not depend on how many there are, on CPU:
-    :func:`row_invariant_bmm` with the weight as a contiguous [in, out] matrix (aten's CPU bmm
-    gave a row other bits from 5 rows on when the weight was a transposed view)."""
-    return row_invariant_bmm(x[None], weight.t().contiguous()[None])[0]
-
-
 def row_invariant_sigmoid(x):
     """``torch.sigmoid`` whose bits for an element do not depend on the size of the call, on CPU.
 

@@ -18,7 +18,7 @@ from torch import nn
 
 from zero_mismatch_plugin.aligned import numerics
 from zero_mismatch_plugin.aligned.checkpoint import copy_checkpoint, read_checkpoint
-from zero_mismatch_plugin.aligned.cpu_gemm import require_invariant_gemms
+from zero_mismatch_plugin.aligned.cpu_gemm import require_invariant_gemms, require_invariant_packed_gemms
 from zero_mismatch_plugin.aligned.ops import (
     AlignedAttention,
     AlignedLinear,
@@ -471,9 +471,16 @@ class AlignedCausalLM(nn.Module):
         return out
 
     def check_cpu_gemm_invariance(self) -> dict:
-        """Probe every distinct CPU GEMM shape; refuse one whose rows depend on M
-        (:func:`~zero_mismatch_plugin.aligned.cpu_gemm.require_invariant_gemms`)."""
-        return require_invariant_gemms(self.all_linears(), self.logits_head, self.config.hidden_size, self.runtime.dtype)
+        """Probe every distinct CPU GEMM shape, the LoRA-capable experts' packed GEMMs included;
+        refuse one whose rows depend on M (:func:`~zero_mismatch_plugin.aligned.cpu_gemm.require_invariant_gemms`,
+        :func:`~zero_mismatch_plugin.aligned.cpu_gemm.require_invariant_packed_gemms`)."""
+        probes = require_invariant_gemms(self.all_linears(), self.logits_head, self.config.hidden_size,
+                                         self.runtime.dtype)
+        packed = {}
+        for ops in (*self.layer_ops, *self.lora_ops):
+            for op in ops.values():
+                packed.update(getattr(op, "packed_gemm_weights", dict)())
+        return {**probes, **require_invariant_packed_gemms(packed)}
 
     def refresh_derived_weights(self) -> None:
         """Re-derive every engine-layout copy now (needed after writes through ``param.data``)."""

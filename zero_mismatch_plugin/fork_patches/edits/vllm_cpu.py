@@ -7,12 +7,19 @@ patches compute.
 
 from __future__ import annotations
 
-from zero_mismatch_plugin.aligned.cpu_lora_experts import add_moe_lora, cpu_lora_experts_apply, cpu_moe_experts
+from zero_mismatch_plugin.aligned.cpu_lora_experts import (
+    add_moe_lora,
+    cpu_lora_experts_apply,
+    cpu_moe_experts,
+    expert_linears,
+    lora_linears,
+    pack_cpu_lora_experts,
+    packed_cpu_linear,
+)
 from zero_mismatch_plugin.aligned.row_invariant import (
     on_one_thread,
     rotary_on_rows,
     row_invariant_bmm,
-    row_invariant_linear,
     row_invariant_sigmoid,
     row_invariant_wide_head,
 )
@@ -284,13 +291,16 @@ class X86CPUUnquantizedExperts(CPUUnquantizedExperts):
         new="""\
 
 
-""" + source_of(row_invariant_bmm) + """\
-
-
-""" + source_of(row_invariant_linear) + """\
-
-
 """ + source_of(row_invariant_sigmoid) + """\
+
+
+""" + source_of(packed_cpu_linear) + """\
+
+
+""" + source_of(lora_linears) + """\
+
+
+""" + source_of(expert_linears) + """\
 
 
 """ + source_of(cpu_moe_experts) + """\
@@ -299,11 +309,15 @@ class X86CPUUnquantizedExperts(CPUUnquantizedExperts):
 """ + source_of(cpu_lora_experts_apply) + """\
 
 
+""" + source_of(pack_cpu_lora_experts) + """\
+
+
 class CPUUnquantizedLoRAExperts(LoRAExpertsMixin, CPUUnquantizedExperts):
     \"\"\"CPU unquantized SwiGLU experts that take LoRA updates.
 
     _C.cpu_fused_moe runs gate/up, the activation and down in one kernel, with no point where a
-    LoRA update can enter; these experts keep the weights plain (no padding, no packing) and run
+    LoRA update can enter; these experts keep the weights plain (not padded or packed for it),
+    pack each expert's GEMMs once per weights load through the CPU linear dispatch, and run
     cpu_moe_experts, with the updates added by the punica wrapper's add_lora_w13 / add_lora_w2.
     \"\"\"
 
@@ -327,7 +341,7 @@ class CPUUnquantizedLoRAExperts(LoRAExpertsMixin, CPUUnquantizedExperts):
         return activation == MoEActivation.SILU
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
-        self._use_zentorch = False
+        pack_cpu_lora_experts(self, layer)
 
     def apply(
         self,
@@ -388,13 +402,9 @@ class X86CPUUnquantizedExperts(CPUUnquantizedExperts):
 from .punica_base import PunicaWrapperBase
 """,
         new="""\
+from vllm.model_executor.layers.fused_moe.experts.cpu_moe import lora_linears
+
 from .punica_base import PunicaWrapperBase
-
-
-""" + source_of(row_invariant_bmm) + """\
-
-
-""" + source_of(row_invariant_linear) + """\
 
 
 """ + source_of(add_moe_lora),
