@@ -90,3 +90,20 @@ def test_this_hosts_bmm_row_dependence_is_reported(capsys):
         print(f"\nthis host's torch.bmm (K=96, N=256, fp32): row counts rounding a row differently from 40 rows: "
               f"{dependent or 'none'}")
     assert _row_dependence(row_invariant_bmm, heads=1, k=96, n=256, total=40) == []
+
+
+@pytest.mark.parametrize("numel", [1, 63, 64, 65, 16383, 16384, 16385, 16384 + 64, 40000, 100003])
+def test_the_sigmoid_without_autograd_has_the_bits_of_the_differentiable_one(numel):
+    """Two code paths (pieces concatenated for autograd, written in place without it) make the same
+    elementwise calls: the same bits, at every size and tail length."""
+    from zero_mismatch_plugin.aligned.row_invariant import row_invariant_sigmoid
+
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(numel)) * 6
+    with torch.no_grad():
+        in_place = row_invariant_sigmoid(x)
+    differentiable = row_invariant_sigmoid(x.clone().requires_grad_(True))
+    assert differentiable.requires_grad and torch.equal(in_place, differentiable.detach())
+    # Rows of a 2-D input keep their bits whatever the rows around them (the point of the function).
+    rows = x[: (numel // 7) * 7].view(-1, 7) if numel >= 7 else x.view(1, -1)
+    with torch.no_grad():
+        assert torch.equal(row_invariant_sigmoid(rows[:1]), row_invariant_sigmoid(rows)[:1])

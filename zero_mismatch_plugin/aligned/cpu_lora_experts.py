@@ -153,24 +153,34 @@ def cpu_moe_experts(hidden, w13, w2, topk_weights, topk_ids, add_w13_lora=None, 
             return rows_by_expert.new_empty(0, width_out)
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
+    def swiglu(gate_up):  # silu(gate) * up
+        gate, up = gate_up[:, :width], gate_up[:, width:]
+        return row_invariant_sigmoid(gate).mul_(gate).mul_(up)
+
     x = hidden.index_select(0, order.div(top_k, rounding_mode="floor"))
-    gate_up = per_expert(gate_up_linears, x, w13.shape[1])
-    if add_w13_lora is not None:
-        add_w13_lora(y=gate_up.view(-1, 1, w13.shape[1]), x=x, **rows)
-    if capture_gate_up is not None:
-        capture_gate_up(gate_up)
-    gate, up = gate_up[:, :width], gate_up[:, width:]
-    h = row_invariant_sigmoid(gate).mul_(gate).mul_(up)  # silu(gate) * up
-    down = per_expert(down_linears, h, w2.shape[1])
+    if add_w13_lora is None and add_w2_lora is None and capture_gate_up is None:
+        # Nothing enters between the products: each expert's rows run through gate/up, the
+        # activation and down in turn, while they are in cache (the same calls, row by row).
+        down = per_expert([lambda part, e=e: down_linears[e](swiglu(gate_up_linears[e](part)))
+                           for e in range(len(down_linears))], x, w2.shape[1])
+    else:
+        gate_up = per_expert(gate_up_linears, x, w13.shape[1])
+        if add_w13_lora is not None:
+            add_w13_lora(y=gate_up.view(-1, 1, w13.shape[1]), x=x, **rows)
+        if capture_gate_up is not None:
+            capture_gate_up(gate_up)
+        h = swiglu(gate_up)
+        down = per_expert(down_linears, h, w2.shape[1])
     down.mul_(rows["weights"].to(down.dtype))
     if add_w2_lora is not None:
         add_w2_lora(y=down.view(-1, 1, w2.shape[1]), x=h, **rows)
+    # Slot k of token t is sorted row restore[t * K + k]; the slots are added in slot order.
     restore = torch.empty_like(order)
     restore[order] = torch.arange(order.numel(), device=order.device)
-    slots = down.index_select(0, restore).view(tokens, top_k, w2.shape[1])
-    out = slots[:, 0].clone()
+    slot_rows = restore.view(tokens, top_k)
+    out = down.index_select(0, slot_rows[:, 0])
     for k in range(1, top_k):
-        out += slots[:, k]
+        out += down.index_select(0, slot_rows[:, k])
     return out
 
 

@@ -63,17 +63,28 @@ def row_invariant_sigmoid(x):
     to a multiple of 64 elements (two vectors of 32 floats, the widest CPU vector torch uses) and
     computed in pieces of 16,384 elements, so every element goes through the vectorised body of a
     single-threaded loop, whatever the call holds. Elsewhere (GPU) it is ``torch.sigmoid``.
-    Differentiable (pad, split and slice are).
+    Differentiable (pad, split and slice are); without autograd the pieces are written into one
+    output and only the tail is padded (the same elementwise calls, fewer copies).
     """
     import torch
 
     if x.device.type != "cpu" or x.numel() == 0:
         return torch.sigmoid(x)
     flat = x.reshape(-1)
-    padded = torch.nn.functional.pad(flat, (0, -flat.numel() % 64))
-    pieces = [torch.sigmoid(piece) for piece in padded.split(16384)]
-    out = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
-    return out[: flat.numel()].reshape(x.shape)
+    if torch.is_grad_enabled() and x.requires_grad:
+        padded = torch.nn.functional.pad(flat, (0, -flat.numel() % 64))
+        pieces = [torch.sigmoid(piece) for piece in padded.split(16384)]
+        out = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+        return out[: flat.numel()].reshape(x.shape)
+    total = flat.numel()
+    body = total - total % 64
+    out = torch.empty_like(flat)
+    for start in range(0, body, 16384):
+        stop = min(start + 16384, body)
+        torch.sigmoid(flat[start:stop], out=out[start:stop])
+    if body < total:
+        out[body:] = torch.sigmoid(torch.nn.functional.pad(flat[body:], (0, 64 - (total - body))))[: total - body]
+    return out.reshape(x.shape)
 
 
 def on_one_thread(kernel):
