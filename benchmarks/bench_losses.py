@@ -1,7 +1,7 @@
 """Plugin losses vs verl's built-in bypass-mode REINFORCE loss, forward + backward.
 
-Same batch, same process, interleaved runs (alternating order, repeated until the ratios settle,
-up to ``--max-repeats``). verl's comparison point is `bypass_mode` with loss_type=reinforce, token
+Same batch, same process, interleaved samples of ``--calls-per-sample`` calls each (alternating
+order, repeated until the ratios settle, up to ``--max-repeats``). verl's comparison point is `bypass_mode` with loss_type=reinforce, token
 IS and a huge threshold: the same gradient as REINFORCE Zero.
 
 FlashREINFORCE computes one thing verl's loss does not: the per-token Bernoulli KL of its
@@ -26,8 +26,8 @@ from pathlib import Path
 
 import torch
 
-from timing import (UNRELIABLE, add_timing_arguments, at_threads, compare, format_rows, host_line, row_header,
-                    thread_counts)
+from timing import (UNRELIABLE, add_timing_arguments, at_threads, compare, format_rows, host_line, per_call,
+                    row_header, thread_counts)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
@@ -76,6 +76,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--length", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--calls-per-sample", type=int, default=8,
+                        help="loss calls timed together as one sample: a 10-30 ms call alone varies by half "
+                             "from one call to the next on a 2-core host")
     add_timing_arguments(parser)
     args = parser.parse_args()
     print(host_line("before"), flush=True)
@@ -96,21 +99,24 @@ def main() -> None:
         "reinforce_zero": (get_policy_loss_fn("reinforce_zero"), actor_config("reinforce_zero")),
         "flash_reinforce": (get_policy_loss_fn("flash_reinforce"), actor_config("flash_reinforce")),
     }
-    leaf = {}  # a fresh leaf per loss call, made untimed (setup) so only the loss is timed
+    calls = args.calls_per_sample
+    leaves = []  # a fresh leaf per loss call, made untimed (setup) so only the losses are timed
 
-    def new_leaf():
-        leaf["pi"] = pi.clone().requires_grad_(True)
+    def new_leaves():
+        leaves[:] = [pi.clone().requires_grad_(True) for _ in range(calls)]
 
-    runs = {name: (lambda fn=fn, config=config: loss_step(fn, config, leaf["pi"], mu, advantages, mask))
+    runs = {name: (lambda fn=fn, config=config: [loss_step(fn, config, leaf, mu, advantages, mask) for leaf in leaves])
             for name, (fn, config) in losses.items()}
-    runs[KL_ONLY] = lambda: kl_step(formulas, pi, mu, mask)
-    setup = {name: new_leaf for name in losses}
+    runs[KL_ONLY] = lambda: [kl_step(formulas, pi, mu, mask) for _ in range(calls)]
+    setup = {name: new_leaves for name in losses}
 
-    print(f"batch {args.batch} x {args.length} tokens, fp32, forward + backward, {args.repeats} interleaved "
-          f"repeats or more until the ratios settle; ratios: loss / verl")
+    print(f"batch {args.batch} x {args.length} tokens, fp32, forward + backward; a sample is {calls} calls in a row "
+          f"(times below per call), {args.repeats} interleaved samples or more until the ratios settle; "
+          f"ratios: loss / verl")
     for threads in thread_counts(args):
-        print_comparison(at_threads(threads, compare, runs, repeats=args.repeats, warmup=1,
-                                    max_repeats=args.max_repeats, setup=setup))
+        comparison = at_threads(threads, compare, runs, repeats=args.repeats, warmup=1,
+                                max_repeats=args.max_repeats, setup=setup)
+        print_comparison(per_call(comparison, calls))
     print(host_line("after"))
 
 

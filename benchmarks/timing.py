@@ -163,6 +163,14 @@ def compare(contenders: dict[str, Callable], repeats: int = 7, warmup: int = 1, 
     return Comparison(samples, rounds, settled, loaded_before, host_is_loaded(), torch.get_num_threads())
 
 
+def per_call(comparison: Comparison, calls: int) -> Comparison:
+    """``comparison`` whose every sample timed ``calls`` calls in a row, as times per call."""
+    for samples in comparison.samples.values():
+        samples.walls[:] = [wall / calls for wall in samples.walls]
+        samples.cpus[:] = [cpu / calls for cpu in samples.cpus]
+    return comparison
+
+
 def at_threads(threads: int, measure: Callable, *args, **kwargs):
     """``measure(*args, **kwargs)`` with torch at ``threads`` threads; the previous count restored
     afterwards, also when it raises."""

@@ -146,3 +146,16 @@ def test_cpu_time_is_reported_beside_wall_time(idle_host):
     assert "CPU ms" in header
     # min ms, median ms, spread, CPU ms, ratio of minima, ratio of medians
     assert row.split()[1:] == ["10.00", "10.00", "0.0%", "4.00", "0.500x", "0.500x"]
+
+
+def test_samples_of_several_calls_are_reported_per_call(idle_host):
+    clock = FakeClock()
+    calls = 8
+    comparison = timing.compare({"a": lambda: [clock.advance(0.010, cpu=0.020) for _ in range(calls)],
+                                 "b": lambda: [clock.advance(0.020) for _ in range(calls)]},
+                                repeats=3, warmup=0, clock=clock)
+    per_call = timing.per_call(comparison, calls)
+    a, b = per_call.samples["a"], per_call.samples["b"]
+    assert a.wall.median == pytest.approx(0.010) and a.cpu.median == pytest.approx(0.020)
+    assert b.wall.minimum == pytest.approx(0.020)
+    assert timing.format_rows(per_call, baseline="b")[0].split()[-2:] == ["0.500x", "0.500x"]
