@@ -122,19 +122,19 @@ def cpu_moe_experts(hidden, w13, w2, topk_weights, topk_ids, add_w13_lora=None, 
 
     The unquantized experts' computation split at the two points a LoRA update enters (vLLM's
     fused ``_C.cpu_fused_moe`` keeps gate/up, the activation and down in one kernel with no hook
-    between them). The routed (token, slot) rows are sorted by expert once (stable), and the steps
-    run on the sorted rows: ``gate_up = x W13_e^T``, then ``add_w13_lora(y=gate_up, x=x, ...)``;
-    ``h = silu(gate) * up``; ``down = (h W2_e^T) * w``, then ``add_w2_lora(y=down, x=h, ...)``;
-    each hook gets the sorted rows as tokens of top-k 1 (``y`` [n, 1, N], ``x`` [n, in], ``ids`` and
-    ``weights`` [n, 1]) and ``order`` (row i is routed row ``order[i]`` of ``topk_ids.reshape(-1)``)
-    to map its tokens' adapters onto them. Then the K rows of a token are summed in slot order
-    (fp32). ``w13`` [E, 2I, H] ([gate; up]) and ``w2`` [E, H, I] are the plain (unpacked)
-    weights; ``linears``: their :func:`expert_linears` where the caller keeps them (packed here
-    otherwise). Each expert's rows are one call of its packed GEMM and the sigmoid is
-    :func:`row_invariant_sigmoid`, so a row's bits do not depend on the step's other rows: the
-    engine's experts and the trainer call this one function. ``capture_gate_up`` (a trainer's
-    hook) receives the sorted gate/up pre-activations, updates included, for a backward that need
-    not recompute them.
+    between them). The routed (token, slot) rows are sorted by expert once (stable), and each
+    expert's rows go through its steps in turn, while they are in cache: ``gate_up = x W13_e^T``,
+    then ``add_w13_lora(y=gate_up, x=x, ...)``; ``h = silu(gate) * up``; ``down = (h W2_e^T) * w``,
+    then ``add_w2_lora(y=down, x=h, ...)``. Each hook gets the expert's rows as tokens of top-k 1
+    (``y`` [n, 1, N], ``x`` [n, in], ``ids`` and ``weights`` [n, 1]) and ``order`` (row i is routed
+    row ``order[i]`` of ``topk_ids.reshape(-1)``) to map its tokens' adapters onto them. Then the K
+    rows of a token are summed in slot order (fp32). ``w13`` [E, 2I, H] ([gate; up]) and ``w2``
+    [E, H, I] are the plain (unpacked) weights; ``linears``: their :func:`expert_linears` where the
+    caller keeps them (packed here otherwise). Each expert's rows are one call of its packed GEMM and
+    the sigmoid is :func:`row_invariant_sigmoid`, so a row's bits do not depend on the step's other
+    rows: the engine's experts and the trainer call this one function. ``capture_gate_up`` (a
+    trainer's hook) receives each expert's gate/up pre-activations, updates included, in expert
+    order, for a backward that need not recompute them.
     """
     import torch
 
@@ -144,36 +144,31 @@ def cpu_moe_experts(hidden, w13, w2, topk_weights, topk_ids, add_w13_lora=None, 
     experts = topk_ids.reshape(-1).long()
     order = torch.argsort(experts, stable=True)
     counts = torch.bincount(experts, minlength=len(gate_up_linears)).tolist()
-    rows = {"ids": experts.index_select(0, order).view(-1, 1).to(topk_ids.dtype),
-            "weights": topk_weights.reshape(-1).index_select(0, order).view(-1, 1), "order": order}
-
-    def per_expert(linears, rows_by_expert, width_out):
-        outs = [linears[e](part) for e, part in enumerate(rows_by_expert.split(counts)) if counts[e]]
-        if not outs:  # a step without tokens
-            return rows_by_expert.new_empty(0, width_out)
-        return outs[0] if len(outs) == 1 else torch.cat(outs)
-
-    def swiglu(gate_up):  # silu(gate) * up
-        gate, up = gate_up[:, :width], gate_up[:, width:]
-        return row_invariant_sigmoid(gate).mul_(gate).mul_(up)
-
+    ids = experts.index_select(0, order).view(-1, 1).to(topk_ids.dtype)
+    weights = topk_weights.reshape(-1).index_select(0, order).view(-1, 1)
     x = hidden.index_select(0, order.div(top_k, rounding_mode="floor"))
-    if add_w13_lora is None and add_w2_lora is None and capture_gate_up is None:
-        # Nothing enters between the products: each expert's rows run through gate/up, the
-        # activation and down in turn, while they are in cache (the same calls, row by row).
-        down = per_expert([lambda part, e=e: down_linears[e](swiglu(gate_up_linears[e](part)))
-                           for e in range(len(down_linears))], x, w2.shape[1])
-    else:
-        gate_up = per_expert(gate_up_linears, x, w13.shape[1])
+
+    def expert_rows(e, rows):
+        block = {name: t[rows] for name, t in (("ids", ids), ("weights", weights), ("order", order))}
+        gate_up = gate_up_linears[e](x[rows])
         if add_w13_lora is not None:
-            add_w13_lora(y=gate_up.view(-1, 1, w13.shape[1]), x=x, **rows)
+            add_w13_lora(y=gate_up.view(-1, 1, w13.shape[1]), x=x[rows], **block)
         if capture_gate_up is not None:
             capture_gate_up(gate_up)
-        h = swiglu(gate_up)
-        down = per_expert(down_linears, h, w2.shape[1])
-    down.mul_(rows["weights"].to(down.dtype))
-    if add_w2_lora is not None:
-        add_w2_lora(y=down.view(-1, 1, w2.shape[1]), x=h, **rows)
+        gate, up = gate_up[:, :width], gate_up[:, width:]
+        h = row_invariant_sigmoid(gate).mul_(gate).mul_(up)  # silu(gate) * up
+        down = down_linears[e](h)
+        down.mul_(block["weights"].to(down.dtype))
+        if add_w2_lora is not None:
+            add_w2_lora(y=down.view(-1, 1, w2.shape[1]), x=h, **block)
+        return down
+
+    blocks, start = [], 0
+    for e, n in enumerate(counts):
+        if n:
+            blocks.append(expert_rows(e, slice(start, start + n)))
+        start += n
+    down = hidden.new_empty(0, w2.shape[1]) if not blocks else blocks[0] if len(blocks) == 1 else torch.cat(blocks)
     # Slot k of token t is sorted row restore[t * K + k]; the slots are added in slot order.
     restore = torch.empty_like(order)
     restore[order] = torch.arange(order.numel(), device=order.device)

@@ -409,7 +409,9 @@ class AlignedMoELoRA:
         in half precision the backward recomputes them in fp32)."""
         kept = []
         out, ids = self.base.kernel(hidden, router_logits, self.lora_context(hidden.shape[0]), kept.append)
-        gate_up = kept[0] if len(kept) == 1 and kept[0].dtype == torch.float32 else None
+        gate_up = None
+        if kept and all(part.dtype == torch.float32 for part in kept):
+            gate_up = kept[0] if len(kept) == 1 else torch.cat(kept)
         return out, ids, gate_up
 
     def packed_gemm_weights(self) -> dict:
