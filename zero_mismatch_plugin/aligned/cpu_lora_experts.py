@@ -43,10 +43,10 @@ def lora_linears(stacked, adapter, expert):
     """:func:`packed_cpu_linear` of ``stacked[adapter, expert]`` (a LoRA A or B buffer [slots,
     experts, rows, cols]), packed on first use and kept on the buffer until it is written to
     again (an adapter loaded into a slot: ``torch.Tensor._version`` counts the writes)."""
-    cache = getattr(stacked, "_zmrl_packed", None)
+    cache = getattr(stacked, "_packed_linears", None)
     if cache is None or cache[0] != stacked._version:
         cache = (stacked._version, {})
-        stacked._zmrl_packed = cache
+        stacked._packed_linears = cache
     key = (adapter, expert)
     if key not in cache[1]:
         cache[1][key] = packed_cpu_linear(stacked[adapter, expert])
