@@ -63,7 +63,7 @@ def test_variance_at_several_row_counts_is_reported_in_full():
         require_invariant(probe, "qkv_proj")
 
 
-def test_row_invariant_linear_passes():
+def test_an_invariant_linear_passes():
     probe = _probe(*_planted_linear(set()))
     assert probe.invariant and probe.variant_rows == []
     assert require_invariant(probe, "o_proj") is None

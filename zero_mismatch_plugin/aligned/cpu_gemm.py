@@ -125,6 +125,19 @@ def require_invariant(probe: GemmProbe, what: str) -> None:
         )
 
 
+def _require_invariant_shapes(kernels) -> dict:
+    """Probe ``kernels`` ((name, (n, k), dtype, make_apply): ``make_apply()`` gives ``x -> x W^T``)
+    once per distinct shape and dtype; refuse one whose rows depend on M. Returns {name: probe}."""
+    results, seen = {}, {}
+    for name, (n, k), dtype, make_apply in kernels:
+        key = (n, k, dtype)
+        if key not in seen:
+            seen[key] = probe_linear(make_apply(), n=n, k=k, dtype=dtype)
+            require_invariant(seen[key], name)
+        results[name] = seen[key]
+    return results
+
+
 def require_invariant_gemms(linears: dict, head, hidden_size: int, dtype) -> dict:
     """Probe every distinct GEMM shape of a trainer's ``linears`` ({name: ``AlignedLinear``}) and
     of its logits ``head`` (an ``AlignedLogits``); refuse one whose rows depend on M.
@@ -133,14 +146,9 @@ def require_invariant_gemms(linears: dict, head, hidden_size: int, dtype) -> dic
     sequence in the engine does, and the engine only matches when the plugin's single-row padding
     is in place (consistent mode) or the kernel is row-invariant anyway. Returns {name: probe}.
     """
-    results, seen = {}, {}
-    for name, linear in linears.items():
-        _, weight = linear.derived.get()
-        shape = tuple(weight.shape)
-        if shape not in seen:
-            seen[shape] = probe_linear(lambda x, lin=linear: lin.kernel(x), n=shape[0], k=shape[1], dtype=dtype)
-            require_invariant(seen[shape], name)
-        results[name] = seen[shape]
+    results = _require_invariant_shapes(
+        (name, tuple(linear.derived.get()[1].shape), dtype, lambda lin=linear: lin.kernel)
+        for name, linear in linears.items())
     results["lm_head"] = probe_linear(head.kernel, n=head.padded_vocab, k=hidden_size, dtype=dtype)
     require_invariant(results["lm_head"], "lm_head")
     return results
@@ -153,12 +161,6 @@ def require_invariant_packed_gemms(weights: dict) -> dict:
     rows depend on M. Returns {name: probe}."""
     from zero_mismatch_plugin.aligned.cpu_lora_experts import packed_cpu_linear
 
-    results, seen = {}, {}
-    for name, weight in weights.items():
-        key = (tuple(weight.shape), weight.dtype)
-        if key not in seen:
-            n, k = key[0]
-            seen[key] = probe_linear(packed_cpu_linear(weight), n=n, k=k, dtype=weight.dtype)
-            require_invariant(seen[key], name)
-        results[name] = seen[key]
-    return results
+    return _require_invariant_shapes(
+        (name, tuple(weight.shape), weight.dtype, lambda w=weight: packed_cpu_linear(w))
+        for name, weight in weights.items())
