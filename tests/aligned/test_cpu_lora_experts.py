@@ -91,3 +91,38 @@ def test_a_lora_buffer_is_packed_on_first_use_and_again_only_after_a_write(dispa
     again = cpu_lora_experts.lora_linears(stacked, 1, 2)
     assert again is not first and len(dispatches) == 3
     assert torch.allclose(again(x), x @ stacked[1, 2].t())
+
+
+def _planted_dispatch(packed, variant_rows=frozenset()):
+    """A dispatch whose linear computes each row alone (its bits cannot depend on the call), one ulp
+    up for a call of ``variant_rows`` rows."""
+
+    def dispatch(layer, remove_weight):
+        weight = layer.weight.detach().clone()
+        packed.append(weight)
+
+        def linear(x, _weight, bias):
+            out = torch.stack([weight @ row for row in x]) if x.shape[0] else x.new_empty(0, weight.shape[0])
+            return torch.nextafter(out, torch.full_like(out, float("inf"))) if x.shape[0] in variant_rows else out
+
+        layer.cpu_linear = linear
+
+    return dispatch
+
+
+def test_the_trainers_probe_refuses_a_packed_shape_whose_rows_depend_on_the_row_count(monkeypatch):
+    """require_invariant_packed_gemms probes each distinct shape and dtype once, through the same
+    packing, and names the weight whose kernel rounds a row by the call's row count (planted at 3 rows)."""
+    from vllm.model_executor.layers import utils
+
+    from zero_mismatch_plugin.aligned.cpu_gemm import BatchVariantShapeError, require_invariant_packed_gemms
+
+    packed = []
+    monkeypatch.setattr(utils, "dispatch_cpu_unquantized_gemm", _planted_dispatch(packed))
+    weights = {"layer0.w13": torch.randn(2 * I, H), "layer1.w13": torch.randn(2 * I, H), "layer0.w2": torch.randn(H, I)}
+    probes = require_invariant_packed_gemms(weights)
+    assert all(probe.invariant for probe in probes.values())
+    assert len(packed) == 2  # the two w13 share one shape and dtype: packed and probed once
+    monkeypatch.setattr(utils, "dispatch_cpu_unquantized_gemm", _planted_dispatch(packed, {3}))
+    with pytest.raises(BatchVariantShapeError, match=r"layer0\.w2: .*N=16, K=8.*M in \[3\]"):
+        require_invariant_packed_gemms({"layer0.w2": torch.randn(H, I)})
