@@ -186,48 +186,66 @@ def cpu_conv1d_weight(conv1d):
     return weight.view(weight.size(0), weight.size(-1)) if weight.dim() == 3 else weight
 
 
-def consistent_gdn_attention(layer, attn_metadata, mixed_qkv, b, a, core_attn_out) -> None:
-    """The core of one gated delta-net layer for a mixed decode + prefill step (vLLM's metadata
-    order: decodes first), each token computed as the aligned trainer computes it."""
+def time_major_conv_states(layer):
+    """The layer's conv state as [slots, width - 1, channels] (time-major) over either of vLLM's
+    cache layouts (a view: writes reach the cache)."""
     from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
 
+    conv_states = layer.kv_cache[0]
+    return conv_states.transpose(-1, -2) if is_conv_state_dim_first() else conv_states
+
+
+def scheduled_causal_conv(attn_metadata, conv_states, mixed_qkv, weight, bias, activation):
+    """:func:`fixed_order_causal_conv` over one engine step's tokens (vLLM's metadata order:
+    decodes first, one token each, then prefills), each sequence continuing from its conv state
+    (``conv_states`` time-major, updated in place) unless it starts fresh. Returns (the convolved
+    tokens, the slots of the sequences that start fresh: their recurrent state must start at zero)."""
     slots = attn_metadata.non_spec_state_indices_tensor
     starts = attn_metadata.non_spec_query_start_loc
     num_decodes, num_prefills = attn_metadata.num_decodes, attn_metadata.num_prefills
-    num_seqs = num_decodes + num_prefills
-    num_tokens = attn_metadata.num_decode_tokens + attn_metadata.num_prefill_tokens
-    # The conv state as [slots, width - 1, channels] (time-major) over either cache layout.
-    conv_states = layer.kv_cache[0]
-    if is_conv_state_dim_first():
-        conv_states = conv_states.transpose(-1, -2)
-    ssm_states = layer.kv_cache[1]  # read as [slots, heads, k_dim, v_dim], as vLLM's CPU path views it
-    ssm_states = ssm_states.view(ssm_states.size(0), ssm_states.size(1), ssm_states.size(3), ssm_states.size(2))
-    weight, bias = cpu_conv1d_weight(layer.conv1d), layer.conv1d.bias
-    mixed_qkv = mixed_qkv[:num_tokens]
     conv_out = torch.empty_like(mixed_qkv)
-
     if num_decodes:  # one token each (no speculative tokens on this path)
         decode_slots = slots[:num_decodes].long()
         out, previous = fixed_order_causal_conv(
-            mixed_qkv[:num_decodes, None], weight, bias, conv_states[decode_slots], layer.activation)
+            mixed_qkv[:num_decodes, None], weight, bias, conv_states[decode_slots], activation)
         conv_out[:num_decodes] = out[:, 0]
         conv_states[decode_slots] = previous.to(conv_states.dtype)
-    has_initial_state = attn_metadata.has_initial_state
-    for i in range(num_decodes, num_seqs):
+    has_initial_state, fresh_slots = attn_metadata.has_initial_state, []
+    for i in range(num_decodes, num_decodes + num_prefills):
         slot, rows = int(slots[i]), slice(int(starts[i]), int(starts[i + 1]))
         fresh = not bool(has_initial_state[i])
         out, previous = fixed_order_causal_conv(
-            mixed_qkv[rows], weight, bias, None if fresh else conv_states[slot], layer.activation)
+            mixed_qkv[rows], weight, bias, None if fresh else conv_states[slot], activation)
         conv_out[rows] = out
         conv_states[slot] = previous.to(conv_states.dtype)
         if fresh:
-            ssm_states[slot] = 0
+            fresh_slots.append(slot)
+    return conv_out, fresh_slots
 
+
+def scheduled_lengths(attn_metadata) -> list[int]:
+    """The number of tokens of each sequence in one engine step, in the metadata's order."""
+    starts = attn_metadata.non_spec_query_start_loc
+    num_seqs = attn_metadata.num_decodes + attn_metadata.num_prefills
+    return (starts[1 : num_seqs + 1] - starts[:num_seqs]).tolist()
+
+
+def consistent_gdn_attention(layer, attn_metadata, mixed_qkv, b, a, core_attn_out) -> None:
+    """The core of one gated delta-net layer for a mixed decode + prefill step (vLLM's metadata
+    order: decodes first), each token computed as the aligned trainer computes it."""
+    num_seqs = attn_metadata.num_decodes + attn_metadata.num_prefills
+    num_tokens = attn_metadata.num_decode_tokens + attn_metadata.num_prefill_tokens
+    ssm_states = layer.kv_cache[1]  # read as [slots, heads, k_dim, v_dim], as vLLM's CPU path views it
+    ssm_states = ssm_states.view(ssm_states.size(0), ssm_states.size(1), ssm_states.size(3), ssm_states.size(2))
+    conv_out, fresh_slots = scheduled_causal_conv(
+        attn_metadata, time_major_conv_states(layer), mixed_qkv[:num_tokens], cpu_conv1d_weight(layer.conv1d),
+        layer.conv1d.bias, layer.activation)
+    for slot in fresh_slots:
+        ssm_states[slot] = 0
     query, key, value = layer.rearrange_mixed_qkv(conv_out)
-    lengths = (starts[1 : num_seqs + 1] - starts[:num_seqs]).tolist()
     core_attn_out[:num_tokens] = recurrent_gated_delta_rule(
         query[0], key[0], value[0], a[:num_tokens], b[:num_tokens], layer.A_log, layer.dt_bias,
-        ssm_states, slots[:num_seqs], lengths,
+        ssm_states, attn_metadata.non_spec_state_indices_tensor[:num_seqs], scheduled_lengths(attn_metadata),
     )
 
 

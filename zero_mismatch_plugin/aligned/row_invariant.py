@@ -87,6 +87,24 @@ def row_invariant_sigmoid(x):
     return out.reshape(x.shape)
 
 
+def row_invariant_elementwise(fn, x):
+    """``fn(x)`` for an elementwise torch function ``fn`` (``torch.exp``, ``torch.log1p``, ...) whose
+    bits for an element do not depend on the size of the call, on CPU: the same zero-padding to a
+    multiple of 64 elements and the same pieces of 16,384 as :func:`row_invariant_sigmoid`, for
+    the same reason (torch's vectorised body and its scalar tail round transcendental functions
+    differently). Differentiable; elsewhere (GPU) it is ``fn(x)``.
+    """
+    import torch
+
+    if x.device.type != "cpu" or x.numel() == 0:
+        return fn(x)
+    flat = x.reshape(-1)
+    padded = torch.nn.functional.pad(flat, (0, -flat.numel() % 64))
+    pieces = [fn(piece) for piece in padded.split(16384)]
+    out = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+    return out[: flat.numel()].reshape(x.shape)
+
+
 def on_one_thread(kernel):
     """``kernel`` run with torch's intra-op thread count set to one, then restored.
 

@@ -33,14 +33,12 @@ from zero_mismatch_plugin.aligned.packing import PackedBatch
 from zero_mismatch_plugin.aligned.row_invariant import row_invariant_sigmoid
 from zero_mismatch_plugin.aligned.runtime import VllmRuntime
 from zero_mismatch_plugin.aligned.sampling import SamplingTransform, recorded_logprobs
-from zero_mismatch_plugin.faces.checkpoint_layout import (
-    Weights,
-    gated_delta_net_weights,
-    mla_projections,
-    moe_block,
-    swiglu,
+from zero_mismatch_plugin.faces.checkpoint_layout import Weights, mla_projections, moe_block, swiglu
+from zero_mismatch_plugin.faces.hybrid_layers import (
+    linear_attention_mixer,
+    linear_attention_ops,
+    linear_attention_weights,
 )
-from zero_mismatch_plugin.faces.hybrid_layers import gated_delta_net_mixer, gated_delta_net_ops
 from zero_mismatch_plugin.tables.architectures import MOE_CHECKPOINT_NAMES, Blocks, describe
 
 
@@ -59,7 +57,7 @@ class _Layer(nn.Module):
         q_rows = nh * head_dim * (2 if blocks.attention_output_gate else 1)
         if blocks.mixer_kind(index) == "linear":
             attn = None
-            self.linear_attn = gated_delta_net_weights(h, blocks.linear_attention)
+            setattr(self, *linear_attention_weights(h, blocks.linear_attention))
         elif blocks.attention == "mla":
             attn = mla_projections(h, nh, blocks.mla)
         else:
@@ -265,7 +263,8 @@ class AlignedCausalLM(nn.Module):
                 post_norm=AlignedRMSNorm(rt, layer.post_attention_layernorm.weight, eps, gemma),
             )
             if self.blocks.mixer_kind(index) == "linear":
-                ops.update(gated_delta_net_ops(rt, layer.linear_attn, self.blocks.linear_attention, eps))
+                linear = self.blocks.linear_attention
+                ops.update(linear_attention_ops(rt, getattr(layer, linear.module), linear, eps))
             else:
                 a = layer.self_attn
                 qkv_bias = [a.q_proj.bias, a.k_proj.bias, a.v_proj.bias] if self.blocks.qkv_bias else None
@@ -524,7 +523,7 @@ class AlignedCausalLM(nn.Module):
                 hidden, residual = residual_layer(ops, hidden, residual, attend_mla, functools.partial(self._mlp, i))
                 continue
             if self.blocks.mixer_kind(i) == "linear":
-                mixer = functools.partial(gated_delta_net_mixer, ops, functools.partial(self._linear, i),
+                mixer = functools.partial(linear_attention_mixer, ops, functools.partial(self._linear, i),
                                           seq_lens=batch.seq_lens)
                 hidden, residual = residual_layer(ops, hidden, residual, mixer, functools.partial(self._mlp, i))
                 continue
@@ -537,6 +536,8 @@ class AlignedCausalLM(nn.Module):
                 attend=lambda q, k, v, a=attention: a(q, k, v, plans[a], batch.seq_lens),
                 mlp=functools.partial(self._mlp, i),
             )
+        if self.blocks.final_add_then_norm:
+            return self.final_norm(hidden + residual)
         hidden, _ = self.final_norm(hidden, residual)
         return hidden
 

@@ -1,6 +1,6 @@
 """The aligned model's parameter holders, named like the checkpoint's modules, so that the
 trainer's ``named_parameters()`` are the checkpoint's names: dense and MoE MLPs, multi-head
-latent attention's projections and gated delta-net layers."""
+latent attention's projections, gated delta-net and Kimi Delta Attention layers."""
 
 from __future__ import annotations
 
@@ -77,4 +77,25 @@ def gated_delta_net_weights(hidden_size: int, gdn) -> nn.Module:
     layer.dt_bias = nn.Parameter(torch.empty(gdn.num_value_heads))
     layer.norm = Weights((gdn.value_head_dim,))
     layer.out_proj = Weights((hidden_size, gdn.value_dim))
+    return layer
+
+
+def kimi_delta_attention_weights(hidden_size: int, kda) -> nn.Module:
+    """The parameters of one Kimi Delta Attention layer under the checkpoint's names (``kda``: its
+    ``KimiDeltaAttentionBlocks``): q/k/v with their short convs, beta, the decay's and the output
+    gate's low-rank pairs, A_log, dt_bias, the output norm and o_proj."""
+    layer, size, dim = nn.Module(), kda.projection_size, kda.head_dim
+    for name in ("q_proj", "k_proj", "v_proj"):
+        setattr(layer, name, Weights((size, hidden_size)))
+    for name in ("q_conv1d", "k_conv1d", "v_conv1d"):
+        setattr(layer, name, Weights((size, 1, kda.conv_kernel)))
+    layer.b_proj = Weights((kda.num_heads, hidden_size))
+    layer.f_a_proj = Weights((dim, hidden_size))
+    layer.f_b_proj = Weights((size, dim))
+    layer.g_a_proj = Weights((dim, hidden_size))
+    layer.g_b_proj = Weights((size, dim))
+    layer.A_log = nn.Parameter(torch.empty(kda.num_heads))
+    layer.dt_bias = nn.Parameter(torch.empty(size))
+    layer.o_norm = Weights((dim,))
+    layer.o_proj = Weights((hidden_size, size))
     return layer

@@ -12,7 +12,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Callable
 
-from zero_mismatch_plugin.tables.linear_attention import GatedDeltaNetBlocks, qwen3_next_linear_attention
+from zero_mismatch_plugin.tables.linear_attention import (
+    GatedDeltaNetBlocks,
+    KimiDeltaAttentionBlocks,
+    kimi_linear_attention,
+    qwen3_next_linear_attention,
+)
 
 
 @dataclass(frozen=True)
@@ -84,7 +89,11 @@ class Blocks:
     partial_rotary_factor: float = 1.0  # the leading fraction of each head the rotary turns
     mla: MlaBlocks | None = None  # set when attention == "mla"
     attention_output_gate: bool = False  # full attention's output times sigmoid(a gate half of q_proj)
-    linear_attention: GatedDeltaNetBlocks | None = None  # hybrid models: the linear-attention layers
+    # hybrid models: the linear-attention layers (gated delta-net or Kimi Delta Attention)
+    linear_attention: GatedDeltaNetBlocks | KimiDeltaAttentionBlocks | None = None
+    # The last layer's residual added in the model dtype and then normed (Kimi Linear's
+    # compute_logits), instead of one fused add + norm: the two round differently in bf16.
+    final_add_then_norm: bool = False
 
     def aligned_model_only(self) -> str | None:
         """What of these blocks only the aligned model face runs (not the Megatron face, verl's FSDP
@@ -92,11 +101,11 @@ class Blocks:
         if self.mla is not None:
             return "multi-head latent attention"
         if self.linear_attention is not None:
-            return "linear attention (gated delta-net)"
+            return f"linear attention ({self.linear_attention.kind.replace('_', ' ')})"
         return None
 
     def mixer_kind(self, layer: int) -> str:
-        """"linear" (gated delta-net) or "attention" for decoder layer ``layer``."""
+        """"linear" (gated delta-net or KDA) or "attention" for decoder layer ``layer``."""
         linear = self.linear_attention
         return "linear" if linear is not None and layer in linear.layers else "attention"
 
@@ -126,9 +135,10 @@ class _Entry:
     partial_rotary: Callable[[object], float] = lambda config: 1.0
     mla: Callable[[object], MlaBlocks] | None = None  # multi-head latent attention, for MLA families
     # Hybrid families: the linear-attention layers; their norms (1 + weight) and gated attention output.
-    linear_attention: Callable[[object], GatedDeltaNetBlocks] | None = None
+    linear_attention: Callable[[object], GatedDeltaNetBlocks | KimiDeltaAttentionBlocks] | None = None
     gemma_norms: bool = False
     attention_output_gate: bool = False
+    final_add_then_norm: bool = False
 
 
 def _llama_biases(config) -> tuple[bool, bool]:
@@ -194,6 +204,27 @@ def _qwen3_next_refusals(config) -> list[str]:
     if getattr(config, "linear_value_head_dim", 0) != 128 or getattr(config, "linear_key_head_dim", 0) != 128:
         out.append("linear_key_head_dim / linear_value_head_dim other than 128: vLLM's CPU gated delta-net "
                    "kernels run head dim 128 only")
+    return out
+
+
+def _kimi_linear_refusals(config) -> list[str]:
+    """What of a Kimi Linear config the aligned model does not run: it covers the KDA layers with
+    the low-rank gate and dense SwiGLU MLPs."""
+    kda = getattr(config, "linear_attn_config", None)
+    if not kda:
+        return ["linear_attn_config unset: a Kimi Linear checkpoint names its KDA layers there"]
+    out = []
+    if kda.get("full_attn_layers"):
+        out.append(f"full_attn_layers {list(kda['full_attn_layers'])}: Kimi's MLA layers are not covered on CPU "
+                   "(vLLM's Kimi MLA needs a CUDA-only fused cache insert); give every layer to kda_layers")
+    if kda.get("use_full_rank_gate"):
+        out.append("use_full_rank_gate (Kimi K3's full-rank KDA gate): not covered; the low-rank gate is")
+    if getattr(config, "num_experts", None) is not None:
+        out.append("num_experts set (Kimi's MoE layers): not covered yet; the dense MLP is")
+    if getattr(config, "attn_res_block_size", None) is not None:
+        out.append("attn_res_block_size (attention residual blocks): set it to null")
+    if getattr(config, "num_nextn_predict_layers", 0):
+        out.append("num_nextn_predict_layers (multi-token prediction layers): set it to 0")
     return out
 
 
@@ -388,6 +419,15 @@ _ENTRIES: dict[str, _Entry] = {
         gemma_norms=True,
         attention_output_gate=True,
     ),
+    # Kimi Linear: Kimi Delta Attention layers with dense MLPs (vLLM's KimiLinearForCausalLM; the
+    # aligned model covers it on CPU, where the plugin gives vLLM the KDA path it lacks).
+    "KimiLinearForCausalLM": _Entry(
+        qk_norm=False,
+        biases=lambda config: (False, False),
+        refuse=_kimi_linear_refusals,
+        linear_attention=kimi_linear_attention,
+        final_add_then_norm=True,
+    ),
     "MixtralForCausalLM": _Entry(qk_norm=False, biases=lambda config: (False, False), refuse=_moe_refusals, moe=_mixtral_moe),
     "Glm4MoeForCausalLM": _Entry(
         qk_norm=False,  # use_qk_norm is read per checkpoint in describe()
@@ -573,6 +613,7 @@ def describe(config) -> Blocks:
         mla=mla,
         attention_output_gate=entry.attention_output_gate,
         linear_attention=entry.linear_attention(config) if entry.linear_attention is not None else None,
+        final_add_then_norm=entry.final_add_then_norm,
     )
 
 

@@ -1,5 +1,5 @@
-"""The linear-attention layers of hybrid checkpoints (gated delta-net), as the architectures table
-describes them. Light on purpose, like the table: no torch, vLLM or megatron-core."""
+"""The linear-attention layers of hybrid checkpoints (gated delta-net; Kimi Delta Attention), as the
+architectures table describes them. Light on purpose, like the table: no torch, vLLM or megatron-core."""
 
 from __future__ import annotations
 
@@ -32,8 +32,11 @@ class GatedDeltaNetBlocks:
     def value_dim(self) -> int:
         return self.num_value_heads * self.value_head_dim
 
+    kind = "gated_delta_net"
+    module = LINEAR_ATTENTION_MODULE  # the layer's attribute in the checkpoint
+
     def as_dict(self) -> dict:
-        return asdict(self)
+        return {"kind": self.kind, **asdict(self)}
 
 
 def qwen3_next_linear_attention(config) -> GatedDeltaNetBlocks:
@@ -48,4 +51,44 @@ def qwen3_next_linear_attention(config) -> GatedDeltaNetBlocks:
         value_head_dim=config.linear_value_head_dim,
         conv_kernel=config.linear_conv_kernel_dim,
         output_gate="silu" if gate == "swish" else gate,
+    )
+
+
+# vLLM builds KDA's output norm (FusedRMSNormGated) with its default eps, not the config's.
+KDA_OUTPUT_NORM_EPS = 1e-5
+
+
+@dataclass(frozen=True)
+class KimiDeltaAttentionBlocks:
+    """Kimi Delta Attention (Kimi Linear), as vLLM's ``KimiGatedDeltaNetAttention`` builds it with
+    the low-rank gate (``f_a_proj`` / ``f_b_proj`` for the decay, ``g_a_proj`` / ``g_b_proj`` for
+    the output gate); the checkpoint names the layer ``self_attn``."""
+
+    layers: tuple[int, ...]  # the KDA layers (0-based; the config's kda_layers count from 1)
+    num_heads: int
+    head_dim: int  # keys and values alike
+    conv_kernel: int
+    gate_lower_bound: float | None  # the "safe gate" form of the decay when set
+    norm_eps: float = KDA_OUTPUT_NORM_EPS
+
+    kind = "kda"
+    module = "self_attn"
+
+    @property
+    def projection_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    def as_dict(self) -> dict:
+        return {"kind": self.kind, **asdict(self)}
+
+
+def kimi_linear_attention(config) -> KimiDeltaAttentionBlocks:
+    """The KDA layers of a Kimi Linear config (``linear_attn_config``) and their shapes."""
+    kda = getattr(config, "linear_attn_config", None) or {}
+    return KimiDeltaAttentionBlocks(
+        layers=tuple(i for i in range(config.num_hidden_layers) if i + 1 in (kda.get("kda_layers") or ())),
+        num_heads=kda["num_heads"],
+        head_dim=kda["head_dim"],
+        conv_kernel=kda["short_conv_kernel_size"],
+        gate_lower_bound=kda.get("gate_lower_bound"),
     )

@@ -307,3 +307,60 @@ def build_tiny_qwen3_next_model(out_dir: str | os.PathLike, seed: int = 0,
     model.save_pretrained(str(out), safe_serialization=True)
     (out / "zmrl_tiny.json").write_text(json.dumps({"family": "qwen3_next", "seed": seed, "layer_types": list(layer_types)}))
     return out
+
+
+def build_tiny_kimi_linear_model(out_dir: str | os.PathLike, seed: int = 0, num_hidden_layers: int = 2,
+                                 num_heads: int = 4, head_dim: int = 64, conv_kernel: int = 4,
+                                 gate_lower_bound: float | None = None) -> Path:
+    """A tiny Kimi Linear checkpoint: every layer Kimi Delta Attention (KDA, the low-rank gate) with
+    a dense SwiGLU MLP, written under vLLM's ``KimiLinearForCausalLM`` names (transformers has no
+    Kimi Linear model, so the tensors are drawn here). ``gate_lower_bound`` gives the decay its
+    "safe gate" form. The decay parameters spread as a trained model's: A_log = log U(1, 16)."""
+    import torch
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(out, vocab_size=DEFAULT_SHAPE["vocab_size"], seed=seed)
+    vocab, hidden, inter = DEFAULT_SHAPE["vocab_size"], 256, 512
+    size = num_heads * head_dim
+    kda = dict(kda_layers=list(range(1, num_hidden_layers + 1)), full_attn_layers=[], head_dim=head_dim,
+               num_heads=num_heads, short_conv_kernel_size=conv_kernel)
+    if gate_lower_bound is not None:
+        kda["gate_lower_bound"] = gate_lower_bound
+    config = dict(
+        architectures=["KimiLinearForCausalLM"], model_type="kimi_linear", vocab_size=vocab, hidden_size=hidden,
+        intermediate_size=inter, num_hidden_layers=num_hidden_layers, num_attention_heads=num_heads,
+        num_key_value_heads=num_heads, head_dim=head_dim, hidden_act="silu", rms_norm_eps=DEFAULT_SHAPE["rms_norm_eps"],
+        max_position_embeddings=DEFAULT_SHAPE["max_position_embeddings"], bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False,
+        torch_dtype="float32", linear_attn_config=kda,
+    )
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+    generator = torch.Generator().manual_seed(seed)
+
+    def draw(*shape, std=0.05, mean=0.0):
+        return (mean + std * torch.randn(*shape, generator=generator)).contiguous()
+
+    tensors = {"model.embed_tokens.weight": draw(vocab, hidden, std=1.0), "model.norm.weight": draw(hidden, std=0.1, mean=1.0),
+               "lm_head.weight": draw(vocab, hidden)}
+    for i in range(num_hidden_layers):
+        layer, attn = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
+        tensors.update({
+            layer + "input_layernorm.weight": draw(hidden, std=0.1, mean=1.0),
+            layer + "post_attention_layernorm.weight": draw(hidden, std=0.1, mean=1.0),
+            layer + "mlp.gate_proj.weight": draw(inter, hidden), layer + "mlp.up_proj.weight": draw(inter, hidden),
+            layer + "mlp.down_proj.weight": draw(hidden, inter),
+            **{attn + f"{n}_proj.weight": draw(size, hidden) for n in "qkv"},
+            **{attn + f"{n}_conv1d.weight": draw(size, 1, conv_kernel, std=0.3) for n in "qkv"},
+            attn + "b_proj.weight": draw(num_heads, hidden),
+            attn + "f_a_proj.weight": draw(head_dim, hidden), attn + "f_b_proj.weight": draw(size, head_dim),
+            attn + "g_a_proj.weight": draw(head_dim, hidden), attn + "g_b_proj.weight": draw(size, head_dim),
+            attn + "A_log": torch.log(torch.empty(num_heads).uniform_(1, 16, generator=generator)),
+            attn + "dt_bias": draw(size, std=0.5),
+            attn + "o_norm.weight": draw(head_dim, std=0.1, mean=1.0),
+            attn + "o_proj.weight": draw(hidden, size),
+        })
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "zmrl_tiny.json").write_text(json.dumps({"family": "kimi_linear", "seed": seed, "linear_attn_config": kda}))
+    return out

@@ -11,6 +11,9 @@ from zero_mismatch_plugin.aligned.linear_attention import (
     cpu_conv1d_weight,
     fixed_order_causal_conv,
     recurrent_gated_delta_rule,
+    scheduled_causal_conv,
+    scheduled_lengths,
+    time_major_conv_states,
 )
 from zero_mismatch_plugin.aligned.row_invariant import row_invariant_sigmoid
 from zero_mismatch_plugin.fork_patches.edits.edit import Edit, functions_before
@@ -64,7 +67,8 @@ import vllm.envs as envs
 """,
     ),
     functions_before(GDN_ATTENTION, "def register_cpu_gdn_attention_ops() -> None:\n", row_invariant_sigmoid,
-                     fixed_order_causal_conv, recurrent_gated_delta_rule, cpu_conv1d_weight, consistent_gdn_attention),
+                     fixed_order_causal_conv, recurrent_gated_delta_rule, cpu_conv1d_weight, time_major_conv_states,
+                     scheduled_causal_conv, scheduled_lengths, consistent_gdn_attention),
     Edit(
         QWEN3_NEXT,
         old="""\

