@@ -166,3 +166,41 @@ def test_interleaved_windows_of_other_families_name_the_covered_one():
     config = _mistral(sliding_window=64, layer_types=["sliding_attention", "full_attention"], num_hidden_layers=2)
     with pytest.raises(NotImplementedError, match="interleaved windows are covered for CwmForCausalLM only"):
         describe(config)
+
+
+def _kimi_linear(**extra):
+    from vllm.transformers_utils.configs.kimi_linear import KimiLinearConfig
+
+    kda = dict(kda_layers=[1, 2], full_attn_layers=[], head_dim=16, num_heads=4, short_conv_kernel_size=4)
+    kda.update(extra.pop("kda", {}))
+    return KimiLinearConfig(architectures=["KimiLinearForCausalLM"], hidden_size=64, intermediate_size=128,
+                            num_hidden_layers=2, num_attention_heads=4, vocab_size=32, linear_attn_config=kda, **extra)
+
+
+def test_kimi_linear_is_one_entry_whose_kda_layers_only_the_aligned_model_runs():
+    """Kimi Linear's KDA layers (the config counts them from 1), its bf16 add-then-norm ending, and the
+    faces that do not run KDA refuse it by name."""
+    blocks = describe(_kimi_linear(kda={"gate_lower_bound": -5.0}))
+    kda = blocks.linear_attention
+    assert (kda.kind, kda.layers, kda.num_heads, kda.head_dim, kda.conv_kernel) == ("kda", (0, 1), 4, 16, 4)
+    assert kda.gate_lower_bound == -5.0 and kda.module == "self_attn" and kda.projection_size == 64
+    assert blocks.final_add_then_norm and blocks.mixer_kind(1) == "linear"
+    assert blocks.aligned_model_only() == "linear attention (Kimi Delta Attention)"
+    with pytest.raises(NotImplementedError, match=r"Kimi Delta Attention"):
+        megatron_blocks(_kimi_linear())
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (dict(kda={"kda_layers": [1], "full_attn_layers": [2]}), r"full_attn_layers \[2\]: Kimi's MLA layers"),
+        (dict(kda={"use_full_rank_gate": True}), r"use_full_rank_gate"),
+        (dict(num_experts=8, num_experts_per_token=2, moe_intermediate_size=32), r"num_experts set \(Kimi's MoE"),
+        (dict(attn_res_block_size=2), r"attn_res_block_size"),
+        (dict(num_nextn_predict_layers=1), r"num_nextn_predict_layers"),
+        (dict(hidden_act="situ"), r"hidden_act='situ'"),
+    ],
+)
+def test_kimi_linear_settings_the_aligned_model_does_not_run_are_refused_by_name(extra, message):
+    with pytest.raises(NotImplementedError, match=message):
+        describe(_kimi_linear(**extra))

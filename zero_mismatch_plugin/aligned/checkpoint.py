@@ -8,6 +8,25 @@ from pathlib import Path
 import torch
 
 
+def read_config(model_dir: str | os.PathLike, **kwargs):
+    """The checkpoint's config as transformers reads it (``AutoConfig``, ``kwargs`` passed on), or,
+    for a model type transformers does not define and vLLM does (Kimi Linear's ``kimi_linear``),
+    as vLLM reads it; vLLM then registers that config class with ``AutoConfig``, as its engine does."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(str(model_dir), **kwargs)
+    except ValueError as error:
+        if "does not recognize this architecture" not in str(error):
+            raise
+        from vllm.transformers_utils.config import get_config
+
+        try:
+            return get_config(str(model_dir), trust_remote_code=bool(kwargs.get("trust_remote_code", False)))
+        except Exception:  # noqa: BLE001 - vLLM does not define it either: transformers' message says why
+            raise error from None
+
+
 def read_checkpoint(model_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
     """Every tensor of the checkpoint's safetensors files, under its names."""
     from safetensors.torch import load_file

@@ -60,9 +60,9 @@ def keep_prefix_caching(hf_config, platform: str, environ, lora: bool = False) -
 def engine_hf_config(args):
     """The transformers config of an ``EngineArgs``' model, or ``None`` when it cannot be read."""
     try:
-        from transformers import AutoConfig
+        from zero_mismatch_plugin.aligned.checkpoint import read_config
 
-        return AutoConfig.from_pretrained(
+        return read_config(
             args.model,
             trust_remote_code=bool(getattr(args, "trust_remote_code", False)),
             revision=getattr(args, "revision", None),

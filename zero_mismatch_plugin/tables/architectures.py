@@ -16,7 +16,9 @@ from zero_mismatch_plugin.tables.linear_attention import (
     GatedDeltaNetBlocks,
     KimiDeltaAttentionBlocks,
     kimi_linear_attention,
+    kimi_linear_refusals,
     qwen3_next_linear_attention,
+    qwen3_next_refusals,
 )
 
 
@@ -101,7 +103,7 @@ class Blocks:
         if self.mla is not None:
             return "multi-head latent attention"
         if self.linear_attention is not None:
-            return f"linear attention ({self.linear_attention.kind.replace('_', ' ')})"
+            return f"linear attention ({self.linear_attention.title})"
         return None
 
     def mixer_kind(self, layer: int) -> str:
@@ -191,41 +193,7 @@ def _qwen3_moe(config) -> MoeBlocks:
 
 
 def _qwen3_next_refusals(config) -> list[str]:
-    out = _moe_refusals(config)
-    kinds = set(getattr(config, "layer_types", None) or [])
-    if not kinds or not kinds <= {"linear_attention", "full_attention"}:
-        out.append(f"layer_types {sorted(kinds)}: expected 'linear_attention' and 'full_attention' entries")
-    if getattr(config, "layer_scale", False):
-        out.append("layer_scale (per-layer output scales): set it to false")
-    if getattr(config, "attn_output_gate", True) is not True:
-        out.append("attn_output_gate=false: only Qwen3-Next's gated attention output is covered")
-    if getattr(config, "dual_chunk_attention_config", None):
-        out.append("dual_chunk_attention_config: set it to null")
-    if getattr(config, "linear_value_head_dim", 0) != 128 or getattr(config, "linear_key_head_dim", 0) != 128:
-        out.append("linear_key_head_dim / linear_value_head_dim other than 128: vLLM's CPU gated delta-net "
-                   "kernels run head dim 128 only")
-    return out
-
-
-def _kimi_linear_refusals(config) -> list[str]:
-    """What of a Kimi Linear config the aligned model does not run: it covers the KDA layers with
-    the low-rank gate and dense SwiGLU MLPs."""
-    kda = getattr(config, "linear_attn_config", None)
-    if not kda:
-        return ["linear_attn_config unset: a Kimi Linear checkpoint names its KDA layers there"]
-    out = []
-    if kda.get("full_attn_layers"):
-        out.append(f"full_attn_layers {list(kda['full_attn_layers'])}: Kimi's MLA layers are not covered on CPU "
-                   "(vLLM's Kimi MLA needs a CUDA-only fused cache insert); give every layer to kda_layers")
-    if kda.get("use_full_rank_gate"):
-        out.append("use_full_rank_gate (Kimi K3's full-rank KDA gate): not covered; the low-rank gate is")
-    if getattr(config, "num_experts", None) is not None:
-        out.append("num_experts set (Kimi's MoE layers): not covered yet; the dense MLP is")
-    if getattr(config, "attn_res_block_size", None) is not None:
-        out.append("attn_res_block_size (attention residual blocks): set it to null")
-    if getattr(config, "num_nextn_predict_layers", 0):
-        out.append("num_nextn_predict_layers (multi-token prediction layers): set it to 0")
-    return out
+    return _moe_refusals(config) + qwen3_next_refusals(config)
 
 
 def _mixtral_moe(config) -> MoeBlocks:
@@ -424,7 +392,7 @@ _ENTRIES: dict[str, _Entry] = {
     "KimiLinearForCausalLM": _Entry(
         qk_norm=False,
         biases=lambda config: (False, False),
-        refuse=_kimi_linear_refusals,
+        refuse=kimi_linear_refusals,
         linear_attention=kimi_linear_attention,
         final_add_then_norm=True,
     ),

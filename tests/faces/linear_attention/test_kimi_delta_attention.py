@@ -244,3 +244,23 @@ def test_kda_op_backward_against_float64_and_every_model_parameter_gets_a_gradie
     assert len(kda_params) == 15 * trainer.config.num_hidden_layers
     for name, p in kda_params.items():
         assert p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0, name
+
+
+def test_zmrl_check_passes_every_check_on_kimi_linear_in_bf16(checkpoint, tmp_path, capsys):
+    """``zmrl check --dtype bfloat16`` as a user runs it on the tiny Kimi Linear checkpoint (its own
+    engine): every check passes; the prefix-cache check is skipped with the reason (vLLM's CPU
+    engine serves no prefix-cache hit for linear-attention layers, so consistent mode keeps it off)."""
+    import json
+
+    from zero_mismatch_plugin.tools import cli
+
+    out = tmp_path / "check.json"
+    code = cli.main(["check", "--model", str(checkpoint), "--dtype", "bfloat16", "--max-model-len", str(MAX_MODEL_LEN),
+                     "--num-prompts", "4", "--max-tokens", "8", "--quiet", "--json", str(out)])
+    table = capsys.readouterr().out
+    report = json.loads(out.read_text())
+    assert code == 0, table
+    assert "prefix_cache       skip    not run: KimiLinearForCausalLM has linear-attention layers" in table, table
+    assert "prefix_cache" not in report
+    for name in ("sampled_token", "full_distribution", "batch_composition", "prefill_vs_decode"):
+        assert report[name]["pass"] is True, (name, table)

@@ -248,3 +248,31 @@ def test_batch_invariant_module_found_under_a_known_path():
     module = batch_invariant_module()
     assert module.__name__ in BATCH_INVARIANT_MODULES
     assert hasattr(module, "init_batch_invariance")
+
+
+def test_cpu_gemm_patch_leaves_an_fp32_conv_weight_plain_and_hands_bf16_ones_to_vllm():
+    """vLLM's dispatch VNNI-packs every 3-D (conv) weight on AVX-512-bf16 hosts with a packing kernel
+    that takes bf16 only; KDA keeps its conv weight in fp32. A planted dispatch that fails as that
+    kernel does on fp32 (whatever this host has): the patched dispatch never hands it an fp32 conv
+    weight and leaves the weight as it was, and still hands it a bf16 one."""
+    import torch
+
+    from zero_mismatch_plugin.integrations.vllm.plugin import _pad_small_row_counts
+
+    handed = []
+
+    def planted_dispatch(layer, remove_weight):
+        if layer.weight.dtype != torch.bfloat16:
+            raise NotImplementedError('"causal_conv1d_fwd_kernel_impl" not implemented for \'Float\'')
+        handed.append(layer.weight.dtype)
+
+    dispatch = _pad_small_row_counts(planted_dispatch)
+    fp32 = torch.nn.Module()
+    fp32.weight = torch.nn.Parameter(torch.randn(12, 1, 4))
+    before = fp32.weight.detach().clone()
+    dispatch(fp32, remove_weight=True)
+    assert torch.equal(fp32.weight, before) and not hasattr(fp32, "cpu_linear") and handed == []
+    bf16 = torch.nn.Module()
+    bf16.weight = torch.nn.Parameter(torch.randn(12, 1, 4).bfloat16())
+    dispatch(bf16, remove_weight=True)
+    assert handed == [torch.bfloat16]

@@ -189,9 +189,9 @@ def build_adapter(
     the adapter changes the logits from the first step; PEFT's own init has B = 0). ``targets``:
     by default every decoder-layer module the aligned path adapts for that model (``embed_tokens``
     and ``lm_head`` only when named)."""
-    from transformers import AutoConfig
+    from zero_mismatch_plugin.aligned.checkpoint import read_config
 
-    model_config = AutoConfig.from_pretrained(str(model_dir))
+    model_config = read_config(model_dir)
     targets = supported_lora_targets(model_config) if targets is None else targets
     supported = supported_lora_targets(model_config, vocab=True)
     config = LoRAConfig(r=r, lora_alpha=lora_alpha, targets=tuple(targets), use_rslora=use_rslora)

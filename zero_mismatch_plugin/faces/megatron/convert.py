@@ -28,7 +28,7 @@ def megatron_blocks(hf_config) -> Blocks:
         # megatron-core 0.16's gated delta-net is its own layer spec (ssm/gated_delta_net.py) with
         # its own kernels; the face's GPT layer spec has no slot for vLLM's linear-attention op.
         raise NotImplementedError(
-            f"{blocks.architecture}: linear attention (gated delta-net) is not supported by the Megatron face; "
+            f"{blocks.architecture}: {blocks.aligned_model_only()} is not supported by the Megatron face; "
             "use the aligned trainer model (zmrl check --trainer aligned)")
     if blocks.o_bias:
         # megatron-core has one switch (add_bias_linear) for o_proj and both MLP linears.

@@ -449,10 +449,10 @@ def _covered(config, face: str) -> bool:
 def transformers_config(model_dir):
     """The checkpoint's transformers config (what the engine and every face read), refused when
     transformers rejects config.json."""
-    from transformers import AutoConfig
+    from zero_mismatch_plugin.aligned.checkpoint import read_config
 
     try:
-        return AutoConfig.from_pretrained(str(model_dir))
+        return read_config(model_dir)
     except Exception as error:  # noqa: BLE001 - transformers' validation errors have many types
         text = " ".join(str(error).split())
         raise CheckerInputError(

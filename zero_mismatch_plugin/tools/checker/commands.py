@@ -165,9 +165,9 @@ def run_settings(args, max_model_len: int, lora: dict) -> eng.EngineSettings:
         raise inputs.CheckerInputError(f"--expert-parallel {expert_parallel} does not divide the checkpoint's "
                                        f"{settings.blocks.moe.num_experts} experts")
     if pipeline_parallel > 1:
-        from transformers import AutoConfig
+        from zero_mismatch_plugin.aligned.checkpoint import read_config
 
-        layers = AutoConfig.from_pretrained(str(args.model)).num_hidden_layers
+        layers = read_config(args.model).num_hidden_layers
         if layers % pipeline_parallel:
             raise inputs.CheckerInputError(f"--pipeline-parallel {pipeline_parallel} does not divide the checkpoint's "
                                            f"{layers} layers (megatron splits them evenly over the stages)")

@@ -99,13 +99,13 @@ def engine_settings(
     (``float32`` or ``bfloat16``); the trainer computes in it too."""
     import os
 
-    from transformers import AutoConfig
+    from zero_mismatch_plugin.aligned.checkpoint import read_config
 
     from zero_mismatch_plugin.aligned.runtime import cpu_engine_thread_binding, engine_args_for
     from zero_mismatch_plugin.tables.architectures import describe
     from zero_mismatch_plugin.tables.switches import ALLOW_PREFIX_CACHING, CPU_KV_CACHE_SPACE
 
-    model_config = AutoConfig.from_pretrained(str(model_dir))
+    model_config = read_config(model_dir)
     trainer_args = dict(max_model_len=max_model_len, seed=seed, dtype=dtype)
     lora_targets = ()
     if lora_dir is not None:

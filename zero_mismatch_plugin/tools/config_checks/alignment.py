@@ -94,12 +94,12 @@ def _face_feature_gaps(model_dir: Path, face: str) -> list[str]:
     """The settings of a supported architecture that the trainer ``face`` does not build: the same
     pre-check ``zmrl check`` runs, on the checkpoint's own config (one transformers cannot read is
     left to the engine's and the checker's own refusals)."""
-    from transformers import AutoConfig
+    from zero_mismatch_plugin.aligned.checkpoint import read_config
 
     from zero_mismatch_plugin.faces import precheck
 
     try:
-        precheck(AutoConfig.from_pretrained(str(model_dir)), face)
+        precheck(read_config(model_dir), face)
     except NotImplementedError as unsupported:
         return [str(unsupported)]
     except (OSError, ValueError, TypeError, KeyError):
