@@ -76,8 +76,8 @@ def checkpoints(tmp_path_factory):
            for method, groups, scale, seed in (("greedy", 1, 2.5, 10), ("group_limited_greedy", 2, 1.5, 11))},
         # Linear-attention hybrid (bf16 only on CPU): gated delta-net layers 0, 1, 3, gated full attention 2.
         "qwen3_next": build_tiny_qwen3_next_model(root / "qwen3_next", seed=12),
-        # Kimi Linear: two Kimi Delta Attention layers, dense MLPs (fp32 and bf16 on CPU).
-        "kimi_linear": build_tiny_kimi_linear_model(root / "kimi_linear", seed=13),
+        # Kimi Linear: two Kimi Delta Attention layers, a dense MLP then Kimi's MoE (fp32 and bf16 on CPU).
+        "kimi_linear": build_tiny_kimi_linear_model(root / "kimi_linear", seed=13, first_moe_layer=1),
     }
 
 

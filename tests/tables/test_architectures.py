@@ -188,6 +188,20 @@ def test_kimi_linear_is_one_entry_whose_kda_layers_only_the_aligned_model_runs()
     assert blocks.aligned_model_only() == "linear attention (Kimi Delta Attention)"
     with pytest.raises(NotImplementedError, match=r"Kimi Delta Attention"):
         megatron_blocks(_kimi_linear())
+    assert blocks.moe is None
+
+
+def test_kimi_moe_layers_are_read_as_vllm_builds_them():
+    """Kimi's MoE from first_k_dense_replace on: the grouped sigmoid router with its bias, the routed
+    scale on the router's weights (Kimi's layer does not ask vLLM to scale the output), and
+    num_shared_experts widths of shared expert, under Kimi's checkpoint names."""
+    moe = describe(_kimi_linear(num_experts=8, num_experts_per_token=2, moe_intermediate_size=32, num_shared_experts=2,
+                                first_k_dense_replace=1, num_expert_group=2, topk_group=1,
+                                routed_scaling_factor=2.5)).moe
+    assert (moe.num_experts, moe.top_k, moe.moe_layers, moe.names) == (8, 2, (1,), "kimi")
+    assert (moe.scoring_func, moe.grouped_topk, moe.n_group, moe.topk_group) == ("sigmoid", True, 2, 1)
+    assert moe.e_score_correction_bias and moe.routed_scale_on_weights and moe.routed_scaling_factor == 2.5
+    assert moe.shared_expert_intermediate_size == 64 and moe.norm_topk_prob
 
 
 @pytest.mark.parametrize(
@@ -195,7 +209,10 @@ def test_kimi_linear_is_one_entry_whose_kda_layers_only_the_aligned_model_runs()
     [
         (dict(kda={"kda_layers": [1], "full_attn_layers": [2]}), r"full_attn_layers \[2\]: Kimi's MLA layers"),
         (dict(kda={"use_full_rank_gate": True}), r"use_full_rank_gate"),
-        (dict(num_experts=8, num_experts_per_token=2, moe_intermediate_size=32), r"num_experts set \(Kimi's MoE"),
+        (dict(num_experts=8, num_experts_per_token=2, moe_intermediate_size=32, routed_expert_hidden_size=16),
+         r"routed_expert_hidden_size \(Kimi K3's latent MoE"),
+        (dict(num_experts=8, num_experts_per_token=2, moe_intermediate_size=32, use_grouped_topk=False),
+         r"use_grouped_topk=false"),
         (dict(attn_res_block_size=2), r"attn_res_block_size"),
         (dict(num_nextn_predict_layers=1), r"num_nextn_predict_layers"),
         (dict(hidden_act="situ"), r"hidden_act='situ'"),

@@ -149,8 +149,8 @@ class AlignedMoE:
             scoring_func=moe.scoring_func,
             routed_scaling_factor=moe.routed_scaling_factor,
             # As vLLM's GLM-4.5 / DeepSeek-V3 models on a non-ROCm platform: the runner scales
-            # the routed output, the router's weights stay unscaled.
-            apply_routed_scale_to_output=moe.grouped_topk,
+            # the routed output, the router's weights stay unscaled (Kimi's: the weights scaled).
+            apply_routed_scale_to_output=moe.grouped_topk and not moe.routed_scale_on_weights,
             e_score_correction_bias=self._engine_bias,
             router_logits_dtype=torch.float32 if moe.grouped_topk else None,
         )

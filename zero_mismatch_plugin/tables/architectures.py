@@ -15,11 +15,10 @@ from typing import Callable
 from zero_mismatch_plugin.tables.linear_attention import (
     GatedDeltaNetBlocks,
     KimiDeltaAttentionBlocks,
-    kimi_linear_attention,
-    kimi_linear_refusals,
     qwen3_next_linear_attention,
     qwen3_next_refusals,
 )
+from zero_mismatch_plugin.tables.kimi_linear import kimi_linear_attention, kimi_linear_refusals, kimi_moe
 
 
 @dataclass(frozen=True)
@@ -31,7 +30,7 @@ class MoeBlocks:
     moe_intermediate_size: int
     norm_topk_prob: bool  # vLLM's ``renormalize``: the top-k weights sum to one
     moe_layers: tuple[int, ...]  # the layers whose MLP is the MoE; the others are dense SwiGLU
-    names: str  # checkpoint naming: "qwen" (mlp.gate, experts.E.gate_proj) or "mixtral"
+    names: str  # checkpoint naming, a key of MOE_CHECKPOINT_NAMES
     # The router; the defaults are the plain softmax top-k router.
     scoring_func: str = "softmax"  # "softmax" or "sigmoid" over the router logits
     grouped_topk: bool = False  # DeepSeek-V3 style: experts in n_group groups, topk_group groups kept
@@ -41,6 +40,9 @@ class MoeBlocks:
     routed_scaling_factor: float = 1.0
     shared_expert_intermediate_size: int = 0  # 0: no shared expert
     shared_expert_gate: bool = False  # a sigmoid gate (a 1-row linear) on the shared expert's output
+    # Where vLLM's layer applies routed_scaling_factor under grouped routing: on the routed output
+    # (DeepSeek-V3, GLM-4.5) or, as Kimi's layer leaves it, on the router's top-k weights.
+    routed_scale_on_weights: bool = False
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -387,12 +389,14 @@ _ENTRIES: dict[str, _Entry] = {
         gemma_norms=True,
         attention_output_gate=True,
     ),
-    # Kimi Linear: Kimi Delta Attention layers with dense MLPs (vLLM's KimiLinearForCausalLM; the
-    # aligned model covers it on CPU, where the plugin gives vLLM the KDA path it lacks).
+    # Kimi Linear: Kimi Delta Attention layers, dense or Mixture-of-Experts MLPs (vLLM's
+    # KimiLinearForCausalLM; the aligned model covers it on CPU, where the plugin gives vLLM the KDA
+    # path it lacks).
     "KimiLinearForCausalLM": _Entry(
         qk_norm=False,
         biases=lambda config: (False, False),
-        refuse=kimi_linear_refusals,
+        refuse=lambda config: _moe_refusals(config) + kimi_linear_refusals(config),
+        moe=kimi_moe,
         linear_attention=kimi_linear_attention,
         final_add_then_norm=True,
     ),
@@ -420,6 +424,7 @@ MOE_CHECKPOINT_NAMES = {
     "qwen": ("mlp", "gate", ("gate_proj", "up_proj", "down_proj"), "shared_expert"),
     "glm": ("mlp", "gate", ("gate_proj", "up_proj", "down_proj"), "shared_experts"),
     "mixtral": ("block_sparse_moe", "gate", ("w1", "w3", "w2"), None),
+    "kimi": ("block_sparse_moe", "gate", ("w1", "w3", "w2"), "shared_experts"),
 }
 
 SUPPORTED_ARCHITECTURES = tuple(_ENTRIES)

@@ -84,18 +84,6 @@ class KimiDeltaAttentionBlocks:
         return {"kind": self.kind, **asdict(self)}
 
 
-def kimi_linear_attention(config) -> KimiDeltaAttentionBlocks:
-    """The KDA layers of a Kimi Linear config (``linear_attn_config``) and their shapes."""
-    kda = getattr(config, "linear_attn_config", None) or {}
-    return KimiDeltaAttentionBlocks(
-        layers=tuple(i for i in range(config.num_hidden_layers) if i + 1 in (kda.get("kda_layers") or ())),
-        num_heads=kda["num_heads"],
-        head_dim=kda["head_dim"],
-        conv_kernel=kda["short_conv_kernel_size"],
-        gate_lower_bound=kda.get("gate_lower_bound"),
-    )
-
-
 def qwen3_next_refusals(config) -> list[str]:
     """What of a Qwen3-Next config (its MoE aside) the aligned model does not run."""
     out = []
@@ -111,25 +99,4 @@ def qwen3_next_refusals(config) -> list[str]:
     if getattr(config, "linear_value_head_dim", 0) != 128 or getattr(config, "linear_key_head_dim", 0) != 128:
         out.append("linear_key_head_dim / linear_value_head_dim other than 128: vLLM's CPU gated delta-net "
                    "kernels run head dim 128 only")
-    return out
-
-
-def kimi_linear_refusals(config) -> list[str]:
-    """What of a Kimi Linear config the aligned model does not run: it covers the KDA layers with
-    the low-rank gate and dense SwiGLU MLPs."""
-    kda = getattr(config, "linear_attn_config", None)
-    if not kda:
-        return ["linear_attn_config unset: a Kimi Linear checkpoint names its KDA layers there"]
-    out = []
-    if kda.get("full_attn_layers"):
-        out.append(f"full_attn_layers {list(kda['full_attn_layers'])}: Kimi's MLA layers are not covered on CPU "
-                   "(vLLM's Kimi MLA needs a CUDA-only fused cache insert); give every layer to kda_layers")
-    if kda.get("use_full_rank_gate"):
-        out.append("use_full_rank_gate (Kimi K3's full-rank KDA gate): not covered; the low-rank gate is")
-    if getattr(config, "num_experts", None) is not None:
-        out.append("num_experts set (Kimi's MoE layers): not covered yet; the dense MLP is")
-    if getattr(config, "attn_res_block_size", None) is not None:
-        out.append("attn_res_block_size (attention residual blocks): set it to null")
-    if getattr(config, "num_nextn_predict_layers", 0):
-        out.append("num_nextn_predict_layers (multi-token prediction layers): set it to 0")
     return out

@@ -311,11 +311,13 @@ def build_tiny_qwen3_next_model(out_dir: str | os.PathLike, seed: int = 0,
 
 def build_tiny_kimi_linear_model(out_dir: str | os.PathLike, seed: int = 0, num_hidden_layers: int = 2,
                                  num_heads: int = 4, head_dim: int = 64, conv_kernel: int = 4,
-                                 gate_lower_bound: float | None = None) -> Path:
-    """A tiny Kimi Linear checkpoint: every layer Kimi Delta Attention (KDA, the low-rank gate) with
-    a dense SwiGLU MLP, written under vLLM's ``KimiLinearForCausalLM`` names (transformers has no
-    Kimi Linear model, so the tensors are drawn here). ``gate_lower_bound`` gives the decay its
-    "safe gate" form. The decay parameters spread as a trained model's: A_log = log U(1, 16)."""
+                                 gate_lower_bound: float | None = None, first_moe_layer: int | None = None) -> Path:
+    """A tiny Kimi Linear checkpoint: every layer Kimi Delta Attention (KDA, the low-rank gate),
+    written under vLLM's ``KimiLinearForCausalLM`` names (transformers has no Kimi Linear model, so
+    the tensors are drawn here). MLPs are dense SwiGLU, or from layer ``first_moe_layer`` on Kimi's
+    Mixture-of-Experts (8 experts, top-2, sigmoid scores in 2 groups with 1 kept, a selection
+    bias, routed scale 2.5, one shared expert). ``gate_lower_bound`` gives the decay its "safe
+    gate" form. The decay parameters spread as a trained model's: A_log = log U(1, 16)."""
     import torch
     from safetensors.torch import save_file
 
@@ -336,6 +338,12 @@ def build_tiny_kimi_linear_model(out_dir: str | os.PathLike, seed: int = 0, num_
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False,
         torch_dtype="float32", linear_attn_config=kda,
     )
+    moe = dict(num_experts=MOE_SHAPE["num_experts"], num_experts_per_token=MOE_SHAPE["top_k"],
+               moe_intermediate_size=MOE_SHAPE["moe_intermediate_size"], num_shared_experts=1,
+               first_k_dense_replace=first_moe_layer, moe_router_activation_func="sigmoid", use_grouped_topk=True,
+               num_expert_group=2, topk_group=1, routed_scaling_factor=2.5, moe_renormalize=True)
+    if first_moe_layer is not None:
+        config.update(moe)
     (out / "config.json").write_text(json.dumps(config, indent=1))
     generator = torch.Generator().manual_seed(seed)
 
@@ -349,8 +357,6 @@ def build_tiny_kimi_linear_model(out_dir: str | os.PathLike, seed: int = 0, num_
         tensors.update({
             layer + "input_layernorm.weight": draw(hidden, std=0.1, mean=1.0),
             layer + "post_attention_layernorm.weight": draw(hidden, std=0.1, mean=1.0),
-            layer + "mlp.gate_proj.weight": draw(inter, hidden), layer + "mlp.up_proj.weight": draw(inter, hidden),
-            layer + "mlp.down_proj.weight": draw(hidden, inter),
             **{attn + f"{n}_proj.weight": draw(size, hidden) for n in "qkv"},
             **{attn + f"{n}_conv1d.weight": draw(size, 1, conv_kernel, std=0.3) for n in "qkv"},
             attn + "b_proj.weight": draw(num_heads, hidden),
@@ -361,6 +367,20 @@ def build_tiny_kimi_linear_model(out_dir: str | os.PathLike, seed: int = 0, num_
             attn + "o_norm.weight": draw(head_dim, std=0.1, mean=1.0),
             attn + "o_proj.weight": draw(hidden, size),
         })
+        if first_moe_layer is not None and i >= first_moe_layer:
+            block, width = layer + "block_sparse_moe.", moe["moe_intermediate_size"]
+            tensors[block + "gate.weight"] = draw(moe["num_experts"], hidden, std=0.1)
+            tensors[block + "gate.e_score_correction_bias"] = draw(moe["num_experts"], std=0.05)  # changes some choices
+            for e in range(moe["num_experts"]):
+                tensors.update({block + f"experts.{e}.w1.weight": draw(width, hidden),
+                                block + f"experts.{e}.w3.weight": draw(width, hidden),
+                                block + f"experts.{e}.w2.weight": draw(hidden, width)})
+            tensors.update({block + f"shared_experts.{n}.weight": draw(*shape) for n, shape in
+                            (("gate_proj", (width, hidden)), ("up_proj", (width, hidden)), ("down_proj", (hidden, width)))})
+        else:
+            tensors.update({layer + "mlp.gate_proj.weight": draw(inter, hidden), layer + "mlp.up_proj.weight": draw(inter, hidden),
+                            layer + "mlp.down_proj.weight": draw(hidden, inter)})
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "zmrl_tiny.json").write_text(json.dumps({"family": "kimi_linear", "seed": seed, "linear_attn_config": kda}))
+    (out / "zmrl_tiny.json").write_text(json.dumps({"family": "kimi_linear", "seed": seed, "linear_attn_config": kda,
+                                                    "first_moe_layer": first_moe_layer}))
     return out

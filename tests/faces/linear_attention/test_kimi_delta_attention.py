@@ -2,8 +2,9 @@
 own: the engine serves it through the plugin's one arithmetic and agrees with itself (a token
 decoded has the bits of the same token re-prefilled, across the engine's 64-token chunked
 scheduling of long prompts), and the aligned model computes those bits at engine batch 1, 2 and
-8, in fp32 and in bf16. Negative controls: the chunked form of the rule (vLLM's prefill
-algorithm) in the trainer, and in bf16 the fused add + norm other families end with. Backward:
+8, in fp32 and in bf16 (a KDA layer with a dense MLP, then one with Kimi's MoE). Negative
+controls: the chunked form of the rule (vLLM's prefill algorithm) in the trainer, the routed
+scale where DeepSeek-V3 puts it, and in bf16 the fused add + norm other families end with. Backward:
 the op against float64 autograd of the chunked form; every KDA parameter gets a gradient.
 """
 
@@ -122,14 +123,17 @@ def chunked_kda_recurrence(q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound
     return torch.cat(outputs).to(v.dtype), states
 
 
-def test_negative_controls_chunked_rule_and_fused_final_norm(checkpoint, rollouts, dtype, monkeypatch):
-    """The trainer with the chunked form of the same rule is close to μ, never equal; in bf16 so is
-    the trainer that ends with one fused add + norm, as the other families' models do (Kimi
-    Linear adds the last residual in bf16 and norms after): the one arithmetic and the model's own
-    op order are what match."""
+def test_negative_controls_chunked_rule_routed_scale_and_fused_final_norm(checkpoint, rollouts, dtype, monkeypatch):
+    """The trainer with the chunked form of the same rule is close to μ, never equal; so is the
+    trainer whose MoE scales the routed output, as DeepSeek-V3's layer asks vLLM to (Kimi's scales
+    the router's weights); in bf16 so is the trainer that ends with one fused add + norm, as the
+    other families' models do (Kimi Linear adds the last residual in bf16 and norms after): the
+    one arithmetic and the model's own op order are what match."""
     import dataclasses
 
     from zero_mismatch_plugin.aligned import kimi_delta_attention
+    from zero_mismatch_plugin.tables import architectures
+    from zero_mismatch_plugin.tables.kimi_linear import kimi_moe
 
     prompts, responses, mu = rollouts[8]
     trainer = aligned_model(checkpoint, dtype)
@@ -139,6 +143,14 @@ def test_negative_controls_chunked_rule_and_fused_final_norm(checkpoint, rollout
             chunked = trainer.token_logprobs(pack(prompts, responses))
     assert not torch.equal(chunked, mu) and (chunked - mu).abs().median() < 0.1
     print(f"trainer with the chunked KDA ({dtype}): {bitwise_report('', chunked, mu)}")
+    entry = architectures._ENTRIES["KimiLinearForCausalLM"]
+    scaled_output = dataclasses.replace(entry, moe=lambda c: dataclasses.replace(kimi_moe(c), routed_scale_on_weights=False))
+    with monkeypatch.context() as patched:
+        patched.setitem(architectures._ENTRIES, "KimiLinearForCausalLM", scaled_output)
+        with torch.no_grad():
+            output_scaled = aligned_model(checkpoint, dtype).token_logprobs(pack(prompts, responses))
+    assert not torch.equal(output_scaled, mu) and (output_scaled - mu).abs().median() < 0.1
+    print(f"trainer scaling the routed output ({dtype}): {bitwise_report('', output_scaled, mu)}")
     if dtype == "bfloat16":
         trainer.blocks = dataclasses.replace(trainer.blocks, final_add_then_norm=False)
         with torch.no_grad():
