@@ -384,13 +384,15 @@ class AlignedCausalLM(nn.Module):
         if self.lora_enabled:
             from zero_mismatch_plugin.aligned.lora.names import (
                 HYBRID_MERGED_TARGETS,
+                KDA_MERGED_TARGETS,
                 MERGED_TARGETS,
                 MLA_MERGED_TARGETS,
                 MLA_Q_LORA_MERGED_TARGETS,
             )
             from zero_mismatch_plugin.aligned.lora.ops import lora_linears
 
-            merged = HYBRID_MERGED_TARGETS if self.blocks.linear_attention is not None else MERGED_TARGETS
+            linear = self.blocks.linear_attention
+            merged = MERGED_TARGETS if linear is None else KDA_MERGED_TARGETS if linear.kind == "kda" else HYBRID_MERGED_TARGETS
             if self.blocks.attention == "mla":
                 merged = MLA_MERGED_TARGETS if self.blocks.mla.q_lora_rank is None else MLA_Q_LORA_MERGED_TARGETS
             self.lora_ops = lora_linears(self.runtime, self.lora, self.layer_ops, merged)

@@ -190,9 +190,10 @@ ABSENT = _Absent()
 
 def _current(owner, attribute: str):
     # A class attribute is read from the class's own dict so that a staticmethod/classmethod
-    # wrapper is kept as it is.
+    # wrapper is kept as it is; one the class does not set itself (inherited or unset) is ABSENT,
+    # so that removing the patch deletes the class's own binding again.
     if isinstance(owner, type):
-        return owner.__dict__[attribute]
+        return owner.__dict__.get(attribute, ABSENT)
     return getattr(owner, attribute, ABSENT)
 
 

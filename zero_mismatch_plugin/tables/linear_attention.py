@@ -9,6 +9,9 @@ from dataclasses import asdict, dataclass
 # checkpoint's names; the parent module of each in the checkpoint and PEFT's tensor names.
 GATED_DELTA_NET_LORA_TARGETS = ("in_proj_qkvz", "in_proj_ba", "out_proj")
 LINEAR_ATTENTION_MODULE = "linear_attn"
+# The linears of a Kimi Delta Attention layer a LoRA adapter targets (vLLM wraps them all: q/k/v,
+# beta and the decay's f_a merged in in_proj_qkvgfab), under the checkpoint's names in ``self_attn``.
+KDA_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "b_proj", "f_a_proj", "f_b_proj", "g_a_proj", "g_b_proj", "o_proj")
 
 
 @dataclass(frozen=True)

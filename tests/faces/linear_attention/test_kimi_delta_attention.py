@@ -10,6 +10,8 @@ the op against float64 autograd of the chunked form; every KDA parameter gets a 
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -276,3 +278,47 @@ def test_zmrl_check_passes_every_check_on_kimi_linear_in_bf16(checkpoint, tmp_pa
     assert "prefix_cache" not in report
     for name in ("sampled_token", "full_distribution", "batch_composition", "prefill_vs_decode"):
         assert report[name]["pass"] is True, (name, table)
+
+
+def test_lora_on_every_module_at_batch_1_2_8_and_gradients_reach_only_the_adapter(engines, checkpoint, tmp_path):
+    """An adapter on every KDA projection (q/k/v, beta and the decay's f_a in vLLM's merged
+    in_proj_qkvgfab; f_b, g_a, g_b, o), the dense MLP, every routed expert and the shared experts,
+    served by the bf16 engine (vLLM gives KimiLinearForCausalLM no LoRA support: the plugin's
+    patch does, with the experts' checkpoint names) and run by the aligned model: bitwise at batch
+    1, 2 and 8, next to requests without the adapter; the gradient reaches the adapter's A and B
+    only, every pair of them."""
+    from safetensors import safe_open
+    from vllm.lora.request import LoRARequest
+
+    from support.aligned_checks import lora_generate
+    from zero_mismatch_plugin.aligned.lora.adapter import build_adapter
+    from zero_mismatch_plugin.faces.aligned_model import AlignedCausalLM
+
+    adapter = build_adapter(tmp_path / "adapter", checkpoint, r=8, lora_alpha=16)
+    with safe_open(adapter / "adapter_model.safetensors", "pt") as tensors:
+        modules = {name.split(".lora_")[0].split(".layers.")[1] for name in tensors.keys()}
+    assert {f"0.self_attn.{t}" for t in ("q_proj", "b_proj", "f_a_proj", "f_b_proj", "g_a_proj", "g_b_proj", "o_proj")
+            } | {"0.mlp.down_proj", "1.block_sparse_moe.experts.7.w2", "1.block_sparse_moe.shared_experts.up_proj"} <= modules
+    lora_engine = dict(enable_lora=True, max_lora_rank=8, max_loras=2, max_model_len=MAX_MODEL_LEN, seed=0)
+    llm = Engines(engines.pool, engines.checkpoints, scope=f"{__name__}.lora", dtype="bfloat16", **lora_engine).get(FAMILY)
+    request = LoRARequest("kimi-linear", 1, str(adapter))
+    trainer = AlignedCausalLM.from_pretrained(checkpoint, lora_dir=adapter, dtype="bfloat16", **lora_engine)
+    prompts = prompts_for(checkpoint)
+    for b in BATCHES:
+        requests = [request if i % 2 == 0 else None for i in range(b)]  # base requests beside adapted ones
+        rows = lora_generate(llm, prompts[:b], requests, seed=700)
+        for adapted in (True, False):
+            chosen = [r for r in rows if (r[3] is not None) == adapted]
+            if not chosen:
+                continue
+            with torch.no_grad(), (trainer.adapter_disabled() if not adapted else contextlib.nullcontext()):
+                logprobs = trainer.token_logprobs(pack([r[0] for r in chosen], [r[1] for r in chosen]))
+            assert_bitwise(f"Kimi Linear, LoRA on every module (adapter {adapted}), batch {b}", logprobs,
+                           torch.cat([r[2] for r in chosen]).float())
+    chosen = [r for r in rows if r[3] is not None]
+    trainer.token_logprobs(pack([r[0] for r in chosen], [r[1] for r in chosen])).sum().backward()
+    trained = dict(trainer.lora.named_parameters())
+    assert len(trained) == 2 * (12 + 9 + 8 * 3 + 3)  # layer 0: KDA + MLP; layer 1: KDA, 8 experts, shared
+    for name, p in trained.items():
+        assert p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0, name
+    assert {n for n, p in trainer.named_parameters() if p.requires_grad} == {f"lora.{n}" for n in trained}

@@ -45,11 +45,14 @@ class LoRAAdapter(nn.Module):
         # Parameters are named by EXPERT_TARGETS whatever the checkpoint calls an expert's linears.
         canonical = dict(zip(expert_target_names(model_config), EXPERT_TARGETS))
         self.model_config = model_config
-        self.layer_targets = tuple(canonical.get(t, t) for t in lora_config.targets if t not in VOCAB_LORA_TARGETS)
+        # (Kimi names its dense MLP's linears gate_proj ... and its experts' w1 ...: both are one target each.)
+        self.layer_targets = tuple(dict.fromkeys(canonical.get(t, t) for t in lora_config.targets
+                                                 if t not in VOCAB_LORA_TARGETS))
         expert_targets = [t for t in self.layer_targets if t in EXPERT_TARGETS]
         fused_experts = bool(lora_config.target_parameters)
         moe_layers, expert_shapes, self.shared_name, shared_shapes = routed_expert_layers(model_config)
         block = (moe_checkpoint_names(model_config) or [None])[0] if moe_layers else None
+        self.moe_block = block or "mlp"
         if fused_experts and block != "mlp":
             raise NotImplementedError(
                 f"target_parameters {list(lora_config.target_parameters)}: 3-D expert adapters are covered on "
@@ -102,7 +105,7 @@ class LoRAAdapter(nn.Module):
             routed = [] if isinstance(experts, FusedExpertLoRA) else self.expert_pairs(i) or []
             modules = [(peft_expert_module_name(i, e, t, self.model_config), pair)
                        for e, targets in enumerate(routed) for t, pair in targets.items()]
-            modules += [(peft_shared_expert_module_name(i, self.shared_name, t), pair)
+            modules += [(peft_shared_expert_module_name(i, self.shared_name, t, self.moe_block), pair)
                         for t, pair in (self.shared_expert_pairs(i) or {}).items()]
             for module, pair in modules:
                 yield f"{module}.lora_A.weight", pair.lora_A

@@ -12,7 +12,8 @@ import re
 from zero_mismatch_plugin.tables.architectures import LORA_TARGETS as ALIGNED_LORA_TARGETS
 from zero_mismatch_plugin.tables.architectures import HYBRID_ARCHITECTURES, MLA_LORA_TARGETS, MOE_CHECKPOINT_NAMES
 from zero_mismatch_plugin.tables.architectures import VOCAB_LORA_ARCHITECTURES, VOCAB_LORA_TARGETS
-from zero_mismatch_plugin.tables.linear_attention import GATED_DELTA_NET_LORA_TARGETS, LINEAR_ATTENTION_MODULE
+from zero_mismatch_plugin.tables.linear_attention import GATED_DELTA_NET_LORA_TARGETS, KDA_LORA_TARGETS
+from zero_mismatch_plugin.tables.linear_attention import LINEAR_ATTENTION_MODULE
 
 ATTENTION_TARGETS = ALIGNED_LORA_TARGETS[:4]
 MLP_TARGETS = ALIGNED_LORA_TARGETS[4:]
@@ -27,6 +28,10 @@ MERGED_TARGETS = {
 # A linear-attention hybrid's: the above on its attention and MLP layers, and each gated delta-net
 # layer's three linears, each its own (vLLM's in_proj_qkvz is one merged slice).
 HYBRID_MERGED_TARGETS = {**MERGED_TARGETS, **{t: (t,) for t in GATED_DELTA_NET_LORA_TARGETS}}
+# A Kimi Delta Attention model's: vLLM's in_proj_qkvgfab (q, k, v, beta, the decay's f_a), the
+# decay's and the output gate's other projections, o_proj, and the dense MLP.
+KDA_MERGED_TARGETS = {"in_proj": KDA_LORA_TARGETS[:5], **{t.removesuffix("_proj"): (t,) for t in KDA_LORA_TARGETS[5:8]},
+                      "o": ("o_proj",), "gate_up": ("gate_proj", "up_proj"), "down": ("down_proj",)}
 
 _TENSOR_NAME = re.compile(
     r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp|linear_attn)\.(\w+)\.lora_(A|B)\.weight$"
@@ -51,6 +56,7 @@ PARENT_MODULE = {
     **{t: "self_attn" for t in ATTENTION_TARGETS + MLA_ATTENTION_TARGETS},
     **{t: "mlp" for t in MLP_TARGETS},
     **{t: LINEAR_ATTENTION_MODULE for t in GATED_DELTA_NET_LORA_TARGETS},
+    **{t: "self_attn" for t in KDA_LORA_TARGETS},
 }
 
 # The MLP targets, in a Mixture-of-Experts layer those of each routed expert: vLLM loads them as
@@ -80,6 +86,10 @@ def supported_lora_targets(model_config, vocab: bool = False) -> tuple[str, ...]
     whose engine adapts them (``VOCAB_LORA_ARCHITECTURES``)."""
     if getattr(model_config, "kv_lora_rank", None) is None:
         architecture = (getattr(model_config, "architectures", None) or [None])[0]
+        if architecture in HYBRID_ARCHITECTURES and _linear_attention_kind(model_config) == "kda":
+            # Every KDA projection, the dense MLP's and (MoE layers) the routed and shared experts'.
+            experts = expert_target_names(model_config)
+            return KDA_LORA_TARGETS + MLP_TARGETS + tuple(t for t in experts if t not in MLP_TARGETS)
         if architecture in HYBRID_ARCHITECTURES:  # attention and MLP targets, and the gated delta-net's
             return ALIGNED_LORA_TARGETS + GATED_DELTA_NET_LORA_TARGETS
         if vocab and architecture in VOCAB_LORA_ARCHITECTURES:
@@ -91,6 +101,13 @@ def supported_lora_targets(model_config, vocab: bool = False) -> tuple[str, ...]
     has_q_lora = getattr(model_config, "q_lora_rank", None) is not None
     unused = ("q_proj",) if has_q_lora else ("q_a_proj", "q_b_proj")
     return tuple(t for t in MLA_LORA_TARGETS if t not in unused)
+
+
+def _linear_attention_kind(model_config) -> str | None:
+    from zero_mismatch_plugin.tables.architectures import describe
+
+    linear = describe(model_config).linear_attention
+    return None if linear is None else linear.kind
 
 
 def peft_tensor_name(layer: int, target: str, which: str) -> str:
@@ -150,7 +167,8 @@ def parse_peft_expert_tensor_name(name: str) -> tuple[int, int | None, str, str]
     return int(layer), expert, _CHECKPOINT_EXPERT_TARGET.get(target, target), which
 
 
-def peft_shared_expert_module_name(layer: int, shared_name: str, target: str) -> str:
+def peft_shared_expert_module_name(layer: int, shared_name: str, target: str, block: str = "mlp") -> str:
     """PEFT's name of the shared expert's ``target`` in layer ``layer``; ``shared_name``: the
-    checkpoint's module name (Qwen2-MoE's ``shared_expert``, GLM-4.5's ``shared_experts``)."""
-    return f"base_model.model.model.layers.{layer}.mlp.{shared_name}.{target}"
+    checkpoint's module name (Qwen2-MoE's ``shared_expert``, GLM-4.5's ``shared_experts``) in the
+    MoE block ``block`` (Kimi's ``block_sparse_moe``)."""
+    return f"base_model.model.model.layers.{layer}.{block}.{shared_name}.{target}"

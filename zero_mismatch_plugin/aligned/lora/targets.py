@@ -7,7 +7,7 @@ from torch import nn
 
 from zero_mismatch_plugin.aligned.lora.names import ATTENTION_TARGETS
 from zero_mismatch_plugin.tables.architectures import MOE_CHECKPOINT_NAMES, describe
-from zero_mismatch_plugin.tables.linear_attention import GATED_DELTA_NET_LORA_TARGETS
+from zero_mismatch_plugin.tables.linear_attention import GATED_DELTA_NET_LORA_TARGETS, KDA_LORA_TARGETS
 
 
 class LoRAPair(nn.Module):
@@ -34,7 +34,11 @@ def target_shapes(config, head_dim: int) -> dict[str, tuple[int, int]]:
         gate_proj=(inter, h), up_proj=(inter, h), down_proj=(h, inter),
     )
     gdn = blocks.linear_attention
-    if gdn is not None:
+    if gdn is not None and gdn.kind == "kda":
+        size, dim = gdn.projection_size, gdn.head_dim
+        shapes.update(q_proj=(size, h), k_proj=(size, h), v_proj=(size, h), o_proj=(h, size), b_proj=(gdn.num_heads, h),
+                      f_a_proj=(dim, h), f_b_proj=(size, dim), g_a_proj=(dim, h), g_b_proj=(size, dim))
+    elif gdn is not None:
         shapes.update(in_proj_qkvz=(2 * gdn.key_dim + 2 * gdn.value_dim, h),
                       in_proj_ba=(2 * gdn.num_value_heads, h), out_proj=(h, gdn.value_dim))
     return shapes
@@ -45,6 +49,8 @@ def layer_has_target(blocks, layer: int, target: str) -> bool:
     delta-net linears are on its linear-attention layers, q/k/v/o on the others."""
     if blocks.linear_attention is None or target not in GATED_DELTA_NET_LORA_TARGETS + ATTENTION_TARGETS:
         return True
+    if blocks.linear_attention.kind == "kda":  # every layer is KDA (Kimi's MLA layers are refused)
+        return target in KDA_LORA_TARGETS
     return (blocks.mixer_kind(layer) == "linear") == (target in GATED_DELTA_NET_LORA_TARGETS)
 
 

@@ -71,4 +71,52 @@ KIMI_NO_CUDA_GEMM_ALL_REDUCE = consistent_cpu_vllm_patch(
         "CUDA only, so a CPU engine could not start",
 )
 
-CONSISTENT_MODE_PATCHES = [KDA_ONE_ARITHMETIC, KIMI_NO_CUDA_GEMM_ALL_REDUCE]
+# vLLM's SupportsLoRA members, as a model class that inherits the protocol would have them: its
+# LoRA check is a runtime protocol check of these attributes. Kimi Linear's experts are per-expert
+# checkpoint weights (not 3-D), gated; its merged linears are those its inner model names.
+_LORA_MEMBERS = {
+    "supports_lora": lambda: True,
+    "is_3d_moe_weight": lambda: False,
+    "is_non_gated_moe": lambda: False,
+    "embedding_modules": dict,
+    "lora_skip_prefixes": list,
+    "lora_manager": lambda: None,
+    "packed_modules_mapping": lambda: dict(_kimi_linear_model().packed_modules_mapping),
+    # The experts' checkpoint names (w1 / w3 / w2, as its load_weights reads them) for the LoRA
+    # loader, which otherwise expects the MoE layer's default gate_proj / up_proj / down_proj.
+    "get_expert_mapping": lambda: _checkpoint_expert_mapping,
+}
+
+
+def _checkpoint_expert_mapping(self):
+    from vllm.model_executor.layers.fused_moe import fused_moe_make_expert_params_mapping
+
+    return fused_moe_make_expert_params_mapping(self, ckpt_gate_proj_name="w1", ckpt_down_proj_name="w2",
+                                                ckpt_up_proj_name="w3", num_experts=self.config.num_experts)
+
+
+def _kimi_linear_model():
+    from vllm.models.kimi_k3.nvidia.model import KimiLinearModel
+
+    return KimiLinearModel
+
+
+def _lora_member(name):
+    def build(original):
+        return _LORA_MEMBERS[name]()
+
+    return build
+
+
+KIMI_LINEAR_LORA = [
+    consistent_cpu_vllm_patch(
+        f"{KIMI_MODEL}:KimiLinearForCausalLM.{name}", _lora_member(name),
+        name=f"cpu-kimi-linear-lora-{name.replace('_', '-')}",
+        why="KimiLinearForCausalLM declares no LoRA support, so vLLM refuses enable_lora for it; its layers are "
+            "vLLM's LoRA-capable linears (and, on CPU, the plugin's LoRA-capable experts): it gets the "
+            "SupportsLoRA members so that LoRA on every KDA projection, MLP and expert is served",
+    )
+    for name in _LORA_MEMBERS
+]
+
+CONSISTENT_MODE_PATCHES = [KDA_ONE_ARITHMETIC, KIMI_NO_CUDA_GEMM_ALL_REDUCE, *KIMI_LINEAR_LORA]
