@@ -31,7 +31,8 @@ import os
 import tempfile
 from pathlib import Path
 
-from timing import add_timing_arguments, at_threads, compare, format_rows, host_line, row_header, thread_counts
+from timing import (add_timing_arguments, at_threads, compare, format_rows, host_line, print_by_threads, row_header,
+                    thread_counts)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -195,12 +196,7 @@ def main():
             print(f"  {row}   {tokens / comparison.samples[name].wall.median:9.1f} tokens/s (median)")
     print(f"layer: {args.layer_seqs} sequences x {args.layer_len} tokens, one KDA layer, fp32, alternating order; "
           "ratios: aligned / torch chunked")
-    for threads, phases in layer.items():
-        for what, comparison in phases.items():
-            print(f"  {what}, torch threads {threads}: {comparison.line()}")
-            print("  " + row_header(14))
-            for row in format_rows(comparison, baseline="torch chunked", name_width=14):
-                print(f"  {row}")
+    print_by_threads(layer, baseline="torch chunked")
     print(host_line("after"))
 
 

