@@ -6,7 +6,7 @@ import torch
 
 
 def assert_bisect_names_one_ulp_planted_in(planted: str, engine_modules, backend, batch):
-    """Move the first value of the trainer's op ``planted`` one ulp up; bisect must name exactly
+    """Move the first value of the trainer's op ``planted`` one ulp (of its dtype); bisect must name exactly
     that op, with that one value differing and every op before it equal. Returns the result."""
     from zero_mismatch_plugin.tools.checker.bisect import run_bisect
 
@@ -17,7 +17,10 @@ def assert_bisect_names_one_ulp_planted_in(planted: str, engine_modules, backend
             return value
         out = value.clone()
         flat = out.view(-1)
-        flat[0] = torch.nextafter(flat[0], torch.tensor(float("inf")))
+        if flat.dtype in (torch.bfloat16, torch.float16):  # the next 16-bit pattern: one ulp of that format
+            flat[:1] = (flat[:1].view(torch.int16) + 1).view(flat.dtype)
+        else:
+            flat[0] = torch.nextafter(flat[0], torch.tensor(float("inf"), dtype=flat.dtype))
         moved["ulp"] = float((flat[0] - value.reshape(-1)[0]).abs())
         return out
 

@@ -43,3 +43,30 @@ def reprefilled(engine, prompts, responses):
                               SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
     return torch.tensor([out.prompt_logprobs[i][seq[i]].logprob
                          for out, seq, p in zip(outputs, sequences, prompts) for i in range(len(p), len(seq))])
+
+
+def assert_bisect_equal_then_names_planted(checkpoint, max_model_len, dtype, planted, long_prompt=True):
+    """``zmrl bisect``'s two sides on a hybrid checkpoint: vLLM's own modules outside the engine
+    (each linear-attention layer reading fresh state slots) against the aligned trainer. Every op
+    compared is bitwise equal (the mixers and every linear-attention projection among them), and
+    a one-ulp difference planted in each op of ``planted`` is named exactly. Returns the names of
+    the compared ops."""
+    from support.bisect_planting import assert_bisect_names_one_ulp_planted_in
+
+    from zero_mismatch_plugin.tools.checker import engine as checker_engine
+    from zero_mismatch_plugin.tools.checker.backends import load_backend
+    from zero_mismatch_plugin.tools.checker.bisect import bisect_input, run_bisect
+    from zero_mismatch_plugin.tools.checker.engine_modules import EngineModules
+
+    settings = checker_engine.engine_settings(checkpoint, max_model_len, seed=0, dtype=dtype)
+    backend = load_backend("aligned", settings)
+    prompts = prompts_for(checkpoint)[:3] + (long_prompts(checkpoint, (90,)) if long_prompt else [])
+    with EngineModules(settings) as modules:
+        batch = bisect_input(prompts, 8, modules.runtime.hf_config.vocab_size)
+        result = run_bisect(modules, backend, batch)
+        names = [op.name for op in result.ops]
+        assert result.first_differing_op is None and result.not_compared == [], result.first
+        assert names == [n for n in modules.op_names() if n in names]  # in vLLM's order
+        for name in planted:
+            assert_bisect_names_one_ulp_planted_in(name, modules, backend, batch)
+    return names

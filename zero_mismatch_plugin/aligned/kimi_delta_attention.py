@@ -29,6 +29,7 @@ from zero_mismatch_plugin.aligned.linear_attention import (
     scheduled_lengths,
     time_major_conv_states,
 )
+from zero_mismatch_plugin.aligned.ops import observable
 from zero_mismatch_plugin.aligned.row_invariant import row_invariant_elementwise, row_invariant_sigmoid
 
 def kda_gate(raw_g, A_log, dt_bias, lower_bound=None):
@@ -231,10 +232,13 @@ class AlignedKimiDeltaAttention:
     ``norm_weight`` [K]: the layer's trainer parameters; ``blocks``: the checkpoint's
     ``KimiDeltaAttentionBlocks``."""
 
+    recorded_as = "mixer"  # zmrl bisect's name for the token mixer's output
+
     def __init__(self, runtime, blocks, conv_weights, A_log, dt_bias, norm_weight):
         self.blocks, self.dtype = blocks, runtime.dtype
         self.conv_weights, self.A_log, self.dt_bias, self.norm_weight = list(conv_weights), A_log, dt_bias, norm_weight
 
+    @observable
     def __call__(self, mixed_qkv, g1, g2, raw_beta, seq_lens):
         """``mixed_qkv`` [T, 3 · H · K]; ``g1``, ``g2`` [T, H · K]; ``raw_beta`` [T, H] (the
         projections' outputs in the model dtype). Returns the normed core [T, H · K]."""

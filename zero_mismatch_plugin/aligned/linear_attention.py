@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 from torch.autograd import Function
 
+from zero_mismatch_plugin.aligned.ops import observable
 from zero_mismatch_plugin.aligned.row_invariant import row_invariant_sigmoid
 
 
@@ -333,6 +334,8 @@ class AlignedGatedDeltaNet:
     ``conv_weight`` [C, 1, W], ``A_log``, ``dt_bias``, ``norm_weight``: the layer's trainer
     parameters; ``blocks``: the checkpoint's ``GatedDeltaNetBlocks``."""
 
+    recorded_as = "mixer"  # zmrl bisect's name for the token mixer's output
+
     def __init__(self, runtime, blocks, conv_weight, A_log, dt_bias, norm_weight, eps: float):
         self.blocks, self.dtype = blocks, runtime.dtype
         self.conv_weight, self.A_log, self.dt_bias = conv_weight, A_log, dt_bias
@@ -350,6 +353,7 @@ class AlignedGatedDeltaNet:
         return (q, k, v.reshape(t, -1, g.value_head_dim), z.reshape(t, -1, g.value_head_dim),
                 b.reshape(t, g.num_value_heads), a.reshape(t, g.num_value_heads))
 
+    @observable
     def __call__(self, qkvz, ba, seq_lens):
         g = self.blocks
         q, k, v, z, b, a = self.split(qkvz, ba)

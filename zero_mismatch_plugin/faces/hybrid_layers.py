@@ -83,6 +83,6 @@ def kimi_delta_attention_mixer(ops: dict, linear, hidden: torch.Tensor, seq_lens
     kda = ops["kda"].blocks
     mixed_qkv, raw_beta, f_a = linear("in_proj", hidden).split(
         [3 * kda.projection_size, kda.num_heads, kda.head_dim], dim=-1)
+    g2 = linear("g_b", linear("g_a", hidden))  # vLLM's order: the output gate, then the decay
     g1 = linear("f_b", f_a)
-    g2 = linear("g_b", linear("g_a", hidden))
     return linear("o", ops["kda"](mixed_qkv, g1, g2, raw_beta, seq_lens))

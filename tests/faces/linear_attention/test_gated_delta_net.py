@@ -241,3 +241,15 @@ def test_linear_attention_layer_backward_against_float64_and_every_parameter_get
     assert len(linear) == 3 * 7  # three gated delta-net layers, seven parameters each
     for name, p in linear.items():
         assert p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0, name
+
+
+def test_zmrl_bisect_finds_every_op_equal_and_names_a_planted_difference(checkpoint):
+    """``zmrl bisect`` on Qwen3-Next (bf16): vLLM's modules outside the engine, their gated
+    delta-net layers reading fresh state slots, against the aligned model: every op equal, the
+    linear-attention layers' projections and mixers and the gated full-attention layer among
+    them; a one-ulp difference planted in a mixer or a linear-attention projection is named exactly."""
+    from support.linear_attention import assert_bisect_equal_then_names_planted
+
+    names = assert_bisect_equal_then_names_planted(
+        checkpoint, MAX_MODEL_LEN, BF16, ("layers.0.in_proj_ba", "layers.3.mixer"))
+    assert {"layers.0.in_proj_qkvz", "layers.1.mixer", "layers.2.attn", "layers.3.out_proj"} <= set(names)

@@ -294,3 +294,15 @@ def test_lora_on_every_module_at_batch_1_2_8_and_gradients_reach_only_the_adapte
     for name, p in trained.items():
         assert p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0, name
     assert {n for n, p in trainer.named_parameters() if p.requires_grad} == {f"lora.{n}" for n in trained}
+
+
+def test_zmrl_bisect_finds_every_op_equal_and_names_a_planted_difference(checkpoint):
+    """``zmrl bisect`` on Kimi Linear (fp32): vLLM's modules outside the engine against the aligned
+    model, every op equal — each KDA projection, the mixer, the MoE, and the final norm on the
+    scored rows (Kimi norms after its last residual sum, in compute_logits) — and a one-ulp
+    difference planted in the mixer, a decay projection or the last residual sum is named exactly."""
+    from support.linear_attention import assert_bisect_equal_then_names_planted
+
+    names = assert_bisect_equal_then_names_planted(
+        checkpoint, MAX_MODEL_LEN, "float32", ("layers.0.f_b_proj", "layers.1.mixer", "final_norm.input"))
+    assert {"layers.0.in_proj", "layers.0.g_a_proj", "layers.1.mixer", "layers.1.experts", "final_norm.input"} <= set(names)

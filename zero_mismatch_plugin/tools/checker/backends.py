@@ -106,6 +106,8 @@ class AlignedBackend:
             with recorder.op_layer(order):
                 hidden = m.hidden_states(batch)
             rows = batch.target_rows.to(hidden.device)
+            if m.blocks.final_add_then_norm:  # the engine norms only the rows it scores (compute_logits)
+                recorder.ops[oplist.FINAL_NORM] = recorder.ops[oplist.FINAL_NORM].index_select(0, rows)
             # The head with the adapter's lm_head update where it has one.
             head = m.lora_vocab_ops.get("lm_head", m.logits_head) if m.lora_enabled else m.logits_head
             recorder.keep_head(head(hidden.index_select(0, rows)))

@@ -36,7 +36,21 @@ _LAYER_MODULES = (
     ("mlp.down_proj", "down_proj"),
 )
 
-_LINEARS = {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
+# A linear-attention layer's projections (gated delta-net under ``linear_attn``, KDA under
+# ``self_attn``, whose ``o_proj`` is above); its token mixer's output is what its output
+# projection reads (:data:`_MIXER_READERS`).
+_LINEAR_ATTENTION_MODULES = (
+    ("linear_attn.in_proj_qkvz", "in_proj_qkvz"),
+    ("linear_attn.in_proj_ba", "in_proj_ba"),
+    ("linear_attn.out_proj", "out_proj"),
+    ("self_attn.in_proj_qkvgfab", "in_proj"),
+    ("self_attn.g_a_proj", "g_a_proj"),
+    ("self_attn.g_b_proj", "g_b_proj"),
+    ("self_attn.f_b_proj", "f_b_proj"),
+)
+_MIXER_READERS = ("linear_attn.out_proj", "self_attn.o_proj")
+
+_LINEARS = {"qkv_proj", "o_proj", "gate_up_proj", "down_proj", *(kind for _, kind in _LINEAR_ATTENTION_MODULES)}
 _NORMS = {"input_norm", "post_attention_norm"}
 
 # An MoE block's modules (relative to the block: ``mlp`` or Mixtral's ``block_sparse_moe``) ->
@@ -182,7 +196,13 @@ class EngineModules:
 
         from zero_mismatch_plugin.aligned.attention_backend import BackendPagedAttention
 
+        from vllm.model_executor.layers.mamba.gdn.base import GatedDeltaNetAttention
+
         rt = self.runtime
+        if rt.platform == "cpu":
+            # What every vLLM CPU worker imports: CPU stand-ins for torch.cuda's streams and events,
+            # which some models create and use (Kimi Linear's aux stream).
+            import vllm.v1.worker.cpu.shm  # noqa: F401
         with rt.context():
             self.model = get_model(vllm_config=rt.vllm_config)
             if self.lora_dir is not None:
@@ -190,8 +210,16 @@ class EngineModules:
         self.attention_layers = {
             m.layer_name: m for m in self.model.modules() if isinstance(m, Attention)
         }
+        # Linear-attention layers (gated delta-net, KDA) read their states from the cache slots
+        # the metadata name: each forward gives every sequence a fresh slot (:func:`_prefill_states`).
+        self.linear_layers = {m.prefix: m for m in self.model.modules() if isinstance(m, GatedDeltaNetAttention)}
+        self.num_layers = rt.hf_config.num_hidden_layers
+        self.qk_norm = _submodule(self.model.model.layers[0], "self_attn.q_norm") is not None
+        self.paged = None
         if not self.attention_layers:
-            raise NotImplementedError("no vLLM Attention layer found in the model")
+            if not self.linear_layers:
+                raise NotImplementedError("no vLLM Attention or linear-attention layer found in the model")
+            return
         first = next(iter(self.attention_layers.values()))
         # A paged-attention helper of the same shape supplies the backend's metadata builder and
         # slot mapping; the metadata depend on the sequence layout only, not on the layer.
@@ -204,8 +232,6 @@ class EngineModules:
             self.paged.builder = self.paged.backend.get_builder_cls()(
                 self.paged.spec, list(self.attention_layers), rt.vllm_config, rt.device
             )
-        self.num_layers = rt.hf_config.num_hidden_layers
-        self.qk_norm = _submodule(self.model.model.layers[0], "self_attn.q_norm") is not None
 
     def _load_lora(self):
         """What the engine's model runner does with ``enable_lora``: vLLM's LoRA manager replaces
@@ -246,6 +272,8 @@ class EngineModules:
                 if module is None or id(module) in hooked:
                     continue
                 hooked.add(id(module))
+                if attr == "self_attn.o_proj" and _submodule(layer, "self_attn.in_proj_qkvgfab") is not None:
+                    recorder.on_input(module, "mixer")  # a KDA layer: o_proj reads the mixer's output
                 if kind in _LINEARS and hasattr(module, "punica_wrapper"):
                     recorder.on_lora_linear(module, kind)
                 elif kind in _LINEARS:
@@ -255,8 +283,16 @@ class EngineModules:
                     recorder.on_fused_norm(module, kind)
                 else:
                     recorder.on_output(module, kind)
+            for attr, kind in _LINEAR_ATTENTION_MODULES:
+                module = _submodule(layer, attr)
+                if module is not None:
+                    recorder.on_output(module, kind, split=first_of_pair)
+                    if attr == "linear_attn.out_proj":
+                        recorder.on_input(module, "mixer")
             self._attach_moe(recorder, layer)
         recorder.on_fused_norm(model.norm, oplist.FINAL_NORM)
+        if self.blocks.final_add_then_norm:  # the model returns the sum; compute_logits norms the scored rows
+            recorder.on_output(model, oplist.FINAL_NORM + ".input")
 
     @staticmethod
     def _attach_moe(recorder: OpRecorder, layer) -> None:
@@ -298,18 +334,25 @@ class EngineModules:
 
         rt = self.runtime
         device = rt.device
-        plan = self.paged.metadata(batch.seq_lens)
-        for layer in self.attention_layers.values():
-            layer.kv_cache = _scratch_cache(
-                self.paged.backend,
-                plan.num_blocks,
-                layer.num_kv_heads,
-                self.paged.block_size,
-                layer.head_size,
-                rt.dtype,
-                device,
-            )
-        names = list(self.attention_layers)
+        metadata, slot_mapping = {}, {}
+        if self.paged is not None:
+            plan = self.paged.metadata(batch.seq_lens)
+            for name, layer in self.attention_layers.items():
+                layer.kv_cache = _scratch_cache(
+                    self.paged.backend,
+                    plan.num_blocks,
+                    layer.num_kv_heads,
+                    self.paged.block_size,
+                    layer.head_size,
+                    rt.dtype,
+                    device,
+                )
+                metadata[name], slot_mapping[name] = plan.meta, plan.slot_mapping
+        if self.linear_layers:
+            prefill = _prefill_metadata(batch.seq_lens)
+            for prefix, layer in self.linear_layers.items():
+                layer.kv_cache = _prefill_states(layer, len(batch.seq_lens))
+                metadata[prefix] = prefill
         if self.lora_manager is not None:
             self._activate_lora(batch.num_tokens, int(batch.target_rows.numel()))
         with OpRecorder() as recorder, _recording_routed_output(recorder if record is not None else None):
@@ -317,15 +360,15 @@ class EngineModules:
                 self._attach(recorder)
             try:
                 with rt.context(), set_forward_context(
-                    {n: plan.meta for n in names},
+                    metadata,
                     rt.vllm_config,
                     num_tokens=batch.num_tokens,
-                    slot_mapping={n: plan.slot_mapping for n in names},
+                    slot_mapping=slot_mapping,
                 ):
                     hidden = self.model(batch.input_ids.to(device), batch.positions.to(device))
                     logits = self.model.compute_logits(hidden.index_select(0, batch.target_rows.to(device)))
             finally:
-                for layer in self.attention_layers.values():
+                for layer in (*self.attention_layers.values(), *self.linear_layers.values()):
                     layer.kv_cache = torch.tensor([])
         logits = logits[:, : rt.hf_config.vocab_size]
         if record is None:
@@ -334,6 +377,28 @@ class EngineModules:
         record.update(recorder.ops)
         return recorder.ops[oplist.LOGPROBS]
 
+
+
+def _prefill_metadata(seq_lens):
+    """vLLM's linear-attention metadata of one step prefilling every sequence from its start, each
+    in its own state slot (1, 2, ...; slot 0 is the engine's null block)."""
+    from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
+
+    lens = torch.tensor(list(seq_lens), dtype=torch.int32)
+    starts = torch.cat([torch.zeros(1, dtype=torch.int32), lens.cumsum(0, dtype=torch.int32)])
+    return GDNAttentionMetadata(
+        num_prefills=len(lens), num_prefill_tokens=int(lens.sum()), num_decodes=0, num_decode_tokens=0,
+        num_spec_decodes=0, num_spec_decode_tokens=0, num_actual_tokens=int(lens.sum()),
+        has_initial_state=torch.zeros(len(lens), dtype=torch.bool), non_spec_query_start_loc=starts,
+        non_spec_state_indices_tensor=torch.arange(1, len(lens) + 1, dtype=torch.int32),
+    )
+
+
+def _prefill_states(layer, num_seqs: int):
+    """Zeroed conv and recurrent states of a linear-attention layer for ``num_seqs`` sequences
+    (and the null slot), in the shapes and dtypes the layer asks the engine for."""
+    return tuple(torch.zeros(num_seqs + 1, *shape, dtype=dtype)
+                 for shape, dtype in zip(layer.get_state_shape(), layer.get_state_dtype()))
 
 
 def _reduce_after_recording(recorder: OpRecorder, linear) -> None:

@@ -41,6 +41,23 @@ _KINDS = {
     "experts": "moe",
     "lora_shrink": "lora_shrink",
     "lora_expand": "lora_expand",
+    # Linear-attention layers: their projections, and the token mixer's output (what the output
+    # projection reads: the normed core of a gated delta-net or KDA layer).
+    "in_proj_qkvz": "linear",
+    "in_proj_ba": "linear",
+    "out_proj": "linear",
+    "in_proj": "linear",
+    "g_a_proj": "linear",
+    "g_b_proj": "linear",
+    "f_b_proj": "linear",
+    "mixer": "mixer",
+}
+# A linear-attention layer's ops between its input norm and its post-attention norm, by the
+# blocks' kind, in vLLM's order (gated delta-net: QwenGatedDeltaNetAttention.forward_cpu; KDA:
+# KimiGatedDeltaNetAttention.forward).
+LINEAR_ATTENTION_OPS = {
+    "gated_delta_net": ("in_proj_qkvz", "in_proj_ba", "mixer", "out_proj"),
+    "kda": ("in_proj", "g_a_proj", "g_b_proj", "f_b_proj", "mixer", "o_proj"),
 }
 # The two steps of a LoRA-wrapped linear, recorded after its base output (``<linear>``):
 # ``<linear>.lora_shrink`` (x A^T per slice, fp32) and ``<linear>.lora_expand`` (base + update).
@@ -87,22 +104,24 @@ def lora_linears(targets) -> frozenset[str]:
     return frozenset(LORA_TARGET_LINEAR[t] for t in layer_targets)
 
 
-def layer_op_names(index: int, qk_norm: bool, moe=None, lora: frozenset[str] = frozenset()) -> list[str]:
+def layer_op_names(index: int, qk_norm: bool, moe=None, lora: frozenset[str] = frozenset(),
+                   linear_attention: str | None = None) -> list[str]:
     """Names of one decoder layer's ops, in the order vLLM's model code runs them (``moe``: the
-    checkpoint's ``MoeBlocks`` when this layer's MLP is the Mixture-of-Experts); each of the
-    layer's own linears in ``lora`` (see :func:`lora_linears`) is followed by its LoRA steps."""
+    checkpoint's ``MoeBlocks`` when this layer's MLP is the Mixture-of-Experts;
+    ``linear_attention``: the kind of this layer's linear attention, None for an attention layer);
+    each of the layer's own linears in ``lora`` (see :func:`lora_linears`) is followed by its LoRA
+    steps."""
     p = f"layers.{index}."
     names = [] if index == 0 else [p + "input_norm.input"]
-    names += [p + "input_norm", p + "qkv_proj"]
-    if qk_norm:
-        names += [p + "q_norm", p + "k_norm"]
-    names += [
-        p + "rotary",
-        p + "attn",
-        p + "o_proj",
-        p + "post_attention_norm.input",
-        p + "post_attention_norm",
-    ]
+    names.append(p + "input_norm")
+    if linear_attention is not None:
+        names += [p + op for op in LINEAR_ATTENTION_OPS[linear_attention]]
+    else:
+        names.append(p + "qkv_proj")
+        if qk_norm:
+            names += [p + "q_norm", p + "k_norm"]
+        names += [p + "rotary", p + "attn", p + "o_proj"]
+    names += [p + "post_attention_norm.input", p + "post_attention_norm"]
     names += mlp_op_names(p, moe)
     if lora:
         # An adapter on the MLP's linears is, in an MoE layer, on each routed expert (inside the
@@ -119,7 +138,7 @@ def _with_lora_steps(name: str, wrapped: set[str]) -> list[str]:
 
 
 def op_kind(name: str) -> str | None:
-    """``norm``, ``linear``, ``rotary``, ``attn``, ``act``, ``moe``, ``lora_shrink`` or
+    """``norm``, ``linear``, ``rotary``, ``attn``, ``act``, ``moe``, ``mixer``, ``lora_shrink`` or
     ``lora_expand``: the op that computes ``name``; None for what no op of the op layer computes
     alone (the embedding, a norm's input, the router's choice, the head)."""
     return _KINDS.get(name.rsplit(".", 1)[-1])
@@ -143,7 +162,8 @@ def op_names(num_layers: int, qk_norm: bool, blocks=None, lora: frozenset[str] =
     names = [EMBED]
     for i in range(num_layers):
         moe = blocks.moe if blocks is not None and blocks.mlp_kind(i) == "moe" else None
-        names += layer_op_names(i, qk_norm, moe, lora)
+        linear = blocks.linear_attention.kind if blocks is not None and blocks.mixer_kind(i) == "linear" else None
+        names += layer_op_names(i, qk_norm, moe, lora, linear)
     names += [FINAL_NORM + ".input", FINAL_NORM, LOGITS, LOGPROBS]
     return names
 
