@@ -70,3 +70,22 @@ def assert_bisect_equal_then_names_planted(checkpoint, max_model_len, dtype, pla
         for name in planted:
             assert_bisect_names_one_ulp_planted_in(name, modules, backend, batch)
     return names
+
+
+def assert_bisect_with_adapter_equal(checkpoint, max_model_len, dtype, adapter, wrapped):
+    """``zmrl bisect --lora`` on a hybrid: vLLM's modules with the engine's LoRA layers against the
+    aligned model with the adapter, every op equal, the LoRA steps of each linear in ``wrapped``
+    (canonical names of layer 0) among them."""
+    from zero_mismatch_plugin.tools.checker import engine as checker_engine
+    from zero_mismatch_plugin.tools.checker.backends import load_backend
+    from zero_mismatch_plugin.tools.checker.bisect import bisect_input, run_bisect
+    from zero_mismatch_plugin.tools.checker.engine_modules import EngineModules
+
+    settings = checker_engine.engine_settings(checkpoint, max_model_len, seed=0, dtype=dtype, lora_dir=adapter)
+    backend = load_backend("aligned", settings)
+    with EngineModules(settings) as modules:
+        batch = bisect_input(prompts_for(checkpoint)[:3], 8, modules.runtime.hf_config.vocab_size)
+        result = run_bisect(modules, backend, batch)
+    names = {op.name for op in result.ops}
+    assert result.first_differing_op is None and result.not_compared == [], result.first
+    assert {f"layers.0.{linear}.{step}" for linear in wrapped for step in ("lora_shrink", "lora_expand")} <= names

@@ -115,7 +115,8 @@ def test_lora_on_every_module_at_batch_1_2_8_and_gradients_reach_only_the_adapte
     and out_proj, the gated attention's q/k/v/o, every routed expert and the shared experts. The
     engine serves it in bf16 (a LoRA engine wraps conv1d too, whose plain weight the one arithmetic
     reads from under the wrapper); the aligned model with it is bitwise at batch 1, 2 and 8, and its
-    gradient reaches the adapter's A and B only, every gated delta-net pair included."""
+    gradient reaches the adapter's A and B only, every gated delta-net pair included; ``zmrl bisect``
+    with the adapter finds every op and LoRA step equal."""
     from safetensors import safe_open
     from vllm.lora.request import LoRARequest
 
@@ -146,6 +147,11 @@ def test_lora_on_every_module_at_batch_1_2_8_and_gradients_reach_only_the_adapte
     for name in ("layers.0.in_proj_qkvz.lora_A", "layers.1.in_proj_ba.lora_B", "layers.3.out_proj.lora_B"):
         assert trained[name].grad.abs().sum() > 0, name
     assert {n for n, p in trainer.named_parameters() if p.requires_grad} == {f"lora.{n}" for n in trained}
+    # zmrl bisect with the same adapter: vLLM's LoRA layers outside the engine, every op and LoRA step equal.
+    from support.linear_attention import assert_bisect_with_adapter_equal
+
+    assert_bisect_with_adapter_equal(checkpoint, MAX_MODEL_LEN, BF16, adapter,
+                                     ("in_proj_qkvz", "in_proj_ba", "out_proj", "shared_expert.gate_up_proj"))
 
 
 def test_chunked_rule_is_the_recurrent_rule_in_float64():

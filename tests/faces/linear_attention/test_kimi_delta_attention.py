@@ -258,7 +258,7 @@ def test_lora_on_every_module_at_batch_1_2_8_and_gradients_reach_only_the_adapte
     served by the bf16 engine (vLLM gives KimiLinearForCausalLM no LoRA support: the plugin's
     patch does, with the experts' checkpoint names) and run by the aligned model: bitwise at batch
     1, 2 and 8, next to requests without the adapter; the gradient reaches the adapter's A and B
-    only, every pair of them."""
+    only, every pair of them; ``zmrl bisect`` with the adapter finds every op and LoRA step equal."""
     from safetensors import safe_open
     from vllm.lora.request import LoRARequest
 
@@ -294,6 +294,11 @@ def test_lora_on_every_module_at_batch_1_2_8_and_gradients_reach_only_the_adapte
     for name, p in trained.items():
         assert p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0, name
     assert {n for n, p in trainer.named_parameters() if p.requires_grad} == {f"lora.{n}" for n in trained}
+    # zmrl bisect with the same adapter: vLLM's LoRA layers outside the engine, every op and LoRA step equal.
+    from support.linear_attention import assert_bisect_with_adapter_equal
+
+    assert_bisect_with_adapter_equal(checkpoint, MAX_MODEL_LEN, "bfloat16", adapter,
+                                     ("in_proj", "g_a_proj", "g_b_proj", "f_b_proj", "o_proj", "gate_up_proj"))
 
 
 def test_zmrl_bisect_finds_every_op_equal_and_names_a_planted_difference(checkpoint):

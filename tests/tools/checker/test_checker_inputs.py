@@ -58,8 +58,8 @@ def test_precheck_adds_the_megatron_faces_own_refusals():
 
 
 def test_a_linear_attention_hybrid_is_the_aligned_faces_only_naming_the_change(tmp_path):
-    """Qwen3-Next: the aligned model covers it; the Megatron face and verl's FSDP actor refuse it by
-    name, and zmrl bisect with an adapter says to run zmrl check --lora (the base model bisects)."""
+    """Qwen3-Next: the aligned model covers it (zmrl bisect too); the Megatron face and verl's FSDP
+    actor refuse it by name."""
     from types import SimpleNamespace
 
     from transformers import Qwen3NextConfig
@@ -75,9 +75,7 @@ def test_a_linear_attention_hybrid_is_the_aligned_faces_only_naming_the_change(t
         precheck(config, face="megatron")
     with pytest.raises(NotImplementedError, match=r"does not cover linear attention \(gated delta-net\)"):
         AlignedFSDPForward(SimpleNamespace(), config)
-    with pytest.raises(CheckerInputError, match="does not run an adapter on linear-attention hybrids .*zmrl check --lora"):
-        _refuse_mla_bisect(tmp_path, blocks, lora=True)
-    _refuse_mla_bisect(tmp_path, blocks, lora=False)
+    _refuse_mla_bisect(tmp_path, blocks)  # bisect runs linear-attention layers
     wrong_heads = Qwen3NextConfig(architectures=["Qwen3NextForCausalLM"], num_hidden_layers=4, linear_key_head_dim=64,
                                   layer_types=["linear_attention"] * 3 + ["full_attention"])
     with pytest.raises(NotImplementedError, match="head dim 128 only"):

@@ -100,7 +100,7 @@ class AlignedBackend:
         """The model's own forward with every op of the op layer recorded."""
         m = self.model
         # The linears carrying the adapter: their LoRA steps are ops of their own in the op list.
-        lora = oplist.lora_linears(m.lora.lora_config.targets) if m.lora_enabled else frozenset()
+        lora = oplist.lora_linears(m.lora.lora_config.targets, m.blocks) if m.lora_enabled else frozenset()
         order = oplist.op_names(m.config.num_hidden_layers, m.blocks.qk_norm, m.blocks, lora=lora)
         with OpRecorder(perturb) as recorder:
             with recorder.op_layer(order):

@@ -314,7 +314,7 @@ def format_bisect_table(result, header: str) -> str:
     return "\n".join(lines)
 
 
-def _refuse_mla_bisect(model_dir, blocks, lora: bool) -> None:
+def _refuse_mla_bisect(model_dir, blocks) -> None:
     """vLLM's MLA attention splits a batch into prefill and decode steps from the engine's
     scheduler metadata, which vLLM's modules run outside the engine do not have (linear-attention
     layers get theirs: every sequence prefilled from a fresh state slot)."""
@@ -322,11 +322,6 @@ def _refuse_mla_bisect(model_dir, blocks, lora: bool) -> None:
         raise inputs.CheckerInputError(
             f"{model_dir}: zmrl bisect does not run multi-head latent attention (DeepSeek-V2/V3) models yet; "
             "use zmrl check, which compares the trainer with a live engine on them (with --lora too)"
-        )
-    if blocks.linear_attention is not None and lora:
-        raise inputs.CheckerInputError(
-            f"{model_dir}: zmrl bisect does not run an adapter on linear-attention hybrids ({blocks.architecture}) "
-            "yet; bisect the base model, or use zmrl check --lora, which compares the trainer with a live engine"
         )
 
 
@@ -336,8 +331,8 @@ def bisect_command(args) -> int:
 
     try:
         max_model_len, prompts, blocks = validated_inputs(args)
+        _refuse_mla_bisect(args.model, blocks)
         lora = lora_options(args)
-        _refuse_mla_bisect(args.model, blocks, bool(lora))
         settings = run_settings(args, max_model_len, lora)
         others = {"--expert-parallel": settings.expert_parallel, "--pipeline-parallel": settings.pipeline_parallel,
                   "--context-parallel": settings.context_parallel}

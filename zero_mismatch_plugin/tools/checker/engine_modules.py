@@ -167,7 +167,7 @@ class EngineModules:
         from zero_mismatch_plugin.aligned.runtime import VllmRuntime
 
         self.lora_dir = settings.lora_dir
-        self.lora_linears = oplist.lora_linears(settings.lora_targets)
+        self.lora_linears = oplist.lora_linears(settings.lora_targets, settings.blocks)
         self.blocks = settings.blocks
         self.on_ranks = on_ranks
         parallel = {"tensor_parallel_size": settings.tensor_parallel} if on_ranks else {}
@@ -285,10 +285,14 @@ class EngineModules:
                     recorder.on_output(module, kind)
             for attr, kind in _LINEAR_ATTENTION_MODULES:
                 module = _submodule(layer, attr)
-                if module is not None:
+                if module is None:
+                    continue
+                if attr == "linear_attn.out_proj":
+                    recorder.on_input(module, "mixer")
+                if hasattr(module, "punica_wrapper"):
+                    recorder.on_lora_linear(module, kind)
+                else:
                     recorder.on_output(module, kind, split=first_of_pair)
-                    if attr == "linear_attn.out_proj":
-                        recorder.on_input(module, "mixer")
             self._attach_moe(recorder, layer)
         recorder.on_fused_norm(model.norm, oplist.FINAL_NORM)
         if self.blocks.final_add_then_norm:  # the model returns the sum; compute_logits norms the scored rows

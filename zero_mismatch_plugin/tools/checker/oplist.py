@@ -93,15 +93,31 @@ def topk_ids_of(experts_name: str) -> str:
     return experts_name.rsplit(".", 1)[0] + "." + TOPK_IDS
 
 
-def lora_linears(targets) -> frozenset[str]:
-    """The canonical linears an adapter on ``targets`` (PEFT module names) wraps. The vocabulary
-    targets have no steps of their own: ``embed`` and ``logits`` are compared with the adapter's
-    update in them."""
+# A linear-attention hybrid's targets: the gated delta-net's linears are their own ops; a KDA
+# layer's q/k/v, beta and f_a are vLLM's merged in_proj_qkvgfab, the others their own.
+_LINEAR_ATTENTION_TARGET_LINEAR = {
+    "gated_delta_net": {t: t for t in ("in_proj_qkvz", "in_proj_ba", "out_proj")},
+    "kda": {"q_proj": "in_proj", "k_proj": "in_proj", "v_proj": "in_proj", "b_proj": "in_proj", "f_a_proj": "in_proj",
+            "f_b_proj": "f_b_proj", "g_a_proj": "g_a_proj", "g_b_proj": "g_b_proj", "o_proj": "o_proj"},
+}
+# A routed expert's linears under Kimi's checkpoint names: an adapter on them is inside ``experts``.
+_EXPERT_TARGET_LINEAR = {"w1": "gate_up_proj", "w3": "gate_up_proj", "w2": "down_proj"}
+
+
+def lora_linears(targets, blocks=None) -> frozenset[str]:
+    """The canonical linears an adapter on ``targets`` (PEFT module names) wraps (``blocks``: the
+    checkpoint's ``Blocks``, for a linear-attention hybrid's own linears). The vocabulary targets
+    have no steps of their own: ``embed`` and ``logits`` are compared with the adapter's update in
+    them."""
+    known = dict(LORA_TARGET_LINEAR)
+    linear = getattr(blocks, "linear_attention", None)
+    if linear is not None:
+        known.update(_LINEAR_ATTENTION_TARGET_LINEAR[linear.kind], **_EXPERT_TARGET_LINEAR)
     layer_targets = [t for t in targets if t not in VOCAB_LORA_TARGETS]
-    unknown = [t for t in layer_targets if t not in LORA_TARGET_LINEAR]
+    unknown = [t for t in layer_targets if t not in known]
     if unknown:
-        raise ValueError(f"LoRA targets {unknown} have no place in the op list (known: {list(LORA_TARGET_LINEAR)})")
-    return frozenset(LORA_TARGET_LINEAR[t] for t in layer_targets)
+        raise ValueError(f"LoRA targets {unknown} have no place in the op list (known: {list(known)})")
+    return frozenset(known[t] for t in layer_targets)
 
 
 def layer_op_names(index: int, qk_norm: bool, moe=None, lora: frozenset[str] = frozenset(),
