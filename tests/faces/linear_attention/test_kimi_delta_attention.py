@@ -234,8 +234,9 @@ def test_kda_op_backward_against_float64_and_every_model_parameter_gets_a_gradie
 
 def test_zmrl_check_passes_every_check_on_kimi_linear_in_bf16(checkpoint, tmp_path, capsys):
     """``zmrl check --dtype bfloat16`` as a user runs it on the tiny Kimi Linear checkpoint (its own
-    engine): every check passes; the prefix-cache check is skipped with the reason (vLLM's CPU
-    engine serves no prefix-cache hit for linear-attention layers, so consistent mode keeps it off)."""
+    engine): every check passes, the experts' choice among them (vLLM's modules outside the engine);
+    the prefix-cache check is skipped with the reason (vLLM's CPU engine serves no prefix-cache hit
+    for linear-attention layers, so consistent mode keeps it off)."""
     import json
 
     from zero_mismatch_plugin.tools import cli
@@ -248,7 +249,7 @@ def test_zmrl_check_passes_every_check_on_kimi_linear_in_bf16(checkpoint, tmp_pa
     assert code == 0, table
     assert "prefix_cache       skip    not run: KimiLinearForCausalLM has linear-attention layers" in table, table
     assert "prefix_cache" not in report
-    for name in ("sampled_token", "full_distribution", "batch_composition", "prefill_vs_decode"):
+    for name in ("sampled_token", "full_distribution", "expert_selection", "batch_composition", "prefill_vs_decode"):
         assert report[name]["pass"] is True, (name, table)
 
 

@@ -275,11 +275,10 @@ def _run_expert_selection(llm, backend, completions, options: CheckOptions) -> C
     blocks = describe(model_config.hf_config)
     if blocks.moe is None:
         raise CheckSkipped("a dense model: no experts to choose")
-    what = blocks.aligned_model_only()
-    if what is not None:
+    if blocks.attention == "mla":
         raise CheckSkipped(
-            f"vLLM's modules are not run outside the engine for {what}: the expert choice is not "
-            "recorded (the sampled-token and distribution checks cover the experts)"
+            "vLLM's modules are not run outside the engine for multi-head latent attention: the expert "
+            "choice is not recorded (the sampled-token and distribution checks cover the experts)"
         )
     with EngineModules(options.settings) as modules:
         return expert_selection_check(backend, completions, modules)
