@@ -312,3 +312,22 @@ def test_zmrl_bisect_finds_every_op_equal_and_names_a_planted_difference(checkpo
     names = assert_bisect_equal_then_names_planted(
         checkpoint, MAX_MODEL_LEN, "float32", ("layers.0.f_b_proj", "layers.1.mixer", "final_norm.input"))
     assert {"layers.0.in_proj", "layers.0.g_a_proj", "layers.1.mixer", "layers.1.experts", "final_norm.input"} <= set(names)
+
+
+def test_engine_step_without_metadata_is_skipped_and_speculative_decoding_is_refused_by_name():
+    """The engine side's entry (the runtime patch and the fork patch call it): a profile or warm-up
+    step (no metadata for the layer) leaves the output alone; a step with draft tokens is refused,
+    saying what to change, before anything is written."""
+    from types import SimpleNamespace
+
+    from zero_mismatch_plugin.aligned.kimi_delta_attention import cpu_kda_forward
+
+    layer = SimpleNamespace(prefix="model.layers.0.self_attn")
+    out = torch.full((1, 3, 2, 4), 7.0)
+    cpu_kda_forward(layer, None, None, None, None, None, out)
+    cpu_kda_forward(layer, {"model.layers.1.self_attn": object()}, None, None, None, None, out)
+    assert torch.equal(out, torch.full((1, 3, 2, 4), 7.0))
+    drafting = SimpleNamespace(spec_sequence_masks=torch.ones(1, dtype=torch.bool))
+    with pytest.raises(NotImplementedError, match="speculative decoding are not covered.*serve without speculative"):
+        cpu_kda_forward(layer, {layer.prefix: drafting}, None, None, None, None, out)
+    assert torch.equal(out, torch.full((1, 3, 2, 4), 7.0))
