@@ -32,6 +32,7 @@ from zero_mismatch_plugin.aligned.linear_attention import (
 from zero_mismatch_plugin.aligned.ops import observable
 from zero_mismatch_plugin.aligned.row_invariant import row_invariant_elementwise, row_invariant_sigmoid
 
+
 def kda_gate(raw_g, A_log, dt_bias, lower_bound=None):
     """The per-channel log decay of KDA (Kimi Linear's fused gate, as vLLM's kernels compute it):
 
