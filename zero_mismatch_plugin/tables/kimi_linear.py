@@ -5,6 +5,7 @@ Light on purpose, like the table: no torch, vLLM or megatron-core."""
 from __future__ import annotations
 
 from zero_mismatch_plugin.tables.linear_attention import KimiDeltaAttentionBlocks
+from zero_mismatch_plugin.tables.moe import MoeBlocks
 
 
 def kimi_linear_attention(config) -> KimiDeltaAttentionBlocks:
@@ -19,15 +20,13 @@ def kimi_linear_attention(config) -> KimiDeltaAttentionBlocks:
     )
 
 
-def kimi_moe(config):
+def kimi_moe(config) -> MoeBlocks | None:
     """The Mixture-of-Experts MLP of a Kimi Linear config (a ``MoeBlocks``), None without experts:
     vLLM's KimiMoE, from first_k_dense_replace on, every moe_layer_freq-th layer; the grouped
     (DeepSeek-V3 style) router with its correction bias, the routed scale, and num_shared_experts
     widths of shared expert."""
     if getattr(config, "num_experts", None) is None:
         return None
-    from zero_mismatch_plugin.tables.architectures import MoeBlocks  # the table imports this module
-
     first_dense = int(getattr(config, "first_k_dense_replace", 0) or 0)
     freq = int(getattr(config, "moe_layer_freq", 1) or 1)
     n_shared = int(getattr(config, "num_shared_experts", 0) or 0)
