@@ -107,3 +107,41 @@ def test_the_sigmoid_without_autograd_has_the_bits_of_the_differentiable_one(num
     rows = x[: (numel // 7) * 7].view(-1, 7) if numel >= 7 else x.view(1, -1)
     with torch.no_grad():
         assert torch.equal(row_invariant_sigmoid(rows[:1]), row_invariant_sigmoid(rows)[:1])
+
+
+def _tail_rounds_differently(fn, width=32):
+    """``fn`` as torch's CPU loop runs it on a host whose scalar tail rounds differently from its
+    vectorised body: the last ``numel % width`` elements of a call one ulp up (planted, any host)."""
+
+    def planted(x):
+        out = fn(x).clone()
+        flat = out.view(-1)
+        tail = flat.numel() % width
+        if tail:
+            flat[-tail:] = torch.nextafter(flat[-tail:], torch.tensor(float("inf")))
+        return out
+
+    return planted
+
+
+@pytest.mark.parametrize("name", ["exp", "log1p", "sigmoid"])
+def test_an_elementwise_function_keeps_a_rows_bits_whatever_the_calls_size(name):
+    """``row_invariant_elementwise`` (KDA's decay and softplus, its β and gate sigmoids): a row of 7
+    values has the same bits computed alone or among 1-300 other rows, with and without autograd,
+    even where the function's scalar tail rounds differently (planted); the planted function alone
+    does not. For the sigmoid it is ``row_invariant_sigmoid``'s arithmetic."""
+    from zero_mismatch_plugin.aligned.row_invariant import row_invariant_elementwise, row_invariant_sigmoid
+
+    fn = getattr(torch, name)
+    planted = _tail_rounds_differently(fn)
+    x = torch.randn(301, 7, generator=torch.Generator().manual_seed(3)).abs() * 3
+    for kernel in (fn, planted):
+        alone = row_invariant_elementwise(kernel, x[:1])
+        for rows in (2, 5, 64, 301):
+            with torch.no_grad():
+                assert torch.equal(row_invariant_elementwise(kernel, x[:rows])[:1], alone), (name, rows)
+            grad_path = row_invariant_elementwise(kernel, x[:rows].clone().requires_grad_(True))[:1]
+            assert torch.equal(grad_path.detach(), alone), (name, rows)
+    assert not all(torch.equal(planted(x[:rows])[:1], planted(x[:1])) for rows in (2, 5, 64, 301))
+    if name == "sigmoid":
+        assert torch.equal(row_invariant_elementwise(torch.sigmoid, x), row_invariant_sigmoid(x))
