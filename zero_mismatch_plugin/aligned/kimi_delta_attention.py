@@ -2,8 +2,8 @@
 engine's prefill, its decode and the trainer, on CPU.
 
 vLLM 0.31 runs KDA only through Triton kernels (``chunk_kda_with_fused_gate`` for prefill,
-``fused_recurrent_kda_packed_decode`` for decode): there is no CPU path, and the two GPU kernels
-round differently (a chunked prefill and a token-by-token decode). Here every token, prefilled,
+``fused_recurrent_kda_packed_decode`` for decode): there is no CPU path, and by the seed's account
+the two round differently on a GPU (a chunked prefill and a token-by-token decode). Here every token, prefilled,
 decoded or trained on, goes through :func:`kda_recurrence`: the delta rule with a per-channel decay
 one position at a time, in fp32, from torch operations whose bits for a sequence do not depend on
 the other sequences of the call (elementwise IEEE operations, transcendental functions through

@@ -234,8 +234,8 @@ MESSAGES: dict[str, CommitMessage] = {
         (
             "KimiGatedDeltaNetAttention._forward runs only Triton kernels (chunk_kda_with_fused_gate "
             "for prefill, fused_recurrent_kda_packed_decode for decode, gather_initial_states), so "
-            "Kimi Linear cannot be served on a CPU, and the chunked prefill and the recurrent decode "
-            "round differently. Two more things stop a CPU engine: Kimi Linear builds cutlass' fused "
+            "Kimi Linear cannot be served on a CPU (on a GPU its chunked prefill and recurrent "
+            "decode are two arithmetics for the same tokens). Two more things stop a CPU engine: Kimi Linear builds cutlass' fused "
             "GEMM + all-reduce unless VLLM_KIMI_K3_GEMM_AR=0, and the CPU linear dispatch VNNI-packs "
             "KDA's fp32 conv weight with a packing kernel that takes bf16 only.",
             "With VLLM_BATCH_INVARIANT on CPU, every token goes through one arithmetic "

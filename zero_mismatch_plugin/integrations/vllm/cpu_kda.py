@@ -2,8 +2,8 @@
 
 vLLM 0.31 has no CPU path for KDA: ``KimiGatedDeltaNetAttention._forward`` calls Triton kernels
 (``chunk_kda_with_fused_gate``, ``fused_recurrent_kda_packed_decode``, ``gather_initial_states``)
-that a CPU cannot run, and they round prefill and decode differently. In consistent mode on CPU
-the layer's core goes through ``aligned.kimi_delta_attention.consistent_kda_attention``: the
+that a CPU cannot run (and which, by the seed's account, round prefill and decode differently). In
+consistent mode on CPU the layer's core goes through ``aligned.kimi_delta_attention.consistent_kda_attention``: the
 fixed-order conv, the KDA recurrence one position at a time and the gated output norm, as the
 aligned trainer computes them. Two more things stand in the way of serving Kimi Linear on a CPU,
 each patched here with the reason:
@@ -48,8 +48,8 @@ def _no_cuda_gemm_all_reduce(original):
 KDA_ONE_ARITHMETIC = consistent_cpu_vllm_patch(
     f"{KDA_LAYER}:KimiGatedDeltaNetAttention._forward", _one_arithmetic,
     name="cpu-kda-one-arithmetic",
-    why="vLLM's KDA runs only as Triton kernels (a chunked prefill and a recurrent decode that round "
-        "differently): on CPU every token goes through the fixed-order conv and one KDA recurrence",
+    why="vLLM's KDA runs only as Triton kernels (a chunked prefill and a recurrent decode, two arithmetics "
+        "for the same tokens): on CPU every token goes through the fixed-order conv and one KDA recurrence",
 )
 
 KIMI_NO_CUDA_GEMM_ALL_REDUCE = consistent_cpu_vllm_patch(
