@@ -1770,9 +1770,10 @@ def test_shared_gdn_functions_are_the_runtime_patchs_and_the_trainers():
     for name in ("consistent_gdn_attention", "fixed_order_causal_conv", "recurrent_gated_delta_rule"):
         assert getattr(gdn_edits, name) is getattr(linear_attention, name), name
     assert "consistent_gdn_attention" in inspect.getsource(cpu_gdn._one_arithmetic)
-    # The trainer's mixer and forward call the same two functions.
-    trainer_side = inspect.getsource(linear_attention.AlignedGatedDeltaNet) + inspect.getsource(linear_attention.GatedDeltaRuleFn)
-    assert "fixed_order_causal_conv(" in trainer_side and "recurrent_gated_delta_rule(" in trainer_side
+    # The trainer's mixer and forward call the same two functions (the conv through the packed-sequence helper).
+    mixer = inspect.getsource(linear_attention.AlignedGatedDeltaNet)
+    assert "convolved_sequences(" in mixer and "fixed_order_causal_conv(" in inspect.getsource(linear_attention.convolved_sequences)
+    assert "recurrent_gated_delta_rule(" in inspect.getsource(linear_attention.GatedDeltaRuleFn)
 
 
 VERL_CPU_SCRIPT = """

@@ -24,7 +24,8 @@ from __future__ import annotations
 import torch
 
 from zero_mismatch_plugin.aligned.linear_attention import (
-    fixed_order_causal_conv,
+    convolved_sequences,
+    cpu_conv1d_weight,
     scheduled_causal_conv,
     scheduled_lengths,
     time_major_conv_states,
@@ -170,33 +171,23 @@ def gated_rms_norm_sigmoid(x, gate, weight, eps):
 # ----- The engine side (consistent mode on CPU): integrations.vllm.cpu_kda -----
 
 
-def kda_conv_weight(conv1d):
-    """The (channels, width) fp32 weight of a KDA layer's packed q/k/v conv1d (vLLM keeps it
-    [channels, 1, width] in fp32 whatever the model dtype; an engine serving LoRA wraps the layer)."""
-    conv1d = getattr(conv1d, "base_layer", conv1d)
-    weight = conv1d.weight
-    return weight.view(weight.size(0), weight.size(-1)) if weight.dim() == 3 else weight
-
-
 def consistent_kda_attention(layer, attn_metadata, mixed_qkv, g1, g2, beta, core_attn_out) -> None:
     """``KimiGatedDeltaNetAttention._forward`` for a mixed decode + prefill step (vLLM's metadata
     order: decodes first), each token computed as the aligned trainer computes it: the fixed-order
     conv over q/k/v, :func:`kda_recurrence` from each sequence's state slot, the gated output norm.
     ``g1`` [1, tokens, H, K], ``beta`` [1, tokens, H] as the layer passes them; ``core_attn_out``
     [1, tokens, H, V] is written."""
-    import torch
-
     num_seqs = attn_metadata.num_decodes + attn_metadata.num_prefills
     num_tokens = attn_metadata.num_decode_tokens + attn_metadata.num_prefill_tokens
     heads, dim = layer.local_num_heads, layer.head_dim
     conv_out, fresh_slots = scheduled_causal_conv(
-        attn_metadata, time_major_conv_states(layer), mixed_qkv[:num_tokens], kda_conv_weight(layer.conv1d),
+        attn_metadata, time_major_conv_states(layer), mixed_qkv[:num_tokens], cpu_conv1d_weight(layer.conv1d),
         layer.conv1d.bias, "silu")
     recurrent = layer.kv_cache[1]  # [slots, H, V, K]
+    for slot in fresh_slots:
+        recurrent[slot] = 0
     slots = attn_metadata.non_spec_state_indices_tensor[:num_seqs].long()
     states = recurrent[slots].float()
-    fresh = torch.tensor([int(s) in set(fresh_slots) for s in slots.tolist()], dtype=torch.bool)
-    states[fresh] = 0
     q, k, v = (x.reshape(num_tokens, heads, dim) for x in conv_out.split(heads * dim, dim=-1))
     out, states = kda_recurrence(q, k, v, g1[0, :num_tokens], beta[0, :num_tokens], layer.A_log, layer.dt_bias,
                                  layer.gate_lower_bound, states, scheduled_lengths(attn_metadata))
@@ -246,12 +237,8 @@ class AlignedKimiDeltaAttention:
         b, t = self.blocks, mixed_qkv.shape[0]
         # The engine stacks q's, k's and v's conv weights and holds them in fp32 whatever the model dtype.
         weight = torch.cat([w.float().reshape(w.shape[0], -1) for w in self.conv_weights])
-        convolved, start = [], 0
-        for n in seq_lens:
-            out, _ = fixed_order_causal_conv(mixed_qkv[start:start + n], weight, None, None, "silu")
-            convolved.append(out)
-            start += n
-        q, k, v = (x.reshape(t, b.num_heads, b.head_dim) for x in torch.cat(convolved).split(b.projection_size, dim=-1))
+        convolved = convolved_sequences(mixed_qkv, weight, seq_lens)
+        q, k, v = (x.reshape(t, b.num_heads, b.head_dim) for x in convolved.split(b.projection_size, dim=-1))
         states = torch.zeros(len(seq_lens), b.num_heads, b.head_dim, b.head_dim, device=mixed_qkv.device)
         core, _ = kda_recurrence(q, k, v, g1.reshape(t, b.num_heads, b.head_dim), raw_beta,
                                  self.A_log.float(), self.dt_bias.float(), b.gate_lower_bound, states, seq_lens)

@@ -253,6 +253,17 @@ def consistent_gdn_attention(layer, attn_metadata, mixed_qkv, b, a, core_attn_ou
 # ----- The trainer side -----
 
 
+def convolved_sequences(mixed_qkv, weight, seq_lens):
+    """:func:`fixed_order_causal_conv` (SiLU, no bias) over each packed sequence from its start
+    (``seq_lens[i]`` tokens of sequence ``i``, contiguous), as the engine convolves a fresh prefill."""
+    convolved, start = [], 0
+    for n in seq_lens:
+        out, _ = fixed_order_causal_conv(mixed_qkv[start:start + n], weight, None, None, "silu")
+        convolved.append(out)
+        start += n
+    return torch.cat(convolved)
+
+
 class GatedDeltaRuleFn(Function):
     """The trainer's gated delta rule over packed sequences, each from a zero state: forward
     :func:`recurrent_gated_delta_rule` (the engine's kernel and order; state kept in
@@ -361,12 +372,7 @@ class AlignedGatedDeltaNet:
         mixed_qkv = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], dim=-1)
         # The engine holds conv1d's and dt_bias's weights in the model dtype and A_log in fp32.
         conv_weight = self.conv_weight.to(self.dtype).view(self.conv_weight.shape[0], -1)
-        convolved, start = [], 0
-        for n in seq_lens:
-            out, _ = fixed_order_causal_conv(mixed_qkv[start:start + n], conv_weight, None, None, "silu")
-            convolved.append(out)
-            start += n
-        conv_out = torch.cat(convolved)
+        conv_out = convolved_sequences(mixed_qkv, conv_weight, seq_lens)
         query, key, value = conv_out.split([g.key_dim, g.key_dim, g.value_dim], dim=-1)
         core = GatedDeltaRuleFn.apply(
             query.reshape(t, g.num_key_heads, g.key_head_dim), key.reshape(t, g.num_key_heads, g.key_head_dim),

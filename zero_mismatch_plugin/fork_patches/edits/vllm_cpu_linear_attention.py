@@ -11,7 +11,6 @@ from zero_mismatch_plugin.aligned.kimi_delta_attention import (
     consistent_kda_attention,
     cpu_kda_forward,
     gated_rms_norm_sigmoid,
-    kda_conv_weight,
     kda_gate,
     kda_recurrence,
     kda_step,
@@ -129,7 +128,7 @@ import vllm.envs as envs
     functions_before(KDA_LAYER, '@PluggableLayer.register("kimi_gated_delta_net_attention")\n',
                      row_invariant_elementwise, row_invariant_sigmoid, fixed_order_causal_conv, time_major_conv_states,
                      scheduled_causal_conv, scheduled_lengths, kda_gate, kda_step, kda_recurrence,
-                     gated_rms_norm_sigmoid, kda_conv_weight, consistent_kda_attention, cpu_kda_forward),
+                     gated_rms_norm_sigmoid, cpu_conv1d_weight, consistent_kda_attention, cpu_kda_forward),
     Edit(
         KIMI_MODEL,
         old="""\

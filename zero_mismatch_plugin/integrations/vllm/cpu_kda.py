@@ -16,7 +16,7 @@ each patched here with the reason:
   plain (the consistent path reads it plain anyway); that is part of the ``cpu-gemm`` patch.
 
 Speculative decoding's KDA path (``fused_recurrent_kda`` over draft tokens) is refused by name.
-Why: docs/linear-attention.md.
+Why: docs/zero-mismatch.md ("Linear attention: Kimi Delta Attention").
 """
 
 from __future__ import annotations

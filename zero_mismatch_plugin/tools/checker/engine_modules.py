@@ -34,12 +34,8 @@ _LAYER_MODULES = (
     ("mlp.gate_up_proj", "gate_up_proj"),
     ("mlp.act_fn", "act"),
     ("mlp.down_proj", "down_proj"),
-)
-
-# A linear-attention layer's projections (gated delta-net under ``linear_attn``, KDA under
-# ``self_attn``, whose ``o_proj`` is above); its token mixer's output is what its output
-# projection reads (:data:`_MIXER_READERS`).
-_LINEAR_ATTENTION_MODULES = (
+    # A linear-attention layer's projections: gated delta-net under ``linear_attn``, KDA under
+    # ``self_attn`` (its o_proj is above).
     ("linear_attn.in_proj_qkvz", "in_proj_qkvz"),
     ("linear_attn.in_proj_ba", "in_proj_ba"),
     ("linear_attn.out_proj", "out_proj"),
@@ -48,9 +44,12 @@ _LINEAR_ATTENTION_MODULES = (
     ("self_attn.g_b_proj", "g_b_proj"),
     ("self_attn.f_b_proj", "f_b_proj"),
 )
-_MIXER_READERS = ("linear_attn.out_proj", "self_attn.o_proj")
 
-_LINEARS = {"qkv_proj", "o_proj", "gate_up_proj", "down_proj", *(kind for _, kind in _LINEAR_ATTENTION_MODULES)}
+_LINEARS = {"qkv_proj", "o_proj", "gate_up_proj", "down_proj", "in_proj_qkvz", "in_proj_ba", "out_proj", "in_proj",
+            "g_a_proj", "g_b_proj", "f_b_proj"}
+# A linear-attention layer's output projection reads its token mixer's output ("mixer"): (reader,
+# the module only such a layer has) for a gated delta-net layer and a KDA layer.
+_MIXER_READERS = (("linear_attn.out_proj", "linear_attn"), ("self_attn.o_proj", "self_attn.in_proj_qkvgfab"))
 _NORMS = {"input_norm", "post_attention_norm"}
 
 # An MoE block's modules (relative to the block: ``mlp`` or Mixtral's ``block_sparse_moe``) ->
@@ -272,8 +271,6 @@ class EngineModules:
                 if module is None or id(module) in hooked:
                     continue
                 hooked.add(id(module))
-                if attr == "self_attn.o_proj" and _submodule(layer, "self_attn.in_proj_qkvgfab") is not None:
-                    recorder.on_input(module, "mixer")  # a KDA layer: o_proj reads the mixer's output
                 if kind in _LINEARS and hasattr(module, "punica_wrapper"):
                     recorder.on_lora_linear(module, kind)
                 elif kind in _LINEARS:
@@ -283,16 +280,9 @@ class EngineModules:
                     recorder.on_fused_norm(module, kind)
                 else:
                     recorder.on_output(module, kind)
-            for attr, kind in _LINEAR_ATTENTION_MODULES:
-                module = _submodule(layer, attr)
-                if module is None:
-                    continue
-                if attr == "linear_attn.out_proj":
-                    recorder.on_input(module, "mixer")
-                if hasattr(module, "punica_wrapper"):
-                    recorder.on_lora_linear(module, kind)
-                else:
-                    recorder.on_output(module, kind, split=first_of_pair)
+            for reader, marker in _MIXER_READERS:
+                if _submodule(layer, marker) is not None:
+                    recorder.on_input(_submodule(layer, reader), "mixer")
             self._attach_moe(recorder, layer)
         recorder.on_fused_norm(model.norm, oplist.FINAL_NORM)
         if self.blocks.final_add_then_norm:  # the model returns the sum; compute_logits norms the scored rows
