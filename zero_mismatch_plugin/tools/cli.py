@@ -184,14 +184,14 @@ def _demo(args: argparse.Namespace) -> int:
             return 2
         return run_interruptible("demo --compare", lambda note: run_compare_command(
             args.seeds, args.updates, args.lag, args.out, note=note, dtype=_demo_dtype(args.dtype),
-            learning_rate=args.learning_rate))
+            learning_rate=args.learning_rate, fixed_lag=args.fixed_lag))
     if args.seeds is not None:
         print("ERROR: --seeds is for --compare; a single run takes --seed", file=sys.stderr)
         return 2
     return run_interruptible("demo", lambda note: run_demo_command(
         args.algo or "reinforce_zero", args.kernels or "aligned", 2 if args.lag is None else args.lag,
         200 if args.updates is None else args.updates, args.seed or 0, args.out, args.turns, args.model, args.lora,
-        note=note, dtype=_demo_dtype(args.dtype), learning_rate=args.learning_rate))
+        note=note, dtype=_demo_dtype(args.dtype), learning_rate=args.learning_rate, fixed_lag=args.fixed_lag))
 
 
 def _demo_dtype(flag: str) -> str:
@@ -372,6 +372,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--lag", type=int, metavar="K",
                       help="samples are at most K versions old (0: synchronous; default 2, with --compare 8)")
+    demo.add_argument("--fixed-lag", action="store_true",
+                      help="samples are exactly K versions old (version u - K trains update u, once u >= K), "
+                           "however fast the learner goes: every --compare variant sees the same lag")
     demo.add_argument("--updates", type=int, metavar="N",
                       help="optimizer updates per run (default 200, with --compare 300)")
     demo.add_argument("--seed", type=int, metavar="S", help="default 0")

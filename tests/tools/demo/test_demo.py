@@ -212,6 +212,40 @@ def test_weight_mailbox_hands_over_the_newest_version():
         mailbox.put(2, list(reversed(weights)))
 
 
+def test_weight_mailbox_keeps_the_last_versions_for_a_fixed_lag():
+    import multiprocessing
+
+    from zero_mismatch_plugin.tools.demo.rollout import RolloutPlan, WeightMailbox
+
+    weights = [("a", torch.arange(6.0).view(2, 3))]
+    plan = RolloutPlan(seed=0, prompts_per_chunk=1, samples_per_prompt=1, response_tokens=1,
+                       chunks_per_update=1, lag=2, total_chunks=8, fixed_lag=True)
+    assert [plan.sampling_version(u) for u in range(5)] == [0, 0, 0, 1, 2]
+    mailbox = WeightMailbox(weights, slots=plan.lag + 1).attach(multiprocessing.get_context("spawn").Lock())
+    for version in range(4):
+        mailbox.put(version, [("a", weights[0][1] + version)])
+    assert mailbox.take_newer(None)[0] == 3  # the newest, as with one slot
+    for version in (1, 2, 3):  # the last lag + 1 versions, each its own tensors
+        taken_version, taken = mailbox.take_version(version, loaded=None)
+        assert taken_version == version and torch.equal(taken[0][1], weights[0][1] + version)
+    assert mailbox.take_version(2, loaded=2) is None  # already loaded
+    with pytest.raises(RuntimeError, match="version 0 asked for, but its mailbox slot holds version 3"):
+        mailbox.take_version(0, loaded=None)  # overwritten by version 3
+
+
+def test_fixed_lag_trains_every_update_on_samples_exactly_lag_versions_old(demo_engine):
+    """With ``fixed_lag`` the learner (fast here: the tiny model) cannot shorten the lag: update u
+    trains on version u - 2 exactly, where the bound alone lets the engine hand over newer ones."""
+    lag, updates = 2, 8
+    result = _run(demo_engine, lag=lag, updates=updates, fixed_lag=True)
+    for record in result.records:
+        expected = max(0, record.learner_version - lag)
+        assert record.sample_versions == [expected] * len(record.sample_versions), record.step
+        assert all(record.own_version_bitwise)
+    assert [r.metrics["training/off_policy/trajectory_staleness/max"] for r in result.records] == \
+        [0.0, 1.0] + [2.0] * (updates - 2)
+
+
 # ----- the command: its claim checked, its files written as they come ---------------------------
 
 

@@ -13,7 +13,9 @@ import pytest
 import torch
 
 from support.vllm_session import demo_engine
-from zero_mismatch_plugin.tools.demo.compare import VARIANT_NAMES, CompareConfig, run_compare, run_dir
+from zero_mismatch_plugin.tools.demo.compare import (
+    DEFAULT_LAG, VARIANT_NAMES, VARIANTS, CompareConfig, run_compare, run_dir,
+)
 
 MAX_MODEL_LEN = 128
 UPDATES = 4
@@ -182,20 +184,25 @@ def test_bf16_engine_aligned_learner_bitwise_and_bf16_learner_not(tmp_path):
         assert summary["dtype"] == "bfloat16", summary
 
 
-def test_demo_dtype_and_learning_rate_flags_reach_both_commands_and_bad_values_are_refused(monkeypatch):
+def test_demo_dtype_learning_rate_and_fixed_lag_flags_reach_both_commands_and_bad_values_are_refused(monkeypatch):
     from zero_mismatch_plugin.tools import cli
     from zero_mismatch_plugin.tools.demo import command
     from zero_mismatch_plugin.tools.demo.runner import DemoConfig
 
     seen = []
-    monkeypatch.setattr(command, "run_demo_command",
-                        lambda *a, dtype, learning_rate, **k: seen.append(("demo", dtype, learning_rate)) or 0)
-    monkeypatch.setattr(command, "run_compare_command",
-                        lambda *a, dtype, learning_rate, **k: seen.append(("compare", dtype, learning_rate)) or 0)
+    monkeypatch.setattr(command, "run_demo_command", lambda *a, dtype, learning_rate, fixed_lag, **k:
+                        seen.append(("demo", dtype, learning_rate, fixed_lag)) or 0)
+    monkeypatch.setattr(command, "run_compare_command", lambda *a, dtype, learning_rate, fixed_lag, **k:
+                        seen.append(("compare", dtype, learning_rate, fixed_lag)) or 0)
     assert cli.main(["demo", "--dtype", "bf16"]) == 0
-    assert cli.main(["demo", "--compare", "--dtype", "bf16", "--learning-rate", "3e-5"]) == 0
-    assert cli.main(["demo"]) == 0
-    assert seen == [("demo", "bfloat16", 1e-4), ("compare", "bfloat16", 3e-5), ("demo", "float32", 1e-4)]
+    assert cli.main(["demo", "--compare", "--dtype", "bf16", "--learning-rate", "3e-5", "--fixed-lag"]) == 0
+    assert cli.main(["demo", "--fixed-lag"]) == 0
+    assert seen == [("demo", "bfloat16", 1e-4, False), ("compare", "bfloat16", 3e-5, True),
+                    ("demo", "float32", 1e-4, True)]
+    # Every asynchronous variant of a fixed-lag comparison runs at that fixed lag; the reference stays synchronous.
+    runs = {v.name: v.demo_config(CompareConfig(fixed_lag=True), seed=0) for v in VARIANTS}
+    assert {name: (c.lag, c.fixed_lag) for name, c in runs.items()} == {
+        name: (0 if name == "sync_aligned" else DEFAULT_LAG, True) for name in runs}
     with pytest.raises(ValueError, match="--dtype must be one of"):
         DemoConfig(dtype="float16")
     with pytest.raises(ValueError, match="--learning-rate must be a positive number"):

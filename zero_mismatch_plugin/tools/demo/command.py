@@ -109,7 +109,8 @@ def _quiet_defaults() -> None:
 
 
 def validated_config(algo: str, kernels: str, lag: int, updates: int, seed: int, turns: int, model: str,
-                     lora_rank: int | None, dtype: str = "float32", learning_rate: float = 1e-4):
+                     lora_rank: int | None, dtype: str = "float32", learning_rate: float = 1e-4,
+                     fixed_lag: bool = False):
     """The run's ``DemoConfig`` once every option is checked (``ValueError`` says what to change);
     nothing is built or started."""
     from zero_mismatch_plugin.tools.tiny_models import DEFAULT_SHAPE
@@ -131,7 +132,7 @@ def validated_config(algo: str, kernels: str, lag: int, updates: int, seed: int,
     cpu_kv_cache_space()  # refuse a KV-cache size the engine would die on, before any work
     return DemoConfig(algo=algo, kernels=kernels, lag=lag, updates=updates, seed=seed, turns=turns,
                       max_model_len=max_model_len, model=model, lora_rank=lora_rank, dtype=dtype,
-                      learning_rate=learning_rate)
+                      learning_rate=learning_rate, fixed_lag=fixed_lag)
 
 
 def _require_served_rank(rank: int) -> None:
@@ -163,13 +164,14 @@ def _bitwise_failure(summary: dict) -> str | None:
 def run_demo_command(algo: str, kernels: str, lag: int, updates: int, seed: int, out: str | None,
                      turns: int = 1, model: str = "dense",
                      lora_rank: int | None = None, note=None, dtype: str = "float32",
-                     learning_rate: float = 1e-4) -> int:
+                     learning_rate: float = 1e-4, fixed_lag: bool = False) -> int:
     """``zmrl demo``: 0 when the run finished and its claims hold; 1 when the aligned kernels' bitwise
     claim failed; 2 for a refused option or an output that could not be written. ``note``: the
     interrupt note of ``cli.run_interruptible``, told what the run has kept so far."""
     _quiet_defaults()
     try:
-        config = validated_config(algo, kernels, lag, updates, seed, turns, model, lora_rank, dtype, learning_rate)
+        config = validated_config(algo, kernels, lag, updates, seed, turns, model, lora_rank, dtype, learning_rate,
+                                  fixed_lag)
         out_dir = prepare_out_dir(out)
     except ValueError as error:
         print(f"ERROR: {error}", file=sys.stderr)
@@ -249,7 +251,8 @@ def _run_demo(config, out_dir: Path, note) -> int:
 
 
 def run_compare_command(seeds: list[int] | None, updates: int | None, lag: int | None, out: str | None,
-                        note=None, dtype: str = "float32", learning_rate: float = 1e-4) -> int:
+                        note=None, dtype: str = "float32", learning_rate: float = 1e-4,
+                        fixed_lag: bool = False) -> int:
     """Every comparison variant for every seed, one engine; the comparison table and figures in ``out``."""
     _quiet_defaults()
     from zero_mismatch_plugin.tools.demo.compare import DEFAULT_LAG, DEFAULT_SEEDS, DEFAULT_UPDATES, CompareConfig
@@ -260,7 +263,8 @@ def run_compare_command(seeds: list[int] | None, updates: int | None, lag: int |
         cpu_kv_cache_space()  # refuse a KV-cache size the engine would die on, before any work
         config = CompareConfig(seeds=DEFAULT_SEEDS if seeds is None else seeds,
                                updates=DEFAULT_UPDATES if updates is None else updates,
-                               lag=DEFAULT_LAG if lag is None else lag, dtype=dtype, learning_rate=learning_rate)
+                               lag=DEFAULT_LAG if lag is None else lag, dtype=dtype, learning_rate=learning_rate,
+                               fixed_lag=fixed_lag)
         out_dir = prepare_out_dir(out)
     except ValueError as error:
         print(f"ERROR: {error}", file=sys.stderr)
@@ -284,7 +288,8 @@ def _run_compare(config, out_dir: Path) -> int:
     runs = len(config.seeds) * len(config.selected)
     print(f"zmrl demo --compare -> {out_dir}/")
     print(f"{len(config.selected)} variants x seeds {list(config.seeds)}, {config.updates} updates each, "
-          f"lag {config.lag} (the synchronous reference: 0), learning rate {config.learning_rate}")
+          f"lag {config.lag}{' exactly' if config.fixed_lag else ' at most'} (the synchronous reference: 0), "
+          f"learning rate {config.learning_rate}")
     model_dirs = {seed: build_tiny_model(out_dir / "models" / f"seed-{seed}", family="llama", seed=seed)
                   for seed in config.seeds}
     print("starting the vLLM engine in its own process (CPU, fp32, consistent numerics; about 10 s)")

@@ -31,7 +31,8 @@ class Variant:
     def demo_config(self, config: "CompareConfig", seed: int) -> DemoConfig:
         return DemoConfig(
             algo="reinforce_zero", kernels=self.kernels, correction=self.correction,
-            lag=0 if self.synchronous else config.lag, updates=config.updates, seed=seed, task=config.task,
+            lag=0 if self.synchronous else config.lag, fixed_lag=config.fixed_lag,
+            updates=config.updates, seed=seed, task=config.task,
             learning_rate=config.learning_rate, max_model_len=config.max_model_len, dtype=config.dtype,
         )
 
@@ -53,6 +54,9 @@ class CompareConfig:
     seeds: Sequence[int] = DEFAULT_SEEDS
     updates: int = DEFAULT_UPDATES
     lag: int = DEFAULT_LAG
+    # True: every asynchronous variant trains each update on samples exactly ``lag`` versions old,
+    # whatever its learner's speed; False: at most ``lag`` (a fast learner sees less lag).
+    fixed_lag: bool = False
     task: str = CHAIN
     learning_rate: float = 1e-4
     max_model_len: int = 128

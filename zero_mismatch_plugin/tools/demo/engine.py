@@ -135,7 +135,7 @@ class EngineProcess:
 
     def rollout(self, task: Task, plan: RolloutPlan, initial_weights) -> "Rollout":
         """Start generating ``plan``'s chunks; ``initial_weights`` (named tensors) are version 0."""
-        mailbox = WeightMailbox(initial_weights).attach(self._lock)
+        mailbox = WeightMailbox(initial_weights, slots=plan.lag + 1 if plan.fixed_lag else 1).attach(self._lock)
         mailbox.put(0, initial_weights)
         return Rollout(self, next(self._run_ids), task, plan, mailbox)
 

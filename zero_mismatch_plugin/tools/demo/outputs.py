@@ -245,7 +245,7 @@ def format_summary(summary: dict, out_dir: Path) -> str:
     lines = [
         f"zmrl demo: {s['algo']}, {s['kernels']} kernels"
         + (f", frozen base + rank-{s['lora_rank']} LoRA" if s.get("lora_rank") else "")
-        + f", lag bound K={s['lag']}, seed {s['seed']}",
+        + (f", fixed lag K={s['lag']}" if s.get("fixed_lag") else f", lag bound K={s['lag']}") + f", seed {s['seed']}",
         f"  updates            {s['updates']} in {s['loop_seconds']:.1f} s ({s['updates_per_second']:.2f} updates/s)",
         f"  reward             {_number(s['reward_first'])} (first {s['reward_window']} updates) -> "
         f"{_number(s['reward_last'])} (last {s['reward_window']})",

@@ -3,6 +3,7 @@
 The code the engine's process runs (:mod:`.engine`): before each chunk it loads the newest version
 from the :class:`WeightMailbox` and stamps every sample with it; a chunk is generated only once its
 update is at most K versions ahead of the published weights (docs/demo.md, "The rollout and the lag bound").
+With a fixed lag the chunk of update u is sampled by version u - K exactly, whichever is newer.
 """
 
 from __future__ import annotations
@@ -68,21 +69,36 @@ class RolloutPlan:
     # A LoRA run (``aligned.lora.peft.LoRAConfig``): the published weights are the adapter's tensors,
     # served as a new adapter version, never loaded into the base.
     lora: object | None = None
+    # True: every chunk of update u is sampled by version max(0, u - lag) exactly, however far the
+    # learner has got, so runs whose learners go at different speeds see the same lag. False: the
+    # newest version published (at most ``lag`` old; how old depends on the two sides' speeds).
+    fixed_lag: bool = False
+
+    def sampling_version(self, update: int) -> int:
+        """The version a fixed-lag plan samples update ``update``'s chunks with."""
+        return max(0, update - self.lag)
 
 
 class WeightMailbox:
-    """The newest published weight version, in one shared-memory slot that each publish overwrites.
+    """The last ``slots`` published weight versions, in shared memory: version v lives in slot
+    v % slots until version v + slots overwrites it.
 
     The learner copies its parameters in (a memory copy, no pickling); the engine's process copies
     them out under the same lock, so it never reads a half-written version. The lock is created
     with the engine's process (locks cannot travel through queues) and attached on each side.
+    One slot serves a run that always takes the newest version; a fixed lag K needs K + 1 (while
+    the engine samples update u with version u - K, the learner cannot publish past version u).
     """
 
-    def __init__(self, named_weights: list[tuple[str, torch.Tensor]]):
+    def __init__(self, named_weights: list[tuple[str, torch.Tensor]], slots: int = 1):
+        if slots < 1:
+            raise ValueError(f"a weight mailbox needs at least one slot, got {slots}")
         self.layout = [(name, tuple(t.shape), t.numel()) for name, t in named_weights]
         # fp32: the demo's engine dtype, and what the learner trains in.
-        self.buffer = torch.empty(sum(n for _, _, n in self.layout), dtype=torch.float32).share_memory_()
-        self.version = torch.full((1,), -1, dtype=torch.int64).share_memory_()
+        numel = sum(n for _, _, n in self.layout)
+        self.buffer = torch.empty(slots, numel, dtype=torch.float32).share_memory_()
+        # The version each slot holds (-1: none yet); the newest published is their maximum.
+        self.versions = torch.full((slots,), -1, dtype=torch.int64).share_memory_()
         self.lock = None
 
     def __getstate__(self):
@@ -103,18 +119,35 @@ class WeightMailbox:
         given = [name for name, _ in named_weights]
         if given != [name for name, _, _ in self.layout]:
             raise ValueError(f"published weights {given} do not match the mailbox's layout")
+        slot = version % len(self.versions)
         with self.lock:
-            for (_, slot), (_, tensor) in zip(self._views(self.buffer), named_weights):
-                slot.copy_(tensor)
-            self.version[0] = version
+            for (_, view), (_, tensor) in zip(self._views(self.buffer[slot]), named_weights):
+                view.copy_(tensor)
+            self.versions[slot] = version
 
     def take_newer(self, loaded: int | None) -> tuple[int, list[tuple[str, torch.Tensor]]] | None:
-        """(version, weights) if a version other than ``loaded`` is published, else None."""
+        """(version, weights) if the newest published version is not ``loaded``, else None."""
         with self.lock:
-            version = int(self.version[0])
+            slot = int(self.versions.argmax())
+            version = int(self.versions[slot])
             if version < 0 or version == loaded:
                 return None
-            copy = self.buffer.clone()
+            copy = self.buffer[slot].clone()
+        return version, self._views(copy)
+
+    def take_version(self, version: int, loaded: int | None) -> tuple[int, list[tuple[str, torch.Tensor]]] | None:
+        """(version, weights) of exactly ``version``, or None if it is the one ``loaded``."""
+        if version == loaded:
+            return None
+        slot = version % len(self.versions)
+        with self.lock:
+            held = int(self.versions[slot])
+            if held != version:
+                # The plan waits until ``version`` is published, and the learner cannot publish
+                # ``version + slots`` before this chunk is delivered: reaching here is a bug.
+                raise RuntimeError(f"weight version {version} asked for, but its mailbox slot holds "
+                                   f"version {held} (mailbox of {len(self.versions)} slots)")
+            copy = self.buffer[slot].clone()
         return version, self._views(copy)
 
 
@@ -221,11 +254,15 @@ def produce_chunks(llm, task: Task, plan: RolloutPlan, mailbox: WeightMailbox, i
         loaded: int | None = None  # the engine may hold another run's weights
         lora_request = None
         for index in range(plan.total_chunks):
-            inbox.wait_until_allowed(index // plan.chunks_per_update, plan.lag)
+            update = index // plan.chunks_per_update
+            inbox.wait_until_allowed(update, plan.lag)
             if inbox.stopping:
                 return
             load_s = 0.0
-            newer = mailbox.take_newer(loaded)
+            if plan.fixed_lag:
+                newer = mailbox.take_version(plan.sampling_version(update), loaded)
+            else:
+                newer = mailbox.take_newer(loaded)
             if newer is not None:
                 start = time.perf_counter()
                 loaded, weights = newer

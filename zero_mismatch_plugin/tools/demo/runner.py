@@ -54,6 +54,9 @@ class DemoConfig:
     algo: str = "reinforce_zero"
     kernels: str = ALIGNED
     lag: int = 2
+    # True: every sample of update u (learner version u) comes from version max(0, u - lag) exactly;
+    # False: the newest version the engine has, at most ``lag`` old (``rollout.RolloutPlan``).
+    fixed_lag: bool = False
     updates: int = 200
     seed: int = 0
     task: str = DIGITS
@@ -258,8 +261,9 @@ class DemoRun:
             seed=cfg.seed, prompts_per_chunk=cfg.prompts_per_chunk, samples_per_prompt=cfg.group_size,
             response_tokens=cfg.response_tokens, chunks_per_update=cfg.chunks_per_update, lag=cfg.lag,
             total_chunks=cfg.updates * cfg.chunks_per_update, turns=cfg.turns,
-            lora=getattr(self.learner, "lora_config", None),
+            lora=getattr(self.learner, "lora_config", None), fixed_lag=cfg.fixed_lag,
         )
+        self.plan = plan
         result = DemoResult(cfg)
         threads = torch.get_num_threads()
         torch.set_num_threads(cfg.learner_threads)
@@ -315,6 +319,12 @@ class DemoRun:
         too_old = [s.version for s in samples if self.version - s.version > cfg.lag]
         if too_old:
             raise RuntimeError(f"update {step}: samples of versions {too_old} exceed lag {cfg.lag} at {self.version}")
+        if cfg.fixed_lag:
+            expected = self.plan.sampling_version(self.version)
+            off = sorted({s.version for s in samples} - {expected})
+            if off:
+                raise RuntimeError(f"update {step}: fixed lag {cfg.lag} expects samples of version {expected} "
+                                   f"at learner version {self.version}, got versions {off}")
         batch = _Batch(samples)
 
         older_rows = self._older_version_logprobs(batch)
