@@ -208,7 +208,7 @@ def _run_demo(config, out_dir: Path, note) -> int:
     family, description = DEMO_MODELS[config.model]
     print(f"building {description} and its tokenizer, seed {config.seed}")
     model_dir = build_tiny_model(out_dir / "model", family=family, seed=config.seed)
-    print("starting the vLLM engine in its own process (CPU, fp32, consistent numerics; about 10 s)")
+    print(f"starting the vLLM engine in its own process (CPU, {config.dtype}, consistent numerics; about 10 s)")
     if config.lora_rank is not None:
         print(f"LoRA: frozen base, rank-{config.lora_rank} adapter on every linear, "
               "a new adapter version served after every update")
@@ -292,7 +292,7 @@ def _run_compare(config, out_dir: Path) -> int:
           f"learning rate {config.learning_rate}")
     model_dirs = {seed: build_tiny_model(out_dir / "models" / f"seed-{seed}", family="llama", seed=seed)
                   for seed in config.seeds}
-    print("starting the vLLM engine in its own process (CPU, fp32, consistent numerics; about 10 s)")
+    print(f"starting the vLLM engine in its own process (CPU, {config.dtype}, consistent numerics; about 10 s)")
     done = []
 
     def progress(variant, seed, result):
