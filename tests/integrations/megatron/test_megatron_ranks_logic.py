@@ -178,6 +178,61 @@ def test_the_spec_takes_the_layouts_run_and_refuses_the_combinations_not_run():
     assert refused(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2) == []
 
 
+def test_a_bf16_stage_boundary_carries_both_addends_bit_for_bit_and_their_gradients_back():
+    """What a bf16 stage sends: the two addends of its last residual sum in one fp32 word each,
+    every bit kept (infinities, signed zeros, subnormals, NaN payloads); the next stage's sum and
+    both addends are the sender's, and the gradients of both addends come back exactly."""
+    from zero_mismatch_plugin.faces.megatron.pipeline import _PackAddends, _UnpackAddends, pack_pair, unpack_pair
+
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 1, 16, generator=generator).to(torch.bfloat16)
+    residual = torch.randn(5, 1, 16, generator=generator).to(torch.bfloat16) * 300
+    specials = torch.tensor([float("inf"), -float("inf"), -0.0, 1e-40, float("nan")], dtype=torch.bfloat16)
+    x[0, 0, :5] = specials
+    residual.view(torch.int16)[1, 0, 0] = 0x7FC1  # a NaN with a payload
+    packed = pack_pair(x, residual)
+    assert packed.dtype == torch.float32 and packed.shape == x.shape and packed._base is None
+    for sent, received in zip((x, residual), unpack_pair(packed, torch.bfloat16)):
+        assert torch.equal(sent.view(torch.int16), received.view(torch.int16))  # bits, NaNs included
+
+    x, residual = (t.detach().nan_to_num().requires_grad_() for t in (x, residual))
+    sent = _PackAddends.apply(x, residual)
+    received = sent.detach().requires_grad_()  # what megatron's receive hands the next stage
+    x_next, residual_next = _UnpackAddends.apply(received, torch.bfloat16)
+    assert torch.equal(x_next + residual_next, x + residual)
+    grad_x, grad_residual = torch.randn(2, 5, 1, 16, generator=generator).to(torch.bfloat16)
+    torch.autograd.backward((x_next, residual_next), (grad_x, grad_residual))
+    assert received.grad.dtype == torch.float32  # sent back at pipeline_dtype
+    sent.backward(received.grad)
+    assert torch.equal(x.grad, grad_x) and torch.equal(residual.grad, grad_residual)
+    with pytest.raises(ValueError, match="two 16-bit tensors of one dtype and shape"):
+        pack_pair(x.float(), residual.float())
+
+
+def test_bf16_stages_send_fp32_words_and_a_model_whose_stages_cannot_is_refused():
+    from zero_mismatch_plugin.faces.megatron.pipeline import carry_addends_across_stages, send_addends_in_fp32
+    from zero_mismatch_plugin.faces.megatron.spec import unsupported_features
+
+    def config(pp, dtype):
+        return SimpleNamespace(pipeline_model_parallel_size=pp, params_dtype=dtype, pipeline_dtype=dtype,
+                               bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16)
+
+    staged = config(2, torch.bfloat16)
+    send_addends_in_fp32(staged)
+    assert staged.pipeline_dtype == torch.float32  # verl and megatron default it to the model dtype
+    for unchanged in (config(1, torch.bfloat16), config(2, torch.float32)):
+        send_addends_in_fp32(unchanged)
+        assert unchanged.pipeline_dtype == unchanged.params_dtype
+    # A model built without the spec's setting: refused by name, not sent as the rounded sum.
+    decoder = SimpleNamespace(config=config(2, torch.bfloat16), pre_process=False, post_process=True)
+    with pytest.raises(NotImplementedError, match=r"pipeline_dtype is torch.bfloat16: build the model from "
+                                                  r"aligned_gpt_spec \(which sets it\) or set pipeline_dtype=torch.float32"):
+        carry_addends_across_stages(SimpleNamespace(decoder=decoder))
+    assert unsupported_features(config(2, torch.bfloat16)) == []
+    assert unsupported_features(config(2, torch.float16)) == ["pipeline parallelism > 1 in fp16 (not run; bf16 and "
+                                                              "fp32 are)"]
+
+
 def test_a_layout_takes_virtual_pipeline_stages_at_pipeline_parallelism_alone():
     from zero_mismatch_plugin.integrations.megatron.distributed import Layout
 

@@ -8,6 +8,11 @@ no arithmetic), so each layer computes what it computes in one process and a pip
 arithmetic of its own to stay bitwise with the engine. The forward and backward run through
 megatron's own schedule (``get_forward_backward_func``), as verl's Megatron engine runs them.
 
+In bf16 a hidden state alone is not enough: vLLM's fused add + norm normalises the unrounded sum
+of the last layer's output and the residual (:mod:`.residual`), so a stage sends both addends,
+packed bit for bit into one fp32 word each (``pipeline_dtype=torch.float32``, set with the spec), and the next stage
+unpacks them for its first norm (:func:`carry_addends_across_stages`). Still a copy, no arithmetic.
+
 Tied embeddings: megatron keeps a copy of the word embeddings as the last stage's output layer and
 all-reduces the two copies' gradients in ``finalize_model_grads``; a checkpoint's
 ``embed_tokens`` loads both, and the first stage's copy is the one gathered.
@@ -15,11 +20,14 @@ all-reduces the two copies' gradients in ``finalize_model_grads``; a checkpoint'
 
 from __future__ import annotations
 
+import logging
 import re
 
 import torch
 
 from zero_mismatch_plugin.faces.megatron.parallel import layout_group
+
+logger = logging.getLogger(__name__)
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _EMBEDDING = "embedding.word_embeddings.weight"
@@ -182,3 +190,124 @@ def run_schedule(model, tokens: int, items: list, forward_step, loss, forward_on
             model=chunks, num_microbatches=len(items), seq_length=tokens, micro_batch_size=1,
             forward_only=forward_only,
         )
+
+
+# ----- The stage boundary in 16-bit dtypes ------------------------------------------------------
+
+
+class _PackAddends(torch.autograd.Function):
+    """Two 16-bit tensors (the layer output and the residual) as one fp32 tensor of their shape:
+    element i's 32 bits are the two addends' 16 bits side by side. A copy of bits, no rounding;
+    the gradient arrives packed the same way and is unpacked into each addend's."""
+
+    @staticmethod
+    def forward(ctx, x, residual):
+        ctx.dtype = x.dtype
+        return pack_pair(x, residual)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return unpack_pair(grad, ctx.dtype)
+
+
+class _UnpackAddends(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, packed, dtype):
+        return unpack_pair(packed, dtype)
+
+    @staticmethod
+    def backward(ctx, grad_x, grad_residual):
+        reference = grad_x if grad_x is not None else grad_residual
+        grad_x = torch.zeros_like(reference) if grad_x is None else grad_x
+        grad_residual = torch.zeros_like(reference) if grad_residual is None else grad_residual
+        return pack_pair(grad_x, grad_residual), None
+
+
+def pack_pair(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a`` and ``b`` (one 16-bit dtype, one shape) as an fp32 tensor of that shape holding both
+    bit patterns (a copy; :func:`unpack_pair` gives them back exactly)."""
+    if a.dtype != b.dtype or a.shape != b.shape or a.element_size() != 2:
+        raise ValueError(f"pack_pair takes two 16-bit tensors of one dtype and shape, got "
+                         f"{a.dtype} {tuple(a.shape)} and {b.dtype} {tuple(b.shape)}")
+    packed = torch.empty(a.shape, dtype=torch.float32, device=a.device)
+    packed.view(a.dtype).view(*a.shape, 2).copy_(torch.stack((a, b), dim=-1))
+    return packed
+
+
+def unpack_pair(packed: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two ``dtype`` tensors :func:`pack_pair` packed into ``packed``."""
+    pairs = packed.contiguous().view(dtype).view(*packed.shape, 2)
+    return pairs[..., 0].clone(), pairs[..., 1].clone()
+
+
+def carries_addends(config) -> bool:
+    """Whether stages of ``config`` send the residual sum's addends (bf16 at pipeline parallelism > 1)."""
+    return pipeline_size(config) > 1 and config.params_dtype == torch.bfloat16
+
+
+def boundary_problem(config) -> str | None:
+    """Why stages of ``config`` cannot carry what the next stage's first norm reads; None if they can."""
+    if pipeline_size(config) > 1 and getattr(config, "fp16", False):
+        return "pipeline parallelism > 1 in fp16 (not run; bf16 and fp32 are)"
+    return None
+
+
+def send_addends_in_fp32(config) -> None:
+    """``config.pipeline_dtype`` fp32 where stages carry addends (:func:`carries_addends`): megatron
+    sizes the buffers it sends and receives by it. Called with the spec, before the model is built
+    (verl sets ``pipeline_dtype`` to the model dtype)."""
+    if carries_addends(config) and config.pipeline_dtype != torch.float32:
+        logger.info("aligned megatron spec: pipeline_dtype %s -> torch.float32 (each fp32 word a pair of "
+                    "bf16 addends of the residual sum)", config.pipeline_dtype)
+        config.pipeline_dtype = torch.float32
+
+
+def carry_addends_across_stages(model) -> None:
+    """In bf16 at pipeline parallelism > 1: a stage that is not the last sends its last residual
+    sum's two addends packed (:func:`pack_pair`), and a stage that is not the first unpacks what it
+    receives into the sum and its addends, so its first norm is vLLM's fused add + norm on the
+    engine's numbers. Hooks on the model chunk's TransformerBlock; installed once; nothing at
+    fp32 or at pipeline parallelism 1 (the sum alone is then what the norm reads)."""
+    from zero_mismatch_plugin.faces.megatron.residual import record_addends, residual_addends
+
+    decoder = model.decoder
+    config = decoder.config
+    if getattr(decoder, "_zero_mismatch_boundary", False) or not carries_addends(config):
+        return
+    if config.pipeline_dtype != torch.float32:
+        raise NotImplementedError(
+            f"aligned megatron spec: bf16 stages send the two bf16 addends of the residual sum packed in one fp32 "
+            f"word, but pipeline_dtype is {config.pipeline_dtype}: build the model from aligned_gpt_spec (which "
+            "sets it) or set pipeline_dtype=torch.float32")
+    dtype = config.params_dtype
+
+    def unpack_received(block, args, kwargs):
+        received = block.input_tensor
+        if received is None or received.dtype != torch.float32:
+            return None  # a stage given nothing (megatron's schedule sets it) or the first stage
+        x, residual = _UnpackAddends.apply(received, dtype)
+        total = x + residual  # the rounded sum vLLM keeps as the residual, made as the layer made it
+        record_addends(total, x, residual)
+        block._zero_mismatch_received = received
+        block.input_tensor = total
+        return None
+
+    def restore_received(block, args, kwargs, output):
+        received = getattr(block, "_zero_mismatch_received", None)
+        if received is not None:
+            block.input_tensor, block._zero_mismatch_received = received, None
+        return None
+
+    def pack_sent(block, args, kwargs, output):
+        addends = residual_addends(output)
+        if addends is None:
+            raise RuntimeError("aligned megatron stage: the stage's output is not a residual sum of the "
+                               "aligned spec's residual add, so its addends cannot be sent")
+        return _PackAddends.apply(*addends)
+
+    if not decoder.pre_process:
+        decoder.register_forward_pre_hook(unpack_received, with_kwargs=True)
+        decoder.register_forward_hook(restore_received, with_kwargs=True)
+    if not decoder.post_process:
+        decoder.register_forward_hook(pack_sent, with_kwargs=True)
+    decoder._zero_mismatch_boundary = True

@@ -20,7 +20,8 @@ import weakref
 _addends: dict[int, tuple] = {}
 
 
-def _record(total, x, residual) -> None:
+def record_addends(total, x, residual) -> None:
+    """Remember that ``total`` is ``x + residual`` (for :func:`residual_addends`)."""
     key = id(total)
 
     def forget(_ref, key=key):
@@ -52,7 +53,7 @@ def aligned_residual_add(training: bool, fused: bool):
             raise NotImplementedError(f"aligned megatron spec: hidden dropout {prob} (vLLM has none): "
                                       "set hidden_dropout=0")
         total = x + residual
-        _record(total, x, residual)
+        record_addends(total, x, residual)
         return total
 
     return residual_add

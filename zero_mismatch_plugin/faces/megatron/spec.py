@@ -25,7 +25,12 @@ from zero_mismatch_plugin.faces.megatron.modules import (
     aligned_mlp_class,
 )
 from zero_mismatch_plugin.faces.megatron.moe import AlignedRouter, aligned_moe_layer_class
-from zero_mismatch_plugin.faces.megatron.pipeline import stage_layers
+from zero_mismatch_plugin.faces.megatron.pipeline import (
+    boundary_problem,
+    carry_addends_across_stages,
+    send_addends_in_fp32,
+    stage_layers,
+)
 from zero_mismatch_plugin.faces.megatron.residual import aligned_residual_add
 
 # GPTModel.position_embedding_type after the swap: megatron skips its own rotary for any value
@@ -58,9 +63,9 @@ def unsupported_features(config) -> list[str]:
         problems.append("pipeline parallelism > 1 with both tensor and context parallelism (each with pipeline "
                         "parallelism, with expert parallelism too, and tensor x expert x context are run; this is not "
                         "yet)")
-    if pp != 1 and (get("bf16") or get("fp16")):
-        problems.append("pipeline parallelism > 1 in bf16 / fp16 (a stage sends the residual sum without the "
-                        "addends vLLM's fused add + norm reads; run the stages in fp32)")
+    boundary = boundary_problem(config)
+    if boundary is not None:
+        problems.append(boundary)
     if get("mtp_num_layers"):
         problems.append("multi-token prediction layers")
     if get("normalization", "RMSNorm") != "RMSNorm":
@@ -289,7 +294,9 @@ def aligned_model_spec(config, runtime: VllmRuntime, temperature: float = 1.0, v
 
 def aligned_gpt_spec(config, runtime: VllmRuntime, vp_stage=None):
     """``(spec, needs_swaps)``: the hooked model spec on a patched megatron-core, else the layer
-    spec, after whose model :func:`apply_post_construction_swaps` must run."""
+    spec, after whose model :func:`apply_post_construction_swaps` must run. In bf16 at pipeline
+    parallelism > 1 it sets ``config.pipeline_dtype`` to fp32 (:func:`.pipeline.send_addends_in_fp32`)."""
+    send_addends_in_fp32(config)
     if megatron_has_spec_hooks():
         return aligned_model_spec(config, runtime, vp_stage=vp_stage), False
     return aligned_block_spec(config, runtime, vp_stage), True
@@ -306,10 +313,13 @@ def apply_post_construction_swaps(model, runtime: VllmRuntime):
 
     * rotary: megatron's application is switched off, :class:`AlignedCoreAttention` rotates;
     * final norm: vLLM's RMSNorm (keeps the existing parameter);
-    * output layer: vLLM's lm_head + ``LogitsProcessor`` (keeps the existing parameter).
+    * output layer: vLLM's lm_head + ``LogitsProcessor`` (keeps the existing parameter);
+    * in bf16 at pipeline parallelism > 1, the stage boundary carries the residual sum's addends
+      (:func:`.pipeline.carry_addends_across_stages`; on a model built from the hooked spec too).
     """
     gpt = _unwrap(model)
     require_supported(gpt.config)
+    carry_addends_across_stages(gpt)
     attentions = [m for m in gpt.modules() if isinstance(m, AlignedCoreAttention)]
     if not attentions:
         raise ValueError("model was not built from the aligned layer spec (no AlignedCoreAttention)")

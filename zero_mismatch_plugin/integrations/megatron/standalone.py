@@ -103,16 +103,15 @@ def build_gpt_model(runtime: VllmRuntime, aligned: bool = True, load: bool = Tru
         from zero_mismatch_plugin.integrations.megatron.cpu_patches import pipeline_on_cpu
 
         pipeline_on_cpu()  # megatron's schedule and tied embeddings over stages on a CPU
-    needs_swaps = False
     if aligned:
-        spec, needs_swaps = aligned_gpt_spec(config, runtime, vp_stage)
+        spec, _ = aligned_gpt_spec(config, runtime, vp_stage)
     else:
         spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, qk_layernorm=config.qk_layernorm,
                                         normalization="RMSNorm")
     chunk = {} if vp_stage is None else {"vp_stage": vp_stage}
     model = GPTModel(config=config, transformer_layer_spec=spec, **convert.gpt_model_kwargs(hf),
                      **pipeline.stage_ends(config, vp_stage), **chunk)
-    if needs_swaps:
+    if aligned:  # the swaps the spec does not reach (none when built from the hooked spec), stage boundaries
         apply_post_construction_swaps(model, runtime)
     if load:
         convert.load_hf_checkpoint(model, runtime.model_dir, hf)
