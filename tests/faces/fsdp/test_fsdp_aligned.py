@@ -38,9 +38,10 @@ def process_group(tmp_path_factory):
     dist.destroy_process_group()
 
 
-def _fsdp2_model(checkpoint, gradient_checkpointing=False, prepare=None):
+def _fsdp2_model(checkpoint, gradient_checkpointing=False, prepare=None, param_dtype=torch.float32):
     """The checkpoint as verl's FSDP engine wraps it: every decoder layer (and embed/lm_head) a
-    fully_shard unit, then the root; fp32 parameters and reductions; with verl's
+    fully_shard unit, then the root; fp32 parameters and reductions (``param_dtype``: what FSDP2
+    gathers them in for the forward, verl's ``mixed_precision.param_dtype``); with verl's
     ``enable_gradient_checkpointing``, transformers' non-reentrant checkpointing as verl enables it;
     ``prepare(model)``: what verl does to the HF module before wrapping it (its PEFT adapter)."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -55,7 +56,7 @@ def _fsdp2_model(checkpoint, gradient_checkpointing=False, prepare=None):
         model.train()  # transformers' layers recompute only in training mode, as verl's engine trains
     if prepare is not None:
         model = prepare(model)
-    policy = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     apply_fsdp2(model, {"mesh": mesh, "mp_policy": policy, "reshard_after_forward": True}, {})
     return model
 
@@ -80,11 +81,12 @@ def _full(tensor):
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
-def _verl_fsdp_engine(model, checkpoint, lora=False):
+def _verl_fsdp_engine(model, checkpoint, lora=False, autocast_dtype=None):
     """The attributes of verl's FSDP engine that the patched ``forward_step`` reads to build the
-    aligned forward."""
+    aligned forward (``autocast_dtype``: the mixed-precision dtype verl's engine records)."""
     return types.SimpleNamespace(
         module=model, _is_lora=lora, ulysses_sequence_parallel_size=1, _qat_enabled=False,
+        _autocast_dtype=autocast_dtype,
         engine_config=types.SimpleNamespace(strategy="fsdp2"),
         model_config=types.SimpleNamespace(local_path=str(checkpoint), lora={"merge": False} if lora else {}))
 
@@ -254,6 +256,35 @@ def test_actor_logprobs_are_the_engines_and_verls_own_forward_is_not(process_gro
     assert torch.equal(actor, mu), (actor - mu).abs().max().item()
     assert not torch.equal(verls_own, mu)
     torch.testing.assert_close(verls_own, mu, rtol=0, atol=1e-4)  # ... though the same weights in fp32
+
+
+def test_in_bf16_mixed_precision_actor_logprobs_are_the_bf16_engines_and_verls_own_forward_is_not(
+        process_group, engines, checkpoints):
+    """verl's FSDP engine in bf16 mixed precision (fp32 master weights gathered in bf16, autocast in
+    bf16): the aligned forward computes in the dtype the engine records, from the bf16 weights the
+    rollout serves, and its logprobs are a bf16 engine's μ bit for bit; verl's own forward under
+    bf16 autocast is not. (The same inside verl's trainer: test_main_ppo_moe.py.)"""
+    from support.vllm_session import Engines, prompts_for, rollout
+
+    checkpoint = checkpoints["llama"]
+    bf16 = Engines(engines.pool, checkpoints, scope="fsdp_bf16", dtype="bfloat16")
+    # Alone in the pool: with this module's fp32 engine alive, the bf16 engine's first generate
+    # hung here (its core waiting for input; not isolated).
+    engines.pool.make_room(engines.pool.capacity)
+    prompts, responses, mu = rollout(bf16.get("llama"), prompts_for(checkpoint))
+    bf16.discard("llama")
+    model = _fsdp2_model(checkpoint, param_dtype=torch.bfloat16)
+    aligned = fsdp_engine.aligned_state(_verl_fsdp_engine(model, checkpoint, autocast_dtype=torch.bfloat16))
+    assert aligned.runtime.dtype == torch.bfloat16
+    batch = pack(prompts, responses)
+    with torch.no_grad():
+        actor = _actor_logprobs(aligned, model, batch)
+        fsdp_aligned.uninstall(model)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            verls_own = _verl_forward_logprobs(model, list(zip(prompts, responses, mu))).float()
+    assert torch.equal(actor, mu), f"{int((actor != mu).sum())} of {mu.numel()} differ, max {(actor - mu).abs().max()}"
+    assert not torch.equal(verls_own, mu)
+    torch.testing.assert_close(verls_own, mu, rtol=0, atol=0.2)  # the same weights, bf16 rounding
 
 
 def test_unsupported_architecture_is_refused(tmp_path):

@@ -1,8 +1,10 @@
-"""verl's main_ppo on the CPU with a tiny Qwen3-MoE: two synchronous steps bitwise, saved, then
-FlashREINFORCE resumed from verl's own checkpoint with the rollout on its own slot, synced over gloo
-(separate_async). The two runs are two real verl processes, started once (``moe_runs``); every test
+"""verl's main_ppo on the CPU with a tiny Qwen3-MoE: two synchronous steps bitwise in bf16 (verl's
+FSDP mixed precision: fp32 master weights, gathered and computed in bf16; the rollout serving bf16),
+saved, then FlashREINFORCE resumed in fp32 from verl's own checkpoint (its fp32 master weights) with
+the rollout on its own slot, synced over gloo (separate_async). The two runs are two real verl processes, started once (``moe_runs``); every test
 reads them. The negative control of the aligned actor (verl's own forward of the same FSDP2 model is
-not μ) is ``tests/faces/fsdp/test_fsdp_aligned.py::test_actor_logprobs_are_the_engines_and_verls_own_forward_is_not``;
+not μ) is ``tests/faces/fsdp/test_fsdp_aligned.py::test_actor_logprobs_are_the_engines_and_verls_own_forward_is_not``
+and, in bf16 mixed precision, ``test_in_bf16_mixed_precision_actor_logprobs_are_the_bf16_engines_and_verls_own_forward_is_not``;
 the asynchronous colocate mode runs on verl's Megatron engine (test_main_ppo_megatron.py)."""
 
 from __future__ import annotations
@@ -18,6 +20,10 @@ from zero_mismatch_plugin.integrations.verl.cpu.launch import run_smoke
 pytestmark = pytest.mark.slow
 
 SAVED_STEP = 2
+# The precision users train in: verl's FSDP engine in bf16 mixed precision, the rollout in bf16.
+BF16 = ["actor_rollout_ref.actor.fsdp_config.dtype=bfloat16",
+        "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=bf16",
+        "actor_rollout_ref.rollout.dtype=bfloat16"]
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +32,7 @@ def moe_runs(tmp_path_factory, moe_inputs):
     root = tmp_path_factory.mktemp("main_ppo_moe")
     checkpoints = root / "checkpoints"
     first = run_smoke(root / "sync", moe_inputs,
-                      [f"trainer.default_local_dir={checkpoints}", f"trainer.save_freq={SAVED_STEP}"])
+                      [*BF16, f"trainer.default_local_dir={checkpoints}", f"trainer.save_freq={SAVED_STEP}"])
     assert_ran(first, [1, 2])
     # The resumed run trains three more steps asynchronously: FlashREINFORCE, one sample per prompt,
     # the rollout on its own slot one version behind after the first update.
@@ -37,13 +43,14 @@ def moe_runs(tmp_path_factory, moe_inputs):
     return first, resumed, root
 
 
-def test_sync_steps_are_bitwise_with_vllms_moe_layers_and_saved(moe_runs, capsys):
-    """The FSDP actor's MoE layers run vLLM's router and fused-MoE layer on the gathered experts, and
-    the rollout receives the updated experts through vLLM's reload (CPU MoE layers re-padded and
-    re-packed as at the first load): every sampled token's logprob is μ, bit for bit, before and
-    after an update."""
+def test_sync_steps_in_bf16_are_bitwise_with_vllms_moe_layers_and_saved(moe_runs, capsys):
+    """In bf16 mixed precision the FSDP actor's MoE layers run vLLM's router and fused-MoE layer on
+    the experts gathered in bf16, and the rollout receives the updated experts through vLLM's reload
+    (CPU MoE layers re-padded and re-packed as at the first load): every sampled token's logprob is
+    μ, bit for bit, before and after an update. (verl's own forward under bf16 autocast is not μ:
+    tests/faces/fsdp/test_fsdp_aligned.py.)"""
     first, _, root = moe_runs
-    assert "zero-mismatch: verl FSDP actor (Qwen3MoeForCausalLM" in first.log
+    assert "zero-mismatch: verl FSDP actor (Qwen3MoeForCausalLM, bfloat16)" in first.log
     # Synchronous: the actor trains on what the current weights sampled, so pi == mu bit for bit.
     assert first.metric(BITWISE) == [1.0, 1.0], first.metric(BITWISE)
     assert first.metric(DIFF) == [0.0, 0.0]
