@@ -126,3 +126,71 @@ def test_the_trainers_probe_refuses_a_packed_shape_whose_rows_depend_on_the_row_
     monkeypatch.setattr(utils, "dispatch_cpu_unquantized_gemm", _planted_dispatch(packed, {3}))
     with pytest.raises(BatchVariantShapeError, match=r"layer0\.w2: .*N=16, K=8.*M in \[3\]"):
         require_invariant_packed_gemms({"layer0.w2": torch.randn(H, I)})
+
+
+def _expert_rows_lora_op(w13, w2, adapters):
+    """An expert-parallel rank's LoRA experts op, as the Megatron face's MoE layer builds it at each
+    forward (megatron's per-expert fc1 [gate; up] and fc2 weights, frozen; the adapters trainable)."""
+    from types import SimpleNamespace
+
+    from zero_mismatch_plugin.aligned.expert_parallel import AlignedExpertRowsLoRA
+
+    runtime = SimpleNamespace(vllm_config=SimpleNamespace(
+        lora_config=SimpleNamespace(max_lora_rank=8, lora_dtype=torch.float32)))
+    return AlignedExpertRowsLoRA(runtime, list(w13), list(w2), adapters, SimpleNamespace(r=R, scaling=2.0))
+
+
+def test_the_expert_parallel_lora_op_packs_once_and_again_only_what_a_write_changed(dispatches):
+    """Built at every forward, the op finds what the last one packed: each expert's base linears
+    until that weight is written (a reload), the adapter's stacked A/B and their packed linears
+    until one of them is (an optimizer step); the output is what packing afresh gives."""
+    from zero_mismatch_plugin.aligned.lora.targets import LoRAPair
+
+    x, w13, w2, weights, ids = _moe()
+    gen = torch.Generator().manual_seed(3)
+    # Each expert's weights their own tensors, as megatron's experts hold them (views of one
+    # buffer share its write count: a write to one would repack them all, as it should).
+    w13 = [torch.nn.Parameter(w.clone(), requires_grad=False) for w in w13]
+    w2 = [torch.nn.Parameter(w.clone(), requires_grad=False) for w in w2]
+    adapters = []
+    for _ in range(E):
+        pairs = {"gate_proj": LoRAPair(R, H, I), "up_proj": LoRAPair(R, H, I), "down_proj": LoRAPair(R, I, H)}
+        for pair in pairs.values():
+            with torch.no_grad():
+                pair.lora_A.copy_(torch.randn(pair.lora_A.shape, generator=gen))
+                pair.lora_B.copy_(torch.randn(pair.lora_B.shape, generator=gen))
+        adapters.append(pairs)
+    rows = (x.repeat_interleave(2, 0), weights.reshape(-1), ids.reshape(-1))  # dispatched (token, slot) rows
+
+    first = _expert_rows_lora_op(w13, w2, adapters).rows(*rows)
+    packed_first = len(dispatches)
+    assert packed_first > 2 * E  # the base linears and the adapter's
+    again = _expert_rows_lora_op(w13, w2, adapters).rows(*rows)
+    assert len(dispatches) == packed_first and torch.equal(again, first)
+
+    with torch.no_grad():  # an optimizer step on one adapter matrix
+        adapters[1]["down_proj"].lora_B.add_(0.5)
+    stepped = _expert_rows_lora_op(w13, w2, adapters).rows(*rows)
+    lora_packs = packed_first - 2 * E
+    assert len(dispatches) == packed_first + lora_packs  # the adapter's again, no base weight's
+    assert not torch.equal(stepped, first)
+
+    with torch.no_grad():  # a reload writes one expert's down weight
+        w2[2].mul_(1.5)
+    reloaded = _expert_rows_lora_op(w13, w2, adapters).rows(*rows)
+    assert len(dispatches) == packed_first + lora_packs + 1
+
+    # What the kept packings give is what packing everything afresh gives.
+    fresh = _expert_rows_lora_op([w.clone() for w in w13], [w.clone() for w in w2],
+                                 [{k: _copied(p) for k, p in a.items()} for a in adapters]).rows(*rows)
+    assert torch.equal(reloaded, fresh)
+
+
+def _copied(pair):
+    from zero_mismatch_plugin.aligned.lora.targets import LoRAPair
+
+    copy = LoRAPair(pair.lora_A.shape[0], pair.lora_A.shape[1], pair.lora_B.shape[0])
+    with torch.no_grad():
+        copy.lora_A.copy_(pair.lora_A)
+        copy.lora_B.copy_(pair.lora_B)
+    return copy
