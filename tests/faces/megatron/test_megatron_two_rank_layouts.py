@@ -25,7 +25,8 @@ loaded, ~40 s more for the adapters and their engine); everything is asserted fr
 ``zmrl check`` command line runs at each layout on the same two ranks and on one engine started as
 the command starts it (~15 s, then ~10 s a layout), and ``zmrl bisect`` at EP 2, PP 2 and CP 2 on
 the same ranks against vLLM's one-process modules, with a difference planted on one rank (~3 s
-each). The bf16 pipeline: a bf16 engine of the Llama (~10 s), its step on the same ranks (~5 s).
+each). The bf16 pipeline: a bf16 engine of the Llama (~10 s), its step on the same ranks (~5 s), and
+``zmrl check --dtype bfloat16`` at PP 2 on them with an engine of its own (~20 s).
 The last test kills a stage of those ranks.
 (The command starting its own engine and ranks runs in test_megatron_tensor_parallel.py.)
 """
@@ -392,6 +393,23 @@ def test_zmrl_check_at_a_two_rank_layout_passes_every_check(checkpoints, moe_che
     assert all(entry["pass"] is True for entry in report.values()), report
     assert report["sampled_token"]["bitwise_equal_fraction"] == 1.0
     assert "expert_selection" in report
+
+
+def test_zmrl_check_in_bf16_at_pipeline_parallel_2_passes_every_check(checkpoints, two_ranks, tmp_path, capsys):
+    """``zmrl check --trainer megatron --pipeline-parallel 2 --dtype bfloat16`` on the Llama: a bf16
+    engine started as the command starts it, the module's two ranks as the stages."""
+    from support.check_command import lent_engine_and_ranks, run_check
+    from zero_mismatch_plugin.tools.checker.engine import engine_settings, open_engine
+
+    settings = engine_settings(checkpoints[DENSE], MAX_MODEL_LEN, seed=0, dtype=BF16)
+    with open_engine(settings) as llm, lent_engine_and_ranks(settings, llm, group=two_ranks) as asked:
+        code, table, report = run_check(checkpoints[DENSE], ["--pipeline-parallel", "2", "--dtype", BF16],
+                                        tmp_path, capsys)
+    assert asked == [PIPELINE.name], asked
+    assert code == 0, table
+    assert "trainer megatron | pipeline parallel 2" in table and "checks passed" in table
+    assert all(entry["pass"] is True for entry in report.values() if entry["pass"] is not None), report
+    assert report["sampled_token"]["bitwise_equal_fraction"] == 1.0 and report["batch_composition"]["pass"]
 
 
 # (flags, checkpoint, the ranks each op of layer 0 / layer 1 / the head runs on)
