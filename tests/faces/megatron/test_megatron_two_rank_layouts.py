@@ -26,7 +26,8 @@ loaded, ~40 s more for the adapters and their engine); everything is asserted fr
 the command starts it (~15 s, then ~10 s a layout), and ``zmrl bisect`` at EP 2, PP 2 and CP 2 on
 the same ranks against vLLM's one-process modules, with a difference planted on one rank (~3 s
 each). The bf16 pipeline: a bf16 engine of the Llama (~10 s), its step on the same ranks (~5 s), and
-``zmrl check --dtype bfloat16`` at PP 2 on them with an engine of its own (~20 s).
+``zmrl check --dtype bfloat16`` at PP 2 on them with an engine of its own (~20 s). LoRA with
+virtual stages: the windowed CWM's LoRA engine (~10 s), its step on the ranks and one process (~10 s).
 The last test kills a stage of those ranks.
 (The command starting its own engine and ranks runs in test_megatron_tensor_parallel.py.)
 """
@@ -119,6 +120,31 @@ def moe_lora(engine_pool, checkpoints, tmp_path_factory):
     engine_pool.drop(model, scope="two_rank_moe_lora", **engine_kwargs)
     return SimpleNamespace(model=model, adapter=adapter, engine_kwargs=engine_kwargs, prompts=prompts,
                            responses=responses, mu=mu, merged=merged_checkpoint(model, adapter, root / "merged"))
+
+
+@pytest.fixture(scope="module")
+def virtual_lora(engine_pool, checkpoints, tmp_path_factory, two_ranks):
+    """The windowed CWM (four layers: one per model chunk at PP 2 x VP 2) with an adapter on every
+    decoder linear (vLLM serves no vocabulary adapter for it): a rollout of a one-process engine
+    serving it, the ranks' result with a step, and the one-process face's A and B gradients of that step."""
+    from support.megatron_lora import one_process_lora_gradients
+    from zero_mismatch_plugin.aligned.lora.adapter import build_adapter
+    from zero_mismatch_plugin.aligned.lora.peft import lora_engine_args, lora_request
+    from zero_mismatch_plugin.integrations.megatron.distributed import ScoreRequest
+    from zero_mismatch_plugin.tables.architectures import LORA_TARGETS
+
+    model = checkpoints["cwm_window"]
+    adapter = build_adapter(tmp_path_factory.mktemp("two_rank_virtual_lora") / "adapter", model, r=8,
+                            lora_alpha=16, seed=27, targets=LORA_TARGETS)
+    engine_kwargs = {**ENGINE_KWARGS, **lora_engine_args(adapter)}
+    llm = engine_pool.get(model, scope="two_rank_virtual_lora", **engine_kwargs)
+    prompts, responses, mu = rollout(llm, prompts_for(model, corpus_seed=13), seed=5,
+                                     lora_request=lora_request("virtual", 1, adapter))
+    engine_pool.drop(model, scope="two_rank_virtual_lora", **engine_kwargs)
+    request = ScoreRequest(str(model), engine_kwargs, prompts, responses, step=STEP, lora_dir=str(adapter))
+    result = two_ranks.call("run_request", request, VIRTUAL)
+    reference = one_process_lora_gradients(model, engine_kwargs, adapter, prompts, responses, STEP)
+    return SimpleNamespace(adapter=adapter, mu=mu, result=result, reference=reference)
 
 
 @pytest.fixture(scope="module")
@@ -223,6 +249,27 @@ def test_lora_at_each_layout_is_bitwise_with_the_engine_and_its_gradients_agree(
     merged, decoder_mu = torch.cat(ep_results["merged"][layout]["logprobs"]), lora_rollouts.rollouts["decoder"][2]
     assert not torch.equal(merged, decoder_mu)
     assert (merged - decoder_mu).abs().max() < 1e-3
+
+
+def test_lora_with_virtual_stages_is_bitwise_with_the_engine_and_its_gradients_agree(virtual_lora):
+    """Each model chunk holds its layer's adapters; megatron's interleaved schedule runs them; the adapter
+    gathered from every chunk of every stage is the whole one (what the engine loads after a step),
+    and its A and B gradients agree with one process."""
+    from safetensors.torch import load_file
+
+    from zero_mismatch_plugin.aligned.lora.peft import WEIGHTS_FILE
+
+    result = virtual_lora.result
+    values = torch.cat(result["logprobs"])
+    assert torch.equal(values, virtual_lora.mu), f"{int((values != virtual_lora.mu).sum())} of {values.numel()} differ"
+    assert set(result["grads"]) == set(virtual_lora.reference) == set(load_file(virtual_lora.adapter / WEIGHTS_FILE))
+    assert {int(n.split(".layers.")[1].split(".")[0]) for n in result["grads"]} == {0, 1, 2, 3}  # every chunk's
+    worst = assert_gradients_close(result["grads"], virtual_lora.reference, GRAD_REL_TOL)
+    bitwise = sum(torch.equal(result["grads"][n], g) for n, g in virtual_lora.reference.items())
+    print(f"LoRA at {VIRTUAL.name}: worst relative gradient difference {worst:.3g}, "
+          f"{bitwise} of {len(virtual_lora.reference)} bitwise")
+    assert set(result["weights"]) == set(load_file(virtual_lora.adapter / WEIGHTS_FILE))
+    assert not torch.equal(torch.cat(result["logprobs_after"]), virtual_lora.mu)  # the step moved the adapter
 
 
 @pytest.mark.parametrize("layout", [layout.name for layout in LAYOUTS])

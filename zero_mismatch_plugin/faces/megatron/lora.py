@@ -133,7 +133,9 @@ def attach_lora(model, runtime, adapter_dir: str | os.PathLike):
     # rank's own experts, numbered from 0 as its local experts are.
     experts_group = parallel.expert_parallel_group(config)
     num_experts = getattr(config, "num_moe_experts", None) or 0
-    tensors = parallel.local_experts_of(pipeline.to_stage(tensors, config, tied_head=False), num_experts, experts_group)
+    tensors = parallel.local_experts_of(
+        pipeline.to_stage(tensors, config, tied_head=False, vp_stage=getattr(model, "vp_stage", None)),
+        num_experts, experts_group)
     problem = layout_problem(
         tp, bool(getattr(config, "sequence_parallel", False)),
         experts=any(convert.parse_megatron_lora_name(n)[3] is not None for n in tensors),
@@ -258,35 +260,45 @@ def lora_parameters(model):
     return [(n, p) for n, p in model.named_parameters() if ".lora." in n]
 
 
-def full_adapter_tensors(model, tensors: dict) -> dict:
+def full_adapter_tensors(model, tensors) -> dict:
     """PEFT names -> whole tensors, from this rank's parts ``tensors`` (Megatron-face names) of the
     model's adapter matrices or their gradients: a matrix split over the tensor-parallel ranks
-    (:func:`tensor_parallel_pair`) is gathered along its split (a collective: every rank calls it)."""
+    (:func:`tensor_parallel_pair`) is gathered along its split (a collective: every rank calls it).
+    With virtual pipeline stages ``model`` is the rank's list of model chunks and ``tensors`` one
+    dict per chunk."""
     from zero_mismatch_plugin.aligned.reductions import all_gather_parts
 
-    params = dict(lora_parameters(model))
-    hf_config = next((m.mapping.runtime.hf_config for m in model.modules() if isinstance(m, MegatronLoRA)), None)
-    whole = {}
-    for name, tensor in tensors.items():
-        param = params[name]
-        tensor = tensor.detach()
-        if getattr(param, "tensor_model_parallel", False):
-            from megatron.core import parallel_state
+    chunks = model if isinstance(model, list) else [model]
+    parts = tensors if isinstance(model, list) else [tensors]
+    hf_config = next((m.mapping.runtime.hf_config for chunk in chunks for m in chunk.modules()
+                      if isinstance(m, MegatronLoRA)), None)
+    config = pipeline.model_config(chunks)
+    wholes = []
+    for chunk, part in zip(chunks, parts):
+        params = dict(lora_parameters(chunk))
+        whole = {}
+        for name, tensor in part.items():
+            param = params[name]
+            tensor = tensor.detach()
+            if getattr(param, "tensor_model_parallel", False):
+                from megatron.core import parallel_state
 
-            parts = all_gather_parts(tensor.contiguous(), parallel_state.get_tensor_model_parallel_group())
-            tensor = torch.cat(parts, dim=param.partition_dim)
-        whole[name] = tensor
-    # Every expert-parallel rank's experts and every pipeline stage's matrices, experts and layers
-    # numbered globally (as they are in one process).
-    config = getattr(model, "config", None)
-    whole = parallel.gather_experts(whole, getattr(config, "num_moe_experts", None) or 0,
-                                    parallel.expert_parallel_group(config))
-    whole = pipeline.gather_stages(whole, config, tied_head=False)
+                pieces = all_gather_parts(tensor.contiguous(), parallel_state.get_tensor_model_parallel_group())
+                tensor = torch.cat(pieces, dim=param.partition_dim)
+            whole[name] = tensor
+        # Every expert-parallel rank's experts, numbered globally (as they are in one process).
+        wholes.append(parallel.gather_experts(whole, getattr(config, "num_moe_experts", None) or 0,
+                                              parallel.expert_parallel_group(config)))
+    # Every pipeline stage's (and model chunk's) matrices, their layers numbered globally.
+    whole = pipeline.gather_stages(wholes if isinstance(model, list) else wholes[0], config, tied_head=False)
     return convert.megatron_to_peft_lora(whole, hf_config)
 
 
 def adapter_state(model) -> dict:
-    """The model's adapter under PEFT's names (detached, whole), what the engine loads."""
+    """The model's adapter under PEFT's names (detached, whole), what the engine loads; ``model``:
+    one model, or with virtual pipeline stages the rank's list of model chunks."""
+    if isinstance(model, list):
+        return full_adapter_tensors(model, [dict(lora_parameters(chunk)) for chunk in model])
     return full_adapter_tensors(model, dict(lora_parameters(model)))
 
 

@@ -211,12 +211,11 @@ class _RankRun:
         self.chunks = [build_gpt_model(self.runtime, aligned=True, vp_stage=v if virtual > 1 else None,
                                        **layout.config_overrides()).eval() for v in range(virtual)]
         self.model = self.chunks[0]
-        if spec.lora_dir is not None and virtual > 1:
-            raise NotImplementedError("LoRA with virtual pipeline stages")
-        if spec.lora_dir is not None:
+        if spec.lora_dir is not None:  # each model chunk its layers' (and ends') adapters
             from zero_mismatch_plugin.faces.megatron.lora import attach_lora
 
-            attach_lora(self.model, self.runtime, spec.lora_dir)
+            for chunk in self.chunks:
+                attach_lora(chunk, self.runtime, spec.lora_dir)
         self.adapted = spec.lora_dir is not None
         self.layout = layout
         self.pipelined = layout.pipeline_model_parallel_size > 1
@@ -293,7 +292,7 @@ class _RankRun:
         if self.adapted:
             from zero_mismatch_plugin.faces.megatron.lora import adapter_state, full_adapter_tensors
 
-            grads = full_adapter_tensors(self.model, local_grads[0])
+            grads = full_adapter_tensors(_as_run(self.chunks), local_grads if len(self.chunks) > 1 else local_grads[0])
         else:
             grads = convert.megatron_to_hf(self._full(local_grads), hf)
         with torch.no_grad():
@@ -305,7 +304,7 @@ class _RankRun:
             after = self.logprobs(batch, _as_run(ddps))
         # The weights the engine loads after the step: the whole adapter (PEFT names), or the model.
         if self.adapted:
-            weights = adapter_state(self.model)
+            weights = adapter_state(_as_run(self.chunks))
         else:
             state = self._full([convert.model_tensors(chunk) for chunk in self.chunks])
             weights = [(k, v.to(self.runtime.dtype)) for k, v in convert.megatron_to_hf(state, hf).items()]
