@@ -1,5 +1,5 @@
-"""LoRA on the Megatron face's ranks, for the layout tests: the one-process reference gradients, and
-the adapter merged into a checkpoint (the negative control)."""
+"""The Megatron face's ranks, for the layout tests: the one-process reference gradients (of the
+weights, or of a LoRA adapter), and the adapter merged into a checkpoint (the negative control)."""
 
 from __future__ import annotations
 
@@ -27,6 +27,22 @@ def merged_checkpoint(model_dir, adapter_dir, out):
             weights[f"{module}.weight"] = merged_lora_weight(weights[f"{module}.weight"], lora_a, lora_b, scaling)
     save_file(weights, out / "model.safetensors")
     return out
+
+
+def one_process_gradients(runtime, prompts, responses, step) -> dict:
+    """Checkpoint name -> gradient of ``sum(c_t * logprob_t)`` (``c`` of ``step``) for every weight,
+    on the Megatron face of ``runtime`` in one process."""
+    from zero_mismatch_plugin.aligned.packing import pack
+    from zero_mismatch_plugin.faces.megatron import convert
+    from zero_mismatch_plugin.integrations.megatron.distributed import step_coefficients
+    from zero_mismatch_plugin.integrations.megatron.standalone import (build_gpt_model, packed_logits,
+                                                                        token_logprobs_from_logits)
+
+    model = build_gpt_model(runtime).train()
+    batch = pack(prompts, responses)
+    values = token_logprobs_from_logits(packed_logits(model, batch), batch)
+    (values * step_coefficients(step, values.numel())).sum().backward()
+    return convert.megatron_to_hf({k: p.grad for k, p in model.named_parameters()}, runtime.hf_config)
 
 
 def one_process_lora_gradients(model_dir, trainer_args: dict, adapter_dir, prompts, responses, step) -> dict:

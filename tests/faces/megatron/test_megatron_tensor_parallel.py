@@ -277,7 +277,11 @@ ONE_PROCESS_RUNS = [
     # every layer a 12-token window, reaching back across the context-parallel chunks
     ("mistral_window", Layout(pipeline_model_parallel_size=2, context_parallel_size=2)),
 ]
-STEPPED = {("llama", COMBINED.name), ("llama", TP_CP.name)}
+# Virtual stages with data parallelism: two replicas of two stages of two model chunks (megatron's
+# interleaved schedule), the windowed CWM's four layers one per chunk; with a step.
+VIRTUAL_DP = Layout(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2, data_parallel_size=2)
+ONE_PROCESS_RUNS.append(("cwm_window", VIRTUAL_DP))
+STEPPED = {("llama", COMBINED.name), ("llama", TP_CP.name), ("cwm_window", VIRTUAL_DP.name)}
 
 
 @pytest.fixture(scope="module")
@@ -362,6 +366,35 @@ def test_gradients_at_combined_layouts_agree_with_the_one_process_face(step_grad
     worst = max(_relative(grads[n], one_process[n]) for n in one_process)
     print(f"{layout}: worst relative gradient difference vs the one-process face {worst:.3g}")
     assert worst <= GRAD_REL_TOL
+
+
+def test_virtual_stages_with_data_parallelism_step_and_sync_as_one_process(engines, checkpoints, one_process_rollouts,
+                                                                           combined_results):
+    """PP 2 x VP 2 x DP 2: the step's gradients (each replica's share summed by DDP over the two
+    replicas, every chunk's layers gathered over the stages) agree with the one-process face, and
+    after the step and one sync the one-process engine is bitwise with the ranks again."""
+    from support.megatron_lora import one_process_gradients
+
+    from zero_mismatch_plugin.aligned.runtime import VllmRuntime
+    from zero_mismatch_plugin.aligned.weight_sync import load_named_weights
+    from zero_mismatch_plugin.tools.checker.engine import rescore
+
+    prompts, responses, mu = one_process_rollouts["cwm_window"]
+    result = combined_results[("cwm_window", VIRTUAL_DP.name)]
+    one_process = one_process_gradients(VllmRuntime(checkpoints["cwm_window"], **ENGINE_KWARGS), prompts, responses,
+                                        STEP)
+    assert set(result["grads"]) == set(one_process)
+    worst = max(_relative(result["grads"][n], one_process[n]) for n in one_process)
+    print(f"{VIRTUAL_DP.name}: worst relative gradient difference vs the one-process face {worst:.3g}")
+    assert worst <= GRAD_REL_TOL
+    after = torch.cat(result["logprobs_after"])
+    assert not torch.equal(after, mu)  # the step changed the model
+    llm = engines.get("cwm_window")
+    engines.updated["cwm_window"] = llm  # restarted on the checkpoint's weights after this module
+    load_named_weights(llm, result["weights"])
+    completions = [SimpleNamespace(prompt=p, tokens=r) for p, r in zip(prompts, responses)]
+    engine_after = torch.tensor([v for row in rescore(llm, completions) for v in row])
+    assert torch.equal(engine_after, after), f"{int((engine_after != after).sum())} of {after.numel()} tokens differ"
 
 
 def test_after_a_step_at_tp2_sp_and_one_sync_the_engine_is_bitwise_again(tp2_llama_engine, tp2_rollouts, tp2_results):

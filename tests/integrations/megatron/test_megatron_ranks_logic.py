@@ -233,17 +233,20 @@ def test_bf16_stages_send_fp32_words_and_a_model_whose_stages_cannot_is_refused(
                                                               "fp32 are)"]
 
 
-def test_a_layout_takes_virtual_pipeline_stages_at_pipeline_parallelism_alone():
+def test_a_layout_takes_virtual_pipeline_stages_at_pipeline_parallelism_alone_or_with_data_parallelism():
     from zero_mismatch_plugin.integrations.megatron.distributed import Layout
 
     layout = Layout(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)
     assert layout.name == "tp1-pp2-vp2" and layout.world_size == 2
     assert layout.config_overrides()["virtual_pipeline_model_parallel_size"] == 2
     assert "virtual_pipeline_model_parallel_size" not in Layout(pipeline_model_parallel_size=2).config_overrides()
+    with_replicas = Layout(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2, data_parallel_size=2)
+    assert with_replicas.name == "tp1-pp2-vp2-dp2" and with_replicas.world_size == 4
     for sizes in (dict(), dict(pipeline_model_parallel_size=2, tensor_model_parallel_size=2),
-                  dict(pipeline_model_parallel_size=2, data_parallel_size=2)):
+                  dict(pipeline_model_parallel_size=2, context_parallel_size=2),
+                  dict(pipeline_model_parallel_size=2, data_parallel_size=2, expert_model_parallel_size=2)):
         with pytest.raises(ValueError, match=r"virtual_pipeline_model_parallel_size=2: virtual stages are run at "
-                                             r"pipeline parallelism > 1 alone"):
+                                             r"pipeline parallelism > 1, alone or with data parallelism"):
             Layout(virtual_pipeline_model_parallel_size=2, **sizes)
 
 

@@ -36,15 +36,18 @@ class Layout:
     data_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
     context_parallel_size: int = 1
-    # Model chunks per pipeline rank (megatron's interleaved schedule); pipeline parallelism alone.
+    # Model chunks per pipeline rank (megatron's interleaved schedule); with pipeline parallelism
+    # and data parallelism only.
     virtual_pipeline_model_parallel_size: int = 1
 
     def __post_init__(self):
         if self.virtual_pipeline_model_parallel_size > 1 and (
-                self.pipeline_model_parallel_size == 1 or self.world_size != self.pipeline_model_parallel_size):
+                self.pipeline_model_parallel_size == 1
+                or self.world_size != self.pipeline_model_parallel_size * self.data_parallel_size
+                or self.expert_model_parallel_size > 1):
             raise ValueError(f"virtual_pipeline_model_parallel_size={self.virtual_pipeline_model_parallel_size}: virtual "
-                             "stages are run at pipeline parallelism > 1 alone (tensor, expert, context and data "
-                             "parallelism 1)")
+                             "stages are run at pipeline parallelism > 1, alone or with data parallelism (tensor, "
+                             "expert and context parallelism 1)")
         if self.moe_token_dispatcher_type not in DISPATCHERS:
             raise ValueError(f"moe_token_dispatcher_type={self.moe_token_dispatcher_type!r}: use one of {DISPATCHERS}")
         if self.world_size % self.expert_model_parallel_size:
@@ -312,7 +315,8 @@ class _RankRun:
 
     def _full(self, chunks: list[dict]) -> dict:
         """Full tensors by megatron name from this rank's per-chunk tensors (one chunk without
-        virtual stages, which run with no other parallelism than the pipeline's); collectives."""
+        virtual stages, which run with data parallelism at most: nothing to gather over its
+        replicas); collectives."""
         from zero_mismatch_plugin.faces.megatron import convert, pipeline
 
         if len(chunks) == 1:
