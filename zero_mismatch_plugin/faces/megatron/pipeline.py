@@ -10,8 +10,9 @@ megatron's own schedule (``get_forward_backward_func``), as verl's Megatron engi
 
 In bf16 a hidden state alone is not enough: vLLM's fused add + norm normalises the unrounded sum
 of the last layer's output and the residual (:mod:`.residual`), so a stage sends both addends,
-packed bit for bit into one fp32 word each (``pipeline_dtype=torch.float32``, set with the spec), and the next stage
-unpacks them for its first norm (:func:`carry_addends_across_stages`). Still a copy, no arithmetic.
+packed bit for bit into one fp32 word per element (``pipeline_dtype=torch.float32``, set with the
+spec), and the next stage unpacks them, redoes the layer's bf16 add for the residual stream and
+hands its first norm the addends (:func:`carry_addends_across_stages`). The message is a copy.
 
 Tied embeddings: megatron keeps a copy of the word embeddings as the last stage's output layer and
 all-reduces the two copies' gradients in ``finalize_model_grads``; a checkpoint's

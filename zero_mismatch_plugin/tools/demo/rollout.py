@@ -3,7 +3,8 @@
 The code the engine's process runs (:mod:`.engine`): before each chunk it loads the newest version
 from the :class:`WeightMailbox` and stamps every sample with it; a chunk is generated only once its
 update is at most K versions ahead of the published weights (docs/demo.md, "The rollout and the lag bound").
-With a fixed lag the chunk of update u is sampled by version u - K exactly, whichever is newer.
+With a fixed lag the chunks of update u are sampled by version u - K exactly, even where newer
+versions are published.
 """
 
 from __future__ import annotations
