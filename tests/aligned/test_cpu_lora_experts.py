@@ -129,8 +129,8 @@ def test_the_trainers_probe_refuses_a_packed_shape_whose_rows_depend_on_the_row_
 
 
 def _expert_rows_lora_op(w13, w2, adapters):
-    """An expert-parallel rank's LoRA experts op, as the Megatron face's MoE layer builds it at each
-    forward (megatron's per-expert fc1 [gate; up] and fc2 weights, frozen; the adapters trainable)."""
+    """An expert-parallel rank's LoRA experts op, as the Megatron face's MoE layer builds and keeps
+    it (megatron's per-expert fc1 [gate; up] and fc2 weights, frozen; the adapters trainable)."""
     from types import SimpleNamespace
 
     from zero_mismatch_plugin.aligned.expert_parallel import AlignedExpertRowsLoRA
@@ -141,9 +141,10 @@ def _expert_rows_lora_op(w13, w2, adapters):
 
 
 def test_the_expert_parallel_lora_op_packs_once_and_again_only_what_a_write_changed(dispatches):
-    """Built at every forward, the op finds what the last one packed: each expert's base linears
-    until that weight is written (a reload), the adapter's stacked A/B and their packed linears
-    until one of them is (an optimizer step); the output is what packing afresh gives."""
+    """Forward after forward, the op reuses what it packed: each expert's base linear until that
+    weight is written (a reload), the adapter's stacked A/B and their packed linears until one of
+    them is (an optimizer step), everything again at refresh (after writes through ``.data``); the
+    output is what packing afresh gives."""
     from zero_mismatch_plugin.aligned.lora.targets import LoRAPair
 
     x, w13, w2, weights, ids = _moe()
@@ -162,23 +163,28 @@ def test_the_expert_parallel_lora_op_packs_once_and_again_only_what_a_write_chan
         adapters.append(pairs)
     rows = (x.repeat_interleave(2, 0), weights.reshape(-1), ids.reshape(-1))  # dispatched (token, slot) rows
 
-    first = _expert_rows_lora_op(w13, w2, adapters).rows(*rows)
+    op = _expert_rows_lora_op(w13, w2, adapters)
+    first = op.rows(*rows)
     packed_first = len(dispatches)
     assert packed_first > 2 * E  # the base linears and the adapter's
-    again = _expert_rows_lora_op(w13, w2, adapters).rows(*rows)
+    again = op.rows(*rows)
     assert len(dispatches) == packed_first and torch.equal(again, first)
 
     with torch.no_grad():  # an optimizer step on one adapter matrix
         adapters[1]["down_proj"].lora_B.add_(0.5)
-    stepped = _expert_rows_lora_op(w13, w2, adapters).rows(*rows)
+    stepped = op.rows(*rows)
     lora_packs = packed_first - 2 * E
     assert len(dispatches) == packed_first + lora_packs  # the adapter's again, no base weight's
     assert not torch.equal(stepped, first)
 
     with torch.no_grad():  # a reload writes one expert's down weight
         w2[2].mul_(1.5)
-    reloaded = _expert_rows_lora_op(w13, w2, adapters).rows(*rows)
+    reloaded = op.rows(*rows)
     assert len(dispatches) == packed_first + lora_packs + 1
+    w13[0].data.mul_(1.0)  # a write through .data, which the weights' write counts do not see
+    op.refresh()
+    assert torch.equal(op.rows(*rows), reloaded)
+    assert len(dispatches) == 2 * packed_first + lora_packs + 1  # everything packed again
 
     # What the kept packings give is what packing everything afresh gives.
     fresh = _expert_rows_lora_op([w.clone() for w in w13], [w.clone() for w in w2],

@@ -236,27 +236,6 @@ class AlignedExpertRows(AlignedMoE):
         return _ExpertRowsFn.apply(x, local_ids, self, *self.params)
 
 
-# id(owner) -> (a weak reference to the owner, {key: (versions, what was built)}); an entry goes
-# with its owner, so a later tensor at the same address never finds it. Kept beside the tensors,
-# not on them: a parameter stays picklable and its copies do not carry packed kernels.
-_KEPT: dict[int, tuple] = {}
-
-
-def kept_on(owner: torch.Tensor, key, versions: tuple, build):
-    """``build()``, kept for ``owner`` under ``key`` for as long as ``owner`` lives and ``versions``
-    (the ``Tensor._version`` of what it was built from, which counts in-place writes) stay the same."""
-    import weakref
-
-    entry = _KEPT.get(id(owner))
-    if entry is None or entry[0]() is not owner:
-        ident = id(owner)
-        entry = _KEPT[ident] = (weakref.ref(owner, lambda _ref: _KEPT.pop(ident, None)), {})
-    held = entry[1].get(key)
-    if held is None or held[0] != versions:
-        held = entry[1][key] = (versions, build())
-    return held[1]
-
-
 class AlignedExpertRowsLoRA:
     """One rank's experts over dispatched (token, slot) rows as an engine serving LoRA computes
     them: vLLM's CPU experts that take LoRA updates (:func:`..cpu_lora_experts.cpu_moe_experts`,
@@ -267,10 +246,10 @@ class AlignedExpertRowsLoRA:
     (:func:`slot_order_sum`). The base weights are frozen; the backward (fp32 torch,
     :func:`..moe_backward.experts_lora_backward`) reaches the rows, their weights and A and B.
 
-    The layer builds this op at every forward; what it packs is kept on the tensors it came from
-    (:func:`kept_on`): each expert's packed base linears until that weight is written (a reload),
-    the adapter's stacked A and B (and their packed linears) until any of them is (an optimizer
-    step)."""
+    What it packs is derived once and kept (:class:`..derived.DerivedWeight`): each expert's packed
+    base linear until that weight's data changes (a reload), the adapter's stacked A and B (and
+    with them their packed linears) until any of them does (an optimizer step); after writes
+    through ``param.data``, :meth:`refresh`."""
 
     def __init__(self, runtime: VllmRuntime, gate_up: list, down: list, adapters: list | None = None,
                  lora_config=None):
@@ -287,25 +266,30 @@ class AlignedExpertRowsLoRA:
         self.max_rank, self.lora_dtype = lora.max_lora_rank, lora.lora_dtype
         self.lora_params = [] if adapters is None else [
             t for target in EXPERT_SLICES for e in adapters for t in (e[target].lora_A, e[target].lora_B)]
+        from zero_mismatch_plugin.aligned.cpu_lora_experts import packed_cpu_linear
+
+        self.linears = [[DerivedWeight([w], lambda ws: packed_cpu_linear(ws[0])) for w in weights]
+                        for weights in (self.gate_up, self.down)]
+        self.stacked_lora = None if adapters is None else DerivedWeight(
+            self.lora_params, lambda params: stacked_expert_lora(
+                expert_lora_weights(params, len(adapters)), self.max_rank, self.lora_dtype, self.scaling,
+                params[0].device))
+
+    def refresh(self) -> None:
+        """Derive the packed linears and the stacked adapter again (after writes through ``param.data``)."""
+        for derived in (*self.linears[0], *self.linears[1], *([self.stacked_lora] if self.stacked_lora else [])):
+            derived.refresh()
 
     def rows(self, x: torch.Tensor, probs: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         from zero_mismatch_plugin.aligned.cpu_lora_experts import add_moe_lora, cpu_moe_experts
 
-        from zero_mismatch_plugin.aligned.cpu_lora_experts import packed_cpu_linear
-
         ids2d, weights2d = ids.long().view(-1, 1), probs.float().view(-1, 1)
-        linears = tuple([kept_on(w, "packed_linear", (w._version,), lambda w=w: packed_cpu_linear(w.detach()))
-                         for w in weights] for weights in (self.gate_up, self.down))
+        linears = tuple([derived.get() for derived in weights] for weights in self.linears)
         # With the packed linears given, the experts read only the two weights' shapes: one expert's.
         w13, w2 = self.gate_up[0].detach()[None], self.down[0].detach()[None]
         add_w13 = add_w2 = None
         if self.adapters is not None:
-            params = self.lora_params
-            a13, b13, a2, b2 = kept_on(
-                params[0], ("stacked_expert_lora", self.max_rank, self.lora_dtype, self.scaling, len(params)),
-                tuple(p._version for p in params),
-                lambda: stacked_expert_lora(expert_lora_weights([p.detach() for p in params], len(self.adapters)),
-                                            self.max_rank, self.lora_dtype, self.scaling, x.device))
+            a13, b13, a2, b2 = self.stacked_lora.get()
             # The experts hand over the rows sorted by expert, each a token of top-k 1, all in slot 0.
             def add_w13(y, x, ids, weights, order):
                 add_moe_lora(y, x, ids, torch.zeros_like(order), a13, b13)

@@ -349,19 +349,24 @@ def aligned_moe_layer_class():
                 raise NotImplementedError(
                     "aligned megatron MoE layer: an engine serving LoRA at tensor x expert parallelism is not "
                     "covered; serve LoRA at expert parallelism alone, or at tensor parallelism alone")
-            local = self.experts.local_experts
+            fc1 = [e.linear_fc1.weight for e in self.experts.local_experts]
+            fc2 = [e.linear_fc2.weight for e in self.experts.local_experts]
             experts, first = self._expert_adapters()
-            return AlignedExpertRowsLoRA(self.runtime, [e.linear_fc1.weight for e in local],
-                                         [e.linear_fc2.weight for e in local], experts,
-                                         None if first is None else first.lora_config)
+            params = [] if experts is None else [p for e in experts for pair in e.values() for p in pair.parameters()]
+            return self._aligned_ops.get(
+                "local_experts_lora", fc1 + fc2 + params,
+                lambda: AlignedExpertRowsLoRA(self.runtime, fc1, fc2, experts,
+                                              None if first is None else first.lora_config))
 
         def refresh(self) -> None:
             """Re-derive the experts' and the shared expert gate's engine layouts (the router
             and the shared expert's linears are modules of their own)."""
             if self.expert_parallel:
-                if self.runtime.vllm_config.lora_config is None:  # serving LoRA, the experts' op keeps nothing
+                if self.runtime.vllm_config.lora_config is None:
                     for shard in range(self.engine_shards):
                         self._local_experts_op(shard).derived.refresh()
+                else:
+                    self._local_experts_lora_op().refresh()
                 self._engine_router().derived.refresh()
             else:
                 self._experts_op().derived.refresh()
