@@ -45,8 +45,8 @@ _LAYER_MODULES = (
     ("self_attn.f_b_proj", "f_b_proj"),
 )
 
-_LINEARS = {"qkv_proj", "o_proj", "gate_up_proj", "down_proj", "in_proj_qkvz", "in_proj_ba", "out_proj", "in_proj",
-            "g_a_proj", "g_b_proj", "f_b_proj"}
+# The linear layers among them: vLLM names every linear layer ``*_proj*``.
+_LINEARS = {kind for attr, kind in _LAYER_MODULES if "_proj" in attr.rsplit(".", 1)[-1]}
 # A linear-attention layer's output projection reads its token mixer's output ("mixer"): (reader,
 # the module only such a layer has) for a gated delta-net layer and a KDA layer.
 _MIXER_READERS = (("linear_attn.out_proj", "linear_attn"), ("self_attn.o_proj", "self_attn.in_proj_qkvgfab"))
