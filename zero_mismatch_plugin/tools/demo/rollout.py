@@ -77,7 +77,12 @@ class RolloutPlan:
 
     def sampling_version(self, update: int) -> int:
         """The version a fixed-lag plan samples update ``update``'s chunks with."""
-        return max(0, update - self.lag)
+        return fixed_lag_version(update, self.lag)
+
+
+def fixed_lag_version(update: int, lag: int) -> int:
+    """The version that samples update ``update`` (the learner at version ``update``) at a fixed lag."""
+    return max(0, update - lag)
 
 
 class WeightMailbox:

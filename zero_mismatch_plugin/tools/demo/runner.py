@@ -20,7 +20,7 @@ from zero_mismatch_plugin.tools.demo.attention_limits import bitwise_context_tok
 from zero_mismatch_plugin.tools.demo.corrections import CORRECTIONS, rollout_correction_settings
 from zero_mismatch_plugin.tools.demo.learners import ALIGNED, DTYPE_FLAGS, ENGINE_DTYPES, KERNELS, Learner, make_learner
 from zero_mismatch_plugin.tools.demo.engine import EngineProcess
-from zero_mismatch_plugin.tools.demo.rollout import Chunk, RolloutPlan, Sample
+from zero_mismatch_plugin.tools.demo.rollout import Chunk, RolloutPlan, Sample, fixed_lag_version
 from zero_mismatch_plugin.tools.demo.task import DIGITS, MAX_PROMPT_TOKENS, TASKS, make_task
 
 ALGORITHMS = ("reinforce_zero", "flash_reinforce")
@@ -263,7 +263,6 @@ class DemoRun:
             total_chunks=cfg.updates * cfg.chunks_per_update, turns=cfg.turns,
             lora=getattr(self.learner, "lora_config", None), fixed_lag=cfg.fixed_lag,
         )
-        self.plan = plan
         result = DemoResult(cfg)
         threads = torch.get_num_threads()
         torch.set_num_threads(cfg.learner_threads)
@@ -320,7 +319,7 @@ class DemoRun:
         if too_old:
             raise RuntimeError(f"update {step}: samples of versions {too_old} exceed lag {cfg.lag} at {self.version}")
         if cfg.fixed_lag:
-            expected = self.plan.sampling_version(self.version)
+            expected = fixed_lag_version(self.version, cfg.lag)
             off = sorted({s.version for s in samples} - {expected})
             if off:
                 raise RuntimeError(f"update {step}: fixed lag {cfg.lag} expects samples of version {expected} "
