@@ -109,6 +109,54 @@ def test_megatron_lora_bitwise_equal_engine(lora_llm, model, runtime, adapter):
     assert set(state) == set(on_disk) and all(torch.equal(state[n], on_disk[n]) for n in on_disk)
 
 
+def test_adapters_set_aside_compute_the_base_and_come_back_unchanged(lora_llm, model, runtime, adapter):
+    """verl's reference policy with LoRA and mbridge's base-only weight mapping: inside the block the
+    model has no adapter (names, state, forward: the base model's bits); after it the same
+    parameter objects are back and the forward is the engine's with the adapter again."""
+    from zero_mismatch_plugin.faces.megatron.lora import adapters_set_aside, lora_parameters
+    from zero_mismatch_plugin.integrations.megatron.standalone import build_gpt_model
+
+    prompts, responses, mu = generate(lora_llm, prompts_for(runtime.model_dir), _request("r8", 1, adapter), seed=300)
+    adapter_params = dict(lora_parameters(model))
+    with torch.no_grad():
+        base = megatron_logprobs(build_gpt_model(runtime, aligned=True), prompts, responses)
+        assert not torch.equal(base, mu)
+        with adapters_set_aside([model]):
+            assert not lora_parameters(model) and not [k for k in model.state_dict() if ".lora." in k]
+            _assert_bitwise(megatron_logprobs(model, prompts, responses), base, "adapter set aside")
+        assert all(p is adapter_params[n] for n, p in lora_parameters(model)) and len(adapter_params) == 28
+        _assert_bitwise(megatron_logprobs(model, prompts, responses), mu, "adapter back")
+
+
+def test_verls_lora_settings_attach_an_adapter_that_starts_as_the_base_model(runtime, lora_llm):
+    """verl's Megatron LoRA settings on the face (FaceLoRA): every A drawn by verl's init (xavier
+    uniform, the same on every rank: one seed), every B zero, so the first forward is the base
+    model's bit for bit; the base is frozen."""
+    from zero_mismatch_plugin.faces.megatron.lora import adapter_state, lora_parameters
+    from zero_mismatch_plugin.integrations.megatron.standalone import build_gpt_model
+    from zero_mismatch_plugin.integrations.verl.megatron_lora import FaceLoRA
+
+    peft = FaceLoRA.from_verl(dict(rank=8, alpha=16, target_modules=["linear_qkv", "linear_proj", "linear_fc1",
+                                                                     "linear_fc2"]))
+    first, second, base = (build_gpt_model(runtime, aligned=True) for _ in range(3))
+    peft.attach(first, runtime)
+    peft.attach(second, runtime)
+    assert len(lora_parameters(first)) == 28 and all(not p.requires_grad for n, p in first.named_parameters()
+                                                      if ".lora." not in n)
+    state, again = adapter_state(first), adapter_state(second)
+    assert set(state) == set(again) and all(torch.equal(state[n], again[n]) for n in state)
+    for name, tensor in state.items():
+        if ".lora_B." in name:
+            assert not tensor.any(), name
+        else:
+            bound = (6 / sum(tensor.shape)) ** 0.5  # xavier uniform
+            assert tensor.abs().max() <= bound and tensor.abs().max() > bound / 2, name
+    prompts, responses, _ = generate(lora_llm, prompts_for(runtime.model_dir), None, seed=301)
+    with torch.no_grad():
+        _assert_bitwise(megatron_logprobs(first, prompts, responses), megatron_logprobs(base, prompts, responses),
+                        "fresh adapter")
+
+
 def test_megatron_lora_gradients_only_on_a_and_b(lora_llm, model, runtime, adapter, checkpoints):
     from zero_mismatch_plugin.faces.aligned_model import AlignedCausalLM
     from zero_mismatch_plugin.faces.megatron.lora import lora_parameters

@@ -113,8 +113,12 @@ def test_patched_logprobs_are_differentiable(engine_module, clean_patch):
 
 
 def test_apply_then_remove_restores_original_callables(engine_module, clean_patch, caplog):
+    import importlib
+
     ti = engine_module
     before = _originals(ti)
+    peft_module = importlib.import_module("verl.workers.config.megatron_peft")
+    get_peft_cls, get_per_tensor_param = peft_module.get_peft_cls, ti.MegatronEngine.__dict__["get_per_tensor_param"]
     with caplog.at_level("WARNING", logger="zero_mismatch_plugin"):
         assert megatron_engine.apply()
     assert sum("patched" in r.getMessage() for r in caplog.records) == 1
@@ -123,14 +127,18 @@ def test_apply_then_remove_restores_original_callables(engine_module, clean_patc
         assert getattr(ti, c).__dict__[n] is not original, (c, n)
         assert getattr(ti, c).__dict__[n].__wrapped__ is original
     assert not megatron_engine.apply()  # idempotent
-    # Named entries of the one patch mechanism: the four method patches, not the hook ones.
-    names = {patch.name for patch in megatron_engine.METHOD_PATCHES}
+    # Named entries of the one patch mechanism: the four method patches and the two LoRA ones, not the hook ones.
+    names = {patch.name for patch in megatron_engine.METHOD_PATCHES + megatron_engine.LORA_PATCHES}
     assert names <= set(runtime_patches.applied())
     assert not {patch.name for patch in megatron_engine.HOOK_PATCHES} & set(runtime_patches.applied())
+    assert peft_module.get_peft_cls.__wrapped__ is get_peft_cls
+    assert ti.MegatronEngine.__dict__["get_per_tensor_param"].__wrapped__ is get_per_tensor_param
     assert megatron_engine.remove()
     assert not megatron_engine.is_applied() and not names & set(runtime_patches.applied())
     for (c, n), original in before.items():
         assert getattr(ti, c).__dict__[n] is original, (c, n)
+    assert peft_module.get_peft_cls is get_peft_cls
+    assert ti.MegatronEngine.__dict__["get_per_tensor_param"] is get_per_tensor_param
     assert not megatron_engine.remove()
 
 
@@ -187,6 +195,11 @@ def test_unsupported_configurations_fail_clearly():
                            match=f"{name}=2 in verl's Megatron engine: .*zmrl check --trainer megatron {flag} 2"):
             megatron_engine.inject_aligned_spec(engine, runtime=object())
         setattr(engine.provider, name, 1)
+    # LoRA through Megatron-Bridge's PEFT (its own adapter modules, megatron's arithmetic).
+    engine.peft_cls = object()
+    with pytest.raises(UnsupportedMegatronFeature, match="Megatron-Bridge's PEFT .*vanilla_mbridge=True"):
+        megatron_engine.inject_aligned_spec(engine, runtime=object())
+    engine.peft_cls = None
     # verl's mbridge backend at TP x EP with each expert split over the tensor-parallel ranks (megatron's
     # default expert_tensor_parallel_size): the aligned MoE layer keeps experts whole at EP.
     bridge = SimpleNamespace(config=SimpleNamespace(**base, tensor_model_parallel_size=2, expert_model_parallel_size=2,
@@ -213,3 +226,49 @@ def test_import_verl_applies_the_patch_through_the_entry_point_when_enabled():
         assert result.returncode == 0, result.stderr[-3000:]
         results[enabled] = result.stdout.split()[-1]
     assert results == {"1": "True", None: "False"}
+
+
+VERL_LORA = dict(type="lora", merge=False, rank=8, alpha=16, dropout=0.0,
+                 target_modules=["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"], exclude_modules=[],
+                 lora_A_init_method="xavier", lora_B_init_method="zero", a2a_experimental=False, adapter_path=None)
+
+
+def test_verls_megatron_lora_settings_become_the_face_adapter_or_a_refusal_naming_the_key():
+    """verl's default Megatron LoRA settings (rank 8 here) are the face's adapter: each megatron
+    linear's vLLM slices as PEFT targets, verl's alpha and init; a setting the rollout would not
+    compute the same way is refused, naming the key and what to set."""
+    from zero_mismatch_plugin.integrations.verl.megatron_lora import FaceLoRA
+
+    peft = FaceLoRA.from_verl(VERL_LORA)
+    assert peft.lora_config.targets == ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    assert (peft.lora_config.r, peft.lora_config.scaling, peft.a_init, peft.adapter_path) == (8, 2.0, "xavier", None)
+    assert FaceLoRA.from_verl({**VERL_LORA, "target_modules": ["linear_proj"]}).lora_config.targets == ("o_proj",)
+    for change, message in [
+        (dict(merge=True), "merge=true: .*set it to false"),
+        (dict(dropout=0.1), "dropout=0.1: .*set it to 0.0"),
+        (dict(type="dora"), "type=dora: set it to lora"),
+        (dict(exclude_modules=["linear_fc2"]), "exclude_modules=\\['linear_fc2'\\]"),
+        (dict(lora_A_init_method="normal"), "lora_A_init_method=normal: use one of \\['kaiming', 'xavier'\\]"),
+        (dict(lora_B_init_method="normal"), "lora_B_init_method=normal: set it to zero"),
+        (dict(target_modules=["linear_qkv", "*.linear_fc1"]), "target_modules=.*adapts megatron-core's"),
+    ]:
+        with pytest.raises(ValueError, match="actor_rollout_ref.model.lora." + message):
+            FaceLoRA.from_verl({**VERL_LORA, **change})
+
+
+def test_get_peft_cls_gives_the_face_adapter_on_the_mbridge_builder_only(engine_module, clean_patch):
+    """Patched, verl's get_peft_cls returns the face's adapter when the engine builds through mbridge
+    (no Megatron-Bridge provider) with a LoRA rank, and is verl's own otherwise."""
+    import importlib
+
+    from zero_mismatch_plugin.integrations.verl.megatron_lora import FaceLoRA
+
+    peft_module = importlib.import_module("verl.workers.config.megatron_peft")
+    with_lora = SimpleNamespace(lora=VERL_LORA)
+    with pytest.raises(AssertionError, match="only supported via Megatron-Bridge"):  # unpatched
+        peft_module.get_peft_cls(with_lora, bridge=object(), provider=None)
+    megatron_engine.apply()
+    assert isinstance(peft_module.get_peft_cls(with_lora, bridge=object(), provider=None), FaceLoRA)
+    assert peft_module.get_peft_cls(SimpleNamespace(lora={**VERL_LORA, "rank": 0}), bridge=object(), provider=None) is None
+    with pytest.raises(ModuleNotFoundError, match="megatron.bridge"):  # verl's own Megatron-Bridge route
+        peft_module.get_peft_cls(with_lora, bridge=object(), provider=object())

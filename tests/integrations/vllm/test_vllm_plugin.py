@@ -100,7 +100,8 @@ def test_a_trainer_built_after_a_stock_engine_has_the_engine_side_of_its_environ
         runtime.VllmRuntime(checkpoints["llama"], max_model_len=256)
         assert vllm_plugin.applied() == sorted(
             patch.name for patch in (vllm_plugin.PATCHES if platform_kind() == "cpu"
-                                     else [vllm_plugin.ENGINE_ARGS, vllm_plugin.ENGINE_DEATH]))
+                                     else [vllm_plugin.ENGINE_ARGS, vllm_plugin.ENGINE_DEATH,
+                                           vllm_plugin.LORA_MAPPER_NAME]))
     finally:
         monkeypatch.undo()
         vllm_plugin.register()

@@ -40,22 +40,39 @@ def test_each_unsupported_setting_is_named_with_its_fix():
         assert len(problems) == 1 and needle in problems[0], (needle, problems)
 
 
-def _cfg(rank, targets=None, mode=None):
+def _cfg(rank, targets=None, mode=None, **megatron):
+    """A verl config with LoRA ``rank``; with ``megatron`` settings, on verl's Megatron engine."""
     lora = {"rank": rank, **({"target_modules": targets} if targets is not None else {})}
     env = {"ray_kwargs": {"ray_init": {"runtime_env": {"env_vars": {MODE_ENV: mode}}}}} if mode else {}
-    return OmegaConf.create({"actor_rollout_ref": {"model": {"lora": lora, "lora_rank": 0}}, **env})
+    engine = {"actor": {"strategy": "megatron", "megatron": megatron}} if megatron else {}
+    trainer = {"trainer": {"nnodes": 1, "n_gpus_per_node": megatron.get("tensor_model_parallel_size", 1)}}
+    return OmegaConf.create({"actor_rollout_ref": {"model": {"lora": lora, "lora_rank": 0}, **engine}, **trainer, **env})
 
 
-def test_verl_lora_gap_names_the_face_and_the_uncovered_targets():
+MBRIDGE = dict(vanilla_mbridge=True, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+               context_parallel_size=1, expert_model_parallel_size=1)
+VERL_MEGATRON_TARGETS = ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
+
+
+def test_verl_megatron_lora_is_aligned_on_the_mbridge_builder_and_each_gap_says_what_to_set():
     assert lora_gaps(_cfg(0, DENSE)) == []
-    (dense,) = lora_gaps(_cfg(32, ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]))
-    assert "LoRA adapters (rank 32) in verl's Megatron engine" in dense and "outside" not in dense
-    assert "Megatron-Bridge PEFT" in dense
+    assert lora_gaps(_cfg(32, VERL_MEGATRON_TARGETS, **MBRIDGE)) == []
+    (bridge,) = lora_gaps(_cfg(32, VERL_MEGATRON_TARGETS, **{**MBRIDGE, "vanilla_mbridge": False}))
+    assert "Megatron-Bridge's PEFT" in bridge and "actor_rollout_ref.actor.megatron.vanilla_mbridge=true" in bridge
+    merged = _cfg(32, VERL_MEGATRON_TARGETS, **MBRIDGE)
+    merged.actor_rollout_ref.model.lora.merge = True
+    assert "actor_rollout_ref.model.lora.merge=true" in lora_gaps(merged)[0]
+    (tp,) = lora_gaps(_cfg(32, VERL_MEGATRON_TARGETS, **{**MBRIDGE, "tensor_model_parallel_size": 2}))
+    assert "tensor parallelism 2 runs with sequence parallelism" in tp
+    assert lora_gaps(_cfg(32, VERL_MEGATRON_TARGETS, **{**MBRIDGE, "tensor_model_parallel_size": 2,
+                                                        "sequence_parallel": True})) == []
+    # The MLA projections: the aligned LoRA path adapts them, the face's adapter in verl does not yet.
     mla = ["linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj", "linear_proj", "linear_fc1"]
-    assert "outside" not in lora_gaps(_cfg(32, mla))[0]
+    (gap,) = lora_gaps(_cfg(32, mla, **MBRIDGE))
+    assert "outside" not in gap and "target_modules=" in gap
     seed = mla + ["linear_kv_up_proj", "router"]
     assert lora_targets(_cfg(32, seed)) == seed
-    (gap,) = lora_gaps(_cfg(32, seed))
+    (gap,) = lora_gaps(_cfg(32, seed, **MBRIDGE))
     assert gap.endswith(": linear_kv_up_proj, router"), gap
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 
@@ -206,4 +207,33 @@ def build_adapter(
     with torch.no_grad():
         for p in adapter.parameters():
             p.copy_(std * torch.randn(p.shape, generator=gen))
+    return adapter.save(adapter_dir)
+
+
+# How a fresh adapter's A is drawn, by the name verl's Megatron LoRA settings give it
+# (``lora_A_init_method``): xavier uniform, or kaiming uniform with a = sqrt(5) (PEFT's own).
+A_INITS = {
+    "xavier": lambda a, gen: nn.init.xavier_uniform_(a, generator=gen),
+    "kaiming": lambda a, gen: nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=gen),
+}
+
+
+def initial_adapter(adapter_dir: str | os.PathLike, model_config, lora_config: LoRAConfig, a_init: str = "xavier",
+                    seed: int = 0) -> Path:
+    """Write the adapter a LoRA run starts from: every A drawn by ``a_init`` (:data:`A_INITS`), every
+    B zero, so the adapted model starts as the base model. Ranks drawing with one ``seed`` write the
+    same adapter (each then keeps its part of it)."""
+    if a_init not in A_INITS:
+        raise ValueError(f"lora_A_init_method {a_init!r}: use one of {sorted(A_INITS)}")
+    problems = unsupported_lora_settings(lora_config.as_peft_dict(), supported_lora_targets(model_config, vocab=True))
+    if problems:
+        raise ValueError("; ".join(problems))
+    adapter = LoRAAdapter(lora_config, model_config, describe(model_config).head_dim)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in adapter.named_parameters():
+            if name.endswith("lora_A"):
+                A_INITS[a_init](param, gen)
+            else:
+                param.zero_()
     return adapter.save(adapter_dir)

@@ -8,6 +8,7 @@ over the module's own base op, so the backward reaches A and B only (docs/lora.m
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -85,6 +86,8 @@ def _embedding_with_lora(word_embeddings, args, output):
     """
     ids = args[0]
     lora = word_embeddings.lora
+    if lora is None:  # set aside (:func:`adapters_set_aside`): the base embedding's output
+        return None
     op = lora.op(lora.mapping.runtime, word_embeddings.weight)
     group = parallel.tensor_parallel_group(None, word_embeddings.tp_group)
     if group is None:
@@ -305,3 +308,23 @@ def adapter_state(model) -> dict:
 def save_adapter(model, lora_config, adapter_dir: str | os.PathLike):
     """Write the model's adapter in PEFT's format, for a ``LoRARequest`` to load."""
     return write_peft_adapter(adapter_dir, lora_config, adapter_state(model))
+
+
+@contextmanager
+def adapters_set_aside(model):
+    """Inside the block the model (or list of model chunks, wrapped or not) computes and names
+    only its base: every adapter module is unregistered (its parameters leave ``named_parameters``
+    and ``state_dict``, each linear forwards its base op) and put back, the same objects, after.
+    For a reference policy without the adapter, and for a weight mapper that knows only the base's
+    names."""
+    chunks = model if isinstance(model, (list, tuple)) else [model]
+    holders = [m for chunk in chunks for m in chunk.modules()
+               if isinstance(m._modules.get("lora"), (MegatronLoRA, MegatronVocabLoRA))]
+    adapters = [m._modules["lora"] for m in holders]
+    for module in holders:
+        module._modules["lora"] = None  # read as ``module.lora is None``: no adapter
+    try:
+        yield
+    finally:
+        for module, adapter in zip(holders, adapters):
+            module._modules["lora"] = adapter

