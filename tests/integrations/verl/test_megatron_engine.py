@@ -272,3 +272,29 @@ def test_get_peft_cls_gives_the_face_adapter_on_the_mbridge_builder_only(engine_
     assert peft_module.get_peft_cls(SimpleNamespace(lora={**VERL_LORA, "rank": 0}), bridge=object(), provider=None) is None
     with pytest.raises(ModuleNotFoundError, match="megatron.bridge"):  # verl's own Megatron-Bridge route
         peft_module.get_peft_cls(with_lora, bridge=object(), provider=object())
+
+
+def test_verl_checkpoints_the_face_adapters_entries_and_leaves_other_runs_to_verl(engine_module, clean_patch):
+    """Patched, verl's PEFT state-dict filter (Megatron-Bridge's, not installed) keeps each model
+    chunk's adapter entries for a face adapter; without PEFT it is verl's (the state as it is)."""
+    import importlib
+
+    from zero_mismatch_plugin.integrations.verl.megatron_lora import FaceLoRA
+
+    manager_class = importlib.import_module("verl.utils.checkpoint.megatron_checkpoint_manager").MegatronCheckpointManager
+    qkv = "decoder.layers.0.self_attention.linear_qkv"
+    state = {chunk: {f"{qkv}.weight": 0, f"{qkv}.lora.q_proj.lora_A": 1, f"{qkv}.lora.q_proj.lora_B": 2,
+                     "output_layer.weight": 3} for chunk in ("model0", "model1")}
+    face = SimpleNamespace(peft_cls=FaceLoRA.from_verl(VERL_LORA))
+    with pytest.raises(ModuleNotFoundError, match="megatron.bridge"):  # unpatched: verl asks Megatron-Bridge
+        manager_class._maybe_filter_peft_state_dict(face, state)
+    megatron_engine.apply()
+    kept = manager_class._maybe_filter_peft_state_dict(face, state)
+    assert kept == {chunk: {f"{qkv}.lora.q_proj.lora_A": 1, f"{qkv}.lora.q_proj.lora_B": 2} for chunk in state}
+    # Copies: megatron's load replaces the data of what it is given, and verl matches the optimizer's
+    # parameters to the model's entries (the originals) by identity afterwards.
+    sharded = SimpleNamespace(data=torch.zeros(2))
+    (copied,) = manager_class._maybe_filter_peft_state_dict(face, {"model": {f"{qkv}.lora.v_proj.lora_B": sharded}}
+                                                            )["model"].values()
+    assert copied is not sharded and copied.data is sharded.data
+    assert manager_class._maybe_filter_peft_state_dict(SimpleNamespace(peft_cls=None), state) is state

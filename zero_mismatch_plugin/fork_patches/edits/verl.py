@@ -246,6 +246,25 @@ def _replaceable_logits_processor(method):
          new="    @_replaceable_logits_processor\n    def _lm_head_logits_processor(\n"),
 ]
 
+VLLM_UTILS = "verl/utils/vllm/utils.py"
+
+VERL_LORA_LOADER_VLLM_0_31 = [
+    Edit(
+        VLLM_UTILS,
+        old="""\
+                    if is_version_ge(minver="0.25.0"):
+                        hf_to_vllm_mapper = hf_to_vllm_mapper.get_unstacked_mapper()
+""",
+        new="""\
+                    if is_version_ge(minver="0.31.0"):
+                        # vLLM 0.31 names the renames-only mapper get_rename_mapper().
+                        hf_to_vllm_mapper = hf_to_vllm_mapper.get_rename_mapper()
+                    elif is_version_ge(minver="0.25.0"):
+                        hf_to_vllm_mapper = hf_to_vllm_mapper.get_unstacked_mapper()
+""",
+    ),
+]
+
 # Patch name (as in manifest.yaml) -> its edits.
 EDITS: dict[str, list[Edit]] = {
     "verl-plugin-load-warning": VERL_PLUGIN_LOAD_WARNING,
@@ -253,4 +272,5 @@ EDITS: dict[str, list[Edit]] = {
     "verl-policy-loss-rollout-logprobs": VERL_POLICY_LOSS_ROLLOUT_LOGPROBS,
     "verl-megatron-engine-hooks": VERL_MEGATRON_ENGINE_HOOKS,
     "verl-cpu-training": VERL_CPU_TRAINING,
+    "verl-lora-loader-vllm-0-31": VERL_LORA_LOADER_VLLM_0_31,
 }

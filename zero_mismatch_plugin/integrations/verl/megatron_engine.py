@@ -15,8 +15,8 @@ from zero_mismatch_plugin.integrations import patches as runtime_patches
 
 from zero_mismatch_plugin.tables import upstream_versions
 from zero_mismatch_plugin.integrations.patches import FunctionPatch, HookRegistration
-from zero_mismatch_plugin.integrations.verl.megatron_lora import (PEFT_MODULE, adapter_only_sync, face_get_peft_cls,
-                                                                  uses_face_lora)
+from zero_mismatch_plugin.integrations.verl.megatron_lora import (PEFT_MODULE, adapter_checkpoint_entries,
+                                                                  adapter_only_sync, face_get_peft_cls, uses_face_lora)
 
 logger = logging.getLogger("zero_mismatch_plugin")
 
@@ -341,6 +341,12 @@ LORA_PATCHES: list[FunctionPatch] = [
                   when=f"{ENABLE_ENV}=1"),
     engine_patch(name="megatron-face-lora-sync", owner="MegatronEngine", attribute="get_per_tensor_param",
                  build=adapter_only_sync, why=_LORA_WHY, when=f"{ENABLE_ENV}=1"),
+    FunctionPatch(name="megatron-face-lora-checkpoint", package="verl", versions=SUPPORTED_VERL_VERSIONS,
+                  module="verl.utils.checkpoint.megatron_checkpoint_manager", owner="MegatronCheckpointManager",
+                  attribute="_maybe_filter_peft_state_dict", build=adapter_checkpoint_entries,
+                  why="verl checkpoints a LoRA run's adapter through Megatron-Bridge's state-dict filter (not installed: "
+                      "ModuleNotFoundError at the first save); the face's adapter entries are kept by their names",
+                  when=f"{ENABLE_ENV}=1"),
 ]
 
 PATCHES = METHOD_PATCHES + HOOK_PATCHES + LORA_PATCHES

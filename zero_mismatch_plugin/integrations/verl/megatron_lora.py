@@ -124,23 +124,39 @@ def uses_face_lora(engine) -> bool:
 
 
 def base_only_bridge(bridge) -> None:
-    """This mbridge instance loads and exports the base weights only: its name mapping knows the
-    checkpoint's names, not the adapter's (instance attributes; the class stays as it is)."""
+    """This mbridge instance loads, saves and exports the base weights only: its name mapping
+    knows the checkpoint's names, not the adapter's (instance attributes; the class stays as it
+    is). verl checkpoints the adapter itself, beside the base (:func:`adapter_checkpoint_entries`)."""
     from zero_mismatch_plugin.faces.megatron.lora import adapters_set_aside
 
-    load, export = bridge.load_weights, bridge.export_weights
+    load, save, export = bridge.load_weights, bridge.save_weights, bridge.export_weights
 
     @wraps(load)
     def load_weights(models, *args, **kwargs):
         with adapters_set_aside(models):
             return load(models, *args, **kwargs)
 
+    @wraps(save)
+    def save_weights(models, *args, **kwargs):
+        with adapters_set_aside(models):
+            return save(models, *args, **kwargs)
+
     @wraps(export)
     def export_weights(models, *args, **kwargs):
         with adapters_set_aside(models):  # for as long as the caller reads the generator
             yield from export(models, *args, **kwargs)
 
-    bridge.load_weights, bridge.export_weights = load_weights, export_weights
+    bridge.load_weights, bridge.save_weights, bridge.export_weights = load_weights, save_weights, export_weights
+
+
+def adapter_entries(model_state: dict) -> dict:
+    """The adapter's entries of a model chunk's (sharded) state dict, each a shallow copy: the face
+    names every adapter matrix ``<module>.lora.<target>.lora_A`` / ``lora_B``. Megatron's checkpoint
+    load replaces the data of the sharded tensors it is given, and verl builds the optimizer's
+    state afterwards from the same model entries, matched to the parameters by identity."""
+    import copy
+
+    return {name: copy.copy(value) for name, value in model_state.items() if ".lora." in name}
 
 
 def adapter_weights(engine):
@@ -170,6 +186,20 @@ def face_get_peft_cls(original):
         return original(model_config, bridge, provider, dtype=dtype)
 
     return get_peft_cls
+
+
+def adapter_checkpoint_entries(original):
+    """``MegatronCheckpointManager._maybe_filter_peft_state_dict``: with a face adapter, verl saves
+    and resumes the adapter's entries of each model chunk (``model`` / ``model<i>``), as it does
+    Megatron-Bridge's through Megatron-Bridge's filter (the frozen base comes from the model path)."""
+
+    @wraps(original)
+    def _maybe_filter_peft_state_dict(self, state_dict):
+        if not isinstance(getattr(self, "peft_cls", None), FaceLoRA):
+            return original(self, state_dict)
+        return {key: adapter_entries(chunk) for key, chunk in state_dict.items()}
+
+    return _maybe_filter_peft_state_dict
 
 
 def adapter_only_sync(original):
