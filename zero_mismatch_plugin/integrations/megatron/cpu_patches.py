@@ -175,6 +175,53 @@ OPTIMIZER_HOST_TENSORS = host_torch_patch(
     when=_TRAINING_WHEN,
 )
 
+def _float16_params_on_host(original):
+    def __init__(self, optimizer, config, grad_scaler, init_state_fn):
+        if torch.cuda.is_available() or not optimizer:
+            return original(self, optimizer, config, grad_scaler, init_state_fn)
+        from megatron.core import tensor_parallel
+        from megatron.core.optimizer.optimizer import MixedPrecisionOptimizer
+
+        # The original's body, its parameter classes told by dtype: it names the CUDA tensor types
+        # ('torch.cuda.BFloat16Tensor'), and a host parameter is 'torch.BFloat16Tensor'.
+        MixedPrecisionOptimizer.__init__(self, optimizer, config, grad_scaler, init_state_fn)
+        self.float16_groups, self.fp32_from_float16_groups, self.fp32_from_fp32_groups = [], [], []
+        for group in self.optimizer.param_groups:
+            float16, fp32_from_float16, fp32 = [], [], []
+            for i, param in enumerate(group["params"]):
+                if not param.requires_grad:
+                    continue
+                if param.dtype in (torch.float16, torch.bfloat16):
+                    main_param = param.detach().clone().float()  # the fp32 master copy the optimizer steps
+                    tensor_parallel.copy_tensor_model_parallel_attributes(main_param, param)
+                    if hasattr(param, "shared"):
+                        main_param.shared = param.shared
+                    group["params"][i] = param.main_param = main_param
+                    if param in self.optimizer.state:
+                        self.optimizer.state[main_param] = self.optimizer.state.pop(param)
+                    float16.append(param)
+                    fp32_from_float16.append(main_param)
+                elif param.dtype == torch.float32:
+                    fp32.append(param)
+                else:
+                    raise TypeError(f"megatron's mixed-precision optimizer takes fp16, bf16 or fp32 parameters, "
+                                    f"not {param.dtype}")
+            self.float16_groups.append(float16)
+            self.fp32_from_float16_groups.append(fp32_from_float16)
+            self.fp32_from_fp32_groups.append(fp32)
+        self.is_stub_optimizer = False
+
+    return __init__
+
+
+FLOAT16_PARAMS_ON_HOST = megatron_patch(
+    "megatron.core.optimizer.optimizer:Float16OptimizerWithFloat16Params.__init__", _float16_params_on_host,
+    name="megatron-float16-optimizer-on-host",
+    why="Float16OptimizerWithFloat16Params sorts parameters by param.type() in ['torch.cuda.HalfTensor', "
+        "'torch.cuda.BFloat16Tensor'] and raises TypeError for a host bf16 parameter ('torch.BFloat16Tensor')",
+    when=_TRAINING_WHEN,
+)
+
 GRADIENT_CLIP_HOST_TENSORS = host_torch_patch(
     "megatron.core.optimizer.clip_grads",
     name="megatron-clip-grads-host-tensors",
@@ -331,7 +378,8 @@ PACKED_LOCAL_ATTENTION = megatron_patch(
 )
 
 TRAINING_PATCHES = [OPTIMIZER_HOST_TENSORS, GRADIENT_CLIP_HOST_TENSORS, MAPPINGS_HOST_TENSORS, UTILS_HOST_TENSORS,
-                    GRAD_BUFFER_HOST_TENSORS, ROTARY_HOST_TENSORS, GRADIENT_CLIP_ON_HOST, RNG_TRACKER_ON_HOST,
+                    GRAD_BUFFER_HOST_TENSORS, ROTARY_HOST_TENSORS, GRADIENT_CLIP_ON_HOST, FLOAT16_PARAMS_ON_HOST,
+                    RNG_TRACKER_ON_HOST,
                     PACKED_LOCAL_ATTENTION, *CHECKPOINT_HOST_TENSORS]
 
 MOE_PATCHES = [ALLTOALL_SIDE_STREAM, ALLTOALL_HOST_SPLITS, ROUTER_GEMM_NAME]

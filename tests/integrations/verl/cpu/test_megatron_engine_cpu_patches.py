@@ -153,3 +153,44 @@ def test_gradient_clip_on_host_scales_as_megatrons_local_path():
     assert all(torch.equal(p.grad, e) for p, e in zip(parameters, expected))
     clip(parameters, max_norm=100.0, total_norm=10.0)  # under the bound: untouched
     assert all(torch.equal(p.grad, e) for p, e in zip(parameters, expected))
+
+
+@pytest.fixture
+def optimizer_host_tensors():
+    """megatron's optimizer module with its "cuda" placements on the host (as on the CPU platform)."""
+    from zero_mismatch_plugin.integrations import patches as runtime_patches
+
+    was_applied = runtime_patches.is_applied(cpu_patches.OPTIMIZER_HOST_TENSORS)
+    runtime_patches.apply(cpu_patches.OPTIMIZER_HOST_TENSORS)
+    yield
+    if not was_applied:
+        runtime_patches.remove(cpu_patches.OPTIMIZER_HOST_TENSORS)
+
+
+def test_float16_optimizer_on_host_keeps_fp32_masters_of_bf16_parameters_as_megatrons_cuda_path(
+        optimizer_host_tensors):
+    """megatron's mixed-precision optimizer with host parameters: the original's CUDA type names
+    refuse a host bf16 parameter; the host form keeps an fp32 master copy (what the inner optimizer
+    steps, its optimizer state moved to it), leaves fp32 parameters as they are, and refuses others."""
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
+
+    def optimizer_of(*params):
+        inner = torch.optim.Adam(params, lr=0.1)
+        return inner, OptimizerConfig(bf16=True, params_dtype=torch.bfloat16), None, lambda *_: None
+
+    bf16 = torch.nn.Parameter(torch.randn(4, dtype=torch.bfloat16))
+    fp32 = torch.nn.Parameter(torch.randn(3))
+    with pytest.raises(TypeError, match="torch.cuda.BFloat16Tensor. Received torch.BFloat16Tensor"):
+        Float16OptimizerWithFloat16Params(*optimizer_of(bf16, fp32))
+    host_init = cpu_patches._float16_params_on_host(lambda *a: pytest.fail("the CUDA path ran"))
+    optimizer = Float16OptimizerWithFloat16Params.__new__(Float16OptimizerWithFloat16Params)
+    inner, config, scaler, init_state = optimizer_of(bf16, fp32)
+    host_init(optimizer, inner, config, scaler, init_state)
+    (main,) = optimizer.fp32_from_float16_groups[0]
+    assert optimizer.float16_groups == [[bf16]] and optimizer.fp32_from_fp32_groups == [[fp32]]
+    assert main.dtype == torch.float32 and torch.equal(main, bf16.float()) and bf16.main_param is main
+    assert inner.param_groups[0]["params"] == [main, fp32]
+    refused = Float16OptimizerWithFloat16Params.__new__(Float16OptimizerWithFloat16Params)
+    with pytest.raises(TypeError, match="fp16, bf16 or fp32 parameters, not torch.float64"):
+        host_init(refused, *optimizer_of(torch.nn.Parameter(torch.randn(2, dtype=torch.float64))))
