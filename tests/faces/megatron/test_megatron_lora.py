@@ -176,6 +176,31 @@ def test_a_checkpoint_of_the_face_adapter_holds_every_matrix_under_the_names_the
     assert all(bool((p == 1).all()) for p in params.values())
 
 
+def test_refresh_reaches_the_adapters_after_writes_through_param_data(runtime, adapter, lora_llm, tmp_path):
+    """megatron's mixed-precision optimizer writes its fp32 masters into bf16 parameters through
+    ``param.data`` (no version bump): after ``refresh_aligned_weights`` (what the verl patch calls
+    after each optimizer step) the forward is that of a model built with the new adapter."""
+    from zero_mismatch_plugin.faces.megatron.lora import attach_lora, lora_parameters, save_adapter
+    from zero_mismatch_plugin.faces.megatron.spec import refresh_aligned_weights
+    from zero_mismatch_plugin.integrations.megatron.standalone import build_gpt_model
+
+    trained = build_gpt_model(runtime, aligned=True)
+    config = attach_lora(trained, runtime, adapter)
+    prompts, responses, _ = generate(lora_llm, prompts_for(runtime.model_dir), _request("r8", 1, adapter), seed=302)
+    with torch.no_grad():
+        before = megatron_logprobs(trained, prompts, responses)
+        for name, param in lora_parameters(trained):
+            if name.endswith("lora_B"):
+                param.data.copy_(param.data * 1.5 + 0.01)
+        assert torch.equal(megatron_logprobs(trained, prompts, responses), before)  # the stale copies: the fault
+        refresh_aligned_weights(trained)
+        fresh = build_gpt_model(runtime, aligned=True)
+        attach_lora(fresh, runtime, save_adapter(trained, config, tmp_path / "written"))
+        after = megatron_logprobs(trained, prompts, responses)
+        assert not torch.equal(after, before)
+        _assert_bitwise(after, megatron_logprobs(fresh, prompts, responses), "refreshed adapter")
+
+
 def test_megatron_lora_gradients_only_on_a_and_b(lora_llm, model, runtime, adapter, checkpoints):
     from zero_mismatch_plugin.faces.aligned_model import AlignedCausalLM
     from zero_mismatch_plugin.faces.megatron.lora import lora_parameters

@@ -48,6 +48,12 @@ class MegatronLoRA(nn.Module):
 
         return self._aligned_ops.get("linear", [base_op], build)
 
+    def refresh(self) -> None:
+        """Derive vLLM's stacked A / B again (after writes through ``param.data``: megatron's
+        mixed-precision optimizer copies its fp32 masters into bf16 parameters that way)."""
+        for op in self._aligned_ops.ops():
+            op.derived.refresh()
+
 
 class MegatronVocabLoRA(nn.Module):
     """The adapter of megatron's word embedding (``embed_tokens``: A [r, vocab], B [hidden, r]) or
@@ -72,6 +78,11 @@ class MegatronVocabLoRA(nn.Module):
         else:
             build = lambda: AlignedLoRALogits(runtime, base, pair, self.lora_config, self.mapping, tp_group)  # noqa: E731
         return self._aligned_ops.get(self.target, [base], build)
+
+    def refresh(self) -> None:
+        """As :meth:`MegatronLoRA.refresh`."""
+        for op in self._aligned_ops.ops():
+            op.derived.refresh()
 
 
 def _embedding_with_lora(word_embeddings, args, output):

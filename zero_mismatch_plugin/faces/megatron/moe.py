@@ -370,6 +370,9 @@ def aligned_moe_layer_class():
                 self._engine_router().derived.refresh()
             else:
                 self._experts_op().derived.refresh()
+                routed = self._routed_op()
+                if routed is not self._experts_op():  # the routed experts' adapter, stacked as vLLM's
+                    routed.derived.refresh()
             shared = self._shared_ops()
             if shared is not None and shared[3] is not None:
                 shared[3].derived.refresh()

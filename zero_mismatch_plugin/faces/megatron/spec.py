@@ -370,8 +370,13 @@ def refresh_aligned_weights(model) -> None:
     Needed after writes that bypass the tensors' version counters (``param.data.copy_``, as
     some optimizers and checkpoint loaders do); in-place updates are picked up automatically.
     """
+    from zero_mismatch_plugin.faces.megatron.lora import MegatronLoRA, MegatronVocabLoRA
+
     for m in aligned_modules(model):
         if isinstance(m, AlignedRMSNormModule):
             m._kernel().engine_weight.refresh()
         else:
+            m.refresh()
+    for m in _unwrap(model).modules():  # the adapters' own ops (the experts' are their layer's)
+        if isinstance(m, (MegatronLoRA, MegatronVocabLoRA)):
             m.refresh()
