@@ -1,5 +1,5 @@
 """verl's main_ppo on its Megatron engine on the CPU (recipe ``cpu_smoke_megatron``: the mbridge
-backend, fp32, the aligned spec). A tiny Qwen3-MoE on two workers at tensor parallelism 2 with
+backend, the aligned spec; the dense runs in bf16, the MoE run in the recipe's fp32). A tiny Qwen3-MoE on two workers at tensor parallelism 2 with
 sequence parallelism and expert parallelism 2 together: synchronous steps bitwise and saved. The
 dense Llama: the stock Megatron forward (the plugin's patch off) as the negative control, two
 synchronous steps saved; FlashREINFORCE resumed from that checkpoint with the patch on, in the
@@ -18,6 +18,10 @@ from zero_mismatch_plugin.integrations.verl.cpu.launch import MEGATRON_RECIPE_NA
 pytestmark = pytest.mark.slow
 
 SAVED_STEP = 2
+# The dense runs in bf16, the users' precision: verl's Megatron engine with bf16 parameters (fp32
+# master weights in megatron's mixed-precision optimizer) and a bf16 rollout.
+BF16 = ["actor_rollout_ref.actor.megatron.dtype=bfloat16", "actor_rollout_ref.rollout.dtype=bfloat16"]
+BF16_LOG_LINE = "params_dtype=torch.bfloat16"  # in the transformer config verl prints
 ALIGNED_LOG_LINE = "zero-mismatch: verl 0.9.1 Megatron engine (engine methods patched)"
 LORA_LOG_LINE = "zero-mismatch: verl's Megatron LoRA runs the Megatron face's adapter"
 
@@ -41,10 +45,11 @@ def megatron_runs(tmp_path_factory, inputs):
     root = tmp_path_factory.mktemp("main_ppo_megatron")
     checkpoints = root / "checkpoints"
     # The recipe with the plugin's Megatron patch off: verl's own forward of the same model.
-    stock = megatron_smoke(root / "stock", inputs, ["--allow-unaligned-trainer", f"trainer.default_local_dir={checkpoints}",
+    stock = megatron_smoke(root / "stock", inputs, ["--allow-unaligned-trainer", *BF16,
+                                                    f"trainer.default_local_dir={checkpoints}",
                                                     f"trainer.save_freq={SAVED_STEP}"])
     resumed = megatron_smoke(root / "colocate_resumed", inputs, [
-        "zm_algorithm=flash_reinforce", "actor_rollout_ref.rollout.n=1", "data.train_batch_size=4",
+        *BF16, "zm_algorithm=flash_reinforce", "actor_rollout_ref.rollout.n=1", "data.train_batch_size=4",
         "actor_rollout_ref.actor.ppo_mini_batch_size=4", "trainer.v1.trainer_mode=colocate_async",
         f"trainer.total_training_steps={SAVED_STEP + 3}", f"trainer.default_local_dir={checkpoints}"])
     return stock, resumed, root
@@ -57,7 +62,7 @@ def test_megatron_engine_resumes_and_flash_reinforce_is_bitwise_on_current_batch
     bitwise, stale ones are not."""
     _, resumed, root = megatron_runs
     assert_ran(resumed, [3, 4, 5])
-    assert ALIGNED_LOG_LINE in resumed.log
+    assert ALIGNED_LOG_LINE in resumed.log and BF16_LOG_LINE in resumed.log
     assert f"Resuming from {root / 'checkpoints'}/global_step_{SAVED_STEP}" in resumed.log
     assert resumed.metric("actor/flash_reinforce/admitted_fraction")
     staleness, stale_min, fractions = (resumed.metric(STALENESS_WORST_MAX), resumed.metric(STALENESS_MIN),
@@ -79,7 +84,7 @@ def test_verls_stock_megatron_forward_is_not_mu_and_saves(megatron_runs):
     either step; its checkpoint is the one the aligned run resumes."""
     stock, _, root = megatron_runs
     assert_ran(stock, [1, 2])
-    assert ALIGNED_LOG_LINE not in stock.log
+    assert ALIGNED_LOG_LINE not in stock.log and BF16_LOG_LINE in stock.log
     assert all(fraction < 1.0 for fraction in stock.metric(BITWISE)), stock.metric(BITWISE)
     assert all(diff > 0.0 for diff in stock.metric(DIFF)), stock.metric(DIFF)
     assert_saved_at(root / "checkpoints", SAVED_STEP)
@@ -87,7 +92,7 @@ def test_verls_stock_megatron_forward_is_not_mu_and_saves(megatron_runs):
 
 # verl's Megatron LoRA settings (its defaults: linear_qkv, linear_proj, linear_fc1, linear_fc2; xavier A,
 # zero B; the adapter synced unmerged), rank 8.
-MEGATRON_LORA = ["actor_rollout_ref.model.lora.rank=8", "actor_rollout_ref.model.lora.alpha=16"]
+MEGATRON_LORA = ["actor_rollout_ref.model.lora.rank=8", "actor_rollout_ref.model.lora.alpha=16", *BF16]
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +114,7 @@ def test_megatron_engine_lora_runs_the_face_adapter_bitwise_after_adapter_syncs_
     entries beside the base, and a new process resumes them (optimizer included) bitwise."""
     saved, resumed, root = megatron_lora_runs
     assert_ran(saved, [1, 2])
-    assert ALIGNED_LOG_LINE in saved.log and LORA_LOG_LINE in saved.log
+    assert ALIGNED_LOG_LINE in saved.log and LORA_LOG_LINE in saved.log and BF16_LOG_LINE in saved.log
     assert saved.metric("actor/grad_norm")[0] > 0, saved.metric("actor/grad_norm")
     assert saved.metric(BITWISE) == [1.0, 1.0], saved.metric(BITWISE)
     assert saved.metric(DIFF) == [0.0, 0.0]
