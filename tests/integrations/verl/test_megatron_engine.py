@@ -188,8 +188,7 @@ def test_unsupported_configurations_fail_clearly():
         megatron_engine.inject_aligned_spec(engine, runtime=object())
     engine.engine_config.use_remove_padding = True
     # Layouts the face runs on its own ranks but verl's engine has not run: each named, with its check.
-    for name, flag in (("pipeline_model_parallel_size", "--pipeline-parallel"),
-                       ("context_parallel_size", "--context-parallel")):
+    for name, flag in (("context_parallel_size", "--context-parallel"),):
         setattr(engine.provider, name, 2)
         with pytest.raises(UnsupportedMegatronFeature,
                            match=f"{name}=2 in verl's Megatron engine: .*zmrl check --trainer megatron {flag} 2"):

@@ -122,13 +122,13 @@ class _HostTorch:
         return torch.tensor(*args, device=_host_device(device), **kwargs)
 
 
-def _host_torch(original):
+def host_torch(original):
     return original if torch.cuda.is_available() else _HostTorch()
 
 
 def host_torch_patch(module: str, *, name: str, why: str, when: str) -> FunctionPatch:
     """A patch that gives ``module`` :class:`_HostTorch` as its ``torch`` on a CPU."""
-    return megatron_patch(f"{module}:torch", _host_torch, name=name, why=why, when=when)
+    return megatron_patch(f"{module}:torch", host_torch, name=name, why=why, when=when)
 
 
 SCHEDULE_TOKEN_COUNT = host_torch_patch(
@@ -137,6 +137,15 @@ SCHEDULE_TOKEN_COUNT = host_torch_patch(
     why="megatron's forward-backward schedules allocate their token count with device='cuda', which a CPU-only "
         "torch cannot",
     when="a megatron-core model at pipeline parallelism > 1 built by the plugin on a CPU",
+)
+
+
+P2P_HOST_TENSORS = host_torch_patch(
+    "megatron.core.pipeline_parallel.p2p_communication",
+    name="megatron-p2p-host-tensors",
+    why="megatron's stage-to-stage communication allocates the shapes it exchanges and the tensors it receives "
+        "on torch.cuda.current_device() and synchronizes CUDA after the exchange",
+    when="verl's Megatron engine at pipeline parallelism > 1 on the CPU platform",
 )
 
 
@@ -383,7 +392,7 @@ TRAINING_PATCHES = [OPTIMIZER_HOST_TENSORS, GRADIENT_CLIP_HOST_TENSORS, MAPPINGS
                     PACKED_LOCAL_ATTENTION, *CHECKPOINT_HOST_TENSORS]
 
 MOE_PATCHES = [ALLTOALL_SIDE_STREAM, ALLTOALL_HOST_SPLITS, ROUTER_GEMM_NAME]
-PIPELINE_PATCHES = [SCHEDULE_TOKEN_COUNT, TIED_EMBEDDING_COPY]
+PIPELINE_PATCHES = [SCHEDULE_TOKEN_COUNT, P2P_HOST_TENSORS, TIED_EMBEDDING_COPY]
 PATCHES = MOE_PATCHES + PIPELINE_PATCHES + TRAINING_PATCHES
 
 
@@ -409,6 +418,7 @@ def pipeline_on_cpu() -> None:
     if torch.cuda.is_available():
         return
     import megatron.core.models.common.language_module.language_module  # noqa: F401 - the patches' modules
+    import megatron.core.pipeline_parallel.p2p_communication  # noqa: F401
     import megatron.core.pipeline_parallel.schedules  # noqa: F401
 
     for patch in PIPELINE_PATCHES:

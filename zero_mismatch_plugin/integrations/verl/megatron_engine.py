@@ -51,10 +51,9 @@ def engine_has_hooks(ti) -> bool:
 
 # ----- vLLM's logprob arithmetic -----------------------------------------------------------
 
-# Layouts the Megatron face runs bitwise on its own ranks (zmrl check --pipeline-parallel /
-# --context-parallel) that have not run inside verl's engine: megatron's name -> the check's flag.
-VERL_UNRUN_LAYOUTS = {"pipeline_model_parallel_size": "--pipeline-parallel",
-                      "context_parallel_size": "--context-parallel"}
+# Layouts the Megatron face runs bitwise on its own ranks (zmrl check --context-parallel) that have
+# not run inside verl's engine: megatron's name -> the check's flag. (Pipeline parallelism has.)
+VERL_UNRUN_LAYOUTS = {"context_parallel_size": "--context-parallel"}
 VERL_LAYOUT_REFUSAL = (
     "{name}={size} in verl's Megatron engine: not yet run inside verl's engine; set {name}=1 (the Megatron "
     "face itself runs it bitwise on its own ranks: zmrl check --trainer megatron {flag} {size})"

@@ -146,7 +146,9 @@ def _engine_gaps(cfg: DictConfig) -> list[str]:
                     f"expert_model_parallel_size {ep}: set "
                     "expert_tensor_parallel_size=1 (each expert whole on its rank, computed as the engine's "
                     "tensor-parallel ranks split it)")
-    for name in ("pipeline_model_parallel_size", "context_parallel_size"):
+    from zero_mismatch_plugin.integrations.verl.megatron_engine import VERL_UNRUN_LAYOUTS
+
+    for name in VERL_UNRUN_LAYOUTS:  # the layouts the engine patch refuses, named once there
         size = read(cfg, f"{MEGATRON}.{name}")
         if size not in (None, 1):
             gaps.append(f"{name} {size} in verl's Megatron engine (the Megatron face runs it bitwise on its own "

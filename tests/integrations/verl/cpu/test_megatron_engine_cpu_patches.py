@@ -133,7 +133,7 @@ def test_host_rng_tracker_forks_named_states_of_the_host_generator():
 
 
 def test_host_torch_sends_cuda_placements_to_the_host():
-    host = cpu_patches._host_torch(torch)
+    host = cpu_patches.host_torch(torch)
     assert host.tensor([1.0], device="cuda").device.type == "cpu"
     assert host.zeros(2, device="cuda:0").device.type == "cpu"
     assert host.empty(2, device=host.cuda.current_device()).device.type == "cpu"

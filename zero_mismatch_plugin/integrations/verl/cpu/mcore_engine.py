@@ -17,6 +17,7 @@ from functools import partial
 
 import torch
 
+from zero_mismatch_plugin.integrations.megatron.cpu_patches import host_torch
 from zero_mismatch_plugin.integrations.patches import FunctionPatch, apply, is_applied, patch_at, remove
 from zero_mismatch_plugin.tables import upstream_versions
 
@@ -200,6 +201,15 @@ MODEL_ON_HOST = mbridge_patch(
 )
 
 
+PIPELINE_BROADCAST_ON_HOST = mbridge_patch(
+    "mbridge.core.util:torch", host_torch,
+    name="mbridge-pipeline-broadcast-on-host",
+    why="mbridge's broadcast_from_megatron_pp allocates the receiving stage's tensor on "
+        "torch.cuda.current_device(): every weight export at pipeline parallelism > 1 failed (Torch not "
+        "compiled with CUDA enabled)",
+)
+
+
 def _nothing_to_move(original):
     def move(models, *args, **kwargs):
         if torch.cuda.is_available():
@@ -230,7 +240,7 @@ OFFLOAD_TO_HOST = verl_engine_patch(
 )
 
 PATCHES: list[FunctionPatch] = [LOCAL_LAYER_SPEC, LOCAL_PARAMETER_NAMES, LOCAL_EXPERT_NAMES,
-                                LOCAL_EXPERTS_LOADED_BY_THEIR_RANK, MODEL_ON_HOST,
+                                LOCAL_EXPERTS_LOADED_BY_THEIR_RANK, MODEL_ON_HOST, PIPELINE_BROADCAST_ON_HOST,
                                 LOAD_TO_DEVICE, OFFLOAD_TO_HOST]
 
 
