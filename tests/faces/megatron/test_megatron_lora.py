@@ -157,6 +157,26 @@ def test_verls_lora_settings_attach_an_adapter_that_starts_as_the_base_model(run
                         "fresh adapter")
 
 
+def test_verls_adapter_path_is_attached_and_an_adapter_of_another_scale_is_refused(runtime, adapter):
+    """verl's ``lora.adapter_path``: the adapter on disk is the one attached; one whose rank or alpha
+    differs from verl's settings (which tell the rollout its scale) is refused, naming the keys."""
+    from safetensors.torch import load_file
+
+    from zero_mismatch_plugin.aligned.lora.peft import WEIGHTS_FILE
+    from zero_mismatch_plugin.faces.megatron.lora import adapter_state
+    from zero_mismatch_plugin.integrations.megatron.standalone import build_gpt_model
+    from zero_mismatch_plugin.integrations.verl.megatron_lora import FaceLoRA
+
+    settings = dict(rank=8, alpha=16, target_modules=["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"],
+                    adapter_path=str(adapter))
+    gpt = build_gpt_model(runtime, aligned=True)
+    FaceLoRA.from_verl(settings).attach(gpt, runtime)
+    on_disk, state = load_file(str(adapter / WEIGHTS_FILE)), adapter_state(gpt)
+    assert set(state) == set(on_disk) and all(torch.equal(state[n], on_disk[n]) for n in on_disk)
+    with pytest.raises(ValueError, match="rank 8, lora_alpha 16.*alpha 32: set actor_rollout_ref.model.lora.rank"):
+        FaceLoRA.from_verl({**settings, "alpha": 32}).attach(build_gpt_model(runtime, aligned=True), runtime)
+
+
 def test_a_checkpoint_of_the_face_adapter_holds_every_matrix_under_the_names_the_model_loads(runtime):
     """What verl saves and resumes for the face's adapter (the adapter's entries of megatron's
     sharded state dict, ``adapter_entries``): every A and B, under the names ``load_state_dict``

@@ -94,8 +94,15 @@ class FaceLoRA:
             adapter_dir = self.adapter_path or initial_adapter(scratch, runtime.hf_config, self.lora_config,
                                                                self.a_init)
             for chunk in chunks:
-                attach_lora(chunk, runtime, adapter_dir)
+                given = attach_lora(chunk, runtime, adapter_dir)
         config = self.lora_config
+        if (given.r, given.lora_alpha, given.use_rslora) != (config.r, config.lora_alpha, False):
+            # verl tells the rollout the scale from its own settings (build_peft_config_for_vllm).
+            raise ValueError(
+                f"{self.adapter_path}: rank {given.r}, lora_alpha {given.lora_alpha}"
+                f"{', use_rslora' if given.use_rslora else ''}, but verl syncs it to the rollout as rank {config.r}, "
+                f"alpha {config.lora_alpha:g}: set actor_rollout_ref.model.lora.rank and .alpha to the adapter's "
+                "(an rsLoRA adapter is not covered)")
         logger.warning("zero-mismatch: verl's Megatron LoRA runs the Megatron face's adapter (vLLM's LoRA ops): "
                        "rank %d, alpha %g, targets %s, from %s", config.r, config.lora_alpha, ", ".join(config.targets),
                        self.adapter_path or f"a fresh adapter ({self.a_init} A, zero B)")
