@@ -723,7 +723,7 @@ def test_expert_tensor_parallelism_is_a_gap_only_when_it_is_neither_1_nor_the_te
 def test_context_parallelism_is_a_gap_of_verls_engine_not_of_the_face_and_pipeline_parallelism_is_neither():
     """The face runs CP bitwise on its own ranks, so the spec does not refuse it; inside verl's
     Megatron engine it has not run, and the config check says that, not "unsupported". Pipeline
-    parallelism runs inside verl's engine (test_main_ppo_megatron.py): no gap."""
+    parallelism has run inside verl's engine (by hand, docs/megatron.md): no gap."""
     def said(name):
         cfg = compose_verl_config(TOP_LEVEL_RECIPES, "reinforce_zero_qwen3_30b_a3b_python_tool_lag8",
                                   ["zm_engine=megatron", f"actor_rollout_ref.actor.megatron.{name}=2"])

@@ -3,9 +3,8 @@ backend, the aligned spec; the dense runs in bf16, the MoE run in the recipe's f
 Qwen3-MoE on two workers at tensor parallelism 2 with sequence parallelism and expert parallelism 2
 together: synchronous steps bitwise and saved. The dense Llama: the stock Megatron forward (the
 plugin's patch off) as the negative control, two synchronous steps saved; FlashREINFORCE resumed
-from that checkpoint with the patch on, in the asynchronous colocate mode (lag >= 1); LoRA at
-pipeline parallelism 2. Each run is one real verl process, started once (``megatron_runs``,
-``megatron_moe_tp2_ep2_run``, ``megatron_lora_pp2_run``); every test reads them."""
+from that checkpoint with the patch on, in the asynchronous colocate mode (lag >= 1); LoRA. Each run is one real verl process, started once (``megatron_runs``,
+``megatron_moe_tp2_ep2_run``, ``megatron_lora_run``); every test reads them."""
 
 from __future__ import annotations
 
@@ -91,34 +90,31 @@ def test_verls_stock_megatron_forward_is_not_mu_and_saves(megatron_runs):
 
 
 # verl's Megatron LoRA settings (its defaults: linear_qkv, linear_proj, linear_fc1, linear_fc2; xavier A,
-# zero B; the adapter synced unmerged), rank 8, in bf16, on two pipeline stages (one rank each), each
-# colocated with a one-process vLLM replica; four samples of four prompts a step, one update a step.
-MEGATRON_LORA_PP2 = ["actor_rollout_ref.model.lora.rank=8", "actor_rollout_ref.model.lora.alpha=16", *BF16,
-                     "trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2",
-                     "data.train_batch_size=4", "actor_rollout_ref.rollout.n=4",
-                     "actor_rollout_ref.actor.ppo_mini_batch_size=4"]
+# zero B; the adapter synced unmerged), rank 8, in bf16, on one worker. (At pipeline parallelism 2 the
+# run holds two Megatron ranks and two vLLM replicas: run by hand, see docs/megatron.md; beside the
+# suite's other runs it once exceeded the host's memory and Ray's memory monitor killed its workers.)
+MEGATRON_LORA = ["actor_rollout_ref.model.lora.rank=8", "actor_rollout_ref.model.lora.alpha=16", *BF16]
 
 
 @pytest.fixture(scope="module")
-def megatron_lora_pp2_run(tmp_path_factory, inputs):
-    """(two synchronous LoRA steps at pipeline parallelism 2, saved at step 2; their directory)."""
-    root = tmp_path_factory.mktemp("main_ppo_megatron_lora_pp2")
-    run = megatron_smoke(root / "saved", inputs, [*MEGATRON_LORA_PP2, f"trainer.default_local_dir={root / 'checkpoints'}",
+def megatron_lora_run(tmp_path_factory, inputs):
+    """(two synchronous LoRA steps saved at step 2; their directory)."""
+    root = tmp_path_factory.mktemp("main_ppo_megatron_lora")
+    run = megatron_smoke(root / "saved", inputs, [*MEGATRON_LORA, f"trainer.default_local_dir={root / 'checkpoints'}",
                                                   f"trainer.save_freq={SAVED_STEP}"])
     return run, root
 
 
-def test_megatron_engine_lora_at_pipeline_parallel_2_is_bitwise_after_adapter_syncs_and_saves(megatron_lora_pp2_run):
-    """verl's Megatron engine with LoRA on the mbridge builder, in bf16, at pipeline parallelism 2:
-    the face's adapter on each stage's layers (verl 0.9.1 would assert Megatron-Bridge), verl's base
-    sync and then adapter-only syncs into the vLLM rollout as TensorLoRARequests. The base is frozen,
-    so a nonzero gradient norm at step 1 means the adapter is in the trainer's forward and step 2
-    samples with a changed B: every step's logprobs are mu, bit for bit, before and after the adapter
-    moved. verl saves the adapter's entries beside the base (its filter is Megatron-Bridge's)."""
-    run, root = megatron_lora_pp2_run
+def test_megatron_engine_lora_is_bitwise_after_adapter_syncs_and_saves(megatron_lora_run):
+    """verl's Megatron engine with LoRA on the mbridge builder, in bf16: the face's adapter on the
+    aligned spec (verl 0.9.1 would assert Megatron-Bridge), verl's base sync and then adapter-only
+    syncs into the vLLM rollout as TensorLoRARequests. The base is frozen, so a nonzero gradient norm
+    at step 1 means the adapter is in the trainer's forward and step 2 samples with a changed B:
+    every step's logprobs are mu, bit for bit, before and after the adapter moved. verl saves the
+    adapter's entries beside the base (its filter is Megatron-Bridge's)."""
+    run, root = megatron_lora_run
     assert_ran(run, [1, 2])
     assert ALIGNED_LOG_LINE in run.log and LORA_LOG_LINE in run.log and BF16_LOG_LINE in run.log
-    assert "pipeline_model_parallel_size=2" in run.log
     assert run.metric("actor/grad_norm")[0] > 0, run.metric("actor/grad_norm")
     assert run.metric(BITWISE) == [1.0, 1.0], run.metric(BITWISE)
     assert run.metric(DIFF) == [0.0, 0.0]
