@@ -121,6 +121,12 @@ class OpCache:
         """The ops built so far."""
         return [built.value for built in self._ops.values() if built.value is not None]
 
+    def refresh_derived(self) -> None:
+        """Derive the weights of every op built so far again (each op's ``derived``): after writes
+        through ``param.data``, which their keys do not see."""
+        for op in self.ops():
+            op.derived.refresh()
+
 
 # runtime -> the ops every layer built from it shares
 _PER_RUNTIME: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

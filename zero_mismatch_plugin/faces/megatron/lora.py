@@ -51,8 +51,7 @@ class MegatronLoRA(nn.Module):
     def refresh(self) -> None:
         """Derive vLLM's stacked A / B again (after writes through ``param.data``: megatron's
         mixed-precision optimizer copies its fp32 masters into bf16 parameters that way)."""
-        for op in self._aligned_ops.ops():
-            op.derived.refresh()
+        self._aligned_ops.refresh_derived()
 
 
 class MegatronVocabLoRA(nn.Module):
@@ -81,8 +80,7 @@ class MegatronVocabLoRA(nn.Module):
 
     def refresh(self) -> None:
         """As :meth:`MegatronLoRA.refresh`."""
-        for op in self._aligned_ops.ops():
-            op.derived.refresh()
+        self._aligned_ops.refresh_derived()
 
 
 def _embedding_with_lora(word_embeddings, args, output):

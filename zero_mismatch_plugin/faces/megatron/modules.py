@@ -543,8 +543,7 @@ class AlignedOutputLayer(nn.Module):
     sharded_state_dict = parallel.linear_sharded_state_dict
 
     def refresh(self) -> None:
-        for head in self._aligned_ops.ops():
-            head.derived.refresh()
+        self._aligned_ops.refresh_derived()
 
 
 class AlignedOutputLayerModule(AlignedOutputLayer):
