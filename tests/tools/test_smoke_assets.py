@@ -55,7 +55,8 @@ def test_a_missing_trainer_package_is_named_before_anything_starts(tmp_path, mon
 
 def test_a_run_past_its_time_is_killed_with_every_process_it_started(tmp_path):
     """As verl's Ray cluster stays in the group of the process that started it: a run that hangs
-    leaves nothing running behind it (a grandchild here), and the error names its output."""
+    leaves nothing running behind it (a grandchild here), and the error names its output and
+    carries its last lines (a CI machine's temporary directory is gone when the failure is read)."""
     import os
     import time
 
@@ -64,7 +65,8 @@ def test_a_run_past_its_time_is_killed_with_every_process_it_started(tmp_path):
     pid_file = tmp_path / "grandchild.pid"
     command = ["sh", "-c", f"sleep 300 & echo $! > {pid_file}; echo started; wait", "recipes run cpu_smoke"]
     started = time.monotonic()
-    with pytest.raises(launch.RunTimedOut, match=r"did not finish in 2 s; its processes were killed; its output: .*log\.txt"):
+    with pytest.raises(launch.RunTimedOut, match=r"did not finish in 2 s; its processes were killed; its output: "
+                                                 r".*log\.txt, which ended:\nstarted$"):
         launch.run_in_own_group(command, tmp_path, dict(os.environ), tmp_path / "log.txt", timeout_s=2)
     assert time.monotonic() - started < 30
     assert (tmp_path / "log.txt").read_text().strip() == "started"

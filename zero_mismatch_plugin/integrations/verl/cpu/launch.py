@@ -127,10 +127,17 @@ def run_in_own_group(command: list[str], cwd: Path, env: dict, log_path: Path, t
         except subprocess.TimeoutExpired:
             _kill_group(process)
             raise RunTimedOut(f"{' '.join(command[3:6])} did not finish in {timeout_s:.0f} s; its processes were "
-                              f"killed; its output: {log_path}") from None
+                              f"killed; its output: {log_path}, which ended:\n{_log_tail(log_path)}") from None
         except BaseException:
             _kill_group(process)
             raise
+
+
+def _log_tail(log_path: Path, lines: int = 40) -> str:
+    """The end of a run's log, carried in the timeout's message: a CI machine's temporary
+    directory is gone by the time anyone reads the failure, the message is what remains."""
+    text = log_path.read_text(errors="replace") if log_path.exists() else ""
+    return "\n".join(text.splitlines()[-lines:]) or "(empty)"
 
 
 def _kill_group(process: subprocess.Popen) -> None:
