@@ -153,10 +153,38 @@ def make_prompts():
 
 
 # Seconds each module took in a recorded run of the suite (``--record-module-durations``). Under
-# ``--dist loadscope`` a worker takes whole modules in collection order: the longest go out first
-# (longest-processing-time order), so that the suite does not end with one worker running a long
-# module while the other idles. A module missing from the table counts as the longest.
+# ``--dist loadscope`` a worker takes whole work units (a module, or the group of modules below) in
+# collection order: the longest go out first (longest-processing-time order), so that the suite
+# does not end with one worker running a long unit while the other idles. A module missing from
+# the table counts as the longest.
 MODULE_DURATIONS = Path(__file__).with_name("module_durations.json")
+# Modules whose tests start verl's whole trainer (a Ray cluster, vLLM replicas, trainer ranks):
+# one work unit, so that one worker runs them one after another. Two such runs at once on two
+# cores each ran ~2x slower than alone and together neared the host's memory, where Ray's memory
+# monitor kills a worker and the run hangs to its timeout.
+VERL_RUN_MODULES = ("tests/integrations/verl/cpu/test_main_ppo_megatron.py",
+                    "tests/integrations/verl/cpu/test_main_ppo_moe.py")
+VERL_RUN_UNIT = "verl-main-ppo-runs"
+
+
+def work_unit(module: str) -> str:
+    """The xdist work unit of a test module (its path unless grouped)."""
+    return VERL_RUN_UNIT if module in VERL_RUN_MODULES else module
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """xdist's loadscope scheduling over :func:`work_unit` instead of modules. (xdist 3.8's
+    ``loadgroup`` marks do not reach the scheduler under this pytest: it renames ``item._nodeid``,
+    which pytest no longer reads.)"""
+    if config.getoption("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class WorkUnitScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(nodeid.split("::", 1)[0])
+
+    return WorkUnitScheduling(config, log)
 
 
 def pytest_addoption(parser):
@@ -174,12 +202,17 @@ def _recorded_durations() -> dict:
 def pytest_collection_modifyitems(config, items):
     durations = _recorded_durations()
     unknown = max(durations.values(), default=0.0) + 1.0
+    modules = {item: Path(item.path).relative_to(config.rootpath).as_posix() for item in items}
+    unit_seconds = {}
+    for module in set(modules.values()):
+        unit = work_unit(module)
+        unit_seconds[unit] = unit_seconds.get(unit, 0.0) + durations.get(module, unknown)
 
-    def longest_first(item) -> float:
-        module = Path(item.path).relative_to(config.rootpath).as_posix()
-        return -durations.get(module, unknown)
+    def longest_unit_first(item):
+        unit = work_unit(modules[item])
+        return -unit_seconds[unit], unit
 
-    items.sort(key=longest_first)  # stable: a module's tests keep their order
+    items.sort(key=longest_unit_first)  # stable: a unit's tests stay together and keep their order
 
 
 MODULE_SECONDS: dict = {}
