@@ -76,6 +76,13 @@ def test_manifest_entries_are_complete_and_name_real_tests(manifest):
     assert set(generate.EDITS) == {p.name for p in manifest.patches}
 
 
+def test_the_patch_guide_has_a_row_for_every_shipped_patch(manifest):
+    """docs/patches.md's table of the patches names each shipped diff (a user picks from it)."""
+    guide = (Path(__file__).resolve().parents[2] / "docs" / "patches.md").read_text(encoding="utf-8")
+    rows = {line.split("`")[1] for line in guide.splitlines() if line.startswith("| `") and ".patch`" in line}
+    assert {patch.diff for patch in manifest.patches} <= rows
+
+
 def test_shipped_diffs_are_exactly_what_their_edits_render(manifest):
     rendered = generate.render_all(manifest)
     for patch in manifest.patches:
@@ -1926,3 +1933,66 @@ def test_the_runtime_form_of_the_lora_loader_fix_is_vllm_0_31s_rename_mapper():
     finally:
         if was_applied:
             runtime_patches.apply(LORA_MAPPER_NAME)
+
+
+PEFT_PROVIDERS_SCRIPT = """
+    import json
+    from types import SimpleNamespace
+
+    from zero_mismatch_plugin.integrations.megatron.standalone import init_single_process
+
+    init_single_process()
+    from verl.utils.checkpoint.megatron_checkpoint_manager import MegatronCheckpointManager
+    from verl.workers.config import megatron_peft
+    from verl.workers.engine.megatron import transformer_impl as ti
+
+    from zero_mismatch_plugin.integrations.verl import megatron_engine
+    from zero_mismatch_plugin.integrations.verl.megatron_lora import FaceLoRA, face_peft
+
+    lora = dict(type="lora", merge=False, rank=8, alpha=16, dropout=0.0, target_modules=["linear_qkv", "linear_fc2"],
+                exclude_modules=[], lora_A_init_method="xavier", lora_B_init_method="zero", a2a_experimental=False)
+    functions = (megatron_peft.get_peft_cls, ti.MegatronEngine.__dict__["get_per_tensor_param"],
+                 MegatronCheckpointManager.__dict__["_maybe_filter_peft_state_dict"])
+    assert megatron_peft.PEFT_PROVIDERS == [] and megatron_engine.peft_has_providers()
+    assert megatron_engine.apply()
+    # Registered in the fork's extension point; none of the three functions replaced.
+    assert megatron_peft.PEFT_PROVIDERS == [face_peft]
+    assert functions == (megatron_peft.get_peft_cls, ti.MegatronEngine.__dict__["get_per_tensor_param"],
+                         MegatronCheckpointManager.__dict__["_maybe_filter_peft_state_dict"])
+    peft = megatron_peft.get_peft_cls(SimpleNamespace(lora=lora), bridge=object(), provider=None)
+    try:  # a Megatron-Bridge provider: verl's own route (Megatron-Bridge is not installed here)
+        megatron_peft.get_peft_cls(SimpleNamespace(lora=lora), bridge=object(), provider=object())
+        bridge_route = "returned"
+    except ModuleNotFoundError as error:
+        bridge_route = str(error)
+
+    class Exports(FaceLoRA):  # the face's adapter, its export seen from here
+        def export_adapter_weights(self, models):
+            return [("exported", list(models))]
+
+    engine = SimpleNamespace(peft_cls=Exports(peft.lora_config), model_config=SimpleNamespace(lora=lora), module=[],
+                             vanilla_bridge=True, _qat_enabled=False)
+    exported, peft_config = ti.MegatronEngine.get_per_tensor_param(engine, base_sync_done=True)
+    qkv = "decoder.layers.0.self_attention.linear_qkv"
+    state = {"model0": {qkv + ".weight": 0, qkv + ".lora.q_proj.lora_A": 1, "output_layer.weight": 2}}
+    kept = MegatronCheckpointManager._maybe_filter_peft_state_dict(SimpleNamespace(peft_cls=peft), state)
+    megatron_engine.remove()
+    print("RESULT " + json.dumps(dict(
+        verl_from=megatron_peft.__file__, peft=type(peft).__name__, targets=list(peft.lora_config.targets),
+        bridge_route=bridge_route, exported=exported, rank=peft_config["r"], kept=kept,
+        providers_after_remove=len(megatron_peft.PEFT_PROVIDERS))))
+"""
+
+
+def test_verl_megatron_peft_providers_give_the_face_adapter(patched_verl):
+    """On a verl with PEFT_PROVIDERS the plugin registers the face's adapter there instead of
+    replacing get_peft_cls, the engine's export and the checkpoint filter: the mbridge builder gets
+    a FaceLoRA (a Megatron-Bridge provider still goes to Megatron-Bridge), the adapter-only sync is
+    the adapter's own export, a checkpoint keeps its entries, and remove() takes it out again."""
+    result = script_result(PEFT_PROVIDERS_SCRIPT, patched_verl)
+    assert result["verl_from"].startswith(str(patched_verl))
+    assert result["peft"] == "FaceLoRA" and result["targets"] == ["q_proj", "k_proj", "v_proj", "down_proj"], result
+    assert "megatron.bridge" in result["bridge_route"], result
+    assert result["exported"] == [["exported", []]] and result["rank"] == 8
+    assert result["kept"] == {"model0": {"decoder.layers.0.self_attention.linear_qkv.lora.q_proj.lora_A": 1}}
+    assert result["providers_after_remove"] == 0

@@ -136,6 +136,21 @@ MESSAGES: dict[str, CommitMessage] = {
             "Ask for get_rename_mapper() on vLLM >= 0.31.",
         ),
     ),
+    "verl-megatron-peft-providers": CommitMessage(
+        "Let a plugin provide the Megatron engine's PEFT object",
+        (
+            "get_peft_cls makes every Megatron LoRA with Megatron-Bridge's PEFT and asserts a "
+            "Megatron-Bridge provider, so a plugin whose adapter computes the update differently "
+            "(for example with the rollout engine's own LoRA arithmetic, on the mbridge builder) "
+            "had to replace get_peft_cls, the engine's weight export and the checkpoint manager's "
+            "state-dict filter at run time.",
+            "Add PEFT_PROVIDERS to verl.workers.config.megatron_peft: callables asked in order "
+            "before Megatron-Bridge's PEFT, the first PEFT object returned is used. Such an object "
+            "may define export_adapter_weights(models), which the engine calls for an adapter-only "
+            "sync, and filter_state_dict(state_dict), which the checkpoint manager calls for what "
+            "a checkpoint keeps. With nothing registered verl behaves as before.",
+        ),
+    ),
     "vllm-cpu-mla-batch-invariant": CommitMessage(
         "Make CPU MLA compute the model, with the same bits in any batch",
         (

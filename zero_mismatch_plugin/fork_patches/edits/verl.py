@@ -265,6 +265,76 @@ VERL_LORA_LOADER_VLLM_0_31 = [
     ),
 ]
 
+PEFT_CONFIG = "verl/workers/config/megatron_peft.py"
+CHECKPOINT_MANAGER = "verl/utils/checkpoint/megatron_checkpoint_manager.py"
+
+VERL_MEGATRON_PEFT_PROVIDERS = [
+    Edit(
+        PEFT_CONFIG,
+        old='''"""PEFT configuration of Megatron for verl."""
+
+''',
+        new='''"""PEFT configuration of Megatron for verl."""
+
+from typing import Callable
+
+# Extension point for plugins (``verl.plugins`` entry points): callables
+# ``make_peft(model_config, bridge, provider, dtype)``, asked in order before Megatron-Bridge's PEFT;
+# the first that returns a PEFT object is the engine's ``peft_cls`` (None: not theirs). Such an
+# object may define ``export_adapter_weights(models)`` (the adapter sent to the rollout once it holds
+# the base) and ``filter_state_dict(state_dict)`` (what a checkpoint keeps of each model chunk).
+PEFT_PROVIDERS: list[Callable] = []
+
+''',
+    ),
+    Edit(
+        PEFT_CONFIG,
+        old='''\
+    assert bridge is not None and provider is not None, "LoRA/PEFT only supported via Megatron-Bridge"
+''',
+        new='''\
+    for make_peft in PEFT_PROVIDERS:
+        peft_cls = make_peft(model_config, bridge, provider, dtype)
+        if peft_cls is not None:
+            return peft_cls
+
+    assert bridge is not None and provider is not None, "LoRA/PEFT only supported via Megatron-Bridge"
+''',
+    ),
+    Edit(
+        ENGINE,
+        old='''\
+        load_megatron_model_to_gpu(self.module, load_grad=False, load_frozen_params=not adapter_only)
+        if self.vanilla_bridge:
+''',
+        new='''\
+        load_megatron_model_to_gpu(self.module, load_grad=False, load_frozen_params=not adapter_only)
+        if adapter_only and hasattr(self.peft_cls, "export_adapter_weights"):
+            # A plugin's PEFT object (megatron_peft.PEFT_PROVIDERS) exports its own adapter.
+            per_tensor_param = self.peft_cls.export_adapter_weights(self.module)
+        elif self.vanilla_bridge:
+''',
+    ),
+    Edit(
+        CHECKPOINT_MANAGER,
+        old='''\
+        if self.peft_cls is None:
+            return state_dict
+
+        from megatron.bridge.training.checkpointing import apply_peft_adapter_filter_to_state_dict
+''',
+        new='''\
+        if self.peft_cls is None:
+            return state_dict
+        if hasattr(self.peft_cls, "filter_state_dict"):
+            # A plugin's PEFT object (megatron_peft.PEFT_PROVIDERS) names what it keeps.
+            return self.peft_cls.filter_state_dict(state_dict)
+
+        from megatron.bridge.training.checkpointing import apply_peft_adapter_filter_to_state_dict
+''',
+    ),
+]
+
 # Patch name (as in manifest.yaml) -> its edits.
 EDITS: dict[str, list[Edit]] = {
     "verl-plugin-load-warning": VERL_PLUGIN_LOAD_WARNING,
@@ -273,4 +343,5 @@ EDITS: dict[str, list[Edit]] = {
     "verl-megatron-engine-hooks": VERL_MEGATRON_ENGINE_HOOKS,
     "verl-cpu-training": VERL_CPU_TRAINING,
     "verl-lora-loader-vllm-0-31": VERL_LORA_LOADER_VLLM_0_31,
+    "verl-megatron-peft-providers": VERL_MEGATRON_PEFT_PROVIDERS,
 }

