@@ -158,18 +158,24 @@ def make_prompts():
 # does not end with one worker running a long unit while the other idles. A module missing from
 # the table counts as the longest.
 MODULE_DURATIONS = Path(__file__).with_name("module_durations.json")
-# Modules whose tests start verl's whole trainer (a Ray cluster, vLLM replicas, trainer ranks):
-# one work unit, so that one worker runs them one after another. Two such runs at once on two
-# cores each ran ~2x slower than alone and together neared the host's memory, where Ray's memory
-# monitor kills a worker and the run hangs to its timeout.
-VERL_RUN_MODULES = ("tests/integrations/verl/cpu/test_main_ppo_megatron.py",
-                    "tests/integrations/verl/cpu/test_main_ppo_moe.py")
-VERL_RUN_UNIT = "verl-main-ppo-runs"
+# Modules whose tests start several compute processes at once (verl's whole trainer: a Ray cluster,
+# vLLM replicas, trainer ranks; torchrun rank groups; tensor-parallel engines): one work unit, so
+# that one worker runs them one after another while the other runs the one-process modules. Two of
+# them at once on two cores ran ~2x slower each (the TP2 x EP2 verl run 249 s vs 101 s alone) and
+# took the host to 19.8 of its 23.5 GiB (a verl run beside the TP-4 rank group and engine), near
+# where Ray's memory monitor kills a worker and the verl run hangs to its timeout.
+MULTI_PROCESS_MODULES = ("tests/integrations/verl/cpu/test_main_ppo_megatron.py",
+                         "tests/integrations/verl/cpu/test_main_ppo_moe.py",
+                         "tests/faces/megatron/test_megatron_tensor_parallel.py",
+                         "tests/faces/megatron/test_megatron_two_rank_layouts.py",
+                         "tests/faces/megatron/test_megatron_reduction_order.py",
+                         "tests/faces/fsdp/test_fsdp_data_parallel.py")
+MULTI_PROCESS_UNIT = "multi-process-runs"
 
 
 def work_unit(module: str) -> str:
     """The xdist work unit of a test module (its path unless grouped)."""
-    return VERL_RUN_UNIT if module in VERL_RUN_MODULES else module
+    return MULTI_PROCESS_UNIT if module in MULTI_PROCESS_MODULES else module
 
 
 def pytest_xdist_make_scheduler(config, log):
