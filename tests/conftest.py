@@ -142,6 +142,25 @@ def trainers(checkpoints):
     return get
 
 
+# What megatron-core writes into os.environ whenever it builds a model (LanguageModule's attention
+# backend check sets all three; a later build with another backend asserts against them). A module
+# that builds a Megatron model in the test process would hand them to a later module's verl run on
+# the same worker, whose Megatron engine then refuses its own backend: each module leaves them as
+# it found them.
+MEGATRON_ATTENTION_ENV = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def megatron_attention_env_as_found():
+    found = {name: os.environ.get(name) for name in MEGATRON_ATTENTION_ENV}
+    yield
+    for name, value in found.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
 @pytest.fixture
 def make_rollout():
     return rollout

@@ -7,8 +7,6 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from conftest import MULTI_PROCESS_MODULES, MULTI_PROCESS_UNIT, work_unit
-
 ROOT = Path(__file__).resolve().parent.parent
 # What starts them: the launcher of verl's trainer (test_smoke_assets.py calls it through the module
 # only to see it refuse before starting anything), torchrun ranks, a Megatron rank group.
@@ -17,9 +15,12 @@ STARTS_PROCESSES = re.compile(r"^from zero_mismatch_plugin\.integrations\.verl\.
                               r"\.rank_group import RankGroup\b", re.M)
 
 
-def test_every_module_that_starts_processes_is_in_the_multi_process_unit():
+def test_every_module_that_starts_processes_is_in_the_multi_process_unit(pytestconfig):
+    # tests/conftest.py as pytest loaded it (a plain import of "conftest" can find a nested one)
+    suite = pytestconfig.pluginmanager.get_plugin(str(ROOT / "tests" / "conftest.py"))
+    work_unit = suite.work_unit
     starting = sorted(path.relative_to(ROOT).as_posix() for path in (ROOT / "tests").rglob("test_*.py")
                       if STARTS_PROCESSES.search(path.read_text()))
-    assert starting == sorted(MULTI_PROCESS_MODULES)
-    assert {work_unit(module) for module in MULTI_PROCESS_MODULES} == {MULTI_PROCESS_UNIT}
+    assert starting == sorted(suite.MULTI_PROCESS_MODULES)
+    assert {work_unit(module) for module in suite.MULTI_PROCESS_MODULES} == {suite.MULTI_PROCESS_UNIT}
     assert work_unit("tests/tools/test_smoke_assets.py") == "tests/tools/test_smoke_assets.py"

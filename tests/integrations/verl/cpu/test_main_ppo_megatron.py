@@ -3,8 +3,9 @@ backend, the aligned spec; the dense runs in bf16, the MoE run in the recipe's f
 Qwen3-MoE on two workers at tensor parallelism 2 with sequence parallelism and expert parallelism 2
 together: synchronous steps bitwise and saved. The dense Llama: the stock Megatron forward (the
 plugin's patch off) as the negative control, two synchronous steps saved; FlashREINFORCE resumed
-from that checkpoint with the patch on, in the asynchronous colocate mode (lag >= 1); LoRA. Each run is one real verl process, started once (``megatron_runs``,
-``megatron_moe_tp2_ep2_run``, ``megatron_lora_run``); every test reads them."""
+from that checkpoint with the patch on, in the asynchronous colocate mode (lag >= 1); LoRA at
+pipeline parallelism 2, saved and resumed. Each run is one real verl process, started once
+(``megatron_runs``, ``megatron_moe_tp2_ep2_run``, ``megatron_lora_pp2_runs``); every test reads them."""
 
 from __future__ import annotations
 
@@ -90,36 +91,54 @@ def test_verls_stock_megatron_forward_is_not_mu_and_saves(megatron_runs):
 
 
 # verl's Megatron LoRA settings (its defaults: linear_qkv, linear_proj, linear_fc1, linear_fc2; xavier A,
-# zero B; the adapter synced unmerged), rank 8, in bf16, on one worker. (At pipeline parallelism 2 the
-# run holds two Megatron ranks and two vLLM replicas: run by hand, see docs/megatron.md; beside the
-# suite's other runs it once exceeded the host's memory and Ray's memory monitor killed its workers.)
-MEGATRON_LORA = ["actor_rollout_ref.model.lora.rank=8", "actor_rollout_ref.model.lora.alpha=16", *BF16]
+# zero B; the adapter synced unmerged), rank 8, in bf16, on two pipeline stages (one rank each), each
+# colocated with a one-process vLLM replica; four samples of four prompts a step, one update a step.
+MEGATRON_LORA_PP2 = ["actor_rollout_ref.model.lora.rank=8", "actor_rollout_ref.model.lora.alpha=16", *BF16,
+                     "trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2",
+                     "data.train_batch_size=4", "actor_rollout_ref.rollout.n=4",
+                     "actor_rollout_ref.actor.ppo_mini_batch_size=4"]
 
 
 @pytest.fixture(scope="module")
-def megatron_lora_run(tmp_path_factory, inputs):
-    """(two synchronous LoRA steps saved at step 2; their directory)."""
-    root = tmp_path_factory.mktemp("main_ppo_megatron_lora")
-    run = megatron_smoke(root / "saved", inputs, [*MEGATRON_LORA, f"trainer.default_local_dir={root / 'checkpoints'}",
-                                                  f"trainer.save_freq={SAVED_STEP}"])
-    return run, root
+def megatron_lora_pp2_runs(tmp_path_factory, inputs):
+    """(two synchronous LoRA steps at pipeline parallelism 2 saved at step 2; step 3 resumed from
+    that checkpoint in a new process; their directory)."""
+    root = tmp_path_factory.mktemp("main_ppo_megatron_lora_pp2")
+    checkpoints = [f"trainer.default_local_dir={root / 'checkpoints'}"]
+    saved = megatron_smoke(root / "saved", inputs, [*MEGATRON_LORA_PP2, *checkpoints, f"trainer.save_freq={SAVED_STEP}"])
+    assert_ran(saved, [1, 2])
+    resumed = megatron_smoke(root / "resumed", inputs, [*MEGATRON_LORA_PP2, *checkpoints,
+                                                        f"trainer.total_training_steps={SAVED_STEP + 1}"])
+    return saved, resumed, root
 
 
-def test_megatron_engine_lora_is_bitwise_after_adapter_syncs_and_saves(megatron_lora_run):
-    """verl's Megatron engine with LoRA on the mbridge builder, in bf16: the face's adapter on the
-    aligned spec (verl 0.9.1 would assert Megatron-Bridge), verl's base sync and then adapter-only
-    syncs into the vLLM rollout as TensorLoRARequests. The base is frozen, so a nonzero gradient norm
-    at step 1 means the adapter is in the trainer's forward and step 2 samples with a changed B:
-    every step's logprobs are mu, bit for bit, before and after the adapter moved. verl saves the
-    adapter's entries beside the base (its filter is Megatron-Bridge's)."""
-    run, root = megatron_lora_run
-    assert_ran(run, [1, 2])
+def test_megatron_engine_lora_at_pipeline_parallel_2_is_bitwise_after_adapter_syncs_and_saves(megatron_lora_pp2_runs):
+    """verl's Megatron engine with LoRA on the mbridge builder, in bf16, at pipeline parallelism 2:
+    the face's adapter on each stage's layers (verl 0.9.1 would assert Megatron-Bridge), verl's base
+    sync and then adapter-only syncs into the vLLM rollout as TensorLoRARequests. The base is frozen,
+    so a nonzero gradient norm at step 1 means the adapter is in the trainer's forward and step 2
+    samples with a changed B: every step's logprobs are mu, bit for bit, before and after the adapter
+    moved. verl saves the adapter's entries beside the base (its filter is Megatron-Bridge's)."""
+    run, _, root = megatron_lora_pp2_runs
     assert ALIGNED_LOG_LINE in run.log and LORA_LOG_LINE in run.log and BF16_LOG_LINE in run.log
+    assert "pipeline_model_parallel_size=2" in run.log
     assert run.metric("actor/grad_norm")[0] > 0, run.metric("actor/grad_norm")
     assert run.metric(BITWISE) == [1.0, 1.0], run.metric(BITWISE)
     assert run.metric(DIFF) == [0.0, 0.0]
     assert_saved_at(root / "checkpoints", SAVED_STEP)
     assert any((root / "checkpoints" / f"global_step_{SAVED_STEP}" / "actor" / "model" / "dist_ckpt").iterdir())
+
+
+def test_megatron_engine_lora_resumes_its_adapter_and_is_bitwise(megatron_lora_pp2_runs):
+    """A new process resumes the LoRA checkpoint on both stages: megatron's distributed load reads
+    every adapter entry the filter names (strictly: a missing one fails the load) and the optimizer's
+    state, verl syncs the base and then the resumed adapter to the rollout, and step 3 is bitwise."""
+    _, resumed, root = megatron_lora_pp2_runs
+    assert_ran(resumed, [SAVED_STEP + 1])
+    assert f"Resuming from {root / 'checkpoints'}/global_step_{SAVED_STEP}" in resumed.log
+    assert LORA_LOG_LINE in resumed.log
+    assert resumed.metric(BITWISE) == [1.0], resumed.metric(BITWISE)
+    assert resumed.metric(DIFF) == [0.0]
 
 
 # Two Megatron ranks at tensor parallelism 2 with sequence parallelism and, on the same two ranks,
