@@ -197,6 +197,7 @@ def work_unit(module: str) -> str:
     return MULTI_PROCESS_UNIT if module in MULTI_PROCESS_MODULES else module
 
 
+@pytest.hookimpl(optionalhook=True)  # an xdist hook: the suite also runs with -p no:xdist
 def pytest_xdist_make_scheduler(config, log):
     """xdist's loadscope scheduling over :func:`work_unit` instead of modules. (xdist 3.8's
     ``loadgroup`` marks do not reach the scheduler under this pytest: it renames ``item._nodeid``,
@@ -270,6 +271,7 @@ def pytest_sessionfinish(session):
 ENGINE_SUMMARIES = []
 
 
+@pytest.hookimpl(optionalhook=True)  # an xdist hook
 def pytest_testnodedown(node, error):
     import json
 
