@@ -371,7 +371,8 @@ def apply() -> bool:
     """Install the patch (idempotent). Returns True when it was installed by this call.
 
     A verl with the engine hooks gets the functions registered in them; stock verl gets the
-    four methods wrapped / replaced.
+    four methods wrapped / replaced. Likewise for LoRA: a verl with PEFT_PROVIDERS gets the face's
+    adapter registered there; any other, verl's three LoRA functions replaced.
     """
     if is_applied():
         return False

@@ -145,8 +145,9 @@ class AttachAdapter:
         return model
 
 
-def uses_face_lora(engine) -> bool:
-    return isinstance(getattr(engine, "peft_cls", None), FaceLoRA)
+def uses_face_lora(owner) -> bool:
+    """Whether ``owner`` (verl's Megatron engine or its checkpoint manager) holds a face adapter."""
+    return isinstance(getattr(owner, "peft_cls", None), FaceLoRA)
 
 
 def base_only_bridge(bridge) -> None:
@@ -218,7 +219,7 @@ def adapter_checkpoint_entries(original):
 
     @wraps(original)
     def _maybe_filter_peft_state_dict(self, state_dict):
-        if not isinstance(getattr(self, "peft_cls", None), FaceLoRA):
+        if not uses_face_lora(self):
             return original(self, state_dict)
         return self.peft_cls.filter_state_dict(state_dict)
 
