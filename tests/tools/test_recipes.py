@@ -426,6 +426,30 @@ def test_broken_override_on_flash_reinforce_recipe_is_refused_with_a_clear_messa
     assert zmrl(["recipes", "run", name, "actor_rollout_ref.rollout.n=4"]) == 1
 
 
+def test_recipes_run_composes_once_unless_it_adds_the_cpu_runs_inputs(tmp_path, monkeypatch):
+    """Hydra reads verl's whole config tree per composition: a GPU recipe is composed once and
+    validated as composed; a CPU recipe again, with the input paths the run will build."""
+    composed = []
+
+    def counting(*args):
+        composed.append(args)
+        return compose_verl_config(*args)
+
+    monkeypatch.setattr(recipes_module, "compose_verl_config", counting)
+    launched = []
+    assert run_recipe("flash_reinforce_qwen3_30b_a3b_python_tool_lag8", dry_run=True, launcher=launched.append) == 0
+    assert len(composed) == 1
+    composed.clear()
+    assert run_recipe("cpu_smoke", [f"zmrl.smoke_inputs={tmp_path / 'inputs'}"], dry_run=True,
+                      launcher=launched.append) == 0
+    assert len(composed) == 2 and composed[0][2] != composed[1][2]  # the second with the inputs' paths
+    # A broken override still fails validation from the one composition.
+    composed.clear()
+    assert run_recipe("flash_reinforce_qwen3_30b_a3b_python_tool_lag8", ["actor_rollout_ref.rollout.n=4"],
+                      dry_run=True, launcher=launched.append) == 1
+    assert len(composed) == 1 and launched == []
+
+
 RECIPE_BREAKAGES = [
     ("deepseek_v4_1_flash_dapo_math_sync", ["trainer.nnodes=15"], "actor_rollout_ref.actor.megatron.expert_model_parallel_size",
      "not divisible by expert TP 1 x EP 16"),

@@ -247,6 +247,11 @@ def validate_recipe(name: str, overrides: Sequence[str] = (),
     except RecipeError as error:
         err(f"ERROR: {error}")
         return 2
+    return _report_problems(name, cfg, err)
+
+
+def _report_problems(name: str, cfg: DictConfig, err: Callable[[str], None]) -> int:
+    """:func:`validate_recipe` on a composed config: 1 on a fatal problem, else 0."""
     problems = check_recipe(cfg)
     if any(problem.fatal for problem in problems):
         err(format_report(problems))
@@ -356,7 +361,12 @@ def run_recipe(
         build = not dry_run and planned != list(overrides)
     else:
         planned, build = list(overrides), False
-    status = validate_recipe(name, planned, err)
+    # Composing costs about a second (Hydra reads verl's whole config tree): validate the config
+    # already composed when the run adds no input paths to it.
+    if cfg is not None and planned == list(overrides):
+        status = _report_problems(name, cfg, err)
+    else:
+        status = validate_recipe(name, planned, err)
     if status:
         return status
     if platform == "cpu" and not dry_run:
