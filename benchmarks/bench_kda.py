@@ -11,8 +11,8 @@ save.
   prefill paths alternating in the same engine; prefill tokens/s (a prompt-only pass) and
   generated tokens/s (a rollout), medians.
 * Layer: one KDA layer of the aligned model (vLLM's linears, the fixed-order conv, the recurrence
-  per position, the gated norm; autograd backward) against the same layer in plain torch
-  (``F.linear``, ``F.conv1d``, the chunked rule, 64 positions a chunk), forward and forward +
+  per position, the gated norm; the backward recomputes the chunked rule in float64) against the
+  same layer in plain torch (``F.linear``, ``F.conv1d``, the chunked rule, 64 positions a chunk), forward and forward +
   backward, timed alternately, at the default thread count and at one thread, repeated until the
   ratio settles.
 

@@ -10,9 +10,10 @@ the other sequences of the call (elementwise IEEE operations, transcendental fun
 :func:`row_invariant_elementwise`, sums over one head's channels). The short convolution before it
 is the gated delta-net's :func:`fixed_order_causal_conv`. The engine side is
 :func:`consistent_kda_attention` (put in place by ``integrations.vllm.cpu_kda``); the trainer side
-is :class:`AlignedKimiDeltaAttention`, whose backward is autograd through the same operations.
-The cost: ``T`` small steps per layer for a prefill of ``T`` tokens, and a trainer graph of ``T``
-steps.
+is :class:`AlignedKimiDeltaAttention`: its forward is the same recurrence, its backward
+(:class:`KdaRecurrenceFn`) differentiates :func:`kda_chunked`, the same function a chunk at a time,
+recomputed from the saved inputs. The cost: ``T`` small steps per layer for a prefill of ``T``
+tokens; the trainer keeps only the mixer's inputs for its backward, not ``T`` states.
 
 Shapes follow vLLM's layer: ``q``, ``k``, ``v`` [tokens, heads, head dim]; the gate input ``raw_g``
 [tokens, heads, head dim]; ``raw_beta`` [tokens, heads]; the recurrent state of a sequence
@@ -22,6 +23,7 @@ Shapes follow vLLM's layer: ``q``, ``k``, ``v`` [tokens, heads, head dim]; the g
 from __future__ import annotations
 
 import torch
+from torch.autograd import Function
 
 from zero_mismatch_plugin.aligned.linear_attention import (
     convolved_sequences,
@@ -213,12 +215,59 @@ def cpu_kda_forward(layer, attn_metadata, mixed_qkv, g1, g2, beta, core_attn_out
 
 # ----- The trainer side -----
 
+# Positions per chunk of the backward's recomputation: its per-chunk decay tensor is
+# [heads, chunk, chunk, key dim], its graph T / chunk steps.
+BACKWARD_CHUNK = 16
+# The recomputation's dtype. In fp32 the chunk's decays e^{γ_t-γ_s}, differences of cumulative
+# sums, cost the gate's gradients precision (A_log 1.9e-6, dt_bias 9e-7 from float64, where autograd
+# through the recurrence was 4.3e-7 / 3.2e-7); in float64 every gradient is as close as the fp32
+# inputs allow (5-9e-8), for twice the chunk's temporaries.
+BACKWARD_DTYPE = torch.float64
+
+
+class KdaRecurrenceFn(Function):
+    """The trainer's KDA over packed sequences, each from a zero state: forward :func:`kda_recurrence`
+    (the engine's order and bits, nothing recorded), backward :func:`kda_chunked` (the same function
+    up to round-off, a chunk at a time) recomputed per sequence in ``BACKWARD_DTYPE`` and
+    differentiated, as the gated delta-net's :class:`GatedDeltaRuleFn` does in fp32. Autograd through the recurrence kept a copy of
+    every sequence's state per position ([sequences, H, V, K] x T); this keeps the inputs only.
+    Returns the output [tokens, H, V] in ``v``'s dtype."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound, seq_lens):
+        ctx.save_for_backward(q, k, v, raw_g, raw_beta, A_log, dt_bias)
+        ctx.lower_bound, ctx.seq_lens = lower_bound, list(seq_lens)
+        states = torch.zeros(len(ctx.seq_lens), v.shape[1], v.shape[2], q.shape[2], device=v.device)
+        out, _ = kda_recurrence(q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound, states, ctx.seq_lens)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        saved = ctx.saved_tensors
+        grads = [torch.zeros_like(t, dtype=BACKWARD_DTYPE) for t in saved]
+        start = 0
+        for n in ctx.seq_lens:
+            rows = slice(start, start + n)
+            leaves = [t[rows].detach().to(BACKWARD_DTYPE).requires_grad_(True) for t in saved[:5]]
+            leaves += [t.detach().to(BACKWARD_DTYPE).requires_grad_(True) for t in saved[5:]]
+            with torch.enable_grad():
+                out, _ = kda_chunked(*leaves[:5], *leaves[5:], ctx.lower_bound, BACKWARD_CHUNK)
+                per_leaf = torch.autograd.grad(out, leaves, grad_out[rows].to(BACKWARD_DTYPE), allow_unused=True)
+            for i, g in enumerate(per_leaf[:5]):
+                grads[i][rows] = g
+            for i, g in enumerate(per_leaf[5:], start=5):
+                grads[i] += g
+            start += n
+        return (*(g.to(t.dtype) for g, t in zip(grads, saved)), None, None)
+
+
 
 class AlignedKimiDeltaAttention:
     """The token mixer of one KDA layer between its projections, as the engine runs it in
     consistent mode: the q/k/v conv over each packed sequence from a zero state,
     :func:`kda_recurrence` from zero states and the gated output norm. Backward: autograd through
-    the same operations (fp32 throughout; the engine's arithmetic is torch's here, not a kernel's).
+    the conv and the norm, :class:`KdaRecurrenceFn` for the recurrence (fp32 throughout; the
+    engine's arithmetic is torch's here, not a kernel's).
 
     ``conv_weights``: q's, k's and v's [H · K, 1, W]; ``A_log`` [H], ``dt_bias`` [H · K],
     ``norm_weight`` [K]: the layer's trainer parameters; ``blocks``: the checkpoint's
@@ -239,8 +288,7 @@ class AlignedKimiDeltaAttention:
         weight = torch.cat([w.float().reshape(w.shape[0], -1) for w in self.conv_weights])
         convolved = convolved_sequences(mixed_qkv, weight, seq_lens)
         q, k, v = (x.reshape(t, b.num_heads, b.head_dim) for x in convolved.split(b.projection_size, dim=-1))
-        states = torch.zeros(len(seq_lens), b.num_heads, b.head_dim, b.head_dim, device=mixed_qkv.device)
-        core, _ = kda_recurrence(q, k, v, g1.reshape(t, b.num_heads, b.head_dim), raw_beta,
-                                 self.A_log.float(), self.dt_bias.float(), b.gate_lower_bound, states, seq_lens)
+        core = KdaRecurrenceFn.apply(q, k, v, g1.reshape(t, b.num_heads, b.head_dim), raw_beta,
+                                     self.A_log.float(), self.dt_bias.float(), b.gate_lower_bound, seq_lens)
         gate = g2.reshape(t, b.num_heads, b.head_dim)
         return gated_rms_norm_sigmoid(core.to(self.dtype), gate, self.norm_weight.to(self.dtype), b.norm_eps).reshape(t, -1)
