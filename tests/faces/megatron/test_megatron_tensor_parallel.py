@@ -14,15 +14,16 @@ LoRA at TP 2 + SP: an adapter on every decoder linear of the Llama checkpoint ag
 TP 2 serving it (``zmrl check --lora``, a rollout, one step of the adapter and its sync), and one on
 the decoder linears, embed_tokens and lm_head served beside it (a rollout and one step). The
 check command at TP 2 + SP runs there and on Qwen3-MoE at TP 2 + SP x EP 2. ``zmrl bisect`` at TP 2
-(Llama), TP 2 + SP (Qwen3-MoE, GLM-4.5; Llama with the adapter) compares each rank with vLLM's model built
-on the same rank.
+(Llama), TP 2 + SP (Qwen3-MoE, GLM-4.5; Llama with the adapter) and, on four ranks, TP 2 + SP x PP 2 and
+TP 2 + SP x CP 2 (Llama) compares each rank with vLLM's model built on the same rank.
 
 Cost: one TP-2 engine per checkpoint (~20 s each), one torchrun of two ranks that scores every
 checkpoint and takes one training step on Llama and one on Qwen3-MoE (~40 s), one torchrun of
 four one-thread ranks for the combined layouts (~50 s; two one-process engines of the session's, if
 not started already, ~20 s) and ``zmrl check`` at PP 2 x EP 2 on them, and a TP-2 LoRA engine with its check and
 five calls on the same two ranks (~60 s), four bisections on them (vLLM's model built on the
-ranks each time, ~5 s each); everything below is asserted from those runs. The
+ranks each time, ~5 s each) and four on the four ranks (~10 s each); everything below is asserted
+from those runs. The
 check command as a user runs it, starting its own TP-2 engine and ranks, runs once, on Qwen3-MoE
 at TP 2 + SP x EP 2 (~40 s).
 """
@@ -631,6 +632,68 @@ def test_bisect_at_tp2_sp_names_the_op_and_the_rank_of_a_difference_planted_on_o
         names = [op.name for op in result.ops]
         assert all(op.equal for op in result.ops[: names.index(planted)])
         assert f"first differing op: {planted} on rank {rank}" in format_bisect_table(result, "")
+
+
+# zmrl bisect at TP 2 + SP with another parallelism on the module's four ranks (Llama): (flags, the
+# layout, the op and the rank a difference is planted in)
+TP_BISECTS_ON_FOUR_RANKS = {
+    "pp2": (["--pipeline-parallel", "2"], COMBINED, ("layers.1.o_proj", 3)),  # a row-parallel partial, last stage
+    "cp2": (["--context-parallel", "2"], TP_CP, ("layers.0.input_norm", 2)),  # one rank's share of its chunks' rows
+}
+
+
+@pytest.mark.parametrize("case", TP_BISECTS_ON_FOUR_RANKS)
+def test_zmrl_bisect_at_tp2_sp_with_pipeline_or_context_parallelism_compares_each_rank_with_its_engine_rank(
+        mg_checkpoints, four_ranks, tmp_path, capsys, case):
+    """``zmrl bisect --trainer megatron --tensor-parallel 2 --sequence-parallel`` with
+    ``--pipeline-parallel 2`` or ``--context-parallel 2`` on Llama: each rank builds vLLM's whole
+    model as the TP-2 engine's rank of its tensor-parallel index (vLLM's tensor-parallel groups are
+    megatron's: ranks 0-1 and 2-3) and is compared on its stage's ops (the first stage's on ranks 0
+    and 1, the last stage's and the head on 2 and 3) or on its share of its chunks' rows (every op on
+    every rank): every op bitwise. One ulp planted on one rank is named with that rank and no other."""
+    from support.check_command import lent_engine_and_ranks, run_check
+    from transformers import AutoConfig
+
+    from zero_mismatch_plugin.tables.architectures import describe
+    from zero_mismatch_plugin.tools.checker import oplist
+    from zero_mismatch_plugin.tools.checker.bisect import bisect_input, run_bisect
+    from zero_mismatch_plugin.tools.checker.commands import format_bisect_table
+    from zero_mismatch_plugin.tools.checker.engine import engine_settings
+    from zero_mismatch_plugin.tools.checker.engine_modules import EngineModules
+    from zero_mismatch_plugin.tools.checker.megatron_backend import megatron_backend
+    from zero_mismatch_plugin.tools.checker.rank_records import OneUlpOnRank, layer_of
+
+    flags, layout, (planted, planted_rank) = TP_BISECTS_ON_FOUR_RANKS[case]
+    model = mg_checkpoints["llama"]
+    with lent_engine_and_ranks(None, None, group=four_ranks) as asked:
+        code, table, report = run_check(model, ["--tensor-parallel", "2", "--sequence-parallel", *flags], tmp_path,
+                                        capsys, command="bisect")
+    assert asked == [layout.name]
+    hf = AutoConfig.from_pretrained(model)
+    blocks = describe(hf)
+    assert code == 0 and report["pass"] is True and report["not_compared"] == [], table
+    assert report["layout"] == layout.name and report["first_differing_ranks"] == []
+    assert [op["op"] for op in report["ops"]] == oplist.op_names(hf.num_hidden_layers, blocks.qk_norm, blocks)
+    for op in report["ops"]:
+        layer = layer_of(op["op"])
+        if layout.pipeline_model_parallel_size == 1:
+            holders = [0, 1, 2, 3]
+        elif op["op"] == oplist.EMBED or (layer is not None and layer < hf.num_hidden_layers // 2):
+            holders = [0, 1]
+        else:
+            holders = [2, 3]
+        assert op["ranks"] == holders and op["differing_ranks"] == [], op
+
+    settings = engine_settings(model, MAX_MODEL_LEN, seed=0, tensor_parallel=TP, sequence_parallel=True,
+                               pipeline_parallel=layout.pipeline_model_parallel_size,
+                               context_parallel=layout.context_parallel_size)
+    with lent_engine_and_ranks(None, None, group=four_ranks), EngineModules(settings) as modules:
+        batch = bisect_input(prompts_for(model, corpus_seed=13)[:3], 8, modules.runtime.hf_config.vocab_size)
+        result = run_bisect(modules, megatron_backend(settings), batch, perturb=OneUlpOnRank(planted, planted_rank))
+    assert result.first_differing_op == planted, format_bisect_table(result, "")
+    assert result.first.differing_ranks == [planted_rank], format_bisect_table(result, "")
+    names = [op.name for op in result.ops]
+    assert all(op.equal for op in result.ops[: names.index(planted)])
 
 
 def test_a_rank_killed_mid_call_fails_the_call_within_60_s_naming_the_rank(tp2_group, tp2_results, mg_checkpoints, tp2_rollouts):

@@ -6,6 +6,7 @@ in ``tests/support/bad_input/cases_cli.py`` and ``cases_checkpoints.py``)."""
 from __future__ import annotations
 
 import json
+import types
 
 import pytest
 from transformers import DeepseekV2Config, LlamaConfig
@@ -131,3 +132,23 @@ def test_validate_checkpoint_runs_every_check_on_a_directory(tmp_path):
     with pytest.raises(CheckerInputError, match=r"model\.safetensors: non-finite values .* model\.norm\.weight \(1 of 256\)"):
         validate_checkpoint(model)
 
+
+
+def test_bisect_on_ranks_refuses_tensor_parallel_groups_vllm_would_not_build(monkeypatch):
+    """vLLM builds its tensor-parallel groups from consecutive ranks; a rank whose megatron group is
+    other ranks (a non-default rank order) would be compared with another engine rank's shards:
+    refused, naming both groups. (Planted: the two groups as one rank would see them.)"""
+    import torch
+    from megatron.core import parallel_state as megatron_groups
+    from vllm.distributed import parallel_state as vllm_groups
+
+    from zero_mismatch_plugin.tools.checker import rank_records
+
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None: 2)
+    monkeypatch.setattr(megatron_groups, "get_tensor_model_parallel_group", lambda: "megatron-tp")
+    monkeypatch.setattr(vllm_groups, "get_tp_group", lambda: types.SimpleNamespace(ranks=[2, 3]))
+    monkeypatch.setattr(torch.distributed, "get_process_group_ranks", lambda group: [0, 2])
+    with pytest.raises(RuntimeError, match=r"rank 2: megatron's tensor-parallel ranks \[0, 2\] are not vLLM's \[2, 3\]"):
+        rank_records._same_tensor_parallel_ranks()
+    monkeypatch.setattr(torch.distributed, "get_process_group_ranks", lambda group: [2, 3])
+    rank_records._same_tensor_parallel_ranks()  # the same ranks: nothing to say

@@ -92,7 +92,10 @@ def rank_rows_compared(engine_value, record, name: str, num_tokens: int):
     # Under sequence parallelism the ops between a column-parallel gather and a row-parallel
     # reduce hold every row (their features split): more rows than the rank's own.
     whole = record.rows is None or held > len(record.rows)
-    rows = torch.arange(held) if whole else record.rows[:held]
+    if not whole:
+        rows = record.rows[:held]
+    else:
+        rows = torch.arange(held) if record.group_rows is None else record.group_rows[:held]
     rows = torch.where(rows < num_tokens, rows, PADDING)
     kept = (rows != PADDING).nonzero().squeeze(1)
     return engine.index_select(0, rows[kept]), mine.index_select(0, kept)

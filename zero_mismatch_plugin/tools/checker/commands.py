@@ -334,8 +334,7 @@ def bisect_command(args) -> int:
         _refuse_mla_bisect(args.model, blocks)
         lora = lora_options(args)
         settings = run_settings(args, max_model_len, lora)
-        others = {"--expert-parallel": settings.expert_parallel, "--pipeline-parallel": settings.pipeline_parallel,
-                  "--context-parallel": settings.context_parallel}
+        others = {"--expert-parallel": settings.expert_parallel}
         if settings.tensor_parallel > 1 and any(size > 1 for size in others.values()):
             asked = " ".join(f"{flag} {size}" for flag, size in others.items() if size > 1)
             raise inputs.CheckerInputError(

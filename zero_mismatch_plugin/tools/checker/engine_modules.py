@@ -128,10 +128,11 @@ def single_process_group(runtime):
 
 @contextlib.contextmanager
 def tensor_parallel_ranks(runtime):
-    """On torchrun ranks whose whole world is one tensor-parallel group: vLLM's world and
-    tensor-parallel group over them, as each engine worker has them, so that vLLM's model is built
-    as the engine rank of this index builds it (its shards, its all-reduces). The model-parallel
-    groups are torn down afterwards; vLLM's world (over the ranks' own) is kept for the next call.
+    """On torchrun ranks: vLLM's world over them and tensor-parallel groups of ``runtime``'s size
+    (consecutive ranks, as megatron's tensor-parallel groups are; with pipeline stages, one group
+    per stage), as each engine worker has them, so that vLLM's model is built as the engine rank of
+    this index builds it (its shards, its all-reduces). The model-parallel groups are torn down
+    afterwards; vLLM's world (over the ranks' own) is kept for the next call.
     """
     import os
 
@@ -146,7 +147,8 @@ def tensor_parallel_ranks(runtime):
     os.environ.setdefault("VLLM_DIST_IDENT", f"zmrl-ranks-{os.environ.get('MASTER_PORT', os.getppid())}")
     with runtime.context(), _stdout_with_fileno():
         ps.init_distributed_environment(size, rank, "env://", int(os.environ.get("LOCAL_RANK", rank)), "gloo")
-        ps.ensure_model_parallel_initialized(size, 1)
+        # The ranks beyond one group are vLLM's "external data parallel" replicas of the engine.
+        ps.ensure_model_parallel_initialized(runtime.vllm_config.parallel_config.tensor_parallel_size, 1)
     try:
         yield
     finally:

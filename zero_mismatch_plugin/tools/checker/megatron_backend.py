@@ -78,7 +78,9 @@ class DistributedMegatronBackend:
         from zero_mismatch_plugin.tools.checker.rank_records import BISECT_AT_TENSOR_PARALLEL, RANK_CALL
 
         layout = self.layout
-        if layout.tensor_model_parallel_size > 1 and layout.world_size > layout.tensor_model_parallel_size:
+        model_parallel = (layout.tensor_model_parallel_size * layout.pipeline_model_parallel_size
+                          * layout.context_parallel_size)
+        if layout.tensor_model_parallel_size > 1 and layout.world_size > model_parallel:
             raise NotImplementedError(f"{BISECT_AT_TENSOR_PARALLEL} (asked: {layout.name})")
         at_tensor_parallel = self.settings if layout.tensor_model_parallel_size > 1 else None
         return self.group.call(RANK_CALL, self.spec, batch, order, planted, at_tensor_parallel)

@@ -14,8 +14,10 @@ at tensor parallelism every rank also builds vLLM's model as the engine's rank o
 it (:class:`.engine_modules.EngineModules` on the ranks) and records the same batch, and the rank is
 compared with those records (a row-parallel linear's partial output before the all-reduce on both
 sides; under sequence parallelism the ops outside the column- to row-parallel span hold the rank's
-slice of the tokens). Tensor parallelism is bisected alone, not with expert, pipeline or context
-parallelism.
+slice of the tokens). With pipeline or context parallelism too, vLLM's model on a rank is the
+whole model at the engine rank of its tensor-parallel index, and the rank is compared on its
+stage's ops and its chunks' rows (under sequence parallelism, its share of them). Tensor parallelism
+is not bisected with expert parallelism.
 """
 
 from __future__ import annotations
@@ -30,9 +32,9 @@ from zero_mismatch_plugin.tools.checker.recording import OpRecorder
 # A rank's rows that are none of the batch's (megatron's padding).
 PADDING = -1
 BISECT_AT_TENSOR_PARALLEL = (
-    "zmrl bisect at --tensor-parallel N runs vLLM's tensor-parallel modules on the trainer's ranks, with no "
-    "other parallelism: bisect tensor parallelism alone, and --expert-parallel, --pipeline-parallel or "
-    "--context-parallel without it (zmrl check takes the combination)")
+    "zmrl bisect at --tensor-parallel N runs vLLM's tensor-parallel modules on the trainer's ranks, alone or "
+    "with --pipeline-parallel or --context-parallel: bisect --expert-parallel without tensor parallelism "
+    "(zmrl check takes the combination)")
 # Called on the ranks by RankGroup.call (a "module:function" of this package).
 RANK_CALL = f"{__name__}:op_records"
 
@@ -49,6 +51,10 @@ class RankRecord:
     # At tensor parallelism, vLLM's records of the same batch on this rank (the engine rank of its
     # index); None: compared with vLLM's one-process records.
     engine_ops: dict | None = None
+    # Under sequence parallelism with context parallelism: the batch row of each row the ops between
+    # a column-parallel gather and a row-parallel reduce hold (the rank's chunks; ``rows`` is its
+    # tensor-parallel share of them). None: those ops hold rows 0, 1, ... of the padded batch.
+    group_rows: torch.Tensor | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,13 +145,18 @@ def op_records(spec, batch, order: list[str], planted: OneUlpOnRank | None = Non
             recorder.keep_head(out["target_logits"])
     cp_group = context_parallel.context_parallel_group(config)
     rows = None if cp_group is None else context_parallel_batch_rows(batch, cp_group, run.multiple)
-    engine_ops = None
+    engine_ops = group_rows = None
     if run.layout.tensor_model_parallel_size > 1:
         engine_ops = _engine_rank_records(engine_settings, batch)
         if run.layout.sequence_parallel:
-            padded = batch.num_tokens + (-batch.num_tokens % run.multiple)
-            rows = sequence_parallel_rows(padded, parallel_state.get_tensor_model_parallel_group())
-    record = RankRecord(world_rank, {name: _on_cpu(value) for name, value in recorder.ops.items()}, rows, engine_ops)
+            tp_group = parallel_state.get_tensor_model_parallel_group()
+            if rows is None:
+                padded = batch.num_tokens + (-batch.num_tokens % run.multiple)
+                rows = sequence_parallel_rows(padded, tp_group)
+            else:  # the context-parallel rank's rows, split again over its tensor-parallel ranks
+                group_rows, rows = rows, rows[sequence_parallel_rows(len(rows), tp_group)]
+    record = RankRecord(world_rank, {name: _on_cpu(value) for name, value in recorder.ops.items()}, rows, engine_ops,
+                        group_rows)
     records = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(records, record)
     return records
@@ -160,8 +171,23 @@ def _engine_rank_records(settings, batch) -> dict:
         raise ValueError("at tensor parallelism op_records needs the checker's engine settings")
     record: dict = {}
     with EngineModules(settings, on_ranks=True) as modules:
+        _same_tensor_parallel_ranks()
         modules.forward(batch, record)
     return {name: _on_cpu(value) for name, value in record.items()}
+
+
+def _same_tensor_parallel_ranks() -> None:
+    """vLLM's tensor-parallel group on this rank is megatron's: the rank's reference is the engine
+    rank of its own index among the ranks it shares its shards with."""
+    from megatron.core import parallel_state as megatron_groups
+    from vllm.distributed import parallel_state as vllm_groups
+
+    trainer = torch.distributed.get_process_group_ranks(megatron_groups.get_tensor_model_parallel_group())
+    engine = list(vllm_groups.get_tp_group().ranks)
+    if list(trainer) != engine:
+        raise RuntimeError(f"rank {torch.distributed.get_rank()}: megatron's tensor-parallel ranks {trainer} are not "
+                           f"vLLM's {engine}; bisect needs megatron's default rank order (tensor-parallel ranks "
+                           "consecutive)")
 
 
 def _on_cpu(value):
