@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -242,12 +243,21 @@ def pytest_collection_modifyitems(config, items):
 
 
 MODULE_SECONDS: dict = {}
+# On the xdist controller, per worker: [seconds of its reports, seconds since the start at its last].
+WORKER_SECONDS: dict = {}
+STARTED = time.monotonic()
 
 
 def pytest_runtest_logreport(report):
-    """Per module, the seconds of every phase of its tests (on the xdist controller: every worker's)."""
+    """Per module, the seconds of every phase of its tests (on the xdist controller: every worker's),
+    and per xdist worker its busy seconds and when it last reported (the schedule's balance)."""
     module = report.nodeid.split("::")[0]
     MODULE_SECONDS[module] = MODULE_SECONDS.get(module, 0.0) + report.duration
+    node = getattr(report, "node", None)  # set by xdist on the controller
+    if node is not None:
+        busy = WORKER_SECONDS.setdefault(node.gateway.id, [0.0, 0.0])
+        busy[0] += report.duration
+        busy[1] = time.monotonic() - STARTED
 
 
 def _engine_summary(pools) -> dict:
@@ -285,6 +295,12 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_line(
             f"shared engines: {sum(s['started'] for s in summaries)} started "
             f"({sum(s['seconds'] for s in summaries):.0f} s), {sum(s['reused'] for s in summaries)} requests reused one")
+    if WORKER_SECONDS:
+        unit = sum(seconds for module, seconds in MODULE_SECONDS.items() if module in MULTI_PROCESS_MODULES)
+        terminalreporter.write_line(
+            "workers: " + "; ".join(f"{worker} busy {busy:.0f} s, last report at {last:.0f} s"
+                                    for worker, (busy, last) in sorted(WORKER_SECONDS.items()))
+            + f"; the multi-process unit {unit:.0f} s")
 
     """Counts of tests/tools/test_bad_input.py by outcome (the measure of the bad-input table)."""
     from collections import Counter
