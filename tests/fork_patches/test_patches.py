@@ -1652,6 +1652,47 @@ def test_vllm_cpu_kda_prefill_equals_decode(patched_vllm_files):
     assert not (stock["has_function"] or stock["forward_calls_it"] or stock["conv_pack_bf16_only"]), stock
 
 
+KIMI_LINEAR_LORA_SCRIPT = LOAD_PATCHED + """
+import json, types
+from unittest import mock
+
+root = ROOT
+from vllm.platforms import current_platform
+with mock.patch.object(type(current_platform), "is_cpu", lambda self: PLATFORM_IS_CPU):
+    model = load_patched("vllm.models.kimi_k3.nvidia.model", root)
+from vllm.model_executor.models.interfaces import supports_lora
+
+cls = model.KimiLinearForCausalLM
+result = {"supports_lora": bool(supports_lora(cls)), "own_expert_mapping": "get_expert_mapping" in vars(cls),
+          "packed": sorted(getattr(cls, "packed_modules_mapping", {}))}
+if result["own_expert_mapping"]:
+    import torch
+    stub = torch.nn.Module()  # what the mapping reads of the model: its parameters' names, its config
+    stub.config = types.SimpleNamespace(num_experts=2)
+    result["expert_weights"] = sorted({weight for _, weight, _, _ in cls.get_expert_mapping(stub)})
+print("RESULT " + json.dumps(result))
+"""
+
+
+@pytest.mark.parametrize("cpu", [True, False], ids=["cpu", "other-platform"])
+def test_vllm_cpu_kimi_linear_declares_lora_on_cpu_only(patched_vllm_files, cpu):
+    """Patched vLLM on CPU: KimiLinearForCausalLM passes vLLM's LoRA check, names its inner model's
+    merged linears (KDA's in_proj_qkvgfab, the MLP's gate_up_proj) and maps its experts by their
+    checkpoint names w1 / w3 / w2 for the LoRA loader. On another platform the class is upstream's,
+    and stock vLLM declares no LoRA for it anywhere."""
+    def run(root):
+        script = KIMI_LINEAR_LORA_SCRIPT.replace("ROOT", repr(root)).replace("PLATFORM_IS_CPU", repr(cpu))
+        return script_result(script)
+
+    patched, stock = run(str(patched_vllm_files)), run("")
+    assert not stock["supports_lora"] and not stock["own_expert_mapping"], stock
+    if not cpu:
+        assert patched == stock, patched
+        return
+    assert patched["supports_lora"] and {"in_proj_qkvgfab", "gate_up_proj"} <= set(patched["packed"]), patched
+    assert patched["expert_weights"] == [f"experts.{e}.{w}." for e in (0, 1) for w in ("w1", "w2", "w3")], patched
+
+
 CPU_MOE_LORA_SCRIPT = LOAD_PATCHED + """
 import json, types
 import torch

@@ -274,6 +274,18 @@ MESSAGES: dict[str, CommitMessage] = {
             "built on CPU, and a conv weight that is not bf16 is left unpacked.",
         ),
     ),
+    "vllm-cpu-kimi-linear-lora": CommitMessage(
+        "Serve LoRA for Kimi Linear on CPU",
+        (
+            "KimiLinearForCausalLM declares no LoRA support, so vLLM refuses enable_lora for it "
+            "although its layers are vLLM's LoRA-capable linears and, on CPU, its routed experts "
+            "are the CPU LoRA experts.",
+            "On CPU the class now inherits SupportsLoRA, names its inner model's merged linears "
+            "(packed_modules_mapping) and maps its experts by their checkpoint names (w1 / w3 / w2, "
+            "as load_weights reads them) for the LoRA loader, which otherwise looks for the MoE "
+            "layer's gate_proj / up_proj / down_proj. Other platforms are unchanged.",
+        ),
+    ),
     "vllm-cpu-moe-lora-experts": CommitMessage(
         "Serve LoRA on MoE experts on CPU",
         (

@@ -160,5 +160,69 @@ import vllm.envs as envs
     ),
 ]
 
+# On CPU, where the experts take adapters (the CPU LoRA experts of vllm/0007), Kimi Linear declares
+# vLLM's LoRA support; on other platforms the class is as upstream has it. The runtime form is the
+# cpu-kimi-linear-lora-* patches of integrations/vllm/cpu_kda.py.
+VLLM_CPU_KIMI_LINEAR_LORA = [
+    Edit(
+        KIMI_MODEL,
+        old="""\
+    SupportsEagle3,
+    SupportsEncoderCudaGraph,
+""",
+        new="""\
+    SupportsEagle3,
+    SupportsEncoderCudaGraph,
+    SupportsLoRA,
+""",
+    ),
+    Edit(
+        KIMI_MODEL,
+        old="""\
+    SupportsEagle3,
+    SupportsReplaySSM,
+):
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
+        super().__init__()
+        self.model_config = vllm_config.model_config
+        self.vllm_config = vllm_config
+        self.config = self.model_config.hf_config
+        quant_config = vllm_config.quant_config
+        self.quant_config = quant_config
+        self.model = KimiLinearModel(
+""",
+        new="""\
+    SupportsEagle3,
+    SupportsReplaySSM,
+    # LoRA on every KDA projection, MLP and expert where the experts take adapters (CPU).
+    *((SupportsLoRA,) if current_platform.is_cpu() else ()),
+):
+    if current_platform.is_cpu():
+        packed_modules_mapping = KimiLinearModel.packed_modules_mapping
+        embedding_modules: dict[str, str] = {}
+
+        def get_expert_mapping(self) -> list[tuple[str, str, int, str]]:
+            # The LoRA loader reads the experts by their checkpoint names, as load_weights does.
+            return fused_moe_make_expert_params_mapping(
+                self,
+                ckpt_gate_proj_name="w1",
+                ckpt_down_proj_name="w2",
+                ckpt_up_proj_name="w3",
+                num_experts=self.config.num_experts,
+            )
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
+        super().__init__()
+        self.model_config = vllm_config.model_config
+        self.vllm_config = vllm_config
+        self.config = self.model_config.hf_config
+        quant_config = vllm_config.quant_config
+        self.quant_config = quant_config
+        self.model = KimiLinearModel(
+""",
+    ),
+]
+
 EDITS: dict[str, list[Edit]] = {"vllm-cpu-gdn-one-arithmetic": VLLM_CPU_GDN_ONE_ARITHMETIC,
-                                "vllm-cpu-kda-one-arithmetic": VLLM_CPU_KDA_ONE_ARITHMETIC}
+                                "vllm-cpu-kda-one-arithmetic": VLLM_CPU_KDA_ONE_ARITHMETIC,
+                                "vllm-cpu-kimi-linear-lora": VLLM_CPU_KIMI_LINEAR_LORA}
