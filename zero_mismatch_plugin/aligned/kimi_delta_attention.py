@@ -28,6 +28,7 @@ from torch.autograd import Function
 from zero_mismatch_plugin.aligned.linear_attention import (
     convolved_sequences,
     cpu_conv1d_weight,
+    recomputed_sequence_gradients,
     scheduled_causal_conv,
     scheduled_lengths,
     time_major_conv_states,
@@ -243,22 +244,10 @@ class KdaRecurrenceFn(Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        saved = ctx.saved_tensors
-        grads = [torch.zeros_like(t, dtype=BACKWARD_DTYPE) for t in saved]
-        start = 0
-        for n in ctx.seq_lens:
-            rows = slice(start, start + n)
-            leaves = [t[rows].detach().to(BACKWARD_DTYPE).requires_grad_(True) for t in saved[:5]]
-            leaves += [t.detach().to(BACKWARD_DTYPE).requires_grad_(True) for t in saved[5:]]
-            with torch.enable_grad():
-                out, _ = kda_chunked(*leaves[:5], *leaves[5:], ctx.lower_bound, BACKWARD_CHUNK)
-                per_leaf = torch.autograd.grad(out, leaves, grad_out[rows].to(BACKWARD_DTYPE), allow_unused=True)
-            for i, g in enumerate(per_leaf[:5]):
-                grads[i][rows] = g
-            for i, g in enumerate(per_leaf[5:], start=5):
-                grads[i] += g
-            start += n
-        return (*(g.to(t.dtype) for g, t in zip(grads, saved)), None, None)
+        grads = recomputed_sequence_gradients(
+            ctx.saved_tensors, ctx.seq_lens, grad_out, BACKWARD_DTYPE,
+            lambda *leaves: kda_chunked(*leaves, ctx.lower_bound, BACKWARD_CHUNK)[0])
+        return (*grads, None, None)
 
 
 

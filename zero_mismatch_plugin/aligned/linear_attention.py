@@ -284,23 +284,32 @@ class GatedDeltaRuleFn(Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        saved = ctx.saved_tensors
-        grads = [torch.zeros_like(t, dtype=torch.float32) for t in saved]
-        start = 0
-        for n in ctx.seq_lens:
-            rows = slice(start, start + n)
-            # detach(): ``float()`` of an fp32 tensor is the tensor itself (A_log is the parameter)
-            leaves = [t[rows].detach().float().requires_grad_(True) for t in saved[:5]]
-            leaves += [t.detach().float().requires_grad_(True) for t in saved[5:]]
-            with torch.enable_grad():
-                out, _ = gated_delta_rule_chunked(*leaves)
-                per_leaf = torch.autograd.grad(out, leaves, grad_out[rows].float(), allow_unused=True)
-            for i, g in enumerate(per_leaf[:5]):
-                grads[i][rows] = g
-            for i, g in enumerate(per_leaf[5:], start=5):
-                grads[i] += g
-            start += n
-        return (*(g.to(t.dtype) for g, t in zip(grads, saved)), None, None)
+        grads = recomputed_sequence_gradients(ctx.saved_tensors, ctx.seq_lens, grad_out, torch.float32,
+                                              lambda *leaves: gated_delta_rule_chunked(*leaves)[0])
+        return (*grads, None, None)
+
+
+def recomputed_sequence_gradients(saved, seq_lens, grad_out, dtype, recompute, per_row: int = 5):
+    """The backward of a linear-attention rule over packed sequences that saved only its inputs:
+    per sequence, ``recompute(*leaves)`` (its output) from the saved tensors in ``dtype`` and
+    differentiated against that sequence's rows of ``grad_out``. The first ``per_row`` saved
+    tensors are per token (cut to the sequence's rows), the rest per layer (their gradients summed
+    over the sequences). Returns the gradients in the saved tensors' dtypes."""
+    grads = [torch.zeros_like(t, dtype=dtype) for t in saved]
+    start = 0
+    for n in seq_lens:
+        rows = slice(start, start + n)
+        # detach(): a cast to the tensor's own dtype is the tensor itself (A_log is the parameter)
+        leaves = [t[rows].detach().to(dtype).requires_grad_(True) for t in saved[:per_row]]
+        leaves += [t.detach().to(dtype).requires_grad_(True) for t in saved[per_row:]]
+        with torch.enable_grad():
+            per_leaf = torch.autograd.grad(recompute(*leaves), leaves, grad_out[rows].to(dtype), allow_unused=True)
+        for i, g in enumerate(per_leaf[:per_row]):
+            grads[i][rows] = g
+        for i, g in enumerate(per_leaf[per_row:], start=per_row):
+            grads[i] += g
+        start += n
+    return [g.to(t.dtype) for g, t in zip(grads, saved)]
 
 
 class AlignedGatedRMSNorm:
