@@ -129,8 +129,8 @@ def single_process_group(runtime):
 @contextlib.contextmanager
 def tensor_parallel_ranks(runtime):
     """On torchrun ranks: vLLM's world over them and tensor-parallel groups of ``runtime``'s size
-    (consecutive ranks, as megatron's tensor-parallel groups are; with pipeline stages, one group
-    per stage), as each engine worker has them, so that vLLM's model is built as the engine rank of
+    (consecutive ranks, as megatron's tensor-parallel groups are; with pipeline stages or
+    context-parallel ranks, one group per stage or chunk set), as each engine worker has them, so that vLLM's model is built as the engine rank of
     this index builds it (its shards, its all-reduces). The model-parallel groups are torn down
     afterwards; vLLM's world (over the ranks' own) is kept for the next call.
     """
