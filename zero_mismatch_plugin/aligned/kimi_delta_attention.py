@@ -230,9 +230,9 @@ class KdaRecurrenceFn(Function):
     """The trainer's KDA over packed sequences, each from a zero state: forward :func:`kda_recurrence`
     (the engine's order and bits, nothing recorded), backward :func:`kda_chunked` (the same function
     up to round-off, a chunk at a time) recomputed per sequence in ``BACKWARD_DTYPE`` and
-    differentiated, as the gated delta-net's :class:`GatedDeltaRuleFn` does in fp32. Autograd through the recurrence kept a copy of
-    every sequence's state per position ([sequences, H, V, K] x T); this keeps the inputs only.
-    Returns the output [tokens, H, V] in ``v``'s dtype."""
+    differentiated, as the gated delta-net's :class:`GatedDeltaRuleFn` does in fp32. Autograd
+    through the recurrence kept a copy of every sequence's state per position ([sequences, H, V, K]
+    x T); this keeps the inputs only. Returns the output [tokens, H, V] in ``v``'s dtype."""
 
     @staticmethod
     def forward(ctx, q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound, seq_lens):
@@ -248,7 +248,6 @@ class KdaRecurrenceFn(Function):
             ctx.saved_tensors, ctx.seq_lens, grad_out, BACKWARD_DTYPE,
             lambda *leaves: kda_chunked(*leaves, ctx.lower_bound, BACKWARD_CHUNK)[0])
         return (*grads, None, None)
-
 
 
 class AlignedKimiDeltaAttention:

@@ -99,10 +99,6 @@ MEGATRON_LORA_PP2 = ["actor_rollout_ref.model.lora.rank=8", "actor_rollout_ref.m
                      "actor_rollout_ref.actor.ppo_mini_batch_size=4"]
 
 
-# The adapter entries of verl's four LoRA targets, by the face's slice names (one pair per slice).
-ADAPTER_SLICES = {"self_attention.linear_qkv": ("q_proj", "k_proj", "v_proj"), "self_attention.linear_proj": ("o_proj",),
-                  "mlp.linear_fc1": ("gate_proj", "up_proj"), "mlp.linear_fc2": ("down_proj",)}
-
 
 @pytest.fixture(scope="module")
 def megatron_lora_pp2_run(tmp_path_factory, inputs):
@@ -123,6 +119,8 @@ def test_megatron_engine_lora_at_pipeline_parallel_2_is_bitwise_after_adapter_sy
     layer's A and B of every target, from both stages, and nothing of the frozen base."""
     from torch.distributed.checkpoint import FileSystemReader
 
+    from zero_mismatch_plugin.faces.megatron.convert import MEGATRON_LORA_SLICES
+
     run, root = megatron_lora_pp2_run
     assert_ran(run, [1, 2])
     assert ALIGNED_LOG_LINE in run.log and LORA_LOG_LINE in run.log and BF16_LOG_LINE in run.log
@@ -133,8 +131,9 @@ def test_megatron_engine_lora_at_pipeline_parallel_2_is_bitwise_after_adapter_sy
     assert_saved_at(root / "checkpoints", SAVED_STEP)
     saved = root / "checkpoints" / f"global_step_{SAVED_STEP}" / "actor"
     entries = FileSystemReader(saved / "model" / "dist_ckpt").read_metadata().state_dict_metadata
+    # verl's four LoRA targets, one A/B pair per slice of each linear (the face's names)
     expected = {f"decoder.layers.{module}.lora.{piece}.lora_{matrix}"
-                for module, pieces in ADAPTER_SLICES.items() for piece in pieces for matrix in "AB"}
+                for module, pieces in MEGATRON_LORA_SLICES.items() for piece in pieces for matrix in "AB"}
     assert set(entries) == expected, sorted(entries)
     layers = {entries[name].size[0] for name in entries}  # megatron stacks the layers of both stages
     assert layers == {2}, layers
