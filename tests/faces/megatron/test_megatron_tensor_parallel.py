@@ -6,7 +6,8 @@ the ranks as vLLM splits it, or whole on its rank at TP 2 x EP 2 (expert tensor 
 
 Combined layouts too, on four ranks: TP 2 + SP x PP 2 (two pipeline stages of two tensor-parallel
 ranks each, Llama and Qwen3), TP 2 + SP x CP 2 (Llama), TP 2 + SP x EP 2 x CP 2 and TP 2 + SP x
-EP 2 x PP 2 (Qwen3-MoE), bitwise against the same TP-2 engines; PP 2 x EP 2, CP 2 x EP 2, PP 2 x
+EP 2 x PP 2 (Qwen3-MoE) and TP 2 + SP x PP 2 x VP 2 (virtual stages, the four-layer Qwen3, with a
+step), bitwise against the same TP-2 engines; PP 2 x EP 2, CP 2 x EP 2, PP 2 x
 CP 2 x EP 2 (Qwen3-MoE) and PP 2 x CP 2 (the windowed Mistral) against the session's one-process
 engines.
 
@@ -268,8 +269,10 @@ COMBINED = Layout(TP, sequence_parallel=True, pipeline_model_parallel_size=2)
 TP_CP = Layout(TP, sequence_parallel=True, context_parallel_size=2)
 TP_EP_CP = Layout(TP, sequence_parallel=True, expert_model_parallel_size=2, context_parallel_size=2)
 TP_EP_PP = Layout(TP, sequence_parallel=True, expert_model_parallel_size=2, pipeline_model_parallel_size=2)
+# Virtual stages: each of the two pipeline ranks holds two model chunks of one Qwen3 layer each.
+TP_VP = Layout(TP, sequence_parallel=True, pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)
 TP2_ENGINE_RUNS = [("llama", COMBINED), ("qwen3", COMBINED), ("llama", TP_CP), ("qwen3_moe", TP_EP_CP),
-                   ("qwen3_moe", TP_EP_PP)]
+                   ("qwen3_moe", TP_EP_PP), ("qwen3", TP_VP)]
 ONE_PROCESS_RUNS = [
     ("qwen3_moe", Layout(pipeline_model_parallel_size=2, expert_model_parallel_size=2, data_parallel_size=2,
                          moe_token_dispatcher_type="allgather")),
@@ -282,7 +285,7 @@ ONE_PROCESS_RUNS = [
 # interleaved schedule), the windowed CWM's four layers one per chunk; with a step.
 VIRTUAL_DP = Layout(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2, data_parallel_size=2)
 ONE_PROCESS_RUNS.append(("cwm_window", VIRTUAL_DP))
-STEPPED = {("llama", COMBINED.name), ("llama", TP_CP.name), ("cwm_window", VIRTUAL_DP.name)}
+STEPPED = {("llama", COMBINED.name), ("llama", TP_CP.name), ("qwen3", TP_VP.name), ("cwm_window", VIRTUAL_DP.name)}
 
 
 @pytest.fixture(scope="module")
@@ -367,6 +370,33 @@ def test_gradients_at_combined_layouts_agree_with_the_one_process_face(step_grad
     worst = max(_relative(grads[n], one_process[n]) for n in one_process)
     print(f"{layout}: worst relative gradient difference vs the one-process face {worst:.3g}")
     assert worst <= GRAD_REL_TOL
+
+
+def test_virtual_stages_with_tensor_parallelism_step_as_one_process(mg_checkpoints, tp2_rollouts, combined_results):
+    """TP 2 + SP x PP 2 x VP 2 on Qwen3 (bitwise with the TP-2 engine above; its tied head is the
+    last stage's last chunk's copy of the embedding): the step's gradients, gathered over the
+    tensor-parallel ranks chunk by chunk and then over the stages, agree with the one-process face,
+    and the weights gathered for the engine are the checkpoint's minus lr times them."""
+    from support.megatron_lora import one_process_gradients
+
+    from zero_mismatch_plugin.aligned.checkpoint import read_checkpoint
+    from zero_mismatch_plugin.aligned.runtime import VllmRuntime
+
+    prompts, responses, _ = tp2_rollouts["qwen3"]
+    result = combined_results[("qwen3", TP_VP.name)]
+    one_process = one_process_gradients(VllmRuntime(mg_checkpoints["qwen3"], **ENGINE_KWARGS), prompts, responses,
+                                        STEP)
+    grads = result["grads"]
+    assert set(grads) == set(one_process)
+    assert {int(n.split(".")[2]) for n in grads if n.startswith("model.layers.")} == {0, 1, 2, 3}
+    worst = max(_relative(grads[n], one_process[n]) for n in one_process)
+    print(f"qwen3 {TP_VP.name}: worst relative gradient difference vs the one-process face {worst:.3g}")
+    assert worst <= GRAD_REL_TOL
+    before = read_checkpoint(mg_checkpoints["qwen3"])
+    weights = dict(result["weights"])
+    assert set(weights) == set(grads)
+    for name, grad in grads.items():
+        assert torch.allclose(weights[name], before[name] - STEP.lr * grad, rtol=1e-6, atol=1e-8), name
 
 
 def test_virtual_stages_with_data_parallelism_step_and_sync_as_one_process(engines, checkpoints, one_process_rollouts,

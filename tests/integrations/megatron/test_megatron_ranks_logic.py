@@ -233,7 +233,7 @@ def test_bf16_stages_send_fp32_words_and_a_model_whose_stages_cannot_is_refused(
                                                               "fp32 are)"]
 
 
-def test_a_layout_takes_virtual_pipeline_stages_at_pipeline_parallelism_alone_or_with_data_parallelism():
+def test_a_layout_takes_virtual_pipeline_stages_at_pipeline_parallelism_with_tensor_or_data_parallelism():
     from zero_mismatch_plugin.integrations.megatron.distributed import Layout
 
     layout = Layout(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)
@@ -242,11 +242,15 @@ def test_a_layout_takes_virtual_pipeline_stages_at_pipeline_parallelism_alone_or
     assert "virtual_pipeline_model_parallel_size" not in Layout(pipeline_model_parallel_size=2).config_overrides()
     with_replicas = Layout(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2, data_parallel_size=2)
     assert with_replicas.name == "tp1-pp2-vp2-dp2" and with_replicas.world_size == 4
-    for sizes in (dict(), dict(pipeline_model_parallel_size=2, tensor_model_parallel_size=2),
+    with_tensor = Layout(tensor_model_parallel_size=2, sequence_parallel=True, pipeline_model_parallel_size=2,
+                         virtual_pipeline_model_parallel_size=2)
+    assert with_tensor.name == "tp2-sp-pp2-vp2" and with_tensor.world_size == 4
+    for sizes in (dict(), dict(tensor_model_parallel_size=2),
                   dict(pipeline_model_parallel_size=2, context_parallel_size=2),
                   dict(pipeline_model_parallel_size=2, data_parallel_size=2, expert_model_parallel_size=2)):
         with pytest.raises(ValueError, match=r"virtual_pipeline_model_parallel_size=2: virtual stages are run at "
-                                             r"pipeline parallelism > 1, alone or with data parallelism"):
+                                             r"pipeline parallelism > 1, alone or with tensor \(\+ sequence\) and data "
+                                             r"parallelism"):
             Layout(virtual_pipeline_model_parallel_size=2, **sizes)
 
 

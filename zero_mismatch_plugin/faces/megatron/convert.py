@@ -302,17 +302,21 @@ def engine_weights(model, hf_config, dtype) -> list[tuple[str, torch.Tensor]]:
     return [(k, v.to(dtype)) for k, v in megatron_to_hf(full_tensors(model, model_tensors(model)), hf_config).items()]
 
 
-def full_tensors(model, tensors: dict) -> dict:
+def full_tensors(model, tensors) -> dict:
     """Full tensors by megatron name (every routed expert and layer under its global number) from
     this rank's parts of ``tensors`` (the model's parameters, or their gradients): gathered over
-    the tensor-, expert- and pipeline-parallel ranks (collectives: all ranks call it)."""
-    config = getattr(model, "config", None)
-    group = _tensor_parallel_group(model)
+    the tensor-, expert- and pipeline-parallel ranks (collectives: all ranks call it). With virtual
+    pipeline stages ``model`` is the rank's list of model chunks and ``tensors`` one dict per chunk."""
+    config = pipeline.model_config(model)
+    group = parallel.tensor_parallel_group(config)
     split = parallel.experts_split(config)
-    state = {k: parallel.gather_full(k, t.detach(), group, split) for k, t in tensors.items()}
-    state = parallel.gather_experts(state, getattr(config, "num_moe_experts", None) or 0,
-                                    parallel.expert_parallel_group(config))
-    return pipeline.gather_stages(state, config, getattr(model, "share_embeddings_and_output_weights", False))
+    chunks = [{k: parallel.gather_full(k, t.detach(), group, split) for k, t in part.items()}
+              for part in (tensors if isinstance(model, list) else [tensors])]
+    chunks = [parallel.gather_experts(chunk, getattr(config, "num_moe_experts", None) or 0,
+                                      parallel.expert_parallel_group(config)) for chunk in chunks]
+    first = model[0] if isinstance(model, list) else model
+    return pipeline.gather_stages(chunks if isinstance(model, list) else chunks[0], config,
+                                  getattr(first, "share_embeddings_and_output_weights", False))
 
 
 def sync_weights_to_engine(llm, model, hf_config, dtype) -> None:

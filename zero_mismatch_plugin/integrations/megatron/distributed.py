@@ -36,18 +36,17 @@ class Layout:
     data_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
     context_parallel_size: int = 1
-    # Model chunks per pipeline rank (megatron's interleaved schedule); with pipeline parallelism
-    # and data parallelism only.
+    # Model chunks per pipeline rank (megatron's interleaved schedule); with pipeline parallelism,
+    # and tensor (+ sequence) and data parallelism.
     virtual_pipeline_model_parallel_size: int = 1
 
     def __post_init__(self):
         if self.virtual_pipeline_model_parallel_size > 1 and (
-                self.pipeline_model_parallel_size == 1
-                or self.world_size != self.pipeline_model_parallel_size * self.data_parallel_size
-                or self.expert_model_parallel_size > 1):
+                self.pipeline_model_parallel_size == 1 or self.expert_model_parallel_size > 1
+                or self.context_parallel_size > 1):
             raise ValueError(f"virtual_pipeline_model_parallel_size={self.virtual_pipeline_model_parallel_size}: virtual "
-                             "stages are run at pipeline parallelism > 1, alone or with data parallelism (tensor, "
-                             "expert and context parallelism 1)")
+                             "stages are run at pipeline parallelism > 1, alone or with tensor (+ sequence) and data "
+                             "parallelism (expert and context parallelism 1)")
         if self.moe_token_dispatcher_type not in DISPATCHERS:
             raise ValueError(f"moe_token_dispatcher_type={self.moe_token_dispatcher_type!r}: use one of {DISPATCHERS}")
         if self.world_size % self.expert_model_parallel_size:
@@ -314,14 +313,11 @@ class _RankRun:
         return dict(grads=grads, logprobs_after=batch.split_per_sequence(after.cpu()), weights=weights)
 
     def _full(self, chunks: list[dict]) -> dict:
-        """Full tensors by megatron name from this rank's per-chunk tensors (one chunk without
-        virtual stages, which run with data parallelism at most: nothing to gather over its
-        replicas); collectives."""
-        from zero_mismatch_plugin.faces.megatron import convert, pipeline
+        """Full tensors by megatron name from this rank's per-chunk tensors (one dict per model
+        chunk); collectives."""
+        from zero_mismatch_plugin.faces.megatron import convert
 
-        if len(chunks) == 1:
-            return convert.full_tensors(self.model, chunks[0])
-        return pipeline.gather_stages(chunks, self.model.config, self.model.share_embeddings_and_output_weights)
+        return convert.full_tensors(_as_run(self.chunks), _as_run(chunks))
 
 
 def _as_run(chunks: list):
