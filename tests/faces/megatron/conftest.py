@@ -31,8 +31,9 @@ def mg_checkpoints(tmp_path_factory, mg_consistent_mode):
         "llama": build_tiny_model(root / "llama", family="llama", seed=1),
         # Four layers: two model chunks of one layer on each of two pipeline stages (virtual stages).
         "qwen3": build_tiny_model(root / "qwen3", family="qwen3", seed=2, num_hidden_layers=4),
-        # Mixture-of-Experts at tensor parallelism (test_megatron_tensor_parallel.py).
-        "qwen3_moe": build_tiny_model(root / "qwen3_moe", family="qwen3_moe", seed=3),
+        # Mixture-of-Experts at tensor parallelism (test_megatron_tensor_parallel.py); Qwen3-MoE's
+        # four layers for virtual stages too.
+        "qwen3_moe": build_tiny_model(root / "qwen3_moe", family="qwen3_moe", seed=3, num_hidden_layers=4),
         "glm4_moe": build_tiny_model(root / "glm4_moe", family="glm4_moe", seed=4),
     }
 

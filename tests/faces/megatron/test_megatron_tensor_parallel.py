@@ -6,10 +6,10 @@ the ranks as vLLM splits it, or whole on its rank at TP 2 x EP 2 (expert tensor 
 
 Combined layouts too, on four ranks: TP 2 + SP x PP 2 (two pipeline stages of two tensor-parallel
 ranks each, Llama and Qwen3), TP 2 + SP x CP 2 (Llama), TP 2 + SP x EP 2 x CP 2 and TP 2 + SP x
-EP 2 x PP 2 (Qwen3-MoE) and TP 2 + SP x PP 2 x VP 2 (virtual stages, the four-layer Qwen3, with a
-step), bitwise against the same TP-2 engines; PP 2 x EP 2, CP 2 x EP 2, PP 2 x
-CP 2 x EP 2 (Qwen3-MoE) and PP 2 x CP 2 (the windowed Mistral) against the session's one-process
-engines.
+EP 2 x PP 2 (Qwen3-MoE), and virtual stages with a step: TP 2 + SP x PP 2 x VP 2 (the four-layer
+Qwen3) and TP 2 + SP x EP 2 x PP 2 x VP 2 (the four-layer Qwen3-MoE), bitwise against the same TP-2 engines; PP 2 x EP 2, CP 2 x EP 2, PP 2 x
+CP 2 x EP 2 (Qwen3-MoE), PP 2 x CP 2 (the windowed Mistral) and, with a step, PP 2 x VP 2 x DP 2
+and PP 2 x VP 2 x CP 2 (the windowed CWM) against the session's one-process engines.
 
 LoRA at TP 2 + SP: an adapter on every decoder linear of the Llama checkpoint against an engine at
 TP 2 serving it (``zmrl check --lora``, a rollout, one step of the adapter and its sync), and one on
@@ -269,10 +269,12 @@ COMBINED = Layout(TP, sequence_parallel=True, pipeline_model_parallel_size=2)
 TP_CP = Layout(TP, sequence_parallel=True, context_parallel_size=2)
 TP_EP_CP = Layout(TP, sequence_parallel=True, expert_model_parallel_size=2, context_parallel_size=2)
 TP_EP_PP = Layout(TP, sequence_parallel=True, expert_model_parallel_size=2, pipeline_model_parallel_size=2)
-# Virtual stages: each of the two pipeline ranks holds two model chunks of one Qwen3 layer each.
+# Virtual stages: each of the two pipeline ranks holds two model chunks of one layer each.
 TP_VP = Layout(TP, sequence_parallel=True, pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)
+TP_EP_VP = Layout(TP, sequence_parallel=True, expert_model_parallel_size=2, pipeline_model_parallel_size=2,
+                  virtual_pipeline_model_parallel_size=2)
 TP2_ENGINE_RUNS = [("llama", COMBINED), ("qwen3", COMBINED), ("llama", TP_CP), ("qwen3_moe", TP_EP_CP),
-                   ("qwen3_moe", TP_EP_PP), ("qwen3", TP_VP)]
+                   ("qwen3_moe", TP_EP_PP), ("qwen3", TP_VP), ("qwen3_moe", TP_EP_VP)]
 ONE_PROCESS_RUNS = [
     ("qwen3_moe", Layout(pipeline_model_parallel_size=2, expert_model_parallel_size=2, data_parallel_size=2,
                          moe_token_dispatcher_type="allgather")),
@@ -281,11 +283,14 @@ ONE_PROCESS_RUNS = [
     # every layer a 12-token window, reaching back across the context-parallel chunks
     ("mistral_window", Layout(pipeline_model_parallel_size=2, context_parallel_size=2)),
 ]
-# Virtual stages with data parallelism: two replicas of two stages of two model chunks (megatron's
-# interleaved schedule), the windowed CWM's four layers one per chunk; with a step.
+# Virtual stages with data or context parallelism: two replicas, or two context-parallel halves, of
+# two stages of two model chunks (megatron's interleaved schedule), the windowed CWM's four layers
+# one per chunk (its 12-token windows reach back across the context-parallel chunks); with a step.
 VIRTUAL_DP = Layout(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2, data_parallel_size=2)
-ONE_PROCESS_RUNS.append(("cwm_window", VIRTUAL_DP))
-STEPPED = {("llama", COMBINED.name), ("llama", TP_CP.name), ("qwen3", TP_VP.name), ("cwm_window", VIRTUAL_DP.name)}
+VIRTUAL_CP = Layout(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2, context_parallel_size=2)
+ONE_PROCESS_RUNS += [("cwm_window", VIRTUAL_DP), ("cwm_window", VIRTUAL_CP)]
+STEPPED = {("llama", COMBINED.name), ("llama", TP_CP.name), ("qwen3", TP_VP.name), ("qwen3_moe", TP_EP_VP.name),
+           ("cwm_window", VIRTUAL_DP.name), ("cwm_window", VIRTUAL_CP.name)}
 
 
 @pytest.fixture(scope="module")
@@ -372,51 +377,82 @@ def test_gradients_at_combined_layouts_agree_with_the_one_process_face(step_grad
     assert worst <= GRAD_REL_TOL
 
 
-def test_virtual_stages_with_tensor_parallelism_step_as_one_process(mg_checkpoints, tp2_rollouts, combined_results):
-    """TP 2 + SP x PP 2 x VP 2 on Qwen3 (bitwise with the TP-2 engine above; its tied head is the
-    last stage's last chunk's copy of the embedding): the step's gradients, gathered over the
-    tensor-parallel ranks chunk by chunk and then over the stages, agree with the one-process face,
-    and the weights gathered for the engine are the checkpoint's minus lr times them."""
+@pytest.fixture(scope="module")
+def one_process_step_gradients(mg_checkpoints, tp2_rollouts):
+    """``of(family)``: the step's gradients of the family's TP-2 rollout in the one-process face
+    (checkpoint names), computed on first use."""
     from support.megatron_lora import one_process_gradients
 
-    from zero_mismatch_plugin.aligned.checkpoint import read_checkpoint
     from zero_mismatch_plugin.aligned.runtime import VllmRuntime
 
-    prompts, responses, _ = tp2_rollouts["qwen3"]
-    result = combined_results[("qwen3", TP_VP.name)]
-    one_process = one_process_gradients(VllmRuntime(mg_checkpoints["qwen3"], **ENGINE_KWARGS), prompts, responses,
-                                        STEP)
+    computed = {}
+
+    def of(family: str) -> dict:
+        if family not in computed:
+            prompts, responses, _ = tp2_rollouts[family]
+            computed[family] = one_process_gradients(VllmRuntime(mg_checkpoints[family], **ENGINE_KWARGS), prompts,
+                                                     responses, STEP)
+        return computed[family]
+
+    return of
+
+
+@pytest.mark.parametrize("family, layout", [("qwen3", TP_VP.name), ("qwen3_moe", TP_EP_VP.name)])
+def test_virtual_stages_with_tensor_parallelism_step_as_one_process(mg_checkpoints, one_process_step_gradients,
+                                                                    combined_results, family, layout):
+    """TP 2 + SP x PP 2 x VP 2 on Qwen3 (its tied head the last stage's last chunk's copy of the
+    embedding) and with EP 2 on Qwen3-MoE (each expert whole on its rank), both bitwise with the
+    TP-2 engines above: the step's gradients, gathered over the tensor- and expert-parallel ranks
+    chunk by chunk and then over the stages, agree with the one-process face, and the weights
+    gathered for the engine are the checkpoint's minus lr times them."""
+    from zero_mismatch_plugin.aligned.checkpoint import read_checkpoint
+
+    result = combined_results[(family, layout)]
+    one_process = one_process_step_gradients(family)
     grads = result["grads"]
     assert set(grads) == set(one_process)
     assert {int(n.split(".")[2]) for n in grads if n.startswith("model.layers.")} == {0, 1, 2, 3}
     worst = max(_relative(grads[n], one_process[n]) for n in one_process)
-    print(f"qwen3 {TP_VP.name}: worst relative gradient difference vs the one-process face {worst:.3g}")
+    print(f"{family} {layout}: worst relative gradient difference vs the one-process face {worst:.3g}")
     assert worst <= GRAD_REL_TOL
-    before = read_checkpoint(mg_checkpoints["qwen3"])
+    before = read_checkpoint(mg_checkpoints[family])
     weights = dict(result["weights"])
     assert set(weights) == set(grads)
     for name, grad in grads.items():
         assert torch.allclose(weights[name], before[name] - STEP.lr * grad, rtol=1e-6, atol=1e-8), name
 
 
-def test_virtual_stages_with_data_parallelism_step_and_sync_as_one_process(engines, checkpoints, one_process_rollouts,
-                                                                           combined_results):
-    """PP 2 x VP 2 x DP 2: the step's gradients (each replica's share summed by DDP over the two
-    replicas, every chunk's layers gathered over the stages) agree with the one-process face, and
-    after the step and one sync the one-process engine is bitwise with the ranks again."""
+@pytest.fixture(scope="module")
+def cwm_one_process_gradients(checkpoints, one_process_rollouts):
+    """The windowed CWM's step gradients in the one-process face (checkpoint names)."""
     from support.megatron_lora import one_process_gradients
 
     from zero_mismatch_plugin.aligned.runtime import VllmRuntime
+
+    prompts, responses, _ = one_process_rollouts["cwm_window"]
+    return one_process_gradients(VllmRuntime(checkpoints["cwm_window"], **ENGINE_KWARGS), prompts, responses, STEP)
+
+
+@pytest.mark.parametrize("layout", [VIRTUAL_DP.name, VIRTUAL_CP.name])
+def test_virtual_stages_with_data_or_context_parallelism_step_and_sync_as_one_process(
+        engines, one_process_rollouts, cwm_one_process_gradients, combined_results, layout):
+    """PP 2 x VP 2 x DP 2 and PP 2 x VP 2 x CP 2: the step's gradients (each replica's or
+    context-parallel half's share summed by DDP, every chunk's layers gathered over the stages)
+    agree with the one-process face, and after the step and one sync the one-process engine is
+    bitwise with the ranks again. Under context parallelism each micro-batch's sequences are split
+    into their chunks, a micro-batch with fewer padded rows than the longest gets a padding
+    sequence (the schedule exchanges one shape), and megatron's scaling of a two-value loss by the
+    context-parallel size is undone (each rank computes the whole objective from the gathered rows):
+    without that every gradient is twice the one-process face's."""
     from zero_mismatch_plugin.aligned.weight_sync import load_named_weights
     from zero_mismatch_plugin.tools.checker.engine import rescore
 
     prompts, responses, mu = one_process_rollouts["cwm_window"]
-    result = combined_results[("cwm_window", VIRTUAL_DP.name)]
-    one_process = one_process_gradients(VllmRuntime(checkpoints["cwm_window"], **ENGINE_KWARGS), prompts, responses,
-                                        STEP)
+    result = combined_results[("cwm_window", layout)]
+    one_process = cwm_one_process_gradients
     assert set(result["grads"]) == set(one_process)
     worst = max(_relative(result["grads"][n], one_process[n]) for n in one_process)
-    print(f"{VIRTUAL_DP.name}: worst relative gradient difference vs the one-process face {worst:.3g}")
+    print(f"{layout}: worst relative gradient difference vs the one-process face {worst:.3g}")
     assert worst <= GRAD_REL_TOL
     after = torch.cat(result["logprobs_after"])
     assert not torch.equal(after, mu)  # the step changed the model
@@ -737,38 +773,16 @@ def test_a_rank_killed_mid_call_fails_the_call_within_60_s_naming_the_rank(tp2_g
     assert_a_killed_rank_fails_the_call(tp2_group, spec, pack(prompts, responses))
 
 
-@pytest.fixture(scope="module")
-def moe_one_process_gradients(mg_checkpoints, tp2_rollouts):
-    """Qwen3-MoE's step gradients in the one-process face (checkpoint names)."""
-    from zero_mismatch_plugin.aligned.packing import pack
-    from zero_mismatch_plugin.aligned.runtime import VllmRuntime
-    from zero_mismatch_plugin.faces.megatron import convert
-    from zero_mismatch_plugin.integrations.megatron.distributed import step_coefficients
-    from zero_mismatch_plugin.integrations.megatron.standalone import (
-        build_gpt_model,
-        packed_logits,
-        token_logprobs_from_logits,
-    )
-
-    prompts, responses, _ = tp2_rollouts["qwen3_moe"]
-    runtime = VllmRuntime(mg_checkpoints["qwen3_moe"], **ENGINE_KWARGS)
-    model = build_gpt_model(runtime).train()
-    batch = pack(prompts, responses)
-    values = token_logprobs_from_logits(packed_logits(model, batch), batch)
-    (values * step_coefficients(STEP, values.numel())).sum().backward()
-    return convert.megatron_to_hf({k: p.grad for k, p in model.named_parameters()}, runtime.hf_config)
-
-
 @pytest.mark.parametrize("layout", ["tp2-sp", *TP_EP])
 def test_moe_gradients_at_tp2_sp_agree_with_the_one_process_face_and_the_gathered_weights_are_whole(
-        mg_checkpoints, moe_one_process_gradients, tp2_results, layout):
+        mg_checkpoints, one_process_step_gradients, tp2_results, layout):
     """Qwen3-MoE's step at TP 2 + SP (experts split, or whole on their rank at TP 2 x EP 2): the
     router (on each rank's tokens) and the experts' gradients gathered to full tensors equal the
     one-process face's to fp32 rounding; the weights the ranks gather for the engine are the
     checkpoint's minus lr times those gradients."""
     from zero_mismatch_plugin.aligned.checkpoint import read_checkpoint
 
-    one_process = moe_one_process_gradients
+    one_process = one_process_step_gradients("qwen3_moe")
     result = tp2_results["qwen3_moe"][layout]
     grads = result["grads"]
     assert set(grads) == set(one_process)

@@ -50,6 +50,22 @@ def test_the_context_parallel_split_is_megatrons_load_balanced_chunks():
         context_parallel.Split((6,), 2)
 
 
+def test_a_context_parallel_micro_batch_is_padded_to_the_longest_by_a_sequence_of_its_own():
+    """Virtual stages run one micro-batch per stage through one exchanged shape: a shorter one gets a
+    padding sequence after its real ones; the real rows, and where they lie, are unchanged."""
+    from zero_mismatch_plugin.aligned.packing import pack
+    from zero_mismatch_plugin.integrations.megatron.standalone import context_parallel_rows
+
+    batch = pack([[1, 2, 3], [4, 5]], [[6, 7], [8, 9, 10]])  # 5 tokens each: padded to 8 at CP 2
+    split, real = context_parallel_rows(batch, 2)
+    assert split.seq_lens == (8, 8) and real.tolist() == [0, 1, 2, 3, 4, 8, 9, 10, 11, 12]
+    padded, padded_real = context_parallel_rows(batch, 2, total=24)
+    assert padded.seq_lens == (8, 8, 8) and torch.equal(padded_real, real)
+    assert context_parallel_rows(batch, 2, total=16)[0].seq_lens == (8, 8)  # already as long
+    with pytest.raises(ValueError, match="not multiples of 4"):
+        context_parallel_rows(batch, 2, total=18)
+
+
 def test_a_pipeline_stage_holds_its_layers_renumbered_and_its_ends(monkeypatch):
     config = SimpleNamespace(pipeline_model_parallel_size=2, num_layers=4)
     full = {f"decoder.layers.{i}.mlp.linear_fc2.weight": torch.full((1,), float(i)) for i in range(4)}
@@ -233,7 +249,7 @@ def test_bf16_stages_send_fp32_words_and_a_model_whose_stages_cannot_is_refused(
                                                               "fp32 are)"]
 
 
-def test_a_layout_takes_virtual_pipeline_stages_at_pipeline_parallelism_with_tensor_or_data_parallelism():
+def test_a_layout_takes_virtual_pipeline_stages_at_pipeline_parallelism_with_any_other_parallelism():
     from zero_mismatch_plugin.integrations.megatron.distributed import Layout
 
     layout = Layout(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)
@@ -245,12 +261,14 @@ def test_a_layout_takes_virtual_pipeline_stages_at_pipeline_parallelism_with_ten
     with_tensor = Layout(tensor_model_parallel_size=2, sequence_parallel=True, pipeline_model_parallel_size=2,
                          virtual_pipeline_model_parallel_size=2)
     assert with_tensor.name == "tp2-sp-pp2-vp2" and with_tensor.world_size == 4
-    for sizes in (dict(), dict(tensor_model_parallel_size=2),
-                  dict(pipeline_model_parallel_size=2, context_parallel_size=2),
-                  dict(pipeline_model_parallel_size=2, data_parallel_size=2, expert_model_parallel_size=2)):
-        with pytest.raises(ValueError, match=r"virtual_pipeline_model_parallel_size=2: virtual stages are run at "
-                                             r"pipeline parallelism > 1, alone or with tensor \(\+ sequence\) and data "
-                                             r"parallelism"):
+    with_experts = Layout(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2, data_parallel_size=2,
+                          expert_model_parallel_size=2)
+    assert with_experts.name == "tp1-ep2-alltoall-pp2-vp2-dp2" and with_experts.world_size == 4
+    with_context = Layout(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2, context_parallel_size=2)
+    assert with_context.name == "tp1-pp2-vp2-cp2" and with_context.world_size == 4
+    for sizes in (dict(), dict(tensor_model_parallel_size=2), dict(context_parallel_size=2)):
+        with pytest.raises(ValueError, match=r"virtual_pipeline_model_parallel_size=2: virtual stages split each "
+                                             r"pipeline stage's layers; set pipeline_model_parallel_size > 1"):
             Layout(virtual_pipeline_model_parallel_size=2, **sizes)
 
 

@@ -36,17 +36,13 @@ class Layout:
     data_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
     context_parallel_size: int = 1
-    # Model chunks per pipeline rank (megatron's interleaved schedule); with pipeline parallelism,
-    # and tensor (+ sequence) and data parallelism.
+    # Model chunks per pipeline rank (megatron's interleaved schedule); with pipeline parallelism.
     virtual_pipeline_model_parallel_size: int = 1
 
     def __post_init__(self):
-        if self.virtual_pipeline_model_parallel_size > 1 and (
-                self.pipeline_model_parallel_size == 1 or self.expert_model_parallel_size > 1
-                or self.context_parallel_size > 1):
+        if self.virtual_pipeline_model_parallel_size > 1 and self.pipeline_model_parallel_size == 1:
             raise ValueError(f"virtual_pipeline_model_parallel_size={self.virtual_pipeline_model_parallel_size}: virtual "
-                             "stages are run at pipeline parallelism > 1, alone or with tensor (+ sequence) and data "
-                             "parallelism (expert and context parallelism 1)")
+                             "stages split each pipeline stage's layers; set pipeline_model_parallel_size > 1")
         if self.moe_token_dispatcher_type not in DISPATCHERS:
             raise ValueError(f"moe_token_dispatcher_type={self.moe_token_dispatcher_type!r}: use one of {DISPATCHERS}")
         if self.world_size % self.expert_model_parallel_size:

@@ -174,16 +174,18 @@ def context_parallel_logits(model, batch: PackedBatch, group, tokens_multiple_of
     return whole_rows(local, split, real, group)
 
 
-def context_parallel_inputs(model, batch: PackedBatch, group, tokens_multiple_of: int = 1) -> tuple:
+def context_parallel_inputs(model, batch: PackedBatch, group, tokens_multiple_of: int = 1, total: int = 0) -> tuple:
     """``(GPTModel's keyword arguments, split, real)`` of this context-parallel rank: each sequence
     padded at its end to megatron's chunk multiple, this rank's chunks of the ids and positions,
-    ``PackedSeqParams`` of the whole padded sequences (:func:`context_parallel_rows`)."""
+    ``PackedSeqParams`` of the whole padded sequences (:func:`context_parallel_rows`; ``total``:
+    rows of the padded whole at least, made up by a padding sequence)."""
     size, rank = group.size(), torch.distributed.get_rank(group)
     device = next(model.parameters()).device
-    split, real = context_parallel_rows(batch, size, tokens_multiple_of)
+    split, real = context_parallel_rows(batch, size, tokens_multiple_of, total)
     ids = []
     for sequence, n, padded in zip(batch.input_ids.split(list(batch.seq_lens)), batch.seq_lens, split.seq_lens):
         ids.append(torch.cat([sequence, sequence.new_zeros(padded - n)]))
+    ids.extend(batch.input_ids.new_zeros(n) for n in split.seq_lens[len(batch.seq_lens):])  # the padding sequence
     rows = split.rows(rank)
     inputs = dict(input_ids=torch.cat(ids)[rows].to(device).unsqueeze(0),
                   position_ids=split.positions(rank).to(device).unsqueeze(0), attention_mask=None,
@@ -197,12 +199,16 @@ def whole_rows(local: torch.Tensor, split, real: torch.Tensor, group) -> torch.T
     return whole.index_select(0, real.to(local.device))
 
 
-def context_parallel_rows(batch: PackedBatch, size: int, tokens_multiple_of: int = 1) -> tuple:
+def context_parallel_rows(batch: PackedBatch, size: int, tokens_multiple_of: int = 1, total: int = 0) -> tuple:
     """``(split, real)``: the context-parallel split of ``batch``'s sequences, each padded at its
     end, and where the batch's own rows lie in the padded whole. ``tokens_multiple_of``: sequence
     parallelism splits each rank's rows over the tensor-parallel ranks, so each sequence is padded
-    to a multiple of ``2 * size * tokens_multiple_of`` (as verl pads for megatron)."""
+    to a multiple of ``2 * size * tokens_multiple_of`` (as verl pads for megatron). ``total``: the
+    padded whole's rows at least, made up by one padding sequence after the real ones (no real row
+    attends to it; a multiple of that too)."""
     lens = [context_parallel.padded_length(n, size * tokens_multiple_of) for n in batch.seq_lens]
+    if total > sum(lens):
+        lens.append(total - sum(lens))
     starts = [sum(lens[:i]) for i in range(len(lens))]
     real = torch.cat([torch.arange(start, start + n) for start, n in zip(starts, batch.seq_lens)])
     return context_parallel.Split(tuple(lens), size), real
@@ -217,30 +223,36 @@ def pipelined_outputs(model, batch: PackedBatch, tokens_multiple_of: int = 1, mi
     parallelism too, each stage's ranks hold their chunks (:func:`context_parallel_inputs`) and the
     last stage gathers the logits' rows. ``model``: with virtual pipeline stages, this rank's list
     of model chunks; the batch's sequences then go in one micro-batch per stage (megatron's
-    interleaved schedule needs as many), each padded to the longest, and each micro-batch's
-    objective is multiplied back by their number (megatron divides it)."""
+    interleaved schedule needs as many), each padded to the longest (under context parallelism by
+    a padding sequence), and each micro-batch's objective is multiplied back by their number and
+    divided by the context-parallel size (megatron divides by the one, multiplies by the other)."""
     chunks = model if isinstance(model, list) else [model]
     first = chunks[0]
     config = pipeline.model_config(first)
     group = context_parallel.context_parallel_group(config)
     parts = [batch] if len(chunks) == 1 else split_sequences(batch, pipeline.pipeline_size(config))
-    if len(parts) > 1 and group is not None:
-        raise NotImplementedError("virtual pipeline stages with context parallelism")
     weights = [None] * len(parts) if coefficients is None else coefficients.split([len(p.target_ids) for p in parts])
+    # Items (part, inputs, context-parallel split and real rows, weight); the schedule exchanges one
+    # shape, so every micro-batch is padded to the longest.
+    cp_size = 1 if group is None else group.size()
     if group is not None:
-        inputs, split, real = context_parallel_inputs(first, batch, group, tokens_multiple_of)
-        items = [(batch, inputs, weights[0])]
-        tokens = sum(split.seq_lens)
+        tokens = max(sum(context_parallel_rows(p, group.size(), tokens_multiple_of)[0].seq_lens) for p in parts)
+        items = [(part, *context_parallel_inputs(first, part, group, tokens_multiple_of, tokens), w)
+                 for part, w in zip(parts, weights)]
     else:
         longest = max([min_tokens, *(p.num_tokens for p in parts)])
-        items = [(part, packed_inputs(first, part, tokens_multiple_of, longest), w) for part, w in zip(parts, weights)]
+        items = [(part, packed_inputs(first, part, tokens_multiple_of, longest), None, None, w)
+                 for part, w in zip(parts, weights)]
         tokens = items[0][1]["input_ids"].shape[1]
 
     def loss(item, output):
-        part, _, weight = item
+        part, _, split, real, weight = item
         logits = output[0][: part.num_tokens] if group is None else whole_rows(output[0], split, real, group)
         values = token_logprobs_from_logits(logits, part)
-        objective = values.sum() * 0 if weight is None else (values * weight).sum() * len(items)
+        # megatron divides a two-value loss by the micro-batches and multiplies it by the
+        # context-parallel size (as if each rank's were its share of a mean); here each rank's
+        # objective is the whole batch's (its rows gathered), so both are undone.
+        objective = values.sum() * 0 if weight is None else (values * weight).sum() * (len(items) / cp_size)
         targets = logits.index_select(0, part.target_rows.to(logits.device))
         return objective, {"logprobs": values.detach(), "target_logits": targets.detach()}
 
