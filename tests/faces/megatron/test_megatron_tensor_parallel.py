@@ -25,8 +25,9 @@ not started already, ~20 s) and ``zmrl check`` at PP 2 x EP 2 on them, and a TP-
 five calls on the same two ranks (~60 s), four bisections on them (vLLM's model built on the
 ranks each time, ~5 s each) and four on the four ranks (~10 s each); everything below is asserted
 from those runs. The
-check command as a user runs it, starting its own TP-2 engine and ranks, runs once, on Qwen3-MoE
-at TP 2 + SP x EP 2 (~40 s).
+check command as a user runs it, starting its own TP-2 engine and eight ranks, runs once, last, on
+Qwen3-MoE at TP 2 + SP x EP 2 x PP 2 x CP 2 (~COST s; the module's two- and four-rank groups closed
+first).
 """
 
 from __future__ import annotations
@@ -435,7 +436,7 @@ def cwm_one_process_gradients(checkpoints, one_process_rollouts):
 
 @pytest.mark.parametrize("layout", [VIRTUAL_DP.name, VIRTUAL_CP.name])
 def test_virtual_stages_with_data_or_context_parallelism_step_and_sync_as_one_process(
-        engines, one_process_rollouts, cwm_one_process_gradients, combined_results, layout):
+        engines, checkpoints, one_process_rollouts, cwm_one_process_gradients, combined_results, layout):
     """PP 2 x VP 2 x DP 2 and PP 2 x VP 2 x CP 2: the step's gradients (each replica's or
     context-parallel half's share summed by DDP, every chunk's layers gathered over the stages)
     agree with the one-process face, and after the step and one sync the one-process engine is
@@ -443,7 +444,10 @@ def test_virtual_stages_with_data_or_context_parallelism_step_and_sync_as_one_pr
     into their chunks, a micro-batch with fewer padded rows than the longest gets a padding
     sequence (the schedule exchanges one shape), and megatron's scaling of a two-value loss by the
     context-parallel size is undone (each rank computes the whole objective from the gathered rows):
-    without that every gradient is twice the one-process face's."""
+    without that every gradient is twice the one-process face's. The weights the ranks gather are
+    the checkpoint's minus lr times the whole gradient (DDP's mean over the replicas or halves
+    stepped half as far)."""
+    from zero_mismatch_plugin.aligned.checkpoint import read_checkpoint
     from zero_mismatch_plugin.aligned.weight_sync import load_named_weights
     from zero_mismatch_plugin.tools.checker.engine import rescore
 
@@ -454,6 +458,11 @@ def test_virtual_stages_with_data_or_context_parallelism_step_and_sync_as_one_pr
     worst = max(_relative(result["grads"][n], one_process[n]) for n in one_process)
     print(f"{layout}: worst relative gradient difference vs the one-process face {worst:.3g}")
     assert worst <= GRAD_REL_TOL
+    # The step takes the whole gradient, not DDP's mean over the replicas or halves.
+    before = read_checkpoint(checkpoints["cwm_window"])
+    weights = dict(result["weights"])
+    for name, grad in result["grads"].items():
+        assert torch.allclose(weights[name], before[name] - STEP.lr * grad, rtol=1e-6, atol=1e-8), name
     after = torch.cat(result["logprobs_after"])
     assert not torch.equal(after, mu)  # the step changed the model
     llm = engines.get("cwm_window")
@@ -796,15 +805,25 @@ def test_moe_gradients_at_tp2_sp_agree_with_the_one_process_face_and_the_gathere
         assert torch.allclose(weights[name], before[name] - STEP.lr * grad, rtol=1e-6, atol=1e-8), name
 
 
-def test_zmrl_check_at_tp2_sp_by_ep2_on_an_moe_checkpoint_passes_every_check(mg_checkpoints, tmp_path, capsys):
-    """``zmrl check --trainer megatron --tensor-parallel 2 --sequence-parallel --expert-parallel 2`` on
-    Qwen3-MoE as a user runs it: its own engine at TP 2 and its own two ranks; the expert-selection
-    check included (every rank's tokens' choices)."""
+def test_zmrl_check_on_eight_ranks_at_tp2_sp_by_ep2_by_pp2_by_cp2_passes_every_check(mg_checkpoints, tp2_group,
+                                                                                    four_ranks, tmp_path, capsys):
+    """``zmrl check --trainer megatron --tensor-parallel 2 --sequence-parallel --expert-parallel 2
+    --pipeline-parallel 2 --context-parallel 2`` on Qwen3-MoE as a user runs it: its own engine at
+    TP 2 and its own eight ranks (each pipeline stage's context-parallel halves hold their chunks
+    of every sequence, split over the half's two tensor-parallel ranks; experts whole on their
+    expert-parallel rank); the expert-selection check included (every rank's tokens' choices).
+    Last in the module: its two- and four-rank groups are closed first, since eight one-thread
+    ranks (~4.7 GB here) beside them and the TP-2 engines would crowd a CI host's memory."""
     from support.check_command import run_check
 
-    code, table, report = run_check(mg_checkpoints["qwen3_moe"], ["--tensor-parallel", "2", "--sequence-parallel",
-                                                                  "--expert-parallel", "2"], tmp_path, capsys)
+    tp2_group.close()
+    four_ranks.close()
+    flags = ["--tensor-parallel", "2", "--sequence-parallel", "--expert-parallel", "2", "--pipeline-parallel", "2",
+             "--context-parallel", "2"]
+    code, table, report = run_check(mg_checkpoints["qwen3_moe"], flags, tmp_path, capsys)
     assert code == 0, table
-    assert "trainer megatron | tensor parallel 2 + sequence parallel | expert parallel 2 (alltoall)" in table
+    assert ("trainer megatron | tensor parallel 2 + sequence parallel | expert parallel 2 (alltoall) | "
+            "pipeline parallel 2 | context parallel 2") in table, table
     assert "expert_selection" in report
     assert all(entry["pass"] is True for entry in report.values()), report
+    assert report["sampled_token"]["bitwise_equal_fraction"] == 1.0

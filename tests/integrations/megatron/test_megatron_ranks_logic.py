@@ -185,11 +185,10 @@ def test_the_spec_takes_the_layouts_run_and_refuses_the_combinations_not_run():
         assert refused(pipeline_model_parallel_size=2, **run) == [], run
     assert refused(num_moe_experts=8, tensor_model_parallel_size=2, expert_model_parallel_size=2,
                    expert_tensor_parallel_size=1, context_parallel_size=2) == []
-    not_run = ["pipeline parallelism > 1 with both tensor and context parallelism (each with pipeline parallelism, "
-               "with expert parallelism too, and tensor x expert x context are run; this is not yet)"]
-    assert refused(pipeline_model_parallel_size=2, tensor_model_parallel_size=2, context_parallel_size=2) == not_run
+    # and on eight ranks TP x PP x CP, with EP too.
+    assert refused(pipeline_model_parallel_size=2, tensor_model_parallel_size=2, context_parallel_size=2) == []
     assert refused(num_moe_experts=8, pipeline_model_parallel_size=2, tensor_model_parallel_size=2,
-                   expert_model_parallel_size=2, expert_tensor_parallel_size=1, context_parallel_size=2) == not_run
+                   expert_model_parallel_size=2, expert_tensor_parallel_size=1, context_parallel_size=2) == []
     # Virtual stages (megatron's interleaved schedule) run bitwise (test_megatron_two_rank_layouts.py).
     assert refused(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2) == []
 

@@ -253,10 +253,6 @@ CASES = [
           r"--pipeline-parallel 0: give a number of ranks, 1 or more"),
     error("check-pipeline-parallel-not-dividing-the-layers", check("--trainer", "megatron", "--pipeline-parallel", "3"),
           r"--pipeline-parallel 3 does not divide the checkpoint's \d+ layers"),
-    error("check-tensor-and-context-parallel-with-pipeline-parallel",
-          check("--trainer", "megatron", "--pipeline-parallel", "2", "--tensor-parallel", "2", "--context-parallel", "2"),
-          r"--tensor-parallel 2 --expert-parallel 1 --pipeline-parallel 2 --context-parallel 2: the Megatron face "
-          r"does not run pipeline parallelism > 1 with both tensor and context parallelism .*\. Set one of them to 1"),
     error("check-context-parallel-on-the-aligned-face", check("--context-parallel", "2"),
           r"--context-parallel runs each sequence's rows split on several ranks: use --trainer megatron"),
     error("check-context-parallel-negative", check("--trainer", "megatron", "--context-parallel", "-2"),

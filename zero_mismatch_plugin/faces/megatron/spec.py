@@ -58,11 +58,6 @@ def unsupported_features(config) -> list[str]:
             and (get("expert_tensor_parallel_size", 1) or 1) != 1):
         problems.append("tensor with expert parallelism at expert_tensor_parallel_size > 1 (set it to 1: experts "
                         "whole on their rank, computed as the engine's tensor-parallel ranks split them)")
-    pp, ep, cp = (get(f"{name}_parallel_size", 1) or 1 for name in ("pipeline_model", "expert_model", "context"))
-    if pp != 1 and tp != 1 and cp != 1:
-        problems.append("pipeline parallelism > 1 with both tensor and context parallelism (each with pipeline "
-                        "parallelism, with expert parallelism too, and tensor x expert x context are run; this is not "
-                        "yet)")
     boundary = boundary_problem(config)
     if boundary is not None:
         problems.append(boundary)

@@ -293,9 +293,11 @@ class _RankRun:
             grads = full_adapter_tensors(_as_run(self.chunks), local_grads if len(self.chunks) > 1 else local_grads[0])
         else:
             grads = convert.megatron_to_hf(self._full(local_grads), hf)
+        # The step takes the gradient it reports (the sum over every rank's tokens, as one process
+        # takes it), not DDP's mean over the data- and context-parallel ranks.
         with torch.no_grad():
             for _, p in (pair for chunk in trained for pair in chunk):
-                p.add_(p.main_grad, alpha=-step.lr)
+                p.add_(p.main_grad * ranks, alpha=-step.lr)
         for ddp in ddps:
             ddp.eval()
         with torch.no_grad():

@@ -136,7 +136,6 @@ def run_settings(args, max_model_len: int, lora: dict) -> eng.EngineSettings:
         if size > 1 and args.trainer != "megatron":
             raise inputs.CheckerInputError(f"{flag} runs {what} on several ranks: use --trainer megatron "
                                            f"(--trainer {args.trainer} runs in one process)")
-    _refuse_unrun_layout(tensor_parallel, expert_parallel, pipeline_parallel, context_parallel)
     try:
         settings = eng.engine_settings(
             args.model,
@@ -174,22 +173,6 @@ def run_settings(args, max_model_len: int, lora: dict) -> eng.EngineSettings:
     if args.trainer == "megatron":
         _refuse_megatron_adapter(settings)
     return settings
-
-
-def _refuse_unrun_layout(tensor_parallel: int, expert_parallel: int, pipeline_parallel: int, context_parallel: int) -> None:
-    """Layouts combine as the Megatron face runs them (its own rule, ``faces/megatron/spec.py``)."""
-    from types import SimpleNamespace
-
-    from zero_mismatch_plugin.faces.megatron.spec import unsupported_features
-
-    sizes = SimpleNamespace(tensor_model_parallel_size=tensor_parallel, expert_model_parallel_size=expert_parallel,
-                            pipeline_model_parallel_size=pipeline_parallel, context_parallel_size=context_parallel)
-    problems = [p for p in unsupported_features(sizes) if "parallel" in p]
-    if problems:
-        raise inputs.CheckerInputError(
-            f"--tensor-parallel {tensor_parallel} --expert-parallel {expert_parallel} --pipeline-parallel "
-            f"{pipeline_parallel} --context-parallel {context_parallel}: the Megatron face does not run "
-            + "; ".join(problems) + ". Set one of them to 1")
 
 
 def _refuse_megatron_adapter(settings: eng.EngineSettings) -> None:
