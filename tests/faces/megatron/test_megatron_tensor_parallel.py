@@ -26,7 +26,7 @@ five calls on the same two ranks (~60 s), four bisections on them (vLLM's model 
 ranks each time, ~5 s each) and four on the four ranks (~10 s each); everything below is asserted
 from those runs. The
 check command as a user runs it, starting its own TP-2 engine and eight ranks, runs once, last, on
-Qwen3-MoE at TP 2 + SP x EP 2 x PP 2 x CP 2 (~COST s; the module's two- and four-rank groups closed
+Qwen3-MoE at TP 2 + SP x EP 2 x PP 2 x CP 2 (~80 s; the module's two- and four-rank groups closed
 first).
 """
 
