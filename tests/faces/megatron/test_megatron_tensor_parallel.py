@@ -25,9 +25,9 @@ not started already, ~20 s) and ``zmrl check`` at PP 2 x EP 2 on them, and a TP-
 five calls on the same two ranks (~60 s), four bisections on them (vLLM's model built on the
 ranks each time, ~5 s each) and four on the four ranks (~10 s each); everything below is asserted
 from those runs. The
-check command as a user runs it, starting its own TP-2 engine and eight ranks, runs once, last, on
-Qwen3-MoE at TP 2 + SP x EP 2 x PP 2 x CP 2 (~80 s; the module's two- and four-rank groups closed
-first).
+check command as a user runs it, starting its own TP-2 engine and ranks, runs once, on Qwen3-MoE
+at TP 2 + SP x EP 2 (~40 s). Last, eight one-thread ranks (the two- and four-rank groups closed
+first) score Qwen3-MoE at TP 2 + SP x EP 2 x PP 2 x CP 2 and take a step (~35 s).
 """
 
 from __future__ import annotations
@@ -805,25 +805,63 @@ def test_moe_gradients_at_tp2_sp_agree_with_the_one_process_face_and_the_gathere
         assert torch.allclose(weights[name], before[name] - STEP.lr * grad, rtol=1e-6, atol=1e-8), name
 
 
-def test_zmrl_check_on_eight_ranks_at_tp2_sp_by_ep2_by_pp2_by_cp2_passes_every_check(mg_checkpoints, tp2_group,
-                                                                                    four_ranks, tmp_path, capsys):
-    """``zmrl check --trainer megatron --tensor-parallel 2 --sequence-parallel --expert-parallel 2
-    --pipeline-parallel 2 --context-parallel 2`` on Qwen3-MoE as a user runs it: its own engine at
-    TP 2 and its own eight ranks (each pipeline stage's context-parallel halves hold their chunks
-    of every sequence, split over the half's two tensor-parallel ranks; experts whole on their
-    expert-parallel rank); the expert-selection check included (every rank's tokens' choices).
-    Last in the module: its two- and four-rank groups are closed first, since eight one-thread
-    ranks (~4.7 GB here) beside them and the TP-2 engines would crowd a CI host's memory."""
+def test_zmrl_check_at_tp2_sp_by_ep2_on_an_moe_checkpoint_passes_every_check(mg_checkpoints, tmp_path, capsys):
+    """``zmrl check --trainer megatron --tensor-parallel 2 --sequence-parallel --expert-parallel 2`` on
+    Qwen3-MoE as a user runs it: its own engine at TP 2 and its own two ranks; the expert-selection
+    check included (every rank's tokens' choices)."""
     from support.check_command import run_check
+
+    code, table, report = run_check(mg_checkpoints["qwen3_moe"], ["--tensor-parallel", "2", "--sequence-parallel",
+                                                                  "--expert-parallel", "2"], tmp_path, capsys)
+    assert code == 0, table
+    assert "trainer megatron | tensor parallel 2 + sequence parallel | expert parallel 2 (alltoall)" in table
+    assert "expert_selection" in report
+    assert all(entry["pass"] is True for entry in report.values()), report
+
+
+# Eight ranks, last in the module: pipeline stages of tensor-parallel ranks, each sequence split over
+# two context-parallel halves, experts whole on their expert-parallel rank.
+EIGHT_RANKS = Layout(TP, sequence_parallel=True, expert_model_parallel_size=2, pipeline_model_parallel_size=2,
+                     context_parallel_size=2)
+
+
+@pytest.fixture(scope="module")
+def eight_rank_result(mg_checkpoints, tp2_rollouts, tp2_group, four_ranks):
+    """Qwen3-MoE's run_request at TP 2 + SP x EP 2 x PP 2 x CP 2, with a step, on eight one-thread
+    torchrun ranks. The module's two- and four-rank groups are closed first (only this module's
+    last test comes after): eight ranks take ~4.7 GB here, fourteen beside the TP-2 engine would
+    crowd a CI host's memory."""
+    from zero_mismatch_plugin.integrations.megatron.distributed import ScoreRequest
+    from zero_mismatch_plugin.integrations.megatron.rank_group import RankGroup
 
     tp2_group.close()
     four_ranks.close()
-    flags = ["--tensor-parallel", "2", "--sequence-parallel", "--expert-parallel", "2", "--pipeline-parallel", "2",
-             "--context-parallel", "2"]
-    code, table, report = run_check(mg_checkpoints["qwen3_moe"], flags, tmp_path, capsys)
-    assert code == 0, table
-    assert ("trainer megatron | tensor parallel 2 + sequence parallel | expert parallel 2 (alltoall) | "
-            "pipeline parallel 2 | context parallel 2") in table, table
-    assert "expert_selection" in report
-    assert all(entry["pass"] is True for entry in report.values()), report
-    assert report["sampled_token"]["bitwise_equal_fraction"] == 1.0
+    with RankGroup(EIGHT_RANKS) as group:
+        return group.call("run_request", ScoreRequest(str(mg_checkpoints["qwen3_moe"]), ENGINE_KWARGS,
+                                                      *tp2_rollouts["qwen3_moe"][:2], step=STEP), EIGHT_RANKS)
+
+
+def test_pipeline_stages_of_tensor_and_context_parallel_ranks_are_bitwise_and_step_as_one_process(
+        mg_checkpoints, tp2_rollouts, one_process_step_gradients, eight_rank_result):
+    """Each pipeline stage's two context-parallel halves hold their chunks of every sequence, split
+    over the half's two tensor-parallel ranks as the engine's two ranks split them, the experts
+    whole on their expert-parallel rank: bitwise with the TP-2 engine. The step's gradients,
+    gathered over tensor, expert and pipeline ranks, agree with the one-process face, and the
+    weights gathered for the engine are the checkpoint's minus lr times them."""
+    from zero_mismatch_plugin.aligned.checkpoint import read_checkpoint
+
+    _, _, mu = tp2_rollouts["qwen3_moe"]
+    values = torch.cat(eight_rank_result["logprobs"])
+    assert values.shape == mu.shape
+    assert torch.equal(values, mu), f"{int((values != mu).sum())} of {mu.numel()} tokens differ"
+    one_process = one_process_step_gradients("qwen3_moe")
+    grads = eight_rank_result["grads"]
+    assert set(grads) == set(one_process)
+    worst = max(_relative(grads[n], one_process[n]) for n in one_process)
+    print(f"qwen3_moe {EIGHT_RANKS.name}: worst relative gradient difference vs the one-process face {worst:.3g}")
+    assert worst <= GRAD_REL_TOL
+    before = read_checkpoint(mg_checkpoints["qwen3_moe"])
+    weights = dict(eight_rank_result["weights"])
+    assert set(grads) <= set(weights)
+    for name, grad in grads.items():
+        assert torch.allclose(weights[name], before[name] - STEP.lr * grad, rtol=1e-6, atol=1e-8), name

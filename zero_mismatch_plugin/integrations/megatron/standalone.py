@@ -236,7 +236,7 @@ def pipelined_outputs(model, batch: PackedBatch, tokens_multiple_of: int = 1, mi
     # shape, so every micro-batch is padded to the longest.
     cp_size = 1 if group is None else group.size()
     if group is not None:
-        tokens = max(sum(context_parallel_rows(p, group.size(), tokens_multiple_of)[0].seq_lens) for p in parts)
+        tokens = max(sum(context_parallel_rows(p, cp_size, tokens_multiple_of)[0].seq_lens) for p in parts)
         items = [(part, *context_parallel_inputs(first, part, group, tokens_multiple_of, tokens), w)
                  for part, w in zip(parts, weights)]
     else:
