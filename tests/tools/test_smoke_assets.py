@@ -53,6 +53,34 @@ def test_a_missing_trainer_package_is_named_before_anything_starts(tmp_path, mon
     assert not (tmp_path / "log.txt").exists()
 
 
+def _assert_gone(pid: int) -> None:
+    """``pid`` killed (gone, or a zombie awaiting its reaper) within 5 s."""
+    import time
+
+    for _ in range(50):
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            return
+        if state in ("Z", "X"):
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"the run's process {pid} is still running")
+
+
+def test_a_finished_run_leaves_no_process_of_its_group_behind(tmp_path):
+    """As a TP-2 rollout's vLLM workers outlived main_ppo: a grandchild still running when the run
+    exits is killed with the run's group, and the run's exit code is kept."""
+    import os
+
+    from zero_mismatch_plugin.integrations.verl.cpu import launch
+
+    pid_file = tmp_path / "grandchild.pid"
+    command = ["sh", "-c", f"sleep 300 & echo $! > {pid_file}; exit 4"]
+    assert launch.run_in_own_group(command, tmp_path, dict(os.environ), tmp_path / "log.txt", timeout_s=30) == 4
+    _assert_gone(int(pid_file.read_text()))
+
+
 def test_a_run_past_its_time_is_killed_with_every_process_it_started(tmp_path):
     """As verl's Ray cluster stays in the group of the process that started it: a run that hangs
     leaves nothing running behind it (a grandchild here), and the error names its output and
@@ -70,17 +98,7 @@ def test_a_run_past_its_time_is_killed_with_every_process_it_started(tmp_path):
         launch.run_in_own_group(command, tmp_path, dict(os.environ), tmp_path / "log.txt", timeout_s=2)
     assert time.monotonic() - started < 30
     assert (tmp_path / "log.txt").read_text().strip() == "started"
-    grandchild = int(pid_file.read_text())
-    for _ in range(50):  # killed (gone, or a zombie awaiting its reaper)
-        try:
-            state = Path(f"/proc/{grandchild}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except FileNotFoundError:
-            break
-        if state in ("Z", "X"):
-            break
-        time.sleep(0.1)
-    else:
-        raise AssertionError(f"the run's grandchild {grandchild} is still running")
+    _assert_gone(int(pid_file.read_text()))
     assert launch.run_in_own_group(["sh", "-c", "exit 3"], tmp_path, dict(os.environ), tmp_path / "log.txt", 10) == 3
 
 

@@ -118,12 +118,14 @@ def run_in_own_group(command: list[str], cwd: Path, env: dict, log_path: Path, t
     """``command``'s exit code, its output in ``log_path``. It runs in a process group of its own,
     with the Ray cluster it starts (Ray's daemons and workers stay in their starter's group), so
     that when it overruns ``timeout_s`` (or the caller is interrupted) the whole group is killed:
-    a hung run leaves no Ray workers or vLLM engines behind to slow or block later runs."""
+    a hung run leaves no Ray workers or vLLM engines behind to slow or block later runs. When it
+    exits, what is left of its group is killed too: a finished run can leave processes behind
+    (seen: a TP-2 rollout's vLLM workers and their fork server, 4.5 GB, outliving main_ppo)."""
     with open(log_path, "w") as log:
         process = subprocess.Popen(command, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT,
                                    start_new_session=True)
         try:
-            return process.wait(timeout=timeout_s)
+            returncode = process.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             _kill_group(process)
             raise RunTimedOut(f"{' '.join(command[3:6])} did not finish in {timeout_s:.0f} s; its processes were "
@@ -131,6 +133,8 @@ def run_in_own_group(command: list[str], cwd: Path, env: dict, log_path: Path, t
         except BaseException:
             _kill_group(process)
             raise
+        _kill_group(process)
+        return returncode
 
 
 def _log_tail(log_path: Path, lines: int = 40) -> str:
