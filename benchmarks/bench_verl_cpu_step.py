@@ -9,7 +9,12 @@ Two parts, either or both:
   order, so load from other processes hits both alike, ``--repeats`` rounds or more until the
   ratio settles (up to ``--max-repeats``). Timed: the no-grad forward (verl's old-logprob
   recompute) and forward + backward (the training micro-step), at the default torch thread count
-  and again at one thread (this part has the one-thread variant).
+  and again at one thread (this part has the one-thread variant). With ``--engine megatron`` (or
+  both): verl's ``MegatronEngineWithLMHead`` built twice here as ``cpu_smoke_megatron`` configures
+  its actor (mbridge, fp32, one gloo rank), once from the aligned spec and once stock; the same
+  micro-batch goes through ``infer_batch`` (the old-logprob pass) and ``forward_backward_batch``
+  (the training micro-step, without the optimizer step) of each, alternating, the engine patch
+  applied for the aligned engine's calls and removed for the stock one's.
 * ``--part step``: ``zmrl recipes run cpu_smoke`` (real verl processes: Ray, vLLM rollout,
   FSDP actor) in ``trainer.v1.trainer_mode=sync`` and ``colocate_async``, and ``cpu_smoke_megatron``
   (verl's Megatron engine) aligned and stock (``--allow-unaligned-trainer``), alternating; verl's own
@@ -45,13 +50,19 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 # ----- the actor forward inside verl's engine ---------------------------------------------------
 
 
-def _engine(model_dir: Path, work: Path):
-    """verl's FSDP actor engine as cpu_smoke configures it, in this process (one gloo rank)."""
+def _one_rank(work: Path) -> None:
+    """This process as the one gloo rank of verl's engines built here, on verl's CPU platform."""
     import torch.distributed as dist
 
     import zero_mismatch_plugin.integrations.verl.cpu  # noqa: F401  registers verl's CPU platform
 
-    dist.init_process_group("gloo", store=dist.FileStore(str(work / "store"), 1), rank=0, world_size=1)
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.FileStore(str(work / "store"), 1), rank=0, world_size=1)
+
+
+def _engine(model_dir: Path, work: Path):
+    """verl's FSDP actor engine as cpu_smoke configures it, in this process (one gloo rank)."""
+    _one_rank(work)
     from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
     from verl.workers.config.checkpoint import CheckpointConfig
     from verl.workers.engine import EngineRegistry
@@ -137,6 +148,95 @@ def bench_forward(args) -> None:
             _print_comparison(f"{kind}, torch threads {threads}", comparison, "stock")
 
 
+def _megatron_engine(model_dir: Path, work: Path, aligned: bool):
+    """verl's Megatron actor engine as cpu_smoke_megatron configures it (the recipe composed as
+    ``zmrl recipes run`` composes it), in this process; ``aligned``: built from the aligned spec
+    (the engine patch applied while it builds), else verl's own modules."""
+    _one_rank(work)
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl.workers.engine import EngineRegistry
+
+    from zero_mismatch_plugin.integrations.verl import megatron_engine
+    from zero_mismatch_plugin.tools.recipes import compose_recipe
+
+    cfg = compose_recipe("cpu_smoke_megatron", [f"actor_rollout_ref.model.path={model_dir}"])
+    model_config = omega_conf_to_dataclass(cfg.actor_rollout_ref.model)
+    actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
+    actor.engine.use_remove_padding = model_config.get("use_remove_padding", False)
+    actor.optim.total_training_steps = 10  # verl's trainer sets it from the data; the schedule needs one
+    (megatron_engine.apply if aligned else megatron_engine.remove)()
+    engine = EngineRegistry.new(model_type="language_model", backend="megatron", model_config=model_config,
+                                engine_config=actor.engine, optimizer_config=actor.optim,
+                                checkpoint_config=actor.checkpoint)
+    engine.initialize()
+    return engine
+
+
+def _megatron_batch(batch: int, prompt_len: int, response_len: int, vocab: int):
+    """A batch as verl's actor hands it to the Megatron engine: packed sequences, the responses'
+    loss mask, one micro-batch."""
+    import torch
+    from verl.utils import tensordict_utils as tu
+
+    data = _micro_batch(batch, prompt_len, response_len, vocab)
+    n = prompt_len + response_len
+    mask = torch.cat([torch.zeros(prompt_len), torch.ones(response_len)])
+    data["loss_mask"] = torch.nested.as_nested_tensor([mask.clone() for _ in range(batch)], layout=torch.jagged)
+    tu.assign_non_tensor(data, use_remove_padding=True, use_dynamic_bsz=False, micro_batch_size_per_gpu=batch,
+                         max_token_len_per_gpu=batch * n, use_fused_kernels=False)
+    return data
+
+
+def bench_forward_megatron(args) -> None:
+    from zero_mismatch_plugin.integrations.verl import megatron_engine
+    from zero_mismatch_plugin.tools.smoke_assets import build_smoke_model
+
+    work = Path(tempfile.mkdtemp(prefix="zmrl-bench-verl-megatron-"))
+    model_dir = build_smoke_model(work / "model")
+    engines = {"stock": _megatron_engine(model_dir, work, aligned=False),
+               "aligned": _megatron_engine(model_dir, work, aligned=True)}
+    for name, engine in engines.items():  # the aligned engine computes with the plugin's modules, the stock one not
+        plugin_modules = any(type(m).__module__.startswith("zero_mismatch_plugin.") for m in engine.module[0].modules())
+        if plugin_modules != (name == "aligned"):
+            raise SystemExit(f"the {name} engine was built {'without' if name == 'aligned' else 'with'} the aligned spec")
+    vocab = engines["stock"].model_config.hf_config.vocab_size
+    data = _megatron_batch(args.batch, args.prompt_len, args.response_len, vocab)
+
+    def loss_function(model_output, data, dp_group):
+        return model_output["log_probs"].values().sum(), {}
+
+    def forward(engine):
+        def call():
+            with engine.eval_mode():
+                engine.infer_batch(data.clone())
+        return call
+
+    def forward_backward(engine):
+        def call():
+            with engine.train_mode():
+                engine.forward_backward_batch(data.clone(), loss_function, forward_only=False)
+            engine.optimizer_zero_grad()
+        return call
+
+    # The patch is switched untimed before every call: applied for the aligned engine, removed for verl's own.
+    switch = {"stock": megatron_engine.remove, "aligned": megatron_engine.apply}
+
+    def measure():
+        return {kind: compare({name: make(engine) for name, engine in engines.items()}, repeats=args.repeats,
+                              warmup=1, max_repeats=args.max_repeats, setup=switch)
+                for kind, make in (("forward", forward), ("forward+backward", forward_backward))}
+
+    results = {threads: at_threads(threads, measure) for threads in thread_counts(args)}
+    megatron_engine.remove()
+    tokens = args.batch * (args.prompt_len + args.response_len)
+    print(f"verl MegatronEngineWithLMHead (mbridge, fp32, 1 rank, cpu_smoke model), aligned vs stock engine, "
+          f"batch {args.batch} x {args.prompt_len + args.response_len} tokens ({tokens}) in one micro-batch, "
+          f"alternating order, {args.repeats} rounds or more until the ratio settles; ratios: side / stock")
+    for threads, kinds in results.items():
+        for kind, comparison in kinds.items():
+            _print_comparison(f"{kind}, torch threads {threads}", comparison, "stock")
+
+
 # ----- seconds per verl step ------------------------------------------------------------------
 
 
@@ -213,7 +313,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--part", choices=("forward", "step", "both"), default="both")
     parser.add_argument("--engine", choices=("fsdp", "megatron", "both"), default="both",
-                        help="which engine's runs the step part starts")
+                        help="which engine the forward part builds and the step part's runs use")
     for flag, default in (("--repeats", 5), ("--batch", 4), ("--prompt-len", 24), ("--response-len", 8),
                           ("--steps", 4), ("--step-repeats", 1)):
         parser.add_argument(flag, type=int, default=default)
@@ -224,8 +324,10 @@ def main() -> None:
     print(host_line("before"), flush=True)
     if args.part in ("step", "both"):
         bench_step(args)  # subprocesses first: the forward part initializes a process group here
-    if args.part in ("forward", "both"):
+    if args.part in ("forward", "both") and args.engine in ("fsdp", "both"):
         bench_forward(args)
+    if args.part in ("forward", "both") and args.engine in ("megatron", "both"):
+        bench_forward_megatron(args)
     print(host_line("after"))
 
 
