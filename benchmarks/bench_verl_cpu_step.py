@@ -105,6 +105,22 @@ def _print_comparison(title: str, comparison, baseline: str) -> None:
         print(f"  {row}")
 
 
+def _measure_and_print(args, contenders: dict, switch: dict, engine_words: str) -> None:
+    """``contenders``: {"forward": {side: call}, "forward+backward": {side: call}}, each side's
+    ``switch`` run untimed before its calls; compared at each thread count, then printed."""
+    def measure():
+        return {kind: compare(calls, repeats=args.repeats, warmup=1, max_repeats=args.max_repeats, setup=switch)
+                for kind, calls in contenders.items()}
+
+    results = {threads: at_threads(threads, measure) for threads in thread_counts(args)}
+    tokens = args.batch * (args.prompt_len + args.response_len)
+    print(f"{engine_words}, micro-batch {args.batch} x {args.prompt_len + args.response_len} tokens ({tokens}), "
+          f"alternating order, {args.repeats} rounds or more until the ratio settles; ratios: side / stock")
+    for threads, kinds in results.items():
+        for kind, comparison in kinds.items():
+            _print_comparison(f"{kind}, torch threads {threads}", comparison, "stock")
+
+
 def bench_forward(args) -> None:
     import torch
 
@@ -131,21 +147,10 @@ def bench_forward(args) -> None:
     # The patch is switched untimed before every call; the first aligned call (warm-up) builds the
     # vLLM runtime and ops.
     switch = {"stock": fsdp_engine.remove, "aligned": fsdp_engine.apply}
-
-    def measure():
-        return {kind: compare({"stock": fn, "aligned": fn}, repeats=args.repeats, warmup=1,
-                              max_repeats=args.max_repeats, setup=switch)
-                for kind, fn in (("forward", no_grad), ("forward+backward", with_grad))}
-
-    results = {threads: at_threads(threads, measure) for threads in thread_counts(args)}
+    _measure_and_print(args, {"forward": {"stock": no_grad, "aligned": no_grad},
+                              "forward+backward": {"stock": with_grad, "aligned": with_grad}}, switch,
+                       "verl FSDPEngineWithLMHead.forward_step, fsdp2 fp32, 1 rank, cpu_smoke model")
     fsdp_engine.remove()
-    tokens = args.batch * (args.prompt_len + args.response_len)
-    print(f"verl FSDPEngineWithLMHead.forward_step, fsdp2 fp32, 1 rank, cpu_smoke model, micro-batch "
-          f"{args.batch} x {args.prompt_len + args.response_len} tokens ({tokens}), alternating order, "
-          f"{args.repeats} rounds or more until the ratio settles; ratios: side / stock")
-    for threads, kinds in results.items():
-        for kind, comparison in kinds.items():
-            _print_comparison(f"{kind}, torch threads {threads}", comparison, "stock")
 
 
 def _megatron_engine(model_dir: Path, work: Path, aligned: bool):
@@ -220,21 +225,11 @@ def bench_forward_megatron(args) -> None:
 
     # The patch is switched untimed before every call: applied for the aligned engine, removed for verl's own.
     switch = {"stock": megatron_engine.remove, "aligned": megatron_engine.apply}
-
-    def measure():
-        return {kind: compare({name: make(engine) for name, engine in engines.items()}, repeats=args.repeats,
-                              warmup=1, max_repeats=args.max_repeats, setup=switch)
-                for kind, make in (("forward", forward), ("forward+backward", forward_backward))}
-
-    results = {threads: at_threads(threads, measure) for threads in thread_counts(args)}
+    _measure_and_print(args, {kind: {name: make(engine) for name, engine in engines.items()}
+                              for kind, make in (("forward", forward), ("forward+backward", forward_backward))},
+                       switch, "verl MegatronEngineWithLMHead (mbridge, fp32, 1 rank, cpu_smoke model), aligned vs "
+                               "stock engine")
     megatron_engine.remove()
-    tokens = args.batch * (args.prompt_len + args.response_len)
-    print(f"verl MegatronEngineWithLMHead (mbridge, fp32, 1 rank, cpu_smoke model), aligned vs stock engine, "
-          f"batch {args.batch} x {args.prompt_len + args.response_len} tokens ({tokens}) in one micro-batch, "
-          f"alternating order, {args.repeats} rounds or more until the ratio settles; ratios: side / stock")
-    for threads, kinds in results.items():
-        for kind, comparison in kinds.items():
-            _print_comparison(f"{kind}, torch threads {threads}", comparison, "stock")
 
 
 # ----- seconds per verl step ------------------------------------------------------------------

@@ -216,6 +216,23 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
 
 
+def _assert_step_as_one_process(result: dict, one_process: dict, checkpoint, label: str) -> None:
+    """A ranks' step ``result``: its gradients within GRAD_REL_TOL of the one-process face's, and
+    the weights gathered for the engine the checkpoint's minus lr times them."""
+    from zero_mismatch_plugin.aligned.checkpoint import read_checkpoint
+
+    grads = result["grads"]
+    assert set(grads) == set(one_process)
+    worst = max(_relative(grads[n], one_process[n]) for n in one_process)
+    print(f"{label}: worst relative gradient difference vs the one-process face {worst:.3g}")
+    assert worst <= GRAD_REL_TOL
+    before = read_checkpoint(checkpoint)
+    weights = dict(result["weights"])
+    assert set(grads) <= set(weights)
+    for name, grad in grads.items():
+        assert torch.allclose(weights[name], before[name] - STEP.lr * grad, rtol=1e-6, atol=1e-8), name
+
+
 @pytest.fixture(scope="module")
 def step_gradients(mg_runtime, tp2_rollouts):
     """The step's loss gradients of the one-process face (TP 1) and of a float64 transformers
@@ -406,21 +423,11 @@ def test_virtual_stages_with_tensor_parallelism_step_as_one_process(mg_checkpoin
     TP-2 engines above: the step's gradients, gathered over the tensor- and expert-parallel ranks
     chunk by chunk and then over the stages, agree with the one-process face, and the weights
     gathered for the engine are the checkpoint's minus lr times them."""
-    from zero_mismatch_plugin.aligned.checkpoint import read_checkpoint
-
     result = combined_results[(family, layout)]
-    one_process = one_process_step_gradients(family)
-    grads = result["grads"]
-    assert set(grads) == set(one_process)
-    assert {int(n.split(".")[2]) for n in grads if n.startswith("model.layers.")} == {0, 1, 2, 3}
-    worst = max(_relative(grads[n], one_process[n]) for n in one_process)
-    print(f"{family} {layout}: worst relative gradient difference vs the one-process face {worst:.3g}")
-    assert worst <= GRAD_REL_TOL
-    before = read_checkpoint(mg_checkpoints[family])
-    weights = dict(result["weights"])
-    assert set(weights) == set(grads)
-    for name, grad in grads.items():
-        assert torch.allclose(weights[name], before[name] - STEP.lr * grad, rtol=1e-6, atol=1e-8), name
+    assert {int(n.split(".")[2]) for n in result["grads"] if n.startswith("model.layers.")} == {0, 1, 2, 3}
+    assert set(dict(result["weights"])) == set(result["grads"])
+    _assert_step_as_one_process(result, one_process_step_gradients(family), mg_checkpoints[family],
+                                f"{family} {layout}")
 
 
 @pytest.fixture(scope="module")
@@ -447,22 +454,13 @@ def test_virtual_stages_with_data_or_context_parallelism_step_and_sync_as_one_pr
     without that every gradient is twice the one-process face's. The weights the ranks gather are
     the checkpoint's minus lr times the whole gradient (DDP's mean over the replicas or halves
     stepped half as far)."""
-    from zero_mismatch_plugin.aligned.checkpoint import read_checkpoint
     from zero_mismatch_plugin.aligned.weight_sync import load_named_weights
     from zero_mismatch_plugin.tools.checker.engine import rescore
 
     prompts, responses, mu = one_process_rollouts["cwm_window"]
     result = combined_results[("cwm_window", layout)]
-    one_process = cwm_one_process_gradients
-    assert set(result["grads"]) == set(one_process)
-    worst = max(_relative(result["grads"][n], one_process[n]) for n in one_process)
-    print(f"{layout}: worst relative gradient difference vs the one-process face {worst:.3g}")
-    assert worst <= GRAD_REL_TOL
     # The step takes the whole gradient, not DDP's mean over the replicas or halves.
-    before = read_checkpoint(checkpoints["cwm_window"])
-    weights = dict(result["weights"])
-    for name, grad in result["grads"].items():
-        assert torch.allclose(weights[name], before[name] - STEP.lr * grad, rtol=1e-6, atol=1e-8), name
+    _assert_step_as_one_process(result, cwm_one_process_gradients, checkpoints["cwm_window"], layout)
     after = torch.cat(result["logprobs_after"])
     assert not torch.equal(after, mu)  # the step changed the model
     llm = engines.get("cwm_window")
@@ -789,20 +787,8 @@ def test_moe_gradients_at_tp2_sp_agree_with_the_one_process_face_and_the_gathere
     router (on each rank's tokens) and the experts' gradients gathered to full tensors equal the
     one-process face's to fp32 rounding; the weights the ranks gather for the engine are the
     checkpoint's minus lr times those gradients."""
-    from zero_mismatch_plugin.aligned.checkpoint import read_checkpoint
-
-    one_process = one_process_step_gradients("qwen3_moe")
-    result = tp2_results["qwen3_moe"][layout]
-    grads = result["grads"]
-    assert set(grads) == set(one_process)
-    worst = max(_relative(grads[n], one_process[n]) for n in one_process)
-    print(f"qwen3_moe {layout}: worst relative gradient difference vs the one-process face {worst:.3g}")
-    assert worst <= GRAD_REL_TOL
-    before = read_checkpoint(mg_checkpoints["qwen3_moe"])
-    weights = dict(result["weights"])
-    assert set(grads) <= set(weights)
-    for name, grad in grads.items():
-        assert torch.allclose(weights[name], before[name] - STEP.lr * grad, rtol=1e-6, atol=1e-8), name
+    _assert_step_as_one_process(tp2_results["qwen3_moe"][layout], one_process_step_gradients("qwen3_moe"),
+                                mg_checkpoints["qwen3_moe"], f"qwen3_moe {layout}")
 
 
 def test_zmrl_check_at_tp2_sp_by_ep2_on_an_moe_checkpoint_passes_every_check(mg_checkpoints, tmp_path, capsys):
@@ -848,20 +834,9 @@ def test_pipeline_stages_of_tensor_and_context_parallel_ranks_are_bitwise_and_st
     whole on their expert-parallel rank: bitwise with the TP-2 engine. The step's gradients,
     gathered over tensor, expert and pipeline ranks, agree with the one-process face, and the
     weights gathered for the engine are the checkpoint's minus lr times them."""
-    from zero_mismatch_plugin.aligned.checkpoint import read_checkpoint
-
     _, _, mu = tp2_rollouts["qwen3_moe"]
     values = torch.cat(eight_rank_result["logprobs"])
     assert values.shape == mu.shape
     assert torch.equal(values, mu), f"{int((values != mu).sum())} of {mu.numel()} tokens differ"
-    one_process = one_process_step_gradients("qwen3_moe")
-    grads = eight_rank_result["grads"]
-    assert set(grads) == set(one_process)
-    worst = max(_relative(grads[n], one_process[n]) for n in one_process)
-    print(f"qwen3_moe {EIGHT_RANKS.name}: worst relative gradient difference vs the one-process face {worst:.3g}")
-    assert worst <= GRAD_REL_TOL
-    before = read_checkpoint(mg_checkpoints["qwen3_moe"])
-    weights = dict(eight_rank_result["weights"])
-    assert set(grads) <= set(weights)
-    for name, grad in grads.items():
-        assert torch.allclose(weights[name], before[name] - STEP.lr * grad, rtol=1e-6, atol=1e-8), name
+    _assert_step_as_one_process(eight_rank_result, one_process_step_gradients("qwen3_moe"), mg_checkpoints["qwen3_moe"],
+                                f"qwen3_moe {EIGHT_RANKS.name}")
