@@ -7,9 +7,10 @@ the ranks as vLLM splits it, or whole on its rank at TP 2 x EP 2 (expert tensor 
 Combined layouts too, on four ranks: TP 2 + SP x PP 2 (two pipeline stages of two tensor-parallel
 ranks each, Llama and Qwen3), TP 2 + SP x CP 2 (Llama), TP 2 + SP x EP 2 x CP 2 and TP 2 + SP x
 EP 2 x PP 2 (Qwen3-MoE), and virtual stages with a step: TP 2 + SP x PP 2 x VP 2 (the four-layer
-Qwen3) and TP 2 + SP x EP 2 x PP 2 x VP 2 (the four-layer Qwen3-MoE), bitwise against the same TP-2 engines; PP 2 x EP 2, CP 2 x EP 2, PP 2 x
-CP 2 x EP 2 (Qwen3-MoE), PP 2 x CP 2 (the windowed Mistral) and, with a step, PP 2 x VP 2 x DP 2
-and PP 2 x VP 2 x CP 2 (the windowed CWM) against the session's one-process engines.
+Qwen3) and TP 2 + SP x EP 2 x PP 2 x VP 2 (the four-layer Qwen3-MoE), bitwise against the same TP-2
+engines; PP 2 x EP 2, CP 2 x EP 2, PP 2 x CP 2 x EP 2 (Qwen3-MoE), PP 2 x CP 2 (the windowed
+Mistral) and, with a step, PP 2 x VP 2 x DP 2 and PP 2 x VP 2 x CP 2 (the windowed CWM) against the
+session's one-process engines.
 
 LoRA at TP 2 + SP: an adapter on every decoder linear of the Llama checkpoint against an engine at
 TP 2 serving it (``zmrl check --lora``, a rollout, one step of the adapter and its sync), and one on
