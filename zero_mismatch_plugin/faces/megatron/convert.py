@@ -297,9 +297,11 @@ def load_hf_checkpoint(model, model_dir: str | os.PathLike, hf_config) -> None:
 
 
 def engine_weights(model, hf_config, dtype) -> list[tuple[str, torch.Tensor]]:
-    """(checkpoint name, tensor in the engine dtype) for every weight of a GPTModel; under tensor or
-    expert parallelism the full tensors, gathered from every rank (a collective: all ranks call it)."""
-    return [(k, v.to(dtype)) for k, v in megatron_to_hf(full_tensors(model, model_tensors(model)), hf_config).items()]
+    """(checkpoint name, tensor in the engine dtype) for every weight of a GPTModel (with virtual
+    pipeline stages, the rank's list of model chunks); under tensor, expert or pipeline parallelism
+    the full tensors, gathered from every rank (a collective: all ranks call it)."""
+    tensors = [model_tensors(chunk) for chunk in model] if isinstance(model, list) else model_tensors(model)
+    return [(k, v.to(dtype)) for k, v in megatron_to_hf(full_tensors(model, tensors), hf_config).items()]
 
 
 def full_tensors(model, tensors) -> dict:
@@ -307,16 +309,15 @@ def full_tensors(model, tensors) -> dict:
     this rank's parts of ``tensors`` (the model's parameters, or their gradients): gathered over
     the tensor-, expert- and pipeline-parallel ranks (collectives: all ranks call it). With virtual
     pipeline stages ``model`` is the rank's list of model chunks and ``tensors`` one dict per chunk."""
+    chunked = isinstance(model, list)
     config = pipeline.model_config(model)
-    group = parallel.tensor_parallel_group(config)
-    split = parallel.experts_split(config)
-    chunks = [{k: parallel.gather_full(k, t.detach(), group, split) for k, t in part.items()}
-              for part in (tensors if isinstance(model, list) else [tensors])]
-    chunks = [parallel.gather_experts(chunk, getattr(config, "num_moe_experts", None) or 0,
-                                      parallel.expert_parallel_group(config)) for chunk in chunks]
-    first = model[0] if isinstance(model, list) else model
-    return pipeline.gather_stages(chunks if isinstance(model, list) else chunks[0], config,
-                                  getattr(first, "share_embeddings_and_output_weights", False))
+    group, split = parallel.tensor_parallel_group(config), parallel.experts_split(config)
+    experts, experts_group = getattr(config, "num_moe_experts", None) or 0, parallel.expert_parallel_group(config)
+    gathered = [parallel.gather_experts({k: parallel.gather_full(k, t.detach(), group, split) for k, t in part.items()},
+                                        experts, experts_group)
+                for part in (tensors if chunked else [tensors])]
+    tied = getattr(model[0] if chunked else model, "share_embeddings_and_output_weights", False)
+    return pipeline.gather_stages(gathered if chunked else gathered[0], config, tied)
 
 
 def sync_weights_to_engine(llm, model, hf_config, dtype) -> None:

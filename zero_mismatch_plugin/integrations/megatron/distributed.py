@@ -290,9 +290,9 @@ class _RankRun:
         if self.adapted:
             from zero_mismatch_plugin.faces.megatron.lora import adapter_state, full_adapter_tensors
 
-            grads = full_adapter_tensors(_as_run(self.chunks), local_grads if len(self.chunks) > 1 else local_grads[0])
+            grads = full_adapter_tensors(_as_run(self.chunks), _as_run(local_grads))
         else:
-            grads = convert.megatron_to_hf(self._full(local_grads), hf)
+            grads = convert.megatron_to_hf(convert.full_tensors(_as_run(self.chunks), _as_run(local_grads)), hf)
         # The step takes the gradient it reports (the sum over every rank's tokens, as one process
         # takes it), not DDP's mean over the data- and context-parallel ranks.
         with torch.no_grad():
@@ -306,16 +306,8 @@ class _RankRun:
         if self.adapted:
             weights = adapter_state(_as_run(self.chunks))
         else:
-            state = self._full([convert.model_tensors(chunk) for chunk in self.chunks])
-            weights = [(k, v.to(self.runtime.dtype)) for k, v in convert.megatron_to_hf(state, hf).items()]
+            weights = convert.engine_weights(_as_run(self.chunks), hf, self.runtime.dtype)
         return dict(grads=grads, logprobs_after=batch.split_per_sequence(after.cpu()), weights=weights)
-
-    def _full(self, chunks: list[dict]) -> dict:
-        """Full tensors by megatron name from this rank's per-chunk tensors (one dict per model
-        chunk); collectives."""
-        from zero_mismatch_plugin.faces.megatron import convert
-
-        return convert.full_tensors(_as_run(self.chunks), _as_run(chunks))
 
 
 def _as_run(chunks: list):

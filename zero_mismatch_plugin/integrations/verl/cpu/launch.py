@@ -125,16 +125,13 @@ def run_in_own_group(command: list[str], cwd: Path, env: dict, log_path: Path, t
         process = subprocess.Popen(command, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT,
                                    start_new_session=True)
         try:
-            returncode = process.wait(timeout=timeout_s)
+            return process.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             _kill_group(process)
             raise RunTimedOut(f"{' '.join(command[3:6])} did not finish in {timeout_s:.0f} s; its processes were "
                               f"killed; its output: {log_path}, which ended:\n{_log_tail(log_path)}") from None
-        except BaseException:
+        finally:  # finished, timed out or interrupted: nothing of the run's group outlives it
             _kill_group(process)
-            raise
-        _kill_group(process)
-        return returncode
 
 
 def _log_tail(log_path: Path, lines: int = 40) -> str:
