@@ -4,6 +4,7 @@ megatron-core's CPU patches for its all-to-all token dispatcher."""
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 import numpy as np
@@ -302,3 +303,39 @@ def test_the_pipeline_patches_give_the_schedule_a_host_token_count_and_come_off_
     if applied_earlier:
         cpu_patches.pipeline_on_cpu()
 
+
+
+def test_a_layout_switch_destroys_the_groups_of_the_layout_it_leaves_and_forgets_its_models():
+    """megatron's destroy_model_parallel forgets most of its groups without destroying them; each
+    gloo group keeps a socket-polling thread, so a rank group serving many layouts idled at a third
+    of a core per rank. After each switch only the new layout's groups are registered (one process:
+    the world-1 layout set up again), and the models built at the old one are dropped."""
+    from support.preloaded_python import run_script
+
+    result = run_script("""
+        import json
+        import torch.distributed as dist
+        from megatron.core import parallel_state
+        from zero_mismatch_plugin.integrations.megatron import distributed
+        from zero_mismatch_plugin.integrations.megatron.standalone import init_single_process
+
+        init_single_process()
+        registered = [len(dist.distributed_c10d._world.pg_map)]
+        for _ in range(3):
+            distributed._BUILT["planted"] = object()
+            distributed._drop_layout()
+            dropped = not distributed._BUILT
+            parallel_state.initialize_model_parallel(1, 1)
+            registered.append(len(dist.distributed_c10d._world.pg_map))
+        stock = []  # megatron's teardown alone, for contrast
+        for _ in range(2):
+            parallel_state.destroy_model_parallel()
+            parallel_state.initialize_model_parallel(1, 1)
+            stock.append(len(dist.distributed_c10d._world.pg_map))
+        print(json.dumps({"registered": registered, "dropped": dropped, "stock": stock}))
+    """)
+    assert result.returncode == 0, result.stderr[-3000:]
+    counts = json.loads(result.stdout.strip().splitlines()[-1])
+    assert counts["dropped"]
+    assert len(set(counts["registered"])) == 1, counts
+    assert counts["stock"][0] > counts["registered"][-1] and counts["stock"][1] > counts["stock"][0], counts

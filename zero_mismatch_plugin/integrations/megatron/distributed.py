@@ -126,11 +126,31 @@ def use_layout(layout: Layout) -> None:
                    parallel_state.get_virtual_pipeline_model_parallel_world_size())
         if current == wanted:
             return
-        parallel_state.destroy_model_parallel()
+        _drop_layout()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=wanted[0], expert_model_parallel_size=wanted[1],
                                              pipeline_model_parallel_size=wanted[2], context_parallel_size=wanted[3],
                                              expert_tensor_parallel_size=wanted[4],
                                              virtual_pipeline_model_parallel_size=wanted[5])
+
+
+def _drop_layout() -> None:
+    """Tear down the current layout: megatron's model-parallel state, the process groups it holds
+    and the models built on them. megatron's own teardown forgets most groups without destroying
+    them, and every gloo group keeps a thread that polls its sockets every 10 ms: a rank group
+    serving many layouts spent a third of a core per rank idling after eighteen switches."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    held = {id(group): group for value in vars(parallel_state).values()
+            for group in (value if isinstance(value, (list, tuple)) else (value,))
+            if isinstance(group, dist.ProcessGroup) and group is not dist.GroupMember.WORLD}
+    parallel_state.destroy_model_parallel()
+    _BUILT.clear()  # their layers keep the groups they were built with
+    for group in held.values():
+        try:
+            dist.destroy_process_group(group)
+        except ValueError:  # already destroyed by destroy_model_parallel (its gloo copies of some groups)
+            pass
 
 
 @dataclasses.dataclass(frozen=True)
@@ -316,16 +336,16 @@ def _as_run(chunks: list):
     return chunks if len(chunks) > 1 else chunks[0]
 
 
-# The models a rank has built, for calls that only read them (a step builds its own).
+# The models a rank has built at the current layout, for calls that only read them (a step builds
+# its own).
 _BUILT: dict[RankModel, _RankRun] = {}
 
 
 def built_model(spec: RankModel) -> _RankRun:
     """This rank's model of ``spec``, built on first use and kept for calls that only read it."""
+    use_layout(spec.layout)  # another layout of this world may have set megatron's state since
     if spec not in _BUILT:
         _BUILT[spec] = _RankRun(spec)
-    else:
-        use_layout(spec.layout)  # another layout of this world may have set megatron's state since
     return _BUILT[spec]
 
 
