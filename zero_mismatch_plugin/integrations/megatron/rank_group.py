@@ -1,10 +1,11 @@
 """A torchrun group of Megatron-face ranks that serves calls from the process that started it.
 
-The parent (:class:`RankGroup`) starts ``torchrun`` on :func:`serve`; rank 0 connects back over an
+The parent (:class:`RankGroup`) starts torchrun's launcher (:func:`start_ranks`: torch's elastic
+agent, as ``torchrun --standalone`` runs it) on :func:`serve`; rank 0 connects back over an
 authenticated local socket, receives each call, broadcasts it to the other ranks, and returns its
 result (every rank computes it; the logprobs are whole on each). A rank that dies is found by
-torchrun, which stops the others; the parent then raises :class:`RankFailure` naming the rank and
-its exit (or, if torchrun itself hangs, after the collective timeout plus a margin).
+the agent, which stops the others; the parent then raises :class:`RankFailure` naming the rank and
+its exit (or, if the launcher itself hangs, after the collective timeout plus a margin).
 """
 
 from __future__ import annotations
@@ -34,11 +35,22 @@ from zero_mismatch_plugin.integrations.megatron.distributed import (
 
 # How long the ranks may take to start (import vLLM and megatron-core, build the process group).
 START_TIMEOUT_S = 300.0
+# What a rank imports before its first answer: ~8 s of a core per rank, measured with
+# PYTHONPROFILEIMPORTTIME on a Llama rank (megatron.core 3.1 s, vLLM's engine arguments 2.3 s, its
+# executors 0.7 s). The launcher's fork server imports them once and every rank is forked from it,
+# so a group of N ranks pays them once instead of N times. Only third-party modules: the package's
+# own are imported by each rank, after the launcher's environment is set.
+RANK_PRELOAD = ("megatron.core", "megatron.core.models.gpt.gpt_layer_specs", "vllm.engine.arg_utils",
+                "vllm.v1.executor", "vllm.model_executor.layers.attention", "vllm.model_executor.layers.linear",
+                "vllm.model_executor.layers.fused_moe")
 STOP = "stop"
 # Seconds torchrun gets, after a rank failed, to stop the others and print its summary.
 TORCHRUN_GRACE_S = 20.0
 # How long idle ranks wait for the next call.
 IDLE_DAYS = 7
+# How long a rank whose collective failed (another rank died) waits before it exits; the launcher
+# checks its ranks every 0.1 s.
+PEER_LOSS_EXIT_DELAY_S = 3.0
 
 
 class RankFailure(RuntimeError):
@@ -92,9 +104,8 @@ class RankGroup:
         key_path = Path(self._dir.name) / "handshake.key"
         key_path.write_bytes(key)
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   f"--nproc-per-node={layout.world_size}", "-m", __name__,
-                   f"{host}:{port}", str(key_path), json.dumps(dataclasses.asdict(layout)), repr(timeout_s)]
+        command = [sys.executable, "-m", __name__, f"{host}:{port}", str(key_path),
+                   json.dumps(dataclasses.asdict(layout)), repr(timeout_s)]
         self._log = open(self.log_path, "w")
         self.process = subprocess.Popen(command, env=env, stdout=self._log, stderr=subprocess.STDOUT,
                                         start_new_session=True)
@@ -204,24 +215,10 @@ def rank_call(name: str):
     return getattr(importlib.import_module(module), attr)
 
 
-def serve(address: str, key_path: str, layout: Layout, timeout_s: float) -> int:
-    """One rank: set up the process group, then run the parent's calls until it says stop."""
+def _answer_calls(conn, rank: int, calls) -> None:
+    """Run the parent's calls (rank 0 receives each and broadcasts it) until it says stop."""
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    init_ranks(layout, timeout_s)
-    rank = dist.get_rank()
-    # Between calls the ranks wait for the parent's next one as long as it takes: the calls are
-    # broadcast in a group of their own, without the collective timeout (a dead rank still fails
-    # it at once: its connections reset).
-    calls = dist.new_group(backend="gloo", timeout=timedelta(days=IDLE_DAYS))
-    pids = [None] * dist.get_world_size()
-    dist.all_gather_object(pids, os.getpid())
-    conn = None
-    if rank == 0:
-        host, port = address.rsplit(":", 1)
-        conn = Client((host, int(port)), authkey=Path(key_path).read_bytes())
-        _send(conn, pids)
     while True:
         message = [_recv(conn) if rank == 0 else None]
         dist.broadcast_object_list(message, src=0, group=calls)
@@ -240,6 +237,33 @@ def serve(address: str, key_path: str, layout: Layout, timeout_s: float) -> int:
         errors = [text for ok, text in outcomes if not ok]
         if rank == 0:
             _send(conn, outcome if not errors else (False, "\n".join(errors)))
+
+
+def serve(address: str, key_path: str, layout: Layout, timeout_s: float) -> int:
+    """One rank: set up the process group, then run the parent's calls until it says stop."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    init_ranks(layout, timeout_s)
+    rank = dist.get_rank()
+    # Between calls the ranks wait for the parent's next one as long as it takes: the calls are
+    # broadcast in a group of their own, without the collective timeout (a dead rank still fails
+    # it at once: its connections reset).
+    calls = dist.new_group(backend="gloo", timeout=timedelta(days=IDLE_DAYS))
+    pids = [None] * dist.get_world_size()
+    dist.all_gather_object(pids, os.getpid())
+    conn = None
+    if rank == 0:
+        host, port = address.rsplit(":", 1)
+        conn = Client((host, int(port)), authkey=Path(key_path).read_bytes())
+        _send(conn, pids)
+    try:
+        _answer_calls(conn, rank, calls)
+    except Exception:
+        # A collective of the loop failed: another rank is gone. Leave after it by a margin, so that
+        # the launcher, which reports the first rank it finds dead, names the one that died first.
+        time.sleep(PEER_LOSS_EXIT_DELAY_S)
+        raise
     dist.barrier()
     dist.destroy_process_group()
     return 0
@@ -258,6 +282,31 @@ def launch(requests: list[ScoreRequest], layouts: list[Layout], group=None, time
     return [{layout.name: group.call("run_request", request, layout) for layout in layouts} for request in requests]
 
 
+def start_ranks(address: str, key_path: str, layout: Layout, timeout_s: float) -> int:
+    """The launcher: torch's elastic agent with torchrun's ``--standalone`` rendezvous, no restarts,
+    ``layout.world_size`` ranks running :func:`serve`, forked from a fork server that has imported
+    :data:`RANK_PRELOAD`. A failed rank's summary (torchrun's "Root Cause" report) goes to stderr."""
+    import multiprocessing
+    import uuid
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    multiprocessing.set_forkserver_preload(list(RANK_PRELOAD))
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=layout.world_size, run_id=str(uuid.uuid4()),
+                          rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
+                          start_method="forkserver")
+    try:
+        elastic_launch(config, serve)(address, key_path, layout, timeout_s)
+    except ChildFailedError as failure:
+        print(failure, file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
 if __name__ == "__main__":
+    # serve by the package module's name, not __main__'s: the ranks unpickle it in the fork server.
+    from zero_mismatch_plugin.integrations.megatron.rank_group import start_ranks as package_start_ranks
+
     address, key_file, layout_fields, timeout = sys.argv[1:5]
-    sys.exit(serve(address, key_file, Layout(**json.loads(layout_fields)), float(timeout)))
+    sys.exit(package_start_ranks(address, key_file, Layout(**json.loads(layout_fields)), float(timeout)))
