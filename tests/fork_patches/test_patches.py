@@ -41,9 +41,9 @@ def patched_verl(tmp_path_factory, manifest):
     return fork_patches.copy_patched_package(manifest, "verl", tmp_path_factory.mktemp("patched-verl"))
 
 
-def script_result(script: str, *path_first: Path) -> dict:
+def script_result(script: str, *path_first: Path, flavour: str = "plain") -> dict:
     """Run ``script`` (see :func:`run_python`) and return the JSON it prints after ``RESULT ``."""
-    result = run_python(script, *path_first)
+    result = run_python(script, *path_first, flavour=flavour)
     assert result.returncode == 0, result.stdout + result.stderr[-4000:]
     line = next(l for l in result.stdout.splitlines() if l.startswith("RESULT "))
     return json.loads(line[len("RESULT "):])
@@ -966,6 +966,22 @@ def load_patched(name, root):
 """
 
 
+def vllm_script_result(script: str) -> dict:
+    """:func:`script_result` of a script that loads patched vLLM files (LOAD_PATCHED), forked from
+    the server that has vLLM's unpatched configuration modules imported."""
+    return script_result(script, flavour="vllm")
+
+
+def test_a_server_that_would_preload_a_patched_module_is_refused():
+    """The "vllm" server preloads vLLM's configuration modules only if they import no file a vLLM
+    patch edits: a module of ``patched`` already imported is reported (here ``json``, which this
+    process has), and so is an upstream the preload does not name."""
+    leaked = preloaded_python.preload(also=(), patched=["json"])
+    assert "json" in leaked and "zero_mismatch_plugin" in leaked  # this process has imported both
+    assert "zero_mismatch_plugin" not in preloaded_python.preload(also=["zero_mismatch_plugin"], patched=[])
+    assert "vllm.model_executor.layers.linear" in preloaded_python.vllm_patched_modules()
+
+
 @pytest.fixture(scope="module")
 def patched_vllm_files(tmp_path_factory, manifest):
     """The files the vLLM patches touch, copied from the installed vllm and patched."""
@@ -1053,7 +1069,7 @@ print("RESULT " + json.dumps(result), flush=True)
 
 def _run_rank_script(script: str, world: int, *args: str) -> list[dict]:
     """``script`` in ``world`` preloaded processes (argv: rank, then ``args``); each rank's RESULT."""
-    python = preloaded_python.shared()
+    python = preloaded_python.shared("vllm")
     ranks = [python.start(script, str(rank), *args, env={**os.environ, "GLOO_SOCKET_IFNAME": "lo"})
              for rank in range(world)]
     results = []
@@ -1188,7 +1204,7 @@ print("RESULT " + json.dumps({"routes": routes, "impls": impls}), flush=True)
 
 
 def _gemm_result(root: str) -> dict:
-    return script_result(GEMM_SCRIPT.replace("ROOT", repr(root)))
+    return vllm_script_result(GEMM_SCRIPT.replace("ROOT", repr(root)))
 
 
 def test_vllm_rocm_gemm_dispatch_does_not_depend_on_the_row_count(patched_vllm_files):
@@ -1252,7 +1268,7 @@ print("RESULT " + json.dumps({"finals": finals, "launched": launched,
 
 
 def _slot_result(root: str) -> dict:
-    return script_result(SLOT_SCRIPT.replace("ROOT", repr(root)))
+    return vllm_script_result(SLOT_SCRIPT.replace("ROOT", repr(root)))
 
 
 def test_vllm_state_slot_copies_write_each_slot_once(patched_vllm_files):
@@ -1312,7 +1328,7 @@ print("RESULT " + json.dumps(dict(rotary_error=rotary_error, rows_equal=rows_equ
 
 
 def _cpu_mla_result(root: str) -> dict:
-    return script_result(CPU_MLA_SCRIPT.replace("ROOT", repr(root)))
+    return vllm_script_result(CPU_MLA_SCRIPT.replace("ROOT", repr(root)))
 
 
 def test_vllm_cpu_mla_rotary_rows_gemm_dispatch_and_bmm(patched_vllm_files):
@@ -1396,10 +1412,10 @@ def test_vllm_cpu_mla_one_token_prompt_is_a_decode_wherever_it_stands(patched_vl
     """Patched vLLM: with CPU MLA the model runner's reorder puts a one-token prompt that came
     after a longer prompt with the decodes, so the builder decodes it as it does alone; with any
     other backend the order is vLLM's. Stock vLLM prefills it there."""
-    patched = script_result(CPU_MLA_ONE_TOKEN_PROMPT_SCRIPT.replace("ROOT", repr(str(patched_vllm_files))))
+    patched = vllm_script_result(CPU_MLA_ONE_TOKEN_PROMPT_SCRIPT.replace("ROOT", repr(str(patched_vllm_files))))
     assert sorted(patched["mla"]) == ["decoding", "one_token_prompt"], patched
     assert patched["dense"] == ["decoding"] and patched["alone"] == ["one_token_prompt"], patched
-    stock = script_result(CPU_MLA_ONE_TOKEN_PROMPT_SCRIPT.replace("ROOT", "''"))
+    stock = vllm_script_result(CPU_MLA_ONE_TOKEN_PROMPT_SCRIPT.replace("ROOT", "''"))
     assert stock["mla"] == stock["dense"] == ["decoding"] and stock["alone"] == ["one_token_prompt"], stock
 
 
@@ -1453,10 +1469,10 @@ def test_vllm_cpu_moe_sigmoids_are_row_count_invariant(patched_vllm_files):
     """Patched vLLM: the sigmoid router weights (grouped top-k with a correction bias) and the
     Qwen2-MoE shared-expert gate give a token the same bits at every token count; stock vLLM's
     count of variant token counts is printed (it depends on the host's vector width)."""
-    patched = script_result(CPU_MOE_SIGMOID_SCRIPT.replace("ROOT", repr(str(patched_vllm_files))))
+    patched = vllm_script_result(CPU_MOE_SIGMOID_SCRIPT.replace("ROOT", repr(str(patched_vllm_files))))
     assert patched["router_has_function"] and patched["gate_has_function"], patched
     assert patched["router"] == [] and patched["gate"] == [], patched
-    stock = script_result(CPU_MOE_SIGMOID_SCRIPT.replace("ROOT", "''"))
+    stock = vllm_script_result(CPU_MOE_SIGMOID_SCRIPT.replace("ROOT", "''"))
     assert not stock["router_has_function"] and not stock["gate_has_function"], stock
     print(f"stock vLLM on this host: router weights vary at {len(stock['router'])} token counts, "
           f"the shared-expert gate at {len(stock['gate'])}")
@@ -1506,13 +1522,13 @@ def test_vllm_cpu_wide_head_is_row_count_invariant(patched_vllm_files):
     fewer than four rows another way; without the switch, and in stock vLLM, the planted kernel
     shows through. Stock vLLM's variant row counts on this host are printed, not asserted."""
     script = CPU_WIDE_HEAD_SCRIPT.replace("ROOT", repr(str(patched_vllm_files)))
-    patched = script_result(script.replace("SWITCH", "'1'"))
+    patched = vllm_script_result(script.replace("SWITCH", "'1'"))
     assert patched["has_function"] and patched["dtype"] == "torch.float32", patched
     assert patched["host"] == [] and patched["planted"] == [], patched
     assert patched["max_err"] < 1e-4, patched
-    switched_off = script_result(script.replace("SWITCH", "'0'"))
+    switched_off = vllm_script_result(script.replace("SWITCH", "'0'"))
     assert switched_off["planted"] == [1, 2, 3], switched_off
-    stock = script_result(CPU_WIDE_HEAD_SCRIPT.replace("ROOT", "''").replace("SWITCH", "'1'"))
+    stock = vllm_script_result(CPU_WIDE_HEAD_SCRIPT.replace("ROOT", "''").replace("SWITCH", "'1'"))
     assert not stock["has_function"] and stock["planted"] == [1, 2, 3], stock
     print(f"stock vLLM's fp32 head on this host varies at row counts {stock['host']} of {[1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 64]}")
 
@@ -1579,11 +1595,11 @@ def test_vllm_cpu_gdn_prefill_equals_decode(patched_vllm_files):
     the row-invariant one. With the switch off the patched file runs vLLM's kernels; their gap
     and stock vLLM's are printed (they depend on the host's kernels), not asserted."""
     script = CPU_GDN_SCRIPT.replace("ROOT", repr(str(patched_vllm_files)))
-    patched = script_result(script.replace("SWITCH", "'1'"))
+    patched = vllm_script_result(script.replace("SWITCH", "'1'"))
     assert patched["has_function"] and patched["gate_has_function"], patched
     assert patched["decode_equals_prefill"] and patched["max_diff"] == 0.0, patched
-    switched_off = script_result(script.replace("SWITCH", "'0'"))
-    stock = script_result(CPU_GDN_SCRIPT.replace("ROOT", "''").replace("SWITCH", "'1'"))
+    switched_off = vllm_script_result(script.replace("SWITCH", "'0'"))
+    stock = vllm_script_result(CPU_GDN_SCRIPT.replace("ROOT", "''").replace("SWITCH", "'1'"))
     assert not stock["has_function"] and not stock["gate_has_function"], stock
     print(f"vLLM's own kernels, decode vs prefill on this host: switch off max |diff| {switched_off['max_diff']:.3g}, "
           f"stock {stock['max_diff']:.3g}")
@@ -1645,10 +1661,10 @@ def test_vllm_cpu_kda_prefill_equals_decode(patched_vllm_files):
     sequence prefilled for 12 tokens and decoded one token at a time after (conv and recurrent state
     carried in the cache); the CPU dispatch VNNI-packs bf16 conv weights only. Stock vLLM has none
     of it (its KDA is Triton only)."""
-    patched = script_result(CPU_KDA_SCRIPT.replace("ROOT", repr(str(patched_vllm_files))))
+    patched = vllm_script_result(CPU_KDA_SCRIPT.replace("ROOT", repr(str(patched_vllm_files))))
     assert patched["has_function"] and patched["forward_calls_it"] and patched["conv_pack_bf16_only"], patched
     assert patched["decode_equals_prefill"] and patched["max_diff"] == 0.0 and patched["nonzero"], patched
-    stock = script_result(CPU_KDA_SCRIPT.replace("ROOT", "''"))
+    stock = vllm_script_result(CPU_KDA_SCRIPT.replace("ROOT", "''"))
     assert not (stock["has_function"] or stock["forward_calls_it"] or stock["conv_pack_bf16_only"]), stock
 
 
@@ -1682,7 +1698,7 @@ def test_vllm_cpu_kimi_linear_declares_lora_on_cpu_only(patched_vllm_files, cpu)
     and stock vLLM declares no LoRA for it anywhere."""
     def run(root):
         script = KIMI_LINEAR_LORA_SCRIPT.replace("ROOT", repr(root)).replace("PLATFORM_IS_CPU", repr(cpu))
-        return script_result(script)
+        return vllm_script_result(script)
 
     patched, stock = run(str(patched_vllm_files)), run("")
     assert not stock["supports_lora"] and not stock["own_expert_mapping"], stock
@@ -1767,12 +1783,12 @@ def test_vllm_cpu_moe_lora_experts_select_apply_and_update(patched_vllm_files):
     wrapper's add_lora_w13 / add_lora_w2) matches a float64 reference of the expert-LoRA
     semantics, leaves tokens without adapter at the base output, and gives a token the same bits
     alone as in the batch. Stock vLLM has neither the experts nor the punica methods."""
-    patched = script_result(CPU_MOE_LORA_SCRIPT.replace("ROOT", repr(str(patched_vllm_files))))
+    patched = vllm_script_result(CPU_MOE_LORA_SCRIPT.replace("ROOT", repr(str(patched_vllm_files))))
     assert patched["has_experts"] and patched["has_w13"], patched
     assert patched["selected"] == ["CPU", "CPUUnquantizedLoRAExperts"], patched
     assert patched["alone_differs"] == [] and patched["no_adapter_is_base"], patched
     assert patched["max_err"] < 1e-4 < patched["adapter_effect"], patched
-    stock = script_result(CPU_MOE_LORA_SCRIPT.replace("ROOT", "''"))
+    stock = vllm_script_result(CPU_MOE_LORA_SCRIPT.replace("ROOT", "''"))
     assert not stock["has_experts"] and not stock["has_w13"], stock
     print(f"patched: max |error| vs float64 {patched['max_err']:.3g}, adapter effect {patched['adapter_effect']:.3g}; "
           f"stock selection with LoRA: {stock['selected']}")

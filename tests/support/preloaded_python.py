@@ -3,7 +3,9 @@ script, so no script pays torch's and transformers' imports again (most of a vLL
 
 Only modules that no fork patch touches are preloaded (never vllm, verl, megatron or this
 package), so a child still imports a patched copy ahead of the installed one, as a fresh
-interpreter would. A child runs as ``python -c SCRIPT`` does: ``__name__ == "__main__"``, the
+interpreter would. The ``"vllm"`` server (``shared("vllm")``, for the scripts that load patched
+vLLM files) preloads vLLM's configuration modules too, having checked that they import no module a
+vLLM fork patch edits; vLLM's import-time settings (its logging) are then the server's. A child runs as ``python -c SCRIPT`` does: ``__name__ == "__main__"``, the
 given paths first on ``sys.path`` and in ``PYTHONPATH``, the given environment, its own
 stdout and stderr.
 """
@@ -28,6 +30,16 @@ PRELOADED = ("torch", "numpy", "transformers", "transformers.configuration_utils
              "openai", "networkx", "sympy", "click", "fastapi", "aiohttp", "pydantic", "omegaconf", "hydra", "ray")
 # Upstreams the fork patches edit: a child must import them itself, patched copy first.
 NEVER_PRELOADED = ("vllm", "verl", "megatron", "zero_mismatch_plugin")
+# What the "vllm" server adds: ~3 s of each vLLM script's start, none of it a patched file.
+VLLM_UNPATCHED = ("vllm.config", "vllm.engine.arg_utils")
+
+
+def vllm_patched_modules() -> list[str]:
+    """The module names of every file a vLLM fork patch edits."""
+    from zero_mismatch_plugin import fork_patches
+
+    files = [f for patch in fork_patches.load_manifest().for_upstream("vllm") for f in patch.files]
+    return sorted({f.removesuffix(".py").removesuffix("/__init__").replace("/", ".") for f in files})
 
 
 def _run_child(request: dict) -> None:
@@ -65,19 +77,32 @@ def _run_child(request: dict) -> None:
         os._exit(code)
 
 
-def serve() -> None:
-    """The server: preload, then answer ``start`` (fork a child) and ``wait`` (its exit code) requests,
-    one JSON line each, on stdin / the original stdout."""
+def preload(also=(), patched=()) -> list[str]:
+    """Import PRELOADED, then ``also``; what is now imported that the scripts must import
+    themselves: an upstream of NEVER_PRELOADED that ``also`` does not name, or a module of
+    ``patched`` (the server refuses to start if this is not empty)."""
     import importlib
 
-    replies = os.fdopen(os.dup(1), "w", buffering=1)
-    os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # a stray print must not corrupt the replies
     for name in PRELOADED:
         try:
             importlib.import_module(name)
         except ImportError:
             pass
-    leaked = sorted({m.split(".")[0] for m in sys.modules} & set(NEVER_PRELOADED))
+    for name in also:
+        importlib.import_module(name)
+    own = {name.split(".")[0] for name in also}
+    leaked = sorted({m.split(".")[0] for m in sys.modules} & (set(NEVER_PRELOADED) - own))
+    return leaked + sorted(set(patched) & set(sys.modules))
+
+
+def serve() -> None:
+    """The server: preload, then answer ``start`` (fork a child) and ``wait`` (its exit code) requests,
+    one JSON line each, on stdin / the original stdout. Its one argument: the flavour's JSON,
+    {"also": modules to preload after PRELOADED, "patched": modules they must not have imported}."""
+    flavour = json.loads(sys.argv[1])
+    replies = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # a stray print must not corrupt the replies
+    leaked = preload(flavour["also"], flavour["patched"])
     if leaked:
         raise SystemExit(f"preloading imported {leaked}, which the scripts must import themselves")
     replies.write(json.dumps({"ready": True}) + "\n")
@@ -96,9 +121,11 @@ def serve() -> None:
 class PreloadedPython:
     """The client: ``run`` and ``start``/``wait`` mirror ``subprocess.run`` / ``Popen`` for ``python -c``."""
 
-    def __init__(self):
+    def __init__(self, flavour: str = "plain"):
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
-        self._server = subprocess.Popen([sys.executable, "-c", "from support.preloaded_python import serve; serve()"],
+        also, patched = (VLLM_UNPATCHED, vllm_patched_modules()) if flavour == "vllm" else ((), ())
+        self._server = subprocess.Popen([sys.executable, "-c", "from support.preloaded_python import serve; serve()",
+                                         json.dumps({"also": also, "patched": patched})],
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         self._outputs = tempfile.TemporaryDirectory(prefix="preloaded-python-")
         self._count = 0
@@ -150,19 +177,23 @@ class PreloadedPython:
         self._outputs.cleanup()
 
 
-_SHARED: list[PreloadedPython] = []
+_SHARED: dict[str, PreloadedPython] = {}
 
 
-def shared() -> PreloadedPython:
-    """This process's server: started on first use (a few seconds), closed when the process exits."""
-    if not _SHARED:
-        _SHARED.append(PreloadedPython())
-        atexit.register(_SHARED[0].close)
-    return _SHARED[0]
+def shared(flavour: str = "plain") -> PreloadedPython:
+    """This process's server of ``flavour`` ("plain", or "vllm" for scripts that load patched vLLM
+    files): started on first use (a few seconds), closed when the process exits."""
+    if flavour not in ("plain", "vllm"):
+        raise ValueError(f"unknown flavour {flavour!r}: 'plain' or 'vllm'")
+    if flavour not in _SHARED:
+        _SHARED[flavour] = PreloadedPython(flavour)
+        atexit.register(_SHARED[flavour].close)
+    return _SHARED[flavour]
 
 
-def run_script(script: str, *path_first, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+def run_script(script: str, *path_first, env: dict | None = None, timeout: float = 300,
+               flavour: str = "plain") -> subprocess.CompletedProcess:
     """``python -c script`` (dedented) with ``path_first`` ahead on the path and ``env`` added to this
-    process's environment, forked from :func:`shared`."""
-    return shared().run(textwrap.dedent(script), path_first=path_first, env={**os.environ, **(env or {})},
-                        timeout=timeout)
+    process's environment, forked from :func:`shared` (``flavour``)."""
+    return shared(flavour).run(textwrap.dedent(script), path_first=path_first, env={**os.environ, **(env or {})},
+                               timeout=timeout)
