@@ -44,10 +44,15 @@ DRIVER = textwrap.dedent('''
             if writing and inside and (not opened or opened[-1] != path):
                 opened.append(path)
 
+    paused = []
+
     def profile(frame, event, arg):
-        if event == "c_call" and getattr(arg, "__name__", "") == "write" and len(opened) == pause_at:
+        if event == "c_call" and getattr(arg, "__name__", "") == "write" and len(opened) == pause_at and not paused:
+            paused.append(opened[-1])  # at most once, whatever the driver writes afterwards
             print("PAUSED", opened[-1], flush=True)
-            time.sleep(600)
+            deadline = time.monotonic() + 600
+            while time.monotonic() < deadline:  # short sleeps: the handler runs between two of them
+                time.sleep(0.05)
 
     sys.addaudithook(audit)
     sys.setprofile(profile)
