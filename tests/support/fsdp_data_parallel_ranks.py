@@ -12,6 +12,10 @@ import sys
 import torch
 import torch.distributed as dist
 
+# What main imports, preloaded once by the launcher's fork server (support/torchrun.py).
+PRELOAD = ("transformers", "verl.utils.fsdp_utils", "zero_mismatch_plugin.aligned.runtime",
+           "zero_mismatch_plugin.faces.fsdp")
+
 
 def main(request_path: str, out_path: str) -> None:
     torch.set_num_threads(1)

@@ -14,6 +14,10 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
+# What main imports, preloaded once by the launcher's fork server (support/torchrun.py).
+PRELOAD = ("megatron.core.tensor_parallel", "zero_mismatch_plugin.faces.megatron.parallel",
+           "zero_mismatch_plugin.integrations.vllm.cpu_all_reduce")
+
 
 def planted(world: int) -> torch.Tensor:
     """[world, tokens=4, columns=64]: rank r's partial is [r]."""
