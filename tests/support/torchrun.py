@@ -1,19 +1,17 @@
 """Run a script of tests/support on one-thread torchrun ranks, as the multi-process tests do.
 
-The launcher is torch's elastic agent as ``torchrun --standalone`` runs it, on the script's
-``main``, with the ranks forked from a fork server that has imported the script and its
-``PRELOAD`` (the heavy modules ``main`` imports): each rank would otherwise spend several seconds
-of a core importing them, as the package's Megatron rank groups would (rank_group.RANK_PRELOAD).
+The launcher is the package's (``rank_group.run_forked_ranks``: torch's elastic agent as ``torchrun
+--standalone`` runs it) on the script's ``main``, with the ranks forked from a fork server that has
+imported the script and its ``PRELOAD`` (the heavy modules ``main`` imports): each rank would
+otherwise spend several seconds of a core importing them.
 """
 
 from __future__ import annotations
 
 import importlib
-import multiprocessing
 import os
 import subprocess
 import sys
-import uuid
 from pathlib import Path
 
 SUPPORT = Path(__file__).resolve().parent
@@ -33,20 +31,10 @@ def run_ranks(script: str, ranks: int, *args, timeout_s: float = 600) -> None:
 
 def launch(module_name: str, ranks: int, *args: str) -> int:
     """The launcher process: ``module_name.main(*args)`` on ``ranks`` forked ranks."""
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from zero_mismatch_plugin.integrations.megatron.rank_group import run_forked_ranks
 
     module = importlib.import_module(module_name)
-    multiprocessing.set_forkserver_preload([module_name, *getattr(module, "PRELOAD", ())])
-    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=ranks, run_id=str(uuid.uuid4()),
-                          rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
-                          start_method="forkserver")
-    try:
-        elastic_launch(config, module.main)(*args)
-    except ChildFailedError as failure:
-        print(failure, file=sys.stderr, flush=True)
-        return 1
-    return 0
+    return run_forked_ranks(module.main, ranks, args, [module_name, *getattr(module, "PRELOAD", ())])
 
 
 if __name__ == "__main__":

@@ -282,26 +282,32 @@ def launch(requests: list[ScoreRequest], layouts: list[Layout], group=None, time
     return [{layout.name: group.call("run_request", request, layout) for layout in layouts} for request in requests]
 
 
-def start_ranks(address: str, key_path: str, layout: Layout, timeout_s: float) -> int:
-    """The launcher: torch's elastic agent with torchrun's ``--standalone`` rendezvous, no restarts,
-    ``layout.world_size`` ranks running :func:`serve`, forked from a fork server that has imported
-    :data:`RANK_PRELOAD`. A failed rank's summary (torchrun's "Root Cause" report) goes to stderr."""
+def run_forked_ranks(entrypoint, world_size: int, args: tuple, preload) -> int:
+    """torch's elastic agent as ``torchrun --standalone`` runs it (c10d rendezvous on localhost, no
+    restarts) on ``entrypoint(*args)``, ``world_size`` ranks forked from a fork server that has
+    imported ``preload``; 0, or 1 with the failed rank's summary (torchrun's "Root Cause" report) on
+    stderr. Call it once per process (the fork server and its preload are the process's)."""
     import multiprocessing
     import uuid
 
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    multiprocessing.set_forkserver_preload(list(RANK_PRELOAD))
-    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=layout.world_size, run_id=str(uuid.uuid4()),
+    multiprocessing.set_forkserver_preload(list(preload))
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=world_size, run_id=str(uuid.uuid4()),
                           rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
                           start_method="forkserver")
     try:
-        elastic_launch(config, serve)(address, key_path, layout, timeout_s)
+        elastic_launch(config, entrypoint)(*args)
     except ChildFailedError as failure:
         print(failure, file=sys.stderr, flush=True)
         return 1
     return 0
+
+
+def start_ranks(address: str, key_path: str, layout: Layout, timeout_s: float) -> int:
+    """The launcher of a :class:`RankGroup`: ``layout.world_size`` ranks running :func:`serve`."""
+    return run_forked_ranks(serve, layout.world_size, (address, key_path, layout, timeout_s), RANK_PRELOAD)
 
 
 if __name__ == "__main__":
