@@ -5,9 +5,10 @@ Only modules that no fork patch touches are preloaded (never vllm, verl, megatro
 package), so a child still imports a patched copy ahead of the installed one, as a fresh
 interpreter would. The ``"vllm"`` server (``shared("vllm")``, for the scripts that load patched
 vLLM files) preloads vLLM's configuration modules too, having checked that they import no module a
-vLLM fork patch edits; vLLM's import-time settings (its logging) are then the server's. A child runs as ``python -c SCRIPT`` does: ``__name__ == "__main__"``, the
-given paths first on ``sys.path`` and in ``PYTHONPATH``, the given environment, its own
-stdout and stderr.
+vLLM fork patch edits; vLLM's import-time settings (its logging) are then the server's.
+
+A child runs as ``python -c SCRIPT`` does: ``__name__ == "__main__"``, the given paths first on
+``sys.path`` and in ``PYTHONPATH``, the given environment, its own stdout and stderr.
 """
 
 from __future__ import annotations
