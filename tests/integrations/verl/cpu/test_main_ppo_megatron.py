@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import pytest
 from support.main_ppo_runs import (BITWISE, DIFF, STALENESS_MIN, STALENESS_WORST_MAX,  # noqa: F401
-                                   assert_ran, assert_saved_at, inputs)
+                                   assert_ran, assert_saved_at, inputs, run_verl)
 
-from zero_mismatch_plugin.integrations.verl.cpu.launch import MEGATRON_RECIPE_NAME, run_smoke
+from zero_mismatch_plugin.integrations.verl.cpu.launch import MEGATRON_RECIPE_NAME
 
 pytestmark = pytest.mark.slow
 
@@ -35,7 +35,7 @@ def assert_updates_where_advantages_are_nonzero(run):
 
 
 def megatron_smoke(run_dir, inputs, overrides):
-    return run_smoke(run_dir, inputs, overrides, recipe=MEGATRON_RECIPE_NAME)
+    return run_verl(run_dir, inputs, overrides, recipe=MEGATRON_RECIPE_NAME)
 
 
 @pytest.fixture(scope="module")

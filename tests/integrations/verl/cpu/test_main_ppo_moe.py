@@ -13,9 +13,8 @@ import re
 
 import pytest
 from support.main_ppo_runs import (BITWISE, DIFF, SEPARATE_ASYNC, STALENESS_MIN, STALENESS_WORST_MAX,  # noqa: F401
-                                   assert_ran, assert_saved_at, inputs, moe_inputs)
+                                   assert_ran, assert_saved_at, inputs, moe_inputs, run_verl)
 
-from zero_mismatch_plugin.integrations.verl.cpu.launch import run_smoke
 
 pytestmark = pytest.mark.slow
 
@@ -31,12 +30,12 @@ def moe_runs(tmp_path_factory, moe_inputs):
     """(the synchronous run that saves at step 2, the asynchronous run resumed from it, their directory)."""
     root = tmp_path_factory.mktemp("main_ppo_moe")
     checkpoints = root / "checkpoints"
-    first = run_smoke(root / "sync", moe_inputs,
+    first = run_verl(root / "sync", moe_inputs,
                       [*BF16, f"trainer.default_local_dir={checkpoints}", f"trainer.save_freq={SAVED_STEP}"])
     assert_ran(first, [1, 2])
     # The resumed run trains three more steps asynchronously: FlashREINFORCE, one sample per prompt,
     # the rollout on its own slot one version behind after the first update.
-    resumed = run_smoke(root / "separate_resumed", moe_inputs, [
+    resumed = run_verl(root / "separate_resumed", moe_inputs, [
         "zm_algorithm=flash_reinforce", "actor_rollout_ref.rollout.n=1", "data.train_batch_size=4",
         "actor_rollout_ref.actor.ppo_mini_batch_size=4", *SEPARATE_ASYNC,
         f"trainer.total_training_steps={SAVED_STEP + 3}", f"trainer.default_local_dir={checkpoints}"])
