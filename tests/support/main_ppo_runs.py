@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -87,16 +88,21 @@ def forked_ray_workers(log_path: Path):
 
     from zero_mismatch_plugin.integrations.verl.cpu.launch import cpu_environment
 
-    socket_dir = tempfile.mkdtemp(prefix="zmrl-zygote-")
+    # A Unix socket's path holds at most ~107 bytes: a long TMPDIR gives way to /tmp.
+    socket_dir = tempfile.mkdtemp(prefix="zmrl-zygote-", dir=None if len(tempfile.gettempdir()) < 64 else "/tmp")
     socket_path = os.path.join(socket_dir, "workers")
     with open(log_path, "w") as log:
         server = subprocess.Popen([sys.executable, str(ZYGOTE), "serve", socket_path], env=cpu_environment(),
                                   stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True)
     try:
-        ready = server.stdout.readline()
-        if not ready.startswith(ZYGOTE_READY):
+        line = server.stdout.readline()
+        while line and not line.startswith(ZYGOTE_READY):  # whatever an import printed first
+            line = server.stdout.readline()
+        if not line:
             raise RuntimeError(f"the Ray worker zygote did not start (exit {server.wait()}); its log: {log_path}")
-        yield [f"++ray_kwargs.ray_init.runtime_env.py_executable='{sys.executable} -S {ZYGOTE} {socket_path}'"]
+        # Ray runs it through a shell: quoted for the shell, then double-quoted for Hydra.
+        client = shlex.join([sys.executable, "-S", str(ZYGOTE), socket_path])
+        yield [f'++ray_kwargs.ray_init.runtime_env.py_executable="{client}"']
     finally:
         server.terminate()  # it kills the workers it forked (each in a process group of its own)
         try:
