@@ -47,7 +47,8 @@ def _run_child(request: dict) -> None:
     """In the forked child: become ``python -c script`` with the request's paths and environment."""
     import builtins
     import importlib
-    import traceback
+
+    from support.run_as_main import exit_as_main
 
     written = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
     for fd, path, flags in ((0, os.devnull, os.O_RDONLY), (1, request["stdout"], written),
@@ -60,22 +61,8 @@ def _run_child(request: dict) -> None:
     importlib.invalidate_caches()
     os.chdir(request["cwd"])
     sys.argv = ["-c", *request["args"]]
-    code = 0
-    try:
-        exec(compile(request["script"], "<string>", "exec"), {"__name__": "__main__", "__builtins__": builtins})
-    except SystemExit as stop:
-        if stop.code is None or isinstance(stop.code, int):
-            code = stop.code or 0
-        else:
-            print(stop.code, file=sys.stderr)
-            code = 1
-    except BaseException:  # noqa: BLE001 - a script's failure is reported as a fresh interpreter would
-        traceback.print_exc()
-        code = 1
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+    exit_as_main(lambda: exec(compile(request["script"], "<string>", "exec"),
+                              {"__name__": "__main__", "__builtins__": builtins}))
 
 
 def preload(also=(), patched=()) -> list[str]:

@@ -65,6 +65,8 @@ def _become_worker(request: dict, fds: list[int]) -> None:
     """In the forked child: take the client's streams, environment and directory, run the worker."""
     import runpy
 
+    from run_as_main import exit_as_main  # beside this file, first on the zygote's sys.path
+
     # A process group of its own, as Ray starts a worker: Ray's cleanup kills a worker's whole group,
     # which would otherwise be the zygote's (seen: an idle task worker's exit took down every worker).
     os.setpgid(0, 0)
@@ -84,20 +86,7 @@ def _become_worker(request: dict, fds: list[int]) -> None:
     # worker's PYTHONPATH (Ray may add to it), then the interpreter's own.
     extra = [path for path in os.environ.get("PYTHONPATH", "").split(os.pathsep) if path and path not in sys.path]
     sys.path[0:1] = [os.path.dirname(os.path.abspath(sys.argv[0])), *extra]
-    code = 0
-    try:
-        runpy.run_path(sys.argv[0], run_name="__main__")
-    except SystemExit as exit_:
-        code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
-    except BaseException:  # noqa: BLE001 - the worker's own failure: print it as Python would, exit 1
-        import traceback
-
-        traceback.print_exc()
-        code = 1
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-    os._exit(code)
+    exit_as_main(lambda: runpy.run_path(sys.argv[0], run_name="__main__"))
 
 
 def serve(socket_path: str, preload=PRELOAD) -> None:
