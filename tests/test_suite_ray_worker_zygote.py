@@ -123,3 +123,17 @@ def test_a_terminated_zygote_kills_every_worker_it_forked(zygote, tmp_path):
     server.wait(timeout=30)
     assert _wait_gone(worker)
     assert client.wait(timeout=30) != 0
+
+
+def test_a_client_that_dies_while_asking_leaves_the_zygote_serving_the_next(zygote, tmp_path):
+    import socket
+
+    socket_path, server = zygote
+    half = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    half.connect(socket_path)
+    half.sendall(b"\x00\x00\x10\x00{")  # a header promising 4096 bytes, then gone
+    half.close()
+    script = tmp_path / "worker.py"
+    script.write_text("raise SystemExit(5)\n")
+    assert _client(socket_path, str(script)).wait(timeout=60) == 5
+    assert server.poll() is None

@@ -120,11 +120,21 @@ def serve(socket_path: str, preload=PRELOAD) -> None:
         for key, _ in selector.select(timeout=0.2):
             if key.fileobj is listener:
                 connection, _ = listener.accept()
-                size_and_payload, fds, _, _ = socket.recv_fds(connection, 1 << 20, 3)
-                (size,) = _HEADER.unpack(size_and_payload[:_HEADER.size])
-                payload = size_and_payload[_HEADER.size:]
-                payload += _receive_exactly(connection, size - len(payload))
-                pid = os.fork()
+                fds = []
+                try:
+                    size_and_payload, fds, _, _ = socket.recv_fds(connection, 1 << 20, 3)
+                    (size,) = _HEADER.unpack(size_and_payload[:_HEADER.size])
+                    payload = size_and_payload[_HEADER.size:]
+                    payload += _receive_exactly(connection, size - len(payload))
+                    pid = os.fork()
+                except (OSError, struct.error) as failed:
+                    # That client only (it died while asking, or no process could be forked): it
+                    # sees its connection close and exits 1; the other workers run on.
+                    print(f"zygote: a request failed: {failed!r}", file=sys.stderr, flush=True)
+                    for fd in fds:
+                        os.close(fd)
+                    connection.close()
+                    continue
                 if pid == 0:
                     selector.close()
                     listener.close()
