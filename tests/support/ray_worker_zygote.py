@@ -9,10 +9,11 @@ directory and standard streams to the zygote (this file as a server, started wit
 environment), which forks a child that becomes the worker, ``default_worker.py`` run as
 ``__main__`` exactly as Ray would run it. The child reports its own pid when it registers, so Ray
 signals and kills the real worker; the client exits with the child's status, and a client that
-dies takes its child with it (the zygote sees the connection close). Nothing the zygote imports
-reads the per-worker settings (verl, vLLM and the plugin are imported by each worker, after the
-fork, with its own environment); torch's thread count, read when torch loads, is set again from
-the worker's ``OMP_NUM_THREADS``.
+dies takes its child with it (the zygote sees the connection close). The zygote starts with the
+run's environment and imports none of the modules that read the settings Ray gives each worker
+(verl, vLLM, Ray and the plugin are imported by each worker after the fork, with its own
+environment); torch's thread count, read when torch loads, is set again from the worker's
+``OMP_NUM_THREADS``.
 
 Test infrastructure: a verl run a user starts spawns its workers as Ray does.
 """
