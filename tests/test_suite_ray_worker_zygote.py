@@ -12,12 +12,9 @@ import time
 from pathlib import Path
 
 import pytest
-from support.ray_worker_zygote import ZYGOTE_READY
+from support.ray_worker_zygote import SCRIPT, ZYGOTE_READY
 
-import support
-
-ZYGOTE = Path(support.__file__).with_name("ray_worker_zygote.py")
-SUPPORT = str(ZYGOTE.parent)
+SUPPORT = os.path.dirname(SCRIPT)
 
 
 @pytest.fixture
@@ -36,7 +33,7 @@ def zygote(tmp_path):
 
 def _client(socket_path: str, *worker_argv: str, **options) -> subprocess.Popen:
     """As Ray would exec it: the interpreter without site packages, the zygote's path, the worker's argv."""
-    return subprocess.Popen([sys.executable, "-S", str(ZYGOTE), socket_path, *worker_argv], **options)
+    return subprocess.Popen([sys.executable, "-S", SCRIPT, socket_path, *worker_argv], **options)
 
 
 def _gone(pid: int) -> bool:

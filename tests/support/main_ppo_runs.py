@@ -21,7 +21,6 @@ import math
 import os
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -77,22 +76,19 @@ def moe_inputs(inputs, tmp_path_factory):
     return {**inputs, "actor_rollout_ref.model.path": str(model)}
 
 
-ZYGOTE = Path(__file__).with_name("ray_worker_zygote.py")
-
-
 @contextlib.contextmanager
 def forked_ray_workers(log_path: Path):
     """The overrides that make a verl run's Ray workers forks of one zygote (``ray_worker_zygote``),
     started here with the run's environment and stopped, with every worker it forked, on leaving."""
-    from support.ray_worker_zygote import ZYGOTE_READY
+    from support.ray_worker_zygote import SCRIPT, ZYGOTE_READY
 
-    from zero_mismatch_plugin.integrations.verl.cpu.launch import cpu_environment
+    from zero_mismatch_plugin.integrations.verl.cpu.launch import _kill_group, cpu_environment
 
     # A Unix socket's path holds at most ~107 bytes: a long TMPDIR gives way to /tmp.
     socket_dir = tempfile.mkdtemp(prefix="zmrl-zygote-", dir=None if len(tempfile.gettempdir()) < 64 else "/tmp")
     socket_path = os.path.join(socket_dir, "workers")
     with open(log_path, "w") as log:
-        server = subprocess.Popen([sys.executable, str(ZYGOTE), "serve", socket_path], env=cpu_environment(),
+        server = subprocess.Popen([sys.executable, SCRIPT, "serve", socket_path], env=cpu_environment(),
                                   stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True)
     try:
         line = server.stdout.readline()
@@ -101,17 +97,13 @@ def forked_ray_workers(log_path: Path):
         if not line:
             raise RuntimeError(f"the Ray worker zygote did not start (exit {server.wait()}); its log: {log_path}")
         # Ray runs it through a shell: quoted for the shell, then double-quoted for Hydra.
-        client = shlex.join([sys.executable, "-S", str(ZYGOTE), socket_path])
+        client = shlex.join([sys.executable, "-S", SCRIPT, socket_path])
         yield [f'++ray_kwargs.ray_init.runtime_env.py_executable="{client}"']
     finally:
         server.terminate()  # it kills the workers it forked (each in a process group of its own)
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            pass
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(server.pid, signal.SIGKILL)
-        server.wait()
+        _kill_group(server)  # then whatever is left of its own group
         shutil.rmtree(socket_dir, ignore_errors=True)
 
 

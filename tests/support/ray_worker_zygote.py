@@ -33,6 +33,8 @@ import sys
 PRELOAD = ("torch", "tensordict", "transformers", "torch._inductor.lowering", "openai", "datasets", "pandas")
 _HEADER = struct.Struct("!I")
 ZYGOTE_READY = "zygote ready"
+# This file: the server's and the client's script.
+SCRIPT = os.path.abspath(__file__)
 
 
 def _send_message(connection: socket.socket, payload: bytes, fds=()) -> None:

@@ -15,7 +15,6 @@ import pytest
 from support.main_ppo_runs import (BITWISE, DIFF, SEPARATE_ASYNC, STALENESS_MIN, STALENESS_WORST_MAX,  # noqa: F401
                                    assert_ran, assert_saved_at, inputs, moe_inputs, run_verl)
 
-
 pytestmark = pytest.mark.slow
 
 SAVED_STEP = 2
@@ -31,7 +30,7 @@ def moe_runs(tmp_path_factory, moe_inputs):
     root = tmp_path_factory.mktemp("main_ppo_moe")
     checkpoints = root / "checkpoints"
     first = run_verl(root / "sync", moe_inputs,
-                      [*BF16, f"trainer.default_local_dir={checkpoints}", f"trainer.save_freq={SAVED_STEP}"])
+                     [*BF16, f"trainer.default_local_dir={checkpoints}", f"trainer.save_freq={SAVED_STEP}"])
     assert_ran(first, [1, 2])
     # The resumed run trains three more steps asynchronously: FlashREINFORCE, one sample per prompt,
     # the rollout on its own slot one version behind after the first update.
