@@ -18,6 +18,7 @@ import torch
 
 from zero_mismatch_plugin.aligned import numerics
 from zero_mismatch_plugin.aligned.vllm_compat import platform_kind, require_vllm
+from zero_mismatch_plugin.tables.switches import CPU_THREADS_BIND
 
 logger = logging.getLogger(__name__)
 
@@ -42,9 +43,6 @@ def engine_args_for(model_dir: str | os.PathLike, dtype: str = "float32", **over
     )
     args.update(overrides)
     return args
-
-
-CPU_THREADS_BIND = "VLLM_CPU_OMP_THREADS_BIND"
 
 
 def cpu_engine_thread_binding(tensor_parallel_size: int) -> dict[str, str]:

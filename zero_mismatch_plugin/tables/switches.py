@@ -73,7 +73,8 @@ SWITCHES: dict[str, Switch] = {switch.name: switch for switch in (
     _flag(CPU_ENGINE_ONE_PROCESS, "a CPU engine of world size 1 runs its model in the EngineCore process "
           "(one thread; starts sooner)", "vLLM's worker process", "vLLM's worker process"),
     _flag(CPU_ENGINE_FORK, f"with {CPU_ENGINE_ONE_PROCESS}=1, that EngineCore is forked from a fork server "
-          "that imported vLLM once (starts sooner)", "spawned", "spawned"),
+          "that imported vLLM once, and the one-CPU ranks of a multi-rank engine from it (starts sooner)",
+          "spawned", "spawned"),
 )}
 
 
@@ -145,6 +146,10 @@ def undeclared(names) -> list[tuple[str, str | None]]:
             close = difflib.get_close_matches(name, list(SWITCHES), n=1, cutoff=0.6)
             result.append((name, close[0] if close else None))
     return result
+
+
+# vLLM's per-rank CPU binding of a CPU engine ("0|1": rank 0 on CPU 0, rank 1 on CPU 1).
+CPU_THREADS_BIND = "VLLM_CPU_OMP_THREADS_BIND"
 
 
 # ----- vLLM's CPU KV-cache size ----------------------------------------------------------------

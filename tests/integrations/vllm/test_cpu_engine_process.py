@@ -1,4 +1,5 @@
-"""ZMRL_CPU_ENGINE_ONE_PROCESS: a CPU engine of world size 1 keeps the uni executor, only with one OMP thread."""
+"""ZMRL_CPU_ENGINE_ONE_PROCESS: a CPU engine of world size 1 keeps the uni executor, only with one OMP thread;
+ZMRL_CPU_ENGINE_FORK: EngineCores from a fork server, one-thread ranks forked from their EngineCore."""
 
 from __future__ import annotations
 
@@ -77,22 +78,48 @@ def test_the_fork_switch_gives_engine_cores_from_the_fork_server(monkeypatch, sw
 
     from zero_mismatch_plugin.integrations import patches as runtime_patches
     from zero_mismatch_plugin.integrations.vllm import plugin
-    from zero_mismatch_plugin.integrations.vllm.cpu_engine_process import (FORK_SERVER,
+    from zero_mismatch_plugin.integrations.vllm.cpu_engine_process import (FORK_SERVER, FORKED_WORKERS,
                                                                             _engine_cores_from_a_fork_server)
 
     monkeypatch.setenv("ZMRL_CPU_ENGINE_ONE_PROCESS", "1")
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     for name, value in switches.items():
         monkeypatch.setenv(name, value) if value else monkeypatch.delenv(name, raising=False)
-    held = runtime_patches.is_applied(FORK_SERVER) or runtime_patches.is_pending(FORK_SERVER)
-    runtime_patches.remove(FORK_SERVER)
+    def active(patch):
+        return runtime_patches.is_applied(patch) or runtime_patches.is_pending(patch)
+
+    held = {patch: active(patch) for patch in (FORK_SERVER, FORKED_WORKERS)}
+    for patch in held:
+        runtime_patches.remove(patch)
     try:
         plugin.register()
-        applied = runtime_patches.is_applied(FORK_SERVER) or runtime_patches.is_pending(FORK_SERVER)
-        assert applied == (method == "forkserver")
+        assert [active(patch) for patch in held] == [method == "forkserver"] * 2
     finally:
-        (runtime_patches.apply if held else runtime_patches.remove)(FORK_SERVER)
+        for patch, was_active in held.items():
+            (runtime_patches.apply if was_active else runtime_patches.remove)(patch)
     get_mp_context = _engine_cores_from_a_fork_server(lambda: multiprocessing.get_context("spawn"))
     assert get_mp_context().get_start_method() == "forkserver"
     kept = _engine_cores_from_a_fork_server(lambda: multiprocessing.get_context("fork"))
     assert kept().get_start_method() == "fork"
+
+
+@pytest.mark.parametrize("threads,binding,method", [
+    ("1", "0|1", "fork"), ("1", "0|1|0|1", "fork"),  # one one-thread CPU per rank: forked
+    ("1", "0,1|2,3", "spawn"),  # ranks of two CPUs would read their thread count and places at start
+    ("1", None, "spawn"), ("1", "auto", "spawn"), ("1", "nobind", "spawn"),  # vLLM picks the CPUs
+    ("2", "0|1", "spawn"), (None, "0|1", "spawn"),  # a worker would inherit the wrong thread count
+])
+def test_workers_are_forked_only_where_each_rank_is_one_thread_on_one_cpu(monkeypatch, threads, binding, method):
+    """A forked worker keeps the OpenMP runtime (thread count, no places) of the EngineCore it came
+    from; a spawned one reads the per-rank variables vLLM sets. Forking is only the same worker
+    where those variables would say one thread."""
+    import multiprocessing
+
+    from zero_mismatch_plugin.integrations.vllm.cpu_engine_process import _workers_forked_from_the_engine_core
+
+    for name, value in (("OMP_NUM_THREADS", threads), ("VLLM_CPU_OMP_THREADS_BIND", binding)):
+        monkeypatch.setenv(name, value) if value else monkeypatch.delenv(name, raising=False)
+    get_mp_context = _workers_forked_from_the_engine_core(lambda: multiprocessing.get_context("spawn"))
+    assert get_mp_context().get_start_method() == method
+    kept = _workers_forked_from_the_engine_core(lambda: multiprocessing.get_context("forkserver"))
+    assert kept().get_start_method() == "forkserver"  # only vLLM's spawn is replaced

@@ -9,7 +9,11 @@ With ``ZMRL_CPU_ENGINE_FORK=1`` as well, the EngineCore process is forked from a
 imported vLLM once (:data:`ENGINE_FORK_SERVER_PRELOAD`), instead of spawned: it starts without
 re-importing torch and vLLM, about 15 s sooner per start on 2 cores. Like a spawned process it
 starts from nothing the caller did (patches, caches, process groups), with the caller's
-environment at the start.
+environment at the start. An engine of several ranks (tensor parallelism) then forks its worker
+processes from that EngineCore, as vLLM does on GPUs, instead of spawning each (one import of
+torch and vLLM, ~10 s of a core, per rank), where every rank is bound to one CPU: a forked worker
+keeps the OpenMP runtime of the process it came from, one thread, where a spawned one would read
+the per-rank ``OMP_*`` variables vLLM sets for it.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import multiprocessing.forkserver
 import os
 
 from zero_mismatch_plugin.integrations.vllm.patch_kinds import vllm_patch
-from zero_mismatch_plugin.tables.switches import CPU_ENGINE_FORK, CPU_ENGINE_ONE_PROCESS, enabled
+from zero_mismatch_plugin.tables.switches import CPU_ENGINE_FORK, CPU_ENGINE_ONE_PROCESS, CPU_THREADS_BIND, enabled
 
 
 def _keep_uniprocess_executor(original):
@@ -103,4 +107,31 @@ FORK_SERVER = vllm_patch(
     why="every spawned EngineCore imports torch and vLLM again; one fork server imports them once and "
         "forks each EngineCore from that clean state, with the caller's environment",
     when=f"{CPU_ENGINE_ONE_PROCESS}=1 and {CPU_ENGINE_FORK}=1",
+)
+
+
+def one_cpu_per_rank(binding: str | None) -> bool:
+    """Whether ``VLLM_CPU_OMP_THREADS_BIND`` binds every rank to exactly one CPU (``"0|1"``)."""
+    return bool(binding) and all(share.strip().isdigit() for share in binding.split("|"))
+
+
+def _workers_forked_from_the_engine_core(original):
+    def get_mp_context():
+        context = original()
+        if (context.get_start_method() == "spawn" and os.environ.get("OMP_NUM_THREADS") == "1"
+                and one_cpu_per_rank(os.environ.get(CPU_THREADS_BIND))):
+            return multiprocessing.get_context("fork")
+        return context
+
+    return get_mp_context
+
+
+FORKED_WORKERS = vllm_patch(
+    "vllm.v1.executor.multiproc_executor:get_mp_context", _workers_forked_from_the_engine_core,
+    name="cpu-engine-forked-workers",
+    why="vLLM's CPU platform spawns every worker of a multi-rank engine, each importing torch and vLLM "
+        "again; with one one-thread CPU per rank, forking them from the EngineCore (vLLM's own start "
+        "method on GPUs) runs the same workers on the same thread count",
+    when=f"{CPU_ENGINE_ONE_PROCESS}=1, {CPU_ENGINE_FORK}=1, OMP_NUM_THREADS=1 and one CPU per rank in "
+         f"{CPU_THREADS_BIND}",
 )

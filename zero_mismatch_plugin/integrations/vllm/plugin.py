@@ -15,7 +15,7 @@ import os
 
 from zero_mismatch_plugin.integrations import patches as runtime_patches
 from zero_mismatch_plugin.integrations.patches import FunctionPatch
-from zero_mismatch_plugin.integrations.vllm.cpu_engine_process import FORK_SERVER, ONE_PROCESS
+from zero_mismatch_plugin.integrations.vllm.cpu_engine_process import FORK_SERVER, FORKED_WORKERS, ONE_PROCESS
 from zero_mismatch_plugin.integrations.vllm.cpu_all_reduce import CONSISTENT_MODE_PATCHES as CPU_ALL_REDUCE_PATCHES
 from zero_mismatch_plugin.integrations.vllm.cpu_gdn import CONSISTENT_MODE_PATCHES as CPU_GDN_PATCHES
 from zero_mismatch_plugin.integrations.vllm.cpu_head import CONSISTENT_MODE_PATCHES as CPU_HEAD_PATCHES
@@ -43,6 +43,7 @@ def register() -> None:
         runtime_patches.apply(ONE_PROCESS)
         if enabled(CPU_ENGINE_FORK):
             runtime_patches.apply(FORK_SERVER)
+            runtime_patches.apply(FORKED_WORKERS)
     mode = numerics.current_mode()
     if mode is None:
         return
@@ -317,4 +318,4 @@ CPU_CONSISTENT_MODE_PATCHES = (CPU_GEMM, *CPU_HEAD_PATCHES, *CPU_MLA_PATCHES, *C
                                LORA_BASE_EMBEDDING_ROWS, *CPU_MOE_LORA_PATCHES, *CPU_ALL_REDUCE_PATCHES,
                                *CPU_GDN_PATCHES, *CPU_KDA_PATCHES)
 PATCHES: list[FunctionPatch] = [ENGINE_ARGS, ENGINE_DEATH, LORA_MAPPER_NAME, *CPU_CONSISTENT_MODE_PATCHES, ONE_PROCESS,
-                                FORK_SERVER]
+                                FORK_SERVER, FORKED_WORKERS]
