@@ -30,8 +30,11 @@ WORK_DIR = ".zmrl-apply"  # where apply keeps its journal while it runs (docs/pa
 
 # Runs `zmrl patches apply --to CHECKOUT` and stops it right before the data of the PAUSE_AT-th
 # checkout file opened for writing is written: prints PAUSED, then sleeps until a signal comes.
+# Ctrl-C reaches it as it reaches a terminal's foreground command: a shell that starts the suite in
+# the background hands SIGINT down ignored, and Python then installs no KeyboardInterrupt for it.
 DRIVER = textwrap.dedent('''
-    import os, sys, time
+    import os, signal, sys, time
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     checkout, pause_at = sys.argv[1], int(sys.argv[2])
     opened = []
 
