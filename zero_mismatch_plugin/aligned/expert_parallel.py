@@ -164,10 +164,85 @@ class _RoutingWeightsFn(Function):
         return glogits.to(logits.dtype), None, None, None
 
 
+def _engine_shard(moe: MoeBlocks, engine_shard: tuple[int, int]) -> EngineShard:
+    rank, ranks = engine_shard
+    if moe.moe_intermediate_size % ranks:
+        raise ValueError(f"the expert width {moe.moe_intermediate_size} does not split over {ranks} engine ranks")
+    return EngineShard(rank, ranks, moe.moe_intermediate_size)
+
+
 def _one_expert_per_row(moe: MoeBlocks, num_local: int) -> MoeBlocks:
     return dataclasses.replace(moe, num_experts=num_local, top_k=1, norm_topk_prob=False, scoring_func="softmax",
                                grouped_topk=False, n_group=None, topk_group=None, e_score_correction_bias=False,
                                routed_scaling_factor=1.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineShard:
+    """Tensor-parallel engine rank ``rank`` of ``ranks``'s share of an expert of width
+    ``full_width``, as vLLM splits an expert over its ranks: columns ``rank`` of the gate and the up
+    projection and the same columns of the down projection's input; of an adapter on the expert
+    (vLLM's ``FusedMoEWithLoRA``), the gate's and up's B rows and the down's A columns, the other
+    matrices whole. Slicing is the identity at one rank; a gradient of a slice is the whole
+    matrix's, zero outside it."""
+
+    rank: int = 0
+    ranks: int = 1
+    full_width: int = 0
+
+    @property
+    def columns(self) -> slice:
+        width = self.full_width // self.ranks
+        return slice(self.rank * width, (self.rank + 1) * width)
+
+    def gate(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return gate_up[: self.full_width][self.columns]
+
+    def up(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return gate_up[self.full_width :][self.columns]
+
+    def gate_up(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return gate_up if self.ranks == 1 else torch.cat([self.gate(gate_up), self.up(gate_up)])
+
+    def down(self, down: torch.Tensor) -> torch.Tensor:
+        return down[:, self.columns]
+
+    def lora(self, params: list, num_experts: int) -> list:
+        """The shard's part of each adapter matrix, listed as the expert-LoRA ops list them
+        (target by target, expert by expert, A before B)."""
+        return [p[self._lora_index(i, num_experts)] for i, p in enumerate(params)]
+
+    def whole_gate_up_grad(self, like: torch.Tensor, ggate: torch.Tensor, gup: torch.Tensor) -> torch.Tensor:
+        grad = like.new_zeros(like.shape)
+        self.gate(grad).copy_(ggate)
+        self.up(grad).copy_(gup)
+        return grad
+
+    def whole_down_grad(self, like: torch.Tensor, gdown: torch.Tensor) -> torch.Tensor:
+        grad = like.new_zeros(like.shape)
+        self.down(grad).copy_(gdown)
+        return grad
+
+    def whole_lora_grads(self, params: list, grads: list, num_experts: int) -> list:
+        """The gradients of the whole adapter matrices ``params`` from those of :meth:`lora`'s slices."""
+        if self.ranks == 1:
+            return grads
+        out = []
+        for i, (p, g) in enumerate(zip(params, grads)):
+            if g is None:
+                out.append(None)
+                continue
+            whole = p.new_zeros(p.shape, dtype=g.dtype)
+            whole[self._lora_index(i, num_experts)] = g
+            out.append(whole)
+        return out
+
+    def _lora_index(self, position: int, num_experts: int):
+        target = EXPERT_SLICES[position // (2 * num_experts)]
+        is_b = position % 2 == 1
+        if target == "down_proj":
+            return (slice(None), slice(None)) if is_b else (slice(None), self.columns)
+        return (self.columns, slice(None)) if is_b else (slice(None), slice(None))
 
 
 class AlignedExpertRows(AlignedMoE):
@@ -184,40 +259,22 @@ class AlignedExpertRows(AlignedMoE):
                  engine_shard: tuple[int, int] = (0, 1)):
         if runtime.vllm_config.lora_config is not None:
             raise NotImplementedError("expert parallelism with LoRA on the experts")
-        rank, ranks = engine_shard
-        if moe.moe_intermediate_size % ranks:
-            raise ValueError(f"the expert width {moe.moe_intermediate_size} does not split over {ranks} engine ranks")
-        self.full_width, self.engine_shard = moe.moe_intermediate_size, engine_shard
-        shard = dataclasses.replace(moe, moe_intermediate_size=moe.moe_intermediate_size // ranks)
+        self.shard = _engine_shard(moe, engine_shard)
+        shard = dataclasses.replace(moe, moe_intermediate_size=moe.moe_intermediate_size // self.shard.ranks)
         # Rows computed on a shard are that engine rank's, whatever the engine's tensor parallelism.
         super().__init__(runtime, _one_expert_per_row(shard, len(down)), hidden_size, None, None, down, gate_up=gate_up,
                          engine_rank_shard=True)
 
-    def _columns(self) -> slice:
-        rank, ranks = self.engine_shard
-        width = self.full_width // ranks
-        return slice(rank * width, (rank + 1) * width)
-
     def expert_weights(self, sources: list) -> tuple[list, list, list]:
-        n, full, cols = self.moe.num_experts, self.full_width, self._columns()
+        n, shard = self.moe.num_experts, self.shard
         fused, down = sources[:n], sources[n : 2 * n]
-        return [w[:full][cols] for w in fused], [w[full:][cols] for w in fused], [w[:, cols] for w in down]
+        return [shard.gate(w) for w in fused], [shard.up(w) for w in fused], [shard.down(w) for w in down]
 
     def param_grads(self, ggate: list, gup: list, gdown: list) -> list:
-        if self.engine_shard[1] == 1:
+        if self.shard.ranks == 1:
             return super().param_grads(ggate, gup, gdown)
-        full, cols = self.full_width, self._columns()
-        grads = []
-        for p, a, b in zip(self.gate_up, ggate, gup):
-            g = torch.zeros(p.shape, dtype=p.dtype, device=p.device)
-            g[:full][cols] = a
-            g[full:][cols] = b
-            grads.append(g)
-        for p, d in zip(self.down, gdown):
-            g = torch.zeros(p.shape, dtype=p.dtype, device=p.device)
-            g[:, cols] = d
-            grads.append(g)
-        return grads
+        return ([self.shard.whole_gate_up_grad(p, a, b) for p, a, b in zip(self.gate_up, ggate, gup)]
+                + [self.shard.whole_down_grad(p, d) for p, d in zip(self.down, gdown)])
 
     def rows(self, x: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
         from vllm.forward_context import set_forward_context
@@ -246,13 +303,17 @@ class AlignedExpertRowsLoRA:
     (:func:`slot_order_sum`). The base weights are frozen; the backward (fp32 torch,
     :func:`..moe_backward.experts_lora_backward`) reaches the rows, their weights and A and B.
 
+    ``engine_shard`` = (rank, ranks): the rows of tensor-parallel engine rank ``rank`` of ``ranks``
+    (:class:`EngineShard`: its columns of each expert and its slices of each adapter, as vLLM's
+    ``FusedMoEWithLoRA`` splits them); the gradients are those of the whole matrices.
+
     What it packs is derived once and kept (:class:`..derived.DerivedWeight`): each expert's packed
     base linear until that weight's data changes (a reload), the adapter's stacked A and B (and
     with them their packed linears) until any of them does (an optimizer step); after writes
     through ``param.data``, :meth:`refresh`."""
 
     def __init__(self, runtime: VllmRuntime, gate_up: list, down: list, adapters: list | None = None,
-                 lora_config=None):
+                 lora_config=None, engine_shard: tuple[int, int] = (0, 1)):
         lora = runtime.vllm_config.lora_config
         if lora is None:
             raise ValueError("the trainer's engine arguments need enable_lora=True (as the engine's)")
@@ -262,18 +323,25 @@ class AlignedExpertRowsLoRA:
             raise NotImplementedError("experts of an engine serving LoRA train their adapters only: freeze the base "
                                       "expert weights (megatron.lora.attach_lora does)")
         self.runtime, self.gate_up, self.down, self.adapters = runtime, list(gate_up), list(down), adapters
+        rank, ranks = engine_shard
+        full_width = self.gate_up[0].shape[0] // 2
+        if full_width % ranks:
+            raise ValueError(f"the expert width {full_width} does not split over {ranks} engine ranks")
+        self.shard = EngineShard(rank, ranks, full_width)
         self.scaling = lora_config.scaling if adapters is not None else 1.0
         self.max_rank, self.lora_dtype = lora.max_lora_rank, lora.lora_dtype
         self.lora_params = [] if adapters is None else [
             t for target in EXPERT_SLICES for e in adapters for t in (e[target].lora_A, e[target].lora_B)]
         from zero_mismatch_plugin.aligned.cpu_lora_experts import packed_cpu_linear
 
-        self.linears = [[DerivedWeight([w], lambda ws: packed_cpu_linear(ws[0])) for w in weights]
-                        for weights in (self.gate_up, self.down)]
+        shard = self.shard
+        parts = ((self.gate_up, shard.gate_up), (self.down, shard.down))
+        self.linears = [[DerivedWeight([w], lambda ws, part=part: packed_cpu_linear(part(ws[0]).contiguous()))
+                         for w in weights] for weights, part in parts]
         self.stacked_lora = None if adapters is None else DerivedWeight(
             self.lora_params, lambda params: stacked_expert_lora(
-                expert_lora_weights(params, len(adapters)), self.max_rank, self.lora_dtype, self.scaling,
-                params[0].device))
+                expert_lora_weights(shard.lora(params, len(adapters)), len(adapters)), self.max_rank, self.lora_dtype,
+                self.scaling, params[0].device))
 
     def refresh(self) -> None:
         """Derive the packed linears and the stacked adapter again (after writes through ``param.data``)."""
@@ -285,8 +353,8 @@ class AlignedExpertRowsLoRA:
 
         ids2d, weights2d = ids.long().view(-1, 1), probs.float().view(-1, 1)
         linears = tuple([derived.get() for derived in weights] for weights in self.linears)
-        # With the packed linears given, the experts read only the two weights' shapes: one expert's.
-        w13, w2 = self.gate_up[0].detach()[None], self.down[0].detach()[None]
+        # With the packed linears given, the experts read only the two weights' shapes: one expert's shard.
+        w13, w2 = self.shard.gate_up(self.gate_up[0].detach())[None], self.shard.down(self.down[0].detach())[None]
         add_w13 = add_w2 = None
         if self.adapters is not None:
             a13, b13, a2, b2 = self.stacked_lora.get()
@@ -315,18 +383,19 @@ class _ExpertRowsLoRAFn(Function):
     @staticmethod
     def backward(ctx, g):
         x, probs, ids, *lora_params = ctx.saved_tensors
-        op = ctx.op
-        width = op.gate_up[0].shape[0] // 2
-        gate = [w.detach()[:width] for w in op.gate_up]
-        up = [w.detach()[width:] for w in op.gate_up]
-        rows = (x, g, ids.long().view(-1, 1), probs.detach().view(-1, 1), gate, up, op.down)
+        op, shard = ctx.op, ctx.op.shard
+        gate = [shard.gate(w.detach()) for w in op.gate_up]
+        up = [shard.up(w.detach()) for w in op.gate_up]
+        down = [shard.down(w.detach()) for w in op.down]
+        rows = (x, g, ids.long().view(-1, 1), probs.detach().view(-1, 1), gate, up, down)
         if op.adapters is None:
             gx, gw, *_ = experts_backward(*rows)
             gparams = []
         else:
+            n = len(op.adapters)
             gx, gw, lora_grads = experts_lora_backward(
-                *rows, expert_lora_weights(list(lora_params), len(op.adapters)), op.scaling)
-            gparams = in_parameter_order(lora_grads)
+                *rows, expert_lora_weights(shard.lora(list(lora_params), n), n), op.scaling)
+            gparams = shard.whole_lora_grads(list(lora_params), in_parameter_order(lora_grads), n)
         gw = gw.view_as(probs).to(probs.dtype)
         return (gx.to(x.dtype), gw, None, None,
                 *(None if gp is None else gp.to(p.dtype) for gp, p in zip(gparams, lora_params)))

@@ -14,8 +14,10 @@ session's one-process engines.
 
 LoRA at TP 2 + SP: an adapter on every decoder linear of the Llama checkpoint against an engine at
 TP 2 serving it (``zmrl check --lora``, a rollout, one step of the adapter and its sync), and one on
-the decoder linears, embed_tokens and lm_head served beside it (a rollout and one step). The
-check command at TP 2 + SP runs there and on Qwen3-MoE at TP 2 + SP x EP 2. ``zmrl bisect`` at TP 2
+the decoder linears, embed_tokens and lm_head served beside it (a rollout and one step); one on
+GLM-4.5's attention, routed experts and shared expert against an engine at TP 2 serving it (``zmrl
+check --lora``, a rollout, one step and its sync), at TP 2 + SP and at TP 2 + SP x EP 2. The check
+command at TP 2 + SP runs there and on Qwen3-MoE at TP 2 + SP x EP 2. ``zmrl bisect`` at TP 2
 (Llama), TP 2 + SP (Qwen3-MoE, GLM-4.5; Llama with the adapter) and, on four ranks, TP 2 + SP x PP 2 and
 TP 2 + SP x CP 2 (Llama) compares each rank with vLLM's model built on the same rank.
 
@@ -23,7 +25,8 @@ Cost: one TP-2 engine per checkpoint (~20 s each), one torchrun of two ranks tha
 checkpoint and takes one training step on Llama and one on Qwen3-MoE (~40 s), one torchrun of
 four one-thread ranks for the combined layouts (~50 s; two one-process engines of the session's, if
 not started already, ~20 s) and ``zmrl check`` at PP 2 x EP 2 on them, and a TP-2 LoRA engine with its check and
-five calls on the same two ranks (~60 s), four bisections on them (vLLM's model built on the
+five calls on the same two ranks (~60 s), a TP-2 LoRA engine for GLM-4.5 with its check and two
+calls (~35 s), four bisections on them (vLLM's model built on the
 ranks each time, ~5 s each) and four on the four ranks (~10 s each); everything below is asserted
 from those runs. The
 check command as a user runs it, starting its own TP-2 engine and ranks, runs once, on Qwen3-MoE
@@ -613,21 +616,119 @@ def test_after_a_step_of_the_adapter_at_tp2_sp_and_its_sync_the_engine_is_bitwis
     assert torch.equal(torch.cat(tp2_lora.stepped_first_rollout["tp2-sp"]["logprobs"]), in_memory)
 
 
+# LoRA on experts: split over the tensor-parallel ranks as vLLM splits them, or whole on their
+# expert-parallel rank (TP 2 x EP 2, expert tensor parallelism 1), which computes each engine rank's slices.
+EXPERT_LORA_LAYOUTS = [Layout(TP, sequence_parallel=True),
+                       Layout(TP, sequence_parallel=True, expert_model_parallel_size=2)]
+EXPERT_LORA = [layout.name for layout in EXPERT_LORA_LAYOUTS]
+
+
+@pytest.fixture(scope="module")
+def tp2_expert_lora(mg_checkpoints, tmp_path_factory, tp2_group):
+    """An r-8 adapter on GLM-4.5's attention, its routed experts (gate, up, down of each) and its
+    shared expert, served by an engine at TP 2, on which ``zmrl check --lora`` runs (TP 2 + SP) and a
+    rollout is sampled; the ranks score it with the adapter and take one step of it, and score the
+    checkpoint with the adapter merged, at TP 2 + SP and at TP 2 + SP x EP 2; the adapter stepped at
+    TP 2 + SP, gathered whole, is loaded by the engine, which samples again, and the ranks score
+    that rollout with the stepped adapter's files at both layouts."""
+    from support.check_command import lent_engine_and_ranks
+    from zero_mismatch_plugin.aligned.lora.adapter import build_adapter
+    from zero_mismatch_plugin.aligned.lora.peft import lora_request, read_lora_config, write_peft_adapter
+    from zero_mismatch_plugin.integrations.megatron.distributed import ScoreRequest
+    from zero_mismatch_plugin.integrations.megatron.rank_group import launch
+    from zero_mismatch_plugin.tools import cli
+    from zero_mismatch_plugin.tools.checker import engine as checker_engine
+
+    checkpoint = mg_checkpoints["glm4_moe"]
+    root = tmp_path_factory.mktemp("tp2_expert_lora")
+    adapter = build_adapter(root / "adapter", checkpoint, r=8, lora_alpha=16, seed=23)
+    settings = checker_engine.engine_settings(checkpoint, ENGINE_KWARGS["max_model_len"], seed=0,
+                                              tensor_parallel=TP, sequence_parallel=True, lora_dir=adapter)
+    layouts = EXPERT_LORA_LAYOUTS
+    prompts = prompts_for(checkpoint, corpus_seed=11)
+    out = SimpleNamespace(settings=settings, adapter=adapter, stepped=root / "stepped")
+    with checker_engine.open_engine(settings) as llm:
+        with lent_engine_and_ranks(settings, llm, group=tp2_group) as out.check_layouts:
+            out.check_code = cli.main(["check", "--model", str(checkpoint), "--trainer", "megatron",
+                                       "--tensor-parallel", "2", "--sequence-parallel", "--lora", str(adapter),
+                                       "--max-model-len", str(ENGINE_KWARGS["max_model_len"]), "--quiet",
+                                       "--json", str(root / "check.json")])
+        out.check_report = (root / "check.json").read_text()
+        out.rollout = rollout(llm, prompts, seed=3, lora_request=llm.lora_request)
+        merged = merged_checkpoint(checkpoint, adapter, root / "merged")
+        requests = [ScoreRequest(str(checkpoint), settings.trainer_args, *out.rollout[:2], step=STEP,
+                                 lora_dir=str(adapter)),
+                    ScoreRequest(str(merged), ENGINE_KWARGS, *out.rollout[:2])]
+        out.with_adapter, out.merged = launch(requests, layouts, tp2_group)
+        write_peft_adapter(out.stepped, read_lora_config(adapter), out.with_adapter["tp2-sp"]["weights"])
+        out.stepped_rollout = rollout(llm, prompts, seed=3, lora_request=lora_request("stepped", 2, out.stepped))
+    (out.stepped_scores,) = launch(
+        [ScoreRequest(str(checkpoint), settings.trainer_args, *out.stepped_rollout[:2], lora_dir=str(out.stepped))],
+        layouts, tp2_group)
+    return out
+
+
+def test_zmrl_check_with_lora_on_experts_at_tp2_sp_passes_every_check(tp2_expert_lora):
+    """``zmrl check --tensor-parallel 2 --sequence-parallel --lora`` with pairs on the experts: each
+    rank keeps A whole and its rows of B for an expert's gate and up, its columns of A and B whole
+    for its down, as vLLM's MoE LoRA layer slices them, and adds its update to its partial."""
+    import json
+
+    assert tp2_expert_lora.check_code == 0
+    assert tp2_expert_lora.check_layouts == ["tp2-sp"]
+    report = json.loads(tp2_expert_lora.check_report)
+    assert all(entry["pass"] is not False for entry in report.values()), report
+    assert report["sampled_token"]["bitwise_equal_fraction"] == 1.0
+    assert report["full_distribution"]["pass"] is True
+
+
+@pytest.mark.parametrize("layout", EXPERT_LORA)
+def test_lora_on_experts_at_tp2_sp_is_bitwise_with_the_engine_and_the_merged_adapter_is_not(tp2_expert_lora, layout):
+    """The ranks' scores of the TP-2 engine's rollout with the expert adapter; negative control:
+    the adapter merged into the checkpoint's weights (the same function, not vLLM's arithmetic)."""
+    _, _, mu = tp2_expert_lora.rollout
+    values = torch.cat(tp2_expert_lora.with_adapter[layout]["logprobs"])
+    assert torch.equal(values, mu), f"{int((values != mu).sum())} of {mu.numel()} tokens differ"
+    merged = torch.cat(tp2_expert_lora.merged[layout]["logprobs"])
+    assert not torch.equal(merged, mu)
+    assert (merged - mu).abs().max() < 1e-3
+
+
+@pytest.mark.parametrize("layout", EXPERT_LORA)
+def test_lora_gradients_on_experts_at_tp2_sp_agree_with_the_one_process_face(tp2_expert_lora, mg_checkpoints, layout):
+    """A and B gradients of the step, gathered whole (the matrices each rank holds whole summed
+    over the ranks, the split ones concatenated; at TP x EP a whole expert's from every engine
+    rank's slices), against the same loss in one process: routed experts' and the shared expert's
+    pairs among them."""
+    prompts, responses, _ = tp2_expert_lora.rollout
+    reference = one_process_lora_gradients(mg_checkpoints["glm4_moe"], tp2_expert_lora.settings.trainer_args,
+                                           tp2_expert_lora.adapter, prompts, responses, STEP)
+    assert any(".mlp.experts." in name for name in reference)
+    assert any(".shared_experts." in name for name in reference)
+    worst = assert_gradients_close(tp2_expert_lora.with_adapter[layout]["grads"], reference, GRAD_REL_TOL)
+    print(f"expert LoRA gradients at {layout} vs one process: worst relative difference {worst:.3g}")
+    # The stepped adapter the engine would load: every matrix gathered whole, under its PEFT name.
+    weights = tp2_expert_lora.with_adapter[layout]["weights"]
+    assert {n: w.shape for n, w in weights.items()} == {n: g.shape for n, g in reference.items()}
+
+
+@pytest.mark.parametrize("layout", EXPERT_LORA)
+def test_after_a_step_of_the_expert_adapter_at_tp2_sp_and_its_sync_the_engine_is_bitwise_again(tp2_expert_lora,
+                                                                                                layout):
+    stepped_mu = tp2_expert_lora.stepped_rollout[2]
+    values = torch.cat(tp2_expert_lora.stepped_scores[layout]["logprobs"])
+    assert torch.equal(values, stepped_mu), f"{int((values != stepped_mu).sum())} of {stepped_mu.numel()} differ"
+    assert not torch.equal(torch.cat(tp2_expert_lora.with_adapter[layout]["logprobs_after"]),
+                           torch.cat(tp2_expert_lora.with_adapter[layout]["logprobs"]))
+
+
 def test_lora_on_ranks_is_refused_where_it_is_not_covered():
     from zero_mismatch_plugin.faces.megatron.lora import layout_problem
 
+    # TP + SP with or without experts, alone or with EP (tp2_lora, tp2_expert_lora); data, context,
+    # pipeline and expert parallelism (test_megatron_two_rank_layouts.py).
     assert layout_problem(2, True) is None and layout_problem(1, False) is None
-    for args, kwargs, words in (
-        ((2, False), {}, "turn sequence parallelism on"),
-        ((2, True), {"experts": True}, "LoRA on MoE experts at tensor parallelism 2 is not covered"),
-        ((2, True), {"expert_parallel": 2}, "LoRA at tensor parallelism 2 x expert parallelism 2 is not covered"),
-    ):
-        assert words in layout_problem(*args, **kwargs)
-    # Data and context parallelism, experts on one rank, and experts at expert parallelism
-    # (test_megatron_two_rank_layouts.py) are covered; the vocabulary's adapters at every layout.
-    assert layout_problem(1, False, experts=True, context_parallel=2) is None
-    assert layout_problem(1, False, experts=True, expert_parallel=2) is None
-    assert layout_problem(1, False, pipeline_parallel=2) is None
+    assert "turn sequence parallelism on" in layout_problem(2, False)
 
 
 # zmrl bisect at TP 2 on the module's two ranks: (checkpoint, flags, the layout's name, which of

@@ -66,6 +66,17 @@ def test_verl_megatron_lora_is_aligned_on_the_mbridge_builder_and_each_gap_says_
     assert "tensor parallelism 2 runs with sequence parallelism" in tp
     assert lora_gaps(_cfg(32, VERL_MEGATRON_TARGETS, **{**MBRIDGE, "tensor_model_parallel_size": 2,
                                                         "sequence_parallel": True})) == []
+    # An MoE model's adapter (experts included) at TP 2 + SP, and at TP 2 + SP x EP 2.
+    moe_tp = {**MBRIDGE, "tensor_model_parallel_size": 2, "sequence_parallel": True}
+    moe = _cfg(32, VERL_MEGATRON_TARGETS, **moe_tp)
+    moe.actor_rollout_ref.model.path = "Qwen/Qwen3-30B-A3B"  # no local config.json: zmrl.architecture says
+    moe.zmrl = {"architecture": "Qwen3MoeForCausalLM"}
+    assert lora_gaps(moe) == []
+    moe.actor_rollout_ref.actor.megatron.expert_model_parallel_size = 2
+    assert lora_gaps(moe) == []
+    moe.actor_rollout_ref.actor.megatron.sequence_parallel = False
+    (no_sp,) = lora_gaps(moe)
+    assert "turn sequence parallelism on" in no_sp
     # The MLA projections: the aligned LoRA path adapts them, the face's adapter in verl does not yet.
     mla = ["linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj", "linear_proj", "linear_fc1"]
     (gap,) = lora_gaps(_cfg(32, mla, **MBRIDGE))

@@ -148,12 +148,7 @@ def attach_lora(model, runtime, adapter_dir: str | os.PathLike):
     tensors = parallel.local_experts_of(
         pipeline.to_stage(tensors, config, tied_head=False, vp_stage=getattr(model, "vp_stage", None)),
         num_experts, experts_group)
-    problem = layout_problem(
-        tp, bool(getattr(config, "sequence_parallel", False)),
-        experts=any(convert.parse_megatron_lora_name(n)[3] is not None for n in tensors),
-        expert_parallel=getattr(config, "expert_model_parallel_size", 1) or 1,
-        pipeline_parallel=getattr(config, "pipeline_model_parallel_size", 1) or 1,
-        context_parallel=getattr(config, "context_parallel_size", 1) or 1)
+    problem = layout_problem(tp, bool(getattr(config, "sequence_parallel", False)))
     if problem:
         raise NotImplementedError(f"{adapter_dir}: {problem}")
     out_features = _out_features(hf)
@@ -176,10 +171,17 @@ def attach_lora(model, runtime, adapter_dir: str | os.PathLike):
         module = modules[name]
         slices = convert.lora_slices(next(iter(pairs)))
         sizes = [out_features[expert][t] for t in slices]
-        if tp > 1:
-            if module.partition_dim == 0:  # a column-parallel linear's slices: this rank's rows of each
-                sizes = [size // tp for size in sizes]
-            pairs = {t: tensor_parallel_pair(p, module.partition_dim, module.tp_group) for t, p in pairs.items()}
+        # The linear's own group: a routed expert's linears are megatron's, split over the expert
+        # tensor-parallel ranks (the tensor-parallel ones, or one rank at TP x EP: whole experts).
+        split = parallel.group_size(module.tp_group) if tp > 1 else 1
+        if split > 1:
+            # The face's linears say how they are split; megatron's carry it on the weight.
+            partition_dim = getattr(module, "partition_dim", None)
+            if partition_dim is None:
+                partition_dim = module.weight.partition_dim
+            if partition_dim == 0:  # a column-parallel linear's slices: this rank's rows of each
+                sizes = [size // split for size in sizes]
+            pairs = {t: tensor_parallel_pair(p, partition_dim, module.tp_group) for t, p in pairs.items()}
         module.lora = MegatronLoRA(slices, sizes, {t: p.to(module.weight.device) for t, p in pairs.items()},
                                    lora_config, mapping)
         if isinstance(expert, int) and experts_group is not None:
@@ -189,28 +191,25 @@ def attach_lora(model, runtime, adapter_dir: str | os.PathLike):
     return lora_config
 
 
-def layout_problem(tensor_parallel: int, sequence_parallel: bool, experts: bool = False,
-                   expert_parallel: int = 1, pipeline_parallel: int = 1, context_parallel: int = 1) -> str | None:
-    """Why the Megatron face cannot run an adapter (pairs on routed or shared experts if
-    ``experts``) at a layout, or None.
+def layout_problem(tensor_parallel: int, sequence_parallel: bool) -> str | None:
+    """Why the Megatron face cannot run an adapter at a layout, or None.
 
     At tensor parallelism it runs with sequence parallelism: megatron's ``finalize_model_grads``
     then sums the gradients of the adapter matrices every rank holds whole (column-parallel A,
-    row-parallel B) over the ranks. The vocabulary's adapters are whole on every rank and adapt
-    whole rows, as vLLM's do (``aligned/lora/vocab_ops.py``). Data and context parallelism change nothing for an adapter
-    (per-token arithmetic, DDP's sums); pipeline stages hold their layers' adapters, expert-parallel
-    ranks their experts' (computed as the engine's CPU LoRA experts compute each row).
+    row-parallel B) over the ranks, a routed expert's as a dense linear's (its linears split over
+    the expert tensor-parallel ranks, which are the tensor-parallel ones, as vLLM's MoE LoRA layer
+    splits them). At tensor x expert parallelism (expert tensor parallelism 1) each expert and its
+    adapter are whole on their rank, which computes every engine rank's slices of them
+    (:class:`~zero_mismatch_plugin.aligned.expert_parallel.EngineShard`). The vocabulary's adapters
+    are whole on every rank and adapt whole rows, as vLLM's do (``aligned/lora/vocab_ops.py``).
+    Data and context parallelism change nothing for an adapter (per-token arithmetic, DDP's sums);
+    pipeline stages hold their layers' adapters, expert-parallel ranks their experts' (computed as
+    the engine's CPU LoRA experts compute each row).
     """
     if tensor_parallel > 1 and not sequence_parallel:
         return (f"LoRA at tensor parallelism {tensor_parallel} runs with sequence parallelism: megatron sums the "
                 "gradients of the adapter matrices every rank holds whole over the ranks only then; turn "
                 "sequence parallelism on")
-    if experts and tensor_parallel > 1:
-        return (f"LoRA on MoE experts at tensor parallelism {tensor_parallel} is not covered; adapt the attention "
-                "linears only, or give the experts whole ranks (expert parallelism)")
-    if tensor_parallel > 1 and expert_parallel > 1:
-        return (f"LoRA at tensor parallelism {tensor_parallel} x expert parallelism {expert_parallel} is not covered "
-                "(the engine's experts serving LoRA at tensor parallelism); use one of them")
     return None
 
 

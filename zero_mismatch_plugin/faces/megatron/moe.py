@@ -326,7 +326,7 @@ def aligned_moe_layer_class():
                     if lora_rows is None:
                         out = self._local_experts_op(shard)(rows, local_ids)
                     else:
-                        out = lora_rows(rows, row_probs.reshape(-1), local_ids)
+                        out = self._local_experts_lora_op(shard)(rows, row_probs.reshape(-1), local_ids)
                     out = dispatcher.combine_preprocess(out)
                     out = dispatcher.token_combine(out)
                     outputs.append(dispatcher.combine_postprocess(out))
@@ -338,25 +338,23 @@ def aligned_moe_layer_class():
                 routed = [slot_order_sum(out.reshape(tokens, k, -1)) for out in outputs]
             return [(r * scale if scale != 1.0 else r).to(x.dtype) for r in routed]
 
-        def _local_experts_lora_op(self):
-            """With an engine serving LoRA: this rank's experts as its CPU LoRA experts compute
-            them, with their adapters if attached (:func:`..lora.attach_lora`); None otherwise."""
+        def _local_experts_lora_op(self, shard: int = 0):
+            """With an engine serving LoRA: this rank's experts as engine rank ``shard``'s CPU LoRA
+            experts compute its share of them, with their adapters if attached
+            (:func:`..lora.attach_lora`); None otherwise."""
             from zero_mismatch_plugin.aligned.expert_parallel import AlignedExpertRowsLoRA
 
             if self.runtime.vllm_config.lora_config is None:
                 return None
-            if self.engine_shards > 1:
-                raise NotImplementedError(
-                    "aligned megatron MoE layer: an engine serving LoRA at tensor x expert parallelism is not "
-                    "covered; serve LoRA at expert parallelism alone, or at tensor parallelism alone")
             fc1 = [e.linear_fc1.weight for e in self.experts.local_experts]
             fc2 = [e.linear_fc2.weight for e in self.experts.local_experts]
             experts, first = self._expert_adapters()
             params = [] if experts is None else [p for e in experts for pair in e.values() for p in pair.parameters()]
             return self._aligned_ops.get(
-                "local_experts_lora", fc1 + fc2 + params,
+                f"local_experts_lora.{shard}", fc1 + fc2 + params,
                 lambda: AlignedExpertRowsLoRA(self.runtime, fc1, fc2, experts,
-                                              None if first is None else first.lora_config))
+                                              None if first is None else first.lora_config,
+                                              engine_shard=(shard, self.engine_shards)))
 
         def refresh(self) -> None:
             """Re-derive the experts' and the shared expert gate's engine layouts (the router
@@ -366,7 +364,8 @@ def aligned_moe_layer_class():
                     for shard in range(self.engine_shards):
                         self._local_experts_op(shard).derived.refresh()
                 else:
-                    self._local_experts_lora_op().refresh()
+                    for shard in range(self.engine_shards):
+                        self._local_experts_lora_op(shard).refresh()
                 self._engine_router().derived.refresh()
             else:
                 self._experts_op().derived.refresh()

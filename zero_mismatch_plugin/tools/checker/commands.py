@@ -192,14 +192,9 @@ def _refuse_megatron_adapter(settings: eng.EngineSettings) -> None:
         )
     if settings.lora_dir is None:
         return
-    from zero_mismatch_plugin.aligned.lora.names import EXPERT_TARGETS
     from zero_mismatch_plugin.faces.megatron.lora import layout_problem
 
-    problem = layout_problem(
-        settings.tensor_parallel, settings.sequence_parallel,
-        experts=blocks.moe is not None and any(t in EXPERT_TARGETS for t in settings.lora_targets),
-        expert_parallel=settings.expert_parallel, pipeline_parallel=settings.pipeline_parallel,
-        context_parallel=settings.context_parallel)
+    problem = layout_problem(settings.tensor_parallel, settings.sequence_parallel)
     if problem:
         raise inputs.CheckerInputError(f"--lora with --trainer megatron: {problem} (flags --tensor-parallel N "
                                        "--sequence-parallel)")

@@ -86,9 +86,7 @@ def _megatron_lora_gap(cfg: DictConfig, rank: int) -> str | None:
     except ValueError as error:
         return str(error)
     layout = trainer_layout(cfg)
-    problem = layout_problem(layout.tp, bool(OmegaConf.select(cfg, f"{MEGATRON}.sequence_parallel", default=False)),
-                             experts=_architecture_in(cfg, architectures.MOE_ARCHITECTURES), expert_parallel=layout.ep,
-                             pipeline_parallel=layout.pp, context_parallel=layout.cp)
+    problem = layout_problem(layout.tp, bool(OmegaConf.select(cfg, f"{MEGATRON}.sequence_parallel", default=False)))
     return f"LoRA adapters (rank {rank}) in verl's Megatron engine: {problem}" if problem else None
 
 
