@@ -13,7 +13,7 @@ Mistral) and, with a step, PP 2 x VP 2 x DP 2 and PP 2 x VP 2 x CP 2 (the window
 session's one-process engines.
 
 LoRA at TP 2 + SP: an adapter on every decoder linear of the Llama checkpoint against an engine at
-TP 2 serving it (``zmrl check --lora``, a rollout, one step of the adapter and its sync), and one on
+TP 2 serving it (a rollout, one step of the adapter and its sync), and one on
 the decoder linears, embed_tokens and lm_head served beside it (a rollout and one step); one on
 GLM-4.5's attention, routed experts and shared expert against an engine at TP 2 serving it (``zmrl
 check --lora``, a rollout, one step and its sync), at TP 2 + SP and at TP 2 + SP x EP 2. The check
@@ -25,7 +25,7 @@ Cost: one TP-2 engine per checkpoint (~20 s each), one torchrun of two ranks tha
 checkpoint and takes one training step on Llama and one on Qwen3-MoE (~40 s), one torchrun of
 four one-thread ranks for the combined layouts (~50 s; two one-process engines of the session's, if
 not started already, ~20 s) and ``zmrl check`` at PP 2 x EP 2 on them, and a TP-2 LoRA engine with its check and
-five calls on the same two ranks (~60 s), a TP-2 LoRA engine for GLM-4.5 with its check and two
+five calls on the same two ranks (~45 s), a TP-2 LoRA engine for GLM-4.5 with its check and two
 calls (~35 s), four bisections on them (vLLM's model built on the
 ranks each time, ~5 s each) and four on the four ranks (~10 s each); everything below is asserted
 from those runs. The
@@ -496,20 +496,18 @@ def test_after_a_step_at_tp2_sp_and_one_sync_the_engine_is_bitwise_again(tp2_lla
 @pytest.fixture(scope="module")
 def tp2_lora(mg_checkpoints, tmp_path_factory, tp2_group):
     """An r-8 adapter on every decoder linear of the Llama checkpoint, served by an engine at TP 2
-    as ``zmrl check --tensor-parallel 2 --lora`` starts it. On it: ``zmrl check``, a rollout; the
-    ranks (TP 2 + SP) score the rollout with the adapter and take one step of it, and score the
+    as ``zmrl check --tensor-parallel 2 --lora`` starts it (the check itself runs on the MoE
+    adapter's engine, :func:`tp2_expert_lora`). On it: a rollout; the ranks (TP 2 + SP) score the rollout with the adapter and take one step of it, and score the
     checkpoint with the adapter merged; the stepped adapter, gathered whole, is loaded into the
     engine as a new adapter, which samples again; the ranks score that rollout, and the first,
     with the stepped adapter built from its files. A second adapter, on the decoder linears and
     the vocabulary (embed_tokens, lm_head), served by the same engine: a rollout, scored by the
     ranks with one step, and again with the vocabulary's pairs dropped from it."""
-    from support.check_command import lent_engine_and_ranks
     from zero_mismatch_plugin.aligned.lora.adapter import build_adapter
     from zero_mismatch_plugin.aligned.lora.peft import lora_request, read_lora_config, write_peft_adapter
     from zero_mismatch_plugin.integrations.megatron.distributed import ScoreRequest
     from zero_mismatch_plugin.integrations.megatron.rank_group import launch
     from zero_mismatch_plugin.tables.architectures import LORA_TARGETS, VOCAB_LORA_TARGETS
-    from zero_mismatch_plugin.tools import cli
     from zero_mismatch_plugin.tools.checker import engine as checker_engine
 
     root = tmp_path_factory.mktemp("tp2_lora")
@@ -522,12 +520,6 @@ def tp2_lora(mg_checkpoints, tmp_path_factory, tp2_group):
     prompts = prompts_for(mg_checkpoints["llama"], corpus_seed=11)
     out = SimpleNamespace(settings=settings, adapter=adapter, vocab_adapter=vocab_adapter, stepped=root / "stepped")
     with checker_engine.open_engine(settings) as llm:
-        with lent_engine_and_ranks(settings, llm, group=tp2_group) as out.check_layouts:
-            out.check_code = cli.main(["check", "--model", str(mg_checkpoints["llama"]), "--trainer", "megatron",
-                                       "--tensor-parallel", "2", "--sequence-parallel", "--lora", str(adapter),
-                                       "--max-model-len", str(ENGINE_KWARGS["max_model_len"]), "--quiet",
-                                       "--json", str(root / "check.json")])
-        out.check_report = (root / "check.json").read_text()
         out.rollout = rollout(llm, prompts, seed=3, lora_request=llm.lora_request)
         out.vocab_rollout = rollout(llm, prompts, seed=3, lora_request=lora_request("vocab", 3, out.vocab_adapter))
         merged = merged_checkpoint(mg_checkpoints["llama"], adapter, root / "merged")
@@ -545,21 +537,6 @@ def tp2_lora(mg_checkpoints, tmp_path_factory, tp2_group):
              for r in (out.stepped_rollout, out.rollout)]
     out.stepped_scores, out.stepped_first_rollout = launch(again, layouts, tp2_group)
     return out
-
-
-def test_zmrl_check_with_lora_at_tp2_sp_passes_every_check(tp2_lora):
-    """``zmrl check --trainer megatron --tensor-parallel 2 --sequence-parallel --lora ADAPTER``:
-    column-parallel linears keep A whole and their rows of B, row-parallel ones their columns of
-    A and B whole, each rank's update added to its partial before the ranks' sum, as vLLM does."""
-    import json
-
-    assert tp2_lora.check_code == 0
-    assert tp2_lora.check_layouts == ["tp2-sp"]  # on the module's two ranks
-    report = json.loads(tp2_lora.check_report)
-    assert all(entry["pass"] is not False for entry in report.values()), report
-    assert report["sampled_token"]["bitwise_equal_fraction"] == 1.0
-    assert report["full_distribution"]["pass"] is True
-    assert report["prefix_cache"]["trainer_on_hit_bitwise_equal_fraction"] == 1.0
 
 
 def test_lora_at_tp2_sp_is_bitwise_with_the_engine_and_the_merged_adapter_is_not(tp2_lora):
@@ -669,9 +646,11 @@ def tp2_expert_lora(mg_checkpoints, tmp_path_factory, tp2_group):
 
 
 def test_zmrl_check_with_lora_on_experts_at_tp2_sp_passes_every_check(tp2_expert_lora):
-    """``zmrl check --tensor-parallel 2 --sequence-parallel --lora`` with pairs on the experts: each
-    rank keeps A whole and its rows of B for an expert's gate and up, its columns of A and B whole
-    for its down, as vLLM's MoE LoRA layer slices them, and adds its update to its partial."""
+    """``zmrl check --tensor-parallel 2 --sequence-parallel --lora`` with pairs on attention, the
+    dense first layer's MLP, the experts and the shared expert: column-parallel linears keep A whole
+    and their rows of B, row-parallel ones their columns of A and B whole (an expert's gate and up,
+    and down, as vLLM's MoE LoRA layer slices them), each rank's update added to its partial before
+    the ranks' sum, as vLLM does."""
     import json
 
     assert tp2_expert_lora.check_code == 0
@@ -680,6 +659,7 @@ def test_zmrl_check_with_lora_on_experts_at_tp2_sp_passes_every_check(tp2_expert
     assert all(entry["pass"] is not False for entry in report.values()), report
     assert report["sampled_token"]["bitwise_equal_fraction"] == 1.0
     assert report["full_distribution"]["pass"] is True
+    assert report["prefix_cache"]["trainer_on_hit_bitwise_equal_fraction"] == 1.0
 
 
 @pytest.mark.parametrize("layout", EXPERT_LORA)
