@@ -401,6 +401,28 @@ class _ExpertRowsLoRAFn(Function):
                 *(None if gp is None else gp.to(p.dtype) for gp, p in zip(gparams, lora_params)))
 
 
+class EngineRankRoutedOutput:
+    """At tensor x expert parallelism, what tensor-parallel engine rank ``r``'s routed experts
+    output for every token (its shard of each expert, the slots summed; before the engine's
+    all-reduce), as the op vLLM's MoE layer is on that rank: each trainer rank holds every shard's
+    output for its own tokens (sequence parallelism), and trainer rank ``r`` gathers shard ``r``'s
+    parts in token order. A collective that only inspection needs (``zmrl bisect``): the face
+    calls it while an observer records (:func:`..ops.observing`), every rank of ``group`` at once."""
+
+    recorded_as = "moe"
+
+    def __init__(self, group, last_topk_ids: torch.Tensor):
+        self.group, self.last_topk_ids = group, last_topk_ids
+
+    @observable
+    def __call__(self, per_shard: list) -> torch.Tensor:
+        from zero_mismatch_plugin.aligned.reductions import all_gather_parts
+
+        rank = torch.distributed.get_rank(self.group)
+        every = all_gather_parts(torch.stack([part.detach() for part in per_shard]), self.group)
+        return torch.cat([shards[rank] for shards in every])
+
+
 def slot_order_sum(slot_rows: torch.Tensor) -> torch.Tensor:
     """``[T, K, H]`` slot values summed per token in slot order, ``s_0 + s_1 + ...`` in fp32 (how
     vLLM's CPU LoRA experts sum a token's weighted slots)."""

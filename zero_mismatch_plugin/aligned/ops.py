@@ -34,6 +34,11 @@ def observed(observer):
         _observer = previous
 
 
+def observing() -> bool:
+    """An observer is set: a face may then expose a value it computes only for inspection."""
+    return _observer is not None
+
+
 def observable(call):
     @functools.wraps(call)
     def observable_call(self, *args):

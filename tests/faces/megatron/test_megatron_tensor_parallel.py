@@ -18,7 +18,8 @@ the decoder linears, embed_tokens and lm_head served beside it (a rollout and on
 GLM-4.5's attention, routed experts and shared expert against an engine at TP 2 serving it (``zmrl
 check --lora``, a rollout, one step and its sync), at TP 2 + SP and at TP 2 + SP x EP 2. The check
 command at TP 2 + SP runs there and on Qwen3-MoE at TP 2 + SP x EP 2. ``zmrl bisect`` at TP 2
-(Llama), TP 2 + SP (Qwen3-MoE, GLM-4.5; Llama with the adapter) and, on four ranks, TP 2 + SP x PP 2 and
+(Llama), TP 2 + SP (Qwen3-MoE, GLM-4.5; Llama with the adapter), TP 2 + SP x EP 2 (Qwen3-MoE; GLM-4.5
+with the expert adapter) and, on four ranks, TP 2 + SP x PP 2 and
 TP 2 + SP x CP 2 (Llama) compares each rank with vLLM's model built on the same rank.
 
 Cost: one TP-2 engine per checkpoint (~20 s each), one torchrun of two ranks that scores every
@@ -717,8 +718,15 @@ TP_BISECTS = {
     "llama-tp2": ("llama", ["--tensor-parallel", "2"], "tp2", None),
     "qwen3_moe-tp2-sp": ("qwen3_moe", ["--tensor-parallel", "2", "--sequence-parallel"], "tp2-sp", None),
     "glm4_moe-tp2-sp": ("glm4_moe", ["--tensor-parallel", "2", "--sequence-parallel"], "tp2-sp", None),
-    "llama-lora-tp2-sp": ("llama", ["--tensor-parallel", "2", "--sequence-parallel"], "tp2-sp", "adapter"),
-    "llama-vocab-lora-tp2-sp": ("llama", ["--tensor-parallel", "2", "--sequence-parallel"], "tp2-sp", "vocab_adapter"),
+    "qwen3_moe-tp2-sp-ep2": ("qwen3_moe", ["--tensor-parallel", "2", "--sequence-parallel", "--expert-parallel", "2"],
+                             "tp2-sp-ep2-alltoall", None),
+    "llama-lora-tp2-sp": ("llama", ["--tensor-parallel", "2", "--sequence-parallel"], "tp2-sp", ("tp2_lora", "adapter")),
+    "llama-vocab-lora-tp2-sp": ("llama", ["--tensor-parallel", "2", "--sequence-parallel"], "tp2-sp",
+                                ("tp2_lora", "vocab_adapter")),
+    # every expert whole on its rank, with the adapter on attention, the experts and the shared expert
+    "glm4_moe-expert-lora-tp2-sp-ep2": ("glm4_moe", ["--tensor-parallel", "2", "--sequence-parallel",
+                                                     "--expert-parallel", "2"], "tp2-sp-ep2-alltoall",
+                                        ("tp2_expert_lora", "adapter")),
 }
 
 
@@ -739,9 +747,10 @@ def test_zmrl_bisect_at_tp2_finds_every_op_equal_on_every_rank(mg_checkpoints, t
     family, flags, layout, adapter = TP_BISECTS[case]
     lora_linears = ()
     if adapter:
-        flags = [*flags, "--lora", str(getattr(request.getfixturevalue("tp2_lora"), adapter))]
-        # Either adapter is on every decoder linear; embed_tokens' and lm_head's updates are
-        # compared inside the embed and logits ops.
+        fixture, attribute = adapter
+        flags = [*flags, "--lora", str(getattr(request.getfixturevalue(fixture), attribute))]
+        # Each adapter is on every decoder linear (the routed experts' updates are compared inside
+        # the experts op); embed_tokens' and lm_head's inside the embed and logits ops.
         lora_linears = oplist.lora_linears(LORA_TARGETS)
     with lent_engine_and_ranks(None, None, group=tp2_group) as asked:
         code, table, report = run_check(mg_checkpoints[family], flags, tmp_path, capsys, command="bisect")
@@ -759,10 +768,17 @@ def test_zmrl_bisect_at_tp2_finds_every_op_equal_on_every_rank(mg_checkpoints, t
         assert {f"layers.{moe_layer}.{op}" for op in ("router", "topk_ids", "experts")} <= set(ranks_of), table
 
 
-def test_bisect_at_tp2_sp_names_the_op_and_the_rank_of_a_difference_planted_on_one_rank(mg_checkpoints, tp2_group):
+@pytest.mark.parametrize("family, expert_parallel, plants", [
+    ("llama", 1, [("layers.0.o_proj", 1), ("layers.1.input_norm", 0)]),
+    # experts whole on their rank: each rank gathers its engine rank's routed output for every token
+    ("qwen3_moe", 2, [("layers.1.experts", 1)]),
+], ids=["llama-tp2-sp", "qwen3_moe-tp2-sp-ep2"])
+def test_bisect_at_tp2_sp_names_the_op_and_the_rank_of_a_difference_planted_on_one_rank(mg_checkpoints, tp2_group,
+                                                                                       family, expert_parallel, plants):
     """One ulp on one rank: in a row-parallel linear's partial output (before the ranks' sum, which
-    would carry it to both) and in a norm under sequence parallelism (on the rank's own tokens).
-    Bisect names that op and that rank, the other rank equal, every op before it equal."""
+    would carry it to both), in a norm under sequence parallelism (on the rank's own tokens), and at
+    TP x EP in one engine rank's routed experts output. Bisect names that op and that rank, the
+    other rank equal, every op before it equal."""
     from support.check_command import lent_engine_and_ranks
 
     from zero_mismatch_plugin.tools.checker.bisect import bisect_input, run_bisect
@@ -772,14 +788,14 @@ def test_bisect_at_tp2_sp_names_the_op_and_the_rank_of_a_difference_planted_on_o
     from zero_mismatch_plugin.tools.checker.megatron_backend import megatron_backend
     from zero_mismatch_plugin.tools.checker.rank_records import OneUlpOnRank
 
-    settings = engine_settings(mg_checkpoints["llama"], MAX_MODEL_LEN, seed=0, tensor_parallel=TP,
-                               sequence_parallel=True)
+    settings = engine_settings(mg_checkpoints[family], MAX_MODEL_LEN, seed=0, tensor_parallel=TP,
+                               sequence_parallel=True, expert_parallel=expert_parallel)
     with lent_engine_and_ranks(None, None, group=tp2_group), EngineModules(settings) as modules:
         backend = megatron_backend(settings)
-        batch = bisect_input(prompts_for(mg_checkpoints["llama"], corpus_seed=13)[:3], 8,
+        batch = bisect_input(prompts_for(mg_checkpoints[family], corpus_seed=13)[:3], 8,
                              modules.runtime.hf_config.vocab_size)
         results = {(op, rank): run_bisect(modules, backend, batch, perturb=OneUlpOnRank(op, rank))
-                   for op, rank in [("layers.0.o_proj", 1), ("layers.1.input_norm", 0)]}
+                   for op, rank in plants}
     for (planted, rank), result in results.items():
         first = result.first
         assert result.first_differing_op == planted, format_bisect_table(result, "")

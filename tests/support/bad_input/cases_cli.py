@@ -259,12 +259,10 @@ CASES = [
           r"--context-parallel -2: give a number of ranks, 1 or more"),
     error("check-unknown-token-dispatcher", check("--moe-token-dispatcher", "flex"),
           r"argument --moe-token-dispatcher: invalid choice: 'flex'"),
-    error("bisect-at-tensor-by-expert-parallel",
+    error("bisect-at-tensor-parallel-with-more-expert-ranks",
           on_model("bisect", tiny_moe_model, "--trainer", "megatron", "--tensor-parallel", "2", "--sequence-parallel",
-                   "--expert-parallel", "2"),
-          r"--tensor-parallel 2 --expert-parallel 2: zmrl bisect at --tensor-parallel N runs vLLM's tensor-parallel "
-          r"modules on the trainer's ranks, alone or with --pipeline-parallel or --context-parallel: bisect "
-          r"--expert-parallel without tensor parallelism"),
+                   "--expert-parallel", "4"),
+          r"--expert-parallel 4 with --tensor-parallel 2: .* give them the same size"),
     error("bisect-pipeline-parallel-on-the-aligned-face", bisect("--pipeline-parallel", "2"),
           r"--pipeline-parallel runs the Megatron face's layers in stages on several ranks: use --trainer megatron"),
     error("bisect-unknown-numerics", bisect("--numerics", "exact"), r"argument --numerics: invalid choice: 'exact'"),

@@ -239,6 +239,7 @@ def aligned_moe_layer_class():
             row's output on that rank's shard of the expert, the slots summed as its kernel sums
             them) plus its shared expert's partial; the engine ranks' partials then summed in rank
             order, as vLLM's all-reduce after its MoE layer sums them."""
+            from zero_mismatch_plugin.aligned.expert_parallel import EngineRankRoutedOutput
             from zero_mismatch_plugin.aligned.moe import shared_expert_output
             from zero_mismatch_plugin.aligned.reductions import all_gather_parts, rank_order_sum
 
@@ -247,6 +248,8 @@ def aligned_moe_layer_class():
             partials = self._expert_parallel_routed_per_shard(local, self.router(local))
             # Every rank's tokens' choices, as the other layouts report them (a few integers).
             self._last_topk_ids = torch.cat(all_gather_parts(self._last_topk_ids, group))
+            if ops.observing():  # zmrl bisect: the engine rank of this rank's index, every token
+                EngineRankRoutedOutput(group, self._last_topk_ids)(partials)
             shared = self._shared_ops()
             if shared is not None:
                 # This rank's shared-expert partial for every token, then every rank's for this

@@ -11,7 +11,6 @@ from zero_mismatch_plugin.tools.checker import engine as eng
 from zero_mismatch_plugin.tools.checker import inputs
 from zero_mismatch_plugin.tools.checker.backends import BackendUnavailable, load_backend
 from zero_mismatch_plugin.tools.checker.checks import CHECK_NAMES, CheckOptions, count_steps, run_checks
-from zero_mismatch_plugin.tools.checker.rank_records import BISECT_AT_TENSOR_PARALLEL
 
 # Ops listed after the first differing one in the bisect table (the rest are consequences).
 OPS_SHOWN_AFTER_FIRST = 3
@@ -312,11 +311,6 @@ def bisect_command(args) -> int:
         _refuse_mla_bisect(args.model, blocks)
         lora = lora_options(args)
         settings = run_settings(args, max_model_len, lora)
-        others = {"--expert-parallel": settings.expert_parallel}
-        if settings.tensor_parallel > 1 and any(size > 1 for size in others.values()):
-            asked = " ".join(f"{flag} {size}" for flag, size in others.items() if size > 1)
-            raise inputs.CheckerInputError(
-                f"--tensor-parallel {settings.tensor_parallel} {asked}: {BISECT_AT_TENSOR_PARALLEL}")
         mode = apply_numerics(args.numerics)
         backend = load_backend(args.trainer, settings)
     except (BackendUnavailable, RankFailure, ValueError, OSError) as error:

@@ -32,9 +32,10 @@ from zero_mismatch_plugin.tools.checker.recording import OpRecorder
 # A rank's rows that are none of the batch's (megatron's padding).
 PADDING = -1
 BISECT_AT_TENSOR_PARALLEL = (
-    "zmrl bisect at --tensor-parallel N runs vLLM's tensor-parallel modules on the trainer's ranks, alone or "
-    "with --pipeline-parallel or --context-parallel: bisect --expert-parallel without tensor parallelism "
-    "(zmrl check takes the combination)")
+    "zmrl bisect at --tensor-parallel N builds, on each rank, vLLM's model as the engine rank of its "
+    "tensor-parallel index, so every rank must be one: with --pipeline-parallel, --context-parallel and "
+    "--expert-parallel up to N (experts on the tensor-parallel ranks), not with data-parallel ranks beside "
+    "them")
 # Called on the ranks by RankGroup.call (a "module:function" of this package).
 RANK_CALL = f"{__name__}:op_records"
 
