@@ -164,13 +164,6 @@ class _RoutingWeightsFn(Function):
         return glogits.to(logits.dtype), None, None, None
 
 
-def _engine_shard(moe: MoeBlocks, engine_shard: tuple[int, int]) -> EngineShard:
-    rank, ranks = engine_shard
-    if moe.moe_intermediate_size % ranks:
-        raise ValueError(f"the expert width {moe.moe_intermediate_size} does not split over {ranks} engine ranks")
-    return EngineShard(rank, ranks, moe.moe_intermediate_size)
-
-
 def _one_expert_per_row(moe: MoeBlocks, num_local: int) -> MoeBlocks:
     return dataclasses.replace(moe, num_experts=num_local, top_k=1, norm_topk_prob=False, scoring_func="softmax",
                                grouped_topk=False, n_group=None, topk_group=None, e_score_correction_bias=False,
@@ -189,6 +182,14 @@ class EngineShard:
     rank: int = 0
     ranks: int = 1
     full_width: int = 0
+
+    @classmethod
+    def of(cls, full_width: int, engine_shard: tuple[int, int]) -> EngineShard:
+        """``engine_shard`` = (rank, ranks) of an expert of width ``full_width``."""
+        rank, ranks = engine_shard
+        if full_width % ranks:
+            raise ValueError(f"the expert width {full_width} does not split over {ranks} engine ranks")
+        return cls(rank, ranks, full_width)
 
     @property
     def columns(self) -> slice:
@@ -259,7 +260,7 @@ class AlignedExpertRows(AlignedMoE):
                  engine_shard: tuple[int, int] = (0, 1)):
         if runtime.vllm_config.lora_config is not None:
             raise NotImplementedError("expert parallelism with LoRA on the experts")
-        self.shard = _engine_shard(moe, engine_shard)
+        self.shard = EngineShard.of(moe.moe_intermediate_size, engine_shard)
         shard = dataclasses.replace(moe, moe_intermediate_size=moe.moe_intermediate_size // self.shard.ranks)
         # Rows computed on a shard are that engine rank's, whatever the engine's tensor parallelism.
         super().__init__(runtime, _one_expert_per_row(shard, len(down)), hidden_size, None, None, down, gate_up=gate_up,
@@ -323,11 +324,7 @@ class AlignedExpertRowsLoRA:
             raise NotImplementedError("experts of an engine serving LoRA train their adapters only: freeze the base "
                                       "expert weights (megatron.lora.attach_lora does)")
         self.runtime, self.gate_up, self.down, self.adapters = runtime, list(gate_up), list(down), adapters
-        rank, ranks = engine_shard
-        full_width = self.gate_up[0].shape[0] // 2
-        if full_width % ranks:
-            raise ValueError(f"the expert width {full_width} does not split over {ranks} engine ranks")
-        self.shard = EngineShard(rank, ranks, full_width)
+        self.shard = EngineShard.of(self.gate_up[0].shape[0] // 2, engine_shard)
         self.scaling = lora_config.scaling if adapters is not None else 1.0
         self.max_rank, self.lora_dtype = lora.max_lora_rank, lora.lora_dtype
         self.lora_params = [] if adapters is None else [

@@ -312,10 +312,10 @@ def aligned_moe_layer_class():
             tokens, k = ids.shape
             rows = x.repeat_interleave(k, dim=0)
             routing_map = torch.nn.functional.one_hot(ids.reshape(-1), self.config.num_moe_experts).bool()
-            lora_rows = self._local_experts_lora_op()
+            serving_lora = self.runtime.vllm_config.lora_config is not None
             # Serving LoRA, the engine weights each slot before summing (the rows travel with their
             # weight); otherwise each row comes back unweighted and the kernel's combine weights it.
-            probs = routing_map.to(x.dtype) if lora_rows is None else routing_map.to(weights.dtype) * weights.reshape(-1, 1)
+            probs = routing_map.to(weights.dtype) * weights.reshape(-1, 1) if serving_lora else routing_map.to(x.dtype)
             dispatcher = self.token_dispatcher
             outputs = []
             with cpu_megatron_collectives():
@@ -326,19 +326,19 @@ def aligned_moe_layer_class():
                 local_ids = torch.repeat_interleave(torch.arange(len(counts), device=rows.device), counts)
                 for shard in range(self.engine_shards):
                     # megatron's combine keeps no state of its own: it runs once per shard.
-                    if lora_rows is None:
-                        out = self._local_experts_op(shard)(rows, local_ids)
-                    else:
+                    if serving_lora:
                         out = self._local_experts_lora_op(shard)(rows, row_probs.reshape(-1), local_ids)
+                    else:
+                        out = self._local_experts_op(shard)(rows, local_ids)
                     out = dispatcher.combine_preprocess(out)
                     out = dispatcher.token_combine(out)
                     outputs.append(dispatcher.combine_postprocess(out))
             scale = router.output_scale()
-            if lora_rows is None:
+            if serving_lora:
+                routed = [slot_order_sum(out.reshape(tokens, k, -1)) for out in outputs]
+            else:
                 arithmetic = probe_combine_arithmetic(self.runtime, self.moe, self.config.hidden_size)
                 routed = [slot_order_combine(out.reshape(tokens, k, -1), weights, arithmetic) for out in outputs]
-            else:
-                routed = [slot_order_sum(out.reshape(tokens, k, -1)) for out in outputs]
             return [(r * scale if scale != 1.0 else r).to(x.dtype) for r in routed]
 
         def _local_experts_lora_op(self, shard: int = 0):
