@@ -25,8 +25,8 @@ TP 2 + SP x CP 2 (Llama) compares each rank with vLLM's model built on the same 
 Cost: one TP-2 engine per checkpoint (~20 s each), one torchrun of two ranks that scores every
 checkpoint and takes one training step on Llama and one on Qwen3-MoE (~40 s), one torchrun of
 four one-thread ranks for the combined layouts (~50 s; two one-process engines of the session's, if
-not started already, ~20 s) and ``zmrl check`` at PP 2 x EP 2 on them, and a TP-2 LoRA engine with its check and
-five calls on the same two ranks (~45 s), a TP-2 LoRA engine for GLM-4.5 with its check and two
+not started already, ~20 s) and ``zmrl check`` at PP 2 x EP 2 on them, and a TP-2 LoRA engine with five calls on the
+same two ranks (~45 s), a TP-2 LoRA engine for GLM-4.5 with its check and two
 calls (~35 s), four bisections on them (vLLM's model built on the
 ranks each time, ~5 s each) and four on the four ranks (~10 s each); everything below is asserted
 from those runs. The
@@ -498,10 +498,11 @@ def test_after_a_step_at_tp2_sp_and_one_sync_the_engine_is_bitwise_again(tp2_lla
 def tp2_lora(mg_checkpoints, tmp_path_factory, tp2_group):
     """An r-8 adapter on every decoder linear of the Llama checkpoint, served by an engine at TP 2
     as ``zmrl check --tensor-parallel 2 --lora`` starts it (the check itself runs on the MoE
-    adapter's engine, :func:`tp2_expert_lora`). On it: a rollout; the ranks (TP 2 + SP) score the rollout with the adapter and take one step of it, and score the
-    checkpoint with the adapter merged; the stepped adapter, gathered whole, is loaded into the
-    engine as a new adapter, which samples again; the ranks score that rollout, and the first,
-    with the stepped adapter built from its files. A second adapter, on the decoder linears and
+    adapter's engine, :func:`tp2_expert_lora`). On it: a rollout; the ranks (TP 2 + SP) score the
+    rollout with the adapter and take one step of it, and score the checkpoint with the adapter
+    merged; the stepped adapter, gathered whole, is loaded into the engine as a new adapter, which
+    samples again; the ranks score that rollout, and the first, with the stepped adapter built
+    from its files. A second adapter, on the decoder linears and
     the vocabulary (embed_tokens, lm_head), served by the same engine: a rollout, scored by the
     ranks with one step, and again with the vocabulary's pairs dropped from it."""
     from zero_mismatch_plugin.aligned.lora.adapter import build_adapter
@@ -696,6 +697,8 @@ def test_lora_gradients_on_experts_at_tp2_sp_agree_with_the_one_process_face(tp2
 @pytest.mark.parametrize("layout", EXPERT_LORA)
 def test_after_a_step_of_the_expert_adapter_at_tp2_sp_and_its_sync_the_engine_is_bitwise_again(tp2_expert_lora,
                                                                                                 layout):
+    """The adapter stepped at TP 2 + SP, gathered whole and loaded by the engine as a new adapter:
+    its rollout is bitwise with the ranks' scores from the stepped adapter's files, at both layouts."""
     stepped_mu = tp2_expert_lora.stepped_rollout[2]
     values = torch.cat(tp2_expert_lora.stepped_scores[layout]["logprobs"])
     assert torch.equal(values, stepped_mu), f"{int((values != stepped_mu).sum())} of {stepped_mu.numel()} differ"
