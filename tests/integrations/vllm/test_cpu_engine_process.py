@@ -123,3 +123,66 @@ def test_workers_are_forked_only_where_each_rank_is_one_thread_on_one_cpu(monkey
     assert get_mp_context().get_start_method() == method
     kept = _workers_forked_from_the_engine_core(lambda: multiprocessing.get_context("forkserver"))
     assert kept().get_start_method() == "forkserver"  # only vLLM's spawn is replaced
+
+
+# A caller that starts one engine-fork-server process running TARGET of the module in TARGETS_DIR
+# (with GRACE seconds between SIGTERM and SIGKILL once the caller is gone), prints its pid, waits.
+_CALLER = """
+import sys, time
+sys.path.insert(0, sys.argv[1])
+import fork_server_targets
+from zero_mismatch_plugin.integrations.vllm import cpu_engine_process
+cpu_engine_process.ORPHAN_SHUTDOWN_S = float(sys.argv[3])
+process = cpu_engine_process._ENGINE_FORK_SERVER.Process(target=getattr(fork_server_targets, sys.argv[2]))
+process.start()
+print(process.pid, flush=True)
+time.sleep(600)
+"""
+_TARGETS = """
+import signal, time
+
+def sleeps():
+    time.sleep(600)
+
+def ignores_sigterm():
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    time.sleep(600)
+"""
+
+
+def _running(pid: int) -> bool:
+    """``pid`` exists and is not a zombie (an orphan's reaper may be slow)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.parametrize("target,grace_s,within_s", [("sleeps", 30.0, 10.0), ("ignores_sigterm", 2.0, 15.0)])
+def test_an_engine_fork_server_process_ends_when_its_caller_is_killed(tmp_path, target, grace_s, within_s):
+    """Its parent is the fork server, not the caller: killed outright (SIGKILL, as Ray ends an
+    actor), the caller would leave it running. It gets SIGTERM when the caller exits, and SIGKILL
+    ``grace_s`` later if it ignores that."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    (tmp_path / "fork_server_targets.py").write_text(_TARGETS)
+    caller = subprocess.Popen([sys.executable, "-c", _CALLER, str(tmp_path), target, str(grace_s)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        child = int(caller.stdout.readline())
+        time.sleep(1.0)
+        assert _running(child)
+    finally:
+        caller.send_signal(signal.SIGKILL)
+        caller.wait(30)
+    deadline = time.monotonic() + within_s
+    while _running(child) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if _running(child):
+        os.kill(child, signal.SIGKILL)  # not left behind by a failing run
+        pytest.fail(f"the fork-server process {child} still runs {within_s} s after its caller was killed")

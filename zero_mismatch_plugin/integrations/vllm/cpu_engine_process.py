@@ -60,18 +60,51 @@ ENGINE_FORK_SERVER_PRELOAD = ("vllm.v1.engine.core", "vllm.v1.executor.uniproc_e
                               "vllm.entrypoints.llm")
 
 
+# After the caller's death, how long an orphaned engine process has to shut down on SIGTERM before
+# it is killed (vLLM's EngineCore stops its workers on SIGTERM).
+ORPHAN_SHUTDOWN_S = 10.0
+
+
 class _ProcessWithCallersEnvironment(multiprocessing.context.ForkServerProcess):
     """A fork-server process that runs with the caller's ``os.environ`` of ``start()``, as a spawned
-    one would (a fork server's children otherwise get the server's environment)."""
+    one would (a fork server's children otherwise get the server's environment), and ends when
+    the caller does: its parent is the fork server, not the caller, so nothing else tells it that
+    the caller is gone (a caller killed outright, e.g. a Ray actor at shutdown, left its EngineCore
+    and the EngineCore's workers running, idle, holding their memory)."""
 
     def start(self):
         self._caller_environment = dict(os.environ)  # pickled to the server with the process
+        self._caller_pid, self._orphan_shutdown_s = os.getpid(), ORPHAN_SHUTDOWN_S
         super().start()
 
     def run(self):
         os.environ.clear()
         os.environ.update(self._caller_environment)
+        _end_with(self._caller_pid, self._orphan_shutdown_s)
         super().run()
+
+
+def _end_with(caller_pid: int, shutdown_s: float) -> None:
+    """Send this process SIGTERM when ``caller_pid`` exits, and SIGKILL if it is still running
+    ``shutdown_s`` later (a daemon thread waiting on the caller's pidfd)."""
+    import select
+    import signal
+    import threading
+    import time
+
+    try:
+        caller = os.pidfd_open(caller_pid)
+    except ProcessLookupError:  # gone already
+        os.kill(os.getpid(), signal.SIGTERM)
+        return
+
+    def watch():
+        select.select([caller], [], [])  # readable when the caller has exited
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(shutdown_s)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="zmrl-end-with-caller", daemon=True).start()
 
 
 class _EngineForkServerContext(multiprocessing.context.ForkServerContext):
