@@ -342,13 +342,11 @@ def aligned_moe_layer_class():
             return [(r * scale if scale != 1.0 else r).to(x.dtype) for r in routed]
 
         def _local_experts_lora_op(self, shard: int = 0):
-            """With an engine serving LoRA: this rank's experts as engine rank ``shard``'s CPU LoRA
+            """For an engine serving LoRA: this rank's experts as engine rank ``shard``'s CPU LoRA
             experts compute its share of them, with their adapters if attached
-            (:func:`..lora.attach_lora`); None otherwise."""
+            (:func:`..lora.attach_lora`)."""
             from zero_mismatch_plugin.aligned.expert_parallel import AlignedExpertRowsLoRA
 
-            if self.runtime.vllm_config.lora_config is None:
-                return None
             fc1 = [e.linear_fc1.weight for e in self.experts.local_experts]
             fc2 = [e.linear_fc2.weight for e in self.experts.local_experts]
             experts, first = self._expert_adapters()

@@ -95,11 +95,11 @@ def _end_with(caller_pid: int, shutdown_s: float) -> None:
     try:
         caller = os.pidfd_open(caller_pid)
     except ProcessLookupError:  # gone already
-        os.kill(os.getpid(), signal.SIGTERM)
-        return
+        caller = None
 
     def watch():
-        select.select([caller], [], [])  # readable when the caller has exited
+        if caller is not None:
+            select.select([caller], [], [])  # readable when the caller has exited
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(shutdown_s)
         os.kill(os.getpid(), signal.SIGKILL)
