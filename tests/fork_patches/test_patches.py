@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
@@ -93,6 +94,7 @@ def test_shipped_diffs_are_exactly_what_their_edits_render(manifest):
 def test_code_shared_with_the_plugin_is_in_the_diffs_verbatim(manifest):
     """The plugin's functions that the patches carry appear in the patched upstream source line for line."""
     from zero_mismatch_plugin.aligned import cpu_lora_experts, cpu_weight_reload, reductions, row_invariant
+    from zero_mismatch_plugin.integrations.megatron import cpu_patches as megatron_cpu
     from zero_mismatch_plugin.integrations.verl.cpu import rollout_weight_reload
     from zero_mismatch_plugin.integrations.vllm import cpu_mla as vllm_cpu_mla
 
@@ -119,7 +121,12 @@ def test_code_shared_with_the_plugin_is_in_the_diffs_verbatim(manifest):
                            ("vllm-cpu-moe-lora-experts", cpu_lora_experts.cpu_lora_experts_apply),
                            ("vllm-cpu-all-reduce-rank-order", reductions.rank_order_sum),
                            ("vllm-cpu-wide-head-row-invariant", row_invariant.row_invariant_wide_head),
-                           ("vllm-cpu-wide-head-row-invariant", row_invariant.row_invariant_bmm)):
+                           ("vllm-cpu-wide-head-row-invariant", row_invariant.row_invariant_bmm),
+                           ("megatron-lm-cpu-training", megatron_cpu.current_device),
+                           ("megatron-lm-cpu-training", megatron_cpu.synchronize_device),
+                           ("megatron-lm-cpu-training", megatron_cpu.host_split_sizes),
+                           ("megatron-lm-cpu-training", megatron_cpu.packed_causal_mask),
+                           ("megatron-lm-cpu-training", megatron_cpu.packed_as_one_row)):
         added = "".join(line[1:] + "\n" for line in diffs[patch_name].splitlines()
                         if line.startswith("+") and not line.startswith("+++"))
         assert textwrap.dedent(__import__("inspect").getsource(fn)) in added
@@ -368,11 +375,11 @@ def test_apply_is_all_or_nothing(manifest, tmp_path):
 
 def test_apply_patches_a_megatron_lm_checkout_and_refuses_another_version(manifest, tmp_path, capsys):
     installed = fork_patches.installed_root(manifest.upstreams["megatron-lm"])
-    [patch] = manifest.for_upstream("megatron-lm")
+    patches = manifest.for_upstream("megatron-lm")
 
     def checkout(name, version_file_text):
         root = tmp_path / name
-        for relative in [*patch.files, "megatron/core/package_info.py"]:
+        for relative in [*fork_patches.touched_files(patches), "megatron/core/package_info.py"]:
             (root / relative).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(installed / relative, root / relative)
         info = root / "megatron/core/package_info.py"
@@ -381,9 +388,11 @@ def test_apply_patches_a_megatron_lm_checkout_and_refuses_another_version(manife
 
     fork = checkout("Megatron-LM", lambda text: text)
     assert zmrl(["patches", "apply", "--to", str(fork)]) == 0
-    for change in generate.render_changes(generate.EDITS[patch.name], lambda p: (installed / p).read_text()):
-        assert (fork / change.path).read_text() == change.after
-    assert "applied megatron-lm-spec-hooks" in capsys.readouterr().out
+    for patch in patches:  # the patches of Megatron-LM write different files
+        for change in generate.render_changes(generate.EDITS[patch.name], lambda p: (installed / p).read_text()):
+            assert (fork / change.path).read_text() == change.after
+    out = capsys.readouterr().out
+    assert "applied megatron-lm-spec-hooks" in out and "applied megatron-lm-cpu-training" in out
 
     older = checkout("Megatron-LM-old", lambda text: re.sub(r"PATCH = \d+", "PATCH = 0", text))
     before = _tree_digest(older)
@@ -394,9 +403,8 @@ def test_apply_patches_a_megatron_lm_checkout_and_refuses_another_version(manife
 
 def test_assume_version_never_overrides_the_version_a_checkout_states(manifest, tmp_path, capsys):
     installed = fork_patches.installed_root(manifest.upstreams["megatron-lm"])
-    [patch] = manifest.for_upstream("megatron-lm")
     fork = tmp_path / "Megatron-LM-core_v0.16.0"
-    for relative in [*patch.files, "megatron/core/package_info.py"]:
+    for relative in [*fork_patches.touched_files(manifest.for_upstream("megatron-lm")), "megatron/core/package_info.py"]:
         (fork / relative).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(installed / relative, fork / relative)
     info = fork / "megatron/core/package_info.py"
@@ -924,6 +932,45 @@ def test_megatron_spec_hooks_build_a_model_bitwise_equal_to_the_engine(
     result = run_python(script, patched_megatron)
     print(result.stdout.splitlines()[-1:])
     assert result.returncode == 0 and "MEGATRON OK" in result.stdout, result.stdout + result.stderr[-4000:]
+
+
+def _megatron_cpu_training(mode: str, patched: Path | str, out: Path) -> list[dict | str]:
+    """What each rank of ``support/megatron_cpu_training.py`` saw (its JSON, or its traceback)."""
+    out.mkdir()
+    script = Path(__file__).resolve().parents[1] / "support" / "megatron_cpu_training.py"
+    done = subprocess.run([sys.executable, str(script), mode, str(patched), str(out)], capture_output=True,
+                          text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) if (out / f"rank{r}.json").exists()
+            else (out / f"rank{r}.error").read_text() for r in range(2)]
+
+
+def test_megatron_cpu_training_runs_without_the_runtime_patches(patched_megatron, tmp_path):
+    """The fork form of the runtime patches "megatron-core on a CPU": megatron-core with the patch
+    trains on two CPU ranks with none of the plugin imported — experts over the ranks (all-to-all
+    dispatcher, megatron's router), bf16 parameters and megatron's mixed-precision optimizer with
+    gradient clipping, dropout under its RNG tracker, packed sequences in its local attention, a
+    distributed checkpoint, two pipeline stages with a tied embedding — and every rank's weights
+    after each step are the bits the installed megatron-core gives with the runtime patches."""
+    patched = _megatron_cpu_training("patched", patched_megatron, tmp_path / "patched")
+    assert all(isinstance(rank, dict) for rank in patched), patched
+    for rank in patched:
+        assert rank["megatron"].startswith(str(patched_megatron)) and not rank["plugin_imported"]
+        assert rank["experts"]["updated"] and rank["pipeline"]["updated"]
+        assert {"metadata.json", "common.pt"} <= set(rank["checkpoint"])
+    assert patched[0]["experts"]["weights"] != patched[1]["experts"]["weights"]  # each rank's own experts
+    assert patched[1]["pipeline"]["loss"] and not patched[0]["pipeline"]["loss"]  # the loss on the last stage
+
+    runtime = _megatron_cpu_training("runtime", "-", tmp_path / "runtime")
+    for fork_form, runtime_form in zip(patched, runtime):
+        assert isinstance(runtime_form, dict), runtime_form
+        assert not runtime_form["megatron"].startswith(str(patched_megatron)) and runtime_form["plugin_imported"]
+        for part in ("experts", "pipeline"):
+            assert fork_form[part] == runtime_form[part], part
+
+    # Negative control: the installed megatron-core with neither fails on a CPU-only torch.
+    stock = _megatron_cpu_training("stock", "-", tmp_path / "stock")
+    assert all(isinstance(rank, str) and "Torch not compiled with CUDA enabled" in rank for rank in stock), stock
 
 
 def test_stock_megatron_has_no_spec_hooks_and_says_what_to_apply():

@@ -321,4 +321,24 @@ MESSAGES: dict[str, CommitMessage] = {
             "keeps the current behaviour.",
         ),
     ),
+    "megatron-lm-cpu-training": CommitMessage(
+        "Train on a CPU-only torch: host device, RNG states, packed local attention",
+        (
+            "Without CUDA (a CPU platform over gloo: CI hosts, laptops) megatron-core fails before "
+            "a step: it allocates tensors on 'cuda' by name (the schedules' token count, the "
+            "pipeline's shapes and received activations, the optimizers' scales, gradient "
+            "clipping, the sequence-parallel gathers, DDP's buffers, the rotary frequencies, the "
+            "distributed checkpoint's flags), seeds named CUDA RNG states, checks fp32 by CUDA "
+            "type name, creates a CUDA side stream in the all-to-all dispatcher, leaves "
+            "te_general_gemm unbound without Transformer Engine and refuses packed sequences in "
+            "its local attention, the only one there is without it.",
+            "Add megatron.core.utils.current_device() and synchronize_device(): the CUDA device "
+            "and torch.cuda.synchronize() with CUDA, the host and nothing to wait for without. "
+            "Those places allocate and synchronize through them; the RNG tracker's named states "
+            "are the host generator's without CUDA; the fp32 checks test the dtype; the "
+            "dispatcher's split sizes become host arrays without a side stream; te_general_gemm "
+            "is None without Transformer Engine; packed THD sequences become one batch row with a "
+            "block-diagonal causal mask. With CUDA every path is unchanged.",
+        ),
+    ),
 }

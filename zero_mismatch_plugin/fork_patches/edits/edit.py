@@ -10,8 +10,9 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class Edit:
     path: str  # relative to the repository root of the upstream, e.g. "verl/__init__.py"
-    old: str  # must occur exactly once in the file
+    old: str  # must occur exactly ``count`` times in the file; every occurrence is replaced
     new: str
+    count: int = 1
 
 
 class EditError(RuntimeError):
@@ -33,7 +34,8 @@ def functions_before(path: str, anchor: str, *functions) -> Edit:
 def apply_edits(text: str, edits: list[Edit], path: str) -> str:
     for edit in edits:
         count = text.count(edit.old)
-        if count != 1:
-            raise EditError(f"{path}: the text to replace occurs {count} times, not once:\n{edit.old}")
+        if count != edit.count:
+            expected = "once" if edit.count == 1 else f"{edit.count} times"
+            raise EditError(f"{path}: the text to replace occurs {count} times, not {expected}:\n{edit.old}")
         text = text.replace(edit.old, edit.new)
     return text

@@ -43,17 +43,22 @@ ALLTOALL_SIDE_STREAM = megatron_patch(
 )
 
 
+def host_split_sizes(dispatcher) -> None:
+    """What the all-to-all dispatcher's GPU path leaves at its device-to-host point, on a CPU: the
+    split sizes as host numpy arrays (``all_to_all_single`` takes no tensor split sizes), the counts
+    as the host tensors they already are (no side stream, no event)."""
+    for name in ("input_splits", "output_splits", "output_splits_tp"):
+        value = getattr(dispatcher, name, None)
+        if torch.is_tensor(value):
+            setattr(dispatcher, name, value.numpy())
+
+
 def _host_splits(original):
     def _maybe_dtoh_and_synchronize(self, point, tokens_per_expert=None):
         if torch.cuda.is_available() or self.drop_and_pad:
             return original(self, point, tokens_per_expert)
         if point == self.cuda_dtoh_point:
-            # What the GPU path leaves at this point: split sizes as host numpy arrays, counts as
-            # host tensors (no stream, no event: everything already is on the host).
-            for name in ("input_splits", "output_splits", "output_splits_tp"):
-                value = getattr(self, name, None)
-                if torch.is_tensor(value):
-                    setattr(self, name, value.numpy())
+            host_split_sizes(self)
         return tokens_per_expert
 
     return _maybe_dtoh_and_synchronize
@@ -78,6 +83,18 @@ ROUTER_GEMM_NAME = megatron_patch(
 )
 
 
+def current_device():
+    """Where megatron places the tensors it allocates: ``torch.cuda.current_device()`` with CUDA,
+    the host on a CPU-only torch."""
+    return torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+
+
+def synchronize_device(device=None):
+    """``torch.cuda.synchronize()`` with CUDA; on the host, work is done when a call returns."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize(device)
+
+
 def _host_device(device):
     """Where a tensor megatron places on a CUDA device by name goes on a CPU: the host."""
     if device == "cuda" or (isinstance(device, str) and device.startswith("cuda:")):
@@ -91,13 +108,8 @@ class _HostCuda:
     def __getattr__(self, name):
         return getattr(torch.cuda, name)
 
-    @staticmethod
-    def current_device():
-        return "cpu"
-
-    @staticmethod
-    def synchronize(*_):
-        """Host work is done when the call returns: nothing to wait for."""
+    current_device = staticmethod(current_device)
+    synchronize = staticmethod(synchronize_device)
 
 
 class _HostTorch:
@@ -129,6 +141,15 @@ def host_torch(original):
 def host_torch_patch(module: str, *, name: str, why: str, when: str) -> FunctionPatch:
     """A patch that gives ``module`` :class:`_HostTorch` as its ``torch`` on a CPU."""
     return megatron_patch(f"{module}:torch", host_torch, name=name, why=why, when=when)
+
+
+ROUTER_HOST_TENSORS = host_torch_patch(
+    "megatron.core.transformer.moe.router",
+    name="megatron-router-host-tensors",
+    why="megatron's stock router moves its weight to torch.cuda.current_device() at its first forward and "
+        "allocates its auxiliary-loss counters there",
+    when="a megatron-core MoE model with megatron's own router on a CPU",
+)
 
 
 SCHEDULE_TOKEN_COUNT = host_torch_patch(
@@ -359,20 +380,25 @@ def packed_causal_mask(cu_seqlens: torch.Tensor, tokens: int) -> torch.Tensor:
     return (~visible)[None, None]
 
 
+def packed_as_one_row(query, key, value, packed_seq_params):
+    """Packed (THD) query, key and value [t, heads, dim] as one batch row of t tokens, and the mask
+    that keeps each sequence to itself: megatron's local attention then computes as for any batch."""
+    cu_seqlens = packed_seq_params.cu_seqlens_q_padded
+    if cu_seqlens is None:
+        cu_seqlens = packed_seq_params.cu_seqlens_q
+    mask = packed_causal_mask(cu_seqlens, query.shape[0]).to(query.device)
+    return query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1), mask
+
+
 def _packed_local_attention(original):
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
         if torch.cuda.is_available() or packed_seq_params is None or packed_seq_params.qkv_format != "thd":
             return original(self, query, key, value, attention_mask, attn_mask_type=attn_mask_type,
                             attention_bias=attention_bias, packed_seq_params=packed_seq_params)
-        # THD tensors [t, heads, dim] are one batch row of t tokens; the sequences' boundaries become
-        # a block-diagonal causal mask, and megatron's local attention computes as for any batch.
-        cu_seqlens = packed_seq_params.cu_seqlens_q_padded
-        if cu_seqlens is None:
-            cu_seqlens = packed_seq_params.cu_seqlens_q
-        mask = packed_causal_mask(cu_seqlens, query.shape[0]).to(query.device)
-        return original(self, query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1), mask,
-                        attn_mask_type=attn_mask_type, attention_bias=attention_bias, packed_seq_params=None)
+        query, key, value, mask = packed_as_one_row(query, key, value, packed_seq_params)
+        return original(self, query, key, value, mask, attn_mask_type=attn_mask_type,
+                        attention_bias=attention_bias, packed_seq_params=None)
 
     return forward
 
@@ -391,7 +417,7 @@ TRAINING_PATCHES = [OPTIMIZER_HOST_TENSORS, GRADIENT_CLIP_HOST_TENSORS, MAPPINGS
                     RNG_TRACKER_ON_HOST,
                     PACKED_LOCAL_ATTENTION, *CHECKPOINT_HOST_TENSORS]
 
-MOE_PATCHES = [ALLTOALL_SIDE_STREAM, ALLTOALL_HOST_SPLITS, ROUTER_GEMM_NAME]
+MOE_PATCHES = [ALLTOALL_SIDE_STREAM, ALLTOALL_HOST_SPLITS, ROUTER_GEMM_NAME, ROUTER_HOST_TENSORS]
 PIPELINE_PATCHES = [SCHEDULE_TOKEN_COUNT, P2P_HOST_TENSORS, TIED_EMBEDDING_COPY]
 PATCHES = MOE_PATCHES + PIPELINE_PATCHES + TRAINING_PATCHES
 
@@ -401,6 +427,7 @@ def moe_on_cpu() -> None:
     if torch.cuda.is_available():
         return
     import megatron.core.transformer.moe.moe_utils  # noqa: F401 - the patches' modules
+    import megatron.core.transformer.moe.router  # noqa: F401
     import megatron.core.transformer.moe.token_dispatcher  # noqa: F401
 
     for patch in MOE_PATCHES:
