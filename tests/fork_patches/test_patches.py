@@ -95,6 +95,7 @@ def test_code_shared_with_the_plugin_is_in_the_diffs_verbatim(manifest):
     """The plugin's functions that the patches carry appear in the patched upstream source line for line."""
     from zero_mismatch_plugin.aligned import cpu_lora_experts, cpu_weight_reload, reductions, row_invariant
     from zero_mismatch_plugin.integrations.megatron import cpu_patches as megatron_cpu
+    from zero_mismatch_plugin.integrations.verl.cpu import mcore_engine as mbridge_cpu
     from zero_mismatch_plugin.integrations.verl.cpu import rollout_weight_reload
     from zero_mismatch_plugin.integrations.vllm import cpu_mla as vllm_cpu_mla
 
@@ -126,7 +127,12 @@ def test_code_shared_with_the_plugin_is_in_the_diffs_verbatim(manifest):
                            ("megatron-lm-cpu-training", megatron_cpu.synchronize_device),
                            ("megatron-lm-cpu-training", megatron_cpu.host_split_sizes),
                            ("megatron-lm-cpu-training", megatron_cpu.packed_causal_mask),
-                           ("megatron-lm-cpu-training", megatron_cpu.packed_as_one_row)):
+                           ("megatron-lm-cpu-training", megatron_cpu.packed_as_one_row),
+                           *(("mbridge-local-modules-on-cpu", fn) for fn in (
+                               mbridge_cpu.transformer_engine_name, mbridge_cpu.local_norm_names_as_fused,
+                               mbridge_cpu.grouped_expert_name, mbridge_cpu.local_experts_as_grouped,
+                               mbridge_cpu.local_experts_loaded_by_their_rank, mbridge_cpu._without_local_experts,
+                               mbridge_cpu._load_own_local_experts))):
         added = "".join(line[1:] + "\n" for line in diffs[patch_name].splitlines()
                         if line.startswith("+") and not line.startswith("+++"))
         assert textwrap.dedent(__import__("inspect").getsource(fn)) in added
@@ -934,12 +940,12 @@ def test_megatron_spec_hooks_build_a_model_bitwise_equal_to_the_engine(
     assert result.returncode == 0 and "MEGATRON OK" in result.stdout, result.stdout + result.stderr[-4000:]
 
 
-def _megatron_cpu_training(mode: str, patched: Path | str, out: Path) -> list[dict | str]:
-    """What each rank of ``support/megatron_cpu_training.py`` saw (its JSON, or its traceback)."""
+def _ranks_saw(script: str, mode: str, patched: Path | str, out: Path, *args) -> list[dict | str]:
+    """What each rank of ``support/<script>`` saw (its JSON, or its traceback)."""
     out.mkdir()
-    script = Path(__file__).resolve().parents[1] / "support" / "megatron_cpu_training.py"
-    done = subprocess.run([sys.executable, str(script), mode, str(patched), str(out)], capture_output=True,
-                          text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    path = Path(__file__).resolve().parents[1] / "support" / script
+    done = subprocess.run([sys.executable, str(path), mode, str(patched), str(out), *map(str, args)],
+                          capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
     return [json.loads((out / f"rank{r}.json").read_text()) if (out / f"rank{r}.json").exists()
             else (out / f"rank{r}.error").read_text() for r in range(2)]
@@ -952,7 +958,7 @@ def test_megatron_cpu_training_runs_without_the_runtime_patches(patched_megatron
     gradient clipping, dropout under its RNG tracker, packed sequences in its local attention, a
     distributed checkpoint, two pipeline stages with a tied embedding — and every rank's weights
     after each step are the bits the installed megatron-core gives with the runtime patches."""
-    patched = _megatron_cpu_training("patched", patched_megatron, tmp_path / "patched")
+    patched = _ranks_saw("megatron_cpu_training.py", "patched", patched_megatron, tmp_path / "patched")
     assert all(isinstance(rank, dict) for rank in patched), patched
     for rank in patched:
         assert rank["megatron"].startswith(str(patched_megatron)) and not rank["plugin_imported"]
@@ -961,7 +967,7 @@ def test_megatron_cpu_training_runs_without_the_runtime_patches(patched_megatron
     assert patched[0]["experts"]["weights"] != patched[1]["experts"]["weights"]  # each rank's own experts
     assert patched[1]["pipeline"]["loss"] and not patched[0]["pipeline"]["loss"]  # the loss on the last stage
 
-    runtime = _megatron_cpu_training("runtime", "-", tmp_path / "runtime")
+    runtime = _ranks_saw("megatron_cpu_training.py", "runtime", "-", tmp_path / "runtime")
     for fork_form, runtime_form in zip(patched, runtime):
         assert isinstance(runtime_form, dict), runtime_form
         assert not runtime_form["megatron"].startswith(str(patched_megatron)) and runtime_form["plugin_imported"]
@@ -969,7 +975,35 @@ def test_megatron_cpu_training_runs_without_the_runtime_patches(patched_megatron
             assert fork_form[part] == runtime_form[part], part
 
     # Negative control: the installed megatron-core with neither fails on a CPU-only torch.
-    stock = _megatron_cpu_training("stock", "-", tmp_path / "stock")
+    stock = _ranks_saw("megatron_cpu_training.py", "stock", "-", tmp_path / "stock")
+    assert all(isinstance(rank, str) and "Torch not compiled with CUDA enabled" in rank for rank in stock), stock
+
+
+def test_mbridge_loads_and_exports_local_modules_without_the_runtime_patches(manifest, checkpoints, tmp_path):
+    """The fork form of mbridge's CPU runtime patches: mbridge and megatron-core with their fork patches
+    build a tiny Qwen3-MoE with its experts over two CPU ranks and a tiny Qwen3 at two pipeline stages
+    as verl's Megatron engine does (megatron's local modules), load them, and export every tensor of
+    each checkpoint bit for bit (the experts' and the stages' gathers), with none of the plugin
+    imported and the same bits as the installed ones with the runtime patches."""
+    patched_root = tmp_path / "patched-mbridge"
+    for upstream in ("megatron-lm", "mbridge"):
+        fork_patches.copy_patched_package(manifest, upstream, patched_root)
+    models = (checkpoints["qwen3_moe"], checkpoints["qwen3"])
+    patched = _ranks_saw("mbridge_cpu_loading.py", "patched", patched_root, tmp_path / "patched", *models)
+    assert all(isinstance(rank, dict) for rank in patched), patched
+    for rank in patched:
+        assert rank["mbridge"].startswith(str(patched_root)) and rank["megatron"].startswith(str(patched_root))
+        assert not rank["plugin_imported"]
+        for part in ("experts", "pipeline"):
+            assert rank[part]["exported"] == rank[part]["checkpoint"] == rank[part]["equal"] > 0, part
+
+    runtime = _ranks_saw("mbridge_cpu_loading.py", "runtime", "-", tmp_path / "runtime", *models)
+    for fork_form, runtime_form in zip(patched, runtime):
+        assert isinstance(runtime_form, dict) and runtime_form["plugin_imported"], runtime_form
+        assert fork_form["experts"] == runtime_form["experts"] and fork_form["pipeline"] == runtime_form["pipeline"]
+
+    # Negative control: the installed mbridge and megatron-core with neither fail on a CPU-only torch.
+    stock = _ranks_saw("mbridge_cpu_loading.py", "stock", "-", tmp_path / "stock", *models)
     assert all(isinstance(rank, str) and "Torch not compiled with CUDA enabled" in rank for rank in stock), stock
 
 

@@ -126,18 +126,24 @@ def rank_main(mode: str, rank: int, world: int, store: str, out: str) -> None:
         raise
 
 
-def main(mode: str, patched: str, out: str, world: int = 2) -> None:
-    if mode == "patched":
-        sys.path.insert(0, patched)
+def start_ranks(rank_main, world: int, mode: str, out: str, *args) -> None:
+    """``rank_main(mode, rank, world, store, out, *args)`` on ``world`` forked ranks (a gloo file store
+    in a fresh directory); a rank still running after 300 s is killed."""
     store = os.path.join(tempfile.mkdtemp(), "store")
     context = multiprocessing.get_context("fork")
-    ranks = [context.Process(target=rank_main, args=(mode, rank, world, store, out)) for rank in range(world)]
+    ranks = [context.Process(target=rank_main, args=(mode, rank, world, store, out, *args)) for rank in range(world)]
     for process in ranks:
         process.start()
     for process in ranks:
         process.join(300)
         if process.is_alive():
             process.kill()
+
+
+def main(mode: str, patched: str, out: str, world: int = 2) -> None:
+    if mode == "patched":
+        sys.path.insert(0, patched)
+    start_ranks(rank_main, world, mode, out)
 
 
 if __name__ == "__main__":

@@ -10,14 +10,15 @@ from typing import Callable
 from zero_mismatch_plugin.fork_patches.manifest import PatchError
 
 # The file that marks each upstream's checkout (at the repository root) and states its version.
-CHECKOUT_MARKER = {"verl": "verl/version/version", "megatron-lm": "megatron/core/package_info.py", "vllm": "vllm/envs.py"}
+CHECKOUT_MARKER = {"verl": "verl/version/version", "megatron-lm": "megatron/core/package_info.py", "vllm": "vllm/envs.py",
+                   "mbridge": "mbridge/core/bridge.py"}
 VERSION_FILE = {"verl": "verl/version/version", "megatron-lm": "megatron/core/package_info.py",
-                "vllm": "vllm/_version.py"}
+                "vllm": "vllm/_version.py", "mbridge": "pyproject.toml"}
 
 
 def require_directory(root: Path) -> Path:
     if not root.exists():
-        raise PatchError(f"{root}: no such directory; pass the root of a verl, vLLM or Megatron-LM checkout")
+        raise PatchError(f"{root}: no such directory; pass the root of a verl, vLLM, Megatron-LM or mbridge checkout")
     if not root.is_dir():
         raise PatchError(f"{root} is a file, not a directory; pass the root of the checkout that holds it")
     return root.resolve()
@@ -98,8 +99,22 @@ def _verl_checkout_version(root: Path) -> str | None:
         raise PatchError(f"{version_file}: not text ({error}); restore it from the upstream repository") from error
 
 
+def _mbridge_checkout_version(root: Path) -> str | None:
+    import tomllib
+
+    version_file = root / VERSION_FILE["mbridge"]
+    if not version_file.is_file():
+        return None
+    try:
+        version = tomllib.loads(version_file.read_text(encoding="utf-8")).get("project", {}).get("version")
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
+        raise PatchError(f"{version_file}: cannot read the version from it ({error}); "
+                         "restore the file from the upstream repository") from error
+    return str(version) if version else None
+
+
 _CHECKOUT_VERSION = {"verl": _verl_checkout_version, "megatron-lm": _megatron_checkout_version,
-                     "vllm": _vllm_checkout_version}
+                     "vllm": _vllm_checkout_version, "mbridge": _mbridge_checkout_version}
 
 
 def checkout_version(upstream: str, root: Path) -> str | None:

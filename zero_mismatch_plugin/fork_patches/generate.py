@@ -8,6 +8,7 @@ renders them again and requires byte equality, so a shipped patch cannot drift f
 from __future__ import annotations
 
 from zero_mismatch_plugin.fork_patches.edits import megatron_lm as megatron_lm_edits
+from zero_mismatch_plugin.fork_patches.edits import mbridge as mbridge_edits
 from zero_mismatch_plugin.fork_patches.edits import megatron_lm_cpu as megatron_lm_cpu_edits
 from zero_mismatch_plugin.fork_patches.edits import verl as verl_edits
 from zero_mismatch_plugin.fork_patches.edits import vllm_cpu as vllm_cpu_edits
@@ -20,7 +21,7 @@ from zero_mismatch_plugin.fork_patches.messages import MESSAGES
 # Patch name (as in manifest.yaml) -> its edits.
 EDITS: dict[str, list[Edit]] = {**verl_edits.EDITS, **vllm_gpu_edits.EDITS, **vllm_cpu_edits.EDITS,
                                **vllm_cpu_gdn_edits.EDITS, **megatron_lm_edits.EDITS,
-                               **megatron_lm_cpu_edits.EDITS}
+                               **megatron_lm_cpu_edits.EDITS, **mbridge_edits.EDITS}
 
 
 def render_changes(edits: list[Edit], read) -> list[FileChange]:

@@ -341,4 +341,21 @@ MESSAGES: dict[str, CommitMessage] = {
             "block-diagonal causal mask. With CUDA every path is unchanged.",
         ),
     ),
+    "mbridge-local-modules-on-cpu": CommitMessage(
+        "Build, load and export megatron-core's local modules on a CPU",
+        (
+            "Without CUDA there is no Transformer Engine, and the bridge failed before a weight "
+            "moved: it builds every layer from Transformer Engine's modules (NameError: TENorm), "
+            "maps only Transformer Engine's parameter names (the local modules' own norms and "
+            "their experts, local_experts.N.linear_fc1, are 'Unsupported parameter name'), loads "
+            "local experts as dense weights split over the tensor-parallel ranks (at tensor with "
+            "expert parallelism a rank would get half of another rank's expert), and moves the "
+            "model and a pipeline stage's received weight to torch.cuda.current_device().",
+            "Without CUDA: megatron's local layer spec; a local norm's name is looked up again "
+            "under the fused name Transformer Engine gives it; local experts are named as "
+            "grouped-GEMM ones (global index at expert parallelism), so loading, export and the "
+            "expert-parallel gathers treat them alike, and each rank loads its own; the model and "
+            "received weights stay on the host. With CUDA every path is unchanged.",
+        ),
+    ),
 }

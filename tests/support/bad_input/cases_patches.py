@@ -374,7 +374,7 @@ def _check_crlf_report(value) -> None:
 CASES = [
     # ----- the directory ---------------------------------------------------------------------
     error("apply-missing-directory", lambda: run_cli(["patches", "apply", "--to", str(_missing_dir())]),
-          r"no such directory; pass the root of a verl, vLLM or Megatron-LM checkout"),
+          r"no such directory; pass the root of a verl, vLLM, Megatron-LM or mbridge checkout"),
     error("apply-file-instead-of-directory", lambda: run_cli(["patches", "apply", "--to", str(_a_file())]),
           r"is a file, not a directory"),
     error("apply-empty-directory", lambda: run_cli(["patches", "apply", "--to", str(scratch())]),

@@ -43,7 +43,7 @@ def test_local_experts_take_grouped_names_with_this_expert_parallel_ranks_global
     local = {"decoder.layers.0.mlp.experts.local_experts.1.linear_fc1.weight":
              "decoder.layers.2.mlp.experts.local_experts.1.linear_fc1.weight",
              "decoder.layers.0.mlp.router.weight": "decoder.layers.2.mlp.router.weight"}
-    mapping = mcore_engine._grouped_expert_names(lambda self, model, consider_ep: dict(local))
+    mapping = mcore_engine.local_experts_as_grouped(lambda self, model, consider_ep: dict(local))
     bridge = SimpleNamespace(config=SimpleNamespace(num_moe_experts=8), mpu=SimpleNamespace(ep_size=2, ep_rank=1))
     assert mapping(bridge, None) == {
         "decoder.layers.0.mlp.experts.local_experts.1.linear_fc1.weight": "decoder.layers.2.mlp.experts.linear_fc1.weight5",
@@ -63,7 +63,7 @@ def test_a_name_mbridge_knows_is_not_renamed_and_an_unknown_one_still_raises():
             return [f"hf:{name}"]
         raise NotImplementedError(f"Unsupported parameter name: {name}")
 
-    renaming = mcore_engine._local_parameter_names(mapping)
+    renaming = mcore_engine.local_norm_names_as_fused(mapping)
     assert renaming(None, "decoder.layers.0.mlp.router.weight") == ["hf:decoder.layers.0.mlp.router.weight"]
     assert renaming(None, "decoder.layers.0.input_layernorm.weight") == [
         "hf:decoder.layers.0.self_attention.linear_qkv.layer_norm_weight"]

@@ -48,23 +48,24 @@ LOCAL_LAYER_SPEC = mbridge_patch(
         "NameError: name 'TENorm' is not defined without it",
 )
 
-# Transformer Engine fuses the attention's and the dense MLP's input norms into the next linear;
-# megatron's local modules keep them as layers of their own, names mbridge's tables lack.
-_FUSED_NORM_NAMES = {
-    ".input_layernorm.weight": ".self_attention.linear_qkv.layer_norm_weight",
-    ".pre_mlp_layernorm.weight": ".mlp.linear_fc1.layer_norm_weight",
-}
-
-
 def transformer_engine_name(name: str) -> str | None:
-    """The Transformer Engine name of the local module norm ``name`` (None: not a fused norm)."""
-    for local, fused in _FUSED_NORM_NAMES.items():
+    """The Transformer Engine name of the local module norm ``name`` (None: not a fused norm).
+    Transformer Engine fuses the attention's and the dense MLP's input norms into the next linear;
+    megatron's local modules keep them as layers of their own, names mbridge's tables lack."""
+    fused_norm_names = {
+        ".input_layernorm.weight": ".self_attention.linear_qkv.layer_norm_weight",
+        ".pre_mlp_layernorm.weight": ".mlp.linear_fc1.layer_norm_weight",
+    }
+    for local, fused in fused_norm_names.items():
         if name.endswith(local):
             return name[: -len(local)] + fused
     return None
 
 
-def _local_parameter_names(original):
+def local_norm_names_as_fused(original):
+    """``Bridge._weight_name_mapping_mcore_to_hf`` that also maps megatron's local norm names (a
+    name its tables lack is looked up again under Transformer Engine's fused name)."""
+
     def _weight_name_mapping_mcore_to_hf(self, mcore_weights_name):
         try:
             return original(self, mcore_weights_name)
@@ -78,7 +79,7 @@ def _local_parameter_names(original):
 
 
 LOCAL_PARAMETER_NAMES = mbridge_patch(
-    "mbridge.core.bridge:Bridge._weight_name_mapping_mcore_to_hf", _local_parameter_names,
+    "mbridge.core.bridge:Bridge._weight_name_mapping_mcore_to_hf", local_norm_names_as_fused,
     name="mbridge-local-parameter-names",
     why="mbridge maps only Transformer Engine's parameter names: NotImplementedError: Unsupported parameter "
         "name: decoder.layers.0.input_layernorm.weight",
@@ -99,7 +100,10 @@ def grouped_expert_name(name: str, first_expert: int = 0) -> str | None:
     return f"{name[: expert.start()]}.mlp.experts.{linear}.{kind}{int(index) + first_expert}"
 
 
-def _grouped_expert_names(original):
+def local_experts_as_grouped(original):
+    """``Bridge._weight_name_mapping_mcore_local_to_global`` that names megatron's local experts as
+    Transformer Engine's grouped-GEMM ones, global expert index at expert parallelism."""
+
     def _weight_name_mapping_mcore_local_to_global(self, model, consider_ep=True):
         names = original(self, model, consider_ep)
         # What the original does to grouped names: global layer numbers (done), and with
@@ -114,7 +118,7 @@ def _grouped_expert_names(original):
 
 
 LOCAL_EXPERT_NAMES = mbridge_patch(
-    "mbridge.core.bridge:Bridge._weight_name_mapping_mcore_local_to_global", _grouped_expert_names,
+    "mbridge.core.bridge:Bridge._weight_name_mapping_mcore_local_to_global", local_experts_as_grouped,
     name="mbridge-local-expert-names",
     why="mbridge names, loads, exports and gathers experts over expert-parallel ranks only under Transformer "
         "Engine's grouped-GEMM names: NotImplementedError: Unsupported parameter name: "
@@ -122,7 +126,10 @@ LOCAL_EXPERT_NAMES = mbridge_patch(
 )
 
 
-def _local_experts_loaded_by_their_rank(original):
+def local_experts_loaded_by_their_rank(original):
+    """``Bridge.load_weights`` that, on a CPU, loads megatron's local experts on the rank that holds
+    them (mbridge would split them over the tensor-parallel ranks)."""
+
     def load_weights(self, models, weights_path, memory_efficient=False):
         if torch.cuda.is_available():
             return original(self, models, weights_path, memory_efficient)
@@ -166,7 +173,7 @@ def _load_own_local_experts(bridge, model) -> None:
 
 
 LOCAL_EXPERTS_LOADED_BY_THEIR_RANK = mbridge_patch(
-    "mbridge.core.bridge:Bridge.load_weights", _local_experts_loaded_by_their_rank,
+    "mbridge.core.bridge:Bridge.load_weights", local_experts_loaded_by_their_rank,
     name="mbridge-local-experts-loaded-by-their-rank",
     why="mbridge loads megatron's local experts as dense weights, split over the tensor-parallel group: at "
         "tensor_model_parallel_size 2 with expert_model_parallel_size 2 a rank's experts would be halves of "
