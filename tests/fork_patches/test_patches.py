@@ -1972,6 +1972,74 @@ VERL_CPU_SCRIPT = """
 """
 
 
+VERL_MEGATRON_CPU_SCRIPT = """
+import json
+import torch
+import verl
+from verl.plugin.platform.platform_manager import set_platform
+from verl.workers.config.engine import McoreEngineConfig
+
+def admitted(dtype):
+    try:
+        McoreEngineConfig(strategy="megatron", dtype=dtype)
+        return "admitted"
+    except AssertionError as error:
+        return str(error)
+
+result = {"verl": verl.__file__, "float32_on_cuda": admitted("float32")}
+from zero_mismatch_plugin.integrations.verl.cpu.platform import PlatformCPU
+set_platform(PlatformCPU())  # the CPU platform ZMRL_VERL_PLATFORM=cpu registers, without its runtime patches
+result.update(float32=admitted("float32"), bfloat16=admitted("bfloat16"))
+
+# A DDP-wrapped model with fp32 parameters (megatron keeps no parameter buffer for them).
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer import TransformerConfig
+from zero_mismatch_plugin.integrations.megatron import cpu_patches
+from zero_mismatch_plugin.integrations.megatron.standalone import init_single_process
+init_single_process()
+cpu_patches.training_on_cpu()
+config = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2, use_cpu_initialization=True,
+                           add_bias_linear=False, gradient_accumulation_fusion=False)
+model = DistributedDataParallel(config, DistributedDataParallelConfig(), GPTModel(
+    config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=32, max_sequence_length=8))
+before = {n: p.detach().clone() for n, p in model.named_parameters()}
+from verl.utils import megatron_utils
+for name in ("offload_megatron_model_to_cpu", "load_megatron_model_to_gpu"):
+    try:
+        getattr(megatron_utils, name)([model])
+        result[name] = "returned"
+    except Exception as error:
+        result[name] = f"{type(error).__name__}: {error}"
+result["weights_kept"] = all(torch.equal(before[n], p) for n, p in model.named_parameters())
+result["grad_buffers_kept"] = all(b.grad_data.storage().size() > 0 for b in model.buffers)
+from zero_mismatch_plugin.integrations import patches as runtime_patches
+from zero_mismatch_plugin.integrations.verl.cpu import mcore_engine, patches as verl_cpu_patches
+result["runtime_forms_applied"] = [p.name for p in (verl_cpu_patches.MEGATRON_ENGINE_FP32, mcore_engine.LOAD_TO_DEVICE,
+                                                    mcore_engine.OFFLOAD_TO_HOST) if runtime_patches.is_applied(p)]
+print("RESULT " + json.dumps(result))
+"""
+
+
+def test_verl_megatron_engine_takes_fp32_and_moves_nothing_on_cpu(patched_verl):
+    """On a CPU platform the patched verl's Megatron engine config admits fp32 (not on a CUDA one), and
+    the model offload / reload around a weight export return without touching a DDP model whose fp32
+    parameters have no buffer; stock verl refuses fp32 and both raise."""
+    patched = script_result(VERL_MEGATRON_CPU_SCRIPT, patched_verl)
+    assert patched["verl"].startswith(str(patched_verl)) and patched["runtime_forms_applied"] == []
+    assert patched["float32"] == patched["bfloat16"] == "admitted"
+    assert patched["float32_on_cuda"] == "dtype float32 not supported"
+    assert patched["offload_megatron_model_to_cpu"] == patched["load_megatron_model_to_gpu"] == "returned"
+    assert patched["weights_kept"] and patched["grad_buffers_kept"]
+
+    stock = script_result(VERL_MEGATRON_CPU_SCRIPT)
+    assert not stock["verl"].startswith(str(patched_verl)) and stock["runtime_forms_applied"] == []
+    assert stock["float32"] == "dtype float32 not supported" and stock["bfloat16"] == "admitted"
+    assert all(stock[name].startswith("AttributeError") for name in ("offload_megatron_model_to_cpu",
+                                                                     "load_megatron_model_to_gpu"))
+
+
 def _verl_cpu_result(*path_first) -> dict:
     return script_result(VERL_CPU_SCRIPT, *path_first)
 

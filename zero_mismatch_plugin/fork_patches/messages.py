@@ -306,6 +306,20 @@ MESSAGES: dict[str, CommitMessage] = {
             "the same bits alone or in any batch. Without LoRA the experts stay cpu_fused_moe.",
         ),
     ),
+    "verl-megatron-engine-on-cpu": CommitMessage(
+        "Run the Megatron engine on a CPU platform: fp32, no offload",
+        (
+            "On a CPU platform (one registered through verl's platform registry) the Megatron "
+            "engine could not start or export: McoreEngineConfig admits bfloat16 and float16 "
+            "only, and fp32 is what a CPU rollout serves; before every weight export "
+            "load_megatron_model_to_gpu resizes DDP's parameter buffer, which megatron does not "
+            "keep for fp32 parameters (AttributeError: 'NoneType' object has no attribute "
+            "'storage'), and offloading to the host from the host would free the buffers the "
+            "model computes with.",
+            "Admit float32 where the device is cpu, and make the offload and the reload return "
+            "there: the weights already are on the host. Other devices are unchanged.",
+        ),
+    ),
     "megatron-lm-spec-hooks": CommitMessage(
         "Add spec hooks for rotary application, output layer and per-token logprob",
         (

@@ -335,6 +335,43 @@ PEFT_PROVIDERS: list[Callable] = []
     ),
 ]
 
+ENGINE_CONFIG = "verl/workers/config/engine.py"
+MEGATRON_UTILS = "verl/utils/megatron_utils.py"
+
+VERL_MEGATRON_ENGINE_ON_CPU = [
+    Edit(ENGINE_CONFIG, old="from verl.base_config import BaseConfig\n",
+         new="from verl.base_config import BaseConfig\nfrom verl.utils.device import get_device_name\n"),
+    Edit(ENGINE_CONFIG, old="""\
+        assert self.dtype in ["bfloat16", "float16"], f"dtype {self.dtype} not supported"
+""", new="""\
+        # On a CPU platform fp32 is a precision the rollout serves too (GPUs train in bf16 or fp16).
+        supported = ["bfloat16", "float16"] + (["float32", "fp32"] if get_device_name() == "cpu" else [])
+        assert self.dtype in supported, f"dtype {self.dtype} not supported"
+"""),
+    Edit(MEGATRON_UTILS, old='''\
+    - fp32 optimizer state chunked in model and dp group
+    """
+    for model_chunk in models:
+''', new='''\
+    - fp32 optimizer state chunked in model and dp group
+    """
+    if get_device_name() == "cpu":
+        return  # the device is the host: offloading would free the buffers the model computes with
+    for model_chunk in models:
+'''),
+    Edit(MEGATRON_UTILS, old='''\
+        load_frozen_params: Whether to load frozen parameters.
+    """
+    for model_chunk in models:
+''', new='''\
+        load_frozen_params: Whether to load frozen parameters.
+    """
+    if get_device_name() == "cpu":
+        return  # the device is the host: the weights already are there (and fp32 ones have no buffer)
+    for model_chunk in models:
+'''),
+]
+
 # Patch name (as in manifest.yaml) -> its edits.
 EDITS: dict[str, list[Edit]] = {
     "verl-plugin-load-warning": VERL_PLUGIN_LOAD_WARNING,
@@ -344,4 +381,5 @@ EDITS: dict[str, list[Edit]] = {
     "verl-cpu-training": VERL_CPU_TRAINING,
     "verl-lora-loader-vllm-0-31": VERL_LORA_LOADER_VLLM_0_31,
     "verl-megatron-peft-providers": VERL_MEGATRON_PEFT_PROVIDERS,
+    "verl-megatron-engine-on-cpu": VERL_MEGATRON_ENGINE_ON_CPU,
 }
