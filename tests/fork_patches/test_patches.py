@@ -542,7 +542,8 @@ def test_check_to_reports_what_each_patch_does_to_another_version_and_changes_no
     assert lines["verl-cpu-training"].rstrip().endswith("applies")
     assert lines["verl-lora-loader-vllm-0-31"].rstrip().endswith("applies")
     assert lines["verl-megatron-peft-providers"].rstrip().endswith("applies")
-    assert "6 of 7 patches apply or are already applied" in out
+    assert lines["verl-megatron-engine-on-cpu"].rstrip().endswith("applies")
+    assert "7 of 8 patches apply or are already applied" in out
     assert _tree_digest(checkout) == before
     # The same checkout as a git fork of the pinned version: the report says git am -3 can merge.
     subprocess.run(["git", "init", "-q"], cwd=checkout, check=True)
