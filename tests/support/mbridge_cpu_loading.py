@@ -1,10 +1,8 @@
 """Build, load and export a tiny checkpoint through mbridge on a CPU-only torch, two one-thread ranks over
 gloo (tests/fork_patches/test_patches.py::test_mbridge_loads_and_exports_local_modules_without_the_runtime_patches).
 
-``python mbridge_cpu_loading.py patched DIR OUT MOE DENSE``: mbridge and megatron-core under DIR (copies
-with the fork patches applied) first on the path, none of the plugin imported; ``... runtime - OUT MOE
-DENSE``: the installed ones with the plugin's runtime patches (verl's Megatron engine on the CPU
-platform applies the same); ``... stock - OUT MOE DENSE``: neither.
+``python mbridge_cpu_loading.py patched DIR OUT MOE DENSE``: what DIR holds (copies of mbridge and
+megatron-core with the fork patches applied) first on the path, none of the plugin imported.
 
 Each rank builds the MoE checkpoint MOE with its experts over both ranks, then the dense checkpoint
 DENSE at two pipeline stages, as verl's Megatron engine does (``AutoBridge.from_config``, megatron's
@@ -75,10 +73,6 @@ def rank_main(mode: str, rank: int, world: int, store: str, out: str, moe: str, 
     torch.set_num_threads(1)
     try:
         torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-        if mode == "runtime":
-            from zero_mismatch_plugin.integrations.verl.cpu import mcore_engine
-
-            mcore_engine.apply_all()
         seen = {"mbridge": __import__("mbridge").__file__, "megatron": __import__("megatron.core").core.__file__}
         seen["experts"] = built_and_exported(moe, expert_model_parallel_size=world)
         seen["pipeline"] = built_and_exported(dense, pipeline_model_parallel_size=world)
