@@ -14,11 +14,7 @@ OUT/rank{r}.json or its traceback to OUT/rank{r}.error.
 from __future__ import annotations
 
 import hashlib
-import json
-import os
 import sys
-import tempfile
-import traceback
 from pathlib import Path
 
 import torch
@@ -69,26 +65,18 @@ def built_and_exported(checkpoint: str, **layout) -> dict:
         parallel_state.destroy_model_parallel()
 
 
-def rank_main(mode: str, rank: int, world: int, store: str, out: str, moe: str, dense: str) -> None:
-    torch.set_num_threads(1)
-    try:
-        torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-        seen = {"mbridge": __import__("mbridge").__file__, "megatron": __import__("megatron.core").core.__file__}
-        seen["experts"] = built_and_exported(moe, expert_model_parallel_size=world)
-        seen["pipeline"] = built_and_exported(dense, pipeline_model_parallel_size=world)
-        seen["plugin_imported"] = "zero_mismatch_plugin" in sys.modules
-        with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-            json.dump(seen, f)
-    except BaseException:
-        with open(os.path.join(out, f"rank{rank}.error"), "w") as f:
-            f.write(traceback.format_exc())
-        raise
+def round_trips(mode: str, world: int, out: str, moe: str, dense: str) -> dict:
+    """This rank's builds and exports (its process group started): what it saw."""
+    seen = {"mbridge": __import__("mbridge").__file__, "megatron": __import__("megatron.core").core.__file__}
+    seen["experts"] = built_and_exported(moe, expert_model_parallel_size=world)
+    seen["pipeline"] = built_and_exported(dense, pipeline_model_parallel_size=world)
+    return seen
 
 
 def main(mode: str, patched: str, out: str, moe: str, dense: str, world: int = 2) -> None:
     if mode == "patched":
         sys.path.insert(0, patched)
-    start_ranks(rank_main, world, mode, out, moe, dense)
+    start_ranks(round_trips, world, mode, out, moe, dense)
 
 
 if __name__ == "__main__":

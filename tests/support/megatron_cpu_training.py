@@ -77,46 +77,54 @@ def train_step(model, optimizer, seq_lens: list[int]) -> dict:
                 weights=weights_digest(model))
 
 
-def rank_main(mode: str, rank: int, world: int, store: str, out: str) -> None:
-    torch.set_num_threads(1)
+def trained(mode: str, world: int, out: str) -> dict:
+    """This rank's steps (its process group started): what it saw."""
     torch.manual_seed(0)  # initialization draws from the host generator (use_cpu_initialization)
+    from megatron.core import dist_checkpointing, parallel_state
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer import TransformerConfig
+
+    if mode == "runtime":
+        from zero_mismatch_plugin.integrations.megatron import cpu_patches
+
+        cpu_patches.training_on_cpu()
+    common = dict(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64,
+                  use_cpu_initialization=True, bf16=True, params_dtype=torch.bfloat16,
+                  pipeline_dtype=torch.bfloat16, add_bias_linear=False, attention_dropout=0.1,
+                  hidden_dropout=0.1, gradient_accumulation_fusion=False, bias_activation_fusion=False,
+                  bias_dropout_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
+                  apply_rope_fusion=False)
+    seen = {"megatron": __import__("megatron.core").core.__file__}
+
+    parallel_state.initialize_model_parallel(expert_model_parallel_size=world)
+    model_parallel_cuda_manual_seed(1234)
+    config = TransformerConfig(**common, num_moe_experts=4, moe_router_topk=2,
+                               moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False)
+    model, optimizer = model_and_optimizer(config, get_gpt_layer_local_spec(num_experts=4), True, True, False)
+    seen["experts"] = train_step(model, optimizer, [5, 7, 4])
+    checkpoint = os.path.join(out, "checkpoint")
+    os.makedirs(checkpoint, exist_ok=True)
+    dist_checkpointing.save(model.module.sharded_state_dict(), checkpoint)
+    seen["checkpoint"] = sorted(os.listdir(checkpoint))
+    parallel_state.destroy_model_parallel()
+
+    parallel_state.initialize_model_parallel(pipeline_model_parallel_size=world)
+    model_parallel_cuda_manual_seed(4321)
+    stage = parallel_state.get_pipeline_model_parallel_rank()
+    model, optimizer = model_and_optimizer(TransformerConfig(**common), get_gpt_layer_local_spec(),
+                                           stage == 0, stage == world - 1, True)
+    seen["pipeline"] = train_step(model, optimizer, [6, 10])
+    return seen
+
+
+def _rank(work, mode: str, rank: int, world: int, store: str, out: str, args: tuple) -> None:
+    """One rank: a gloo process group, ``work(mode, world, out, *args)``, and what it returned (with
+    whether the plugin was imported) in OUT/rank{r}.json, or its traceback in OUT/rank{r}.error."""
+    torch.set_num_threads(1)
     try:
         torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-        from megatron.core import dist_checkpointing, parallel_state
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-        from megatron.core.transformer import TransformerConfig
-
-        if mode == "runtime":
-            from zero_mismatch_plugin.integrations.megatron import cpu_patches
-
-            cpu_patches.training_on_cpu()
-        common = dict(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64,
-                      use_cpu_initialization=True, bf16=True, params_dtype=torch.bfloat16,
-                      pipeline_dtype=torch.bfloat16, add_bias_linear=False, attention_dropout=0.1,
-                      hidden_dropout=0.1, gradient_accumulation_fusion=False, bias_activation_fusion=False,
-                      bias_dropout_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
-                      apply_rope_fusion=False)
-        seen = {"megatron": __import__("megatron.core").core.__file__}
-
-        parallel_state.initialize_model_parallel(expert_model_parallel_size=world)
-        model_parallel_cuda_manual_seed(1234)
-        config = TransformerConfig(**common, num_moe_experts=4, moe_router_topk=2,
-                                   moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False)
-        model, optimizer = model_and_optimizer(config, get_gpt_layer_local_spec(num_experts=4), True, True, False)
-        seen["experts"] = train_step(model, optimizer, [5, 7, 4])
-        checkpoint = os.path.join(out, "checkpoint")
-        os.makedirs(checkpoint, exist_ok=True)
-        dist_checkpointing.save(model.module.sharded_state_dict(), checkpoint)
-        seen["checkpoint"] = sorted(os.listdir(checkpoint))
-        parallel_state.destroy_model_parallel()
-
-        parallel_state.initialize_model_parallel(pipeline_model_parallel_size=world)
-        model_parallel_cuda_manual_seed(4321)
-        stage = parallel_state.get_pipeline_model_parallel_rank()
-        model, optimizer = model_and_optimizer(TransformerConfig(**common), get_gpt_layer_local_spec(),
-                                               stage == 0, stage == world - 1, True)
-        seen["pipeline"] = train_step(model, optimizer, [6, 10])
+        seen = work(mode, world, out, *args)
         seen["plugin_imported"] = "zero_mismatch_plugin" in sys.modules
         with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
             json.dump(seen, f)
@@ -126,12 +134,12 @@ def rank_main(mode: str, rank: int, world: int, store: str, out: str) -> None:
         raise
 
 
-def start_ranks(rank_main, world: int, mode: str, out: str, *args) -> None:
-    """``rank_main(mode, rank, world, store, out, *args)`` on ``world`` forked ranks (a gloo file store
-    in a fresh directory); a rank still running after 300 s is killed."""
+def start_ranks(work, world: int, mode: str, out: str, *args) -> None:
+    """``work(mode, world, out, *args)`` on ``world`` forked ranks (:func:`_rank`; a gloo file store in a
+    fresh directory); a rank still running after 300 s is killed."""
     store = os.path.join(tempfile.mkdtemp(), "store")
     context = multiprocessing.get_context("fork")
-    ranks = [context.Process(target=rank_main, args=(mode, rank, world, store, out, *args)) for rank in range(world)]
+    ranks = [context.Process(target=_rank, args=(work, mode, rank, world, store, out, args)) for rank in range(world)]
     for process in ranks:
         process.start()
     for process in ranks:
@@ -143,7 +151,7 @@ def start_ranks(rank_main, world: int, mode: str, out: str, *args) -> None:
 def main(mode: str, patched: str, out: str, world: int = 2) -> None:
     if mode == "patched":
         sys.path.insert(0, patched)
-    start_ranks(rank_main, world, mode, out)
+    start_ranks(trained, world, mode, out)
 
 
 if __name__ == "__main__":
