@@ -407,6 +407,31 @@ def test_apply_patches_a_megatron_lm_checkout_and_refuses_another_version(manife
     assert _tree_digest(older) == before
 
 
+def test_apply_patches_an_mbridge_checkout_by_the_version_its_pyproject_states(manifest, tmp_path, capsys):
+    installed = fork_patches.installed_root(manifest.upstreams["mbridge"])
+    patches = manifest.for_upstream("mbridge")
+
+    def checkout(name, version):
+        root = tmp_path / name
+        for relative in fork_patches.touched_files(patches):
+            (root / relative).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(installed / relative, root / relative)
+        (root / "pyproject.toml").write_text(f'[project]\nname = "mbridge"\nversion = "{version}"\n')
+        return root
+
+    fork = checkout("mbridge", "0.15.1")
+    assert zmrl(["patches", "apply", "--to", str(fork)]) == 0
+    assert "applied mbridge-local-modules-on-cpu" in capsys.readouterr().out
+    for change in generate.render_changes(generate.EDITS[patches[0].name], lambda p: (installed / p).read_text()):
+        assert (fork / change.path).read_text() == change.after
+
+    older = checkout("mbridge-old", "0.15.0")
+    before = _tree_digest(older)
+    assert zmrl(["patches", "apply", "--to", str(older)]) == 1
+    assert "the patches were made for 0.15.1" in capsys.readouterr().err
+    assert _tree_digest(older) == before
+
+
 def test_assume_version_never_overrides_the_version_a_checkout_states(manifest, tmp_path, capsys):
     installed = fork_patches.installed_root(manifest.upstreams["megatron-lm"])
     fork = tmp_path / "Megatron-LM-core_v0.16.0"

@@ -415,10 +415,10 @@ def build_parser() -> argparse.ArgumentParser:
     patches_check = patches_sub.add_parser(
         "check", help="apply every patch (patch -p1, git apply, git am -3) to copies of the installed upstream "
         "files; with --to DIR, report what each patch would do to that checkout (any version), changing nothing")
-    patches_check.add_argument("--to", metavar="DIR", help="root of a verl / vLLM / Megatron-LM checkout to report on")
+    patches_check.add_argument("--to", metavar="DIR", help="root of a verl / vLLM / Megatron-LM / mbridge checkout to report on")
     patches_check.add_argument("--upstream", choices=("verl", "vllm", "megatron-lm", "mbridge"), help="with --to; default: detected from DIR")
     patches_apply = patches_sub.add_parser("apply", help="apply the patches to a checkout of their upstream")
-    patches_apply.add_argument("--to", required=True, metavar="DIR", help="root of the verl / vLLM / Megatron-LM checkout")
+    patches_apply.add_argument("--to", required=True, metavar="DIR", help="root of the verl / vLLM / Megatron-LM / mbridge checkout")
     patches_apply.add_argument("--upstream", choices=("verl", "vllm", "megatron-lm", "mbridge"), help="default: detected from DIR")
     patches_apply.add_argument("--assume-version", metavar="V",
                                help="the checkout's version when its files state none (a fresh vLLM clone); "

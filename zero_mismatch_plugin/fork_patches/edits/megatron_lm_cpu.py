@@ -37,6 +37,7 @@ MOE_UTILS = CORE + "transformer/moe/moe_utils.py"
 ATTENTION = CORE + "transformer/dot_product_attention.py"
 CHECKPOINT = CORE + "dist_checkpointing/strategies/"
 
+
 def _importing_helpers(path: str, after: str, *helpers: str) -> Edit:
     """``path`` imports the device ``helpers`` it uses right after its line ``after``."""
     return Edit(path, old=after, new=after + f"from megatron.core.utils import {', '.join(helpers)}\n")
