@@ -189,7 +189,8 @@ MULTI_PROCESS_MODULES = ("tests/integrations/verl/cpu/test_main_ppo_megatron.py"
                          "tests/faces/megatron/test_megatron_tensor_parallel.py",
                          "tests/faces/megatron/test_megatron_two_rank_layouts.py",
                          "tests/faces/megatron/test_megatron_reduction_order.py",
-                         "tests/faces/fsdp/test_fsdp_data_parallel.py")
+                         "tests/faces/fsdp/test_fsdp_data_parallel.py",
+                         "tests/fork_patches/test_cpu_training_patches.py")
 MULTI_PROCESS_UNIT = "multi-process-runs"
 
 

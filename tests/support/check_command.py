@@ -25,8 +25,9 @@ def run_check(model, flags: list[str], tmp_path, capsys, num_prompts: int = 4, c
     out = tmp_path / f"{command}.json"
     code = cli.main([command, "--model", str(model), "--trainer", "megatron", *flags, "--max-model-len",
                      str(MAX_MODEL_LEN), "--num-prompts", str(num_prompts), "--quiet", "--json", str(out)])
-    table = capsys.readouterr().out
-    return code, table, json.loads(out.read_text())
+    printed = capsys.readouterr()
+    assert out.exists(), f"zmrl {command} exited {code} without a report:\n{printed.out[-2000:]}\n{printed.err[-4000:]}"
+    return code, printed.out, json.loads(out.read_text())
 
 
 class _LentRanks:
