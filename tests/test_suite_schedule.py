@@ -10,11 +10,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 # What starts them: the launcher of verl's trainer, directly or through the tests' run_verl
 # (test_smoke_assets.py calls it through the module only to see it refuse before starting
-# anything), torchrun ranks, a Megatron rank group.
+# anything), torchrun ranks, a Megatron rank group, a support script's forked ranks.
 STARTS_PROCESSES = re.compile(r"^from zero_mismatch_plugin\.integrations\.verl\.cpu\.launch import .*\brun_smoke\b"
                               r"|^from support\.main_ppo_runs import [^)]*\brun_verl\b"
                               r"|^from support\.torchrun import|^\s*from zero_mismatch_plugin\.integrations\.megatron"
-                              r"\.rank_group import RankGroup\b", re.M)
+                              r"\.rank_group import RankGroup\b|^from support\.forked_ranks import", re.M)
 
 
 def test_every_module_that_starts_processes_is_in_the_multi_process_unit(pytestconfig):

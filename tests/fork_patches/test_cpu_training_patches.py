@@ -8,24 +8,9 @@ Each test starts a two-rank group (``tests/support/megatron_cpu_training.py``,
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
+from support.forked_ranks import ranks_saw
 
 from zero_mismatch_plugin import fork_patches
-
-
-def _ranks_saw(script: str, mode: str, patched: Path | str, out: Path, *args) -> list[dict | str]:
-    """What each rank of ``support/<script>`` saw (its JSON, or its traceback)."""
-    out.mkdir()
-    path = Path(__file__).resolve().parents[1] / "support" / script
-    done = subprocess.run([sys.executable, str(path), mode, str(patched), str(out), *map(str, args)],
-                          capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert done.returncode == 0, done.stderr[-3000:]
-    return [json.loads((out / f"rank{r}.json").read_text()) if (out / f"rank{r}.json").exists()
-            else (out / f"rank{r}.error").read_text() for r in range(2)]
 
 
 def test_megatron_cpu_training_runs_without_the_runtime_patches(patched_megatron, tmp_path):
@@ -35,7 +20,7 @@ def test_megatron_cpu_training_runs_without_the_runtime_patches(patched_megatron
     gradient clipping, dropout under its RNG tracker, packed sequences in its local attention, a
     distributed checkpoint, two pipeline stages with a tied embedding — and every rank's weights
     after each step are the bits the installed megatron-core gives with the runtime patches."""
-    patched = _ranks_saw("megatron_cpu_training.py", "patched", patched_megatron, tmp_path / "patched")
+    patched = ranks_saw("megatron_cpu_training.py", "patched", patched_megatron, tmp_path / "patched")
     assert all(isinstance(rank, dict) for rank in patched), patched
     for rank in patched:
         assert rank["megatron"].startswith(str(patched_megatron)) and not rank["plugin_imported"]
@@ -44,7 +29,7 @@ def test_megatron_cpu_training_runs_without_the_runtime_patches(patched_megatron
     assert patched[0]["experts"]["weights"] != patched[1]["experts"]["weights"]  # each rank's own experts
     assert patched[1]["pipeline"]["loss"] and not patched[0]["pipeline"]["loss"]  # the loss on the last stage
 
-    runtime = _ranks_saw("megatron_cpu_training.py", "runtime", "-", tmp_path / "runtime")
+    runtime = ranks_saw("megatron_cpu_training.py", "runtime", "-", tmp_path / "runtime")
     for fork_form, runtime_form in zip(patched, runtime):
         assert isinstance(runtime_form, dict), runtime_form
         assert not runtime_form["megatron"].startswith(str(patched_megatron)) and runtime_form["plugin_imported"]
@@ -52,7 +37,7 @@ def test_megatron_cpu_training_runs_without_the_runtime_patches(patched_megatron
             assert fork_form[part] == runtime_form[part], part
 
     # Negative control: the installed megatron-core with neither fails on a CPU-only torch.
-    stock = _ranks_saw("megatron_cpu_training.py", "stock", "-", tmp_path / "stock")
+    stock = ranks_saw("megatron_cpu_training.py", "stock", "-", tmp_path / "stock")
     assert all(isinstance(rank, str) and "Torch not compiled with CUDA enabled" in rank for rank in stock), stock
 
 
@@ -66,7 +51,7 @@ def test_mbridge_loads_and_exports_local_modules_without_the_runtime_patches(man
     for upstream in ("megatron-lm", "mbridge"):
         fork_patches.copy_patched_package(manifest, upstream, patched_root)
     models = (checkpoints["qwen3_moe"], checkpoints["qwen3"])
-    patched = _ranks_saw("mbridge_cpu_loading.py", "patched", patched_root, tmp_path / "patched", *models)
+    patched = ranks_saw("mbridge_cpu_loading.py", "patched", patched_root, tmp_path / "patched", *models)
     assert all(isinstance(rank, dict) for rank in patched), patched
     for rank in patched:
         assert rank["mbridge"].startswith(str(patched_root)) and rank["megatron"].startswith(str(patched_root))
@@ -75,5 +60,5 @@ def test_mbridge_loads_and_exports_local_modules_without_the_runtime_patches(man
             assert rank[part]["exported"] == rank[part]["checkpoint"] == rank[part]["equal"] > 0, part
 
     # Negative control: megatron-core patched, the installed mbridge fails to build a local model.
-    stock = _ranks_saw("mbridge_cpu_loading.py", "patched", patched_megatron, tmp_path / "stock-mbridge", *models)
+    stock = ranks_saw("mbridge_cpu_loading.py", "patched", patched_megatron, tmp_path / "stock-mbridge", *models)
     assert all(isinstance(rank, str) and "name 'TENorm' is not defined" in rank for rank in stock), stock

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_cpu_training import start_ranks
+from forked_ranks import start_ranks
 
 
 def checkpoint_tensors(path: str) -> dict[str, torch.Tensor]:

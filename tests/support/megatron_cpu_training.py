@@ -15,14 +15,12 @@ bits of its weights as a digest) or its traceback to OUT/rank{r}.error.
 from __future__ import annotations
 
 import hashlib
-import json
-import multiprocessing
 import os
 import sys
-import tempfile
-import traceback
 
 import torch
+
+from forked_ranks import start_ranks
 
 VOCAB = 64
 
@@ -116,36 +114,6 @@ def trained(mode: str, world: int, out: str) -> dict:
                                            stage == 0, stage == world - 1, True)
     seen["pipeline"] = train_step(model, optimizer, [6, 10])
     return seen
-
-
-def _rank(work, mode: str, rank: int, world: int, store: str, out: str, args: tuple) -> None:
-    """One rank: a gloo process group, ``work(mode, world, out, *args)``, and what it returned (with
-    whether the plugin was imported) in OUT/rank{r}.json, or its traceback in OUT/rank{r}.error."""
-    torch.set_num_threads(1)
-    try:
-        torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-        seen = work(mode, world, out, *args)
-        seen["plugin_imported"] = "zero_mismatch_plugin" in sys.modules
-        with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-            json.dump(seen, f)
-    except BaseException:
-        with open(os.path.join(out, f"rank{rank}.error"), "w") as f:
-            f.write(traceback.format_exc())
-        raise
-
-
-def start_ranks(work, world: int, mode: str, out: str, *args) -> None:
-    """``work(mode, world, out, *args)`` on ``world`` forked ranks (:func:`_rank`; a gloo file store in a
-    fresh directory); a rank still running after 300 s is killed."""
-    store = os.path.join(tempfile.mkdtemp(), "store")
-    context = multiprocessing.get_context("fork")
-    ranks = [context.Process(target=_rank, args=(work, mode, rank, world, store, out, args)) for rank in range(world)]
-    for process in ranks:
-        process.start()
-    for process in ranks:
-        process.join(300)
-        if process.is_alive():
-            process.kill()
 
 
 def main(mode: str, patched: str, out: str, world: int = 2) -> None:
