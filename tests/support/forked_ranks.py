@@ -7,6 +7,7 @@ The fork-form tests of the CPU-platform patches use it (``megatron_cpu_training.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import multiprocessing
 import os
@@ -19,6 +20,15 @@ from pathlib import Path
 import torch
 
 SUPPORT = Path(__file__).resolve().parent
+
+
+def bits_digest(named_tensors) -> str:
+    """The names and bits of ``(name, tensor)`` pairs, in their order, as one digest."""
+    digest = hashlib.sha256()
+    for name, tensor in named_tensors:
+        digest.update(name.encode())
+        digest.update(tensor.detach().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
 
 
 def ranks_saw(script: str, mode: str, patched: Path | str, out: Path, *args) -> list[dict | str]:

@@ -1,5 +1,5 @@
 """Build, load and export a tiny checkpoint through mbridge on a CPU-only torch, two one-thread ranks over
-gloo (tests/fork_patches/test_patches.py::test_mbridge_loads_and_exports_local_modules_without_the_runtime_patches).
+gloo (tests/fork_patches/test_cpu_training_patches.py::test_mbridge_loads_and_exports_local_modules_without_the_runtime_patches).
 
 ``python mbridge_cpu_loading.py patched DIR OUT MOE DENSE``: what DIR holds (copies of mbridge and
 megatron-core with the fork patches applied) first on the path, none of the plugin imported.
@@ -13,13 +13,12 @@ OUT/rank{r}.json or its traceback to OUT/rank{r}.error.
 
 from __future__ import annotations
 
-import hashlib
 import sys
 from pathlib import Path
 
 import torch
 
-from forked_ranks import start_ranks
+from forked_ranks import bits_digest, start_ranks
 
 
 def checkpoint_tensors(path: str) -> dict[str, torch.Tensor]:
@@ -54,13 +53,9 @@ def built_and_exported(checkpoint: str, **layout) -> dict:
         bridge.load_weights(models, checkpoint)
         expected = checkpoint_tensors(checkpoint)
         exported = dict(bridge.export_weights(models))
-        digest = hashlib.sha256()
-        for name in sorted(exported):
-            digest.update(name.encode())
-            digest.update(exported[name].detach().contiguous().view(torch.uint8).numpy().tobytes())
         return dict(exported=len(exported), checkpoint=len(expected),
                     equal=sum(name in expected and torch.equal(exported[name], expected[name]) for name in exported),
-                    digest=digest.hexdigest())
+                    digest=bits_digest(sorted(exported.items())))
     finally:
         parallel_state.destroy_model_parallel()
 

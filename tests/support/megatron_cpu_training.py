@@ -1,5 +1,5 @@
 """Train stock megatron-core on a CPU-only torch, two one-thread ranks over gloo
-(tests/fork_patches/test_patches.py::test_megatron_cpu_training_runs_without_the_runtime_patches).
+(tests/fork_patches/test_cpu_training_patches.py::test_megatron_cpu_training_runs_without_the_runtime_patches).
 
 ``python megatron_cpu_training.py patched DIR OUT``: the megatron-core under DIR (a copy with the
 fork patches applied) first on the path, none of the plugin imported. ``... runtime - OUT``: the
@@ -14,24 +14,14 @@ bits of its weights as a digest) or its traceback to OUT/rank{r}.error.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import sys
 
 import torch
 
-from forked_ranks import start_ranks
+from forked_ranks import bits_digest, start_ranks
 
 VOCAB = 64
-
-
-def weights_digest(model) -> str:
-    """The bits of every parameter, in order."""
-    digest = hashlib.sha256()
-    for name, param in model.named_parameters():
-        digest.update(name.encode())
-        digest.update(param.detach().contiguous().view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
 
 
 def model_and_optimizer(config, spec, pre_process: bool, post_process: bool, tied: bool):
@@ -72,7 +62,7 @@ def train_step(model, optimizer, seq_lens: list[int]) -> dict:
                                          forward_only=False)
     updated, grad_norm, _ = optimizer.step()
     return dict(loss=[float(l["loss"]) for l in losses], updated=bool(updated), grad_norm=float(grad_norm),
-                weights=weights_digest(model))
+                weights=bits_digest(model.named_parameters()))
 
 
 def trained(mode: str, world: int, out: str) -> dict:
