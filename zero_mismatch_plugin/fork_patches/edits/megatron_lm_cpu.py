@@ -110,17 +110,23 @@ MEGATRON_CPU_TRAINING = [
                        "current_device", "synchronize_device"),
     _devices(CHECKPOINT + "async_utils.py", 2),
     _synchronizations(CHECKPOINT + "async_utils.py", 1),
-    # The fp32 checks by CUDA type name: a host parameter is 'torch.FloatTensor', not
-    # 'torch.cuda.FloatTensor' (the dtype is what the checks are about).
+    # The checks by CUDA type name: a host parameter is 'torch.FloatTensor', not
+    # 'torch.cuda.FloatTensor'. Without CUDA the dtype is checked; with it, the type name as before.
     Edit(OPTIMIZER,
          old="if param.type() in ['torch.cuda.HalfTensor', 'torch.cuda.BFloat16Tensor']:",
-         new="if param.dtype in (torch.float16, torch.bfloat16):"),
+         new="if param.type() in ['torch.cuda.HalfTensor', 'torch.cuda.BFloat16Tensor'] or (\n"
+             "                            not torch.cuda.is_available() and param.dtype in (torch.float16, torch.bfloat16)\n"
+             "                        ):"),
     Edit(OPTIMIZER,
          old="elif param.type() == 'torch.cuda.FloatTensor':",
-         new="elif param.dtype == torch.float32:"),
+         new="elif param.type() == 'torch.cuda.FloatTensor' or (\n"
+             "                            not torch.cuda.is_available() and param.dtype == torch.float32\n"
+             "                        ):"),
     Edit(CLIP_GRADS,
          old="assert param.grad.type() == 'torch.cuda.FloatTensor'",
-         new="assert param.grad.dtype == torch.float32"),
+         new="assert param.grad.type() == 'torch.cuda.FloatTensor' or (\n"
+             "                    not torch.cuda.is_available() and param.grad.dtype == torch.float32\n"
+             "                )"),
     # The named RNG states are the host generator's on a CPU: it is what dropout and
     # initialization draw from there.
     Edit(RANDOM, old='''\
