@@ -176,3 +176,61 @@ def test_logits_head_padded_vocab(runtime):
     assert head.padded_vocab == 512
     h = _leaf(6, 256, seed=16)
     _compare(lambda h, w: head(h), lambda h, w: h @ w.t(), [h, w])
+
+
+@pytest.mark.parametrize("sliding_window", [None, 4])
+def test_attention_backward_takes_the_sequences_of_one_length_in_one_call(monkeypatch, sliding_window):
+    """Three lengths among six packed sequences: three recomputed attention calls, and each
+    sequence's gradients those of the sequence differentiated alone."""
+    from zero_mismatch_plugin.aligned import ops
+
+    seq_lens = [5, 9, 5, 2, 9, 5]
+    t = sum(seq_lens)
+    q, k, v, g = (torch.randn(t, heads * 16, generator=_gen(20 + i)) for i, heads in enumerate((4, 2, 2, 4)))
+    calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].shape[0])
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", counted)
+    grouped = ops.attention_backward(q, k, v, g, seq_lens, 4, 2, 16, 0.25, sliding_window)
+    assert sorted(calls) == [1, 2, 3], calls  # batches of one, two and three sequences
+    start = 0
+    for n in seq_lens:
+        rows = slice(start, start + n)
+        alone = ops.attention_backward(q[rows], k[rows], v[rows], g[rows], [n], 4, 2, 16, 0.25, sliding_window)
+        for whole, part in zip(grouped, alone):
+            torch.testing.assert_close(whole[rows], part, rtol=1e-6, atol=1e-7)
+        start += n
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_head_backward_runs_its_gemms_in_the_dtype_of_the_forwards_operands(checkpoints, dtype):
+    """The consistent-mode head of a bf16 engine computes fp32 logits from bf16 weights and hidden
+    states; its backward's GEMMs run in bf16 (fp32 accumulation), as autocast runs a bf16 GEMM's
+    backward, and in fp32 for an fp32 engine. The gradients have the parameters' dtypes."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from zero_mismatch_plugin.aligned.runtime import VllmRuntime
+
+    engine_dtype = getattr(torch, dtype)
+    head = AlignedLogits(VllmRuntime(checkpoints["llama"], dtype=dtype, max_model_len=256),
+                         torch.nn.Parameter(0.1 * torch.randn(512, 256, generator=_gen(17))), 512)
+    hidden = torch.randn(6, 256, generator=_gen(18)).to(engine_dtype).requires_grad_()
+    logits = head(hidden)
+    assert logits.dtype == torch.float32
+
+    class GemmDtypes(TorchDispatchMode):
+        seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten.mm.default, torch.ops.aten.matmul.default):
+                self.seen.append((args[0].dtype, args[1].dtype))
+            return func(*args, **(kwargs or {}))
+
+    with GemmDtypes() as mode:
+        grad_hidden, grad_weight = torch.autograd.grad(logits, (hidden, head.weight), torch.randn(logits.shape))
+    assert mode.seen and set(mode.seen) == {(engine_dtype, engine_dtype)}, mode.seen
+    assert grad_hidden.dtype == engine_dtype and grad_weight.dtype == torch.float32

@@ -181,8 +181,9 @@ def test_lora_on_linears_and_experts_both_faces_at_batch_1_2_8(engines, base, tm
 
 
 def test_backward_in_bf16_against_float64(bf16_engines):
-    """The aligned model's gradient (fp32 master weights, bf16 forward, analytic backward in fp32 from
-    the bf16 activations) against float64 autograd through transformers: bf16 round-off, stated.
+    """The aligned model's gradient (fp32 master weights, bf16 forward, analytic backward from the
+    bf16 activations: GEMMs in bf16 with fp32 accumulation, the other ops in fp32) against float64
+    autograd through transformers: bf16 round-off, stated.
     An error in a backward formula is O(1); bf16 measures ~1e-2 here."""
     from transformers import AutoModelForCausalLM
 
@@ -198,7 +199,7 @@ def test_backward_in_bf16_against_float64(bf16_engines):
     errors = {name: ((p.grad.double() - ref[name].grad).norm() / ref[name].grad.norm()).item()
               for name, p in trainer.named_parameters()}
     worst = max(errors.values())
-    print(f"bf16 forward, fp32 backward: worst relative gradient error vs float64 {worst:.3g} "
+    print(f"bf16 forward, backward GEMMs in bf16: worst relative gradient error vs float64 {worst:.3g} "
           f"(median {sorted(errors.values())[len(errors) // 2]:.3g})")
     assert worst < 0.1, {n: e for n, e in errors.items() if e >= 0.1}
 
