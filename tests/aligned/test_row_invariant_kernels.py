@@ -92,6 +92,34 @@ def test_this_hosts_bmm_row_dependence_is_reported(capsys):
     assert _row_dependence(row_invariant_bmm, heads=1, k=96, n=256, total=40) == []
 
 
+@pytest.mark.parametrize("vocab, blocks", [(512, 2), (320, 5), (300, 1)])
+@pytest.mark.parametrize("pattern", [AVX2_EPYC_PATTERN, AVX512_XEON_PATTERN], ids=["avx2-epyc", "avx512-xeon"])
+def test_the_wide_head_takes_the_vocabulary_in_blocks_and_keeps_a_rows_bits(vocab, blocks, pattern):
+    """An fp32 head of bf16 operands: the vocabulary rows in blocks of the widest of 256, 128, 64
+    that divides them (else one block), as the batch of each 32-row call; every column where
+    ``F.linear`` puts it; a row's logits the same at every row count under the planted kernels."""
+    from zero_mismatch_plugin.aligned.row_invariant import row_invariant_wide_head
+
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(40, 64, generator=gen).bfloat16()
+    weight = torch.randn(vocab, 64, generator=gen).bfloat16()
+    bias = torch.randn(vocab, generator=gen)
+    exact = hidden.double() @ weight.double().t() + bias.double()
+    batches = []
+
+    def counted(batch1, batch2, out=None):
+        batches.append(batch1.shape[0])
+        return _planted_bmm(variant_rows=pattern)(batch1, batch2, out)
+
+    with mock.patch("torch.bmm", counted):
+        logits = row_invariant_wide_head(hidden, weight, bias, torch.float32)
+        assert set(batches) == {blocks}, batches
+        assert logits.dtype == torch.float32 and logits.shape == (40, vocab)
+        assert (logits.double() - exact).abs().max() < 1e-4
+        for rows in (1, 2, 3, 17, 33):
+            assert torch.equal(row_invariant_wide_head(hidden[:rows], weight, bias, torch.float32), logits[:rows]), rows
+
+
 @pytest.mark.parametrize("numel", [1, 63, 64, 65, 16383, 16384, 16385, 16384 + 64, 40000, 100003])
 def test_the_sigmoid_without_autograd_has_the_bits_of_the_differentiable_one(numel):
     """Two code paths (pieces concatenated for autograd, written in place without it) make the same
