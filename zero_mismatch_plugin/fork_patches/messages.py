@@ -231,8 +231,9 @@ MESSAGES: dict[str, CommitMessage] = {
             "a larger batch.",
             "With VLLM_BATCH_INVARIANT on CPU, the head multiplies the same fp32 operands in "
             "calls of one 32-row shape (row_invariant_bmm against the weight's transposed "
-            "view), so a row's logits do not depend on the step's other rows or on the thread "
-            "count. A head in the model's own dtype keeps the dispatched GEMM; without "
+            "blocks of 256, 128 or 64 vocabulary rows as one batch, so that the call spreads "
+            "over the threads), so a row's logits do not depend on the step's other rows or on "
+            "the thread count. A head in the model's own dtype keeps the dispatched GEMM; without "
             "batch-invariant mode nothing changes.",
         ),
     ),
