@@ -82,6 +82,20 @@ def test_fused_add_rms_norm(runtime):
     )
 
 
+def test_fused_add_rms_norm_of_one_tensor_as_input_and_residual(runtime):
+    """x and residual share the sum's gradient (one tensor handed back for both): where they are the
+    same tensor autograd must add the two, not write one over the other."""
+    w = torch.nn.Parameter(1 + 0.1 * torch.randn(256, generator=_gen(1)))
+    norm = AlignedRMSNorm(runtime, w, 1e-6)
+    x = _leaf(6, 256, seed=4)
+
+    def input_and_residual_one_tensor(x, w):
+        h = 2 * x
+        return norm(h, h)
+
+    _compare(input_and_residual_one_tensor, lambda x, w: (_rms(4 * x, w, 1e-6), 4 * x), [x, w])
+
+
 def test_rotary(runtime):
     rotary = AlignedRotary(runtime, 64, 512, {"rope_type": "default", "rope_theta": 10000.0})
     positions = torch.tensor([0, 1, 2, 3, 0, 1, 7, 100])
@@ -102,6 +116,40 @@ def test_silu_and_mul(runtime):
     act = AlignedSiluAndMul(runtime)
     x = _leaf(9, 2 * 96, seed=8, scale=3.0)
     _compare(act, lambda x: torch.nn.functional.silu(x[:, :96]) * x[:, 96:], [x])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_swiglu_backward_stays_in_the_dtype_of_the_activations(checkpoints, dtype):
+    """A bf16 engine's SwiGLU backward forms transformers' bf16 products (silu_backward computes each
+    element in fp32): no [T, d] tensor is widened to fp32 and back. fp32 engines: fp32 throughout.
+    Against float64 within the activations' precision."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from zero_mismatch_plugin.aligned.runtime import VllmRuntime
+
+    engine_dtype = getattr(torch, dtype)
+    act = AlignedSiluAndMul(VllmRuntime(checkpoints["llama"], dtype=dtype, max_model_len=256))
+    x = (3.0 * torch.randn(9, 2 * 96, generator=_gen(8))).to(engine_dtype).requires_grad_()
+    out = act(x)
+    cotangent = torch.randn(out.shape, generator=_gen(9)).to(engine_dtype)
+
+    class OutputDtypes(TorchDispatchMode):
+        seen = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            result = func(*args, **(kwargs or {}))
+            self.seen |= {t.dtype for t in torch.utils._pytree.tree_leaves(result) if isinstance(t, torch.Tensor)}
+            return result
+
+    with OutputDtypes() as mode:
+        (grad,) = torch.autograd.grad(out, x, cotangent)
+    assert mode.seen == {engine_dtype}, mode.seen
+    assert grad.dtype == engine_dtype
+    reference = x.detach().double().requires_grad_()
+    (torch.nn.functional.silu(reference[:, :96]) * reference[:, 96:]).backward(cotangent.double())
+    error = _rel(grad, reference.grad)
+    print(f"{dtype} SwiGLU backward vs float64: {error:.3g}")
+    assert error < (OP_GRAD_REL_TOL if dtype == "float32" else 1e-2)
 
 
 def test_merged_linear_with_bias(runtime):

@@ -3,7 +3,8 @@
 Each forward calls a vLLM layer instance (see :mod:`.runtime`) on the same inputs, in the same
 order and layout, as vLLM's model code does, so its output bits are the engine's. vLLM's kernels
 are forward-only; the backward of each op is written here in plain torch, in fp32 (a bf16 engine's
-GEMMs in bf16 with fp32 accumulation, as autocast runs them).
+GEMMs in bf16 with fp32 accumulation, as autocast runs them, and its SwiGLU in bf16, as
+transformers' bf16 autograd forms it).
 """
 
 from __future__ import annotations
@@ -117,11 +118,13 @@ class _FusedAddRMSNormFn(Function):
     @staticmethod
     def backward(ctx, g_out, g_residual):
         x, residual, weight = ctx.saved_tensors
-        s = x.float() + residual.float()
+        s = x.to(torch.float32, copy=True).add_(residual)
         gs, gw = _norm_backward(s, weight.float() + ctx.scale_offset, g_out.float(), ctx.eps)
         if g_residual is not None:
-            gs = gs + g_residual.float()
-        return gs.to(x.dtype), gs.to(residual.dtype), gw.to(weight.dtype), None
+            gs.add_(g_residual)
+        # x and residual share one gradient (the sum's): rounded once where their dtypes agree.
+        gx = gs.to(x.dtype)
+        return gx, gx if residual.dtype == x.dtype else gs.to(residual.dtype), gw.to(weight.dtype), None
 
 
 # ----- Rotary embedding --------------------------------------------------------------------
@@ -204,14 +207,16 @@ class _SiluAndMulFn(Function):
     def backward(ctx, g):
         (x,) = ctx.saved_tensors
         d = x.shape[-1] // 2
-        a, b = x[..., :d].float(), x[..., d:].float()
-        g32 = g.float()
+        a, b = x[..., :d], x[..., d:]
+        g = g.to(x.dtype)
         # d/da silu(a) * b = g * b * s * (1 + a * (1 - s)) (aten's silu_backward), d/db = g * silu(a);
-        # written into the two halves of one fp32 buffer.
-        grad = torch.empty(x.shape, dtype=torch.float32, device=x.device)
-        torch.ops.aten.silu_backward(g32 * b, a, grad_input=grad[..., :d])
-        torch.mul(g32, torch.nn.functional.silu(a), out=grad[..., d:])
-        return grad.to(x.dtype), None
+        # written into the two halves of one buffer. In the activations' dtype: fp32 for an fp32
+        # engine; for a bf16 engine the products transformers' bf16 autograd forms for silu(a) * b
+        # (aten's silu_backward computes each element in fp32), without widening four [T, d] tensors.
+        grad = torch.empty_like(x)
+        torch.ops.aten.silu_backward(g * b, a, grad_input=grad[..., :d])
+        torch.mul(g, torch.nn.functional.silu(a), out=grad[..., d:])
+        return grad, None
 
 
 # ----- Linear layers (merged layouts, pre-packed on CPU) -----------------------------------

@@ -182,7 +182,7 @@ def test_lora_on_linears_and_experts_both_faces_at_batch_1_2_8(engines, base, tm
 
 def test_backward_in_bf16_against_float64(bf16_engines):
     """The aligned model's gradient (fp32 master weights, bf16 forward, analytic backward from the
-    bf16 activations: GEMMs in bf16 with fp32 accumulation, the other ops in fp32) against float64
+    bf16 activations: GEMMs and SwiGLU in bf16 with fp32 accumulation, the other ops in fp32) against float64
     autograd through transformers: bf16 round-off, stated.
     An error in a backward formula is O(1); bf16 measures ~1e-2 here."""
     from transformers import AutoModelForCausalLM
