@@ -1,4 +1,4 @@
-"""The routed experts' fp32 backward (aligned/moe_backward.py) against float64 autograd of the
+"""The routed experts' backward (aligned/moe_backward.py) against float64 autograd of the
 forward it differentiates (``experts_with_lora``), with and without an adapter. Pure torch, no engine."""
 
 import pytest
@@ -105,3 +105,39 @@ def test_the_forwards_kept_gate_up_replaces_its_recomputation():
     assert _relative(shuffled[0], reference[0]) > 1e-2
     with pytest.raises(ValueError, match="routed rows"):
         experts_lora_backward(x, g, ids, weights, gate, up, down, lora, SCALING, gate_up=kept[1:])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_experts_backward_runs_in_the_dtype_of_its_input(dtype):
+    """Without an adapter the backward computes in the activations' dtype: for a bf16 engine bf16
+    GEMMs (fp32 accumulation) on bf16 copies of the fp32 master weights, as transformers' bf16
+    autograd runs its experts; fp32 throughout for fp32. Against float64 within that precision."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    x, ids, weights, g, gate, up, down, _ = _problem(seed=4)
+    x, g = x.to(dtype), g.to(dtype)
+    gemms = (torch.ops.aten.mm.default, torch.ops.aten.mm.out, torch.ops.aten.addmm_.default,
+             torch.ops.aten.bmm.default)
+
+    class GemmDtypes(TorchDispatchMode):
+        seen = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in gemms:
+                self.seen |= {a.dtype for a in args if isinstance(a, torch.Tensor)}
+            return func(*args, **(kwargs or {}))
+
+    with GemmDtypes() as mode:
+        gx, gw, ggate, gup, gdown = experts_backward(x, g, ids, weights, gate, up, down)
+    assert mode.seen == {dtype}, mode.seen
+    assert {t.dtype for t in (gx, gw, *ggate, *gup, *gdown)} == {dtype}
+    leaves = [t.double().requires_grad_(True) for t in (x, weights, *gate, *up, *down)]
+    x64, w64, experts64 = leaves[0], leaves[1], leaves[2:]
+    out = experts_with_lora(x64, w64, ids, experts64[:EXPERTS], experts64[EXPERTS:2 * EXPERTS],
+                            experts64[2 * EXPERTS:], None, SCALING)
+    reference = torch.autograd.grad(out, leaves, g.double())
+    names = ["x", "weights"] + [f"{part}{e}" for part in ("gate", "up", "down") for e in range(EXPERTS)]
+    errors = {name: _relative(actual, expected)
+              for name, actual, expected in zip(names, (gx, gw, *ggate, *gup, *gdown), reference)}
+    print(f"{dtype} experts backward vs float64: worst {max(errors.values()):.3g} ({max(errors, key=errors.get)})")
+    assert max(errors.values()) < (1e-5 if dtype == torch.float32 else 2e-2), errors

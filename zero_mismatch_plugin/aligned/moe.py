@@ -296,7 +296,7 @@ class _MoEFn(Function):
         gx, gweights, ggate, gup, gdown = experts_backward(
             hidden, g, ids.long(), weights.detach(), *moe.expert_weights(moe.params)
         )
-        (glogits,) = torch.autograd.grad(weights, logits, gweights)
+        (glogits,) = torch.autograd.grad(weights, logits, gweights.to(weights.dtype))
         grads = moe.param_grads(ggate, gup, gdown)
         return (gx.to(hidden.dtype), glogits.to(router_logits.dtype), None, *grads)
 

@@ -1,4 +1,8 @@
-"""The fp32 backward of the routed experts, with and without a LoRA adapter on each expert.
+"""The backward of the routed experts, with and without a LoRA adapter on each expert.
+
+Without an adapter it runs in the dtype of the experts' input: fp32 for an fp32 engine, and for a
+bf16 engine bf16 GEMMs (fp32 accumulation) and SwiGLU products, what transformers' bf16 autograd
+computes for its experts (as the dense layers' backward does, :mod:`.ops`). With an adapter: fp32.
 
 vLLM's experts keep none of their intermediates, so the gate and up products are recomputed here;
 the (token, slot) rows are sorted by expert once (one gather of x and g), so each expert's rows are
@@ -18,7 +22,7 @@ import torch
 class _RowsByExpert:
     """The routed rows of ``ids`` [T, K] grouped by expert: ``order`` (stable), each expert's
     ``blocks`` of the sorted rows and their ``counts``; ``xs``, ``gs``, ``ws``: x, g and the
-    routing weight of each sorted row (fp32)."""
+    routing weight of each sorted row (in ``dtype``)."""
 
     tokens: int
     top_k: int
@@ -30,7 +34,7 @@ class _RowsByExpert:
     ws: torch.Tensor
 
     @classmethod
-    def of(cls, x, g, ids, weights, num_experts: int) -> "_RowsByExpert":
+    def of(cls, x, g, ids, weights, num_experts: int, dtype=torch.float32) -> "_RowsByExpert":
         k = ids.shape[1]
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)
@@ -40,9 +44,9 @@ class _RowsByExpert:
         for n in counts:
             blocks.append(slice(start, start + n))
             start += n
-        return cls(ids.shape[0], k, order, counts, blocks, x.float().index_select(0, rows_token),
-                   g.float().index_select(0, rows_token),
-                   weights.reshape(-1).float().index_select(0, order).unsqueeze(-1))
+        return cls(ids.shape[0], k, order, counts, blocks, x.to(dtype).index_select(0, rows_token),
+                   g.to(dtype).index_select(0, rows_token),
+                   weights.reshape(-1).to(dtype).index_select(0, order).unsqueeze(-1))
 
     def to_token_slots(self, gx_rows, gw_rows):
         """(d x [T, H], d weights [T, K]) from the sorted rows' gradients: each row written back
@@ -66,16 +70,18 @@ def _swiglu_backward(a, b, gh, ws):
 
 
 def experts_backward(x, g, ids, weights, gate, up, down):
-    """fp32 gradients of out[t] = sum_k weights[t, k] * down_e(silu(gate_e x_t) * up_e x_t),
-    e = ids[t, k]: returns (d x, d weights, [d gate_e], [d up_e], [d down_e]).
+    """Gradients of out[t] = sum_k weights[t, k] * down_e(silu(gate_e x_t) * up_e x_t),
+    e = ids[t, k]: returns (d x, d weights, [d gate_e], [d up_e], [d down_e]), computed in the
+    dtype of ``x`` (fp32, or bf16 with fp32 accumulation for a bf16 engine's activations).
 
     The down product is not recomputed: d weights[t, k] = (g_t down_e) . h_t comes from the d h
     product the backward needs anyway.
     """
-    rows = _RowsByExpert.of(x, g, ids, weights, len(gate))
+    dtype = x.dtype if x.is_floating_point() else torch.float32
+    rows = _RowsByExpert.of(x, g, ids, weights, len(gate), dtype)
     xs, gs = rows.xs, rows.gs
     width = gate[0].shape[0]
-    weights_of = [(gate[e].detach().float(), up[e].detach().float(), down[e].detach().float())
+    weights_of = [(gate[e].detach().to(dtype), up[e].detach().to(dtype), down[e].detach().to(dtype))
                   for e in range(len(gate))]
 
     a, b, gh = (xs.new_empty(xs.shape[0], width) for _ in range(3))
