@@ -77,7 +77,7 @@ def experts_backward(x, g, ids, weights, gate, up, down):
     The down product is not recomputed: d weights[t, k] = (g_t down_e) . h_t comes from the d h
     product the backward needs anyway.
     """
-    dtype = x.dtype if x.is_floating_point() else torch.float32
+    dtype = x.dtype
     rows = _RowsByExpert.of(x, g, ids, weights, len(gate), dtype)
     xs, gs = rows.xs, rows.gs
     width = gate[0].shape[0]
