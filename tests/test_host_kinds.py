@@ -62,3 +62,9 @@ def test_without_a_host_kind_the_folder_changes_nothing():
     with_folder = [line for line in _run([str(HOST_KINDS / "vllm_kernel_build.py")], kind=None) if line.startswith("_C")]
     assert len(own) == 1 and own == with_folder
     print(f"this host's own vLLM kernel build: {own[0]}")
+
+
+def test_an_unknown_host_kind_is_named_in_every_process_it_reaches():
+    env = {**os.environ, "PYTHONPATH": str(HOST_KINDS), "ZMRL_AS_HOST_KIND": "avx"}
+    done = subprocess.run([sys.executable, "-c", "pass"], env=env, capture_output=True, text=True, timeout=60)
+    assert "ZMRL_AS_HOST_KIND='avx': use one of avx2, avx512, or unset it" in done.stderr

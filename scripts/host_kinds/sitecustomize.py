@@ -27,6 +27,8 @@ def _absent() -> bool:
 
 
 _kind = os.environ.get("ZMRL_AS_HOST_KIND")
+if _kind and _kind not in _LOWERED:
+    raise ValueError(f"ZMRL_AS_HOST_KIND={_kind!r}: use one of {', '.join(_LOWERED)}, or unset it")
 if _kind:
     import torch.cpu
 
