@@ -185,6 +185,78 @@ def test_plugin_pads_vllm_dispatch_in_consistent_mode():
         assert layer_utils._CPU_SGL_GEMM_MAX_WEIGHT_BYTES == 1 << 20
 
 
+def _planted_cpu(monkeypatch, avx512: bool, bf16: bool, amx: bool) -> None:
+    for query, answer in (("_is_avx512_supported", avx512), ("_is_avx512_bf16_supported", bf16),
+                          ("_is_amx_tile_supported", amx)):
+        monkeypatch.setattr(torch.cpu, query, lambda answer=answer: answer)
+
+
+@pytest.mark.parametrize("avx512,bf16,amx", [(True, False, False), (True, True, False), (False, False, False),
+                                            (True, False, True), (True, True, True)])
+def test_half_precision_gemms_take_one_thread_only_on_avx512_hosts_without_bf16(monkeypatch, avx512, bf16, amx):
+    _planted_cpu(monkeypatch, avx512, bf16, amx)
+    one_thread = avx512 and not bf16 and not amx
+    assert [cpu_gemm.one_thread_for(d) for d in (torch.bfloat16, torch.float16, torch.float32)] == [
+        one_thread, one_thread, False]
+
+
+def test_consistent_dispatch_runs_a_bf16_gemm_on_one_thread_on_an_avx512_host_without_bf16(monkeypatch):
+    """The consistent dispatch on a planted AVX-512 host without AVX-512-bf16 or AMX: a bf16
+    weight's kernel runs with torch's thread count set to 1 around it, then restored; an fp32
+    weight's as it is; the row padding kept either way."""
+    from zero_mismatch_plugin.integrations.vllm import plugin as vllm_plugin
+
+    vllm_plugin.register()
+    import vllm.model_executor.layers.utils as layer_utils
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+
+    from zero_mismatch_plugin.aligned.runtime import KernelLayer
+
+    _planted_cpu(monkeypatch, avx512=True, bf16=False, amx=False)
+    threads_set = []
+    real_set = torch.set_num_threads
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: (threads_set.append(n), real_set(n)))
+    saved = torch.get_num_threads()
+    real_set(2)
+    try:
+        for dtype, expected in ((torch.bfloat16, [1, 2]), (torch.float32, [])):
+            threads_set.clear()
+            layer = KernelLayer(torch.randn(64, 64).to(dtype), None, UnquantizedLinearMethod())
+            layer_utils.dispatch_cpu_unquantized_gemm(layer, remove_weight=False)
+            layer.cpu_linear(torch.randn(3, 64).to(dtype), layer.weight, None)
+            assert threads_set == expected, (dtype, threads_set)
+            assert padded_rows(layer.cpu_linear) == 2
+    finally:
+        real_set(saved)
+
+
+@pytest.mark.parametrize("n,k", [(512, 512), (1408, 512), (3072, 512)])
+def test_consistent_bf16_gemm_rows_do_not_depend_on_the_row_count_at_two_threads(n, k):
+    """This host's vLLM bf16 GEMM through the consistent dispatch, every row count 1-128 against
+    129 at two threads. Where oneDNN's bf16 GEMM has no bf16 instructions (an AVX-512 host without
+    them, the ``avx512`` host kind) its rows varied at scattered counts, which the one-thread rule
+    removes; fails there without it."""
+    from zero_mismatch_plugin.integrations.vllm import plugin as vllm_plugin
+
+    vllm_plugin.register()
+    import vllm.model_executor.layers.utils as layer_utils
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+
+    from zero_mismatch_plugin.aligned.runtime import KernelLayer
+
+    saved = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        weight = torch.randn(n, k, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+        layer = KernelLayer(weight, None, UnquantizedLinearMethod())
+        layer_utils.dispatch_cpu_unquantized_gemm(layer, remove_weight=False)
+        probe = probe_linear(lambda x: layer.cpu_linear(x, layer.weight, None), n=n, k=k, dtype=torch.bfloat16,
+                             rows=range(1, 129))
+    finally:
+        torch.set_num_threads(saved)
+    require_invariant(probe, f"bf16 [{n}, {k}] through the consistent dispatch")
+
+
 def test_lone_sequence_decode_at_large_k_is_bitwise_equal(engines, trainers):
     """End to end: the engine decodes ONE sequence (M=1 GEMMs, K=2816) and still matches."""
     name = "llama_wide"

@@ -4,7 +4,8 @@ On some hosts vLLM's oneDNN linear rounds a one-row call (a lone decoding sequen
 consistent mode runs it as two rows. On hosts with AMX tiles vLLM's half-precision GEMMs vary over
 a wider range of row counts: consistent mode sends those weights to the sgl-kernel, whose rows
 vary only below five, and runs smaller calls as :data:`AMX_SGL_KERNEL_MIN_ROWS` rows
-(:func:`min_rows_for`, :func:`sgl_kernel_for_every_size`). :func:`probe_linear`
+(:func:`min_rows_for`, :func:`sgl_kernel_for_every_size`). On AVX-512 hosts without bf16
+instructions half-precision GEMMs run on one thread (:func:`one_thread_for`). :func:`probe_linear`
 checks a layer's rows against M and :func:`require_invariant` refuses a variant one. See docs/hosts.md.
 """
 
@@ -64,6 +65,16 @@ def min_rows_for(dtype: torch.dtype, sgl_kernel: bool = False) -> int:
     if _half_precision_with_amx(dtype):
         return AMX_SGL_KERNEL_MIN_ROWS if sgl_kernel else AMX_HALF_PRECISION_MIN_ROWS
     return 2
+
+
+def one_thread_for(dtype: torch.dtype) -> bool:
+    """Whether consistent mode runs vLLM's CPU GEMM for weights in ``dtype`` on one thread: half
+    precision on a host with AVX-512 but neither AVX-512-bf16 nor AMX tiles. There oneDNN's bf16
+    GEMM (no bf16 instructions) splits its work over the threads by the row count, so at 2 threads
+    a row's bits changed with the rows in the call, at scattered counts from 2 to 127; on one thread
+    no count differed (measured as the ``avx512`` host kind, docs/hosts.md)."""
+    return (dtype in (torch.bfloat16, torch.float16) and bool(torch.cpu._is_avx512_supported())
+            and not torch.cpu._is_avx512_bf16_supported() and not host_has_amx())
 
 
 def sgl_kernel_for_every_size(dtype: torch.dtype) -> bool:

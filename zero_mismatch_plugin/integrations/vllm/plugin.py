@@ -97,7 +97,8 @@ def remove() -> list[str]:
 def _pad_small_row_counts(original):
     import torch
 
-    from zero_mismatch_plugin.aligned.cpu_gemm import min_rows_for, pad_rows, sgl_kernel_for_every_size
+    from zero_mismatch_plugin.aligned.cpu_gemm import min_rows_for, one_thread_for, pad_rows, sgl_kernel_for_every_size
+    from zero_mismatch_plugin.aligned.row_invariant import on_one_thread
 
     def dispatch_cpu_unquantized_gemm(layer, remove_weight):
         from vllm.model_executor.layers import utils
@@ -116,6 +117,8 @@ def _pad_small_row_counts(original):
             sgl_kernel = not weight.is_meta and utils.check_cpu_sgl_kernel(*weight.shape, weight.dtype)
         if hasattr(layer, "cpu_linear"):
             layer.cpu_linear = pad_rows(layer.cpu_linear, min_rows_for(weight.dtype, sgl_kernel))
+            if one_thread_for(weight.dtype):
+                layer.cpu_linear = on_one_thread(layer.cpu_linear)
 
     return dispatch_cpu_unquantized_gemm
 
