@@ -8,6 +8,8 @@ asserted. The end-to-end test (a lone decoding sequence at K=2816, bitwise equal
 host. Runs last among the engine tests (file order): it needs its own checkpoint.
 """
 
+import contextlib
+
 import pytest
 import torch
 
@@ -113,25 +115,39 @@ def test_padding_keeps_the_leading_shape_of_a_single_row():
     assert torch.equal(out, cpu_linear(x, weight, None))
 
 
-def _vllm_packed_linear(n, k, seed=0):
-    """vLLM's own CPU dispatch (unpatched) for a random [n, k] weight."""
+def _packed_linear(weight, consistent: bool = True):
+    """A layer holding ``weight``, packed by vLLM's CPU dispatch as consistent mode patches it, or
+    (``consistent=False``) by vLLM's own dispatch, unpatched."""
     import vllm.model_executor.layers.utils as layer_utils
     from vllm.model_executor.layers.linear import UnquantizedLinearMethod
 
     from zero_mismatch_plugin.aligned.runtime import KernelLayer
+    from zero_mismatch_plugin.integrations.vllm import plugin as vllm_plugin
 
-    dispatch = getattr(layer_utils.dispatch_cpu_unquantized_gemm, "__wrapped__", None)
-    dispatch = dispatch or layer_utils.dispatch_cpu_unquantized_gemm
-    weight = torch.randn(n, k, generator=torch.Generator().manual_seed(seed))
+    if consistent:
+        vllm_plugin.register()  # replaces the dispatch; its original stays as __wrapped__
+    dispatch = layer_utils.dispatch_cpu_unquantized_gemm
+    if not consistent:
+        dispatch = getattr(dispatch, "__wrapped__", None) or dispatch
     layer = KernelLayer(weight, None, UnquantizedLinearMethod())
     dispatch(layer, remove_weight=False)
     return layer
 
 
+@contextlib.contextmanager
+def _torch_threads(n):
+    saved = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved)
+
+
 @pytest.mark.parametrize("k", [128, 2816])
 def test_host_vllm_gemm_probe_is_reported(k):
     """This host's oneDNN GEMM, as information; what holds everywhere is asserted."""
-    layer = _vllm_packed_linear(256, k)
+    layer = _packed_linear(torch.randn(256, k, generator=torch.Generator().manual_seed(0)), consistent=False)
     padded = pad_single_row(layer.cpu_linear)
     plain = probe_linear(lambda x: layer.cpu_linear(x, layer.weight, None), n=256, k=k)
     with_padding = probe_linear(lambda x: padded(x, layer.weight, None), n=256, k=k)
@@ -154,12 +170,8 @@ def test_plugin_pads_vllm_dispatch_in_consistent_mode():
     vllm_plugin.register()
     vllm_plugin.register()  # safe to call repeatedly
     import vllm.model_executor.layers.utils as layer_utils
-    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
 
-    from zero_mismatch_plugin.aligned.runtime import KernelLayer
-
-    layer = KernelLayer(torch.randn(256, 2816), None, UnquantizedLinearMethod())
-    layer_utils.dispatch_cpu_unquantized_gemm(layer, remove_weight=False)
+    layer = _packed_linear(torch.randn(256, 2816))
     assert padded_rows(layer.cpu_linear) == 2  # fp32: two rows on every host
     assert padded_rows(getattr(layer.cpu_linear, "__wrapped__", None)) == 0
     # A bf16 weight (1.4 MiB, over vLLM's 1 MiB bound for the sgl-kernel) on a planted AMX host:
@@ -178,8 +190,7 @@ def test_plugin_pads_vllm_dispatch_in_consistent_mode():
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(cpu_gemm, "host_has_amx", lambda amx=amx: amx)
             patch.setattr(layer_utils, "check_cpu_sgl_kernel", spy)
-            layer = KernelLayer(torch.randn(256, 2816).to(torch.bfloat16), None, UnquantizedLinearMethod())
-            layer_utils.dispatch_cpu_unquantized_gemm(layer, remove_weight=False)
+            layer = _packed_linear(torch.randn(256, 2816).to(torch.bfloat16))
         assert padded_rows(layer.cpu_linear) == rows
         assert bounds_seen and set(bounds_seen) == {bound}
         assert layer_utils._CPU_SGL_GEMM_MAX_WEIGHT_BYTES == 1 << 20
@@ -204,30 +215,17 @@ def test_consistent_dispatch_runs_a_bf16_gemm_on_one_thread_on_an_avx512_host_wi
     """The consistent dispatch on a planted AVX-512 host without AVX-512-bf16 or AMX: a bf16
     weight's kernel runs with torch's thread count set to 1 around it, then restored; an fp32
     weight's as it is; the row padding kept either way."""
-    from zero_mismatch_plugin.integrations.vllm import plugin as vllm_plugin
-
-    vllm_plugin.register()
-    import vllm.model_executor.layers.utils as layer_utils
-    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
-
-    from zero_mismatch_plugin.aligned.runtime import KernelLayer
-
     _planted_cpu(monkeypatch, avx512=True, bf16=False, amx=False)
-    threads_set = []
-    real_set = torch.set_num_threads
-    monkeypatch.setattr(torch, "set_num_threads", lambda n: (threads_set.append(n), real_set(n)))
-    saved = torch.get_num_threads()
-    real_set(2)
-    try:
+    with _torch_threads(2):
+        threads_set = []
+        real_set = torch.set_num_threads
+        monkeypatch.setattr(torch, "set_num_threads", lambda n: (threads_set.append(n), real_set(n)))
         for dtype, expected in ((torch.bfloat16, [1, 2]), (torch.float32, [])):
             threads_set.clear()
-            layer = KernelLayer(torch.randn(64, 64).to(dtype), None, UnquantizedLinearMethod())
-            layer_utils.dispatch_cpu_unquantized_gemm(layer, remove_weight=False)
+            layer = _packed_linear(torch.randn(64, 64).to(dtype))
             layer.cpu_linear(torch.randn(3, 64).to(dtype), layer.weight, None)
             assert threads_set == expected, (dtype, threads_set)
             assert padded_rows(layer.cpu_linear) == 2
-    finally:
-        real_set(saved)
 
 
 @pytest.mark.parametrize("n,k", [(512, 512), (1408, 512), (3072, 512)])
@@ -236,24 +234,11 @@ def test_consistent_bf16_gemm_rows_do_not_depend_on_the_row_count_at_two_threads
     129 at two threads. Where oneDNN's bf16 GEMM has no bf16 instructions (an AVX-512 host without
     them, the ``avx512`` host kind) its rows varied at scattered counts, which the one-thread rule
     removes; fails there without it."""
-    from zero_mismatch_plugin.integrations.vllm import plugin as vllm_plugin
-
-    vllm_plugin.register()
-    import vllm.model_executor.layers.utils as layer_utils
-    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
-
-    from zero_mismatch_plugin.aligned.runtime import KernelLayer
-
-    saved = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        weight = torch.randn(n, k, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
-        layer = KernelLayer(weight, None, UnquantizedLinearMethod())
-        layer_utils.dispatch_cpu_unquantized_gemm(layer, remove_weight=False)
+    weight = torch.randn(n, k, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    with _torch_threads(2):
+        layer = _packed_linear(weight)
         probe = probe_linear(lambda x: layer.cpu_linear(x, layer.weight, None), n=n, k=k, dtype=torch.bfloat16,
                              rows=range(1, 129))
-    finally:
-        torch.set_num_threads(saved)
     require_invariant(probe, f"bf16 [{n}, {k}] through the consistent dispatch")
 
 

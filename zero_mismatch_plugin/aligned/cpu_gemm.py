@@ -31,6 +31,7 @@ AMX_SGL_KERNEL_MIN_ROWS = 8
 AMX_HALF_PRECISION_MIN_ROWS = 64
 
 _WRAPPED_FLAG = "_zmrl_min_rows"
+HALF_PRECISION = (torch.bfloat16, torch.float16)
 
 
 class BatchVariantShapeError(RuntimeError):
@@ -54,7 +55,7 @@ def host_has_amx() -> bool:
 
 def _half_precision_with_amx(dtype: torch.dtype) -> bool:
     """Weights in ``dtype`` take vLLM's AMX kernels on this host."""
-    return dtype in (torch.bfloat16, torch.float16) and host_has_amx()
+    return dtype in HALF_PRECISION and host_has_amx()
 
 
 def min_rows_for(dtype: torch.dtype, sgl_kernel: bool = False) -> int:
@@ -73,7 +74,7 @@ def one_thread_for(dtype: torch.dtype) -> bool:
     GEMM (no bf16 instructions) splits its work over the threads by the row count, so at 2 threads
     a row's bits changed with the rows in the call, at scattered counts from 2 to 127; on one thread
     no count differed (measured as the ``avx512`` host kind, docs/hosts.md)."""
-    return (dtype in (torch.bfloat16, torch.float16) and bool(torch.cpu._is_avx512_supported())
+    return (dtype in HALF_PRECISION and bool(torch.cpu._is_avx512_supported())
             and not torch.cpu._is_avx512_bf16_supported() and not host_has_amx())
 
 
