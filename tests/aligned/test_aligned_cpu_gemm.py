@@ -204,35 +204,51 @@ def _planted_cpu(monkeypatch, avx512: bool, bf16: bool, amx: bool) -> None:
 
 @pytest.mark.parametrize("avx512,bf16,amx", [(True, False, False), (True, True, False), (False, False, False),
                                             (True, False, True), (True, True, True)])
-def test_half_precision_gemms_take_one_thread_only_on_avx512_hosts_without_bf16(monkeypatch, avx512, bf16, amx):
+def test_half_precision_gemms_run_in_fp32_only_on_x86_hosts_without_bf16_instructions(monkeypatch, avx512, bf16, amx):
     _planted_cpu(monkeypatch, avx512, bf16, amx)
-    one_thread = avx512 and not bf16 and not amx
-    assert [cpu_gemm.one_thread_for(d) for d in (torch.bfloat16, torch.float16, torch.float32)] == [
-        one_thread, one_thread, False]
+    in_fp32 = not bf16 and not amx
+    assert [cpu_gemm.fp32_gemm_for(d) for d in (torch.bfloat16, torch.float16, torch.float32)] == [
+        in_fp32, in_fp32, False]
+    monkeypatch.setattr(cpu_gemm.platform, "machine", lambda: "aarch64")
+    assert not cpu_gemm.fp32_gemm_for(torch.bfloat16)  # another architecture's bf16 is not judged here
 
 
-def test_consistent_dispatch_runs_a_bf16_gemm_on_one_thread_on_an_avx512_host_without_bf16(monkeypatch):
-    """The consistent dispatch on a planted AVX-512 host without AVX-512-bf16 or AMX: a bf16
-    weight's kernel runs with torch's thread count set to 1 around it, then restored; an fp32
-    weight's as it is; the row padding kept either way."""
+def test_consistent_dispatch_computes_a_bf16_gemm_in_fp32_on_a_host_without_bf16_instructions(monkeypatch):
+    """The consistent dispatch on a planted x86 host without AVX-512-bf16 or AMX: a bf16 weight's
+    linear is vLLM's own linear for the weight upcast to fp32, fed the upcast input and bias, its
+    output rounded once to bf16 (bit for bit); the layer's weight is emptied where vLLM's dispatch
+    empties it; an fp32 weight's linear is vLLM's; the row padding kept either way."""
     _planted_cpu(monkeypatch, avx512=True, bf16=False, amx=False)
-    with _torch_threads(2):
-        threads_set = []
-        real_set = torch.set_num_threads
-        monkeypatch.setattr(torch, "set_num_threads", lambda n: (threads_set.append(n), real_set(n)))
-        for dtype, expected in ((torch.bfloat16, [1, 2]), (torch.float32, [])):
-            threads_set.clear()
-            layer = _packed_linear(torch.randn(64, 64).to(dtype))
-            layer.cpu_linear(torch.randn(3, 64).to(dtype), layer.weight, None)
-            assert threads_set == expected, (dtype, threads_set)
-            assert padded_rows(layer.cpu_linear) == 2
+    monkeypatch.setattr(cpu_gemm.platform, "machine", lambda: "x86_64")
+    gen = torch.Generator().manual_seed(3)
+    weight, bias = torch.randn(96, 64, generator=gen), torch.randn(96, generator=gen)
+    x = torch.randn(5, 64, generator=gen)
+    fp32_vllm = _packed_linear(weight.to(torch.bfloat16).float(), consistent=False)
+    expected = fp32_vllm.cpu_linear(x.to(torch.bfloat16).float(), fp32_vllm.weight,
+                                    bias.to(torch.bfloat16).float()).to(torch.bfloat16)
+    layer = _packed_linear(weight.to(torch.bfloat16))
+    out = layer.cpu_linear(x.to(torch.bfloat16), layer.weight, bias.to(torch.bfloat16))
+    assert out.dtype == torch.bfloat16 and torch.equal(out, expected)
+    assert padded_rows(layer.cpu_linear) == 2 and layer.weight.shape == (96, 64)
+    fp32_layer, fp32_vllm = _packed_linear(weight), _packed_linear(weight, consistent=False)
+    assert torch.equal(fp32_layer.cpu_linear(x, weight, bias), fp32_vllm.cpu_linear(x, weight, bias))
+    assert padded_rows(fp32_layer.cpu_linear) == 2
+    import vllm.model_executor.layers.utils as layer_utils
+
+    from zero_mismatch_plugin.aligned.runtime import KernelLayer
+
+    emptied = KernelLayer(weight.to(torch.bfloat16), None, None)
+    layer_utils.dispatch_cpu_unquantized_gemm(emptied, remove_weight=True)
+    assert emptied.weight.numel() == 0 and emptied.weight.dtype == torch.bfloat16
+    assert torch.equal(emptied.cpu_linear(x.to(torch.bfloat16), emptied.weight, None),
+                       layer.cpu_linear(x.to(torch.bfloat16), layer.weight, None))
 
 
 @pytest.mark.parametrize("n,k", [(512, 512), (1408, 512), (3072, 512)])
 def test_consistent_bf16_gemm_rows_do_not_depend_on_the_row_count_at_two_threads(n, k):
     """This host's vLLM bf16 GEMM through the consistent dispatch, every row count 1-128 against
     129 at two threads. Where oneDNN's bf16 GEMM has no bf16 instructions (an AVX-512 host without
-    them, the ``avx512`` host kind) its rows varied at scattered counts, which the one-thread rule
+    them, the ``avx512`` host kind) its rows varied at scattered counts, which the fp32 rule
     removes; fails there without it."""
     weight = torch.randn(n, k, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     with _torch_threads(2):

@@ -4,13 +4,14 @@ On some hosts vLLM's oneDNN linear rounds a one-row call (a lone decoding sequen
 consistent mode runs it as two rows. On hosts with AMX tiles vLLM's half-precision GEMMs vary over
 a wider range of row counts: consistent mode sends those weights to the sgl-kernel, whose rows
 vary only below five, and runs smaller calls as :data:`AMX_SGL_KERNEL_MIN_ROWS` rows
-(:func:`min_rows_for`, :func:`sgl_kernel_for_every_size`). On AVX-512 hosts without bf16
-instructions half-precision GEMMs run on one thread (:func:`one_thread_for`). :func:`probe_linear`
+(:func:`min_rows_for`, :func:`sgl_kernel_for_every_size`). On x86 hosts without bf16 instructions
+half-precision GEMMs run as fp32 GEMMs rounded once (:func:`fp32_gemm_for`, :func:`in_fp32`). :func:`probe_linear`
 checks a layer's rows against M and :func:`require_invariant` refuses a variant one. See docs/hosts.md.
 """
 
 from __future__ import annotations
 
+import platform
 from dataclasses import dataclass, field
 
 import torch
@@ -68,14 +69,32 @@ def min_rows_for(dtype: torch.dtype, sgl_kernel: bool = False) -> int:
     return 2
 
 
-def one_thread_for(dtype: torch.dtype) -> bool:
-    """Whether consistent mode runs vLLM's CPU GEMM for weights in ``dtype`` on one thread: half
-    precision on a host with AVX-512 but neither AVX-512-bf16 nor AMX tiles. There oneDNN's bf16
-    GEMM (no bf16 instructions) splits its work over the threads by the row count, so at 2 threads
-    a row's bits changed with the rows in the call, at scattered counts from 2 to 127; on one thread
-    no count differed (measured as the ``avx512`` host kind, docs/hosts.md)."""
-    return (dtype in HALF_PRECISION and bool(torch.cpu._is_avx512_supported())
+def fp32_gemm_for(dtype: torch.dtype) -> bool:
+    """Whether consistent mode computes vLLM's CPU GEMM for weights in ``dtype`` as an fp32 GEMM of
+    the upcast operands, rounded once to ``dtype`` (:func:`in_fp32`): half precision on an x86 host
+    with neither AVX-512-bf16 nor AMX tiles, whose bf16 GEMMs have no bf16 instructions to run on.
+
+    On such a host oneDNN's bf16 GEMM (AVX-512 without bf16) split its work by the row count, so at
+    2 threads a row's bits changed with the rows in the call (scattered counts 2-127; torch's bf16
+    linear the same); on AVX2 oneDNN declines bf16 and vLLM falls back to torch's linear. The fp32
+    GEMM's rows do not depend on the row count at 2 threads, and it was 1.4-2.8x (AVX-512) and 2.5-3.4x
+    (AVX2) faster than those bf16 GEMMs at 2 threads (measured as the ``avx512`` / ``avx2`` host kinds,
+    docs/hosts.md). The products of half-precision values are exact in fp32, so this is a bf16 GEMM
+    with fp32 accumulation, summed in the fp32 kernel's order."""
+    return (dtype in HALF_PRECISION and platform.machine().lower() in ("x86_64", "amd64")
             and not torch.cpu._is_avx512_bf16_supported() and not host_has_amx())
+
+
+def in_fp32(fp32_linear, fp32_weight: torch.Tensor, dtype: torch.dtype):
+    """A ``cpu_linear(x, weight, bias)`` in ``dtype`` computed by ``fp32_linear`` (the linear vLLM's
+    dispatch made for ``fp32_weight``, the layer's weight upcast): the input and bias upcast, the fp32
+    result rounded once to ``dtype``. The layer's own weight argument is not read."""
+
+    def linear(x, weight, bias):
+        out = fp32_linear(x.float(), fp32_weight, None if bias is None else bias.float())
+        return out.to(dtype)
+
+    return linear
 
 
 def sgl_kernel_for_every_size(dtype: torch.dtype) -> bool:

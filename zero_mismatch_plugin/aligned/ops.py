@@ -15,6 +15,7 @@ import functools
 import torch
 from torch.autograd import Function
 
+from zero_mismatch_plugin.aligned.cpu_gemm import fp32_gemm_for
 from zero_mismatch_plugin.aligned.derived import DerivedWeight, cast_like_engine
 from zero_mismatch_plugin.aligned.runtime import KernelLayer, VllmRuntime
 
@@ -292,8 +293,11 @@ class _LinearFn(Function):
         x, weight = ctx.saved_tensors
         linear = ctx.linear
         # In the engine's dtype: fp32 GEMMs for an fp32 engine; bf16 GEMMs (fp32 accumulation, as
-        # autocast runs them) when the activations, their gradient and the weight are all bf16.
+        # autocast runs them) when the activations, their gradient and the weight are all bf16, as
+        # fp32 GEMMs on a host where the forward's are (no bf16 instructions: faster, and exact products).
         dtype = torch.promote_types(torch.promote_types(g.dtype, x.dtype), weight.dtype)
+        if fp32_gemm_for(dtype):
+            dtype = torch.float32
         g2 = g.reshape(-1, g.shape[-1]).to(dtype)
         x2 = x.reshape(-1, x.shape[-1]).to(dtype)
         gx = (g2 @ weight.to(dtype)).reshape(x.shape).to(x.dtype)

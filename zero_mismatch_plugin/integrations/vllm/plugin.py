@@ -97,8 +97,7 @@ def remove() -> list[str]:
 def _pad_small_row_counts(original):
     import torch
 
-    from zero_mismatch_plugin.aligned.cpu_gemm import min_rows_for, one_thread_for, pad_rows, sgl_kernel_for_every_size
-    from zero_mismatch_plugin.aligned.row_invariant import on_one_thread
+    from zero_mismatch_plugin.aligned.cpu_gemm import fp32_gemm_for, min_rows_for, pad_rows, sgl_kernel_for_every_size
 
     def dispatch_cpu_unquantized_gemm(layer, remove_weight):
         from vllm.model_executor.layers import utils
@@ -110,6 +109,10 @@ def _pad_small_row_counts(original):
                 # KDA keeps its conv weight in fp32 (its consistent path reads the weight plain).
                 return None
             return original(layer, remove_weight)
+        if not weight.is_meta and fp32_gemm_for(weight.dtype):
+            _dispatch_in_fp32(original, layer, remove_weight)
+            layer.cpu_linear = pad_rows(layer.cpu_linear, min_rows_for(torch.float32))
+            return None
         every_size = sgl_kernel_for_every_size(weight.dtype)
         with _sgl_kernel_size_bound(utils, float("inf")) if every_size else contextlib.nullcontext():
             original(layer, remove_weight)
@@ -117,10 +120,27 @@ def _pad_small_row_counts(original):
             sgl_kernel = not weight.is_meta and utils.check_cpu_sgl_kernel(*weight.shape, weight.dtype)
         if hasattr(layer, "cpu_linear"):
             layer.cpu_linear = pad_rows(layer.cpu_linear, min_rows_for(weight.dtype, sgl_kernel))
-            if one_thread_for(weight.dtype):
-                layer.cpu_linear = on_one_thread(layer.cpu_linear)
+        return None
 
     return dispatch_cpu_unquantized_gemm
+
+
+def _dispatch_in_fp32(original, layer, remove_weight):
+    """Give ``layer`` (half-precision weight) the linear vLLM's dispatch makes for the weight upcast
+    to fp32, its input and bias upcast and its output rounded back (``cpu_gemm.in_fp32``); empty
+    the layer's own weight where vLLM would have."""
+    import torch
+
+    from zero_mismatch_plugin.aligned.cpu_gemm import in_fp32
+
+    dtype = layer.weight.dtype
+    fp32_layer = torch.nn.Module()
+    fp32_layer.weight = torch.nn.Parameter(layer.weight.detach().float(), requires_grad=False)
+    original(fp32_layer, remove_weight)
+    layer.cpu_linear = in_fp32(fp32_layer.cpu_linear, fp32_layer.weight, dtype)
+    if remove_weight:
+        layer.weight = torch.nn.Parameter(torch.empty(0, dtype=dtype, device=layer.weight.device),
+                                          requires_grad=False)
 
 
 @contextlib.contextmanager
