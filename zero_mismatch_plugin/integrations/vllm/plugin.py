@@ -166,7 +166,8 @@ CPU_GEMM = consistent_cpu_vllm_patch(
         "(K >= 2048), and with AMX tiles vLLM's half-precision oneDNN GEMM varies with the row count "
         "up to 128 rows, its sgl-kernel below 5: every CPU linear pads one-row inputs to two rows; on "
         "AMX hosts every half-precision weight the sgl-kernel takes goes to it, calls padded to 8 rows "
-        "(64 for a shape left to oneDNN)",
+        "(64 for a shape left to oneDNN); on x86 hosts without bf16 instructions (neither avx512_bf16 nor AMX) "
+        "half-precision GEMMs, whose rows there vary with the row count, run as fp32 GEMMs rounded once",
 )
 
 
