@@ -213,20 +213,25 @@ def test_half_precision_gemms_run_in_fp32_only_on_x86_hosts_without_bf16_instruc
     assert not cpu_gemm.fp32_gemm_for(torch.bfloat16)  # another architecture's bf16 is not judged here
 
 
-def test_consistent_dispatch_computes_a_bf16_gemm_in_fp32_on_a_host_without_bf16_instructions(monkeypatch):
+def test_consistent_dispatch_computes_a_bf16_gemm_in_fp32_on_a_host_without_bf16_instructions(monkeypatch, caplog):
     """The consistent dispatch on a planted x86 host without AVX-512-bf16 or AMX: a bf16 weight's
     linear is vLLM's own linear for the weight upcast to fp32, fed the upcast input and bias, its
-    output rounded once to bf16 (bit for bit); the layer's weight is emptied where vLLM's dispatch
-    empties it; an fp32 weight's linear is vLLM's; the row padding kept either way."""
+    output rounded once to bf16 (bit for bit), and the log says so; the layer's weight is emptied
+    where vLLM's dispatch empties it; an fp32 weight's linear is vLLM's; the row padding kept either way."""
+    from zero_mismatch_plugin.integrations.vllm import plugin as vllm_plugin
+
     _planted_cpu(monkeypatch, avx512=True, bf16=False, amx=False)
     monkeypatch.setattr(cpu_gemm.platform, "machine", lambda: "x86_64")
+    vllm_plugin._say_half_precision_gemms_run_in_fp32.cache_clear()
     gen = torch.Generator().manual_seed(3)
     weight, bias = torch.randn(96, 64, generator=gen), torch.randn(96, generator=gen)
     x = torch.randn(5, 64, generator=gen)
     fp32_vllm = _packed_linear(weight.to(torch.bfloat16).float(), consistent=False)
     expected = fp32_vllm.cpu_linear(x.to(torch.bfloat16).float(), fp32_vllm.weight,
                                     bias.to(torch.bfloat16).float()).to(torch.bfloat16)
-    layer = _packed_linear(weight.to(torch.bfloat16))
+    with caplog.at_level("WARNING", logger="zero_mismatch_plugin"):
+        layer = _packed_linear(weight.to(torch.bfloat16))
+    assert "no bf16 instructions" in caplog.text and "computed as fp32 GEMMs" in caplog.text
     out = layer.cpu_linear(x.to(torch.bfloat16), layer.weight, bias.to(torch.bfloat16))
     assert out.dtype == torch.bfloat16 and torch.equal(out, expected)
     assert padded_rows(layer.cpu_linear) == 2 and layer.weight.shape == (96, 64)

@@ -134,6 +134,7 @@ def _dispatch_in_fp32(original, layer, remove_weight):
     from zero_mismatch_plugin.aligned.cpu_gemm import in_fp32
 
     dtype = layer.weight.dtype
+    _say_half_precision_gemms_run_in_fp32(dtype)
     fp32_layer = torch.nn.Module()
     fp32_layer.weight = torch.nn.Parameter(layer.weight.detach().float(), requires_grad=False)
     original(fp32_layer, remove_weight)
@@ -141,6 +142,15 @@ def _dispatch_in_fp32(original, layer, remove_weight):
     if remove_weight:
         layer.weight = torch.nn.Parameter(torch.empty(0, dtype=dtype, device=layer.weight.device),
                                           requires_grad=False)
+
+
+@functools.lru_cache(maxsize=None)
+def _say_half_precision_gemms_run_in_fp32(dtype) -> None:
+    logger.warning(
+        "zero-mismatch (consistent): this CPU has no bf16 instructions (neither avx512_bf16 nor AMX): %s "
+        "linears are computed as fp32 GEMMs rounded once to %s, in the engine and the trainer alike: without them "
+        "half-precision GEMMs are emulated, slower than fp32, and on AVX-512 a row's bits change with the rows "
+        "in the call; fast mode keeps vLLM's own (docs/hosts.md)", dtype, dtype)
 
 
 @contextlib.contextmanager
