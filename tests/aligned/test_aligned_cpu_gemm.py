@@ -115,9 +115,9 @@ def test_padding_keeps_the_leading_shape_of_a_single_row():
     assert torch.equal(out, cpu_linear(x, weight, None))
 
 
-def _packed_linear(weight, consistent: bool = True):
+def _packed_linear(weight, consistent: bool = True, remove_weight: bool = False):
     """A layer holding ``weight``, packed by vLLM's CPU dispatch as consistent mode patches it, or
-    (``consistent=False``) by vLLM's own dispatch, unpatched."""
+    (``consistent=False``) by vLLM's own dispatch, unpatched; ``remove_weight`` as vLLM's loader passes it."""
     import vllm.model_executor.layers.utils as layer_utils
     from vllm.model_executor.layers.linear import UnquantizedLinearMethod
 
@@ -130,7 +130,7 @@ def _packed_linear(weight, consistent: bool = True):
     if not consistent:
         dispatch = getattr(dispatch, "__wrapped__", None) or dispatch
     layer = KernelLayer(weight, None, UnquantizedLinearMethod())
-    dispatch(layer, remove_weight=False)
+    dispatch(layer, remove_weight=remove_weight)
     return layer
 
 
@@ -226,9 +226,9 @@ def test_consistent_dispatch_computes_a_bf16_gemm_in_fp32_on_a_host_without_bf16
     gen = torch.Generator().manual_seed(3)
     weight, bias = torch.randn(96, 64, generator=gen), torch.randn(96, generator=gen)
     x = torch.randn(5, 64, generator=gen)
-    fp32_vllm = _packed_linear(weight.to(torch.bfloat16).float(), consistent=False)
-    expected = fp32_vllm.cpu_linear(x.to(torch.bfloat16).float(), fp32_vllm.weight,
-                                    bias.to(torch.bfloat16).float()).to(torch.bfloat16)
+    vllm_of_upcast = _packed_linear(weight.to(torch.bfloat16).float(), consistent=False)
+    expected = vllm_of_upcast.cpu_linear(x.to(torch.bfloat16).float(), vllm_of_upcast.weight,
+                                         bias.to(torch.bfloat16).float()).to(torch.bfloat16)
     with caplog.at_level("WARNING", logger="zero_mismatch_plugin"):
         layer = _packed_linear(weight.to(torch.bfloat16))
     assert "no bf16 instructions" in caplog.text and "computed as fp32 GEMMs" in caplog.text
@@ -238,12 +238,7 @@ def test_consistent_dispatch_computes_a_bf16_gemm_in_fp32_on_a_host_without_bf16
     fp32_layer, fp32_vllm = _packed_linear(weight), _packed_linear(weight, consistent=False)
     assert torch.equal(fp32_layer.cpu_linear(x, weight, bias), fp32_vllm.cpu_linear(x, weight, bias))
     assert padded_rows(fp32_layer.cpu_linear) == 2
-    import vllm.model_executor.layers.utils as layer_utils
-
-    from zero_mismatch_plugin.aligned.runtime import KernelLayer
-
-    emptied = KernelLayer(weight.to(torch.bfloat16), None, None)
-    layer_utils.dispatch_cpu_unquantized_gemm(emptied, remove_weight=True)
+    emptied = _packed_linear(weight.to(torch.bfloat16), remove_weight=True)
     assert emptied.weight.numel() == 0 and emptied.weight.dtype == torch.bfloat16
     assert torch.equal(emptied.cpu_linear(x.to(torch.bfloat16), emptied.weight, None),
                        layer.cpu_linear(x.to(torch.bfloat16), layer.weight, None))
